@@ -1,0 +1,83 @@
+//! The compute contract between the scheduler and a backend.
+//!
+//! The scheduler decides *what* runs in a step (which sequences, which new
+//! tokens, which physical KV blocks); a backend computes it. A backend owns
+//! the KV memory (one slab per layer, indexed by physical block id) but never
+//! allocates or frees block ids: the block pool does. This is the one seam
+//! every backend (cpu, mocker, cuda) implements.
+
+pub mod cpu;
+pub mod mocker;
+
+use crate::error::EngineError;
+
+/// One sequence's share of a forward step.
+#[derive(Debug, Clone)]
+pub struct SeqChunk {
+    /// Token ids to compute this step: a prefill chunk, or one decode token.
+    pub tokens: Vec<u32>,
+    /// Position of `tokens[0]` in the sequence (= tokens already in the KV cache).
+    pub start_pos: usize,
+    /// Physical block ids holding positions `0..start_pos + tokens.len()`,
+    /// in order; block `i` holds positions `i*block_size..(i+1)*block_size`.
+    pub block_table: Vec<u32>,
+    /// Whether the step must return logits for this sequence's last token
+    /// (false for a prefill chunk that is not the prompt's last).
+    pub needs_logits: bool,
+}
+
+/// Everything a backend needs for one step.
+#[derive(Debug, Clone, Default)]
+pub struct ForwardBatch {
+    pub seqs: Vec<SeqChunk>,
+    /// Tokens held in KV by all running sequences (for timing models).
+    pub active_kv_tokens: usize,
+    /// Tokens the whole KV pool can hold (for timing models).
+    pub total_kv_tokens: usize,
+}
+
+/// What a step produced, one row per sequence with `needs_logits`, in batch order.
+#[derive(Debug, Clone)]
+pub enum ForwardOutput {
+    /// Row-major `[rows, vocab_size]` logits, sampled by the engine's sampler.
+    Logits { vocab_size: usize, data: Vec<f32> },
+    /// Token ids chosen by the backend itself (the mocker's deterministic tokens).
+    Tokens(Vec<u32>),
+}
+
+/// Memory layout of one KV block, as it travels in a KV transfer descriptor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvBlockLayout {
+    pub num_layers: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+    /// Bytes per element (4 for f32).
+    pub elem_bytes: usize,
+}
+
+impl KvBlockLayout {
+    /// Bytes of one block across all layers, K and V.
+    pub fn block_bytes(&self) -> usize {
+        2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.elem_bytes
+    }
+}
+
+/// A compute backend.
+pub trait Backend: Send {
+    /// Runs one step and writes the new tokens' K/V into their blocks.
+    fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOutput, EngineError>;
+    /// Layout of one KV block.
+    fn kv_layout(&self) -> KvBlockLayout;
+    /// Number of physical KV blocks this backend holds memory for.
+    fn num_blocks(&self) -> usize;
+    /// Copies block `id`'s bytes (layout of [`KvBlockLayout`]) into `out`,
+    /// which is exactly `block_bytes()` long.
+    fn read_block(&self, id: u32, out: &mut [u8]) -> Result<(), EngineError>;
+    /// Overwrites block `id` with `data` (exactly `block_bytes()` long).
+    fn write_block(&mut self, id: u32, data: &[u8]) -> Result<(), EngineError>;
+    /// Vocabulary size of the model.
+    fn vocab_size(&self) -> usize;
+    /// Short name for logs and metrics ("cpu", "mocker", "cuda").
+    fn name(&self) -> &'static str;
+}

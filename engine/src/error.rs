@@ -1,0 +1,38 @@
+//! The engine's error type.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong in the engine, classified by cause.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("model file {path} is missing")]
+    MissingFile { path: PathBuf },
+    #[error("reading {path}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    BadModelFile { path: PathBuf, message: String },
+    #[error("unsupported architecture {0:?} (supported: LlamaForCausalLM, Qwen2ForCausalLM)")]
+    UnsupportedArchitecture(String),
+    #[error("weight {name} is missing from the safetensors files")]
+    MissingWeight { name: String },
+    #[error("weight {name} has shape {actual:?}, expected {expected:?}")]
+    WeightShape {
+        name: String,
+        expected: Vec<usize>,
+        actual: Vec<usize>,
+    },
+    #[error("out of KV blocks: needed {needed}, free {free}")]
+    OutOfBlocks { needed: usize, free: usize },
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+    #[error("KV block {id} is out of range (pool has {num_blocks})")]
+    BlockOutOfRange { id: u32, num_blocks: usize },
+    #[error("KV block data is {actual} bytes, layout needs {expected}")]
+    BlockSize { expected: usize, actual: usize },
+    #[error("the engine has shut down")]
+    Shutdown,
+}

@@ -1,0 +1,11 @@
+//! `sluice-engine`: everything below the worker API — model loading, compute
+//! backends (cpu, mocker, cuda), the paged KV cache with prefix caching and
+//! its event stream, the continuous-batching scheduler, the sampler.
+//!
+//! No tonic, etcd or proto dependency: pure and deterministic, testable
+//! without a network. Workers adapt it to gRPC.
+
+pub mod backend;
+pub mod error;
+
+pub use error::EngineError;
