@@ -1,1 +1,14 @@
-//! Test harness.
+//! Harness for Sluice's end-to-end tests: real processes on loopback.
+//!
+//! - [`etcd::EtcdServer`]: a real `etcd` on free loopback ports with a temp
+//!   data dir, killed when dropped.
+
+pub mod etcd;
+
+use std::net::TcpListener;
+
+/// A free loopback port (bound and released; good enough for child processes
+/// that cannot take an already-bound socket).
+pub fn free_port() -> anyhow::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}

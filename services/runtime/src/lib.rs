@@ -1,1 +1,25 @@
-//! Runtime.
+//! `sluice-runtime`: the plumbing every Sluice service shares, and nothing else.
+//!
+//! - [`config`]: flags common to every service (`--etcd`, `--namespace`,
+//!   `--listen`, `--advertise`), each also read from a `SLUICE_*` variable.
+//! - [`telemetry`]: logs, OTLP export when `OTEL_EXPORTER_OTLP_ENDPOINT` is
+//!   set, and W3C trace-context propagation over HTTP headers and gRPC metadata.
+//! - [`discovery`]: the [`Discovery`] trait and its `etcd` and `memory` backends.
+//! - [`grpc`]: a gRPC server with health, reflection, `/metrics` and trace
+//!   extraction, and client channels that inject trace context.
+//! - [`shutdown`]: the cancellation token every `serve` takes, and signal handling.
+//!
+//! Business logic stays in its service.
+
+pub mod config;
+pub mod discovery;
+pub mod error;
+pub mod grpc;
+pub mod metrics;
+pub mod shutdown;
+pub mod telemetry;
+
+pub use config::CommonArgs;
+pub use discovery::{Discovery, DiscoveryEvent, Instance, Registration};
+pub use error::RuntimeError;
+pub use shutdown::Shutdown;

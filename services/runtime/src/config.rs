@@ -1,0 +1,72 @@
+//! Flags every service takes. Flatten [`CommonArgs`] into a service's `Config`
+//! with `#[command(flatten)]`; each flag also reads `SLUICE_<FLAG>`.
+
+use std::net::SocketAddr;
+
+use crate::RuntimeError;
+
+/// Discovery and addressing flags shared by all services.
+#[derive(Debug, Clone, clap::Args)]
+pub struct CommonArgs {
+    /// etcd endpoint (e.g. http://127.0.0.1:2379). Unset: in-process discovery
+    /// (only meaningful when every service runs in one process, as in `sluice up`).
+    #[arg(long, env = "SLUICE_ETCD")]
+    pub etcd: Option<String>,
+
+    /// Discovery namespace; services only see instances in their namespace.
+    #[arg(long, env = "SLUICE_NAMESPACE", default_value = "default")]
+    pub namespace: String,
+
+    /// Address to listen on; port 0 picks a free port.
+    #[arg(long, env = "SLUICE_LISTEN", default_value = "127.0.0.1:0")]
+    pub listen: SocketAddr,
+
+    /// Address others should dial; default: the bound address.
+    #[arg(long, env = "SLUICE_ADVERTISE")]
+    pub advertise: Option<String>,
+
+    /// Lease time-to-live of this instance's discovery entry, in seconds.
+    #[arg(long, env = "SLUICE_LEASE_TTL", default_value_t = 5)]
+    pub lease_ttl: u32,
+
+    /// Seconds to drain in-flight requests on shutdown before cancelling them.
+    #[arg(long, env = "SLUICE_DRAIN_TIMEOUT", default_value_t = 10)]
+    pub drain_timeout: u64,
+}
+
+impl CommonArgs {
+    /// Checks the flags; errors name the flag and what to fix.
+    pub fn validate(&self) -> Result<(), RuntimeError> {
+        if self.namespace.is_empty() || self.namespace.contains('/') {
+            return Err(RuntimeError::InvalidFlag {
+                flag: "--namespace",
+                message: format!("{:?} must be non-empty and contain no '/'", self.namespace),
+            });
+        }
+        if self.lease_ttl < 1 {
+            return Err(RuntimeError::InvalidFlag {
+                flag: "--lease-ttl",
+                message: "must be at least 1 second".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The address to register: `--advertise`, else the bound address.
+    pub fn advertise_addr(&self, bound: SocketAddr) -> String {
+        self.advertise.clone().unwrap_or_else(|| bound.to_string())
+    }
+}
+
+impl Default for CommonArgs {
+    fn default() -> Self {
+        Self {
+            etcd: None,
+            namespace: "default".into(),
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            advertise: None,
+            lease_ttl: 5,
+            drain_timeout: 10,
+        }
+    }
+}

@@ -1,0 +1,205 @@
+//! Service discovery: who is out there, at which address, in which role.
+//!
+//! An [`Instance`] lives at `/sluice/v1/<namespace>/<component>/<id>` under a
+//! lease its owner keeps alive; when the owner stops (or crashes and its
+//! lease expires) the entry disappears and watchers see a
+//! [`DiscoveryEvent::Delete`]. Two backends serve one trait: `etcd` for a
+//! distributed mesh, `memory` for everything in one process (`sluice up`).
+//! A malformed entry is logged and skipped, never a panic.
+
+mod etcd;
+mod memory;
+
+use std::collections::BTreeMap;
+use std::fmt::Debug;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+
+pub use etcd::EtcdDiscovery;
+pub use memory::MemoryDiscovery;
+
+use crate::{CommonArgs, RuntimeError};
+
+/// One running instance of a component.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Instance {
+    /// Unique within the component (e.g. `decode-4f3a…`).
+    pub id: String,
+    /// `frontend`, `queue`, `router`, `decode` or `prefill`.
+    pub component: String,
+    /// gRPC address (`host:port`) others dial.
+    pub endpoint: String,
+    /// Model served, for workers; empty for control-plane services.
+    #[serde(default)]
+    pub model: String,
+    /// Free-form facts (role, block size, KV transports, data-parallel size).
+    #[serde(default)]
+    pub metadata: BTreeMap<String, String>,
+}
+
+impl Instance {
+    /// A new instance with a random id prefixed by the component name.
+    pub fn new(component: &str, endpoint: impl Into<String>) -> Self {
+        let id = format!(
+            "{component}-{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..12]
+        );
+        Self {
+            id,
+            component: component.into(),
+            endpoint: endpoint.into(),
+            model: String::new(),
+            metadata: BTreeMap::new(),
+        }
+    }
+
+    /// Sets the model.
+    pub fn with_model(mut self, model: impl Into<String>) -> Self {
+        self.model = model.into();
+        self
+    }
+
+    /// Adds one metadata entry.
+    pub fn with_meta(mut self, key: &str, value: impl ToString) -> Self {
+        self.metadata.insert(key.into(), value.to_string());
+        self
+    }
+}
+
+/// A change in a watched component.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DiscoveryEvent {
+    /// An instance joined or changed.
+    Put(Instance),
+    /// An instance left (deregistered, or its lease expired).
+    Delete { component: String, id: String },
+}
+
+/// Events of one watched component. A new watch first yields a `Put` for
+/// every current instance; after a disconnect it resyncs and yields only the
+/// differences. Dropping it stops the watch.
+#[derive(Debug)]
+pub struct Watch {
+    rx: mpsc::Receiver<DiscoveryEvent>,
+    _stop: tokio_util::sync::DropGuard,
+}
+
+impl Watch {
+    pub(crate) fn new(rx: mpsc::Receiver<DiscoveryEvent>, stop: CancellationToken) -> Self {
+        Self {
+            rx,
+            _stop: stop.drop_guard(),
+        }
+    }
+
+    /// The next event; `None` once the backend has shut down.
+    pub async fn next(&mut self) -> Option<DiscoveryEvent> {
+        self.rx.recv().await
+    }
+}
+
+/// A live registration. Dropping it stops the keep-alive (memory: removes
+/// the entry at once; etcd: revokes the lease if the runtime is still up,
+/// else the lease expires); [`Registration::deregister`] waits until the
+/// entry is gone.
+#[derive(Debug)]
+pub struct Registration {
+    instance: Instance,
+    stop: CancellationToken,
+    done: Option<oneshot::Receiver<()>>,
+}
+
+impl Registration {
+    pub(crate) fn new(
+        instance: Instance,
+        stop: CancellationToken,
+        done: oneshot::Receiver<()>,
+    ) -> Self {
+        Self {
+            instance,
+            stop,
+            done: Some(done),
+        }
+    }
+
+    /// The registered instance.
+    pub fn instance(&self) -> &Instance {
+        &self.instance
+    }
+
+    /// Removes the entry and waits until it is gone.
+    pub async fn deregister(mut self) {
+        self.stop.cancel();
+        if let Some(done) = self.done.take() {
+            let _ = done.await;
+        }
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// Where instances register and how others find them.
+#[async_trait::async_trait]
+pub trait Discovery: Send + Sync + Debug {
+    /// Registers `instance` under a lease of `ttl_secs`, kept alive until the
+    /// registration is dropped or deregistered.
+    async fn register(
+        &self,
+        instance: Instance,
+        ttl_secs: u32,
+    ) -> Result<Registration, RuntimeError>;
+    /// Current instances of `component`.
+    async fn list(&self, component: &str) -> Result<Vec<Instance>, RuntimeError>;
+    /// Joins and leaves of `component`, starting with every current instance.
+    async fn watch(&self, component: &str) -> Result<Watch, RuntimeError>;
+}
+
+/// The backend the common flags ask for: etcd when `--etcd` is set, else
+/// `fallback` (the process's in-memory registry).
+pub async fn from_args(
+    args: &CommonArgs,
+    fallback: Option<Arc<dyn Discovery>>,
+) -> Result<Arc<dyn Discovery>, RuntimeError> {
+    match &args.etcd {
+        Some(url) => Ok(Arc::new(
+            EtcdDiscovery::connect(url, &args.namespace).await?,
+        )),
+        None => Ok(fallback.unwrap_or_else(|| Arc::new(MemoryDiscovery::new(&args.namespace)))),
+    }
+}
+
+/// The key of an instance: `/sluice/v1/<namespace>/<component>/<id>`.
+pub fn instance_key(namespace: &str, component: &str, id: &str) -> String {
+    format!("{}{id}", component_prefix(namespace, component))
+}
+
+/// The prefix of every instance of a component, with the trailing slash.
+pub fn component_prefix(namespace: &str, component: &str) -> String {
+    format!("/sluice/v1/{namespace}/{component}/")
+}
+
+/// Parses a stored entry, logging and skipping a malformed one.
+pub(crate) fn parse_entry(key: &str, value: &[u8]) -> Option<Instance> {
+    match serde_json::from_slice::<Instance>(value) {
+        Ok(i) => Some(i),
+        Err(source) => {
+            let err = RuntimeError::BadEntry {
+                key: key.to_string(),
+                source,
+            };
+            tracing::warn!(error = %err, cause = %err_source(&err), "skipping malformed discovery entry");
+            None
+        }
+    }
+}
+
+fn err_source(e: &dyn std::error::Error) -> String {
+    e.source().map(|s| s.to_string()).unwrap_or_default()
+}

@@ -1,0 +1,317 @@
+//! Discovery over etcd: each instance is a key under a lease that a
+//! background task keeps alive; watches resume from the last seen revision
+//! after a disconnect and re-list (emitting only differences) when that
+//! revision has been compacted away.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use etcd_client::{Client, EventType, GetOptions, PutOptions, WatchOptions};
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+
+use super::{
+    Discovery, DiscoveryEvent, Instance, Registration, Watch, component_prefix, instance_key,
+    parse_entry,
+};
+use crate::RuntimeError;
+
+const RETRY: Duration = Duration::from_millis(500);
+
+/// Discovery backed by an etcd cluster.
+#[derive(Clone)]
+pub struct EtcdDiscovery {
+    client: Client,
+    endpoint: String,
+    namespace: String,
+}
+
+impl std::fmt::Debug for EtcdDiscovery {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdDiscovery")
+            .field("endpoint", &self.endpoint)
+            .field("namespace", &self.namespace)
+            .finish()
+    }
+}
+
+impl EtcdDiscovery {
+    /// Connects to `endpoint` (e.g. `http://127.0.0.1:2379`).
+    pub async fn connect(endpoint: &str, namespace: &str) -> Result<Self, RuntimeError> {
+        let client =
+            Client::connect([endpoint], None)
+                .await
+                .map_err(|source| RuntimeError::Etcd {
+                    endpoint: endpoint.to_string(),
+                    source,
+                })?;
+        Ok(Self {
+            client,
+            endpoint: endpoint.into(),
+            namespace: namespace.into(),
+        })
+    }
+
+    fn err(&self, source: etcd_client::Error) -> RuntimeError {
+        RuntimeError::Etcd {
+            endpoint: self.endpoint.clone(),
+            source,
+        }
+    }
+
+    /// Grants a lease and puts the entry under it; returns the lease id.
+    async fn put_with_lease(
+        &self,
+        key: &str,
+        value: &str,
+        ttl: u32,
+    ) -> Result<i64, etcd_client::Error> {
+        let mut c = self.client.clone();
+        let lease = c.lease_grant(i64::from(ttl), None).await?.id();
+        c.put(key, value, Some(PutOptions::new().with_lease(lease)))
+            .await?;
+        Ok(lease)
+    }
+
+    /// Keeps `lease` alive until cancelled or lost; returns true when cancelled.
+    async fn keep_alive(&self, lease: i64, ttl: u32, stop: &CancellationToken) -> bool {
+        let mut c = self.client.clone();
+        let (mut keeper, mut responses) = match c.lease_keep_alive(lease).await {
+            Ok(k) => k,
+            Err(e) => {
+                tracing::warn!(error = %e, "etcd keep-alive stream");
+                return stop.is_cancelled();
+            }
+        };
+        let period =
+            Duration::from_millis(u64::from(ttl) * 1000 / 3).max(Duration::from_millis(200));
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return true,
+                _ = tokio::time::sleep(period) => {}
+            }
+            if let Err(e) = keeper.keep_alive().await {
+                tracing::warn!(error = %e, "etcd keep-alive failed");
+                return false;
+            }
+            match responses.message().await {
+                Ok(Some(r)) if r.ttl() > 0 => {}
+                Ok(_) => {
+                    tracing::warn!(lease, "etcd lease lost; registering again");
+                    return false;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "etcd keep-alive response");
+                    return false;
+                }
+            }
+        }
+    }
+
+    async fn list_map(
+        &self,
+        component: &str,
+    ) -> Result<(BTreeMap<String, Instance>, i64), RuntimeError> {
+        let prefix = component_prefix(&self.namespace, component);
+        let mut c = self.client.clone();
+        let resp = c
+            .get(prefix.as_str(), Some(GetOptions::new().with_prefix()))
+            .await
+            .map_err(|e| self.err(e))?;
+        let rev = resp.header().map(|h| h.revision()).unwrap_or(0);
+        let mut out = BTreeMap::new();
+        for kv in resp.kvs() {
+            let key = String::from_utf8_lossy(kv.key()).into_owned();
+            if let Some(i) = parse_entry(&key, kv.value()) {
+                out.insert(id_from_key(&key).to_string(), i);
+            }
+        }
+        Ok((out, rev))
+    }
+}
+
+fn id_from_key(key: &str) -> &str {
+    key.rsplit('/').next().unwrap_or(key)
+}
+
+/// The events that turn `old` into `new` for one component.
+pub(super) fn diff(
+    component: &str,
+    old: &BTreeMap<String, Instance>,
+    new: &BTreeMap<String, Instance>,
+) -> Vec<DiscoveryEvent> {
+    let mut out = Vec::new();
+    for (id, _) in old.iter().filter(|(id, _)| !new.contains_key(*id)) {
+        out.push(DiscoveryEvent::Delete {
+            component: component.into(),
+            id: id.clone(),
+        });
+    }
+    for (id, i) in new {
+        if old.get(id) != Some(i) {
+            out.push(DiscoveryEvent::Put(i.clone()));
+        }
+    }
+    out
+}
+
+#[async_trait::async_trait]
+impl Discovery for EtcdDiscovery {
+    async fn register(
+        &self,
+        instance: Instance,
+        ttl_secs: u32,
+    ) -> Result<Registration, RuntimeError> {
+        let key = instance_key(&self.namespace, &instance.component, &instance.id);
+        let value = serde_json::to_string(&instance).map_err(|source| RuntimeError::BadEntry {
+            key: key.clone(),
+            source,
+        })?;
+        let ttl = ttl_secs.max(1);
+        let mut lease = self
+            .put_with_lease(&key, &value, ttl)
+            .await
+            .map_err(|e| self.err(e))?;
+        let stop = CancellationToken::new();
+        let (done_tx, done_rx) = oneshot::channel();
+        let this = self.clone();
+        let token = stop.clone();
+        tokio::spawn(async move {
+            loop {
+                if this.keep_alive(lease, ttl, &token).await {
+                    break;
+                }
+                // Lease lost (etcd restarted, partition): register again until it works.
+                loop {
+                    tokio::select! {
+                        _ = token.cancelled() => { let _ = done_tx.send(()); return; }
+                        _ = tokio::time::sleep(RETRY) => {}
+                    }
+                    match this.put_with_lease(&key, &value, ttl).await {
+                        Ok(l) => {
+                            lease = l;
+                            tracing::info!(%key, "re-registered in etcd");
+                            break;
+                        }
+                        Err(e) => tracing::debug!(error = %e, "etcd re-register"),
+                    }
+                }
+            }
+            let mut c = this.client.clone();
+            if let Err(e) = c.lease_revoke(lease).await {
+                tracing::debug!(error = %e, %key, "revoking lease; it will expire");
+            }
+            let _ = done_tx.send(());
+        });
+        Ok(Registration::new(instance, stop, done_rx))
+    }
+
+    async fn list(&self, component: &str) -> Result<Vec<Instance>, RuntimeError> {
+        Ok(self.list_map(component).await?.0.into_values().collect())
+    }
+
+    async fn watch(&self, component: &str) -> Result<Watch, RuntimeError> {
+        let (mut known, mut rev) = self.list_map(component).await?;
+        let (tx, rx) = mpsc::channel(256);
+        for i in known.values() {
+            let _ = tx.try_send(DiscoveryEvent::Put(i.clone()));
+        }
+        let stop = CancellationToken::new();
+        let token = stop.clone();
+        let this = self.clone();
+        let component = component.to_string();
+        tokio::spawn(async move {
+            let prefix = component_prefix(&this.namespace, &component);
+            let mut relist = false;
+            loop {
+                if token.is_cancelled() || tx.is_closed() {
+                    return;
+                }
+                if relist {
+                    match this.list_map(&component).await {
+                        Ok((now, r)) => {
+                            for e in diff(&component, &known, &now) {
+                                if tx.send(e).await.is_err() {
+                                    return;
+                                }
+                            }
+                            known = now;
+                            rev = r;
+                            relist = false;
+                        }
+                        Err(e) => {
+                            tracing::debug!(error = %e, "etcd re-list");
+                            tokio::select! { _ = token.cancelled() => return, _ = tokio::time::sleep(RETRY) => {} }
+                            continue;
+                        }
+                    }
+                }
+                let mut c = this.client.clone();
+                let opts = WatchOptions::new()
+                    .with_prefix()
+                    .with_start_revision(rev + 1);
+                let mut stream = match c.watch(prefix.as_str(), Some(opts)).await {
+                    Ok(s) => s,
+                    Err(e) => {
+                        tracing::debug!(error = %e, "etcd watch; retrying");
+                        tokio::select! { _ = token.cancelled() => return, _ = tokio::time::sleep(RETRY) => {} }
+                        continue;
+                    }
+                };
+                loop {
+                    let msg = tokio::select! {
+                        _ = token.cancelled() => return,
+                        m = stream.message() => m,
+                    };
+                    let resp = match msg {
+                        Ok(Some(r)) => r,
+                        Ok(None) => break,
+                        Err(e) => {
+                            tracing::info!(error = %e, "etcd watch interrupted; resuming from revision {rev}");
+                            break;
+                        }
+                    };
+                    if resp.canceled() {
+                        if resp.compact_revision() > 0 {
+                            tracing::info!(
+                                compacted = resp.compact_revision(),
+                                "watch revision compacted; re-listing"
+                            );
+                            relist = true;
+                        }
+                        break;
+                    }
+                    for ev in resp.events() {
+                        let Some(kv) = ev.kv() else { continue };
+                        rev = rev.max(kv.mod_revision());
+                        let key = String::from_utf8_lossy(kv.key()).into_owned();
+                        let id = id_from_key(&key).to_string();
+                        let out = match ev.event_type() {
+                            EventType::Put => match parse_entry(&key, kv.value()) {
+                                Some(i) => {
+                                    known.insert(id, i.clone());
+                                    DiscoveryEvent::Put(i)
+                                }
+                                None => continue,
+                            },
+                            EventType::Delete => {
+                                if known.remove(&id).is_none() {
+                                    continue;
+                                }
+                                DiscoveryEvent::Delete {
+                                    component: component.clone(),
+                                    id,
+                                }
+                            }
+                        };
+                        if tx.send(out).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+                tokio::select! { _ = token.cancelled() => return, _ = tokio::time::sleep(RETRY) => {} }
+            }
+        });
+        Ok(Watch::new(rx, stop))
+    }
+}

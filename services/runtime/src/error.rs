@@ -1,0 +1,30 @@
+//! Errors of the runtime plumbing.
+
+/// What can fail in discovery, telemetry or server setup.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error("etcd at {endpoint}")]
+    Etcd {
+        endpoint: String,
+        #[source]
+        source: etcd_client::Error,
+    },
+    #[error("discovery entry {key} is malformed")]
+    BadEntry {
+        key: String,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("instance {id} of {component} is already registered")]
+    AlreadyRegistered { component: String, id: String },
+    #[error("invalid {flag}: {message}")]
+    InvalidFlag { flag: &'static str, message: String },
+    #[error("gRPC transport")]
+    Transport(#[from] tonic::transport::Error),
+    #[error("I/O")]
+    Io(#[from] std::io::Error),
+    #[error("telemetry setup: {0}")]
+    Telemetry(String),
+    #[error("reflection setup")]
+    Reflection(#[from] tonic_reflection::server::Error),
+}

@@ -1,0 +1,128 @@
+//! A real etcd-server for tests: started on free loopback ports with a
+//! temporary data dir, restartable on the same ports and data, killed on drop.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+
+/// A running `etcd` child process.
+#[derive(Debug)]
+pub struct EtcdServer {
+    child: Option<Child>,
+    dir: tempfile::TempDir,
+    client_port: u16,
+    peer_port: u16,
+}
+
+impl EtcdServer {
+    /// Starts etcd and waits until it answers. Fails with a clear message
+    /// when the `etcd` binary is missing (`make deps` installs etcd-server).
+    pub async fn start() -> anyhow::Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let mut s = Self {
+            child: None,
+            dir,
+            client_port: crate::free_port()?,
+            peer_port: crate::free_port()?,
+        };
+        s.spawn().await?;
+        Ok(s)
+    }
+
+    /// `http://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.client_port)
+    }
+
+    fn data_dir(&self) -> PathBuf {
+        self.dir.path().join("data")
+    }
+
+    async fn spawn(&mut self) -> anyhow::Result<()> {
+        let client = self.url();
+        let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let child = Command::new(etcd_binary())
+            .arg("--name")
+            .arg("test")
+            .arg("--data-dir")
+            .arg(self.data_dir())
+            .arg("--listen-client-urls")
+            .arg(&client)
+            .arg("--advertise-client-urls")
+            .arg(&client)
+            .arg("--listen-peer-urls")
+            .arg(&peer)
+            .arg("--initial-advertise-peer-urls")
+            .arg(&peer)
+            .arg("--initial-cluster")
+            .arg(format!("test={peer}"))
+            .arg("--log-level")
+            .arg("error")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("starting etcd (is etcd-server installed? run `make deps`)")?;
+        self.child = Some(child);
+        self.wait_ready().await
+    }
+
+    async fn wait_ready(&mut self) -> anyhow::Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let addr = format!("127.0.0.1:{}", self.client_port);
+        loop {
+            if let Some(c) = self.child.as_mut()
+                && let Some(status) = c.try_wait()?
+            {
+                bail!("etcd exited early: {status}");
+            }
+            if let Ok(Ok(mut s)) = tokio::time::timeout(
+                Duration::from_millis(500),
+                tokio::net::TcpStream::connect(&addr),
+            )
+            .await
+            {
+                use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                let req =
+                    format!("GET /health HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+                if s.write_all(req.as_bytes()).await.is_ok() {
+                    let mut buf = Vec::new();
+                    let _ =
+                        tokio::time::timeout(Duration::from_secs(1), s.read_to_end(&mut buf)).await;
+                    if String::from_utf8_lossy(&buf).contains("\"health\":\"true\"") {
+                        return Ok(());
+                    }
+                }
+            }
+            if Instant::now() > deadline {
+                bail!("etcd did not become healthy within 20 s");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Kills etcd (SIGKILL), keeping its data dir.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts etcd again on the same ports with the same data.
+    pub async fn restart(&mut self) -> anyhow::Result<()> {
+        self.kill();
+        self.spawn().await
+    }
+}
+
+impl Drop for EtcdServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn etcd_binary() -> String {
+    std::env::var("SLUICE_TEST_ETCD").unwrap_or_else(|_| "etcd".into())
+}
