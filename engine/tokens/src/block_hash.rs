@@ -143,7 +143,8 @@ mod tests {
             let mut inc = BlockHashes::new(8);
             inc.extend(&t[..split]);
             inc.extend(&t[split..]);
-            prop_assert_eq!(inc.hashes(), sequence_block_hashes(&t, 8).as_slice());
+            let batch = sequence_block_hashes(&t, 8);
+            prop_assert_eq!(inc.hashes(), batch.as_slice());
         }
     }
 }

@@ -3,7 +3,25 @@
 //!
 //! - [`block_hash`]: the chained block hashes of DESIGN.md; one function, so an
 //!   equal hash always means an equal prefix everywhere.
+//! - [`Tokenizer`]: a model's `tokenizer.json` with its bos/eos ids.
+//! - [`ChatTemplate`]: the model's Jinja chat template, rendered as
+//!   transformers renders it.
+//! - [`IncrementalDetokenizer`]: token ids in, whole-character text deltas
+//!   out, with stop strings.
+//! - [`train_byte_level_bpe`]: deterministic BPE training, for the built-in
+//!   model and tests.
 
 pub mod block_hash;
+mod chat_template;
+mod detokenizer;
+mod error;
+mod hf_config;
+mod tokenizer;
+mod train;
 
 pub use block_hash::{BlockHashes, HASH_SEED, local_block_hash, sequence_block_hashes};
+pub use chat_template::{ChatMessage, ChatRenderOptions, ChatTemplate, FALLBACK_CHAT_TEMPLATE};
+pub use detokenizer::{Detokenized, IncrementalDetokenizer};
+pub use error::TokensError;
+pub use tokenizer::{SpecialTokens, Tokenizer};
+pub use train::train_byte_level_bpe;
