@@ -25,6 +25,8 @@ pub enum RuntimeError {
     Io(#[from] std::io::Error),
     #[error("telemetry setup: {0}")]
     Telemetry(String),
+    #[error("server task failed: {0}")]
+    Task(#[from] tokio::task::JoinError),
     #[error("reflection setup")]
     Reflection(#[from] tonic_reflection::server::Error),
 }

@@ -8,6 +8,8 @@
 //! - [`grpc`]: a gRPC server with health, reflection, `/metrics` and trace
 //!   extraction, and client channels that inject trace context.
 //! - [`shutdown`]: the cancellation token every `serve` takes, and signal handling.
+//! - [`service`]: the shape of a service crate (`Args`, `serve(listener, args, ctx)`)
+//!   and [`ServiceContext::run`], the one lifecycle: register, serve, deregister, drain.
 //!
 //! Business logic stays in its service.
 
@@ -16,10 +18,12 @@ pub mod discovery;
 pub mod error;
 pub mod grpc;
 pub mod metrics;
+pub mod service;
 pub mod shutdown;
 pub mod telemetry;
 
 pub use config::CommonArgs;
 pub use discovery::{Discovery, DiscoveryEvent, Instance, Registration};
 pub use error::RuntimeError;
+pub use service::ServiceContext;
 pub use shutdown::Shutdown;

@@ -1,0 +1,54 @@
+# Sluice: the verbs. `make help` lists them.
+SHELL := /bin/bash
+CARGO ?= cargo
+VENV ?= .venv
+PY := $(VENV)/bin/python
+APT_PACKAGES := etcd-server protobuf-compiler
+# Tests run with a couple of threads: the integration tests start real
+# processes and the machine has 2 cores.
+TEST_THREADS ?= 2
+
+.PHONY: help deps build run test test-rust test-python bench lint fmt clean
+
+help: ## list the targets
+	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+
+deps: ## install system packages (etcd-server, protoc) and the Python test venv
+	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
+	fi
+	@[ -x $(PY) ] || python3 -m venv $(VENV)
+	@$(PY) -m pip install -q --upgrade pip >/dev/null
+	@$(PY) -m pip install -q -r tests/python/requirements.txt
+
+build: ## build every crate (debug)
+	$(CARGO) build --workspace --all-targets
+
+run: ## run everything locally: `sluice up` with the built-in model on :8000
+	$(CARGO) run --release -p sluice -- up $(ARGS)
+
+test: test-rust test-python ## run every test (Rust and Python clients)
+
+test-rust: ## cargo tests, unit and integration
+	$(CARGO) test --workspace -- --test-threads=$(TEST_THREADS)
+
+test-python: ## tests that use other people's clients (openai, grpcio) from the venv
+	@if [ ! -x $(PY) ]; then echo "no $(VENV): run 'make deps' first"; exit 1; fi
+	$(CARGO) build -p sluice
+	SLUICE_BIN=$(CURDIR)/target/debug/sluice $(PY) -m pytest -q tests/python
+
+bench: ## criterion benches and `sluice bench` tables
+	$(CARGO) bench --workspace
+
+lint: ## fmt check, clippy -D warnings, buf lint
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	cd proto && npx --yes @bufbuild/buf lint
+
+fmt: ## format the code
+	$(CARGO) fmt --all
+
+clean: ## remove build outputs
+	$(CARGO) clean
