@@ -7,5 +7,6 @@
 
 pub mod backend;
 pub mod error;
+pub mod model;
 
 pub use error::EngineError;

@@ -1,1 +1,366 @@
+//! The CPU backend: a Llama/Qwen2 forward pass in f32 over paged KV memory.
+//!
+//! Owns the model's weights (rearranged for compute: q/k/v fused into one
+//! matrix, gate/up fused into another), the per-layer KV slabs
+//! ([`paged_kv`]) and reusable activation buffers. One [`Backend::forward`]
+//! runs a flattened batch that mixes prefill chunks and decode tokens of
+//! many sequences: every projection is one GEMM over all the step's tokens,
+//! RoPE uses each token's absolute position, K/V go into the slots the block
+//! tables name, and attention reads them back through the same tables.
+//! It never allocates or frees block ids: the block pool does.
 
+mod attention;
+mod kernels;
+mod matmul;
+mod paged_kv;
+
+use std::path::Path;
+
+use crate::backend::{Backend, ForwardBatch, ForwardOutput, KvBlockLayout};
+use crate::error::EngineError;
+use crate::model::{LayerWeights, Linear, Model, ModelConfig, ModelWeights};
+
+use attention::{AttnShape, MAX_GROUP, TokenPos, paged_attention};
+use kernels::{Rope, add_bias, apply_rope, rms_norm, swiglu};
+use matmul::matmul_t;
+use paged_kv::{PagedKv, slot_offset};
+
+/// One decoder layer, laid out for compute.
+#[derive(Debug)]
+struct Layer {
+    input_norm: Vec<f32>,
+    /// `[q + k + v rows, hidden]`: q, k, v projections stacked.
+    qkv: Vec<f32>,
+    qkv_bias: Option<Vec<f32>>,
+    /// `[hidden, heads * head_dim]`.
+    o: Vec<f32>,
+    o_bias: Option<Vec<f32>>,
+    post_norm: Vec<f32>,
+    /// `[2 * intermediate, hidden]`: gate rows, then up rows.
+    gate_up: Vec<f32>,
+    gate_up_bias: Option<Vec<f32>>,
+    /// `[hidden, intermediate]`.
+    down: Vec<f32>,
+    down_bias: Option<Vec<f32>>,
+}
+
+impl Layer {
+    fn new(w: LayerWeights) -> Self {
+        fn stack(parts: &[&Linear]) -> (Vec<f32>, Option<Vec<f32>>) {
+            let weight = parts
+                .iter()
+                .flat_map(|l| l.weight.data.iter().copied())
+                .collect();
+            let bias = if parts.iter().any(|l| l.bias.is_some()) {
+                Some(
+                    parts
+                        .iter()
+                        .flat_map(|l| match &l.bias {
+                            Some(b) => b.clone(),
+                            None => vec![0.0; l.out_features()],
+                        })
+                        .collect(),
+                )
+            } else {
+                None
+            };
+            (weight, bias)
+        }
+        let (qkv, qkv_bias) = stack(&[&w.q_proj, &w.k_proj, &w.v_proj]);
+        let (gate_up, gate_up_bias) = stack(&[&w.gate_proj, &w.up_proj]);
+        Layer {
+            input_norm: w.input_layernorm,
+            qkv,
+            qkv_bias,
+            o: w.o_proj.weight.data,
+            o_bias: w.o_proj.bias,
+            post_norm: w.post_attention_layernorm,
+            gate_up,
+            gate_up_bias,
+            down: w.down_proj.weight.data,
+            down_bias: w.down_proj.bias,
+        }
+    }
+}
+
+/// Activation buffers reused across steps (grown, never shrunk).
+#[derive(Debug, Default)]
+struct Scratch {
+    /// Residual stream `[tokens, hidden]`.
+    x: Vec<f32>,
+    /// Normalised activations `[tokens, hidden]`.
+    h: Vec<f32>,
+    qkv: Vec<f32>,
+    attn: Vec<f32>,
+    gate_up: Vec<f32>,
+    act: Vec<f32>,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    tokens: Vec<TokenPos>,
+}
+
+fn resize(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    buf.resize(len, 0.0);
+    &mut buf[..len]
+}
+
+/// Llama/Qwen2 on the CPU, f32 compute over paged KV memory.
+#[derive(Debug)]
+pub struct CpuBackend {
+    config: ModelConfig,
+    embed: Vec<f32>,
+    layers: Vec<Layer>,
+    final_norm: Vec<f32>,
+    /// `[vocab, hidden]`; `None` when tied to `embed`.
+    lm_head: Option<Vec<f32>>,
+    rope: Rope,
+    kv: PagedKv,
+    scratch: Scratch,
+}
+
+impl CpuBackend {
+    /// Loads the model in `dir` and allocates `num_blocks` KV blocks of
+    /// `block_size` tokens.
+    pub fn from_dir(dir: &Path, num_blocks: usize, block_size: usize) -> Result<Self, EngineError> {
+        Self::new(Model::load(dir)?, num_blocks, block_size)
+    }
+
+    /// Takes a loaded model and allocates `num_blocks` KV blocks of
+    /// `block_size` tokens (`2 · layers · block_size · kv_heads · head_dim · 4`
+    /// bytes each).
+    pub fn new(model: Model, num_blocks: usize, block_size: usize) -> Result<Self, EngineError> {
+        let Model { config, weights } = model;
+        if num_blocks == 0 || block_size == 0 {
+            return Err(EngineError::InvalidRequest(format!(
+                "the CPU backend needs at least one block of at least one token (got {num_blocks} blocks of {block_size})"
+            )));
+        }
+        if config.num_attention_heads / config.num_key_value_heads > MAX_GROUP {
+            return Err(EngineError::InvalidRequest(format!(
+                "{} query heads per kv head; the CPU backend supports at most {MAX_GROUP}",
+                config.num_attention_heads / config.num_key_value_heads
+            )));
+        }
+        let ModelWeights {
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+        } = weights;
+        let layout = KvBlockLayout {
+            num_layers: config.num_hidden_layers,
+            num_kv_heads: config.num_key_value_heads,
+            head_dim: config.head_dim,
+            block_size,
+            elem_bytes: 4,
+        };
+        Ok(CpuBackend {
+            rope: Rope::new(&config),
+            embed: embed_tokens.data,
+            layers: layers.into_iter().map(Layer::new).collect(),
+            final_norm: norm,
+            lm_head: lm_head.map(|t| t.data),
+            kv: PagedKv::new(layout, num_blocks),
+            scratch: Scratch::default(),
+            config,
+        })
+    }
+
+    /// The model's configuration (vocab, eos ids, geometry).
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// Checks the batch against the model and the KV pool before computing.
+    fn validate(&self, batch: &ForwardBatch) -> Result<(), EngineError> {
+        let bs = self.kv.layout.block_size;
+        for (i, seq) in batch.seqs.iter().enumerate() {
+            if seq.tokens.is_empty() {
+                return Err(EngineError::InvalidRequest(format!(
+                    "sequence {i} of the batch has no tokens"
+                )));
+            }
+            if let Some(t) = seq
+                .tokens
+                .iter()
+                .find(|t| **t as usize >= self.config.vocab_size)
+            {
+                return Err(EngineError::InvalidRequest(format!(
+                    "token id {t} is outside the vocabulary ({})",
+                    self.config.vocab_size
+                )));
+            }
+            let end = seq.start_pos + seq.tokens.len();
+            let needed = end.div_ceil(bs);
+            if seq.block_table.len() < needed {
+                return Err(EngineError::InvalidRequest(format!(
+                    "sequence {i} covers {end} positions but its block table holds {} blocks of {bs}",
+                    seq.block_table.len()
+                )));
+            }
+            if let Some(&id) = seq.block_table[..needed]
+                .iter()
+                .find(|id| **id as usize >= self.kv.num_blocks)
+            {
+                return Err(EngineError::BlockOutOfRange {
+                    id,
+                    num_blocks: self.kv.num_blocks,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn run(&mut self, batch: &ForwardBatch) -> Vec<f32> {
+        let c = &self.config;
+        let (hidden, head_dim) = (c.hidden_size, c.head_dim);
+        let (nh, nkv) = (c.num_attention_heads, c.num_key_value_heads);
+        let (q_dim, kv_dim, qkv_dim) = (nh * head_dim, nkv * head_dim, c.qkv_dim());
+        let inter = c.intermediate_size;
+        let half = head_dim / 2;
+        let n: usize = batch.seqs.iter().map(|s| s.tokens.len()).sum();
+        let s = &mut self.scratch;
+
+        // Token positions, RoPE tables and embeddings.
+        s.tokens.clear();
+        let cos = resize(&mut s.cos, n * half);
+        let sin = resize(&mut s.sin, n * half);
+        let x = resize(&mut s.x, n * hidden);
+        let mut t = 0;
+        for (i, seq) in batch.seqs.iter().enumerate() {
+            let len = seq.tokens.len();
+            let positions = seq.start_pos..seq.start_pos + len;
+            s.tokens
+                .extend(positions.clone().map(|pos| TokenPos { seq: i, pos }));
+            self.rope.fill(
+                positions,
+                &mut cos[t * half..(t + len) * half],
+                &mut sin[t * half..(t + len) * half],
+            );
+            for (j, &tok) in seq.tokens.iter().enumerate() {
+                let row = tok as usize * hidden;
+                x[(t + j) * hidden..(t + j + 1) * hidden]
+                    .copy_from_slice(&self.embed[row..row + hidden]);
+            }
+            t += len;
+        }
+        let layout = self.kv.layout;
+        let tables: Vec<&[u32]> = batch
+            .seqs
+            .iter()
+            .map(|s| s.block_table.as_slice())
+            .collect();
+        let shape = AttnShape {
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim,
+            block_size: layout.block_size,
+            qkv_dim,
+        };
+
+        let h = resize(&mut s.h, n * hidden);
+        let qkv = resize(&mut s.qkv, n * qkv_dim);
+        let attn = resize(&mut s.attn, n * q_dim);
+        let gate_up = resize(&mut s.gate_up, n * 2 * inter);
+        let act = resize(&mut s.act, n * inter);
+        for (l, layer) in self.layers.iter().enumerate() {
+            // Attention block.
+            rms_norm(h, x, &layer.input_norm, hidden, c.rms_norm_eps);
+            matmul_t(qkv, h, &layer.qkv, n, hidden, qkv_dim, false);
+            if let Some(b) = &layer.qkv_bias {
+                add_bias(qkv, b);
+            }
+            let (k_slab, v_slab) = (&mut self.kv.k[l], &mut self.kv.v[l]);
+            for (t, tp) in s.tokens.iter().enumerate() {
+                let row = &mut qkv[t * qkv_dim..(t + 1) * qkv_dim];
+                let (cs, sn) = (
+                    &cos[t * half..(t + 1) * half],
+                    &sin[t * half..(t + 1) * half],
+                );
+                apply_rope(&mut row[..q_dim + kv_dim], head_dim, cs, sn);
+                let slot = slot_offset(&layout, tables[tp.seq], tp.pos);
+                k_slab[slot..slot + kv_dim].copy_from_slice(&row[q_dim..q_dim + kv_dim]);
+                v_slab[slot..slot + kv_dim].copy_from_slice(&row[q_dim + kv_dim..]);
+            }
+            paged_attention(attn, qkv, k_slab, v_slab, &s.tokens, &tables, shape);
+            matmul_t(x, attn, &layer.o, n, q_dim, hidden, true);
+            if let Some(b) = &layer.o_bias {
+                add_bias(x, b);
+            }
+            // MLP block.
+            rms_norm(h, x, &layer.post_norm, hidden, c.rms_norm_eps);
+            matmul_t(gate_up, h, &layer.gate_up, n, hidden, 2 * inter, false);
+            if let Some(b) = &layer.gate_up_bias {
+                add_bias(gate_up, b);
+            }
+            swiglu(act, gate_up, inter);
+            matmul_t(x, act, &layer.down, n, inter, hidden, true);
+            if let Some(b) = &layer.down_bias {
+                add_bias(x, b);
+            }
+        }
+
+        // Final norm and lm_head, only for the rows that need logits.
+        let mut rows = Vec::new();
+        let mut end = 0;
+        for seq in &batch.seqs {
+            end += seq.tokens.len();
+            if seq.needs_logits {
+                rows.extend_from_slice(&x[(end - 1) * hidden..end * hidden]);
+            }
+        }
+        let r = rows.len() / hidden;
+        let normed = resize(&mut s.h, r * hidden);
+        rms_norm(normed, &rows, &self.final_norm, hidden, c.rms_norm_eps);
+        let vocab = c.vocab_size;
+        let mut logits = vec![0.0; r * vocab];
+        let head = self.lm_head.as_deref().unwrap_or(&self.embed);
+        matmul_t(&mut logits, normed, head, r, hidden, vocab, false);
+        logits
+    }
+}
+
+impl Backend for CpuBackend {
+    fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOutput, EngineError> {
+        self.validate(batch)?;
+        let data = if batch.seqs.is_empty() {
+            Vec::new()
+        } else {
+            self.run(batch)
+        };
+        Ok(ForwardOutput::Logits {
+            vocab_size: self.config.vocab_size,
+            data,
+        })
+    }
+
+    fn kv_layout(&self) -> KvBlockLayout {
+        self.kv.layout
+    }
+
+    fn num_blocks(&self) -> usize {
+        self.kv.num_blocks
+    }
+
+    /// Layout: for each layer in order, the block's K then its V, each
+    /// `[block_size, num_kv_heads, head_dim]` row-major little-endian f32.
+    fn read_block(&self, id: u32, out: &mut [u8]) -> Result<(), EngineError> {
+        self.kv.read_block(id, out)
+    }
+
+    /// Same layout as [`CpuBackend::read_block`].
+    fn write_block(&mut self, id: u32, data: &[u8]) -> Result<(), EngineError> {
+        self.kv.write_block(id, data)
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.config.vocab_size
+    }
+
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+}
+
+#[cfg(test)]
+mod tests;
