@@ -1,0 +1,300 @@
+//! The queue's command-line configuration: one `clap` struct per concern,
+//! passed straight to the domain code (no second internal config).
+//!
+//! Every flag reads `SLUICE_` + its name in upper snake case.
+//! [`QueueConfig::validate`] runs right after parsing; its errors name the flag.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+/// Release order among held requests of one strict tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Policy {
+    /// Earliest effective arrival first; priority is an arrival-time bump in
+    /// seconds (negatives count as 0), as in Dynamo.
+    Fcfs,
+    /// Largest (1 + priority) / max(1, uncached prompt tokens) first: short
+    /// uncached work first, weighted by priority (negatives count as 0).
+    Wspt,
+    /// Highest priority first, first come first served within a priority.
+    Strict,
+    /// Weighted round robin (deficit round robin with unit cost) across
+    /// classes, so the lowest class's wait is bounded.
+    Wfq,
+}
+
+impl Policy {
+    /// The name used on the command line and in `Stats`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Fcfs => "fcfs",
+            Self::Wspt => "wspt",
+            Self::Strict => "strict",
+            Self::Wfq => "wfq",
+        }
+    }
+}
+
+impl fmt::Display for Policy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What a `wfq` class is made of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum WfqClass {
+    /// One class per tenant; class key = tenant name ("default" for "").
+    Tenant,
+    /// One class per priority; class key = the priority, e.g. `-1`, `0`, `3`.
+    Priority,
+    /// One class per tenant and priority; class key = `tenant/priority`.
+    TenantPriority,
+}
+
+/// `--wfq-weights`: `CLASS=WEIGHT,...`; classes not listed weigh
+/// `--wfq-default-weight`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WfqWeights(pub HashMap<String, u32>);
+
+impl FromStr for WfqWeights {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let mut weights = HashMap::new();
+        for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+            let (class, weight) = item
+                .rsplit_once('=')
+                .ok_or_else(|| format!("{item:?} is not CLASS=WEIGHT"))?;
+            let weight: u32 = weight
+                .trim()
+                .parse()
+                .map_err(|e| format!("weight of {class:?}: {e}"))?;
+            if weight == 0 {
+                return Err(format!("weight of {class:?} must be at least 1"));
+            }
+            weights.insert(class.trim().to_owned(), weight);
+        }
+        Ok(Self(weights))
+    }
+}
+
+impl fmt::Display for WfqWeights {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut items: Vec<_> = self.0.iter().collect();
+        items.sort();
+        for (i, (class, weight)) in items.into_iter().enumerate() {
+            if i > 0 {
+                f.write_str(",")?;
+            }
+            write!(f, "{class}={weight}")?;
+        }
+        Ok(())
+    }
+}
+
+/// The admission queue's policy and limits.
+#[derive(Debug, Clone, clap::Args)]
+pub struct QueueConfig {
+    /// Release order among held requests of one strict tier.
+    #[arg(long, env = "SLUICE_QUEUE_POLICY", value_enum, default_value_t = Policy::Fcfs)]
+    pub queue_policy: Policy,
+
+    /// Hold requests while every eligible worker has more than
+    /// F × max_num_batched_tokens active prefill tokens. Unset: nothing is held.
+    #[arg(long, env = "SLUICE_QUEUE_THRESHOLD", allow_negative_numbers = true)]
+    pub queue_threshold: Option<f64>,
+
+    /// Requests pending (held or being placed) across the queue; beyond it
+    /// admission fails with RESOURCE_EXHAUSTED.
+    #[arg(long, env = "SLUICE_MAX_PENDING", default_value_t = 4096)]
+    pub max_pending: usize,
+
+    /// Requests pending per tenant.
+    #[arg(long, env = "SLUICE_MAX_PENDING_PER_TENANT", default_value_t = 4096)]
+    pub max_pending_per_tenant: usize,
+
+    /// Granted leases per model at once; further requests are held until a
+    /// lease ends. 0 = no limit.
+    #[arg(long, env = "SLUICE_MAX_ACTIVE", default_value_t = 0)]
+    pub max_active: usize,
+
+    /// Requests with priority above this keep the reserved share of pending
+    /// capacity (`--shed-protect-fraction`).
+    #[arg(
+        long,
+        env = "SLUICE_SHED_PROTECT_PRIORITY",
+        default_value_t = 0,
+        allow_negative_numbers = true
+    )]
+    pub shed_protect_priority: i32,
+
+    /// Share of `--max-pending` that requests at or below
+    /// `--shed-protect-priority` cannot take. 0 disables shedding.
+    #[arg(long, env = "SLUICE_SHED_PROTECT_FRACTION", default_value_t = 0.2)]
+    pub shed_protect_fraction: f64,
+
+    /// What a `wfq` class is made of.
+    #[arg(long, env = "SLUICE_WFQ_CLASS", value_enum, default_value_t = WfqClass::Priority)]
+    pub wfq_class: WfqClass,
+
+    /// `wfq` weights, `CLASS=WEIGHT,...` (e.g. `3=8,0=2,-1=1` by priority or
+    /// `gold=4,free=1` by tenant). A class releases up to WEIGHT requests per
+    /// round.
+    #[arg(long, env = "SLUICE_WFQ_WEIGHTS", default_value_t = WfqWeights::default())]
+    pub wfq_weights: WfqWeights,
+
+    /// Weight of `wfq` classes not named in `--wfq-weights`.
+    #[arg(long, env = "SLUICE_WFQ_DEFAULT_WEIGHT", default_value_t = 1)]
+    pub wfq_default_weight: u32,
+
+    /// A request held longer than this has its prefix overlap re-read from
+    /// the router before it is released, in milliseconds.
+    #[arg(long, env = "SLUICE_REFRESH_INTERVAL_MS", default_value_t = 500)]
+    pub refresh_interval_ms: u64,
+}
+
+/// A configuration value that cannot work; names the flag.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("--{flag}: {reason}")]
+pub struct ConfigError {
+    /// The flag, without the leading dashes.
+    pub flag: &'static str,
+    /// Why, and what would be accepted.
+    pub reason: String,
+}
+
+impl QueueConfig {
+    /// Checks the values clap cannot; the error names the flag.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let err = |flag, reason: String| Err(ConfigError { flag, reason });
+        if let Some(t) = self.queue_threshold
+            && !(t.is_finite() && t >= 0.0)
+        {
+            return err(
+                "queue-threshold",
+                format!("{t} must be a finite number ≥ 0 (leave unset to hold nothing)"),
+            );
+        }
+        if self.max_pending == 0 {
+            return err("max-pending", "must be at least 1".into());
+        }
+        if self.max_pending_per_tenant == 0 {
+            return err("max-pending-per-tenant", "must be at least 1".into());
+        }
+        if !(0.0..1.0).contains(&self.shed_protect_fraction) {
+            return err(
+                "shed-protect-fraction",
+                format!("{} must be in [0, 1)", self.shed_protect_fraction),
+            );
+        }
+        if self.wfq_default_weight == 0 {
+            return err("wfq-default-weight", "must be at least 1".into());
+        }
+        if self.refresh_interval_ms == 0 {
+            return err("refresh-interval-ms", "must be at least 1".into());
+        }
+        Ok(())
+    }
+
+    /// Slots of `max_pending` that only protected priorities may take.
+    pub fn reserved_slots(&self) -> usize {
+        // The epsilon keeps 0.1 × 30 at 3, not 4.
+        let reserved =
+            (self.shed_protect_fraction * self.max_pending as f64 - 1e-9).ceil() as usize;
+        reserved.min(self.max_pending.saturating_sub(1))
+    }
+
+    /// `refresh_interval_ms` as a duration.
+    pub fn refresh_interval(&self) -> Duration {
+        Duration::from_millis(self.refresh_interval_ms)
+    }
+
+    /// One line with the policy, threshold and limits, for the start-up log.
+    pub fn summary(&self) -> String {
+        let threshold = match self.queue_threshold {
+            Some(t) => format!("{t}"),
+            None => "unset (nothing held)".into(),
+        };
+        let max_active = match self.max_active {
+            0 => "unlimited".to_owned(),
+            n => n.to_string(),
+        };
+        let mut line = format!(
+            "policy={} threshold={threshold} max_pending={} max_pending_per_tenant={} max_active={max_active} shed_protect_priority={} shed_protect_fraction={} (reserved {} slots) refresh_interval_ms={}",
+            self.queue_policy,
+            self.max_pending,
+            self.max_pending_per_tenant,
+            self.shed_protect_priority,
+            self.shed_protect_fraction,
+            self.reserved_slots(),
+            self.refresh_interval_ms,
+        );
+        if self.queue_policy == Policy::Wfq {
+            line.push_str(&format!(
+                " wfq_class={:?} wfq_weights={} wfq_default_weight={}",
+                self.wfq_class, self.wfq_weights, self.wfq_default_weight
+            ));
+        }
+        line
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        queue: QueueConfig,
+    }
+
+    fn parse(args: &[&str]) -> QueueConfig {
+        let mut argv = vec!["queue"];
+        argv.extend_from_slice(args);
+        Cli::try_parse_from(argv).expect("arguments parse").queue
+    }
+
+    #[test]
+    fn defaults_validate_and_hold_nothing() {
+        let cfg = parse(&[]);
+        assert_eq!(cfg.queue_policy, Policy::Fcfs);
+        assert_eq!(cfg.queue_threshold, None);
+        assert_eq!(cfg.validate(), Ok(()));
+        assert_eq!(cfg.reserved_slots(), 820);
+    }
+
+    #[test]
+    fn wfq_weights_parse_and_reject_zero() {
+        let cfg = parse(&["--queue-policy", "wfq", "--wfq-weights", "3=8, 0=2,-1=1"]);
+        assert_eq!(cfg.wfq_weights.0.get("-1"), Some(&1));
+        assert_eq!(cfg.wfq_weights.0.get("3"), Some(&8));
+        assert!("a=0".parse::<WfqWeights>().is_err());
+        assert!("a".parse::<WfqWeights>().is_err());
+    }
+
+    #[test]
+    fn validate_names_the_flag() {
+        let cfg = parse(&["--shed-protect-fraction", "1.5"]);
+        let err = cfg.validate().expect_err("fraction above 1");
+        assert_eq!(err.flag, "shed-protect-fraction");
+        assert!(err.to_string().starts_with("--shed-protect-fraction"));
+        let cfg = parse(&["--queue-threshold", "-1"]);
+        assert_eq!(
+            cfg.validate().expect_err("negative").flag,
+            "queue-threshold"
+        );
+        let cfg = parse(&["--max-pending", "0"]);
+        assert_eq!(cfg.validate().expect_err("zero").flag, "max-pending");
+    }
+
+    #[test]
+    fn negative_protect_priority_parses() {
+        let cfg = parse(&["--shed-protect-priority", "-2"]);
+        assert_eq!(cfg.shed_protect_priority, -2);
+    }
+}

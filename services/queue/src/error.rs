@@ -1,0 +1,175 @@
+//! The queue's error enum and the one place it becomes a `tonic::Status`.
+//!
+//! Errors are classified where they happen (the admission checks, the
+//! dispatcher, the placer) and rendered here: full or shed → `RESOURCE_EXHAUSTED`,
+//! deadline → `DEADLINE_EXCEEDED`, no worker / placement failure / draining →
+//! `UNAVAILABLE`, malformed open → `INVALID_ARGUMENT`.
+
+use std::error::Error as StdError;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Why a request was not admitted or not granted.
+///
+/// `Clone` because a failure travels to the request's ticket through a watch
+/// channel; sources are kept behind an `Arc` for that reason.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum QueueError {
+    /// Every pending slot of the queue is taken.
+    #[error("queue full: {pending} requests pending, limit {limit} (--max-pending); retry later")]
+    QueueFull {
+        /// Requests pending when this one arrived.
+        pending: usize,
+        /// The global limit.
+        limit: usize,
+    },
+    /// The tenant has as many requests pending as it may.
+    #[error(
+        "tenant {tenant:?} has {pending} requests pending, limit {limit} (--max-pending-per-tenant); retry later"
+    )]
+    TenantFull {
+        /// The tenant ("" is the default tenant).
+        tenant: String,
+        /// The tenant's pending requests.
+        pending: usize,
+        /// The per-tenant limit.
+        limit: usize,
+    },
+    /// A low-priority request found only the share reserved for protected
+    /// priorities left.
+    #[error(
+        "queue full for priority {priority}: {pending} requests pending, and the last {reserved} of {limit} slots are reserved for priority above {protect}; retry later"
+    )]
+    Shed {
+        /// The request's priority.
+        priority: i32,
+        /// Requests pending when this one arrived.
+        pending: usize,
+        /// Slots reserved for priorities above `protect`.
+        reserved: usize,
+        /// The global limit.
+        limit: usize,
+        /// `--shed-protect-priority`.
+        protect: i32,
+    },
+    /// The request's deadline passed while it was held.
+    #[error("deadline passed after {} ms in the queue", waited.as_millis())]
+    DeadlineExceeded {
+        /// How long it waited.
+        waited: Duration,
+    },
+    /// No worker serves the model.
+    #[error("no worker available for model {model:?}")]
+    NoWorkers {
+        /// The requested model.
+        model: String,
+    },
+    /// The placement service (the router) failed.
+    #[error("placement failed")]
+    Placement {
+        /// What the router client reported.
+        #[source]
+        source: Arc<dyn StdError + Send + Sync + 'static>,
+    },
+    /// The queue is shutting down and admits nothing more.
+    #[error("queue is shutting down")]
+    Draining,
+    /// The client's open message is malformed.
+    #[error("invalid {field}: {reason}")]
+    InvalidArgument {
+        /// The offending field, as named on the wire.
+        field: &'static str,
+        /// What to fix.
+        reason: String,
+    },
+}
+
+impl QueueError {
+    /// The rejection reason used as a metrics label.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::QueueFull { .. } => "queue_full",
+            Self::TenantFull { .. } => "tenant_full",
+            Self::Shed { .. } => "shed",
+            Self::DeadlineExceeded { .. } => "deadline",
+            Self::NoWorkers { .. } => "no_workers",
+            Self::Placement { .. } => "placement",
+            Self::Draining => "draining",
+            Self::InvalidArgument { .. } => "invalid_argument",
+        }
+    }
+
+    /// A placement failure wrapping any error.
+    pub fn placement(source: impl StdError + Send + Sync + 'static) -> Self {
+        Self::Placement {
+            source: Arc::new(source),
+        }
+    }
+}
+
+impl From<QueueError> for tonic::Status {
+    fn from(err: QueueError) -> Self {
+        use tonic::Status;
+        match &err {
+            QueueError::QueueFull { .. }
+            | QueueError::TenantFull { .. }
+            | QueueError::Shed { .. } => Status::resource_exhausted(err.to_string()),
+            QueueError::DeadlineExceeded { .. } => Status::deadline_exceeded(err.to_string()),
+            QueueError::NoWorkers { .. } | QueueError::Draining => {
+                Status::unavailable(err.to_string())
+            }
+            QueueError::Placement { source } => {
+                tracing::warn!(error = %source, "placement failed");
+                Status::unavailable(format!("placement failed: {source}"))
+            }
+            QueueError::InvalidArgument { .. } => Status::invalid_argument(err.to_string()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tonic::Code;
+
+    #[test]
+    fn full_and_shed_map_to_resource_exhausted() {
+        let full = QueueError::QueueFull {
+            pending: 4,
+            limit: 4,
+        };
+        let shed = QueueError::Shed {
+            priority: 0,
+            pending: 3,
+            reserved: 1,
+            limit: 4,
+            protect: 0,
+        };
+        let tenant = QueueError::TenantFull {
+            tenant: "a".into(),
+            pending: 1,
+            limit: 1,
+        };
+        for err in [full, shed, tenant] {
+            assert_eq!(tonic::Status::from(err).code(), Code::ResourceExhausted);
+        }
+    }
+
+    #[test]
+    fn deadline_invalid_and_unavailable_codes() {
+        let status = tonic::Status::from(QueueError::DeadlineExceeded {
+            waited: Duration::from_millis(5),
+        });
+        assert_eq!(status.code(), Code::DeadlineExceeded);
+        let status = tonic::Status::from(QueueError::InvalidArgument {
+            field: "open.request_id",
+            reason: "must not be empty".into(),
+        });
+        assert_eq!(status.code(), Code::InvalidArgument);
+        assert!(status.message().contains("open.request_id"));
+        let status = tonic::Status::from(QueueError::NoWorkers { model: "m".into() });
+        assert_eq!(status.code(), Code::Unavailable);
+        let status = tonic::Status::from(QueueError::Draining);
+        assert_eq!(status.code(), Code::Unavailable);
+    }
+}

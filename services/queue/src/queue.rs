@@ -1,0 +1,1167 @@
+//! The admission queue: holds requests while every eligible worker is busy,
+//! releases them in policy order, and counts granted leases until they end.
+//!
+//! No tonic types here. The service feeds it (`admit`, `update_load`) and
+//! runs its dispatcher ([`Queue::run`]) with a [`Placer`] that asks the router
+//! for a worker.
+//!
+//! # Model
+//!
+//! Every request is a [`Ticket`] with one slot in the queue. A slot is
+//! *pending* while held, while its prefix overlap is re-read, and while it is
+//! being placed; it is *active* from its grant until the ticket is dropped (the
+//! lease ends). Each model has its own queue: its own release order, hold
+//! decision and active count. Limits (`--max-pending`, per tenant, the
+//! protected share) count pending slots across models.
+//!
+//! # Release order
+//!
+//! `(strict tier desc, policy key)`; see [`Policy`] for the keys. Under `wfq`
+//! each strict tier runs its own deficit round robin with unit cost per
+//! request: classes with held requests sit in a ring, the front class
+//! releases up to its weight `w` requests, then goes to the back; a class
+//! that empties leaves the ring and rejoins at the back. **Bound:** let `W`
+//! be the sum of the weights of the classes with held requests in the tier
+//! while a request waits. A request that is `k`-th in its class's FIFO is
+//! released within `⌈k / w⌉ · W` releases of that tier, whatever the other
+//! classes' arrival rates; the head of the lowest-weighted class waits at
+//! most `W − w` releases of other classes. (Higher strict tiers still go
+//! first: the bound is within a tier.)
+//!
+//! # Holding
+//!
+//! With `--queue-threshold F`, a model's queue holds while every eligible
+//! worker has `active_prefill_tokens > F × max_num_batched_tokens` (Dynamo's
+//! rule). Eligible workers are the model's prefill workers when it has any
+//! (they do the prefill work the threshold measures), otherwise its decode and
+//! aggregated workers; a worker that reports `max_num_batched_tokens = 0`
+//! counts as not busy, and a model with no known worker is not held (the
+//! router then answers "no worker"). Releases under a threshold are serial
+//! per model: the next request is released only after the previous placement
+//! came back and its uncached prompt tokens were added to the chosen worker's
+//! load, so one load snapshot cannot release a burst. The next `LoadView`
+//! from the router replaces those local additions. Without a threshold
+//! nothing is held and placements run concurrently. `--max-active` (per
+//! model, 0 = none) holds further requests while that many leases are
+//! granted or being placed.
+//!
+//! # Invariants
+//!
+//! `pending` = slots held, refreshing or placing; `active` = slots granted
+//! and not yet released; every slot is in exactly one phase; a held slot is
+//! in its model's order and nowhere else; a slot whose ticket is dropped
+//! leaves at once and is never placed afterwards.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use futures::stream::{FuturesUnordered, StreamExt};
+use parking_lot::Mutex;
+use tokio::sync::{Notify, watch};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{Policy, QueueConfig, WfqClass};
+use crate::error::QueueError;
+use crate::metrics::QueueMetrics;
+
+/// One request asking for admission.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Entry {
+    /// The caller's request id (for logs and the router).
+    pub request_id: String,
+    /// The model; each model has its own queue. "" = any worker.
+    pub model: String,
+    /// Higher = more important; default 0.
+    pub priority: i32,
+    /// Strict tier; every request of a higher tier is released first.
+    pub strict_tier: u32,
+    /// Tenant for per-tenant limits and `wfq` classes; "" = default.
+    pub tenant: String,
+    /// Prompt length in tokens.
+    pub prompt_tokens: u32,
+    /// Prompt tokens expected cached on the best worker (re-read after
+    /// `--refresh-interval-ms` of holding).
+    pub overlap_tokens: u32,
+    /// Chained sequence block hashes of the prompt's full blocks.
+    pub block_hashes: Arc<[u64]>,
+    /// Block size the hashes were computed with.
+    pub block_size: u32,
+    /// When the queue received the request.
+    pub arrival: Instant,
+    /// Past this instant a held request fails with `DeadlineExceeded`.
+    pub deadline: Option<Instant>,
+}
+
+impl Entry {
+    /// Prompt tokens not expected in cache.
+    pub fn uncached_tokens(&self) -> u32 {
+        self.prompt_tokens.saturating_sub(self.overlap_tokens)
+    }
+}
+
+/// A worker instance as the router names it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Target {
+    /// Worker instance id.
+    pub worker_id: String,
+    /// Address to call `Generate` (or the prefill RPC) on.
+    pub endpoint: String,
+    /// Data-parallel rank inside the worker.
+    pub dp_rank: u32,
+}
+
+/// Where a request runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    /// Decode (or aggregated) worker.
+    pub worker: Target,
+    /// Prefill worker, when the model has a prefill pool.
+    pub prefill: Option<Target>,
+    /// Prompt tokens the router expects cached on `worker`.
+    pub overlap_tokens: u32,
+}
+
+/// A granted request: its placement and how long it waited.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Grant {
+    /// The router's placement.
+    pub placement: Placement,
+    /// Time from arrival to grant.
+    pub waited: Duration,
+}
+
+/// Why a model's queue is holding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HoldReason {
+    /// Every eligible worker is above `--queue-threshold`.
+    AboveThreshold,
+    /// `--max-active` leases are granted or being placed.
+    ActiveLimit,
+    /// An earlier request's placement is in flight (threshold mode releases
+    /// one at a time per model).
+    PlacementInFlight,
+}
+
+impl HoldReason {
+    /// A short phrase for logs, traces and `Held.reason`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::AboveThreshold => "all workers above threshold",
+            Self::ActiveLimit => "active leases at limit",
+            Self::PlacementInFlight => "waiting for an earlier placement",
+        }
+    }
+}
+
+/// A held request's place in its model's queue.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeldStatus {
+    /// 0-based position in release order.
+    pub position: u32,
+    /// Requests held in the same model's queue.
+    pub pending: u32,
+    /// Why the queue holds.
+    pub reason: HoldReason,
+}
+
+/// What a ticket reports next.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TicketEvent {
+    /// Held, or the position changed.
+    Held(HeldStatus),
+    /// Granted; the lease now lasts until the ticket is dropped.
+    Granted(Grant),
+}
+
+/// A worker's role as the router reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkerRole {
+    /// Decode worker (disaggregated).
+    Decode,
+    /// Prefill worker (disaggregated).
+    Prefill,
+    /// Prefill and decode in one worker.
+    Aggregated,
+}
+
+/// One worker rank's load, from the router's `WatchLoad`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerLoad {
+    /// The worker instance and rank.
+    pub target: Target,
+    /// The model it serves.
+    pub model: String,
+    /// Its role.
+    pub role: WorkerRole,
+    /// Prefill tokens admitted but not yet computed.
+    pub active_prefill_tokens: u64,
+    /// The engine's per-step token budget; 0 = unknown.
+    pub max_num_batched_tokens: u32,
+}
+
+/// Every worker's load; each view replaces the previous one.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LoadView {
+    /// One entry per worker rank.
+    pub workers: Vec<WorkerLoad>,
+}
+
+/// Chooses a worker for a released request (the service asks the router).
+pub trait Placer: Send + Sync + 'static {
+    /// Places the request; the placement counts as load from now on.
+    fn place(&self, entry: &Entry) -> impl Future<Output = Result<Placement, QueueError>> + Send;
+
+    /// Re-reads the prompt tokens cached on the best worker, without placing.
+    fn overlap(&self, entry: &Entry) -> impl Future<Output = Result<u32, QueueError>> + Send;
+}
+
+/// Pending and active counts with the held requests grouped by tier.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct QueueStats {
+    /// Requests held, refreshing or being placed.
+    pub pending: usize,
+    /// Granted leases not yet released.
+    pub active: usize,
+    /// Pending requests by (strict tier, priority), highest first.
+    pub tiers: Vec<TierStats>,
+}
+
+/// Pending requests of one (strict tier, priority).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TierStats {
+    /// Strict tier.
+    pub strict_tier: u32,
+    /// Priority.
+    pub priority: i32,
+    /// Requests pending.
+    pub pending: usize,
+    /// Their prompt tokens.
+    pub pending_tokens: u64,
+    /// The longest wait among them.
+    pub oldest_wait: Duration,
+}
+
+/// The admission queue; cheap to clone (one shared state).
+#[derive(Debug, Clone)]
+pub struct Queue {
+    shared: Arc<Shared>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    cfg: QueueConfig,
+    metrics: QueueMetrics,
+    epoch: Instant,
+    state: Mutex<State>,
+    wake: Notify,
+}
+
+impl Queue {
+    /// A queue with `cfg`'s policy and limits; nothing is released until
+    /// [`Queue::run`] is running.
+    pub fn new(cfg: QueueConfig, metrics: QueueMetrics) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                cfg,
+                metrics,
+                epoch: Instant::now(),
+                state: Mutex::new(State::default()),
+                wake: Notify::new(),
+            }),
+        }
+    }
+
+    /// The configuration the queue runs with.
+    pub fn config(&self) -> &QueueConfig {
+        &self.shared.cfg
+    }
+
+    /// Admits `entry` or refuses it at once (`QueueFull`, `TenantFull`,
+    /// `Shed`, `DeadlineExceeded`, `Draining`). Dropping the ticket cancels
+    /// a held request or, once granted, releases its lease.
+    pub fn admit(&self, mut entry: Entry) -> Result<Ticket, QueueError> {
+        let shared = &self.shared;
+        let cfg = &shared.cfg;
+        entry.overlap_tokens = entry.overlap_tokens.min(entry.prompt_tokens);
+        let now = Instant::now();
+        let mut st = shared.state.lock();
+        let refused = st.check_admission(cfg, &entry, now);
+        if let Err(err) = refused {
+            drop(st);
+            shared.metrics.rejected(err.reason());
+            return Err(err);
+        }
+        let seq = st.next_seq;
+        st.next_seq += 1;
+        let (tx, rx) = watch::channel(TicketState::Waiting);
+        let model = st
+            .models
+            .entry(entry.model.clone())
+            .or_insert_with(|| ModelQueue::new(cfg.queue_policy));
+        model.order.insert(cfg, shared.epoch, seq, &entry);
+        if let Some(deadline) = entry.deadline {
+            st.deadlines.insert((deadline, seq));
+        }
+        *st.tenants.entry(entry.tenant.clone()).or_default() += 1;
+        st.pending += 1;
+        shared
+            .metrics
+            .pending(entry.priority, entry.prompt_tokens, 1);
+        st.slots.insert(
+            seq,
+            Slot {
+                entry,
+                phase: Phase::Held,
+                tx,
+                last_refresh: now,
+                sent: None,
+            },
+        );
+        drop(st);
+        shared.wake.notify_one();
+        Ok(Ticket {
+            seq,
+            rx,
+            shared: Arc::clone(shared),
+            last_held: None,
+        })
+    }
+
+    /// Replaces the load view (the router's latest `LoadView`) and
+    /// re-evaluates every model's hold decision.
+    pub fn update_load(&self, view: LoadView) {
+        let mut st = self.shared.state.lock();
+        st.load = view
+            .workers
+            .into_iter()
+            .map(|w| ((w.target.worker_id.clone(), w.target.dp_rank), w))
+            .collect();
+        drop(st);
+        self.shared.wake.notify_one();
+    }
+
+    /// Current pending and active counts and the pending requests by tier.
+    pub fn stats(&self) -> QueueStats {
+        let now = Instant::now();
+        let st = self.shared.state.lock();
+        let mut tiers: BTreeMap<(Reverse<u32>, Reverse<i32>), TierStats> = BTreeMap::new();
+        for slot in st.slots.values().filter(|s| s.phase != Phase::Active) {
+            let e = &slot.entry;
+            let tier = tiers
+                .entry((Reverse(e.strict_tier), Reverse(e.priority)))
+                .or_insert_with(|| TierStats {
+                    strict_tier: e.strict_tier,
+                    priority: e.priority,
+                    pending: 0,
+                    pending_tokens: 0,
+                    oldest_wait: Duration::ZERO,
+                });
+            tier.pending += 1;
+            tier.pending_tokens += u64::from(e.prompt_tokens);
+            tier.oldest_wait = tier
+                .oldest_wait
+                .max(now.saturating_duration_since(e.arrival));
+        }
+        QueueStats {
+            pending: st.pending,
+            active: st.active,
+            tiers: tiers.into_values().collect(),
+        }
+    }
+
+    /// The dispatcher: releases held requests in order while capacity allows,
+    /// places them with `placer`, expires deadlines and publishes positions.
+    /// Returns once `shutdown` is cancelled, after failing every request not
+    /// yet granted with `Draining`; granted leases stay valid.
+    pub async fn run<P: Placer>(&self, placer: P, shutdown: CancellationToken) {
+        let shared = &self.shared;
+        let placer = Arc::new(placer);
+        let mut ops: FuturesUnordered<BoxFuture<'static, Outcome>> = FuturesUnordered::new();
+        loop {
+            let (started, next_deadline) = {
+                let now = Instant::now();
+                let mut st = shared.state.lock();
+                st.expire(now, &shared.metrics);
+                let started = st.release(&shared.cfg, now);
+                st.publish_positions();
+                st.models.retain(|_, m| !m.is_idle());
+                (started, st.deadlines.first().map(|&(d, _)| d))
+            };
+            for op in started {
+                ops.push(op.start(Arc::clone(&placer)));
+            }
+            tokio::select! {
+                biased;
+                () = shutdown.cancelled() => break,
+                Some(outcome) = ops.next(), if !ops.is_empty() => {
+                    let now = Instant::now();
+                    let mut st = shared.state.lock();
+                    st.complete(outcome, &shared.cfg, shared.epoch, &shared.metrics, now);
+                }
+                () = shared.wake.notified() => {}
+                () = tokio::time::sleep_until(next_deadline.unwrap_or_else(Instant::now)),
+                    if next_deadline.is_some() => {}
+            }
+        }
+        let mut st = shared.state.lock();
+        st.drain(&shared.metrics);
+    }
+}
+
+/// A request's place in the queue and, once granted, its lease.
+///
+/// Dropping it cancels a request not yet granted (it leaves the queue at
+/// once and is never placed) or releases a granted lease's slot.
+#[derive(Debug)]
+pub struct Ticket {
+    seq: u64,
+    rx: watch::Receiver<TicketState>,
+    shared: Arc<Shared>,
+    last_held: Option<HeldStatus>,
+}
+
+impl Ticket {
+    /// Waits for the next event: a new held status, or the grant. After the
+    /// grant or an error it returns the same outcome again.
+    pub async fn next(&mut self) -> Result<TicketEvent, QueueError> {
+        loop {
+            let state = self.rx.borrow_and_update().clone();
+            match state {
+                TicketState::Granted(grant) => return Ok(TicketEvent::Granted(grant)),
+                TicketState::Failed(err) => return Err(err),
+                TicketState::Held(status) if self.last_held.as_ref() != Some(&status) => {
+                    self.last_held = Some(status.clone());
+                    return Ok(TicketEvent::Held(status));
+                }
+                TicketState::Held(_) | TicketState::Waiting => {}
+            }
+            if self.rx.changed().await.is_err() {
+                // The queue dropped the slot without a verdict: it is gone.
+                return Err(QueueError::Draining);
+            }
+        }
+    }
+
+    /// Waits for the grant, skipping held updates.
+    pub async fn granted(&mut self) -> Result<Grant, QueueError> {
+        loop {
+            if let TicketEvent::Granted(grant) = self.next().await? {
+                return Ok(grant);
+            }
+        }
+    }
+
+    /// The latest held status, if the request has been held.
+    pub fn held(&self) -> Option<HeldStatus> {
+        match &*self.rx.borrow() {
+            TicketState::Held(status) => Some(status.clone()),
+            _ => None,
+        }
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        let shared = &self.shared;
+        let mut st = shared.state.lock();
+        st.leave(self.seq, &shared.cfg, shared.epoch, &shared.metrics);
+        drop(st);
+        shared.wake.notify_one();
+    }
+}
+
+#[derive(Debug, Clone)]
+enum TicketState {
+    Waiting,
+    Held(HeldStatus),
+    Granted(Grant),
+    Failed(QueueError),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Held,
+    Refreshing,
+    Placing,
+    Active,
+}
+
+#[derive(Debug)]
+struct Slot {
+    entry: Entry,
+    phase: Phase,
+    tx: watch::Sender<TicketState>,
+    last_refresh: Instant,
+    sent: Option<HeldStatus>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    next_seq: u64,
+    slots: HashMap<u64, Slot>,
+    models: HashMap<String, ModelQueue>,
+    tenants: HashMap<String, usize>,
+    pending: usize,
+    active: usize,
+    deadlines: BTreeSet<(Instant, u64)>,
+    load: HashMap<(String, u32), WorkerLoad>,
+    draining: bool,
+}
+
+/// Work the dispatcher starts outside the lock.
+enum Op {
+    Place(u64, Entry),
+    Refresh(u64, Entry),
+}
+
+enum Outcome {
+    Placed {
+        seq: u64,
+        model: String,
+        result: Result<Placement, QueueError>,
+    },
+    Refreshed {
+        seq: u64,
+        model: String,
+        result: Result<u32, QueueError>,
+    },
+}
+
+impl Op {
+    fn start<P: Placer>(self, placer: Arc<P>) -> BoxFuture<'static, Outcome> {
+        match self {
+            Op::Place(seq, entry) => Box::pin(async move {
+                let result = placer.place(&entry).await;
+                Outcome::Placed {
+                    seq,
+                    model: entry.model,
+                    result,
+                }
+            }),
+            Op::Refresh(seq, entry) => Box::pin(async move {
+                let result = placer.overlap(&entry).await;
+                Outcome::Refreshed {
+                    seq,
+                    model: entry.model,
+                    result,
+                }
+            }),
+        }
+    }
+}
+
+impl State {
+    fn check_admission(
+        &self,
+        cfg: &QueueConfig,
+        entry: &Entry,
+        now: Instant,
+    ) -> Result<(), QueueError> {
+        if self.draining {
+            return Err(QueueError::Draining);
+        }
+        if self.pending >= cfg.max_pending {
+            return Err(QueueError::QueueFull {
+                pending: self.pending,
+                limit: cfg.max_pending,
+            });
+        }
+        let reserved = cfg.reserved_slots();
+        if entry.priority <= cfg.shed_protect_priority
+            && reserved > 0
+            && self.pending >= cfg.max_pending - reserved
+        {
+            return Err(QueueError::Shed {
+                priority: entry.priority,
+                pending: self.pending,
+                reserved,
+                limit: cfg.max_pending,
+                protect: cfg.shed_protect_priority,
+            });
+        }
+        let tenant_pending = self.tenants.get(&entry.tenant).copied().unwrap_or(0);
+        if tenant_pending >= cfg.max_pending_per_tenant {
+            return Err(QueueError::TenantFull {
+                tenant: entry.tenant.clone(),
+                pending: tenant_pending,
+                limit: cfg.max_pending_per_tenant,
+            });
+        }
+        if let Some(deadline) = entry.deadline
+            && deadline <= now
+        {
+            return Err(QueueError::DeadlineExceeded {
+                waited: now.saturating_duration_since(entry.arrival),
+            });
+        }
+        Ok(())
+    }
+
+    /// Releases, per model, as many held requests as the hold rule allows.
+    fn release(&mut self, cfg: &QueueConfig, now: Instant) -> Vec<Op> {
+        let mut ops = Vec::new();
+        if self.draining {
+            return ops;
+        }
+        let refresh_after = cfg.refresh_interval();
+        for (model_name, model) in &mut self.models {
+            model.hold = None;
+            while let Some(seq) = model.order.head() {
+                if let Some(reason) = hold_reason(cfg, model, model_name, &self.load) {
+                    model.hold = Some(reason);
+                    break;
+                }
+                let Some(slot) = self.slots.get_mut(&seq) else {
+                    // Unreachable by the invariants; drop the stray id.
+                    tracing::error!(seq, "held id without a slot");
+                    model.order.pop_head();
+                    continue;
+                };
+                let stale = now.saturating_duration_since(slot.last_refresh) >= refresh_after;
+                if cfg.queue_threshold.is_some() && stale {
+                    // Stays in the order (and blocks this model's releases)
+                    // until the fresh overlap is back.
+                    slot.phase = Phase::Refreshing;
+                    model.refreshing += 1;
+                    ops.push(Op::Refresh(seq, slot.entry.clone()));
+                    continue;
+                }
+                model.order.pop_head();
+                if let Some(deadline) = slot.entry.deadline {
+                    self.deadlines.remove(&(deadline, seq));
+                }
+                slot.phase = Phase::Placing;
+                model.placing += 1;
+                ops.push(Op::Place(seq, slot.entry.clone()));
+            }
+        }
+        ops
+    }
+
+    /// Sends every held request its position when it changed.
+    fn publish_positions(&mut self) {
+        for model in self.models.values() {
+            let Some(reason) = model.hold else { continue };
+            let order = model.order.sequence();
+            let pending = u32::try_from(order.len()).unwrap_or(u32::MAX);
+            for (position, seq) in order.into_iter().enumerate() {
+                let Some(slot) = self.slots.get_mut(&seq) else {
+                    continue;
+                };
+                let status = HeldStatus {
+                    position: u32::try_from(position).unwrap_or(u32::MAX),
+                    pending,
+                    reason,
+                };
+                if slot.sent.as_ref() != Some(&status) {
+                    slot.tx.send_replace(TicketState::Held(status.clone()));
+                    slot.sent = Some(status);
+                }
+            }
+        }
+    }
+
+    /// Fails held requests whose deadline passed.
+    fn expire(&mut self, now: Instant, metrics: &QueueMetrics) {
+        while let Some(&(deadline, seq)) = self.deadlines.first() {
+            if deadline > now {
+                break;
+            }
+            self.deadlines.pop_first();
+            let Some(slot) = self.slots.remove(&seq) else {
+                continue;
+            };
+            if let Some(model) = self.models.get_mut(&slot.entry.model) {
+                model.order.remove_any(seq);
+            }
+            self.forget_pending(&slot.entry, metrics);
+            metrics.expired();
+            slot.tx
+                .send_replace(TicketState::Failed(QueueError::DeadlineExceeded {
+                    waited: now.saturating_duration_since(slot.entry.arrival),
+                }));
+        }
+    }
+
+    /// Applies a placement's or refresh's result.
+    fn complete(
+        &mut self,
+        outcome: Outcome,
+        cfg: &QueueConfig,
+        epoch: Instant,
+        metrics: &QueueMetrics,
+        now: Instant,
+    ) {
+        match outcome {
+            Outcome::Refreshed { seq, model, result } => {
+                let Some(queue) = self.models.get_mut(&model) else {
+                    return;
+                };
+                queue.refreshing -= 1;
+                let Some(slot) = self.slots.get_mut(&seq) else {
+                    return; // cancelled while refreshing
+                };
+                if slot.phase != Phase::Refreshing {
+                    return;
+                }
+                match result {
+                    Ok(overlap) => {
+                        // Re-key: under wspt the overlap moves the request.
+                        queue.order.remove(cfg, epoch, seq, &slot.entry);
+                        slot.entry.overlap_tokens = overlap.min(slot.entry.prompt_tokens);
+                        queue.order.insert(cfg, epoch, seq, &slot.entry);
+                    }
+                    Err(err) => {
+                        tracing::debug!(request_id = %slot.entry.request_id, error = %err, "overlap refresh failed; keeping the old estimate");
+                    }
+                }
+                slot.last_refresh = now;
+                slot.phase = Phase::Held;
+            }
+            Outcome::Placed { seq, model, result } => {
+                let Some(queue) = self.models.get_mut(&model) else {
+                    return;
+                };
+                queue.placing -= 1;
+                let Some(slot) = self.slots.get(&seq) else {
+                    tracing::debug!(seq, "request cancelled during placement");
+                    return;
+                };
+                match result {
+                    Ok(placement) => {
+                        queue.active += 1;
+                        self.active += 1;
+                        let entry = slot.entry.clone();
+                        self.forget_pending(&entry, metrics);
+                        let uncached = entry.prompt_tokens.saturating_sub(placement.overlap_tokens);
+                        let busy = placement.prefill.as_ref().unwrap_or(&placement.worker);
+                        if let Some(load) =
+                            self.load.get_mut(&(busy.worker_id.clone(), busy.dp_rank))
+                        {
+                            load.active_prefill_tokens += u64::from(uncached);
+                        }
+                        let waited = now.saturating_duration_since(entry.arrival);
+                        metrics.granted(entry.priority, waited.as_secs_f64());
+                        if let Some(slot) = self.slots.get_mut(&seq) {
+                            slot.phase = Phase::Active;
+                            slot.tx
+                                .send_replace(TicketState::Granted(Grant { placement, waited }));
+                        }
+                    }
+                    Err(err) => {
+                        if let Some(slot) = self.slots.remove(&seq) {
+                            self.forget_pending(&slot.entry, metrics);
+                            metrics.rejected(err.reason());
+                            slot.tx.send_replace(TicketState::Failed(err));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The ticket was dropped: leave at once, or end the lease.
+    fn leave(&mut self, seq: u64, cfg: &QueueConfig, epoch: Instant, metrics: &QueueMetrics) {
+        let Some(slot) = self.slots.remove(&seq) else {
+            return;
+        };
+        match slot.phase {
+            Phase::Held | Phase::Refreshing => {
+                if let Some(model) = self.models.get_mut(&slot.entry.model) {
+                    model.order.remove(cfg, epoch, seq, &slot.entry);
+                }
+                if let Some(deadline) = slot.entry.deadline {
+                    self.deadlines.remove(&(deadline, seq));
+                }
+                self.forget_pending(&slot.entry, metrics);
+            }
+            Phase::Placing => self.forget_pending(&slot.entry, metrics),
+            Phase::Active => {
+                self.active -= 1;
+                if let Some(model) = self.models.get_mut(&slot.entry.model) {
+                    model.active -= 1;
+                }
+                metrics.released();
+            }
+        }
+    }
+
+    /// Fails every request not yet granted; admits nothing more.
+    fn drain(&mut self, metrics: &QueueMetrics) {
+        self.draining = true;
+        let waiting: Vec<u64> = self
+            .slots
+            .iter()
+            .filter(|(_, s)| s.phase != Phase::Active)
+            .map(|(&seq, _)| seq)
+            .collect();
+        for seq in waiting {
+            if let Some(slot) = self.slots.remove(&seq) {
+                if let Some(model) = self.models.get_mut(&slot.entry.model) {
+                    model.order.remove_any(seq);
+                }
+                self.forget_pending(&slot.entry, metrics);
+                metrics.rejected(QueueError::Draining.reason());
+                slot.tx
+                    .send_replace(TicketState::Failed(QueueError::Draining));
+            }
+        }
+        self.deadlines.clear();
+    }
+
+    fn forget_pending(&mut self, entry: &Entry, metrics: &QueueMetrics) {
+        self.pending -= 1;
+        if let Some(count) = self.tenants.get_mut(&entry.tenant) {
+            *count -= 1;
+            if *count == 0 {
+                self.tenants.remove(&entry.tenant);
+            }
+        }
+        metrics.pending(entry.priority, entry.prompt_tokens, -1);
+    }
+}
+
+fn hold_reason(
+    cfg: &QueueConfig,
+    model: &ModelQueue,
+    model_name: &str,
+    load: &HashMap<(String, u32), WorkerLoad>,
+) -> Option<HoldReason> {
+    if cfg.max_active > 0 && model.active + model.placing >= cfg.max_active {
+        return Some(HoldReason::ActiveLimit);
+    }
+    let threshold = cfg.queue_threshold?;
+    if model.placing + model.refreshing > 0 {
+        return Some(HoldReason::PlacementInFlight);
+    }
+    all_busy(model_name, load, threshold).then_some(HoldReason::AboveThreshold)
+}
+
+/// Dynamo's rule: busy when every eligible worker is above the threshold.
+fn all_busy(model: &str, load: &HashMap<(String, u32), WorkerLoad>, threshold: f64) -> bool {
+    let serves = |w: &&WorkerLoad| model.is_empty() || w.model.is_empty() || w.model == model;
+    let has_prefill = load
+        .values()
+        .filter(serves)
+        .any(|w| w.role == WorkerRole::Prefill);
+    let mut eligible = load
+        .values()
+        .filter(serves)
+        .filter(|w| (w.role == WorkerRole::Prefill) == has_prefill)
+        .peekable();
+    if eligible.peek().is_none() {
+        return false;
+    }
+    eligible.all(|w| {
+        w.max_num_batched_tokens > 0
+            && w.active_prefill_tokens as f64 > threshold * f64::from(w.max_num_batched_tokens)
+    })
+}
+
+#[derive(Debug)]
+struct ModelQueue {
+    order: Order,
+    placing: usize,
+    refreshing: usize,
+    active: usize,
+    hold: Option<HoldReason>,
+}
+
+impl ModelQueue {
+    fn new(policy: Policy) -> Self {
+        Self {
+            order: match policy {
+                Policy::Wfq => Order::Wfq(BTreeMap::new()),
+                _ => Order::Keyed(BTreeMap::new()),
+            },
+            placing: 0,
+            refreshing: 0,
+            active: 0,
+            hold: None,
+        }
+    }
+
+    fn is_idle(&self) -> bool {
+        self.order.is_empty() && self.placing == 0 && self.refreshing == 0 && self.active == 0
+    }
+}
+
+/// Held requests of one model in release order.
+#[derive(Debug)]
+enum Order {
+    /// `fcfs`, `wspt`, `strict`: a static key per request.
+    Keyed(BTreeMap<OrderKey, u64>),
+    /// `wfq`: one round robin per strict tier, highest tier first.
+    Wfq(BTreeMap<Reverse<u32>, Drr>),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct OrderKey {
+    tier: Reverse<u32>,
+    key: PolicyKey,
+    seq: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum PolicyKey {
+    /// Effective arrival in ns since the queue's epoch; earliest first.
+    EffectiveArrival(i128),
+    /// Highest priority first.
+    Priority(Reverse<i32>),
+    /// Largest WSPT score first.
+    Score(Reverse<TotalF64>),
+}
+
+/// `f64` ordered by `total_cmp`.
+#[derive(Debug, Clone, Copy)]
+struct TotalF64(f64);
+
+impl PartialEq for TotalF64 {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.total_cmp(&other.0).is_eq()
+    }
+}
+impl Eq for TotalF64 {}
+impl PartialOrd for TotalF64 {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for TotalF64 {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.0.total_cmp(&other.0)
+    }
+}
+
+fn order_key(cfg: &QueueConfig, epoch: Instant, seq: u64, entry: &Entry) -> OrderKey {
+    let bump = i128::from(entry.priority.max(0));
+    let key = match cfg.queue_policy {
+        Policy::Fcfs | Policy::Wfq => {
+            let arrival = if entry.arrival >= epoch {
+                entry.arrival.duration_since(epoch).as_nanos() as i128
+            } else {
+                -(epoch.duration_since(entry.arrival).as_nanos() as i128)
+            };
+            PolicyKey::EffectiveArrival(arrival - bump * 1_000_000_000)
+        }
+        Policy::Strict => PolicyKey::Priority(Reverse(entry.priority)),
+        Policy::Wspt => {
+            let score = (1 + bump) as f64 / f64::from(entry.uncached_tokens().max(1));
+            PolicyKey::Score(Reverse(TotalF64(score)))
+        }
+    };
+    OrderKey {
+        tier: Reverse(entry.strict_tier),
+        key,
+        seq,
+    }
+}
+
+fn wfq_class(cfg: &QueueConfig, entry: &Entry) -> String {
+    let tenant = if entry.tenant.is_empty() {
+        "default"
+    } else {
+        entry.tenant.as_str()
+    };
+    match cfg.wfq_class {
+        WfqClass::Tenant => tenant.to_owned(),
+        WfqClass::Priority => entry.priority.to_string(),
+        WfqClass::TenantPriority => format!("{tenant}/{}", entry.priority),
+    }
+}
+
+impl Order {
+    fn insert(&mut self, cfg: &QueueConfig, epoch: Instant, seq: u64, entry: &Entry) {
+        match self {
+            Order::Keyed(map) => {
+                map.insert(order_key(cfg, epoch, seq, entry), seq);
+            }
+            Order::Wfq(tiers) => {
+                let class = wfq_class(cfg, entry);
+                let weight = cfg
+                    .wfq_weights
+                    .0
+                    .get(&class)
+                    .copied()
+                    .unwrap_or(cfg.wfq_default_weight)
+                    .max(1);
+                tiers
+                    .entry(Reverse(entry.strict_tier))
+                    .or_default()
+                    .push(class, weight, seq);
+            }
+        }
+    }
+
+    /// Removes `seq` (cancelled, expired or re-keyed); `entry` is its
+    /// current entry. Not a release: `wfq` turns are not charged.
+    fn remove(&mut self, cfg: &QueueConfig, epoch: Instant, seq: u64, entry: &Entry) {
+        match self {
+            Order::Keyed(map) => {
+                map.remove(&order_key(cfg, epoch, seq, entry));
+            }
+            Order::Wfq(tiers) => {
+                let tier = Reverse(entry.strict_tier);
+                if let Some(drr) = tiers.get_mut(&tier) {
+                    drr.remove(&wfq_class(cfg, entry), seq);
+                    if drr.is_empty() {
+                        tiers.remove(&tier);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Removes `seq` wherever it is.
+    fn remove_any(&mut self, seq: u64) {
+        match self {
+            Order::Keyed(map) => map.retain(|_, s| *s != seq),
+            Order::Wfq(tiers) => tiers.retain(|_, drr| {
+                drr.remove_any(seq);
+                !drr.is_empty()
+            }),
+        }
+    }
+
+    /// Takes the next request out for release.
+    fn pop_head(&mut self) -> Option<u64> {
+        match self {
+            Order::Keyed(map) => map.pop_first().map(|(_, seq)| seq),
+            Order::Wfq(tiers) => {
+                let mut first = tiers.first_entry()?;
+                let seq = first.get_mut().pop();
+                if first.get().is_empty() {
+                    first.remove();
+                }
+                seq
+            }
+        }
+    }
+
+    /// The next request to release.
+    fn head(&self) -> Option<u64> {
+        match self {
+            Order::Keyed(map) => map.values().next().copied(),
+            Order::Wfq(tiers) => tiers.values().next().and_then(Drr::head),
+        }
+    }
+
+    /// Every held request in release order.
+    fn sequence(&self) -> Vec<u64> {
+        match self {
+            Order::Keyed(map) => map.values().copied().collect(),
+            Order::Wfq(tiers) => tiers.values().flat_map(Drr::sequence).collect(),
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        match self {
+            Order::Keyed(map) => map.is_empty(),
+            Order::Wfq(tiers) => tiers.is_empty(),
+        }
+    }
+}
+
+/// Deficit round robin with unit cost: the front class of the ring releases
+/// up to its weight, then moves to the back.
+#[derive(Debug, Clone, Default)]
+struct Drr {
+    classes: HashMap<String, ClassQueue>,
+    ring: VecDeque<String>,
+    /// Releases left in the front class's current turn (0 = turn not begun).
+    turn: u32,
+}
+
+#[derive(Debug, Clone)]
+struct ClassQueue {
+    fifo: VecDeque<u64>,
+    weight: u32,
+}
+
+impl Drr {
+    fn push(&mut self, class: String, weight: u32, seq: u64) {
+        let queue = self
+            .classes
+            .entry(class.clone())
+            .or_insert_with(|| ClassQueue {
+                fifo: VecDeque::new(),
+                weight,
+            });
+        if queue.fifo.is_empty() {
+            self.ring.push_back(class);
+        }
+        queue.fifo.push_back(seq);
+    }
+
+    fn head(&self) -> Option<u64> {
+        let class = self.ring.front()?;
+        self.classes.get(class)?.fifo.front().copied()
+    }
+
+    /// Releases the head and advances the round robin.
+    fn pop(&mut self) -> Option<u64> {
+        let class = self.ring.front()?.clone();
+        let queue = self.classes.get_mut(&class)?;
+        if self.turn == 0 {
+            self.turn = queue.weight.max(1);
+        }
+        let seq = queue.fifo.pop_front()?;
+        self.turn -= 1;
+        if queue.fifo.is_empty() {
+            self.classes.remove(&class);
+            self.ring.pop_front();
+            self.turn = 0;
+        } else if self.turn == 0 {
+            self.ring.rotate_left(1);
+        }
+        Some(seq)
+    }
+
+    /// Removes a request that leaves without being released.
+    fn remove(&mut self, class: &str, seq: u64) {
+        let Some(queue) = self.classes.get_mut(class) else {
+            return;
+        };
+        let Some(i) = queue.fifo.iter().position(|&s| s == seq) else {
+            return;
+        };
+        queue.fifo.remove(i);
+        if queue.fifo.is_empty() {
+            self.classes.remove(class);
+            if let Some(pos) = self.ring.iter().position(|c| c == class) {
+                self.ring.remove(pos);
+                if pos == 0 {
+                    self.turn = 0;
+                }
+            }
+        }
+    }
+
+    fn remove_any(&mut self, seq: u64) {
+        let class = self
+            .classes
+            .iter()
+            .find(|(_, q)| q.fifo.contains(&seq))
+            .map(|(c, _)| c.clone());
+        if let Some(class) = class {
+            self.remove(&class, seq);
+        }
+    }
+
+    fn sequence(&self) -> Vec<u64> {
+        let mut sim = self.clone();
+        std::iter::from_fn(|| sim.pop()).collect()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.ring.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,717 @@
+//! Queue behaviour under contention, with paused time and an in-test placer.
+
+use super::*;
+use crate::config::WfqWeights;
+use prometheus::Registry;
+use tokio::task::JoinHandle;
+
+fn config(policy: Policy) -> QueueConfig {
+    QueueConfig {
+        queue_policy: policy,
+        queue_threshold: None,
+        max_pending: 1000,
+        max_pending_per_tenant: 1000,
+        max_active: 0,
+        shed_protect_priority: 0,
+        shed_protect_fraction: 0.0,
+        wfq_class: WfqClass::Priority,
+        wfq_weights: WfqWeights::default(),
+        wfq_default_weight: 1,
+        refresh_interval_ms: 60_000,
+    }
+}
+
+fn target(id: &str) -> Target {
+    Target {
+        worker_id: id.into(),
+        endpoint: format!("http://{id}"),
+        dp_rank: 0,
+    }
+}
+
+/// Places everything on `w0`, records the order, and answers overlap
+/// refreshes from a table.
+#[derive(Clone, Default)]
+struct TestPlacer {
+    placed: Arc<Mutex<Vec<String>>>,
+    refreshed: Arc<Mutex<Vec<String>>>,
+    fresh_overlap: Arc<Mutex<HashMap<String, u32>>>,
+    fail: bool,
+    delay: Option<Duration>,
+}
+
+impl TestPlacer {
+    fn placed(&self) -> Vec<String> {
+        self.placed.lock().clone()
+    }
+}
+
+impl Placer for TestPlacer {
+    async fn place(&self, entry: &Entry) -> Result<Placement, QueueError> {
+        if let Some(delay) = self.delay {
+            tokio::time::sleep(delay).await;
+        }
+        self.placed.lock().push(entry.request_id.clone());
+        if self.fail {
+            return Err(QueueError::NoWorkers {
+                model: entry.model.clone(),
+            });
+        }
+        Ok(Placement {
+            worker: target("w0"),
+            prefill: None,
+            overlap_tokens: entry.overlap_tokens,
+        })
+    }
+
+    async fn overlap(&self, entry: &Entry) -> Result<u32, QueueError> {
+        self.refreshed.lock().push(entry.request_id.clone());
+        Ok(self
+            .fresh_overlap
+            .lock()
+            .get(&entry.request_id)
+            .copied()
+            .unwrap_or(entry.overlap_tokens))
+    }
+}
+
+struct Harness {
+    queue: Queue,
+    placer: TestPlacer,
+    registry: Registry,
+    shutdown: CancellationToken,
+    dispatcher: JoinHandle<()>,
+}
+
+impl Harness {
+    fn start(cfg: QueueConfig) -> Self {
+        Self::with_placer(cfg, TestPlacer::default())
+    }
+
+    fn with_placer(cfg: QueueConfig, placer: TestPlacer) -> Self {
+        let registry = Registry::new();
+        let metrics = QueueMetrics::new(&registry).expect("metrics register");
+        let queue = Queue::new(cfg, metrics);
+        let shutdown = CancellationToken::new();
+        let dispatcher = tokio::spawn({
+            let queue = queue.clone();
+            let placer = placer.clone();
+            let shutdown = shutdown.clone();
+            async move { queue.run(placer, shutdown).await }
+        });
+        Self {
+            queue,
+            placer,
+            registry,
+            shutdown,
+            dispatcher,
+        }
+    }
+
+    fn admit(&self, entry: Entry) -> Ticket {
+        self.queue.admit(entry).expect("admitted")
+    }
+
+    fn metric(&self, name: &str) -> f64 {
+        self.registry
+            .gather()
+            .iter()
+            .filter(|f| f.name() == name)
+            .flat_map(|f| f.get_metric().iter())
+            // Each family is one type; the other field reads 0.
+            .map(|m| m.get_counter().get_value() + m.get_gauge().get_value())
+            .sum()
+    }
+}
+
+fn entry(id: &str, priority: i32, tier: u32, prompt: u32, arrival: Instant) -> Entry {
+    Entry {
+        request_id: id.into(),
+        model: "m".into(),
+        priority,
+        strict_tier: tier,
+        tenant: String::new(),
+        prompt_tokens: prompt,
+        overlap_tokens: 0,
+        block_hashes: Arc::from(Vec::new()),
+        block_size: 16,
+        arrival,
+        deadline: None,
+    }
+}
+
+/// One aggregated worker with a 100-token budget and `active` prefill tokens.
+fn load(active: u64) -> LoadView {
+    LoadView {
+        workers: vec![worker("w0", "m", WorkerRole::Aggregated, active)],
+    }
+}
+
+fn worker(id: &str, model: &str, role: WorkerRole, active: u64) -> WorkerLoad {
+    WorkerLoad {
+        target: target(id),
+        model: model.into(),
+        role,
+        active_prefill_tokens: active,
+        max_num_batched_tokens: 100,
+    }
+}
+
+/// Lets the dispatcher catch up (time is paused and auto-advances).
+async fn settle() {
+    tokio::time::sleep(Duration::from_millis(1)).await;
+}
+
+/// Admits a blocker that takes the only active slot, then `entries`, then
+/// releases the blocker; each request drops its lease as soon as it is
+/// granted. Returns the order in which the rest were placed.
+async fn release_order(mut cfg: QueueConfig, entries: Vec<Entry>) -> Vec<String> {
+    cfg.max_active = 1;
+    let h = Harness::start(cfg);
+    let mut blocker = h.admit(entry("blocker", 0, 0, 10, Instant::now()));
+    blocker.granted().await.expect("blocker granted");
+    let waiters: Vec<JoinHandle<Result<Grant, QueueError>>> = entries
+        .into_iter()
+        .map(|e| {
+            let mut ticket = h.admit(e);
+            tokio::spawn(async move { ticket.granted().await })
+        })
+        .collect();
+    settle().await;
+    assert_eq!(h.placer.placed(), ["blocker"], "all others held");
+    drop(blocker);
+    for waiter in waiters {
+        waiter.await.expect("join").expect("granted");
+    }
+    let mut placed = h.placer.placed();
+    placed.remove(0);
+    placed
+}
+
+fn at(base: Instant, ms: u64) -> Instant {
+    base + Duration::from_millis(ms)
+}
+
+#[tokio::test(start_paused = true)]
+async fn fcfs_priority_bumps_arrival_by_seconds_and_strict_tier_goes_first() {
+    let t = Instant::now();
+    let order = release_order(
+        config(Policy::Fcfs),
+        vec![
+            entry("a-p0-t0", 0, 0, 10, at(t, 0)),
+            entry("b-p2-t1000", 2, 0, 10, at(t, 1000)),
+            entry("c-p0-t500", 0, 0, 10, at(t, 500)),
+            entry("d-p1-t3500", 1, 0, 10, at(t, 3500)),
+            entry("e-tier1-late", 0, 1, 10, at(t, 9000)),
+        ],
+    )
+    .await;
+    // Effective arrivals: b −1000, a 0, c 500, d 2500; tier 1 before all.
+    assert_eq!(
+        order,
+        [
+            "e-tier1-late",
+            "b-p2-t1000",
+            "a-p0-t0",
+            "c-p0-t500",
+            "d-p1-t3500"
+        ]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn fcfs_negative_priorities_clamp_to_zero() {
+    let t = Instant::now();
+    let order = release_order(
+        config(Policy::Fcfs),
+        vec![
+            entry("neg-early", -5, 0, 10, at(t, 0)),
+            entry("zero-later", 0, 0, 10, at(t, 10)),
+            entry("neg-later", -100, 0, 10, at(t, 20)),
+        ],
+    )
+    .await;
+    // A negative priority is no penalty: arrival order stands.
+    assert_eq!(order, ["neg-early", "zero-later", "neg-later"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn wspt_releases_short_uncached_work_first_weighted_by_priority() {
+    let t = Instant::now();
+    let mut cached = entry("long-but-cached", 0, 0, 1000, at(t, 0));
+    cached.overlap_tokens = 950; // 50 uncached → 1/50
+    let order = release_order(
+        config(Policy::Wspt),
+        vec![
+            entry("long", 0, 0, 1000, at(t, 0)),   // 1/1000
+            entry("short", 0, 0, 100, at(t, 1)),   // 1/100
+            entry("long-p9", 9, 0, 400, at(t, 2)), // 10/400
+            cached,
+            entry("tier2-huge", 0, 2, 100_000, at(t, 3)),
+            entry("neg", -3, 0, 10, at(t, 4)), // clamps: 1/10
+        ],
+    )
+    .await;
+    assert_eq!(
+        order,
+        [
+            "tier2-huge",
+            "neg",
+            "long-p9",
+            "long-but-cached",
+            "short",
+            "long"
+        ]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn strict_releases_highest_priority_first_fcfs_within_and_tiers_over_priorities() {
+    let t = Instant::now();
+    let order = release_order(
+        config(Policy::Strict),
+        vec![
+            entry("p0-first", 0, 0, 10, at(t, 0)),
+            entry("p3", 3, 0, 10, at(t, 1)),
+            entry("p0-second", 0, 0, 10, at(t, 2)),
+            entry("p9", 9, 0, 10, at(t, 3)),
+            entry("tier1-p-5", -5, 1, 10, at(t, 4)),
+            entry("p3-second", 3, 0, 10, at(t, 5)),
+        ],
+    )
+    .await;
+    assert_eq!(
+        order,
+        [
+            "tier1-p-5",
+            "p9",
+            "p3",
+            "p3-second",
+            "p0-first",
+            "p0-second"
+        ]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn wfq_bounds_the_lowest_class_wait_where_strict_starves_it() {
+    let t = Instant::now();
+    let mut entries: Vec<Entry> = (0..20)
+        .map(|i| entry(&format!("hi-{i}"), 5, 0, 10, at(t, i)))
+        .collect();
+    entries.extend((0..3).map(|i| entry(&format!("lo-{i}"), 0, 0, 10, at(t, 100 + i))));
+    let mut cfg = config(Policy::Wfq);
+    cfg.wfq_weights = "5=3".parse().expect("weights");
+
+    let order = release_order(cfg, entries.clone()).await;
+    // W = 3 + 1: the k-th low request goes within ⌈k/1⌉·4 releases.
+    for k in 1..=3usize {
+        let pos = order
+            .iter()
+            .position(|id| id == &format!("lo-{}", k - 1))
+            .expect("released");
+        assert!(pos < k * 4, "lo-{} released at {pos}: {order:?}", k - 1);
+    }
+    assert_eq!(&order[..4], ["hi-0", "hi-1", "hi-2", "lo-0"]);
+    let his: Vec<_> = order.iter().filter(|id| id.starts_with("hi")).collect();
+    let expected: Vec<String> = (0..20).map(|i| format!("hi-{i}")).collect();
+    assert_eq!(
+        his,
+        expected.iter().collect::<Vec<_>>(),
+        "FIFO within a class"
+    );
+
+    let strict = release_order(config(Policy::Strict), entries).await;
+    let first_lo = strict.iter().position(|id| id == "lo-0").expect("released");
+    assert_eq!(
+        first_lo, 20,
+        "strict priority makes the low class wait for all"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn wfq_strict_tier_still_goes_first() {
+    let t = Instant::now();
+    let order = release_order(
+        config(Policy::Wfq),
+        vec![
+            entry("a", 0, 0, 10, at(t, 0)),
+            entry("b", 1, 0, 10, at(t, 1)),
+            entry("tier3", 0, 3, 10, at(t, 2)),
+        ],
+    )
+    .await;
+    assert_eq!(order, ["tier3", "a", "b"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn threshold_unset_holds_nothing_even_when_every_worker_is_busy() {
+    let h = Harness::start(config(Policy::Fcfs));
+    h.queue.update_load(load(1_000_000));
+    let mut tickets: Vec<Ticket> = (0..30)
+        .map(|i| h.admit(entry(&format!("r{i}"), 0, 0, 500, Instant::now())))
+        .collect();
+    for ticket in &mut tickets {
+        let first = ticket.next().await.expect("granted");
+        assert!(
+            matches!(first, TicketEvent::Granted(_)),
+            "no held update: {first:?}"
+        );
+    }
+    assert_eq!(h.placer.placed().len(), 30);
+    let stats = h.queue.stats();
+    assert_eq!((stats.pending, stats.active), (0, 30));
+}
+
+#[tokio::test(start_paused = true)]
+async fn threshold_holds_while_every_worker_is_busy_and_releases_one_per_capacity() {
+    let mut cfg = config(Policy::Fcfs);
+    cfg.queue_threshold = Some(0.5); // busy above 50 of 100 tokens
+    let h = Harness::start(cfg);
+    h.queue.update_load(load(80));
+    let t = Instant::now();
+    let mut a = h.admit(entry("a", 0, 0, 60, at(t, 0)));
+    let mut b = h.admit(entry("b", 0, 0, 60, at(t, 1)));
+    let mut c = h.admit(entry("c", 0, 0, 60, at(t, 2)));
+    for (ticket, position) in [(&mut a, 0), (&mut b, 1), (&mut c, 2)] {
+        let event = ticket.next().await.expect("held");
+        assert_eq!(
+            event,
+            TicketEvent::Held(HeldStatus {
+                position,
+                pending: 3,
+                reason: HoldReason::AboveThreshold
+            })
+        );
+    }
+    assert!(h.placer.placed().is_empty());
+
+    // Capacity frees: one release, whose 60 uncached tokens make w0 busy again.
+    h.queue.update_load(load(0));
+    let grant = a.granted().await.expect("a granted");
+    assert_eq!(grant.placement.worker, target("w0"));
+    settle().await;
+    assert_eq!(h.placer.placed(), ["a"]);
+    assert_eq!(
+        b.next().await.expect("moved up"),
+        TicketEvent::Held(HeldStatus {
+            position: 0,
+            pending: 2,
+            reason: HoldReason::AboveThreshold
+        })
+    );
+    h.queue.update_load(load(10));
+    b.granted().await.expect("b granted");
+    settle().await;
+    assert_eq!(h.placer.placed(), ["a", "b"]);
+    assert_eq!(h.queue.stats().pending, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn one_worker_below_threshold_is_enough_and_prefill_pool_decides_when_present() {
+    let mut cfg = config(Policy::Fcfs);
+    cfg.queue_threshold = Some(0.0);
+    let h = Harness::start(cfg);
+    h.queue.update_load(LoadView {
+        workers: vec![
+            worker("busy", "m", WorkerRole::Aggregated, 500),
+            worker("idle", "m", WorkerRole::Aggregated, 0),
+            worker("other-model", "x", WorkerRole::Aggregated, 0),
+        ],
+    });
+    let mut a = h.admit(entry("a", 0, 0, 10, Instant::now()));
+    a.granted().await.expect("one idle worker suffices");
+
+    // Disaggregated: busy prefill workers hold even with idle decode workers.
+    h.queue.update_load(LoadView {
+        workers: vec![
+            worker("p0", "m", WorkerRole::Prefill, 500),
+            worker("d0", "m", WorkerRole::Decode, 0),
+        ],
+    });
+    let mut b = h.admit(entry("b", 0, 0, 10, Instant::now()));
+    assert!(matches!(
+        b.next().await.expect("held"),
+        TicketEvent::Held(_)
+    ));
+}
+
+#[tokio::test(start_paused = true)]
+async fn protected_priorities_survive_a_low_priority_flood() {
+    let mut cfg = config(Policy::Fcfs);
+    cfg.queue_threshold = Some(0.0);
+    cfg.max_pending = 10;
+    cfg.shed_protect_priority = 0;
+    cfg.shed_protect_fraction = 0.2; // 2 slots reserved
+    let h = Harness::start(cfg);
+    h.queue.update_load(load(1000));
+    let mut held = Vec::new();
+    let mut shed = 0;
+    for i in 0..50 {
+        match h
+            .queue
+            .admit(entry(&format!("low{i}"), 0, 0, 10, Instant::now()))
+        {
+            Ok(t) => held.push(t),
+            Err(QueueError::Shed { reserved, .. }) => {
+                assert_eq!(reserved, 2);
+                shed += 1;
+            }
+            Err(other) => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!((held.len(), shed), (8, 42));
+    for i in 0..2 {
+        held.push(h.admit(entry(&format!("high{i}"), 1, 0, 10, Instant::now())));
+    }
+    let err = h
+        .queue
+        .admit(entry("high-extra", 5, 0, 10, Instant::now()))
+        .expect_err("full");
+    assert!(matches!(
+        err,
+        QueueError::QueueFull {
+            pending: 10,
+            limit: 10
+        }
+    ));
+    assert_eq!(
+        tonic::Status::from(err).code(),
+        tonic::Code::ResourceExhausted
+    );
+    assert_eq!(h.metric("sluice_queue_rejections_total"), 43.0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn overload_yields_queue_full_and_tenant_full() {
+    let mut cfg = config(Policy::Fcfs);
+    cfg.queue_threshold = Some(0.0);
+    cfg.max_pending = 3;
+    cfg.max_pending_per_tenant = 2;
+    let h = Harness::start(cfg);
+    h.queue.update_load(load(1000));
+    let mut tenant_a = entry("a1", 0, 0, 10, Instant::now());
+    tenant_a.tenant = "a".into();
+    let _a1 = h.admit(tenant_a.clone());
+    let _a2 = h.admit(Entry {
+        request_id: "a2".into(),
+        ..tenant_a.clone()
+    });
+    let err = h
+        .queue
+        .admit(Entry {
+            request_id: "a3".into(),
+            ..tenant_a.clone()
+        })
+        .expect_err("tenant full");
+    assert!(
+        matches!(err, QueueError::TenantFull { ref tenant, pending: 2, limit: 2 } if tenant == "a")
+    );
+    let _b1 = h.admit(entry("b1", 0, 0, 10, Instant::now()));
+    let err = h
+        .queue
+        .admit(entry("b2", 0, 0, 10, Instant::now()))
+        .expect_err("queue full");
+    assert!(matches!(
+        err,
+        QueueError::QueueFull {
+            pending: 3,
+            limit: 3
+        }
+    ));
+    assert_eq!(
+        tonic::Status::from(err).code(),
+        tonic::Code::ResourceExhausted
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn dropped_lease_frees_its_slot_for_the_next_request() {
+    let mut cfg = config(Policy::Fcfs);
+    cfg.max_active = 1;
+    let h = Harness::start(cfg);
+    let mut first = h.admit(entry("first", 0, 0, 10, Instant::now()));
+    first.granted().await.expect("first granted");
+    let mut second = h.admit(entry("second", 0, 0, 10, Instant::now()));
+    assert_eq!(
+        second.next().await.expect("held"),
+        TicketEvent::Held(HeldStatus {
+            position: 0,
+            pending: 1,
+            reason: HoldReason::ActiveLimit
+        })
+    );
+    assert_eq!(h.metric("sluice_queue_active_leases"), 1.0);
+    drop(first);
+    second.granted().await.expect("slot freed");
+    let stats = h.queue.stats();
+    assert_eq!((stats.pending, stats.active), (0, 1));
+    drop(second);
+    settle().await;
+    assert_eq!(h.queue.stats().active, 0);
+    assert_eq!(h.metric("sluice_queue_active_leases"), 0.0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn held_then_cancelled_request_never_reaches_placement() {
+    let mut cfg = config(Policy::Fcfs);
+    cfg.queue_threshold = Some(0.5);
+    let h = Harness::start(cfg);
+    h.queue.update_load(load(1000));
+    let mut doomed = h.admit(entry("doomed", 9, 0, 10, Instant::now()));
+    assert!(matches!(
+        doomed.next().await.expect("held"),
+        TicketEvent::Held(_)
+    ));
+    drop(doomed);
+    assert_eq!(h.queue.stats().pending, 0);
+    assert_eq!(h.metric("sluice_queue_pending_requests"), 0.0);
+    h.queue.update_load(load(0));
+    let mut next = h.admit(entry("next", 0, 0, 10, Instant::now()));
+    next.granted().await.expect("granted");
+    assert_eq!(h.placer.placed(), ["next"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn cancel_during_placement_frees_pending_without_leaking_a_lease() {
+    let placer = TestPlacer {
+        delay: Some(Duration::from_millis(50)),
+        ..TestPlacer::default()
+    };
+    let h = Harness::with_placer(config(Policy::Fcfs), placer);
+    let ticket = h.admit(entry("slow", 0, 0, 10, Instant::now()));
+    settle().await; // placement in flight
+    drop(ticket);
+    assert_eq!(h.queue.stats().pending, 0);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let stats = h.queue.stats();
+    assert_eq!((stats.pending, stats.active), (0, 0));
+    assert_eq!(h.metric("sluice_queue_active_leases"), 0.0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn deadline_passed_while_held_fails_with_deadline_exceeded() {
+    let mut cfg = config(Policy::Fcfs);
+    cfg.queue_threshold = Some(0.5);
+    let h = Harness::start(cfg);
+    h.queue.update_load(load(1000));
+    let now = Instant::now();
+    let mut e = entry("late", 0, 0, 10, now);
+    e.deadline = Some(now + Duration::from_millis(250));
+    let mut ticket = h.admit(e);
+    let err = ticket.granted().await.expect_err("expired");
+    match err {
+        QueueError::DeadlineExceeded { waited } => assert_eq!(waited, Duration::from_millis(250)),
+        other => panic!("unexpected {other:?}"),
+    }
+    assert_eq!(h.queue.stats().pending, 0);
+    assert_eq!(h.metric("sluice_queue_expiries_total"), 1.0);
+    let mut past = entry("already-late", 0, 0, 10, Instant::now());
+    past.deadline = Some(Instant::now());
+    assert!(matches!(
+        h.queue.admit(past),
+        Err(QueueError::DeadlineExceeded { .. })
+    ));
+}
+
+#[tokio::test(start_paused = true)]
+async fn stale_overlap_is_reread_before_release_and_reorders_wspt() {
+    let mut cfg = config(Policy::Wspt);
+    cfg.queue_threshold = Some(0.5);
+    cfg.refresh_interval_ms = 100;
+    let placer = TestPlacer::default();
+    // a's cached prefix was evicted while it waited.
+    placer.fresh_overlap.lock().insert("a".into(), 0);
+    let h = Harness::with_placer(cfg, placer);
+    h.queue.update_load(load(1000));
+    let t = Instant::now();
+    let mut a = entry("a", 0, 0, 1000, t);
+    a.overlap_tokens = 900; // 100 uncached: first
+    let mut b = entry("b", 0, 0, 1000, t);
+    b.overlap_tokens = 500; // 500 uncached: second
+    let mut a = h.admit(a);
+    let mut b = h.admit(b);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    h.queue.update_load(load(0));
+    b.granted().await.expect("b first");
+    assert_eq!(*h.placer.refreshed.lock(), ["a", "b"]);
+    assert_eq!(h.placer.placed(), ["b"]);
+    h.queue.update_load(load(0));
+    let grant = a.granted().await.expect("a second");
+    assert_eq!(grant.placement.overlap_tokens, 0, "fresh overlap used");
+    assert_eq!(h.placer.placed(), ["b", "a"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn positions_update_when_an_earlier_request_leaves() {
+    let mut cfg = config(Policy::Fcfs);
+    cfg.queue_threshold = Some(0.5);
+    let h = Harness::start(cfg);
+    h.queue.update_load(load(1000));
+    let t = Instant::now();
+    let a = h.admit(entry("a", 0, 0, 10, at(t, 0)));
+    let mut b = h.admit(entry("b", 0, 0, 10, at(t, 1)));
+    let c = h.admit(entry("c", 0, 0, 10, at(t, 2)));
+    settle().await;
+    assert_eq!(b.held().map(|s| s.position), Some(1));
+    assert_eq!(c.held().map(|s| s.position), Some(2));
+    drop(a);
+    settle().await;
+    assert_eq!(b.held().map(|s| (s.position, s.pending)), Some((0, 2)));
+    assert_eq!(c.held().map(|s| (s.position, s.pending)), Some((1, 2)));
+    assert!(matches!(b.next().await, Ok(TicketEvent::Held(_))));
+    let stats = h.queue.stats();
+    assert_eq!(stats.tiers.len(), 1);
+    assert_eq!(stats.tiers[0].pending, 2);
+    assert_eq!(stats.tiers[0].pending_tokens, 20);
+}
+
+#[tokio::test(start_paused = true)]
+async fn placement_failure_reaches_the_ticket_and_frees_the_slot() {
+    let placer = TestPlacer {
+        fail: true,
+        ..TestPlacer::default()
+    };
+    let h = Harness::with_placer(config(Policy::Fcfs), placer);
+    let mut ticket = h.admit(entry("r", 0, 0, 10, Instant::now()));
+    let err = ticket.granted().await.expect_err("no workers");
+    assert!(matches!(err, QueueError::NoWorkers { .. }));
+    let stats = h.queue.stats();
+    assert_eq!((stats.pending, stats.active), (0, 0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn shutdown_fails_held_requests_and_refuses_new_ones_but_keeps_leases() {
+    let mut cfg = config(Policy::Fcfs);
+    cfg.max_active = 1;
+    let h = Harness::start(cfg);
+    let mut granted = h.admit(entry("granted", 0, 0, 10, Instant::now()));
+    granted.granted().await.expect("granted");
+    let mut held = h.admit(entry("held", 0, 0, 10, Instant::now()));
+    settle().await;
+    h.shutdown.cancel();
+    h.dispatcher.await.expect("dispatcher ends");
+    assert!(matches!(held.granted().await, Err(QueueError::Draining)));
+    assert!(matches!(
+        h.queue.admit(entry("new", 0, 0, 10, Instant::now())),
+        Err(QueueError::Draining)
+    ));
+    assert_eq!(h.queue.stats().active, 1);
+    drop(granted);
+    assert_eq!(h.queue.stats().active, 0);
+}
+
+#[test]
+fn drr_round_robin_gives_each_class_its_weight_per_turn() {
+    let mut drr = Drr::default();
+    for seq in 0..6 {
+        drr.push("a".into(), 2, seq);
+    }
+    for seq in 10..13 {
+        drr.push("b".into(), 1, seq);
+    }
+    assert_eq!(drr.sequence(), [0, 1, 10, 2, 3, 11, 4, 5, 12]);
+    assert_eq!(drr.pop(), Some(0));
+    drr.remove("b", 10);
+    assert_eq!(drr.sequence(), [1, 11, 2, 3, 12, 4, 5]);
+}
