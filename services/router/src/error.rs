@@ -1,0 +1,41 @@
+//! `RouterError` and its one mapping to `tonic::Status`.
+
+use crate::pool::PoolKind;
+
+/// Everything the router can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum RouterError {
+    /// No worker of the pool serves the model.
+    #[error("no {pool} worker available for model {model:?}")]
+    NoWorkers {
+        /// The pool asked.
+        pool: PoolKind,
+        /// The model asked ("" = any).
+        model: String,
+    },
+    /// The request is malformed.
+    #[error("invalid request: {0}")]
+    InvalidArgument(String),
+    /// Configuration rejected at start.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// The gRPC server failed.
+    #[error("gRPC server failed")]
+    Transport(#[source] tonic::transport::Error),
+    /// Shared plumbing failed (discovery, server setup).
+    #[error("runtime failure")]
+    Runtime(#[source] Box<dyn std::error::Error + Send + Sync>),
+}
+
+impl From<RouterError> for tonic::Status {
+    fn from(e: RouterError) -> Self {
+        match &e {
+            RouterError::NoWorkers { .. } => tonic::Status::unavailable(e.to_string()),
+            RouterError::InvalidArgument(_) => tonic::Status::invalid_argument(e.to_string()),
+            RouterError::Config(_) | RouterError::Transport(_) | RouterError::Runtime(_) => {
+                tracing::error!(error = ?e, "router internal error");
+                tonic::Status::internal("router internal error")
+            }
+        }
+    }
+}

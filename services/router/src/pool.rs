@@ -1,0 +1,683 @@
+//! One pool of workers (decode or prefill): its members, their loads, the
+//! block index fed by their events, the approximate index, and the placement
+//! decision that ties them together.
+//!
+//! Owns membership and placement bookkeeping; has no networking (the
+//! `workers` module feeds it) and no tonic types. A decision reads overlaps
+//! from the index without any pool-wide lock, then takes the pool's small
+//! choice mutex to read loads, choose and record the placement atomically,
+//! so two concurrent requests never both see a target as idle.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Mutex, RwLock};
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+
+use crate::approx::ApproxIndex;
+use crate::error::RouterError;
+use crate::indexer::{KvIndexer, OverlapScores, Target, TargetId};
+use crate::load::{EffectiveLoad, LoadReport, TargetLoad};
+use crate::selector::{self, CostInput, CostParams, CostTerms, RouterMode};
+
+/// Which pool a request asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PoolKind {
+    /// Decode or aggregated workers.
+    Decode,
+    /// Prefill workers.
+    Prefill,
+}
+
+impl PoolKind {
+    /// The discovery component name of the pool's workers.
+    pub fn component(self) -> &'static str {
+        match self {
+            PoolKind::Decode => "decode",
+            PoolKind::Prefill => "prefill",
+        }
+    }
+}
+
+impl std::fmt::Display for PoolKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.component())
+    }
+}
+
+/// Placement settings of a pool.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PoolConfig {
+    /// How to choose.
+    pub mode: RouterMode,
+    /// Cost weights and temperature.
+    pub cost: CostParams,
+    /// How long `approx` mode predicts a placed prompt stays cached.
+    pub approx_ttl: Duration,
+    /// A load report received this long after a placement covers it.
+    pub load_cover: Duration,
+    /// A placement no report covered stops counting after this long.
+    pub placement_max_age: Duration,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        Self {
+            mode: RouterMode::Kv,
+            cost: CostParams::default(),
+            approx_ttl: Duration::from_secs(120),
+            load_cover: Duration::from_millis(50),
+            placement_max_age: Duration::from_secs(10),
+        }
+    }
+}
+
+/// A member's identity and address.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemberInfo {
+    /// Worker and rank.
+    pub target: Target,
+    /// Address to dial for `Generate` / `Prefill`.
+    pub endpoint: String,
+    /// Model served ("" = any).
+    pub model: String,
+    /// "decode", "prefill" or "aggregated".
+    pub role: String,
+}
+
+struct Member {
+    info: MemberInfo,
+    kv_id: TargetId,
+    approx_id: TargetId,
+    load: Mutex<TargetLoad>,
+}
+
+/// One request's placement question.
+#[derive(Debug, Clone, Copy)]
+pub struct RouteInput<'a> {
+    /// Recorded on the span.
+    pub request_id: &'a str,
+    /// "" = any model.
+    pub model: &'a str,
+    /// Prompt length in tokens.
+    pub prompt_tokens: u32,
+    /// Chained block hashes of the prompt's full blocks.
+    pub block_hashes: &'a [u64],
+    /// Tokens per block.
+    pub block_size: u32,
+    /// Count the placement as active load (false = dry run).
+    pub commit: bool,
+}
+
+/// A candidate's address and cost terms.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Candidate {
+    /// Worker and rank.
+    pub target: Target,
+    /// Its address.
+    pub endpoint: String,
+    /// Its cost terms.
+    pub terms: CostTerms,
+}
+
+/// The outcome of a placement.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    /// Index of the chosen candidate.
+    pub chosen: usize,
+    /// Every candidate, in target order.
+    pub candidates: Vec<Candidate>,
+    /// The mode that chose.
+    pub mode: RouterMode,
+}
+
+impl Decision {
+    /// The chosen candidate.
+    pub fn target(&self) -> &Candidate {
+        &self.candidates[self.chosen]
+    }
+}
+
+/// A member's view for `WatchLoad`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MemberLoad {
+    /// Identity and address.
+    pub info: MemberInfo,
+    /// Report plus uncovered placements.
+    pub load: EffectiveLoad,
+}
+
+struct ChoiceState {
+    round_robin: usize,
+    rng: StdRng,
+}
+
+/// A pool of workers and its placement state.
+pub struct WorkerPool {
+    kind: PoolKind,
+    cfg: PoolConfig,
+    indexer: KvIndexer,
+    approx: ApproxIndex,
+    members: RwLock<BTreeMap<Target, Arc<Member>>>,
+    choice: Mutex<ChoiceState>,
+}
+
+impl std::fmt::Debug for WorkerPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerPool")
+            .field("kind", &self.kind)
+            .field("cfg", &self.cfg)
+            .field("members", &self.members.read().len())
+            .finish()
+    }
+}
+
+impl WorkerPool {
+    /// An empty pool.
+    pub fn new(kind: PoolKind, cfg: PoolConfig) -> Self {
+        Self::with_rng(kind, cfg, StdRng::from_os_rng())
+    }
+
+    /// An empty pool with a seeded random source (tests, benches).
+    pub fn with_seed(kind: PoolKind, cfg: PoolConfig, seed: u64) -> Self {
+        Self::with_rng(kind, cfg, StdRng::seed_from_u64(seed))
+    }
+
+    fn with_rng(kind: PoolKind, cfg: PoolConfig, rng: StdRng) -> Self {
+        Self {
+            kind,
+            cfg,
+            indexer: KvIndexer::new(),
+            approx: ApproxIndex::new(cfg.approx_ttl),
+            members: RwLock::new(BTreeMap::new()),
+            choice: Mutex::new(ChoiceState {
+                round_robin: 0,
+                rng,
+            }),
+        }
+    }
+
+    /// Which pool this is.
+    pub fn kind(&self) -> PoolKind {
+        self.kind
+    }
+
+    /// Its placement settings.
+    pub fn config(&self) -> &PoolConfig {
+        &self.cfg
+    }
+
+    /// The block index fed by members' KV events.
+    pub fn indexer(&self) -> &KvIndexer {
+        &self.indexer
+    }
+
+    /// Adds a member (or updates its address); returns its id in
+    /// [`WorkerPool::indexer`].
+    pub fn add_member(&self, info: MemberInfo) -> TargetId {
+        let mut members = self.members.write();
+        if let Some(m) = members.get(&info.target)
+            && m.info == info
+        {
+            return m.kv_id;
+        }
+        let kv_id = self.indexer.register(info.target.clone());
+        let approx_id = self.approx.register(info.target.clone());
+        let load = members
+            .get(&info.target)
+            .map(|m| std::mem::take(&mut *m.load.lock()))
+            .unwrap_or_default();
+        members.insert(
+            info.target.clone(),
+            Arc::new(Member {
+                info,
+                kv_id,
+                approx_id,
+                load: Mutex::new(load),
+            }),
+        );
+        kv_id
+    }
+
+    /// Removes a member and forgets all its blocks at once; returns how many
+    /// indexed blocks it held, or `None` if it was not a member.
+    pub fn remove_member(&self, target: &Target) -> Option<usize> {
+        let member = self.members.write().remove(target)?;
+        self.approx.remove_target(member.approx_id);
+        Some(self.indexer.remove_target(member.kv_id))
+    }
+
+    /// Members, in target order.
+    pub fn members(&self) -> Vec<MemberInfo> {
+        self.members
+            .read()
+            .values()
+            .map(|m| m.info.clone())
+            .collect()
+    }
+
+    /// The index id of a member.
+    pub fn kv_id(&self, target: &Target) -> Option<TargetId> {
+        self.members.read().get(target).map(|m| m.kv_id)
+    }
+
+    /// Records a member's load report received at `now`. False if unknown.
+    pub fn record_load(&self, target: &Target, report: LoadReport, now: Instant) -> bool {
+        let Some(member) = self.members.read().get(target).cloned() else {
+            return false;
+        };
+        member.load.lock().report(report, now, self.cfg.load_cover);
+        true
+    }
+
+    /// When a member last reported.
+    pub fn last_report(&self, target: &Target) -> Option<Instant> {
+        let member = self.members.read().get(target).cloned()?;
+        member.load.lock().reported_at()
+    }
+
+    /// Every member's effective load.
+    pub fn load_view(&self, now: Instant) -> Vec<MemberLoad> {
+        self.members
+            .read()
+            .values()
+            .map(|m| {
+                let mut load = m.load.lock();
+                load.expire(now, self.cfg.placement_max_age);
+                MemberLoad {
+                    info: m.info.clone(),
+                    load: load.effective(),
+                }
+            })
+            .collect()
+    }
+
+    /// Chooses a member for one request at `now`.
+    pub fn route(&self, input: &RouteInput<'_>, now: Instant) -> Result<Decision, RouterError> {
+        if input.block_size == 0 {
+            return Err(RouterError::InvalidArgument(
+                "block_size must be positive".into(),
+            ));
+        }
+        let mode = self.cfg.mode;
+        let candidates: Vec<Arc<Member>> = self
+            .members
+            .read()
+            .values()
+            .filter(|m| {
+                input.model.is_empty() || m.info.model.is_empty() || m.info.model == input.model
+            })
+            .cloned()
+            .collect();
+        if candidates.is_empty() {
+            return Err(RouterError::NoWorkers {
+                pool: self.kind,
+                model: input.model.to_owned(),
+            });
+        }
+
+        let approx = mode == RouterMode::Approx;
+        let (scores, index): (OverlapScores, &KvIndexer) = if approx {
+            self.approx.expire(now);
+            (
+                self.approx.find_matches(input.block_hashes),
+                self.approx.index(),
+            )
+        } else {
+            (self.indexer.find_matches(input.block_hashes), &self.indexer)
+        };
+        let id_of = |m: &Member| if approx { m.approx_id } else { m.kv_id };
+        let total_entries = index.entry_count().max(1) as f64;
+
+        let mut choice = self.choice.lock();
+        let mut terms = Vec::with_capacity(candidates.len());
+        let mut costs = Vec::with_capacity(candidates.len());
+        let mut shares = Vec::with_capacity(candidates.len());
+        for m in &candidates {
+            let overlap = scores.get(id_of(m));
+            let load = {
+                let mut l = m.load.lock();
+                l.expire(now, self.cfg.placement_max_age);
+                l.effective()
+            };
+            let input_for = |overlap_blocks| CostInput {
+                overlap_blocks,
+                active_prefill_tokens: load.active_prefill_tokens,
+                active_decode_blocks: load.active_decode_blocks,
+                active_requests: load.active_requests,
+            };
+            let mut t = if mode == RouterMode::LeastLoaded {
+                // Load only: cost as if nothing were cached.
+                selector::cost(
+                    &self.cfg.cost,
+                    &input_for(0),
+                    input.prompt_tokens,
+                    input.block_size,
+                )
+            } else {
+                selector::cost(
+                    &self.cfg.cost,
+                    &input_for(overlap),
+                    input.prompt_tokens,
+                    input.block_size,
+                )
+            };
+            t.overlap_blocks = overlap;
+            costs.push(t.total_cost);
+            shares.push(index.target_blocks(id_of(m)) as f64 / total_entries);
+            terms.push(t);
+        }
+
+        let chosen = match mode {
+            RouterMode::Kv | RouterMode::Approx | RouterMode::LeastLoaded => {
+                let ChoiceState { rng, .. } = &mut *choice;
+                selector::choose(&costs, &shares, self.cfg.cost.temperature, rng)
+            }
+            RouterMode::RoundRobin => {
+                let i = choice.round_robin % candidates.len();
+                choice.round_robin = choice.round_robin.wrapping_add(1);
+                i
+            }
+            RouterMode::Random => {
+                use rand::Rng;
+                choice.rng.random_range(0..candidates.len())
+            }
+        };
+
+        if input.commit {
+            let m = &candidates[chosen];
+            let overlap = terms[chosen].overlap_blocks;
+            let uncached =
+                selector::uncached_tokens(input.prompt_tokens, overlap, input.block_size);
+            let blocks = u64::from(input.prompt_tokens).div_ceil(u64::from(input.block_size));
+            m.load.lock().place(now, uncached, blocks);
+            if approx {
+                self.approx.record(m.approx_id, input.block_hashes, now);
+            }
+        }
+        drop(choice);
+
+        Ok(Decision {
+            chosen,
+            candidates: candidates
+                .iter()
+                .zip(terms)
+                .map(|(m, terms)| Candidate {
+                    target: m.info.target.clone(),
+                    endpoint: m.info.endpoint.clone(),
+                    terms,
+                })
+                .collect(),
+            mode,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::indexer::{KvEvent, KvEventKind};
+    use sluice_tokens::sequence_block_hashes;
+
+    const BS: u32 = 16;
+
+    fn pool(mode: RouterMode, workers: usize) -> WorkerPool {
+        let p = WorkerPool::with_seed(
+            PoolKind::Decode,
+            PoolConfig {
+                mode,
+                ..PoolConfig::default()
+            },
+            7,
+        );
+        for i in 0..workers {
+            p.add_member(info(i));
+        }
+        p
+    }
+
+    fn info(i: usize) -> MemberInfo {
+        MemberInfo {
+            target: target(i),
+            endpoint: format!("127.0.0.1:{}", 9000 + i),
+            model: "m".into(),
+            role: "decode".into(),
+        }
+    }
+
+    fn target(i: usize) -> Target {
+        Target::new(format!("w{i}"), 0)
+    }
+
+    fn tokens(seed: u32, len: u32) -> Vec<u32> {
+        (0..len)
+            .map(|i| seed.wrapping_mul(7919).wrapping_add(i))
+            .collect()
+    }
+
+    fn input<'a>(hashes: &'a [u64], prompt_tokens: u32) -> RouteInput<'a> {
+        RouteInput {
+            request_id: "r",
+            model: "m",
+            prompt_tokens,
+            block_hashes: hashes,
+            block_size: BS,
+            commit: true,
+        }
+    }
+
+    fn store(p: &WorkerPool, i: usize, seq: u64, hashes: &[u64]) {
+        let id = p.kv_id(&target(i)).expect("member");
+        p.indexer()
+            .apply(
+                id,
+                &KvEvent {
+                    seq,
+                    kind: KvEventKind::Stored {
+                        parent: None,
+                        hashes: hashes.to_vec(),
+                    },
+                },
+            )
+            .expect("apply");
+    }
+
+    fn idle(p: &WorkerPool, n: usize, now: Instant) {
+        for i in 0..n {
+            p.record_load(&target(i), LoadReport::default(), now);
+        }
+    }
+
+    fn chosen(d: &Decision) -> &str {
+        &d.target().target.worker_id
+    }
+
+    #[test]
+    fn a_request_goes_to_the_worker_holding_its_prefix() {
+        let p = pool(RouterMode::Kv, 4);
+        let t = tokens(1, 1024);
+        let h = sequence_block_hashes(&t, BS as usize);
+        store(&p, 2, 1, &h[..48]);
+        let d = p.route(&input(&h, 1024), Instant::now()).expect("route");
+        assert_eq!(chosen(&d), "w2");
+        assert_eq!(d.target().terms.overlap_blocks, 48);
+        assert_eq!(d.candidates.len(), 4);
+        assert_eq!(d.candidates[2].terms.prefill_cost, 16.0);
+        assert_eq!(d.candidates[0].terms.prefill_cost, 64.0);
+    }
+
+    #[test]
+    fn equal_overlap_spreads_by_load() {
+        let p = pool(RouterMode::Kv, 3);
+        let now = Instant::now();
+        let h = sequence_block_hashes(&tokens(2, 512), BS as usize);
+        for i in 0..3 {
+            store(&p, i, 1, &h);
+        }
+        let busy = |blocks| LoadReport {
+            active_blocks: blocks,
+            running: 1,
+            ..Default::default()
+        };
+        p.record_load(&target(0), busy(300), now);
+        p.record_load(&target(1), busy(100), now);
+        p.record_load(&target(2), busy(200), now);
+        let d = p.route(&input(&h, 512), now).expect("route");
+        assert_eq!(chosen(&d), "w1");
+    }
+
+    #[test]
+    fn a_burst_of_one_prompt_to_idle_workers_spreads() {
+        let p = pool(RouterMode::Kv, 4);
+        let now = Instant::now();
+        idle(&p, 4, now);
+        let h = sequence_block_hashes(&tokens(3, 2048), BS as usize);
+        let mut per_worker = BTreeMap::<String, usize>::new();
+        for _ in 0..8 {
+            let d = p.route(&input(&h, 2048), now).expect("route");
+            *per_worker.entry(chosen(&d).to_owned()).or_default() += 1;
+        }
+        assert_eq!(per_worker.len(), 4, "{per_worker:?}");
+        assert!(per_worker.values().all(|&n| n == 2), "{per_worker:?}");
+    }
+
+    #[test]
+    fn a_dry_run_is_not_counted_as_load() {
+        let p = pool(RouterMode::Kv, 2);
+        let now = Instant::now();
+        let h = sequence_block_hashes(&tokens(4, 256), BS as usize);
+        let mut dry = input(&h, 256);
+        dry.commit = false;
+        p.route(&dry, now).expect("route");
+        assert!(
+            p.load_view(now)
+                .iter()
+                .all(|m| m.load.pending_placements == 0)
+        );
+    }
+
+    #[test]
+    fn a_report_after_the_cover_delay_replaces_placements() {
+        let p = pool(RouterMode::Kv, 2);
+        let now = Instant::now();
+        let h = sequence_block_hashes(&tokens(5, 256), BS as usize);
+        let d = p.route(&input(&h, 256), now).expect("route");
+        let t = d.target().target.clone();
+        let view = |p: &WorkerPool, at| {
+            p.load_view(at)
+                .into_iter()
+                .find(|m| m.info.target == t)
+                .expect("member")
+                .load
+        };
+        assert_eq!(view(&p, now).active_prefill_tokens, 256);
+        p.record_load(&t, LoadReport::default(), now + Duration::from_millis(10));
+        assert_eq!(
+            view(&p, now).pending_placements,
+            1,
+            "report too early to cover"
+        );
+        p.record_load(&t, LoadReport::default(), now + Duration::from_millis(60));
+        assert_eq!(view(&p, now).pending_placements, 0);
+    }
+
+    #[test]
+    fn a_departed_workers_blocks_vanish() {
+        let p = pool(RouterMode::Kv, 2);
+        let h = sequence_block_hashes(&tokens(6, 512), BS as usize);
+        store(&p, 0, 1, &h);
+        assert_eq!(p.remove_member(&target(0)), Some(32));
+        assert_eq!(p.indexer().block_count(), 0);
+        let d = p.route(&input(&h, 512), Instant::now()).expect("route");
+        assert_eq!(chosen(&d), "w1");
+        assert_eq!(d.candidates.len(), 1);
+        assert_eq!(p.remove_member(&target(0)), None);
+    }
+
+    #[test]
+    fn approx_routes_repeats_of_a_prompt_to_the_same_worker() {
+        let p = pool(RouterMode::Approx, 4);
+        let mut now = Instant::now();
+        let prompts: Vec<Vec<u64>> = (0..4)
+            .map(|s| sequence_block_hashes(&tokens(10 + s, 1024), BS as usize))
+            .collect();
+        let mut first = Vec::new();
+        for h in &prompts {
+            idle(&p, 4, now);
+            first.push(chosen(&p.route(&input(h, 1024), now).expect("route")).to_owned());
+            now += Duration::from_secs(1);
+        }
+        for round in 0..3 {
+            for (i, h) in prompts.iter().enumerate() {
+                idle(&p, 4, now);
+                let d = p.route(&input(h, 1024), now).expect("route");
+                assert_eq!(chosen(&d), first[i], "round {round} prompt {i}");
+                assert_eq!(d.target().terms.overlap_blocks, 64);
+                now += Duration::from_secs(1);
+            }
+        }
+    }
+
+    #[test]
+    fn approx_forgets_after_the_ttl() {
+        let p = pool(RouterMode::Approx, 2);
+        let now = Instant::now();
+        let h = sequence_block_hashes(&tokens(20, 256), BS as usize);
+        p.route(&input(&h, 256), now).expect("route");
+        let later = now + p.config().approx_ttl;
+        let d = p.route(&input(&h, 256), later).expect("route");
+        assert!(d.candidates.iter().all(|c| c.terms.overlap_blocks == 0));
+    }
+
+    #[test]
+    fn round_robin_cycles_and_random_covers_all() {
+        let p = pool(RouterMode::RoundRobin, 3);
+        let now = Instant::now();
+        let got: Vec<String> = (0..6)
+            .map(|_| chosen(&p.route(&input(&[], 10), now).expect("route")).to_owned())
+            .collect();
+        assert_eq!(got, ["w0", "w1", "w2", "w0", "w1", "w2"]);
+
+        let p = pool(RouterMode::Random, 3);
+        let seen: std::collections::BTreeSet<String> = (0..60)
+            .map(|_| chosen(&p.route(&input(&[], 10), now).expect("route")).to_owned())
+            .collect();
+        assert_eq!(seen.len(), 3);
+    }
+
+    #[test]
+    fn least_loaded_ignores_cached_blocks() {
+        let p = pool(RouterMode::LeastLoaded, 2);
+        let now = Instant::now();
+        let h = sequence_block_hashes(&tokens(7, 512), BS as usize);
+        store(&p, 0, 1, &h);
+        p.record_load(
+            &target(0),
+            LoadReport {
+                active_blocks: 10,
+                ..Default::default()
+            },
+            now,
+        );
+        p.record_load(&target(1), LoadReport::default(), now);
+        let d = p.route(&input(&h, 512), now).expect("route");
+        assert_eq!(chosen(&d), "w1");
+        assert_eq!(d.candidates[0].terms.overlap_blocks, 32);
+    }
+
+    #[test]
+    fn no_member_for_the_model_is_no_workers() {
+        let p = pool(RouterMode::Kv, 2);
+        let mut i = input(&[], 10);
+        i.model = "other";
+        assert!(matches!(
+            p.route(&i, Instant::now()),
+            Err(RouterError::NoWorkers {
+                pool: PoolKind::Decode,
+                ..
+            })
+        ));
+    }
+}

@@ -1,0 +1,292 @@
+//! Placement cost and choice, as pure functions over candidates' figures.
+//!
+//! Cost per candidate, in Dynamo's form so results compare:
+//!
+//! ```text
+//! prefill_blocks = (active prefill tokens + uncached prompt tokens) / block_size
+//! prefill_cost   = prefill_load_scale × max(0, prefill_blocks − overlap_credit × overlap_blocks)
+//! decode_cost    = active decode blocks
+//! total          = prefill_cost + decode_cost + active_request_weight × active_requests
+//! ```
+//!
+//! With the defaults (`prefill_load_scale` 1, `overlap_credit` 0,
+//! `active_request_weight` 0) this is exactly Dynamo's
+//! `overlap_score_weight × prefill_blocks + decode_blocks`; `overlap_credit`
+//! adds an extra reward for cached blocks beyond the prefill they save.
+//!
+//! Choice: temperature 0 takes the lowest cost; ties go to the candidate
+//! holding the smaller share of the index (spreading cache), then at random.
+//! Temperature > 0 samples a softmax over costs min-max normalised to [0, 1].
+//! Owns no state: the pool supplies loads, overlaps and the random source.
+
+use rand::Rng;
+
+/// How the router chooses among candidates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, clap::ValueEnum)]
+pub enum RouterMode {
+    /// Prefix overlap from workers' KV events against load.
+    Kv,
+    /// Each candidate in turn.
+    RoundRobin,
+    /// Uniformly at random.
+    Random,
+    /// Lowest load cost, ignoring cached blocks.
+    LeastLoaded,
+    /// Like `kv`, with each worker's cache predicted from the router's own
+    /// placements (for workers that publish no events).
+    Approx,
+}
+
+impl RouterMode {
+    /// The mode's flag spelling (`kv`, `round-robin`, ...).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RouterMode::Kv => "kv",
+            RouterMode::RoundRobin => "round-robin",
+            RouterMode::Random => "random",
+            RouterMode::LeastLoaded => "least-loaded",
+            RouterMode::Approx => "approx",
+        }
+    }
+}
+
+impl std::fmt::Display for RouterMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Weights of the cost function and the choice temperature.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CostParams {
+    /// Multiplies prefill blocks (Dynamo's `overlap_score_weight`).
+    pub prefill_load_scale: f64,
+    /// Extra prefill blocks credited per cached block.
+    pub overlap_credit: f64,
+    /// Cost per active request.
+    pub active_request_weight: f64,
+    /// 0 = lowest cost; > 0 = softmax sampling.
+    pub temperature: f64,
+}
+
+impl Default for CostParams {
+    fn default() -> Self {
+        Self {
+            prefill_load_scale: 1.0,
+            overlap_credit: 0.0,
+            active_request_weight: 0.0,
+            temperature: 0.0,
+        }
+    }
+}
+
+/// What the cost of one candidate is computed from.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct CostInput {
+    /// Prompt blocks cached on the candidate.
+    pub overlap_blocks: u32,
+    /// Prefill tokens admitted or placed there, not yet computed.
+    pub active_prefill_tokens: u64,
+    /// Decode blocks in use or placed there.
+    pub active_decode_blocks: u64,
+    /// Active requests there.
+    pub active_requests: u32,
+}
+
+/// One candidate's cost terms (the proto `Candidate` without its target).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct CostTerms {
+    /// Prompt blocks cached on the candidate.
+    pub overlap_blocks: u32,
+    /// `prefill_load_scale × max(0, prefill_blocks − overlap_credit × overlap)`.
+    pub prefill_cost: f64,
+    /// Active decode blocks.
+    pub decode_cost: f64,
+    /// The sum the choice minimises.
+    pub total_cost: f64,
+    /// Active requests.
+    pub active_requests: u32,
+}
+
+/// Prompt tokens not served from `overlap_blocks` cached blocks.
+pub fn uncached_tokens(prompt_tokens: u32, overlap_blocks: u32, block_size: u32) -> u64 {
+    u64::from(prompt_tokens).saturating_sub(u64::from(overlap_blocks) * u64::from(block_size))
+}
+
+/// The cost terms of one candidate for a prompt of `prompt_tokens`.
+pub fn cost(
+    params: &CostParams,
+    input: &CostInput,
+    prompt_tokens: u32,
+    block_size: u32,
+) -> CostTerms {
+    let bs = f64::from(block_size.max(1));
+    let uncached = uncached_tokens(prompt_tokens, input.overlap_blocks, block_size);
+    let prefill_blocks = (input.active_prefill_tokens + uncached) as f64 / bs;
+    let credited =
+        (prefill_blocks - params.overlap_credit * f64::from(input.overlap_blocks)).max(0.0);
+    let prefill_cost = params.prefill_load_scale * credited;
+    let decode_cost = input.active_decode_blocks as f64;
+    let total_cost = prefill_cost
+        + decode_cost
+        + params.active_request_weight * f64::from(input.active_requests);
+    CostTerms {
+        overlap_blocks: input.overlap_blocks,
+        prefill_cost,
+        decode_cost,
+        total_cost,
+        active_requests: input.active_requests,
+    }
+}
+
+/// Costs closer than this are a tie.
+const TIE_EPSILON: f64 = 1e-9;
+
+/// Chooses an index into `costs` (non-empty) per the module docs. `shares`
+/// holds each candidate's share of the index, for tie-breaking.
+pub fn choose<R: Rng + ?Sized>(
+    costs: &[f64],
+    shares: &[f64],
+    temperature: f64,
+    rng: &mut R,
+) -> usize {
+    if costs.len() <= 1 {
+        return 0;
+    }
+    if temperature > 0.0 {
+        softmax_sample(costs, temperature, rng)
+    } else {
+        lowest(costs, shares, rng)
+    }
+}
+
+fn lowest<R: Rng + ?Sized>(costs: &[f64], shares: &[f64], rng: &mut R) -> usize {
+    let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
+    let tied: Vec<usize> = (0..costs.len())
+        .filter(|&i| costs[i] - min <= TIE_EPSILON)
+        .collect();
+    let share = |i: usize| shares.get(i).copied().unwrap_or(0.0);
+    let min_share = tied.iter().map(|&i| share(i)).fold(f64::INFINITY, f64::min);
+    let tied: Vec<usize> = tied
+        .into_iter()
+        .filter(|&i| share(i) - min_share <= TIE_EPSILON)
+        .collect();
+    match tied.len() {
+        0 => 0,
+        1 => tied[0],
+        n => tied[rng.random_range(0..n)],
+    }
+}
+
+fn softmax_sample<R: Rng + ?Sized>(costs: &[f64], temperature: f64, rng: &mut R) -> usize {
+    let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
+    let max = costs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    if max - min <= TIE_EPSILON {
+        return rng.random_range(0..costs.len());
+    }
+    // Lower cost = higher weight; the best has weight 1, so no overflow.
+    let weights: Vec<f64> = costs
+        .iter()
+        .map(|c| (-((c - min) / (max - min)) / temperature).exp())
+        .collect();
+    let total: f64 = weights.iter().sum();
+    let mut x = rng.random::<f64>() * total;
+    for (i, w) in weights.iter().enumerate() {
+        if x < *w {
+            return i;
+        }
+        x -= w;
+    }
+    costs.len() - 1
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::SeedableRng;
+    use rand::rngs::StdRng;
+
+    #[test]
+    fn default_cost_is_dynamos_prefill_plus_decode_blocks() {
+        let p = CostParams::default();
+        let c = cost(
+            &p,
+            &CostInput {
+                overlap_blocks: 2,
+                active_prefill_tokens: 32,
+                active_decode_blocks: 7,
+                active_requests: 3,
+            },
+            100,
+            16,
+        );
+        // (32 + (100 − 32)) / 16 = 6.25 prefill blocks.
+        assert_eq!(c.prefill_cost, 6.25);
+        assert_eq!(c.decode_cost, 7.0);
+        assert_eq!(c.total_cost, 13.25);
+    }
+
+    #[test]
+    fn overlap_credit_and_request_weight_apply_and_prefill_never_goes_negative() {
+        let p = CostParams {
+            prefill_load_scale: 2.0,
+            overlap_credit: 1.0,
+            active_request_weight: 0.5,
+            temperature: 0.0,
+        };
+        let c = cost(
+            &p,
+            &CostInput {
+                overlap_blocks: 6,
+                active_prefill_tokens: 0,
+                active_decode_blocks: 1,
+                active_requests: 4,
+            },
+            100,
+            16,
+        );
+        assert_eq!(c.prefill_cost, 0.0);
+        assert_eq!(c.total_cost, 1.0 + 2.0);
+    }
+
+    #[test]
+    fn lowest_cost_wins_and_ties_go_to_the_smaller_index_share() {
+        let mut rng = StdRng::seed_from_u64(1);
+        assert_eq!(choose(&[3.0, 1.0, 2.0], &[0.0; 3], 0.0, &mut rng), 1);
+        for _ in 0..50 {
+            assert_eq!(choose(&[1.0, 1.0, 1.0], &[0.5, 0.1, 0.4], 0.0, &mut rng), 1);
+        }
+    }
+
+    #[test]
+    fn full_ties_are_broken_at_random() {
+        let mut rng = StdRng::seed_from_u64(2);
+        let mut seen = [0usize; 4];
+        for _ in 0..400 {
+            seen[choose(&[5.0; 4], &[0.0; 4], 0.0, &mut rng)] += 1;
+        }
+        assert!(seen.iter().all(|&n| n > 50), "{seen:?}");
+    }
+
+    #[test]
+    fn softmax_prefers_cheap_candidates_but_samples_others() {
+        let mut rng = StdRng::seed_from_u64(3);
+        let mut seen = [0usize; 3];
+        for _ in 0..3000 {
+            seen[choose(&[0.0, 10.0, 20.0], &[0.0; 3], 0.5, &mut rng)] += 1;
+        }
+        assert!(
+            seen[0] > seen[1] && seen[1] > seen[2] && seen[2] > 0,
+            "{seen:?}"
+        );
+    }
+
+    #[test]
+    fn mode_names_match_the_command_line() {
+        use clap::ValueEnum;
+        for m in RouterMode::value_variants() {
+            let parsed = RouterMode::from_str(m.as_str(), false).expect("parses");
+            assert_eq!(parsed, *m);
+        }
+    }
+}
