@@ -35,4 +35,12 @@ pub enum EngineError {
     BlockSize { expected: usize, actual: usize },
     #[error("the engine has shut down")]
     Shutdown,
+    #[error("invalid engine config: {0}")]
+    InvalidConfig(String),
+    #[error("backend returned {actual} output rows, the step needs {expected}")]
+    BackendRows { expected: usize, actual: usize },
+    #[error("no such sequence {0} in the engine (finished, aborted or never added)")]
+    UnknownSequence(u64),
+    #[error("KV block {id} does not belong to reserved slot {seq}")]
+    BlockNotReserved { seq: u64, id: u32 },
 }

@@ -6,7 +6,11 @@
 //! without a network. Workers adapt it to gRPC.
 
 pub mod backend;
+pub mod config;
 pub mod error;
+pub mod kv;
 pub mod model;
+pub mod sampler;
+pub mod scheduler;
 
 pub use error::EngineError;

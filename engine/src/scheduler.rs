@@ -1,0 +1,719 @@
+//! Continuous batching in the manner of vLLM's v1 scheduler: every step
+//! spends a token budget (`max_num_batched_tokens`) on running sequences
+//! first (decode tokens and unfinished prefill chunks), then admits waiting
+//! ones (chunked prefill) up to `max_num_seqs`, reusing cached prefixes.
+//!
+//! Policies: `Fcfs` (arrival order; under KV pressure the latest admitted
+//! running sequence is preempted) and `Priority` (higher priority first, FCFS
+//! within; under KV pressure the lowest-priority running sequence, latest
+//! arrival among equals, is preempted; a waiting request may also preempt a
+//! strictly lower-priority running one when blocks or — flag
+//! `preempt_on_seq_limit` — `max_num_seqs` are the limit). A preempted
+//! sequence loses its blocks and is recomputed later, reusing whatever prefix
+//! is still cached. Abort at any point frees every block.
+//!
+//! The scheduler owns the [`KvCache`] bookkeeping and the sequences' samplers;
+//! it never touches KV memory (the backend does) and never blocks.
+
+mod sequence;
+
+use std::collections::{BTreeMap, HashMap};
+
+pub use sequence::{FinishReason, Finished, Request, StepOutput, Usage};
+use sequence::{Sequence, Status};
+
+use crate::backend::{ForwardBatch, ForwardOutput, SeqChunk};
+use crate::config::{SchedulerConfig, SchedulingPolicy};
+use crate::error::EngineError;
+use crate::kv::{KvCache, SeqId};
+use crate::sampler::{PositionLogprobs, SampleContext};
+
+/// One sequence's share of a scheduled step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScheduledSeq {
+    pub seq_id: SeqId,
+    /// Tokens computed for it this step.
+    pub num_new_tokens: usize,
+    /// Whether this step produces its next token.
+    pub needs_logits: bool,
+}
+
+/// What one call to [`Scheduler::schedule`] decided.
+#[derive(Debug, Clone, Default)]
+pub struct ScheduledStep {
+    /// In batch order (the order of `batch.seqs`).
+    pub seqs: Vec<ScheduledSeq>,
+    /// What the backend computes.
+    pub batch: ForwardBatch,
+    /// Sequences preempted this step (back to waiting, blocks freed).
+    pub preempted: Vec<SeqId>,
+    /// Sequences moved from waiting to running this step, in admission order.
+    pub admitted: Vec<SeqId>,
+    /// Whether balance scheduling held admission back this step.
+    pub balance_held: bool,
+}
+
+impl ScheduledStep {
+    /// Tokens computed this step.
+    pub fn num_batched_tokens(&self) -> usize {
+        self.seqs.iter().map(|s| s.num_new_tokens).sum()
+    }
+
+    /// Whether the step computes nothing.
+    pub fn is_empty(&self) -> bool {
+        self.seqs.is_empty()
+    }
+}
+
+/// Load of one engine, as workers report it.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct LoadStats {
+    pub running: usize,
+    pub waiting: usize,
+    /// Blocks referenced by sequences (running, held or reserved).
+    pub active_blocks: usize,
+    pub total_blocks: usize,
+    /// `active_blocks / total_blocks`.
+    pub kv_usage: f64,
+    /// Prompt (or recompute) tokens admitted or waiting but not yet computed.
+    pub pending_prefill_tokens: usize,
+    /// Blocks currently cached under a hash.
+    pub cached_blocks: usize,
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+    /// Steps scheduled so far.
+    pub steps: u64,
+    /// Preemptions so far.
+    pub preemptions: u64,
+    /// Steps where balance scheduling held admission back.
+    pub balance_held_steps: u64,
+}
+
+/// Where a remote prefill must write a prompt's KV.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemoteReservation {
+    /// One destination block per full or partial prompt block, in order.
+    pub block_ids: Vec<u32>,
+    /// Leading blocks already cached locally: the sender skips them.
+    pub skip_blocks: usize,
+    /// Prompt tokens covered by those blocks.
+    pub cached_tokens: usize,
+}
+
+/// The continuous-batching scheduler of one engine.
+#[derive(Debug)]
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    eos_token_ids: Vec<u32>,
+    kv: KvCache,
+    /// `min(max_model_len, KV capacity in tokens)`.
+    max_len: usize,
+    seqs: HashMap<SeqId, Sequence>,
+    /// Ordered by policy key; the first entry is admitted next.
+    waiting: BTreeMap<(i64, u64), SeqId>,
+    /// In admission order.
+    running: Vec<SeqId>,
+    next_arrival: u64,
+    peer_running_max: usize,
+    steps: u64,
+    preemptions: u64,
+    balance_held_steps: u64,
+}
+
+impl Scheduler {
+    /// A scheduler over `kv` stopping sequences at any of `eos_token_ids`.
+    pub fn new(cfg: SchedulerConfig, kv: KvCache, eos_token_ids: Vec<u32>) -> Self {
+        let max_len = cfg.max_model_len.min(kv.num_blocks() * kv.block_size());
+        Self {
+            cfg,
+            eos_token_ids,
+            kv,
+            max_len,
+            seqs: HashMap::new(),
+            waiting: BTreeMap::new(),
+            running: Vec::new(),
+            next_arrival: 0,
+            peer_running_max: 0,
+            steps: 0,
+            preemptions: 0,
+            balance_held_steps: 0,
+        }
+    }
+
+    /// The scheduler's configuration.
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
+    /// The KV bookkeeping.
+    pub fn kv(&self) -> &KvCache {
+        &self.kv
+    }
+
+    /// Drops every cached prefix (publishes `Cleared`).
+    pub fn clear_prefix_cache(&mut self) {
+        self.kv.clear_prefix_cache();
+    }
+
+    /// Longest sequence (prompt + output) this engine can hold.
+    pub fn max_len(&self) -> usize {
+        self.max_len
+    }
+
+    /// Queues a request for generation.
+    pub fn add(&mut self, id: SeqId, req: Request) -> Result<(), EngineError> {
+        self.add_inner(id, req, false)
+    }
+
+    /// Queues a prefill-only request: it stops after its first token and
+    /// keeps its prompt blocks (status held) until [`Scheduler::abort`].
+    pub fn add_prefill_only(&mut self, id: SeqId, mut req: Request) -> Result<(), EngineError> {
+        req.sampling.max_tokens = Some(1);
+        req.sampling.min_tokens = 0;
+        self.add_inner(id, req, true)
+    }
+
+    fn add_inner(&mut self, id: SeqId, req: Request, hold: bool) -> Result<(), EngineError> {
+        self.validate(id, &req)?;
+        let arrival = self.bump_arrival();
+        let seq = Sequence::new(req, self.kv.block_size(), arrival, hold);
+        self.waiting.insert(self.key(&seq), id);
+        self.seqs.insert(id, seq);
+        Ok(())
+    }
+
+    fn validate(&self, id: SeqId, req: &Request) -> Result<(), EngineError> {
+        if self.seqs.contains_key(&id) {
+            return Err(EngineError::InvalidRequest(format!(
+                "sequence id {id} is already in use"
+            )));
+        }
+        if req.prompt.is_empty() {
+            return Err(EngineError::InvalidRequest("prompt is empty".into()));
+        }
+        if req.prompt.len() >= self.max_len {
+            return Err(EngineError::InvalidRequest(format!(
+                "prompt has {} tokens; this engine holds at most {} per sequence including output",
+                req.prompt.len(),
+                self.max_len
+            )));
+        }
+        req.sampling.validate()
+    }
+
+    /// Removes a sequence in any state and frees its blocks. Returns its
+    /// usage, or `None` if it is unknown (already finished).
+    pub fn abort(&mut self, id: SeqId) -> Option<Usage> {
+        let seq = self.seqs.remove(&id)?;
+        match seq.status {
+            Status::Waiting => {
+                self.waiting.remove(&self.key(&seq));
+            }
+            Status::Running => self.running.retain(|&r| r != id),
+            Status::Held | Status::Reserved => {}
+        }
+        self.kv.free(id);
+        Some(seq.usage())
+    }
+
+    /// Allocates the destination blocks of a remote prefill for `req`,
+    /// reusing the locally cached prefix. The sequence waits (status
+    /// reserved) until [`Scheduler::commit_remote`] or [`Scheduler::abort`].
+    pub fn reserve_remote(
+        &mut self,
+        id: SeqId,
+        req: Request,
+    ) -> Result<RemoteReservation, EngineError> {
+        self.validate(id, &req)?;
+        let arrival = self.bump_arrival();
+        let mut seq = Sequence::new(req, self.kv.block_size(), arrival, false);
+        let hits = self.kv.acquire_prefix(id, seq.hashes.hashes());
+        if let Err(e) = self.kv.allocate(id, seq.prompt_len) {
+            self.kv.free(id);
+            return Err(e);
+        }
+        let cached_tokens = (hits * self.kv.block_size()).min(seq.prompt_len);
+        seq.status = Status::Reserved;
+        seq.cached_tokens = Some(cached_tokens);
+        self.seqs.insert(id, seq);
+        Ok(RemoteReservation {
+            block_ids: self.kv.block_table(id).to_vec(),
+            skip_blocks: hits,
+            cached_tokens,
+        })
+    }
+
+    /// The prompt's KV has been written into a reserved sequence's blocks and
+    /// its first token computed remotely: register the prompt's blocks in the
+    /// prefix cache, take the first token, and queue the sequence to decode.
+    pub fn commit_remote(
+        &mut self,
+        id: SeqId,
+        first_token: u32,
+        logprobs: Option<PositionLogprobs>,
+    ) -> Result<StepOutput, EngineError> {
+        let seq = self
+            .seqs
+            .get_mut(&id)
+            .ok_or(EngineError::UnknownSequence(id))?;
+        if seq.status != Status::Reserved {
+            return Err(EngineError::InvalidRequest(format!(
+                "sequence {id} is not a reserved slot"
+            )));
+        }
+        seq.num_computed = seq.prompt_len;
+        seq.prefill_end = seq.prompt_len;
+        self.kv
+            .cache_full_blocks(id, seq.hashes.hashes(), seq.num_computed);
+        seq.push_token(first_token);
+        let reason = stop_reason(seq, first_token, &self.eos_token_ids, self.max_len);
+        let mut out = StepOutput {
+            seq_id: id,
+            token: first_token,
+            logprobs,
+            finished: None,
+        };
+        if let Some(reason) = reason {
+            out.finished = Some(Finished {
+                reason,
+                usage: seq.usage(),
+            });
+            self.seqs.remove(&id);
+            self.kv.free(id);
+        } else {
+            seq.status = Status::Waiting;
+            let key = self.key(&self.seqs[&id]);
+            self.waiting.insert(key, id);
+        }
+        Ok(out)
+    }
+
+    /// Feeds the largest running count among the other data-parallel ranks
+    /// (for balance scheduling).
+    pub fn set_peer_running_max(&mut self, n: usize) {
+        self.peer_running_max = n;
+    }
+
+    /// Sequences running.
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Sequences waiting (including preempted ones).
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Whether any sequence is waiting or running.
+    pub fn has_unfinished(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty()
+    }
+
+    /// Whether `id` is known (waiting, running, held or reserved).
+    pub fn contains(&self, id: SeqId) -> bool {
+        self.seqs.contains_key(&id)
+    }
+
+    /// The sequence's physical blocks (empty if unknown).
+    pub fn block_table(&self, id: SeqId) -> &[u32] {
+        self.kv.block_table(id)
+    }
+
+    /// Whether `id` is a reserved remote-prefill slot.
+    pub fn is_reserved(&self, id: SeqId) -> bool {
+        self.seqs
+            .get(&id)
+            .is_some_and(|s| s.status == Status::Reserved)
+    }
+
+    /// Current load.
+    pub fn load(&self) -> LoadStats {
+        let pending = self
+            .running
+            .iter()
+            .chain(self.waiting.values())
+            .filter_map(|id| self.seqs.get(id))
+            .map(Sequence::pending_prefill)
+            .sum();
+        LoadStats {
+            running: self.running.len(),
+            waiting: self.waiting.len(),
+            active_blocks: self.kv.num_used(),
+            total_blocks: self.kv.num_blocks(),
+            kv_usage: self.kv.usage(),
+            pending_prefill_tokens: pending,
+            cached_blocks: self.kv.num_cached_blocks(),
+            max_num_seqs: self.cfg.max_num_seqs,
+            max_num_batched_tokens: self.cfg.max_num_batched_tokens,
+            steps: self.steps,
+            preemptions: self.preemptions,
+            balance_held_steps: self.balance_held_steps,
+        }
+    }
+
+    /// Decides the next step: which sequences compute how many tokens, and
+    /// the forward batch for the backend. Sequences admitted or preempted
+    /// change state now; computed tokens are committed by [`Scheduler::update`].
+    pub fn schedule(&mut self) -> ScheduledStep {
+        self.steps += 1;
+        let bs = self.kv.block_size();
+        let mut budget = self.cfg.max_num_batched_tokens;
+        let mut sched: Vec<(SeqId, usize)> = Vec::new();
+        let mut step = ScheduledStep::default();
+
+        // Running sequences first, in admission order.
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i];
+            let seq = &self.seqs[&id];
+            let n = (seq.tokens.len() - seq.num_computed).min(budget);
+            if n == 0 {
+                i += 1;
+                continue;
+            }
+            let target = seq.num_computed + n;
+            loop {
+                if self.kv.allocate(id, target).is_ok() {
+                    sched.push((id, n));
+                    budget -= n;
+                    i += 1;
+                    break;
+                }
+                let victim = self
+                    .pick_victim(None)
+                    .expect("the current sequence is running");
+                let victim_pos = self.running.iter().position(|&r| r == victim).unwrap_or(i);
+                budget += unschedule(&mut sched, victim);
+                self.preempt(victim);
+                step.preempted.push(victim);
+                if victim == id {
+                    break;
+                }
+                if victim_pos < i {
+                    i -= 1;
+                }
+            }
+        }
+
+        // Then waiting ones, unless this step already had to preempt.
+        let balance_ok = !self.cfg.balance_scheduling
+            || self.peer_running_max.max(self.running.len()) + 1 < self.cfg.max_num_seqs;
+        if !balance_ok && !self.waiting.is_empty() {
+            step.balance_held = true;
+            self.balance_held_steps += 1;
+        }
+        let priority = self.cfg.policy == SchedulingPolicy::Priority;
+        let admit = step.preempted.is_empty() && balance_ok;
+        while admit && budget > 0 {
+            let Some((&key, &id)) = self.waiting.first_key_value() else {
+                break;
+            };
+            if step.preempted.contains(&id) {
+                break;
+            }
+            let prio = self.seqs[&id].priority;
+            if self.running.len() >= self.cfg.max_num_seqs {
+                if priority
+                    && self.cfg.preempt_on_seq_limit
+                    && let Some(v) = self.pick_victim(Some(prio))
+                {
+                    budget += unschedule(&mut sched, v);
+                    self.preempt(v);
+                    step.preempted.push(v);
+                    continue;
+                }
+                break;
+            }
+            let fresh = !self.kv.has_table(id);
+            if fresh {
+                let seq = self.seqs.get_mut(&id).expect("waiting ids are known");
+                let max_hit = (seq.tokens.len() - 1) / bs;
+                let hashes = seq.hashes.hashes();
+                let hits = self
+                    .kv
+                    .acquire_prefix(id, &hashes[..hashes.len().min(max_hit)]);
+                seq.num_computed = hits * bs;
+            }
+            let seq = &self.seqs[&id];
+            let remaining = seq.tokens.len() - seq.num_computed;
+            let n = remaining.min(budget);
+            let target = seq.num_computed + n;
+            let fits_whole = n == remaining || self.cfg.enable_chunked_prefill;
+            if fits_whole && self.kv.allocate(id, target).is_ok() {
+                self.waiting.remove(&key);
+                let seq = self.seqs.get_mut(&id).expect("waiting ids are known");
+                if seq.cached_tokens.is_none() {
+                    seq.cached_tokens = Some(seq.num_computed.min(seq.prompt_len));
+                }
+                seq.status = Status::Running;
+                self.running.push(id);
+                sched.push((id, n));
+                budget -= n;
+                step.admitted.push(id);
+                continue;
+            }
+            if fits_whole
+                && priority
+                && let Some(v) = self.pick_victim(Some(prio))
+                && self.preemption_could_fit(id, target, prio)
+            {
+                budget += unschedule(&mut sched, v);
+                self.preempt(v);
+                step.preempted.push(v);
+                continue;
+            }
+            if fresh {
+                self.kv.free(id);
+                self.seqs
+                    .get_mut(&id)
+                    .expect("waiting ids are known")
+                    .num_computed = 0;
+            }
+            break;
+        }
+
+        // Build the batch.
+        let mut active = 0;
+        for &(id, n) in &sched {
+            let seq = &self.seqs[&id];
+            let end = seq.num_computed + n;
+            active += end;
+            let needs_logits = end == seq.tokens.len();
+            step.seqs.push(ScheduledSeq {
+                seq_id: id,
+                num_new_tokens: n,
+                needs_logits,
+            });
+            step.batch.seqs.push(SeqChunk {
+                tokens: seq.tokens[seq.num_computed..end].to_vec(),
+                start_pos: seq.num_computed,
+                block_table: self.kv.block_table(id).to_vec(),
+                needs_logits,
+            });
+        }
+        step.batch.active_kv_tokens = active;
+        step.batch.total_kv_tokens = self.kv.num_blocks() * bs;
+        step
+    }
+
+    /// Commits a step's computed tokens, takes each finishing row's next
+    /// token (sampled from logits, or given by the backend), checks stop
+    /// conditions and frees finished sequences.
+    pub fn update(
+        &mut self,
+        step: &ScheduledStep,
+        out: ForwardOutput,
+    ) -> Result<Vec<StepOutput>, EngineError> {
+        let rows = step.seqs.iter().filter(|s| s.needs_logits).count();
+        let actual = match &out {
+            ForwardOutput::Tokens(t) => t.len(),
+            ForwardOutput::Logits { vocab_size, data } => {
+                if *vocab_size == 0 {
+                    0
+                } else {
+                    data.len() / vocab_size
+                }
+            }
+        };
+        if actual != rows {
+            return Err(EngineError::BackendRows {
+                expected: rows,
+                actual,
+            });
+        }
+        let mut outputs = Vec::with_capacity(rows);
+        let mut row = 0;
+        for s in &step.seqs {
+            let Some(seq) = self.seqs.get_mut(&s.seq_id) else {
+                continue;
+            };
+            seq.num_computed += s.num_new_tokens;
+            self.kv
+                .cache_full_blocks(s.seq_id, seq.hashes.hashes(), seq.num_computed);
+            if !s.needs_logits {
+                continue;
+            }
+            let (token, logprobs) = match &out {
+                ForwardOutput::Tokens(t) => (t[row], None),
+                ForwardOutput::Logits { vocab_size, data } => {
+                    let logits = &data[row * vocab_size..(row + 1) * vocab_size];
+                    let ctx = SampleContext {
+                        history: &seq.tokens,
+                        num_generated: seq.num_generated(),
+                        eos_token_ids: &self.eos_token_ids,
+                    };
+                    let sampled = seq.sampler.sample(logits, &seq.sampling, ctx);
+                    (sampled.token, sampled.logprobs)
+                }
+            };
+            row += 1;
+            seq.push_token(token);
+            let reason = stop_reason(seq, token, &self.eos_token_ids, self.max_len);
+            let finished = reason.map(|reason| Finished {
+                reason,
+                usage: seq.usage(),
+            });
+            outputs.push(StepOutput {
+                seq_id: s.seq_id,
+                token,
+                logprobs,
+                finished,
+            });
+            if finished.is_some() {
+                self.finish(s.seq_id);
+            }
+        }
+        Ok(outputs)
+    }
+
+    /// The backend failed on `step`: every sequence in it ends with
+    /// [`FinishReason::Error`] and is freed.
+    pub fn fail_step(&mut self, step: &ScheduledStep) -> Vec<(SeqId, Finished)> {
+        step.seqs
+            .iter()
+            .filter_map(|s| {
+                let usage = self.abort(s.seq_id)?;
+                Some((
+                    s.seq_id,
+                    Finished {
+                        reason: FinishReason::Error,
+                        usage,
+                    },
+                ))
+            })
+            .collect()
+    }
+
+    /// Checks the scheduler's and the pool's invariants (for tests).
+    pub fn check_invariants(&self) -> Result<(), String> {
+        self.kv.check_invariants()?;
+        if self.running.len() > self.cfg.max_num_seqs {
+            return Err(format!("{} running > max_num_seqs", self.running.len()));
+        }
+        for id in &self.running {
+            if self.seqs.get(id).map(|s| s.status) != Some(Status::Running) {
+                return Err(format!("running {id} is not in running state"));
+            }
+        }
+        for (key, id) in &self.waiting {
+            let seq = self.seqs.get(id).ok_or(format!("waiting {id} unknown"))?;
+            if seq.status != Status::Waiting || self.key(seq) != *key {
+                return Err(format!("waiting {id} has the wrong state or key"));
+            }
+        }
+        let listed = self.running.len() + self.waiting.len();
+        let active = self
+            .seqs
+            .values()
+            .filter(|s| matches!(s.status, Status::Running | Status::Waiting));
+        if active.count() != listed {
+            return Err("a sequence is in no queue or in two".into());
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self, id: SeqId) {
+        self.running.retain(|&r| r != id);
+        let hold = self.seqs.get(&id).is_some_and(|s| s.hold_on_finish);
+        if hold {
+            if let Some(seq) = self.seqs.get_mut(&id) {
+                seq.status = Status::Held;
+            }
+        } else {
+            self.seqs.remove(&id);
+            self.kv.free(id);
+        }
+    }
+
+    fn bump_arrival(&mut self) -> u64 {
+        let a = self.next_arrival;
+        self.next_arrival += 1;
+        a
+    }
+
+    fn key(&self, seq: &Sequence) -> (i64, u64) {
+        match self.cfg.policy {
+            SchedulingPolicy::Fcfs => (0, seq.arrival),
+            SchedulingPolicy::Priority => (-i64::from(seq.priority), seq.arrival),
+        }
+    }
+
+    /// The running sequence to preempt: FCFS takes the latest admitted;
+    /// priority takes the lowest priority, latest arrival among equals, and
+    /// only below `below` when given.
+    fn pick_victim(&self, below: Option<i32>) -> Option<SeqId> {
+        match self.cfg.policy {
+            SchedulingPolicy::Fcfs => self.running.last().copied(),
+            SchedulingPolicy::Priority => self
+                .running
+                .iter()
+                .map(|id| (id, &self.seqs[id]))
+                .filter(|(_, s)| below.is_none_or(|p| s.priority < p))
+                .min_by_key(|(_, s)| (s.priority, std::cmp::Reverse(s.arrival)))
+                .map(|(&id, _)| id),
+        }
+    }
+
+    /// Whether preempting every running sequence below `prio` could free
+    /// enough blocks for `id` to reach `target` tokens.
+    fn preemption_could_fit(&self, id: SeqId, target: usize, prio: i32) -> bool {
+        let needed = self.kv.blocks_needed(id, target);
+        let reclaimable: usize = self
+            .running
+            .iter()
+            .filter(|r| self.seqs[r].priority < prio)
+            .map(|r| self.kv.block_table(*r).len())
+            .sum();
+        needed <= self.kv.num_free() + reclaimable
+    }
+
+    fn preempt(&mut self, id: SeqId) {
+        self.running.retain(|&r| r != id);
+        self.kv.free(id);
+        let renew = self.cfg.policy == SchedulingPolicy::Priority && !self.cfg.keep_preempted_order;
+        let arrival = if renew {
+            Some(self.bump_arrival())
+        } else {
+            None
+        };
+        let seq = self
+            .seqs
+            .get_mut(&id)
+            .expect("preempted sequence is running");
+        seq.num_computed = 0;
+        seq.prefill_end = seq.tokens.len();
+        seq.status = Status::Waiting;
+        if let Some(a) = arrival {
+            seq.arrival = a;
+        }
+        let key = self.key(&self.seqs[&id]);
+        self.waiting.insert(key, id);
+        self.preemptions += 1;
+        tracing::debug!(seq = id, "preempted");
+    }
+}
+
+/// Removes `id` from this step's schedule, returning the tokens it had.
+fn unschedule(sched: &mut Vec<(SeqId, usize)>, id: SeqId) -> usize {
+    match sched.iter().position(|(s, _)| *s == id) {
+        Some(pos) => sched.remove(pos).1,
+        None => 0,
+    }
+}
+
+fn stop_reason(seq: &Sequence, token: u32, eos: &[u32], max_len: usize) -> Option<FinishReason> {
+    let generated = seq.num_generated();
+    let p = &seq.sampling;
+    if generated >= p.min_tokens
+        && ((!p.ignore_eos && eos.contains(&token)) || p.stop_token_ids.contains(&token))
+    {
+        return Some(FinishReason::Stop);
+    }
+    if p.max_tokens.is_some_and(|m| generated >= m) || seq.tokens.len() >= max_len {
+        return Some(FinishReason::Length);
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests;

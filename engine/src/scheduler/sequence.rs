@@ -1,0 +1,131 @@
+//! One request's life inside the scheduler: its tokens, how many of them are
+//! in the KV cache, its sampler, and the request-facing types (request,
+//! finish reason, usage) the engine hands back.
+
+use sluice_tokens::BlockHashes;
+
+use crate::sampler::{PositionLogprobs, Sampler, SamplingParams};
+
+/// A tokenized request as the engine takes it.
+#[derive(Debug, Clone, Default)]
+pub struct Request {
+    /// Caller's id, for logs.
+    pub request_id: String,
+    pub prompt: Vec<u32>,
+    pub sampling: SamplingParams,
+    /// Higher = more important (used by [`SchedulingPolicy::Priority`](crate::SchedulingPolicy)).
+    pub priority: i32,
+}
+
+/// Why a sequence stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// EOS or a stop token id.
+    Stop,
+    /// `max_tokens` or the model/KV length limit.
+    Length,
+    /// Aborted by the caller (stream dropped) or by shutdown.
+    Abort,
+    /// The backend failed during the sequence's step.
+    Error,
+}
+
+/// Token accounting for one request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// Prompt tokens served from the prefix cache at first admission.
+    pub cached_tokens: usize,
+}
+
+/// The end of a sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Finished {
+    pub reason: FinishReason,
+    pub usage: Usage,
+}
+
+/// One token produced for one sequence in one step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepOutput {
+    pub seq_id: u64,
+    pub token: u32,
+    pub logprobs: Option<PositionLogprobs>,
+    /// Set when this token ends the sequence.
+    pub finished: Option<Finished>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Status {
+    Waiting,
+    Running,
+    /// Prefill-only sequence done; its prompt blocks stay held for reading.
+    Held,
+    /// Remote-prefill destination: blocks allocated, waiting for KV and the first token.
+    Reserved,
+}
+
+#[derive(Debug)]
+pub(crate) struct Sequence {
+    pub(crate) tokens: Vec<u32>,
+    pub(crate) prompt_len: usize,
+    pub(crate) hashes: BlockHashes,
+    /// Tokens whose K/V are in the cache.
+    pub(crate) num_computed: usize,
+    /// Tokens to (re)compute before the sequence decodes (for pending-prefill load).
+    pub(crate) prefill_end: usize,
+    pub(crate) sampling: SamplingParams,
+    pub(crate) sampler: Sampler,
+    pub(crate) priority: i32,
+    /// Arrival order (kept or renewed on preemption, per config).
+    pub(crate) arrival: u64,
+    pub(crate) cached_tokens: Option<usize>,
+    pub(crate) status: Status,
+    /// Prefill only: keep the blocks when the first token is out.
+    pub(crate) hold_on_finish: bool,
+}
+
+impl Sequence {
+    pub(crate) fn new(req: Request, block_size: usize, arrival: u64, hold_on_finish: bool) -> Self {
+        let mut hashes = BlockHashes::new(block_size);
+        hashes.extend(&req.prompt);
+        let prompt_len = req.prompt.len();
+        Self {
+            sampler: Sampler::new(req.sampling.seed),
+            tokens: req.prompt,
+            prompt_len,
+            hashes,
+            num_computed: 0,
+            prefill_end: prompt_len,
+            sampling: req.sampling,
+            priority: req.priority,
+            arrival,
+            cached_tokens: None,
+            status: Status::Waiting,
+            hold_on_finish,
+        }
+    }
+
+    pub(crate) fn num_generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    pub(crate) fn push_token(&mut self, token: u32) {
+        self.tokens.push(token);
+        self.hashes.extend(&[token]);
+    }
+
+    pub(crate) fn usage(&self) -> Usage {
+        Usage {
+            prompt_tokens: self.prompt_len,
+            completion_tokens: self.num_generated(),
+            cached_tokens: self.cached_tokens.unwrap_or(0),
+        }
+    }
+
+    /// Prompt (or recompute) tokens still to be computed before decoding.
+    pub(crate) fn pending_prefill(&self) -> usize {
+        self.prefill_end.saturating_sub(self.num_computed)
+    }
+}
