@@ -1,0 +1,253 @@
+//! Parity with Hugging Face transformers.
+//!
+//! `tests/fixtures/parity/make_fixture.py` built three tiny random models
+//! (Llama with an untied lm_head; Llama with tied embeddings and Llama 3
+//! RoPE scaling; Qwen2 with q/k/v biases, one kv head and linear RoPE
+//! scaling) and recorded, in f32, the logits of a 20-token prompt's last
+//! position and of 4 greedy decode steps. Here the engine loads each model
+//! directory with its own loader, runs the prompt through the paged KV cache
+//! with 4-token blocks (so attention crosses block boundaries, with block
+//! ids handed out in a scrambled order), then decodes one token at a time.
+//!
+//! Agreement is measured per logits row as
+//! `max_i |engine_i - hf_i| / max(max_i |hf_i|, 1e-6)`: the largest
+//! absolute difference relative to the row's largest magnitude, which is
+//! what decides sampling. It must stay below 1e-4.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use sluice_engine::backend::cpu::CpuBackend;
+use sluice_engine::backend::{Backend, ForwardBatch, ForwardOutput, SeqChunk};
+use sluice_engine::model::{Architecture, ModelConfig, RopeScaling};
+
+const BLOCK_SIZE: usize = 4;
+const NUM_BLOCKS: usize = 23;
+const TOLERANCE: f32 = 1e-4;
+const CASES: [&str; 3] = ["llama_untied", "llama3_tied", "qwen2_tied"];
+
+#[derive(Deserialize)]
+struct Reference {
+    cases: std::collections::HashMap<String, Case>,
+}
+
+#[derive(Deserialize)]
+struct Case {
+    prompt: Vec<u32>,
+    prefill_logits: Vec<f32>,
+    decode: Vec<Step>,
+}
+
+#[derive(Deserialize)]
+struct Step {
+    token: u32,
+    logits: Vec<f32>,
+}
+
+fn fixture_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/parity")
+}
+
+fn reference() -> Reference {
+    let text =
+        std::fs::read_to_string(fixture_dir().join("reference.json")).expect("reference.json");
+    serde_json::from_str(&text).expect("valid reference.json")
+}
+
+fn rel_err(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len(), "logits row length");
+    let diff = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max);
+    let scale = want.iter().map(|b| b.abs()).fold(0.0, f32::max).max(1e-6);
+    diff / scale
+}
+
+fn assert_parity(got: &[f32], want: &[f32], what: &str) {
+    let err = rel_err(got, want);
+    assert!(
+        err < TOLERANCE,
+        "{what}: relative error {err:e} ≥ {TOLERANCE:e}"
+    );
+}
+
+/// A minimal stand-in for the scheduler: one growing block table per
+/// sequence, block ids taken from a scrambled free list.
+struct Driver {
+    backend: CpuBackend,
+    free: Vec<u32>,
+}
+
+/// One sequence as the driver tracks it.
+#[derive(Default)]
+struct Seq {
+    len: usize,
+    table: Vec<u32>,
+}
+
+impl Driver {
+    fn new(case: &str) -> Self {
+        let backend = CpuBackend::from_dir(&fixture_dir().join(case), NUM_BLOCKS, BLOCK_SIZE)
+            .expect("load fixture");
+        // 5 and 23 are coprime: every id once, never in order.
+        let free = (0..NUM_BLOCKS as u32)
+            .map(|i| (i * 5 + 3) % NUM_BLOCKS as u32)
+            .rev()
+            .collect();
+        Driver { backend, free }
+    }
+
+    /// The chunk computing `tokens` after what `seq` holds, growing its table.
+    fn chunk(&mut self, seq: &mut Seq, tokens: &[u32], needs_logits: bool) -> SeqChunk {
+        let start_pos = seq.len;
+        seq.len += tokens.len();
+        while seq.table.len() * BLOCK_SIZE < seq.len {
+            seq.table
+                .push(self.free.pop().expect("fixture fits the pool"));
+        }
+        SeqChunk {
+            tokens: tokens.to_vec(),
+            start_pos,
+            block_table: seq.table.clone(),
+            needs_logits,
+        }
+    }
+
+    /// Runs one step; returns one logits row per chunk with `needs_logits`.
+    fn step(&mut self, seqs: Vec<SeqChunk>) -> Vec<Vec<f32>> {
+        let batch = ForwardBatch {
+            seqs,
+            ..ForwardBatch::default()
+        };
+        match self.backend.forward(&batch).expect("forward") {
+            ForwardOutput::Logits { vocab_size, data } => {
+                data.chunks(vocab_size).map(<[f32]>::to_vec).collect()
+            }
+            ForwardOutput::Tokens(_) => panic!("the CPU backend returns logits"),
+        }
+    }
+}
+
+/// Prefills `case`'s prompt in chunks of the given lengths, then decodes,
+/// checking every logits row against transformers.
+fn check_case(name: &str, case: &Case, chunks: &[usize]) {
+    let mut driver = Driver::new(name);
+    let mut seq = Seq::default();
+    let mut done = 0;
+    for (i, &len) in chunks.iter().enumerate() {
+        let last = i + 1 == chunks.len();
+        let chunk = driver.chunk(&mut seq, &case.prompt[done..done + len], last);
+        let rows = driver.step(vec![chunk]);
+        assert_eq!(rows.len(), usize::from(last), "{name}: rows for chunk {i}");
+        if last {
+            assert_parity(
+                &rows[0],
+                &case.prefill_logits,
+                &format!("{name} prefill {chunks:?}"),
+            );
+        }
+        done += len;
+    }
+    assert_eq!(done, case.prompt.len());
+    for (i, step) in case.decode.iter().enumerate() {
+        let chunk = driver.chunk(&mut seq, &[step.token], true);
+        let rows = driver.step(vec![chunk]);
+        assert_parity(&rows[0], &step.logits, &format!("{name} decode step {i}"));
+    }
+}
+
+#[test]
+fn full_prefill_and_decode_steps_match_transformers() {
+    let reference = reference();
+    for name in CASES {
+        let case = &reference.cases[name];
+        check_case(name, case, &[case.prompt.len()]);
+    }
+}
+
+#[test]
+fn chunked_prefill_matches_transformers() {
+    let reference = reference();
+    for name in CASES {
+        let case = &reference.cases[name];
+        // 7 + 13: the chunk boundary falls inside a block.
+        check_case(name, case, &[7, case.prompt.len() - 7]);
+    }
+}
+
+#[test]
+fn batched_sequences_match_transformers() {
+    let reference = reference();
+    let name = "llama_untied";
+    let case = &reference.cases[name];
+    let mut driver = Driver::new(name);
+    let (mut a, mut b) = (Seq::default(), Seq::default());
+    // Step 1: a prefills whole; b prefills its first 9 tokens.
+    let seqs = vec![
+        driver.chunk(&mut a, &case.prompt, true),
+        driver.chunk(&mut b, &case.prompt[..9], false),
+    ];
+    let rows = driver.step(seqs);
+    assert_eq!(rows.len(), 1);
+    assert_parity(&rows[0], &case.prefill_logits, "a prefill");
+    // Step 2: a decodes its first token while b finishes its prompt.
+    let first = &case.decode[0];
+    let seqs = vec![
+        driver.chunk(&mut a, &[first.token], true),
+        driver.chunk(&mut b, &case.prompt[9..], true),
+    ];
+    let rows = driver.step(seqs);
+    assert_parity(&rows[0], &first.logits, "a decode 0");
+    assert_parity(&rows[1], &case.prefill_logits, "b prefill");
+    // Then both decode together, b one step behind a.
+    for i in 1..case.decode.len() {
+        let seqs = vec![
+            driver.chunk(&mut a, &[case.decode[i].token], true),
+            driver.chunk(&mut b, &[case.decode[i - 1].token], true),
+        ];
+        let rows = driver.step(seqs);
+        assert_parity(&rows[0], &case.decode[i].logits, &format!("a decode {i}"));
+        assert_parity(
+            &rows[1],
+            &case.decode[i - 1].logits,
+            &format!("b decode {}", i - 1),
+        );
+    }
+}
+
+#[test]
+fn fixture_configs_parse_as_written_by_transformers() {
+    let dir = fixture_dir();
+    let llama = ModelConfig::from_dir(&dir.join("llama_untied")).expect("llama config");
+    assert_eq!(llama.architecture, Architecture::Llama);
+    assert!(!llama.tie_word_embeddings);
+    assert_eq!(
+        (
+            llama.num_attention_heads,
+            llama.num_key_value_heads,
+            llama.head_dim
+        ),
+        (4, 2, 16)
+    );
+    assert_eq!(llama.eos_token_ids, vec![2]);
+    let llama3 = ModelConfig::from_dir(&dir.join("llama3_tied")).expect("llama3 config");
+    assert!(llama3.tie_word_embeddings);
+    assert_eq!(llama3.eos_token_ids, vec![2, 3]);
+    assert!(matches!(
+        llama3.rope_scaling,
+        Some(RopeScaling::Llama3 {
+            original_max_position_embeddings: 8,
+            ..
+        })
+    ));
+    let qwen2 = ModelConfig::from_dir(&dir.join("qwen2_tied")).expect("qwen2 config");
+    assert_eq!(qwen2.architecture, Architecture::Qwen2);
+    assert!(qwen2.qkv_bias);
+    assert_eq!(
+        qwen2.rope_scaling,
+        Some(RopeScaling::Linear { factor: 2.0 })
+    );
+    assert_eq!(qwen2.rope_theta, 1_000_000.0);
+}
