@@ -1,1 +1,120 @@
-//! frontend
+//! `sluice-frontend`: what users and their services touch. An
+//! OpenAI-compatible HTTP API (`/v1/chat/completions`, `/v1/completions`,
+//! `/v1/models`, `/health`, `/live`, `/ready`, `/metrics`) and the gRPC
+//! `Inference` API, on one port.
+//!
+//! Owns: request validation, chat templating, tokenization and block hashing
+//! (once per request), the admission lease, the worker call, incremental
+//! detokenization and stop strings, the OpenAI response shapes. Does not own
+//! placement (the queue and router) or compute (the workers).
+
+mod error;
+mod grpc;
+mod http;
+mod mesh;
+mod metrics;
+mod openai;
+mod pipeline;
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use sluice_runtime::grpc::GrpcServer;
+use sluice_runtime::{ModelArgs, ServiceContext};
+use sluice_tokens::{ChatTemplate, Tokenizer};
+use tokio::net::TcpListener;
+
+pub use error::FrontendError;
+
+/// The frontend's own flags.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Args {
+    /// Default `max_tokens` when a request sets none.
+    #[arg(long, env = "SLUICE_DEFAULT_MAX_TOKENS", default_value_t = 256)]
+    pub default_max_tokens: u32,
+
+    /// Deadline of a request from receipt to its last token, in seconds (504 after).
+    #[arg(long, env = "SLUICE_REQUEST_TIMEOUT", default_value_t = 600)]
+    pub request_timeout: u64,
+}
+
+impl Default for Args {
+    fn default() -> Self {
+        Self {
+            default_max_tokens: 256,
+            request_timeout: 600,
+        }
+    }
+}
+
+impl Args {
+    /// Checks the flags; errors name the flag.
+    pub fn validate(&self) -> Result<(), FrontendError> {
+        if self.default_max_tokens == 0 {
+            return Err(FrontendError::invalid(
+                "--default-max-tokens",
+                "must be at least 1",
+            ));
+        }
+        if self.request_timeout == 0 {
+            return Err(FrontendError::invalid(
+                "--request-timeout",
+                "must be at least 1 second",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Serves HTTP and gRPC on `listener` until `ctx.shutdown`.
+pub async fn serve(
+    listener: TcpListener,
+    args: Args,
+    model: ModelArgs,
+    ctx: ServiceContext,
+) -> Result<(), FrontendError> {
+    args.validate()?;
+    let startup = |e: String| FrontendError::Internal { detail: e };
+    let dir = model
+        .dir()
+        .map_err(|e| FrontendError::invalid("--model", e.to_string()))?;
+    let tokenizer = Tokenizer::from_dir(dir)?;
+    let template = ChatTemplate::from_dir(dir)?;
+    let metrics = metrics::Metrics::new().map_err(|e| startup(e.to_string()))?;
+    let queues = mesh::Members::follow(&ctx.discovery, "queue", ctx.shutdown.clone()).await?;
+    let workers = mesh::Members::follow(&ctx.discovery, "decode", ctx.shutdown.clone()).await?;
+    let pipeline = Arc::new(pipeline::Pipeline {
+        model: model.name(),
+        created: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs() as i64)
+            .unwrap_or(0),
+        tokenizer,
+        template,
+        queues,
+        workers,
+        channels: mesh::Channels::default(),
+        metrics: metrics.clone(),
+        default_max_tokens: args.default_max_tokens,
+        request_timeout: Duration::from_secs(args.request_timeout),
+    });
+    let server = GrpcServer::new()
+        .map_err(|e| startup(e.to_string()))?
+        .add_service(
+            sluice_proto::inference::v1::inference_server::InferenceServer::new(
+                grpc::InferenceService {
+                    pipeline: Arc::clone(&pipeline),
+                },
+            ),
+        )
+        .with_metrics(vec![metrics.registry.clone()])
+        .with_http(http::router(pipeline));
+    let instance = ctx
+        .instance("frontend", &listener)
+        .map_err(|e| startup(e.to_string()))?
+        .with_model(model.name());
+    tracing::info!(model = %model.name(), "frontend starting");
+    ctx.run(server, listener, instance)
+        .await
+        .map_err(|e| startup(e.to_string()))
+}

@@ -70,3 +70,40 @@ impl Default for CommonArgs {
         }
     }
 }
+
+/// Which model a frontend or worker serves. Shared by both so that
+/// `sluice up` takes `--model` once.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct ModelArgs {
+    /// Model directory in the Hugging Face layout (config.json,
+    /// model.safetensors, tokenizer.json, tokenizer_config.json).
+    /// `sluice up` writes and uses the built-in model when unset.
+    #[arg(long, env = "SLUICE_MODEL")]
+    pub model: Option<std::path::PathBuf>,
+
+    /// Name clients use for the model; default: the directory's name.
+    #[arg(long, env = "SLUICE_SERVED_MODEL_NAME")]
+    pub served_model_name: Option<String>,
+}
+
+impl ModelArgs {
+    /// The model directory, or an error naming `--model`.
+    pub fn dir(&self) -> Result<&std::path::Path, RuntimeError> {
+        self.model.as_deref().ok_or(RuntimeError::InvalidFlag {
+            flag: "--model",
+            message: "a model directory is required (try `sluice model init --out DIR`)".into(),
+        })
+    }
+
+    /// The served name: `--served-model-name`, else the directory's file name.
+    pub fn name(&self) -> String {
+        if let Some(n) = &self.served_model_name {
+            return n.clone();
+        }
+        self.model
+            .as_deref()
+            .and_then(|p| p.file_name())
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "sluice-tiny".into())
+    }
+}

@@ -86,6 +86,12 @@ impl GrpcServer {
         self
     }
 
+    /// Serves `router`'s HTTP routes on the same port (HTTP/1.1 and h2c).
+    pub fn with_http(mut self, router: axum::Router) -> Self {
+        self.http = self.http.merge(router);
+        self
+    }
+
     /// The health reporter, to flip services to `NOT_SERVING` early.
     pub fn health(&self) -> HealthReporter {
         self.health.clone()

@@ -22,7 +22,7 @@ pub mod service;
 pub mod shutdown;
 pub mod telemetry;
 
-pub use config::CommonArgs;
+pub use config::{CommonArgs, ModelArgs};
 pub use discovery::{Discovery, DiscoveryEvent, Instance, Registration};
 pub use error::RuntimeError;
 pub use service::ServiceContext;

@@ -1,0 +1,449 @@
+//! The OpenAI-compatible HTTP surface: chat and text completions (SSE or
+//! whole), models, health and readiness. Every handler ends in
+//! [`Pipeline`]; errors render through [`FrontendError`].
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures::Stream;
+use serde_json::{Value, json};
+use tracing::Instrument;
+
+use crate::error::FrontendError;
+use crate::openai::{
+    self, ChatRequest, CompletionRequest, GenerateParams, PRIORITY_PATH, StreamMode,
+};
+use crate::pipeline::{Event, Generation, Pipeline, Serving, TokenLogprob};
+
+/// Header that overrides the body's priority.
+pub(crate) const PRIORITY_HEADER: &str = "x-sluice-priority";
+
+/// Largest request body accepted.
+const MAX_BODY_BYTES: usize = 32 * 1024 * 1024;
+
+/// The HTTP routes, with request ids, CORS, compression and a body limit.
+pub(crate) fn router(pipeline: Arc<Pipeline>) -> Router {
+    use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
+    let x_request_id = http::HeaderName::from_static("x-request-id");
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/ready", get(ready))
+        .with_state(pipeline)
+        .layer(tower_http::compression::CompressionLayer::new())
+        .layer(tower_http::cors::CorsLayer::permissive())
+        .layer(tower_http::limit::RequestBodyLimitLayer::new(
+            MAX_BODY_BYTES,
+        ))
+        .layer(PropagateRequestIdLayer::new(x_request_id.clone()))
+        .layer(SetRequestIdLayer::new(x_request_id, MakeRequestUuid))
+}
+
+async fn models(State(p): State<Arc<Pipeline>>) -> Json<Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{ "id": p.model, "object": "model", "created": p.created, "owned_by": "sluice" }],
+    }))
+}
+
+async fn health(State(p): State<Arc<Pipeline>>) -> Json<Value> {
+    Json(json!({ "status": "ok", "model": p.model, "workers": p.workers.serving(&p.model).len() }))
+}
+
+async fn ready(State(p): State<Arc<Pipeline>>) -> Response {
+    let workers = p.workers.serving(&p.model).len();
+    let queues = p.queues.serving("").len();
+    let body =
+        Json(json!({ "ready": workers > 0 && queues > 0, "workers": workers, "queues": queues }));
+    if workers > 0 && queues > 0 {
+        body.into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, body).into_response()
+    }
+}
+
+fn request_id(headers: &HeaderMap, prefix: &str) -> String {
+    headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .map(|s| format!("{prefix}-{s}"))
+        .unwrap_or_else(|| format!("{prefix}-{}", uuid::Uuid::new_v4().simple()))
+}
+
+fn header_priority(headers: &HeaderMap) -> Result<Option<i32>, FrontendError> {
+    match headers.get(PRIORITY_HEADER) {
+        None => Ok(None),
+        Some(v) => v.to_str().ok().and_then(|s| s.trim().parse::<i32>().ok()).map(Some).ok_or_else(|| {
+            FrontendError::invalid(
+                PRIORITY_HEADER,
+                format!("header `{PRIORITY_HEADER}` must be an integer (higher = more important); in the body use `{PRIORITY_PATH}`"),
+            )
+        }),
+    }
+}
+
+fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, FrontendError> {
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| FrontendError::invalid("body", format!("the body is not valid JSON: {e}")))?;
+    openai::check_priority_placement(&value)?;
+    serde_json::from_value(value).map_err(openai::parse_error)
+}
+
+#[derive(Clone, Copy)]
+enum Api {
+    Chat,
+    Completion,
+}
+
+impl Api {
+    fn endpoint(self) -> &'static str {
+        match self {
+            Api::Chat => "chat_completions",
+            Api::Completion => "completions",
+        }
+    }
+}
+
+async fn chat(State(p): State<Arc<Pipeline>>, headers: HeaderMap, body: Bytes) -> Response {
+    let received = Instant::now();
+    let id = request_id(&headers, "chatcmpl");
+    let parsed = parse::<ChatRequest>(&body).and_then(|r| r.into_params(id));
+    serve(p, Api::Chat, headers, parsed, received).await
+}
+
+async fn completions(State(p): State<Arc<Pipeline>>, headers: HeaderMap, body: Bytes) -> Response {
+    let received = Instant::now();
+    let id = request_id(&headers, "cmpl");
+    let parsed = parse::<CompletionRequest>(&body).and_then(|r| r.into_params(id));
+    serve(p, Api::Completion, headers, parsed, received).await
+}
+
+async fn serve(
+    p: Arc<Pipeline>,
+    api: Api,
+    headers: HeaderMap,
+    parsed: Result<(GenerateParams, StreamMode), FrontendError>,
+    received: Instant,
+) -> Response {
+    let span = tracing::info_span!(
+        "http.request",
+        otel.name = api.endpoint(),
+        otel.kind = "server",
+        request_id = tracing::field::Empty,
+        priority = tracing::field::Empty,
+        strict_priority = tracing::field::Empty,
+        prompt_tokens = tracing::field::Empty,
+        worker_id = tracing::field::Empty,
+    );
+    sluice_runtime::telemetry::extract_http(&headers, &span);
+    let result = async {
+        let (mut params, mode) = parsed?;
+        if let Some(prio) = header_priority(&headers)? {
+            params.hints.priority = prio;
+        }
+        let span = tracing::Span::current();
+        span.record("request_id", params.request_id.as_str());
+        span.record("priority", params.hints.priority);
+        span.record("strict_priority", params.hints.strict_priority);
+        let prepared = p.prepare(params, received)?;
+        span.record("prompt_tokens", prepared.prompt_ids.len());
+        let id = prepared.params.request_id.clone();
+        let generation = p.start(prepared).await?;
+        Ok::<_, FrontendError>((id, mode, generation))
+    }
+    .instrument(span.clone())
+    .await;
+    let (id, mode, generation) = match result {
+        Ok(r) => r,
+        Err(e) => {
+            p.metrics
+                .requests
+                .with_label_values(&[api.endpoint(), e.status().as_str()])
+                .inc();
+            return e.into_response();
+        }
+    };
+    let out = Output {
+        api,
+        id,
+        model: p.model.clone(),
+        created: unix_now(),
+    };
+    if mode.stream {
+        p.metrics
+            .requests
+            .with_label_values(&[api.endpoint(), "200"])
+            .inc();
+        let stream = sse_stream(out, generation, mode, p.clone());
+        let mut resp = Sse::new(stream).into_response();
+        resp.headers_mut()
+            .insert("x-accel-buffering", http::HeaderValue::from_static("no"));
+        resp
+    } else {
+        let r = collect(out, generation).instrument(span).await;
+        let code = match &r {
+            Ok(_) => "200".to_string(),
+            Err(e) => e.status().as_str().to_string(),
+        };
+        p.metrics
+            .requests
+            .with_label_values(&[api.endpoint(), &code])
+            .inc();
+        match r {
+            Ok(v) => Json(v).into_response(),
+            Err(e) => e.into_response(),
+        }
+    }
+}
+
+fn unix_now() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0)
+}
+
+struct Output {
+    api: Api,
+    id: String,
+    model: String,
+    created: i64,
+}
+
+fn usage_json(u: &sluice_proto::common::v1::Usage) -> Value {
+    json!({
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": { "cached_tokens": u.cached_tokens },
+    })
+}
+
+fn nvext_json(s: &Serving) -> Value {
+    serde_json::to_value(s).unwrap_or(Value::Null)
+}
+
+fn chat_logprobs(lps: &[TokenLogprob]) -> Value {
+    let content: Vec<Value> = lps
+        .iter()
+        .map(|lp| {
+            json!({
+                "token": lp.token,
+                "logprob": lp.logprob,
+                "bytes": lp.token.as_bytes(),
+                "top_logprobs": lp.top.iter().map(|(t, l)| json!({"token": t, "logprob": l, "bytes": t.as_bytes()})).collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    json!({ "content": content })
+}
+
+fn completion_logprobs(lps: &[TokenLogprob], offset: usize) -> Value {
+    let mut text_offset = Vec::with_capacity(lps.len());
+    let mut at = offset;
+    for lp in lps {
+        text_offset.push(at);
+        at += lp.token.len();
+    }
+    json!({
+        "tokens": lps.iter().map(|l| l.token.clone()).collect::<Vec<_>>(),
+        "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
+        "top_logprobs": lps.iter().map(|l| l.top.iter().map(|(t, p)| (t.clone(), json!(p))).collect::<serde_json::Map<_, _>>()).collect::<Vec<_>>(),
+        "text_offset": text_offset,
+    })
+}
+
+impl Output {
+    fn chunk(&self, choice: Value, extra: Option<(&str, Value)>) -> Value {
+        let object = match self.api {
+            Api::Chat => "chat.completion.chunk",
+            Api::Completion => "text_completion",
+        };
+        let mut v = json!({ "id": self.id, "object": object, "created": self.created, "model": self.model, "choices": [choice] });
+        if let Some((k, x)) = extra
+            && let Some(o) = v.as_object_mut()
+        {
+            o.insert(k.into(), x);
+        }
+        v
+    }
+
+    fn delta_choice(
+        &self,
+        text: &str,
+        lps: &[TokenLogprob],
+        first: bool,
+        want_lp: bool,
+        offset: usize,
+    ) -> Value {
+        match self.api {
+            Api::Chat => {
+                let mut delta = json!({ "content": text });
+                if first && let Some(o) = delta.as_object_mut() {
+                    o.insert("role".into(), json!("assistant"));
+                }
+                json!({ "index": 0, "delta": delta, "logprobs": if want_lp { chat_logprobs(lps) } else { Value::Null }, "finish_reason": null })
+            }
+            Api::Completion => json!({
+                "index": 0, "text": text,
+                "logprobs": if want_lp { completion_logprobs(lps, offset) } else { Value::Null },
+                "finish_reason": null,
+            }),
+        }
+    }
+
+    fn final_choice(&self, reason: &str) -> Value {
+        match self.api {
+            Api::Chat => {
+                json!({ "index": 0, "delta": {}, "logprobs": null, "finish_reason": reason })
+            }
+            Api::Completion => {
+                json!({ "index": 0, "text": "", "logprobs": null, "finish_reason": reason })
+            }
+        }
+    }
+}
+
+fn sse_stream(
+    out: Output,
+    generation: Generation,
+    mode: StreamMode,
+    _p: Arc<Pipeline>,
+) -> impl Stream<Item = Result<SseEvent, Infallible>> {
+    struct St {
+        out: Output,
+        generation: Generation,
+        mode: StreamMode,
+        first: bool,
+        offset: usize,
+        done: bool,
+        queued: Vec<SseEvent>,
+    }
+    let st = St {
+        out,
+        generation,
+        mode,
+        first: true,
+        offset: 0,
+        done: false,
+        queued: Vec::new(),
+    };
+    futures::stream::unfold(st, |mut st| async move {
+        loop {
+            if let Some(ev) = st.queued.pop() {
+                return Some((Ok(ev), st));
+            }
+            if st.done {
+                return None;
+            }
+            let event = st.generation.next().await;
+            let want_lp =
+                !matches!(&event, Some(Ok(Event::Delta { logprobs, .. })) if logprobs.is_empty());
+            match event {
+                Some(Ok(Event::Delta { text, logprobs, .. })) => {
+                    if text.is_empty() && logprobs.is_empty() && !st.first {
+                        continue;
+                    }
+                    let choice = st
+                        .out
+                        .delta_choice(&text, &logprobs, st.first, want_lp, st.offset);
+                    st.offset += text.len();
+                    st.first = false;
+                    let v = st.out.chunk(choice, None);
+                    return Some((Ok(SseEvent::default().data(v.to_string())), st));
+                }
+                Some(Ok(Event::Done {
+                    finish_reason,
+                    usage,
+                    serving,
+                })) => {
+                    st.done = true;
+                    // Sent in reverse (popped from the end): final chunk, usage chunk, [DONE].
+                    st.queued.push(SseEvent::default().data("[DONE]"));
+                    if st.mode.include_usage {
+                        let mut v = st
+                            .out
+                            .chunk(Value::Null, Some(("usage", usage_json(&usage))));
+                        if let Some(o) = v.as_object_mut() {
+                            o.insert("choices".into(), json!([]));
+                        }
+                        st.queued.push(SseEvent::default().data(v.to_string()));
+                    }
+                    let v = st.out.chunk(
+                        st.out.final_choice(finish_reason),
+                        Some(("nvext", nvext_json(&serving))),
+                    );
+                    st.queued.push(SseEvent::default().data(v.to_string()));
+                }
+                Some(Err(e)) => {
+                    st.done = true;
+                    st.queued.push(SseEvent::default().data("[DONE]"));
+                    st.queued
+                        .push(SseEvent::default().data(e.body().to_string()));
+                }
+                None => return None,
+            }
+        }
+    })
+}
+
+async fn collect(out: Output, mut generation: Generation) -> Result<Value, FrontendError> {
+    let mut text = String::new();
+    let mut lps = Vec::new();
+    let mut want_lp = false;
+    while let Some(ev) = generation.next().await {
+        match ev? {
+            Event::Delta {
+                text: t, logprobs, ..
+            } => {
+                text.push_str(&t);
+                want_lp |= !logprobs.is_empty();
+                lps.extend(logprobs);
+            }
+            Event::Done {
+                finish_reason,
+                usage,
+                serving,
+            } => {
+                let (object, choice) = match out.api {
+                    Api::Chat => (
+                        "chat.completion",
+                        json!({
+                            "index": 0,
+                            "message": { "role": "assistant", "content": text },
+                            "logprobs": if want_lp { chat_logprobs(&lps) } else { Value::Null },
+                            "finish_reason": finish_reason,
+                        }),
+                    ),
+                    Api::Completion => (
+                        "text_completion",
+                        json!({
+                            "index": 0, "text": text,
+                            "logprobs": if want_lp { completion_logprobs(&lps, 0) } else { Value::Null },
+                            "finish_reason": finish_reason,
+                        }),
+                    ),
+                };
+                return Ok(json!({
+                    "id": out.id, "object": object, "created": out.created, "model": out.model,
+                    "choices": [choice],
+                    "usage": usage_json(&usage),
+                    "nvext": nvext_json(&serving),
+                }));
+            }
+        }
+    }
+    Err(FrontendError::Internal {
+        detail: "generation ended without a final event".into(),
+    })
+}

@@ -1,0 +1,668 @@
+//! The OpenAI request bodies Sluice accepts, strict as OpenAI's and Dynamo's
+//! are: an unknown field is a 400 that names it, and a priority anywhere but
+//! `nvext.agent_hints.priority` is a 400 that names the right path. Parsing
+//! ends in a [`GenerateParams`], the one form the pipeline serves.
+
+use std::time::Duration;
+
+use serde::Deserialize;
+use serde_json::Value;
+use sluice_proto::common::v1 as common;
+use sluice_tokens::ChatMessage;
+
+use crate::error::FrontendError;
+
+/// The one place priority lives in a request body.
+pub(crate) const PRIORITY_PATH: &str = "nvext.agent_hints.priority";
+
+/// What the pipeline serves, whichever API it came from.
+#[derive(Debug, Clone)]
+pub(crate) struct GenerateParams {
+    pub request_id: String,
+    pub model: String,
+    pub prompt: Prompt,
+    pub sampling: common::SamplingParams,
+    pub stop: Vec<String>,
+    pub hints: common::PriorityHints,
+    pub tenant: String,
+    pub timeout: Option<Duration>,
+}
+
+/// The prompt as the client gave it.
+#[derive(Debug, Clone)]
+pub(crate) enum Prompt {
+    Text(String),
+    Chat(Vec<ChatMessage>),
+    Tokens(Vec<u32>),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Nvext {
+    #[serde(default)]
+    pub agent_hints: Option<AgentHints>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct AgentHints {
+    #[serde(default)]
+    pub priority: Option<i32>,
+    #[serde(default)]
+    pub strict_priority: Option<u32>,
+    #[serde(default)]
+    pub osl: Option<u32>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub(crate) enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ChatRequest {
+    pub model: String,
+    pub messages: Vec<ChatMessageIn>,
+    #[serde(default)]
+    pub max_tokens: Option<u32>,
+    #[serde(default)]
+    pub max_completion_tokens: Option<u32>,
+    #[serde(default)]
+    pub temperature: Option<f32>,
+    #[serde(default)]
+    pub top_p: Option<f32>,
+    #[serde(default)]
+    pub top_k: Option<i32>,
+    #[serde(default)]
+    pub seed: Option<i64>,
+    #[serde(default)]
+    pub stop: Option<Stop>,
+    #[serde(default)]
+    pub stream: bool,
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    pub logprobs: Option<bool>,
+    #[serde(default)]
+    pub top_logprobs: Option<u32>,
+    #[serde(default)]
+    pub n: Option<u32>,
+    #[serde(default)]
+    pub user: Option<String>,
+    #[serde(default)]
+    pub frequency_penalty: Option<f32>,
+    #[serde(default)]
+    pub presence_penalty: Option<f32>,
+    #[serde(default)]
+    pub ignore_eos: Option<bool>,
+    #[serde(default)]
+    pub min_tokens: Option<u32>,
+    #[serde(default)]
+    pub repetition_penalty: Option<f32>,
+    #[serde(default)]
+    pub nvext: Option<Nvext>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ChatMessageIn {
+    pub role: String,
+    pub content: Content,
+    #[serde(default)]
+    pub name: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub(crate) enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub text: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub(crate) enum PromptIn {
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<u32>),
+    TokenLists(Vec<Vec<u32>>),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct CompletionRequest {
+    pub model: String,
+    pub prompt: PromptIn,
+    #[serde(default)]
+    pub max_tokens: Option<u32>,
+    #[serde(default)]
+    pub temperature: Option<f32>,
+    #[serde(default)]
+    pub top_p: Option<f32>,
+    #[serde(default)]
+    pub top_k: Option<i32>,
+    #[serde(default)]
+    pub seed: Option<i64>,
+    #[serde(default)]
+    pub stop: Option<Stop>,
+    #[serde(default)]
+    pub stream: bool,
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    /// Completions API: number of top logprobs per token (0..=20).
+    #[serde(default)]
+    pub logprobs: Option<u32>,
+    #[serde(default)]
+    pub echo: Option<bool>,
+    #[serde(default)]
+    pub n: Option<u32>,
+    #[serde(default)]
+    pub best_of: Option<u32>,
+    #[serde(default)]
+    pub user: Option<String>,
+    #[serde(default)]
+    pub frequency_penalty: Option<f32>,
+    #[serde(default)]
+    pub presence_penalty: Option<f32>,
+    #[serde(default)]
+    pub ignore_eos: Option<bool>,
+    #[serde(default)]
+    pub min_tokens: Option<u32>,
+    #[serde(default)]
+    pub repetition_penalty: Option<f32>,
+    #[serde(default)]
+    pub nvext: Option<Nvext>,
+}
+
+/// Streaming choices of a parsed request.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct StreamMode {
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+/// Rejects a priority in the wrong place before typed parsing, so the error
+/// names the right path instead of "unknown field".
+pub(crate) fn check_priority_placement(body: &Value) -> Result<(), FrontendError> {
+    let misplaced = |found: &str| {
+        FrontendError::invalid(
+            PRIORITY_PATH,
+            format!(
+                "`{found}` is not read; put the priority (an integer, higher = more important) in `{PRIORITY_PATH}`"
+            ),
+        )
+    };
+    let Some(obj) = body.as_object() else {
+        return Err(FrontendError::invalid(
+            "body",
+            "the request body must be a JSON object",
+        ));
+    };
+    if obj.contains_key("priority") {
+        return Err(misplaced("priority"));
+    }
+    if let Some(extra) = obj.get("extra").or_else(|| obj.get("extra_body")) {
+        let key = if obj.contains_key("extra") {
+            "extra"
+        } else {
+            "extra_body"
+        };
+        if extra.get("nvext").is_some() || extra.get("priority").is_some() {
+            return Err(misplaced(&format!("{key}.nvext")));
+        }
+    }
+    if let Some(nvext) = obj.get("nvext") {
+        if nvext.get("priority").is_some() {
+            return Err(misplaced("nvext.priority"));
+        }
+        if let Some(p) = nvext.get("agent_hints").and_then(|h| h.get("priority"))
+            && !(p.is_i64() && p.as_i64().is_some_and(|v| i32::try_from(v).is_ok()))
+            && !p.is_null()
+        {
+            return Err(FrontendError::invalid(
+                PRIORITY_PATH,
+                format!(
+                    "`{PRIORITY_PATH}` must be a 32-bit integer (higher = more important), got {p}"
+                ),
+            ));
+        }
+        if let Some(p) = nvext
+            .get("agent_hints")
+            .and_then(|h| h.get("strict_priority"))
+            && !(p.is_u64() || p.is_null())
+        {
+            return Err(FrontendError::invalid(
+                "nvext.agent_hints.strict_priority",
+                format!(
+                    "`nvext.agent_hints.strict_priority` must be a non-negative integer tier, got {p}"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Turns a serde error into a 400 that names the offending field.
+pub(crate) fn parse_error(e: serde_json::Error) -> FrontendError {
+    let msg = e.to_string();
+    let param = msg
+        .strip_prefix("unknown field `")
+        .and_then(|rest| rest.split('`').next())
+        .or_else(|| {
+            msg.strip_prefix("missing field `")
+                .and_then(|rest| rest.split('`').next())
+        })
+        .map(str::to_string);
+    let message = match &param {
+        Some(p) if msg.starts_with("unknown field") => {
+            format!("unknown field `{p}`: remove it or check its spelling and place ({msg})")
+        }
+        _ => format!("invalid request body: {msg}"),
+    };
+    FrontendError::InvalidRequest { message, param }
+}
+
+fn stop_list(stop: Option<Stop>) -> Result<Vec<String>, FrontendError> {
+    let v = match stop {
+        None => Vec::new(),
+        Some(Stop::One(s)) => vec![s],
+        Some(Stop::Many(v)) => v,
+    };
+    if v.len() > 16 {
+        return Err(FrontendError::invalid("stop", "at most 16 stop strings"));
+    }
+    if v.iter().any(String::is_empty) {
+        return Err(FrontendError::invalid(
+            "stop",
+            "stop strings must not be empty",
+        ));
+    }
+    Ok(v)
+}
+
+struct Common {
+    max_tokens: Option<u32>,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    top_k: Option<i32>,
+    seed: Option<i64>,
+    n: Option<u32>,
+    frequency_penalty: Option<f32>,
+    presence_penalty: Option<f32>,
+    ignore_eos: Option<bool>,
+    min_tokens: Option<u32>,
+    repetition_penalty: Option<f32>,
+    logprobs: bool,
+    top_logprobs: u32,
+}
+
+fn sampling(c: &Common) -> Result<common::SamplingParams, FrontendError> {
+    if let Some(n) = c.n
+        && n != 1
+    {
+        return Err(FrontendError::invalid(
+            "n",
+            "only n = 1 is supported; send n requests instead",
+        ));
+    }
+    if let Some(t) = c.temperature
+        && !(0.0..=2.0).contains(&t)
+    {
+        return Err(FrontendError::invalid(
+            "temperature",
+            "temperature must be between 0 and 2",
+        ));
+    }
+    if let Some(p) = c.top_p
+        && !(p > 0.0 && p <= 1.0)
+    {
+        return Err(FrontendError::invalid("top_p", "top_p must be in (0, 1]"));
+    }
+    let top_k = match c.top_k {
+        None | Some(-1) | Some(0) => 0,
+        Some(k) if k > 0 => k as u32,
+        Some(_) => {
+            return Err(FrontendError::invalid(
+                "top_k",
+                "top_k must be -1, 0 (off) or positive",
+            ));
+        }
+    };
+    for (name, v) in [
+        ("frequency_penalty", c.frequency_penalty),
+        ("presence_penalty", c.presence_penalty),
+    ] {
+        if v.is_some_and(|v| v != 0.0) {
+            return Err(FrontendError::invalid(
+                name,
+                format!("{name} is not supported; use repetition_penalty"),
+            ));
+        }
+    }
+    if let Some(r) = c.repetition_penalty
+        && !(r > 0.0 && r <= 10.0)
+    {
+        return Err(FrontendError::invalid(
+            "repetition_penalty",
+            "repetition_penalty must be in (0, 10]",
+        ));
+    }
+    if c.max_tokens == Some(0) {
+        return Err(FrontendError::invalid(
+            "max_tokens",
+            "max_tokens must be at least 1",
+        ));
+    }
+    if c.top_logprobs > 20 {
+        return Err(FrontendError::invalid(
+            "top_logprobs",
+            "top_logprobs must be at most 20",
+        ));
+    }
+    let seed = match c.seed {
+        None => None,
+        Some(s) => Some(
+            u64::try_from(s)
+                .map_err(|_| FrontendError::invalid("seed", "seed must be non-negative"))?,
+        ),
+    };
+    Ok(common::SamplingParams {
+        max_tokens: c.max_tokens.unwrap_or(0),
+        min_tokens: c.min_tokens.unwrap_or(0),
+        temperature: c.temperature,
+        top_p: c.top_p,
+        top_k,
+        seed,
+        stop: Vec::new(),
+        stop_token_ids: Vec::new(),
+        ignore_eos: c.ignore_eos.unwrap_or(false),
+        repetition_penalty: c.repetition_penalty,
+        top_logprobs: c.top_logprobs,
+        logprobs: c.logprobs,
+    })
+}
+
+fn hints(nvext: &Option<Nvext>) -> common::PriorityHints {
+    let h = nvext.as_ref().and_then(|n| n.agent_hints.as_ref());
+    common::PriorityHints {
+        priority: h.and_then(|h| h.priority).unwrap_or(0),
+        strict_priority: h.and_then(|h| h.strict_priority).unwrap_or(0),
+        osl: h.and_then(|h| h.osl).unwrap_or(0),
+    }
+}
+
+fn message_text(m: ChatMessageIn, i: usize) -> Result<ChatMessage, FrontendError> {
+    let content = match m.content {
+        Content::Text(t) => t,
+        Content::Parts(parts) => {
+            let mut out = String::new();
+            for p in parts {
+                if p.kind != "text" {
+                    return Err(FrontendError::invalid(
+                        format!("messages[{i}].content"),
+                        format!(
+                            "content part type `{}` is not supported; only `text`",
+                            p.kind
+                        ),
+                    ));
+                }
+                out.push_str(p.text.as_deref().unwrap_or_default());
+            }
+            out
+        }
+    };
+    if !matches!(
+        m.role.as_str(),
+        "system" | "user" | "assistant" | "tool" | "developer"
+    ) {
+        return Err(FrontendError::invalid(
+            format!("messages[{i}].role"),
+            format!("unknown role `{}`", m.role),
+        ));
+    }
+    let _ = m.name;
+    Ok(ChatMessage::new(m.role, content))
+}
+
+impl ChatRequest {
+    /// Validates and converts; `request_id` is the server's id for it.
+    pub(crate) fn into_params(
+        self,
+        request_id: String,
+    ) -> Result<(GenerateParams, StreamMode), FrontendError> {
+        if self.messages.is_empty() {
+            return Err(FrontendError::invalid(
+                "messages",
+                "messages must not be empty",
+            ));
+        }
+        let mode = StreamMode {
+            stream: self.stream,
+            include_usage: self
+                .stream_options
+                .as_ref()
+                .is_some_and(|o| o.include_usage),
+        };
+        if self.stream_options.is_some() && !self.stream {
+            return Err(FrontendError::invalid(
+                "stream_options",
+                "stream_options is only allowed with stream: true",
+            ));
+        }
+        let logprobs = self.logprobs.unwrap_or(false);
+        if self.top_logprobs.is_some() && !logprobs {
+            return Err(FrontendError::invalid(
+                "top_logprobs",
+                "top_logprobs needs logprobs: true",
+            ));
+        }
+        let common = Common {
+            max_tokens: self.max_completion_tokens.or(self.max_tokens),
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            seed: self.seed,
+            n: self.n,
+            frequency_penalty: self.frequency_penalty,
+            presence_penalty: self.presence_penalty,
+            ignore_eos: self.ignore_eos,
+            min_tokens: self.min_tokens,
+            repetition_penalty: self.repetition_penalty,
+            logprobs,
+            top_logprobs: self.top_logprobs.unwrap_or(0),
+        };
+        let sampling = sampling(&common)?;
+        let messages = self
+            .messages
+            .into_iter()
+            .enumerate()
+            .map(|(i, m)| message_text(m, i))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok((
+            GenerateParams {
+                request_id,
+                model: self.model,
+                prompt: Prompt::Chat(messages),
+                sampling,
+                stop: stop_list(self.stop)?,
+                hints: hints(&self.nvext),
+                tenant: self.user.unwrap_or_default(),
+                timeout: None,
+            },
+            mode,
+        ))
+    }
+}
+
+impl CompletionRequest {
+    /// Validates and converts; `request_id` is the server's id for it.
+    pub(crate) fn into_params(
+        self,
+        request_id: String,
+    ) -> Result<(GenerateParams, StreamMode), FrontendError> {
+        let prompt = match self.prompt {
+            PromptIn::Text(t) => Prompt::Text(t),
+            PromptIn::Texts(mut v) if v.len() == 1 => Prompt::Text(v.remove(0)),
+            PromptIn::Tokens(t) => Prompt::Tokens(t),
+            PromptIn::TokenLists(mut v) if v.len() == 1 => Prompt::Tokens(v.remove(0)),
+            _ => {
+                return Err(FrontendError::invalid(
+                    "prompt",
+                    "exactly one prompt per request is supported",
+                ));
+            }
+        };
+        if matches!(&prompt, Prompt::Text(t) if t.is_empty())
+            || matches!(&prompt, Prompt::Tokens(t) if t.is_empty())
+        {
+            return Err(FrontendError::invalid("prompt", "prompt must not be empty"));
+        }
+        if self.echo == Some(true) {
+            return Err(FrontendError::invalid("echo", "echo is not supported"));
+        }
+        if self.best_of.is_some_and(|b| b != 1) {
+            return Err(FrontendError::invalid(
+                "best_of",
+                "only best_of = 1 is supported",
+            ));
+        }
+        if self.stream_options.is_some() && !self.stream {
+            return Err(FrontendError::invalid(
+                "stream_options",
+                "stream_options is only allowed with stream: true",
+            ));
+        }
+        let mode = StreamMode {
+            stream: self.stream,
+            include_usage: self
+                .stream_options
+                .as_ref()
+                .is_some_and(|o| o.include_usage),
+        };
+        let common = Common {
+            max_tokens: self.max_tokens.or(Some(16)),
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            seed: self.seed,
+            n: self.n,
+            frequency_penalty: self.frequency_penalty,
+            presence_penalty: self.presence_penalty,
+            ignore_eos: self.ignore_eos,
+            min_tokens: self.min_tokens,
+            repetition_penalty: self.repetition_penalty,
+            logprobs: self.logprobs.is_some(),
+            top_logprobs: self.logprobs.unwrap_or(0),
+        };
+        let sampling = sampling(&common)?;
+        Ok((
+            GenerateParams {
+                request_id,
+                model: self.model,
+                prompt,
+                sampling,
+                stop: stop_list(self.stop)?,
+                hints: hints(&self.nvext),
+                tenant: self.user.unwrap_or_default(),
+                timeout: None,
+            },
+            mode,
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn param_of(e: FrontendError) -> Option<String> {
+        match e {
+            FrontendError::InvalidRequest { param, .. } => param,
+            other => panic!("expected InvalidRequest, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn misplaced_priority_is_rejected_naming_the_right_path() {
+        for body in [
+            json!({"model": "m", "messages": [], "priority": 5}),
+            json!({"model": "m", "messages": [], "nvext": {"priority": 5}}),
+            json!({"model": "m", "messages": [], "extra": {"nvext": {"agent_hints": {"priority": 5}}}}),
+            json!({"model": "m", "messages": [], "nvext": {"agent_hints": {"priority": "high"}}}),
+            json!({"model": "m", "messages": [], "nvext": {"agent_hints": {"priority": 1.5}}}),
+        ] {
+            let err = check_priority_placement(&body).expect_err("must be rejected");
+            assert_eq!(param_of(err).as_deref(), Some(PRIORITY_PATH), "{body}");
+        }
+        let ok = json!({"model": "m", "messages": [], "nvext": {"agent_hints": {"priority": -3}}});
+        assert!(check_priority_placement(&ok).is_ok());
+    }
+
+    #[test]
+    fn unknown_field_names_the_field() {
+        let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "temprature": 0.5});
+        let err = serde_json::from_value::<ChatRequest>(body)
+            .map_err(parse_error)
+            .expect_err("unknown field");
+        assert_eq!(param_of(err).as_deref(), Some("temprature"));
+    }
+
+    #[test]
+    fn chat_request_carries_priority_hints_and_sampling() {
+        let body = json!({
+            "model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "max_completion_tokens": 7, "temperature": 0, "seed": 3, "stop": "x",
+            "nvext": {"agent_hints": {"priority": 4, "strict_priority": 1, "osl": 9}}
+        });
+        let req: ChatRequest = serde_json::from_value(body).expect("parses");
+        let (p, mode) = req.into_params("id".into()).expect("valid");
+        assert!(!mode.stream);
+        assert_eq!(p.hints.priority, 4);
+        assert_eq!(p.hints.strict_priority, 1);
+        assert_eq!(p.hints.osl, 9);
+        assert_eq!(p.sampling.max_tokens, 7);
+        assert_eq!(p.sampling.seed, Some(3));
+        assert_eq!(p.stop, vec!["x".to_string()]);
+    }
+
+    #[test]
+    fn n_other_than_one_is_a_clear_400() {
+        let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 2});
+        let req: ChatRequest = serde_json::from_value(body).expect("parses");
+        assert_eq!(
+            param_of(req.into_params("id".into()).expect_err("n=2")).as_deref(),
+            Some("n")
+        );
+    }
+
+    #[test]
+    fn completion_accepts_token_prompts_and_logprobs_count() {
+        let body = json!({"model": "m", "prompt": [1, 2, 3], "logprobs": 2});
+        let req: CompletionRequest = serde_json::from_value(body).expect("parses");
+        let (p, _) = req.into_params("id".into()).expect("valid");
+        assert!(matches!(p.prompt, Prompt::Tokens(ref t) if t == &[1, 2, 3]));
+        assert!(p.sampling.logprobs);
+        assert_eq!(p.sampling.top_logprobs, 2);
+        assert_eq!(p.sampling.max_tokens, 16);
+    }
+}
