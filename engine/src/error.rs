@@ -43,4 +43,6 @@ pub enum EngineError {
     UnknownSequence(u64),
     #[error("KV block {id} does not belong to reserved slot {seq}")]
     BlockNotReserved { seq: u64, id: u32 },
+    #[error("the backend failed this request's step: {0}")]
+    StepFailed(String),
 }

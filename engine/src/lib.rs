@@ -7,10 +7,17 @@
 
 pub mod backend;
 pub mod config;
+pub mod engine;
 pub mod error;
 pub mod kv;
 pub mod model;
 pub mod sampler;
 pub mod scheduler;
 
+pub use backend::mocker::{MockerBackend, MockerConfig};
+pub use config::{BalanceGroup, EngineConfig, SchedulerConfig, SchedulingPolicy};
+pub use engine::{EngineHandle, GenerateStream, HeldBlocks, Output, PrefillOutput, RemoteSlot};
 pub use error::EngineError;
+pub use kv::{KvEvent, KvEventRecord, KvSnapshot, KvSubscription, SnapshotRequired};
+pub use sampler::{PositionLogprobs, SamplingParams, TokenLogprob};
+pub use scheduler::{FinishReason, Finished, LoadStats, Request, Usage};

@@ -1,1 +1,393 @@
+//! The mocker backend: the real scheduler and KV cache run unchanged, compute
+//! is replaced by a timing model and deterministic tokens. For routing,
+//! priority and scale experiments where real compute on a few cores would
+//! drown the signal.
+//!
+//! Timing (Dynamo's mocker polynomial, every duration divided by
+//! `speedup_ratio`): a step with prefill rows costs
+//! `4.209989e-7·T² + 1.518344e-2·T + 16.50142` ms, `T` = new (uncached)
+//! prompt tokens computed in the step; a step with decode rows costs
+//! `max(1, −25.74·a² + 54.01·a + 5.74)` ms, `a` = active KV tokens ÷ total
+//! KV tokens. A mixed step lasts the *sum* of the two, as Dynamo's mocker
+//! charges a pass (prefill plus decode; a prefill's first token adds no
+//! decode time).
+//!
+//! Tokens depend only on the previous token and its position, so runs,
+//! batchings and preemption-recomputes agree. The KV "memory" stores only
+//! blocks written through [`Backend::write_block`] (lazily, so a large
+//! simulated pool costs nothing); unwritten blocks read as zeros.
 
+use std::collections::HashMap;
+use std::time::Duration;
+
+use crate::backend::{Backend, ForwardBatch, ForwardOutput, KvBlockLayout};
+use crate::error::EngineError;
+
+/// What the mocker's forward returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MockerOutput {
+    /// Token ids chosen by the mocker (the engine's sampler is bypassed).
+    #[default]
+    Tokens,
+    /// Deterministic logits peaked at the same token, so the engine's sampler
+    /// (seed, temperature, logprobs) runs as with a real model.
+    Logits,
+}
+
+/// Step timing model.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub enum MockerTiming {
+    /// Dynamo's polynomial (see the module docs).
+    #[default]
+    Polynomial,
+    /// No sleeping at all (unit tests).
+    Instant,
+}
+
+/// Shape and behaviour of a mocker; only the model's config, no weights.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MockerConfig {
+    pub vocab_size: usize,
+    pub num_layers: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+    pub num_blocks: usize,
+    /// Bytes per KV element in the advertised layout (4 = f32, as the CPU backend).
+    pub elem_bytes: usize,
+    /// Every duration is divided by this.
+    pub speedup_ratio: f64,
+    pub timing: MockerTiming,
+    pub output: MockerOutput,
+    /// Token ids never emitted (typically the EOS ids, so requests run to
+    /// `max_tokens`, like a benchmark with `ignore_eos`).
+    pub avoid_token_ids: Vec<u32>,
+}
+
+impl Default for MockerConfig {
+    fn default() -> Self {
+        Self {
+            vocab_size: 32_000,
+            num_layers: 2,
+            num_kv_heads: 2,
+            head_dim: 8,
+            block_size: 16,
+            num_blocks: 1024,
+            elem_bytes: 4,
+            speedup_ratio: 1.0,
+            timing: MockerTiming::Polynomial,
+            output: MockerOutput::Tokens,
+            avoid_token_ids: Vec::new(),
+        }
+    }
+}
+
+/// Prefill time in ms for `t` new tokens (before `speedup_ratio`).
+pub fn prefill_ms(t: usize) -> f64 {
+    let t = t as f64;
+    4.209989e-7 * t * t + 1.518344e-2 * t + 16.50142
+}
+
+/// Decode step time in ms at KV utilisation `a` in 0..=1 (before `speedup_ratio`).
+pub fn decode_ms(a: f64) -> f64 {
+    (-25.74 * a * a + 54.01 * a + 5.74).max(1.0)
+}
+
+/// A backend that sleeps instead of computing.
+#[derive(Debug)]
+pub struct MockerBackend {
+    cfg: MockerConfig,
+    memory: HashMap<u32, Box<[u8]>>,
+}
+
+impl MockerBackend {
+    /// A mocker of the given shape; rejects zero sizes and a non-positive speedup.
+    pub fn new(cfg: MockerConfig) -> Result<Self, EngineError> {
+        let bad = |m: &str| Err(EngineError::InvalidConfig(format!("mocker: {m}")));
+        if cfg.vocab_size == 0 || cfg.vocab_size > u32::MAX as usize {
+            return bad("vocab_size must be in 1..=u32::MAX");
+        }
+        if cfg.avoid_token_ids.len() >= cfg.vocab_size {
+            return bad("avoid_token_ids leaves no token to emit");
+        }
+        if cfg.block_size == 0 || cfg.num_blocks == 0 {
+            return bad("block_size and num_blocks must be at least 1");
+        }
+        if !(cfg.speedup_ratio.is_finite() && cfg.speedup_ratio > 0.0) {
+            return bad("speedup_ratio must be > 0");
+        }
+        Ok(Self {
+            cfg,
+            memory: HashMap::new(),
+        })
+    }
+
+    /// The mocker's configuration.
+    pub fn config(&self) -> &MockerConfig {
+        &self.cfg
+    }
+
+    /// How long the timing model says `batch` takes (after `speedup_ratio`).
+    pub fn step_duration(&self, batch: &ForwardBatch) -> Duration {
+        if self.cfg.timing == MockerTiming::Instant || batch.seqs.is_empty() {
+            return Duration::ZERO;
+        }
+        // A row whose chunk is one token at the end of the sequence decodes;
+        // anything else (prompt chunks, recomputes) is prefill.
+        let mut prefill_tokens = 0;
+        let mut decoding = false;
+        for s in &batch.seqs {
+            if s.tokens.len() == 1 && s.start_pos > 0 && s.needs_logits {
+                decoding = true;
+            } else {
+                prefill_tokens += s.tokens.len();
+            }
+        }
+        let mut ms = 0.0;
+        if prefill_tokens > 0 {
+            ms += prefill_ms(prefill_tokens);
+        }
+        if decoding {
+            let total = batch.total_kv_tokens.max(1) as f64;
+            ms += decode_ms((batch.active_kv_tokens as f64 / total).clamp(0.0, 1.0));
+        }
+        Duration::from_secs_f64(ms / 1000.0 / self.cfg.speedup_ratio)
+    }
+
+    /// The token the mocker emits after `last` at position `pos`.
+    pub fn next_token(&self, last: u32, pos: usize) -> u32 {
+        let vocab = self.cfg.vocab_size as u64;
+        let mut t = (mix(u64::from(last) ^ mix(pos as u64)) % vocab) as u32;
+        while self.cfg.avoid_token_ids.contains(&t) {
+            t = ((u64::from(t) + 1) % vocab) as u32;
+        }
+        t
+    }
+
+    fn check_id(&self, id: u32) -> Result<(), EngineError> {
+        if id as usize >= self.cfg.num_blocks {
+            return Err(EngineError::BlockOutOfRange {
+                id,
+                num_blocks: self.cfg.num_blocks,
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Backend for MockerBackend {
+    fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOutput, EngineError> {
+        let pause = self.step_duration(batch);
+        if !pause.is_zero() {
+            std::thread::sleep(pause);
+        }
+        let tokens: Vec<u32> = batch
+            .seqs
+            .iter()
+            .filter(|s| s.needs_logits)
+            .map(|s| {
+                let last = s.tokens.last().copied().unwrap_or(0);
+                self.next_token(last, s.start_pos + s.tokens.len().saturating_sub(1))
+            })
+            .collect();
+        Ok(match self.cfg.output {
+            MockerOutput::Tokens => ForwardOutput::Tokens(tokens),
+            MockerOutput::Logits => {
+                let v = self.cfg.vocab_size;
+                let mut data = Vec::with_capacity(tokens.len() * v);
+                for &t in &tokens {
+                    let salt = mix(u64::from(t));
+                    // Noise in [-2, 2); the chosen token stands 8 above it.
+                    data.extend((0..v as u64).map(|i| {
+                        let noise = (mix(salt ^ i) >> 40) as f32 / (1u64 << 24) as f32;
+                        4.0 * noise - 2.0
+                    }));
+                    let row = data.len() - v;
+                    data[row + t as usize] = 8.0;
+                    for &a in &self.cfg.avoid_token_ids {
+                        if let Some(x) = data.get_mut(row + a as usize) {
+                            *x = -30.0;
+                        }
+                    }
+                }
+                ForwardOutput::Logits {
+                    vocab_size: v,
+                    data,
+                }
+            }
+        })
+    }
+
+    fn kv_layout(&self) -> KvBlockLayout {
+        KvBlockLayout {
+            num_layers: self.cfg.num_layers,
+            num_kv_heads: self.cfg.num_kv_heads,
+            head_dim: self.cfg.head_dim,
+            block_size: self.cfg.block_size,
+            elem_bytes: self.cfg.elem_bytes,
+        }
+    }
+
+    fn num_blocks(&self) -> usize {
+        self.cfg.num_blocks
+    }
+
+    fn read_block(&self, id: u32, out: &mut [u8]) -> Result<(), EngineError> {
+        self.check_id(id)?;
+        let expected = self.kv_layout().block_bytes();
+        if out.len() != expected {
+            return Err(EngineError::BlockSize {
+                expected,
+                actual: out.len(),
+            });
+        }
+        match self.memory.get(&id) {
+            Some(data) => out.copy_from_slice(data),
+            None => out.fill(0),
+        }
+        Ok(())
+    }
+
+    fn write_block(&mut self, id: u32, data: &[u8]) -> Result<(), EngineError> {
+        self.check_id(id)?;
+        let expected = self.kv_layout().block_bytes();
+        if data.len() != expected {
+            return Err(EngineError::BlockSize {
+                expected,
+                actual: data.len(),
+            });
+        }
+        self.memory.insert(id, data.into());
+        Ok(())
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.cfg.vocab_size
+    }
+
+    fn name(&self) -> &'static str {
+        "mocker"
+    }
+}
+
+/// SplitMix64 finaliser: a fixed, well-mixed hash (stable across runs and versions).
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::SeqChunk;
+
+    fn mocker(output: MockerOutput) -> MockerBackend {
+        MockerBackend::new(MockerConfig {
+            vocab_size: 50,
+            timing: MockerTiming::Instant,
+            output,
+            avoid_token_ids: vec![0],
+            ..MockerConfig::default()
+        })
+        .expect("valid config")
+    }
+
+    fn chunk(tokens: Vec<u32>, start_pos: usize) -> SeqChunk {
+        SeqChunk {
+            tokens,
+            start_pos,
+            block_table: vec![0],
+            needs_logits: true,
+        }
+    }
+
+    #[test]
+    fn polynomials_match_dynamo_values() {
+        assert!((prefill_ms(1000) - 32.105_858_9).abs() < 1e-6);
+        assert!((decode_ms(0.5) - 26.31).abs() < 1e-9);
+        assert_eq!(decode_ms(0.0), 5.74);
+        assert_eq!(decode_ms(-1.0), 1.0);
+    }
+
+    #[test]
+    fn mixed_step_costs_prefill_plus_decode_divided_by_speedup() {
+        let m = MockerBackend::new(MockerConfig {
+            speedup_ratio: 10.0,
+            ..MockerConfig::default()
+        })
+        .expect("valid");
+        let batch = ForwardBatch {
+            seqs: vec![chunk(vec![1; 100], 0), chunk(vec![2], 40)],
+            active_kv_tokens: 141,
+            total_kv_tokens: 282,
+        };
+        let want = (prefill_ms(100) + decode_ms(0.5)) / 10.0;
+        let got = m.step_duration(&batch).as_secs_f64() * 1000.0;
+        assert!((got - want).abs() < 1e-6, "{got} vs {want}");
+    }
+
+    #[test]
+    fn tokens_are_deterministic_and_avoid_listed_ids() {
+        let mut a = mocker(MockerOutput::Tokens);
+        let mut b = mocker(MockerOutput::Tokens);
+        let batch = ForwardBatch {
+            seqs: vec![chunk(vec![3, 4, 5], 0)],
+            ..ForwardBatch::default()
+        };
+        let ta = a.forward(&batch).expect("forward");
+        let tb = b.forward(&batch).expect("forward");
+        let (ForwardOutput::Tokens(ta), ForwardOutput::Tokens(tb)) = (ta, tb) else {
+            panic!("token output expected")
+        };
+        assert_eq!(ta, tb);
+        for last in 0..200 {
+            assert_ne!(a.next_token(last, 7), 0);
+        }
+    }
+
+    #[test]
+    fn logits_mode_peaks_at_the_token_mode_token() {
+        let mut t = mocker(MockerOutput::Tokens);
+        let mut l = mocker(MockerOutput::Logits);
+        let batch = ForwardBatch {
+            seqs: vec![chunk(vec![9], 12)],
+            ..ForwardBatch::default()
+        };
+        let Ok(ForwardOutput::Tokens(tok)) = t.forward(&batch) else {
+            panic!("tokens")
+        };
+        let Ok(ForwardOutput::Logits { vocab_size, data }) = l.forward(&batch) else {
+            panic!("logits")
+        };
+        assert_eq!(vocab_size, 50);
+        let argmax = data
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .map(|(i, _)| i);
+        assert_eq!(argmax, Some(tok[0] as usize));
+    }
+
+    #[test]
+    fn written_blocks_read_back_and_unwritten_read_zero() {
+        let mut m = mocker(MockerOutput::Tokens);
+        let n = m.kv_layout().block_bytes();
+        let data: Vec<u8> = (0..n).map(|i| i as u8).collect();
+        m.write_block(3, &data).expect("in range");
+        let mut out = vec![1u8; n];
+        m.read_block(3, &mut out).expect("in range");
+        assert_eq!(out, data);
+        m.read_block(4, &mut out).expect("in range");
+        assert!(out.iter().all(|&b| b == 0));
+        assert!(matches!(
+            m.write_block(3, &data[1..]),
+            Err(EngineError::BlockSize { .. })
+        ));
+        assert!(matches!(
+            m.read_block(5000, &mut out),
+            Err(EngineError::BlockOutOfRange { .. })
+        ));
+    }
+}

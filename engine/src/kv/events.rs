@@ -170,6 +170,16 @@ impl KvEventLog {
         }
     }
 
+    /// How many leading `hashes` are cached, as of the latest event (for a
+    /// worker deciding local or remote prefill without asking the engine).
+    pub fn cached_prefix_len(&self, hashes: &[u64]) -> usize {
+        let g = self.inner.lock();
+        hashes
+            .iter()
+            .take_while(|h| g.cached.contains_key(h))
+            .count()
+    }
+
     /// Sequence number of the latest event (0 before the first).
     pub fn last_seq(&self) -> u64 {
         self.inner.lock().last_seq

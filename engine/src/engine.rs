@@ -1,0 +1,468 @@
+//! The API workers call: an [`EngineHandle`] to an engine running its step
+//! loop on a dedicated thread (scheduler + backend), which sleeps on its
+//! command channel when there is nothing to do.
+//!
+//! - `generate` → a [`GenerateStream`] of per-step [`Output`]s; dropping the
+//!   stream aborts the sequence and frees its blocks.
+//! - KV events (`subscribe_kv_events`, `kv_snapshot`) and load (`load`) are
+//!   read without a round trip to the engine thread.
+//! - Disaggregation: the prefill side runs [`EngineHandle::prefill`] and reads
+//!   the prompt's blocks from the returned [`HeldBlocks`]; the decode side
+//!   reserves a [`RemoteSlot`], writes the received blocks, then
+//!   [`EngineHandle::commit_remote`]s it into a normal stream. Every guard
+//!   (stream, held blocks, slot) frees its blocks when dropped, wherever it is
+//!   dropped, because the engine thread builds the guards itself.
+
+mod core;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc as std_mpsc;
+use std::task::{Context, Poll};
+
+use tokio::sync::{mpsc, oneshot, watch};
+
+use crate::backend::{Backend, KvBlockLayout};
+use crate::config::EngineConfig;
+use crate::error::EngineError;
+use crate::kv::{KvCache, KvEventLog, KvSnapshot, KvSubscription, SeqId, SnapshotRequired};
+use crate::sampler::PositionLogprobs;
+use crate::scheduler::{Finished, LoadStats, Request, Scheduler};
+
+/// What one engine step produced for one request. The last output of a
+/// stream has `finished` set (its `token_ids` may be empty on abort/error).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Output {
+    pub token_ids: Vec<u32>,
+    /// One entry per token when the request asked for logprobs.
+    pub logprobs: Vec<PositionLogprobs>,
+    pub finished: Option<Finished>,
+}
+
+/// Commands from handles and guards to the engine thread.
+enum Command {
+    Generate {
+        id: SeqId,
+        req: Request,
+        tx: mpsc::UnboundedSender<Output>,
+    },
+    Prefill {
+        id: SeqId,
+        req: Request,
+        reply: oneshot::Sender<Result<PrefillOutput, EngineError>>,
+    },
+    Reserve {
+        id: SeqId,
+        req: Request,
+        reply: oneshot::Sender<Result<RemoteSlot, EngineError>>,
+    },
+    Commit {
+        id: SeqId,
+        first_token: u32,
+        logprobs: Option<PositionLogprobs>,
+        tx: mpsc::UnboundedSender<Output>,
+    },
+    WriteBlocks {
+        id: SeqId,
+        blocks: Vec<(u32, Vec<u8>)>,
+        reply: oneshot::Sender<Result<(), EngineError>>,
+    },
+    ReadBlocks {
+        ids: Vec<u32>,
+        reply: oneshot::Sender<Result<Vec<Vec<u8>>, EngineError>>,
+    },
+    /// Abort a sequence or release held/reserved blocks.
+    Abort(SeqId),
+    ClearPrefixCache,
+    Shutdown,
+}
+
+/// Sends `Abort(id)` when dropped, unless disarmed.
+#[derive(Debug)]
+struct AbortOnDrop {
+    id: SeqId,
+    tx: Option<std_mpsc::Sender<Command>>,
+}
+
+impl AbortOnDrop {
+    fn new(id: SeqId, tx: std_mpsc::Sender<Command>) -> Self {
+        Self { id, tx: Some(tx) }
+    }
+
+    fn disarm(&mut self) {
+        self.tx = None;
+    }
+}
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        if let Some(tx) = self.tx.take() {
+            // The engine may be gone already; then there is nothing to free.
+            let _ = tx.send(Command::Abort(self.id));
+        }
+    }
+}
+
+impl std::fmt::Debug for Command {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let name = match self {
+            Self::Generate { .. } => "Generate",
+            Self::Prefill { .. } => "Prefill",
+            Self::Reserve { .. } => "Reserve",
+            Self::Commit { .. } => "Commit",
+            Self::WriteBlocks { .. } => "WriteBlocks",
+            Self::ReadBlocks { .. } => "ReadBlocks",
+            Self::Abort(_) => "Abort",
+            Self::ClearPrefixCache => "ClearPrefixCache",
+            Self::Shutdown => "Shutdown",
+        };
+        f.write_str(name)
+    }
+}
+
+/// The outputs of one request. Dropping it aborts the request.
+#[derive(Debug)]
+pub struct GenerateStream {
+    id: SeqId,
+    rx: mpsc::UnboundedReceiver<Output>,
+    _abort: AbortOnDrop,
+}
+
+impl GenerateStream {
+    fn new(id: SeqId, rx: mpsc::UnboundedReceiver<Output>, tx: std_mpsc::Sender<Command>) -> Self {
+        Self {
+            id,
+            rx,
+            _abort: AbortOnDrop::new(id, tx),
+        }
+    }
+
+    /// The engine's id for this sequence.
+    pub fn seq_id(&self) -> SeqId {
+        self.id
+    }
+
+    /// The next output; `None` after the finishing one.
+    pub async fn recv(&mut self) -> Option<Output> {
+        self.rx.recv().await
+    }
+
+    /// [`GenerateStream::recv`] for synchronous callers (not inside a runtime).
+    pub fn blocking_recv(&mut self) -> Option<Output> {
+        self.rx.blocking_recv()
+    }
+
+    /// Poll form of [`GenerateStream::recv`], for adapting to `Stream`.
+    pub fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<Output>> {
+        self.rx.poll_recv(cx)
+    }
+
+    /// Every token until the end, with the finish (`None` if the engine
+    /// vanished without finishing the stream).
+    pub async fn collect(mut self) -> (Vec<u32>, Option<Finished>) {
+        let mut tokens = Vec::new();
+        while let Some(out) = self.recv().await {
+            tokens.extend(out.token_ids);
+            if let Some(f) = out.finished {
+                return (tokens, Some(f));
+            }
+        }
+        (tokens, None)
+    }
+}
+
+/// A finished prefill: the first token and the prompt's KV blocks, held
+/// until this value (its [`HeldBlocks`]) is dropped.
+#[derive(Debug)]
+pub struct PrefillOutput {
+    pub first_token: u32,
+    pub logprobs: Option<PositionLogprobs>,
+    /// Prompt tokens that came from this engine's prefix cache.
+    pub cached_tokens: usize,
+    pub blocks: HeldBlocks,
+}
+
+/// A prompt's KV blocks kept alive for reading (see
+/// [`EngineHandle::read_blocks`]); released when dropped.
+#[derive(Debug)]
+pub struct HeldBlocks {
+    block_ids: Vec<u32>,
+    num_tokens: usize,
+    _release: AbortOnDrop,
+}
+
+impl HeldBlocks {
+    /// Physical blocks holding positions `0..num_tokens`, in order.
+    pub fn block_ids(&self) -> &[u32] {
+        &self.block_ids
+    }
+
+    /// Prompt tokens whose K/V the blocks hold.
+    pub fn num_tokens(&self) -> usize {
+        self.num_tokens
+    }
+}
+
+/// Destination blocks of a remote prefill; released when dropped, unless
+/// committed with [`EngineHandle::commit_remote`].
+#[derive(Debug)]
+pub struct RemoteSlot {
+    id: SeqId,
+    block_ids: Vec<u32>,
+    skip_blocks: usize,
+    cached_tokens: usize,
+    release: AbortOnDrop,
+}
+
+impl RemoteSlot {
+    /// The slot's id, for [`EngineHandle::write_blocks`].
+    pub fn id(&self) -> SeqId {
+        self.id
+    }
+
+    /// One block per full or partial prompt block, in order.
+    pub fn block_ids(&self) -> &[u32] {
+        &self.block_ids
+    }
+
+    /// Leading blocks already cached here: the sender skips them.
+    pub fn skip_blocks(&self) -> usize {
+        self.skip_blocks
+    }
+
+    /// Prompt tokens covered by the skipped blocks.
+    pub fn cached_tokens(&self) -> usize {
+        self.cached_tokens
+    }
+}
+
+/// A cheap, cloneable handle to a running engine. The engine stops (aborting
+/// whatever still runs) when the last handle is dropped or on `shutdown`.
+#[derive(Debug, Clone)]
+pub struct EngineHandle {
+    shared: Arc<Shared>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    tx: std_mpsc::Sender<Command>,
+    events: Arc<KvEventLog>,
+    load: watch::Receiver<LoadStats>,
+    next_id: AtomicU64,
+    layout: KvBlockLayout,
+    num_blocks: usize,
+    max_len: usize,
+    backend_name: &'static str,
+    thread: parking_lot::Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        let _ = self.tx.send(Command::Shutdown);
+    }
+}
+
+impl EngineHandle {
+    /// Starts an engine over `backend` on its own thread.
+    pub fn spawn(backend: Box<dyn Backend>, cfg: EngineConfig) -> Result<Self, EngineError> {
+        cfg.validate()?;
+        let layout = backend.kv_layout();
+        if layout.block_size != cfg.block_size {
+            return Err(EngineError::InvalidConfig(format!(
+                "block_size {} differs from the backend's KV layout ({})",
+                cfg.block_size, layout.block_size
+            )));
+        }
+        let num_blocks = cfg.num_blocks.unwrap_or(backend.num_blocks());
+        if num_blocks == 0 || num_blocks > backend.num_blocks() {
+            return Err(EngineError::InvalidConfig(format!(
+                "num_blocks {num_blocks} must be in 1..={} (the backend's KV memory)",
+                backend.num_blocks()
+            )));
+        }
+        let events = Arc::new(KvEventLog::new(cfg.event_ring_capacity));
+        let kv = KvCache::new(
+            num_blocks,
+            cfg.block_size,
+            cfg.enable_prefix_caching,
+            events.clone(),
+        );
+        let sched = Scheduler::new(cfg.scheduler.clone(), kv, cfg.eos_token_ids.clone());
+        let max_len = sched.max_len();
+        let (load_tx, load_rx) = watch::channel(sched.load());
+        let (tx, rx) = std_mpsc::channel();
+        let backend_name = backend.name();
+        let core = core::EngineCore::new(backend, sched, tx.clone(), load_tx, cfg.balance_group);
+        let thread = std::thread::Builder::new()
+            .name(format!("sluice-engine-{backend_name}"))
+            .spawn(move || core.run(rx))
+            .map_err(|e| EngineError::InvalidConfig(format!("cannot start engine thread: {e}")))?;
+        Ok(Self {
+            shared: Arc::new(Shared {
+                tx,
+                events,
+                load: load_rx,
+                next_id: AtomicU64::new(1),
+                layout,
+                num_blocks,
+                max_len,
+                backend_name,
+                thread: parking_lot::Mutex::new(Some(thread)),
+            }),
+        })
+    }
+
+    /// Queues `req` and returns its output stream.
+    pub fn generate(&self, req: Request) -> Result<GenerateStream, EngineError> {
+        self.check(&req)?;
+        let id = self.next_id();
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.send(Command::Generate { id, req, tx })?;
+        Ok(GenerateStream::new(id, rx, self.shared.tx.clone()))
+    }
+
+    /// Computes `req`'s prompt and first token, keeping the prompt's blocks
+    /// for [`EngineHandle::read_blocks`] until the returned blocks are dropped.
+    /// Dropping the future before it resolves aborts the prefill.
+    pub async fn prefill(&self, req: Request) -> Result<PrefillOutput, EngineError> {
+        self.check(&req)?;
+        let id = self.next_id();
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::Prefill { id, req, reply })?;
+        let mut abort = AbortOnDrop::new(id, self.shared.tx.clone());
+        let out = rx.await.map_err(|_| EngineError::Shutdown)?;
+        abort.disarm();
+        out
+    }
+
+    /// Allocates local blocks for `req`'s prompt (reusing the locally cached
+    /// prefix) for a remote prefill to write into.
+    pub async fn reserve_remote(&self, req: Request) -> Result<RemoteSlot, EngineError> {
+        self.check(&req)?;
+        let id = self.next_id();
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::Reserve { id, req, reply })?;
+        rx.await.map_err(|_| EngineError::Shutdown)?
+    }
+
+    /// Writes received KV blocks into a reserved slot. Every id must be one
+    /// of the slot's blocks past `skip_blocks`; data is `block_bytes()` long.
+    pub async fn write_blocks(
+        &self,
+        slot_id: SeqId,
+        blocks: Vec<(u32, Vec<u8>)>,
+    ) -> Result<(), EngineError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::WriteBlocks {
+            id: slot_id,
+            blocks,
+            reply,
+        })?;
+        rx.await.map_err(|_| EngineError::Shutdown)?
+    }
+
+    /// Copies blocks out of the backend's KV memory (`block_bytes()` each).
+    pub async fn read_blocks(&self, ids: Vec<u32>) -> Result<Vec<Vec<u8>>, EngineError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::ReadBlocks { ids, reply })?;
+        rx.await.map_err(|_| EngineError::Shutdown)?
+    }
+
+    /// Turns a filled slot into a decoding sequence whose stream starts with
+    /// `first_token` (the remote prefill's output).
+    pub fn commit_remote(
+        &self,
+        mut slot: RemoteSlot,
+        first_token: u32,
+        logprobs: Option<PositionLogprobs>,
+    ) -> Result<GenerateStream, EngineError> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.send(Command::Commit {
+            id: slot.id,
+            first_token,
+            logprobs,
+            tx,
+        })?;
+        slot.release.disarm();
+        Ok(GenerateStream::new(slot.id, rx, self.shared.tx.clone()))
+    }
+
+    /// KV events after `from_seq` (backlog plus live), or `SnapshotRequired`.
+    pub fn subscribe_kv_events(&self, from_seq: u64) -> Result<KvSubscription, SnapshotRequired> {
+        self.shared.events.subscribe(from_seq)
+    }
+
+    /// Every cached block hash, with the event seq it is current at.
+    pub fn kv_snapshot(&self) -> KvSnapshot {
+        self.shared.events.snapshot()
+    }
+
+    /// Prompt tokens of `prompt` currently in the prefix cache (full blocks),
+    /// as the event stream reports them; no round trip to the engine thread.
+    pub fn cached_prefix_tokens(&self, prompt: &[u32]) -> usize {
+        let bs = self.shared.layout.block_size;
+        let hashes = sluice_tokens::sequence_block_hashes(prompt, bs);
+        self.shared.events.cached_prefix_len(&hashes) * bs
+    }
+
+    /// Load, updated after every step.
+    pub fn load(&self) -> watch::Receiver<LoadStats> {
+        self.shared.load.clone()
+    }
+
+    /// Drops every cached prefix (publishes `Cleared`).
+    pub fn clear_prefix_cache(&self) -> Result<(), EngineError> {
+        self.send(Command::ClearPrefixCache)
+    }
+
+    /// Layout of one KV block of this engine's backend.
+    pub fn kv_layout(&self) -> KvBlockLayout {
+        self.shared.layout
+    }
+
+    /// KV blocks the engine manages.
+    pub fn num_blocks(&self) -> usize {
+        self.shared.num_blocks
+    }
+
+    /// Longest sequence (prompt + output) the engine holds.
+    pub fn max_len(&self) -> usize {
+        self.shared.max_len
+    }
+
+    /// The backend's name ("cpu", "mocker", …).
+    pub fn backend_name(&self) -> &'static str {
+        self.shared.backend_name
+    }
+
+    /// Stops the engine: every unfinished stream ends with `Abort`. Waits for
+    /// the engine thread (blocking; call from a blocking context).
+    pub fn shutdown(&self) {
+        let _ = self.shared.tx.send(Command::Shutdown);
+        if let Some(t) = self.shared.thread.lock().take() {
+            let _ = t.join();
+        }
+    }
+
+    fn check(&self, req: &Request) -> Result<(), EngineError> {
+        if req.prompt.is_empty() {
+            return Err(EngineError::InvalidRequest("prompt is empty".into()));
+        }
+        if req.prompt.len() >= self.shared.max_len {
+            return Err(EngineError::InvalidRequest(format!(
+                "prompt has {} tokens; this engine holds at most {} per sequence including output",
+                req.prompt.len(),
+                self.shared.max_len
+            )));
+        }
+        req.sampling.validate()
+    }
+
+    fn next_id(&self) -> SeqId {
+        self.shared.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn send(&self, cmd: Command) -> Result<(), EngineError> {
+        self.shared.tx.send(cmd).map_err(|_| EngineError::Shutdown)
+    }
+}

@@ -1,0 +1,335 @@
+//! The engine thread: drain commands, drop sequences whose consumer left,
+//! schedule a step, run the backend, hand tokens to their streams, publish
+//! load. Blocks on the command channel when there is nothing to run.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::mpsc as std_mpsc;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot, watch};
+
+use super::{AbortOnDrop, Command, HeldBlocks, Output, PrefillOutput, RemoteSlot};
+use crate::backend::Backend;
+use crate::config::BalanceGroup;
+use crate::error::EngineError;
+use crate::kv::SeqId;
+use crate::scheduler::{FinishReason, Finished, LoadStats, Scheduler, StepOutput};
+
+/// How long a stalled engine (work queued, nothing schedulable: blocks held
+/// elsewhere, or balance holding admission) waits before trying again.
+const STALL_POLL: Duration = Duration::from_millis(2);
+
+pub(super) struct EngineCore {
+    backend: Box<dyn Backend>,
+    sched: Scheduler,
+    /// For the guards the engine hands out.
+    tx: std_mpsc::Sender<Command>,
+    load_tx: watch::Sender<LoadStats>,
+    balance: Option<(Arc<BalanceGroup>, usize)>,
+    streams: HashMap<SeqId, mpsc::UnboundedSender<Output>>,
+    prefills: HashMap<SeqId, oneshot::Sender<Result<PrefillOutput, EngineError>>>,
+    /// Reserved slot → blocks the sender skips (not writable).
+    reserved: HashMap<SeqId, usize>,
+    shutting_down: bool,
+}
+
+impl EngineCore {
+    pub(super) fn new(
+        backend: Box<dyn Backend>,
+        sched: Scheduler,
+        tx: std_mpsc::Sender<Command>,
+        load_tx: watch::Sender<LoadStats>,
+        balance: Option<(Arc<BalanceGroup>, usize)>,
+    ) -> Self {
+        Self {
+            backend,
+            sched,
+            tx,
+            load_tx,
+            balance,
+            streams: HashMap::new(),
+            prefills: HashMap::new(),
+            reserved: HashMap::new(),
+            shutting_down: false,
+        }
+    }
+
+    pub(super) fn run(mut self, rx: std_mpsc::Receiver<Command>) {
+        let mut stalled = false;
+        while !self.shutting_down {
+            let waited = if !self.sched.has_unfinished() {
+                self.publish_balance();
+                rx.recv()
+                    .map_err(|_| std_mpsc::RecvTimeoutError::Disconnected)
+            } else if stalled {
+                rx.recv_timeout(STALL_POLL)
+            } else {
+                Err(std_mpsc::RecvTimeoutError::Timeout)
+            };
+            match waited {
+                Ok(cmd) => self.handle(cmd),
+                Err(std_mpsc::RecvTimeoutError::Disconnected) => break,
+                Err(std_mpsc::RecvTimeoutError::Timeout) => {}
+            }
+            loop {
+                match rx.try_recv() {
+                    Ok(cmd) => self.handle(cmd),
+                    Err(std_mpsc::TryRecvError::Empty) => break,
+                    Err(std_mpsc::TryRecvError::Disconnected) => {
+                        self.shutting_down = true;
+                        break;
+                    }
+                }
+            }
+            if self.shutting_down {
+                break;
+            }
+            self.drop_abandoned();
+            self.publish_balance();
+            stalled = !self.step();
+            self.publish_load();
+        }
+        self.abort_all();
+    }
+
+    /// Runs one step; false if nothing could be scheduled.
+    fn step(&mut self) -> bool {
+        if !self.sched.has_unfinished() {
+            return true;
+        }
+        let step = self.sched.schedule();
+        if step.is_empty() {
+            return false;
+        }
+        let result = self
+            .backend
+            .forward(&step.batch)
+            .and_then(|out| self.sched.update(&step, out));
+        match result {
+            Ok(outputs) => {
+                for out in outputs {
+                    self.dispatch(out);
+                }
+            }
+            Err(e) => {
+                tracing::error!(error = %e, backend = self.backend.name(), "engine step failed");
+                for (id, finished) in self.sched.fail_step(&step) {
+                    self.finish_with(id, finished, &e);
+                }
+            }
+        }
+        true
+    }
+
+    fn handle(&mut self, cmd: Command) {
+        match cmd {
+            Command::Generate { id, req, tx } => match self.sched.add(id, req) {
+                Ok(()) => {
+                    self.streams.insert(id, tx);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "request rejected by the scheduler");
+                    let usage = Default::default();
+                    let fin = Finished {
+                        reason: FinishReason::Error,
+                        usage,
+                    };
+                    let _ = tx.send(Output {
+                        token_ids: vec![],
+                        logprobs: vec![],
+                        finished: Some(fin),
+                    });
+                }
+            },
+            Command::Prefill { id, req, reply } => match self.sched.add_prefill_only(id, req) {
+                Ok(()) => {
+                    self.prefills.insert(id, reply);
+                }
+                Err(e) => {
+                    let _ = reply.send(Err(e));
+                }
+            },
+            Command::Reserve { id, req, reply } => {
+                let res = self.sched.reserve_remote(id, req).map(|r| {
+                    self.reserved.insert(id, r.skip_blocks);
+                    RemoteSlot {
+                        id,
+                        block_ids: r.block_ids,
+                        skip_blocks: r.skip_blocks,
+                        cached_tokens: r.cached_tokens,
+                        release: AbortOnDrop::new(id, self.tx.clone()),
+                    }
+                });
+                // A dropped receiver drops the slot, whose guard releases it.
+                let _ = reply.send(res);
+            }
+            Command::WriteBlocks { id, blocks, reply } => {
+                let _ = reply.send(self.write_blocks(id, &blocks));
+            }
+            Command::ReadBlocks { ids, reply } => {
+                let bytes = self.backend.kv_layout().block_bytes();
+                let res = ids
+                    .iter()
+                    .map(|&id| {
+                        let mut buf = vec![0u8; bytes];
+                        self.backend.read_block(id, &mut buf).map(|()| buf)
+                    })
+                    .collect();
+                let _ = reply.send(res);
+            }
+            Command::Commit {
+                id,
+                first_token,
+                logprobs,
+                tx,
+            } => {
+                self.reserved.remove(&id);
+                match self.sched.commit_remote(id, first_token, logprobs) {
+                    Ok(out) => {
+                        self.streams.insert(id, tx);
+                        self.dispatch(out);
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, seq = id, "commit of a remote slot failed");
+                        self.sched.abort(id);
+                        let fin = Finished {
+                            reason: FinishReason::Error,
+                            usage: Default::default(),
+                        };
+                        let _ = tx.send(Output {
+                            token_ids: vec![],
+                            logprobs: vec![],
+                            finished: Some(fin),
+                        });
+                    }
+                }
+            }
+            Command::Abort(id) => {
+                self.sched.abort(id);
+                self.streams.remove(&id);
+                self.prefills.remove(&id);
+                self.reserved.remove(&id);
+            }
+            Command::ClearPrefixCache => self.sched.clear_prefix_cache(),
+            Command::Shutdown => self.shutting_down = true,
+        }
+        self.publish_load();
+    }
+
+    fn write_blocks(&mut self, id: SeqId, blocks: &[(u32, Vec<u8>)]) -> Result<(), EngineError> {
+        let skip = *self
+            .reserved
+            .get(&id)
+            .ok_or(EngineError::UnknownSequence(id))?;
+        let writable = &self.sched.block_table(id)[skip..];
+        if let Some(&(bad, _)) = blocks.iter().find(|(b, _)| !writable.contains(b)) {
+            return Err(EngineError::BlockNotReserved { seq: id, id: bad });
+        }
+        for (block, data) in blocks {
+            self.backend.write_block(*block, data)?;
+        }
+        Ok(())
+    }
+
+    fn dispatch(&mut self, out: StepOutput) {
+        let id = out.seq_id;
+        if let Some(tx) = self.streams.get(&id) {
+            let msg = Output {
+                token_ids: vec![out.token],
+                logprobs: out.logprobs.into_iter().collect(),
+                finished: out.finished,
+            };
+            let gone = tx.send(msg).is_err();
+            if out.finished.is_some() {
+                self.streams.remove(&id);
+            } else if gone {
+                self.abort(id);
+            }
+        } else if let Some(reply) = self.prefills.remove(&id) {
+            let blocks = HeldBlocks {
+                block_ids: self.sched.block_table(id).to_vec(),
+                num_tokens: out.finished.map_or(0, |f| f.usage.prompt_tokens),
+                _release: AbortOnDrop::new(id, self.tx.clone()),
+            };
+            let cached_tokens = out.finished.map_or(0, |f| f.usage.cached_tokens);
+            // If the caller is gone, dropping the output releases the blocks.
+            let _ = reply.send(Ok(PrefillOutput {
+                first_token: out.token,
+                logprobs: out.logprobs,
+                cached_tokens,
+                blocks,
+            }));
+        }
+    }
+
+    fn finish_with(&mut self, id: SeqId, finished: Finished, err: &EngineError) {
+        if let Some(tx) = self.streams.remove(&id) {
+            let _ = tx.send(Output {
+                token_ids: vec![],
+                logprobs: vec![],
+                finished: Some(finished),
+            });
+        }
+        if let Some(reply) = self.prefills.remove(&id) {
+            let _ = reply.send(Err(EngineError::StepFailed(err.to_string())));
+        }
+    }
+
+    fn abort(&mut self, id: SeqId) {
+        self.sched.abort(id);
+        self.streams.remove(&id);
+        self.prefills.remove(&id);
+        self.reserved.remove(&id);
+    }
+
+    /// Aborts sequences whose stream or prefill caller is gone.
+    fn drop_abandoned(&mut self) {
+        let gone: Vec<SeqId> = self
+            .streams
+            .iter()
+            .filter(|(_, tx)| tx.is_closed())
+            .map(|(&id, _)| id)
+            .chain(
+                self.prefills
+                    .iter()
+                    .filter(|(_, r)| r.is_closed())
+                    .map(|(&id, _)| id),
+            )
+            .collect();
+        for id in gone {
+            self.abort(id);
+        }
+    }
+
+    fn abort_all(&mut self) {
+        for (id, tx) in std::mem::take(&mut self.streams) {
+            let usage = self.sched.abort(id).unwrap_or_default();
+            let fin = Finished {
+                reason: FinishReason::Abort,
+                usage,
+            };
+            let _ = tx.send(Output {
+                token_ids: vec![],
+                logprobs: vec![],
+                finished: Some(fin),
+            });
+        }
+        for (id, reply) in std::mem::take(&mut self.prefills) {
+            self.sched.abort(id);
+            let _ = reply.send(Err(EngineError::Shutdown));
+        }
+        self.publish_load();
+    }
+
+    fn publish_balance(&mut self) {
+        if let Some((group, rank)) = &self.balance {
+            group.publish(*rank, self.sched.num_running());
+            self.sched.set_peer_running_max(group.max_running());
+        }
+    }
+
+    fn publish_load(&self) {
+        self.load_tx.send_replace(self.sched.load());
+    }
+}

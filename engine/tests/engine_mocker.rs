@@ -1,0 +1,446 @@
+//! The engine API end to end over the mocker backend: streams, prefix reuse,
+//! cancellation, KV events, seeds, disaggregation hooks, balance, shutdown.
+
+use std::time::Duration;
+
+use sluice_engine::backend::mocker::{MockerOutput, MockerTiming};
+use sluice_engine::kv::KvEvent;
+use sluice_engine::{
+    BalanceGroup, EngineConfig, EngineError, EngineHandle, FinishReason, MockerBackend,
+    MockerConfig, Request, SamplingParams, SchedulerConfig,
+};
+
+const BS: usize = 4;
+
+fn mocker_cfg(num_blocks: usize) -> MockerConfig {
+    MockerConfig {
+        vocab_size: 64,
+        block_size: BS,
+        num_blocks,
+        timing: MockerTiming::Instant,
+        avoid_token_ids: vec![0],
+        ..MockerConfig::default()
+    }
+}
+
+fn engine_cfg() -> EngineConfig {
+    EngineConfig {
+        block_size: BS,
+        scheduler: SchedulerConfig {
+            max_num_batched_tokens: 64,
+            ..SchedulerConfig::default()
+        },
+        eos_token_ids: vec![0],
+        event_ring_capacity: 256,
+        ..EngineConfig::default()
+    }
+}
+
+fn spawn_with(m: MockerConfig, cfg: EngineConfig) -> EngineHandle {
+    let backend = MockerBackend::new(m).expect("valid mocker");
+    EngineHandle::spawn(Box::new(backend), cfg).expect("engine starts")
+}
+
+fn spawn(num_blocks: usize) -> EngineHandle {
+    spawn_with(mocker_cfg(num_blocks), engine_cfg())
+}
+
+fn req(prompt: Vec<u32>, max_tokens: usize) -> Request {
+    Request {
+        request_id: "t".into(),
+        prompt,
+        sampling: SamplingParams {
+            max_tokens: Some(max_tokens),
+            ..SamplingParams::greedy()
+        },
+        priority: 0,
+    }
+}
+
+async fn wait_idle(e: &EngineHandle) {
+    let mut load = e.load();
+    tokio::time::timeout(
+        Duration::from_secs(5),
+        load.wait_for(|l| l.active_blocks == 0 && l.running == 0 && l.waiting == 0),
+    )
+    .await
+    .expect("engine went idle in time")
+    .expect("engine alive");
+}
+
+#[tokio::test]
+async fn generate_streams_tokens_and_finishes_with_usage() {
+    let e = spawn(64);
+    let mut stream = e.generate(req((1..=10).collect(), 5)).expect("valid");
+    let mut tokens = Vec::new();
+    let mut finish = None;
+    while let Some(out) = stream.recv().await {
+        assert_eq!(out.token_ids.len(), 1);
+        tokens.extend(out.token_ids);
+        finish = out.finished;
+    }
+    let f = finish.expect("finished");
+    assert_eq!(tokens.len(), 5);
+    assert_eq!(f.reason, FinishReason::Length);
+    assert_eq!((f.usage.prompt_tokens, f.usage.completion_tokens), (10, 5));
+    wait_idle(&e).await;
+}
+
+#[tokio::test]
+async fn repeated_prompt_is_served_mostly_from_cache() {
+    let e = spawn(64);
+    let prompt: Vec<u32> = (1..=33).collect();
+    let (first, f1) = e
+        .generate(req(prompt.clone(), 4))
+        .expect("valid")
+        .collect()
+        .await;
+    let (second, f2) = e
+        .generate(req(prompt.clone(), 4))
+        .expect("valid")
+        .collect()
+        .await;
+    assert_eq!(first, second, "mocker tokens are deterministic");
+    assert_eq!(f1.expect("done").usage.cached_tokens, 0);
+    assert_eq!(f2.expect("done").usage.cached_tokens, 32);
+    assert_eq!(e.cached_prefix_tokens(&prompt), 32);
+}
+
+#[tokio::test]
+async fn dropping_the_stream_aborts_and_frees_blocks() {
+    let m = MockerConfig {
+        timing: MockerTiming::Polynomial,
+        speedup_ratio: 20.0,
+        ..mocker_cfg(64)
+    };
+    let e = spawn_with(m, engine_cfg());
+    let mut stream = e.generate(req((1..=20).collect(), 1000)).expect("valid");
+    stream.recv().await.expect("first token");
+    assert!(e.load().borrow().active_blocks > 0);
+    drop(stream);
+    wait_idle(&e).await;
+}
+
+#[tokio::test]
+async fn kv_events_are_gap_free_and_replay_to_the_snapshot() {
+    let e = spawn(12);
+    let mut sub = e.subscribe_kv_events(0).expect("nothing dropped yet");
+    for i in 0..6u32 {
+        e.generate(req((0..16).map(|t| t + 100 * i).collect(), 2))
+            .expect("valid")
+            .collect()
+            .await;
+    }
+    let mut records = sub.backlog;
+    while let Ok(r) = sub.live.try_recv() {
+        records.push(r);
+    }
+    let seqs: Vec<u64> = records.iter().map(|r| r.seq).collect();
+    assert_eq!(
+        seqs,
+        (1..=seqs.len() as u64).collect::<Vec<_>>(),
+        "gap-free from 1"
+    );
+    let mut cached = std::collections::HashSet::new();
+    let (mut stored, mut removed) = (0, 0);
+    for r in &records {
+        match &r.event {
+            KvEvent::Stored { block_hashes, .. } => {
+                stored += block_hashes.len();
+                cached.extend(block_hashes.iter().copied());
+            }
+            KvEvent::Removed { block_hashes } => {
+                removed += block_hashes.len();
+                for h in block_hashes {
+                    assert!(cached.remove(h), "removed a hash never stored");
+                }
+            }
+            KvEvent::Cleared => cached.clear(),
+        }
+    }
+    assert!(
+        stored > 0 && removed > 0,
+        "12 blocks cannot hold six 4-block prompts"
+    );
+    let snap = e.kv_snapshot();
+    assert_eq!(snap.seq, *seqs.last().expect("events"));
+    assert_eq!(
+        snap.block_hashes
+            .iter()
+            .copied()
+            .collect::<std::collections::HashSet<_>>(),
+        cached
+    );
+}
+
+#[tokio::test]
+async fn too_late_subscriber_resyncs_from_a_snapshot() {
+    let cfg = EngineConfig {
+        event_ring_capacity: 4,
+        ..engine_cfg()
+    };
+    let e = spawn_with(mocker_cfg(12), cfg);
+    for i in 0..6u32 {
+        e.generate(req((0..16).map(|t| t + 100 * i).collect(), 2))
+            .expect("valid")
+            .collect()
+            .await;
+    }
+    let err = e
+        .subscribe_kv_events(1)
+        .expect_err("ring holds only 4 events");
+    let snap = e.kv_snapshot();
+    assert!(snap.seq >= err.last);
+    assert!(
+        e.subscribe_kv_events(snap.seq)
+            .expect("snapshot seq is in range")
+            .backlog
+            .is_empty()
+    );
+    let late = e
+        .subscribe_kv_events(snap.seq - 2)
+        .expect("last events still in the ring");
+    assert_eq!(late.backlog.len(), 2);
+}
+
+#[tokio::test]
+async fn same_seed_gives_same_tokens_through_the_engine() {
+    let m = MockerConfig {
+        output: MockerOutput::Logits,
+        ..mocker_cfg(64)
+    };
+    let e = spawn_with(m, engine_cfg());
+    let sampled = |seed| {
+        let mut r = req((1..=8).collect(), 24);
+        r.sampling = SamplingParams {
+            max_tokens: Some(24),
+            temperature: 3.0,
+            seed: Some(seed),
+            ..SamplingParams::default()
+        };
+        e.generate(r).expect("valid")
+    };
+    let (a, _) = sampled(7).collect().await;
+    let (b, _) = sampled(7).collect().await;
+    let (c, _) = sampled(8).collect().await;
+    assert_eq!(a, b);
+    assert_ne!(a, c);
+}
+
+#[tokio::test]
+async fn logprobs_are_returned_when_asked() {
+    let m = MockerConfig {
+        output: MockerOutput::Logits,
+        ..mocker_cfg(64)
+    };
+    let e = spawn_with(m, engine_cfg());
+    let mut r = req((1..=8).collect(), 3);
+    r.sampling.top_logprobs = 2;
+    let mut s = e.generate(r).expect("valid");
+    let out = s.recv().await.expect("a token");
+    assert_eq!(out.logprobs.len(), 1);
+    assert_eq!(out.logprobs[0].top.len(), 2);
+    assert_eq!(out.logprobs[0].chosen.token_id, out.token_ids[0]);
+}
+
+#[tokio::test]
+async fn remote_prefill_continues_like_local_generation() {
+    let prefill_engine = spawn(64);
+    let decode_engine = spawn(64);
+    let prompt: Vec<u32> = (1..=14).collect();
+    let (local, _) = spawn(64)
+        .generate(req(prompt.clone(), 6))
+        .expect("valid")
+        .collect()
+        .await;
+
+    let p = prefill_engine
+        .prefill(req(prompt.clone(), 6))
+        .await
+        .expect("prefill");
+    assert_eq!(p.blocks.block_ids().len(), 4);
+    assert_eq!(p.blocks.num_tokens(), 14);
+    let slot = decode_engine
+        .reserve_remote(req(prompt.clone(), 6))
+        .await
+        .expect("fits");
+    assert_eq!((slot.block_ids().len(), slot.skip_blocks()), (4, 0));
+    let mut data = prefill_engine
+        .read_blocks(p.blocks.block_ids().to_vec())
+        .await
+        .expect("read");
+    for (i, d) in data.iter_mut().enumerate() {
+        d.fill(i as u8 + 1);
+    }
+    let writes: Vec<(u32, Vec<u8>)> = slot.block_ids().iter().copied().zip(data.clone()).collect();
+    decode_engine
+        .write_blocks(slot.id(), writes)
+        .await
+        .expect("write");
+    let back = decode_engine
+        .read_blocks(slot.block_ids().to_vec())
+        .await
+        .expect("read back");
+    assert_eq!(back, data);
+    drop(p);
+    wait_idle(&prefill_engine).await;
+
+    let stream = decode_engine.commit_remote(slot, 5, None).expect("commit");
+    let (remote, f) = stream.collect().await;
+    // The first token is the remote one; from there the mocker continues.
+    assert_eq!(remote.len(), 6);
+    assert_eq!(remote[0], 5);
+    assert_eq!(f.expect("done").usage.completion_tokens, 6);
+    let first = p_first(&prompt);
+    let stream = decode_engine
+        .commit_remote(
+            decode_engine
+                .reserve_remote(req(prompt.clone(), 6))
+                .await
+                .expect("fits"),
+            first,
+            None,
+        )
+        .expect("commit");
+    let (remote, f) = stream.collect().await;
+    assert_eq!(remote, local);
+    assert_eq!(
+        f.expect("done").usage.cached_tokens,
+        12,
+        "prompt blocks were cached at commit"
+    );
+    wait_idle(&decode_engine).await;
+}
+
+/// The mocker's first token for `prompt` (what a prefill worker returns).
+fn p_first(prompt: &[u32]) -> u32 {
+    let m = MockerBackend::new(mocker_cfg(4)).expect("valid");
+    m.next_token(*prompt.last().expect("non-empty"), prompt.len() - 1)
+}
+
+#[tokio::test]
+async fn dropped_slot_and_held_blocks_are_released() {
+    let e = spawn(64);
+    let slot = e
+        .reserve_remote(req((1..=9).collect(), 4))
+        .await
+        .expect("fits");
+    let p = e
+        .prefill(req((50..=58).collect(), 4))
+        .await
+        .expect("prefill");
+    assert_eq!(e.load().borrow().active_blocks, 6);
+    drop(slot);
+    drop(p);
+    wait_idle(&e).await;
+}
+
+#[tokio::test]
+async fn writes_outside_the_slot_or_into_cached_blocks_are_refused() {
+    let e = spawn(64);
+    let prompt: Vec<u32> = (1..=9).collect();
+    e.generate(req(prompt.clone(), 1))
+        .expect("valid")
+        .collect()
+        .await;
+    let slot = e.reserve_remote(req(prompt, 4)).await.expect("fits");
+    assert_eq!(slot.skip_blocks(), 2);
+    let bytes = e.kv_layout().block_bytes();
+    let cached = slot.block_ids()[0];
+    let err = e
+        .write_blocks(slot.id(), vec![(cached, vec![0; bytes])])
+        .await;
+    assert!(matches!(err, Err(EngineError::BlockNotReserved { .. })));
+    let own = slot.block_ids()[2];
+    assert!(
+        e.write_blocks(slot.id(), vec![(own, vec![0; bytes - 1])])
+            .await
+            .is_err()
+    );
+    assert!(
+        e.write_blocks(slot.id(), vec![(own, vec![0; bytes])])
+            .await
+            .is_ok()
+    );
+}
+
+#[tokio::test]
+async fn invalid_requests_are_rejected_up_front() {
+    let e = spawn(8);
+    assert!(matches!(
+        e.generate(req(vec![], 4)),
+        Err(EngineError::InvalidRequest(_))
+    ));
+    assert!(matches!(
+        e.generate(req(vec![1; 40], 4)),
+        Err(EngineError::InvalidRequest(_))
+    ));
+    let mut r = req(vec![1, 2], 4);
+    r.sampling.top_p = 2.0;
+    assert!(e.generate(r).is_err());
+}
+
+#[tokio::test]
+async fn balance_group_holds_admission_while_a_peer_is_full() {
+    let group = BalanceGroup::new(2);
+    let cfg = EngineConfig {
+        scheduler: SchedulerConfig {
+            max_num_seqs: 4,
+            balance_scheduling: true,
+            ..engine_cfg().scheduler
+        },
+        balance_group: Some((group.clone(), 0)),
+        ..engine_cfg()
+    };
+    let e = spawn_with(mocker_cfg(64), cfg);
+    group.publish(1, 3);
+    let mut s = e.generate(req(vec![1, 2, 3], 2)).expect("valid");
+    let early = tokio::time::timeout(Duration::from_millis(100), s.recv()).await;
+    assert!(early.is_err(), "rank 1 at max_num_seqs - 1 holds admission");
+    assert!(e.load().borrow().balance_held_steps > 0);
+    group.publish(1, 2);
+    let (tokens, _) = s.collect().await;
+    assert_eq!(tokens.len(), 2);
+}
+
+#[tokio::test]
+async fn shutdown_aborts_unfinished_streams() {
+    let m = MockerConfig {
+        timing: MockerTiming::Polynomial,
+        speedup_ratio: 50.0,
+        ..mocker_cfg(64)
+    };
+    let e = spawn_with(m, engine_cfg());
+    let s = e.generate(req(vec![1, 2, 3], 10_000)).expect("valid");
+    let e2 = e.clone();
+    tokio::task::spawn_blocking(move || e2.shutdown())
+        .await
+        .expect("joined");
+    let (_, f) = s.collect().await;
+    assert_eq!(f.expect("final").reason, FinishReason::Abort);
+    assert!(matches!(
+        e.generate(req(vec![1], 2)),
+        Err(EngineError::Shutdown)
+    ));
+}
+
+#[tokio::test]
+async fn clear_prefix_cache_publishes_cleared() {
+    let e = spawn(64);
+    e.generate(req((1..=8).collect(), 1))
+        .expect("valid")
+        .collect()
+        .await;
+    e.clear_prefix_cache().expect("alive");
+    let mut load = e.load();
+    tokio::time::timeout(
+        Duration::from_secs(5),
+        load.wait_for(|l| l.cached_blocks == 0),
+    )
+    .await
+    .expect("in time")
+    .expect("alive");
+    assert!(e.kv_snapshot().block_hashes.is_empty());
+    let events = e.subscribe_kv_events(0).expect("ring").backlog;
+    assert_eq!(events.last().map(|r| &r.event), Some(&KvEvent::Cleared));
+}
