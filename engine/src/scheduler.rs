@@ -304,6 +304,16 @@ impl Scheduler {
         self.waiting.len()
     }
 
+    /// Running sequences, in admission order.
+    pub fn running_ids(&self) -> &[SeqId] {
+        &self.running
+    }
+
+    /// Waiting sequences, the next to be admitted first.
+    pub fn waiting_ids(&self) -> impl Iterator<Item = SeqId> + '_ {
+        self.waiting.values().copied()
+    }
+
     /// Whether any sequence is waiting or running.
     pub fn has_unfinished(&self) -> bool {
         !self.running.is_empty() || !self.waiting.is_empty()
@@ -379,6 +389,9 @@ impl Scheduler {
                     i += 1;
                     break;
                 }
+                if self.release_waiting_blocks(None) {
+                    continue;
+                }
                 let victim = self
                     .pick_victim(None)
                     .expect("the current sequence is running");
@@ -404,6 +417,9 @@ impl Scheduler {
         }
         let priority = self.cfg.policy == SchedulingPolicy::Priority;
         let admit = step.preempted.is_empty() && balance_ok;
+        // A waiting sequence whose cached prefix this step took references
+        // on; released if it is not admitted after all.
+        let mut acquired_for: Option<SeqId> = None;
         while admit && budget > 0 {
             let Some((&key, &id)) = self.waiting.first_key_value() else {
                 break;
@@ -424,8 +440,7 @@ impl Scheduler {
                 }
                 break;
             }
-            let fresh = !self.kv.has_table(id);
-            if fresh {
+            if !self.kv.has_table(id) {
                 let seq = self.seqs.get_mut(&id).expect("waiting ids are known");
                 let max_hit = (seq.tokens.len() - 1) / bs;
                 let hashes = seq.hashes.hashes();
@@ -433,6 +448,7 @@ impl Scheduler {
                     .kv
                     .acquire_prefix(id, &hashes[..hashes.len().min(max_hit)]);
                 seq.num_computed = hits * bs;
+                acquired_for = Some(id);
             }
             let seq = &self.seqs[&id];
             let remaining = seq.tokens.len() - seq.num_computed;
@@ -450,6 +466,12 @@ impl Scheduler {
                 sched.push((id, n));
                 budget -= n;
                 step.admitted.push(id);
+                acquired_for = None;
+                continue;
+            }
+            // Blocks held by other waiting sequences (remote-prefilled ones
+            // queued to decode) go back first: they recompute from the cache.
+            if fits_whole && self.release_waiting_blocks(Some(id)) {
                 continue;
             }
             if fits_whole
@@ -462,14 +484,17 @@ impl Scheduler {
                 step.preempted.push(v);
                 continue;
             }
-            if fresh {
-                self.kv.free(id);
-                self.seqs
-                    .get_mut(&id)
-                    .expect("waiting ids are known")
-                    .num_computed = 0;
-            }
             break;
+        }
+
+        if let Some(id) = acquired_for
+            && self
+                .seqs
+                .get(&id)
+                .is_some_and(|s| s.status == Status::Waiting)
+        {
+            self.kv.free(id);
+            self.seqs.get_mut(&id).expect("checked above").num_computed = 0;
         }
 
         // Build the batch.
@@ -652,6 +677,24 @@ impl Scheduler {
                 .min_by_key(|(_, s)| (s.priority, std::cmp::Reverse(s.arrival)))
                 .map(|(&id, _)| id),
         }
+    }
+
+    /// Frees the blocks of every waiting sequence but `except` (they will
+    /// recompute, mostly from the prefix cache). Returns whether any were held.
+    fn release_waiting_blocks(&mut self, except: Option<SeqId>) -> bool {
+        let holders: Vec<SeqId> = self
+            .waiting
+            .values()
+            .copied()
+            .filter(|&w| Some(w) != except && !self.kv.block_table(w).is_empty())
+            .collect();
+        for &w in &holders {
+            self.kv.free(w);
+            let seq = self.seqs.get_mut(&w).expect("waiting ids are known");
+            seq.num_computed = 0;
+            seq.prefill_end = seq.tokens.len();
+        }
+        !holders.is_empty()
     }
 
     /// Whether preempting every running sequence below `prio` could free

@@ -411,3 +411,17 @@ fn logits_output_is_sampled_per_sequence() {
     assert_eq!(outs[0].token, 1);
     assert!(outs[0].logprobs.is_some());
 }
+
+#[test]
+fn committed_remote_sequence_waiting_gives_blocks_back_under_pressure() {
+    // 5 blocks; the committed slot holds 1 while it waits behind a sequence
+    // that needs all 5.
+    let mut s = sched(cfg(1, 100, SchedulingPolicy::Fcfs), 5);
+    s.add(1, req_with(12, 8, 0, 100)).expect("valid");
+    s.reserve_remote(2, req_with(3, 2, 0, 200)).expect("fits");
+    s.commit_remote(2, 9, None).expect("reserved");
+    let outs = run_to_completion(&mut s);
+    assert_eq!(finished(&outs, 1).expect("done").usage.completion_tokens, 8);
+    assert_eq!(finished(&outs, 2).expect("done").usage.completion_tokens, 2);
+    assert_eq!(s.kv().num_used(), 0);
+}
