@@ -19,9 +19,9 @@ pub enum RouterError {
     /// Configuration rejected at start.
     #[error("invalid configuration: {0}")]
     Config(String),
-    /// The gRPC server failed.
-    #[error("gRPC server failed")]
-    Transport(#[source] tonic::transport::Error),
+    /// Metrics registration failed.
+    #[error("metrics registration")]
+    Metrics(#[source] prometheus::Error),
     /// Shared plumbing failed (discovery, server setup).
     #[error("runtime failure")]
     Runtime(#[source] Box<dyn std::error::Error + Send + Sync>),
@@ -32,10 +32,16 @@ impl From<RouterError> for tonic::Status {
         match &e {
             RouterError::NoWorkers { .. } => tonic::Status::unavailable(e.to_string()),
             RouterError::InvalidArgument(_) => tonic::Status::invalid_argument(e.to_string()),
-            RouterError::Config(_) | RouterError::Transport(_) | RouterError::Runtime(_) => {
+            RouterError::Config(_) | RouterError::Metrics(_) | RouterError::Runtime(_) => {
                 tracing::error!(error = ?e, "router internal error");
                 tonic::Status::internal("router internal error")
             }
         }
+    }
+}
+
+impl From<sluice_runtime::RuntimeError> for RouterError {
+    fn from(e: sluice_runtime::RuntimeError) -> Self {
+        RouterError::Runtime(Box::new(e))
     }
 }

@@ -415,6 +415,48 @@ impl WorkerPool {
     }
 }
 
+/// The router's two pools and the signal that a load changed.
+#[derive(Debug)]
+pub struct Pools {
+    decode: WorkerPool,
+    prefill: WorkerPool,
+    load_version: tokio::sync::watch::Sender<u64>,
+}
+
+impl Pools {
+    /// Both pools, empty, with the same settings.
+    pub fn new(cfg: PoolConfig) -> Self {
+        Self {
+            decode: WorkerPool::new(PoolKind::Decode, cfg),
+            prefill: WorkerPool::new(PoolKind::Prefill, cfg),
+            load_version: tokio::sync::watch::Sender::new(0),
+        }
+    }
+
+    /// One pool.
+    pub fn get(&self, kind: PoolKind) -> &WorkerPool {
+        match kind {
+            PoolKind::Decode => &self.decode,
+            PoolKind::Prefill => &self.prefill,
+        }
+    }
+
+    /// Both pools, decode first.
+    pub fn all(&self) -> [&WorkerPool; 2] {
+        [&self.decode, &self.prefill]
+    }
+
+    /// Tells `WatchLoad` streams that a load or the membership changed.
+    pub fn load_changed(&self) {
+        self.load_version.send_modify(|v| *v = v.wrapping_add(1));
+    }
+
+    /// A receiver that wakes on every [`Pools::load_changed`].
+    pub fn watch_loads(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.load_version.subscribe()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

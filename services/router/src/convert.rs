@@ -1,0 +1,155 @@
+//! Wire ⇄ domain conversions: `pb` types on one side, the index's and the
+//! pool's types on the other. Bad input becomes `RouterError::InvalidArgument`.
+
+use sluice_proto::router::v1 as pb;
+use sluice_proto::worker::v1 as wpb;
+
+use crate::error::RouterError;
+use crate::indexer::{KvEvent, KvEventKind, Target};
+use crate::load::LoadReport;
+use crate::pool::{Candidate, Decision, MemberLoad, PoolKind, RouteInput};
+
+/// The pool a request asks for; unspecified means the decode pool.
+pub(crate) fn pool_kind(pool: i32) -> Result<PoolKind, RouterError> {
+    match pb::Pool::try_from(pool) {
+        Ok(pb::Pool::Unspecified | pb::Pool::Decode) => Ok(PoolKind::Decode),
+        Ok(pb::Pool::Prefill) => Ok(PoolKind::Prefill),
+        Err(_) => Err(RouterError::InvalidArgument(format!(
+            "pool {pool} is not a known pool (1 = decode, 2 = prefill)"
+        ))),
+    }
+}
+
+/// Checks a request and borrows it as a [`RouteInput`].
+pub(crate) fn route_input(req: &pb::RouteRequest) -> Result<RouteInput<'_>, RouterError> {
+    if req.block_size == 0 {
+        return Err(RouterError::InvalidArgument(
+            "block_size must be positive (the workers' KV block size in tokens)".into(),
+        ));
+    }
+    let full_blocks = req.prompt_tokens / req.block_size;
+    if req.block_hashes.len() as u64 > u64::from(full_blocks) {
+        return Err(RouterError::InvalidArgument(format!(
+            "block_hashes has {} hashes but prompt_tokens {} / block_size {} allows at most {full_blocks}",
+            req.block_hashes.len(),
+            req.prompt_tokens,
+            req.block_size
+        )));
+    }
+    Ok(RouteInput {
+        request_id: &req.request_id,
+        model: &req.model,
+        prompt_tokens: req.prompt_tokens,
+        block_hashes: &req.block_hashes,
+        block_size: req.block_size,
+        commit: req.commit,
+    })
+}
+
+fn target(t: &Target, endpoint: &str) -> pb::Target {
+    pb::Target {
+        worker_id: t.worker_id.to_string(),
+        dp_rank: t.dp_rank,
+        endpoint: endpoint.to_owned(),
+    }
+}
+
+fn candidate(c: &Candidate) -> pb::Candidate {
+    pb::Candidate {
+        target: Some(target(&c.target, &c.endpoint)),
+        overlap_blocks: c.terms.overlap_blocks,
+        prefill_cost: c.terms.prefill_cost,
+        decode_cost: c.terms.decode_cost,
+        total_cost: c.terms.total_cost,
+        active_requests: c.terms.active_requests,
+    }
+}
+
+/// The reply for a decision.
+pub(crate) fn route_response(d: &Decision) -> pb::RouteResponse {
+    let chosen = d.target();
+    pb::RouteResponse {
+        target: Some(target(&chosen.target, &chosen.endpoint)),
+        overlap_blocks: chosen.terms.overlap_blocks,
+        mode: d.mode.as_str().to_owned(),
+        candidates: d.candidates.iter().map(candidate).collect(),
+    }
+}
+
+/// One member's line in a `LoadView`.
+pub(crate) fn worker_load(m: &MemberLoad) -> pb::WorkerLoad {
+    pb::WorkerLoad {
+        target: Some(target(&m.info.target, &m.info.endpoint)),
+        model: m.info.model.clone(),
+        role: m.info.role.clone(),
+        active_prefill_tokens: m.load.active_prefill_tokens,
+        active_decode_blocks: m.load.active_decode_blocks,
+        running: m.load.report.running,
+        waiting: m.load.report.waiting,
+        max_num_batched_tokens: m.load.report.max_num_batched_tokens,
+        max_num_seqs: m.load.report.max_num_seqs,
+        total_blocks: m.load.report.total_blocks,
+    }
+}
+
+/// A worker's KV event; `None` for an event with no kind (a newer worker's
+/// kind this router does not know), which the caller treats as a gap.
+pub(crate) fn kv_event(ev: wpb::KvEvent) -> Option<KvEvent> {
+    let kind = match ev.kind? {
+        wpb::kv_event::Kind::Stored(s) => KvEventKind::Stored {
+            parent: s.parent_hash,
+            hashes: s.block_hashes,
+        },
+        wpb::kv_event::Kind::Removed(r) => KvEventKind::Removed {
+            hashes: r.block_hashes,
+        },
+        wpb::kv_event::Kind::Cleared(_) => KvEventKind::Cleared,
+    };
+    Some(KvEvent { seq: ev.seq, kind })
+}
+
+/// A worker's load report.
+pub(crate) fn load_report(r: &wpb::LoadReport) -> LoadReport {
+    LoadReport {
+        running: r.running,
+        waiting: r.waiting,
+        active_blocks: r.active_blocks,
+        total_blocks: r.total_blocks,
+        pending_prefill_tokens: r.pending_prefill_tokens,
+        max_num_seqs: r.max_num_seqs,
+        max_num_batched_tokens: r.max_num_batched_tokens,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zero_block_size_and_too_many_hashes_are_invalid() {
+        let mut req = pb::RouteRequest {
+            prompt_tokens: 32,
+            block_size: 0,
+            ..Default::default()
+        };
+        assert!(matches!(
+            route_input(&req),
+            Err(RouterError::InvalidArgument(_))
+        ));
+        req.block_size = 16;
+        req.block_hashes = vec![1, 2, 3];
+        assert!(matches!(
+            route_input(&req),
+            Err(RouterError::InvalidArgument(_))
+        ));
+        req.block_hashes = vec![1, 2];
+        assert!(route_input(&req).is_ok());
+    }
+
+    #[test]
+    fn unspecified_pool_is_decode_and_unknown_is_invalid() {
+        assert_eq!(pool_kind(0).expect("ok"), PoolKind::Decode);
+        assert_eq!(pool_kind(2).expect("ok"), PoolKind::Prefill);
+        assert!(pool_kind(9).is_err());
+    }
+}

@@ -1,0 +1,180 @@
+//! The router's Prometheus metrics, in its own [`Registry`] (several
+//! services in one process keep theirs apart).
+
+use prometheus::{
+    Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry,
+};
+
+use crate::pool::WorkerPool;
+
+/// Every router metric.
+#[derive(Debug, Clone)]
+pub struct RouterMetrics {
+    registry: Registry,
+    /// Placements by pool, worker and mode.
+    pub(crate) placements: IntCounterVec,
+    /// Prompt blocks cached on the chosen worker, by pool.
+    pub(crate) overlap_blocks: HistogramVec,
+    /// Fraction of the prompt's blocks cached on the chosen worker, by pool.
+    pub(crate) hit_rate: HistogramVec,
+    /// Seconds per placement decision.
+    pub(crate) decision_seconds: Histogram,
+    /// Distinct blocks indexed, by pool.
+    pub(crate) index_blocks: IntGaugeVec,
+    /// (worker, block) pairs indexed, by pool.
+    pub(crate) index_entries: IntGaugeVec,
+    /// Estimated index heap bytes, by pool.
+    pub(crate) index_bytes: IntGaugeVec,
+    /// Members, by pool.
+    pub(crate) workers: IntGaugeVec,
+    /// KV events applied, by pool.
+    pub(crate) events_applied: IntCounterVec,
+    /// Seconds from receiving an event batch to having applied it.
+    pub(crate) event_lag: Histogram,
+    /// Snapshot resyncs, by pool and reason (`initial`, `gap`, `reconnect`,
+    /// `snapshot_required`).
+    pub(crate) resyncs: IntCounterVec,
+    /// Workers forgotten, by pool and reason (`lease`, `unreachable`).
+    pub(crate) departures: IntCounterVec,
+}
+
+impl RouterMetrics {
+    /// Creates and registers every metric in a fresh registry.
+    pub fn new() -> Result<Self, prometheus::Error> {
+        let registry = Registry::new();
+        let placements = IntCounterVec::new(
+            Opts::new(
+                "sluice_router_placements_total",
+                "Placements by pool, worker and mode.",
+            ),
+            &["pool", "worker", "mode"],
+        )?;
+        let block_buckets = vec![
+            0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0,
+        ];
+        let overlap_blocks = HistogramVec::new(
+            HistogramOpts::new(
+                "sluice_router_overlap_blocks",
+                "Prompt blocks cached on the chosen worker.",
+            )
+            .buckets(block_buckets),
+            &["pool"],
+        )?;
+        let hit_rate = HistogramVec::new(
+            HistogramOpts::new(
+                "sluice_router_hit_rate",
+                "Fraction of prompt blocks cached on the chosen worker.",
+            )
+            .buckets(vec![0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]),
+            &["pool"],
+        )?;
+        let decision_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "sluice_router_decision_seconds",
+                "Seconds per placement decision.",
+            )
+            .buckets(vec![
+                1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 1e-2,
+            ]),
+        )?;
+        let index_blocks = IntGaugeVec::new(
+            Opts::new("sluice_router_index_blocks", "Distinct blocks indexed."),
+            &["pool"],
+        )?;
+        let index_entries = IntGaugeVec::new(
+            Opts::new(
+                "sluice_router_index_entries",
+                "(worker, block) pairs indexed.",
+            ),
+            &["pool"],
+        )?;
+        let index_bytes = IntGaugeVec::new(
+            Opts::new(
+                "sluice_router_index_bytes",
+                "Estimated heap bytes of the block index.",
+            ),
+            &["pool"],
+        )?;
+        let workers = IntGaugeVec::new(
+            Opts::new("sluice_router_workers", "Targets in the pool."),
+            &["pool"],
+        )?;
+        let events_applied = IntCounterVec::new(
+            Opts::new("sluice_router_kv_events_total", "KV events applied."),
+            &["pool"],
+        )?;
+        let event_lag = Histogram::with_opts(
+            HistogramOpts::new(
+                "sluice_router_event_lag_seconds",
+                "Seconds from receiving a KV event batch to having applied it.",
+            )
+            .buckets(vec![1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1, 1.0]),
+        )?;
+        let resyncs = IntCounterVec::new(
+            Opts::new("sluice_router_resyncs_total", "Snapshot resyncs by reason."),
+            &["pool", "reason"],
+        )?;
+        let departures = IntCounterVec::new(
+            Opts::new(
+                "sluice_router_departures_total",
+                "Workers forgotten by reason.",
+            ),
+            &["pool", "reason"],
+        )?;
+        registry.register(Box::new(placements.clone()))?;
+        registry.register(Box::new(overlap_blocks.clone()))?;
+        registry.register(Box::new(hit_rate.clone()))?;
+        registry.register(Box::new(decision_seconds.clone()))?;
+        registry.register(Box::new(index_blocks.clone()))?;
+        registry.register(Box::new(index_entries.clone()))?;
+        registry.register(Box::new(index_bytes.clone()))?;
+        registry.register(Box::new(workers.clone()))?;
+        registry.register(Box::new(events_applied.clone()))?;
+        registry.register(Box::new(event_lag.clone()))?;
+        registry.register(Box::new(resyncs.clone()))?;
+        registry.register(Box::new(departures.clone()))?;
+        Ok(Self {
+            registry,
+            placements,
+            overlap_blocks,
+            hit_rate,
+            decision_seconds,
+            index_blocks,
+            index_entries,
+            index_bytes,
+            workers,
+            events_applied,
+            event_lag,
+            resyncs,
+            departures,
+        })
+    }
+
+    /// The registry to serve at `/metrics`.
+    pub fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
+    /// Refreshes the cheap size gauges of a pool.
+    pub(crate) fn observe_pool(&self, pool: &WorkerPool) {
+        let name = pool.kind().component();
+        let idx = pool.indexer();
+        self.index_blocks
+            .with_label_values(&[name])
+            .set(idx.block_count() as i64);
+        self.index_entries
+            .with_label_values(&[name])
+            .set(idx.entry_count() as i64);
+        self.workers
+            .with_label_values(&[name])
+            .set(pool.members().len() as i64);
+    }
+
+    /// Refreshes the memory estimate of a pool's index (walks the index).
+    pub(crate) fn observe_memory(&self, pool: &WorkerPool) {
+        let stats = pool.indexer().stats();
+        self.index_bytes
+            .with_label_values(&[pool.kind().component()])
+            .set(stats.memory_bytes as i64);
+    }
+}

@@ -1,0 +1,528 @@
+//! The router's own service test: the real `serve()` on 127.0.0.1:0, in-process
+//! discovery, and scripted fake workers (real tonic servers implementing
+//! `Worker`: a KV event ring, snapshots and load reports driven by the test).
+
+use std::collections::BTreeSet;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use futures::Stream;
+use parking_lot::Mutex;
+use sluice_proto::router::v1 as pb;
+use sluice_proto::router::v1::router_client::RouterClient;
+use sluice_proto::worker::v1 as wpb;
+use sluice_proto::worker::v1::worker_server::{Worker, WorkerServer};
+use sluice_router::{Args, RouterMode};
+use sluice_runtime::discovery::MemoryDiscovery;
+use sluice_runtime::{Discovery, Instance, Registration, ServiceContext, Shutdown};
+use sluice_tokens::sequence_block_hashes;
+use tokio::net::TcpListener;
+use tokio::sync::broadcast;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::{Request, Response, Status};
+
+const BS: u32 = 16;
+
+type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+/// A worker whose KV cache and load the test scripts.
+#[derive(Clone)]
+struct FakeWorker {
+    state: Arc<Mutex<KvState>>,
+    events: broadcast::Sender<wpb::KvEvent>,
+    loads: broadcast::Sender<wpb::LoadReport>,
+}
+
+#[derive(Default)]
+struct KvState {
+    seq: u64,
+    blocks: BTreeSet<u64>,
+    /// Every event, for replay (the ring never drops here).
+    log: Vec<wpb::KvEvent>,
+    snapshots: u32,
+}
+
+impl FakeWorker {
+    fn new() -> Self {
+        Self {
+            state: Arc::default(),
+            events: broadcast::channel(1024).0,
+            loads: broadcast::channel(1024).0,
+        }
+    }
+
+    fn push(&self, kind: wpb::kv_event::Kind, broadcast: bool) {
+        let ev = {
+            let mut s = self.state.lock();
+            s.seq += 1;
+            match &kind {
+                wpb::kv_event::Kind::Stored(st) => s.blocks.extend(st.block_hashes.iter().copied()),
+                wpb::kv_event::Kind::Removed(r) => {
+                    for h in &r.block_hashes {
+                        s.blocks.remove(h);
+                    }
+                }
+                wpb::kv_event::Kind::Cleared(_) => s.blocks.clear(),
+            }
+            let ev = wpb::KvEvent {
+                seq: s.seq,
+                kind: Some(kind),
+            };
+            s.log.push(ev.clone());
+            ev
+        };
+        if broadcast {
+            let _ = self.events.send(ev);
+        }
+    }
+
+    fn store(&self, hashes: &[u64]) {
+        self.store_with(hashes, true);
+    }
+
+    /// Stores blocks but loses the event on the live stream (a gap).
+    fn store_lost(&self, hashes: &[u64]) {
+        self.store_with(hashes, false);
+    }
+
+    fn store_with(&self, hashes: &[u64], broadcast: bool) {
+        self.push(
+            wpb::kv_event::Kind::Stored(wpb::BlocksStored {
+                parent_hash: None,
+                block_hashes: hashes.to_vec(),
+            }),
+            broadcast,
+        );
+    }
+
+    fn report(&self, r: wpb::LoadReport) {
+        let _ = self.loads.send(r);
+    }
+
+    fn snapshots(&self) -> u32 {
+        self.state.lock().snapshots
+    }
+}
+
+#[tonic::async_trait]
+impl Worker for FakeWorker {
+    type GenerateStream = BoxStream<wpb::GenerateResponse>;
+    async fn generate(
+        &self,
+        _: Request<wpb::GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        Err(Status::unimplemented("fake worker"))
+    }
+
+    async fn prefill(
+        &self,
+        _: Request<wpb::PrefillRequest>,
+    ) -> Result<Response<wpb::PrefillResponse>, Status> {
+        Err(Status::unimplemented("fake worker"))
+    }
+
+    type SubscribeKvEventsStream = BoxStream<wpb::KvEventBatch>;
+    async fn subscribe_kv_events(
+        &self,
+        request: Request<wpb::SubscribeKvEventsRequest>,
+    ) -> Result<Response<Self::SubscribeKvEventsStream>, Status> {
+        let from = request.into_inner().from_seq;
+        let live = self.events.subscribe();
+        let replay: Vec<wpb::KvEvent> = self
+            .state
+            .lock()
+            .log
+            .iter()
+            .filter(|e| e.seq > from)
+            .cloned()
+            .collect();
+        let last = replay.last().map_or(from, |e| e.seq);
+        let stream = replay_then_live(replay, live, last);
+        Ok(Response::new(stream))
+    }
+
+    async fn kv_snapshot(
+        &self,
+        _: Request<wpb::KvSnapshotRequest>,
+    ) -> Result<Response<wpb::KvSnapshotResponse>, Status> {
+        let mut s = self.state.lock();
+        s.snapshots += 1;
+        Ok(Response::new(wpb::KvSnapshotResponse {
+            seq: s.seq,
+            block_hashes: s.blocks.iter().copied().collect(),
+            block_size: BS,
+            dp_rank: 0,
+        }))
+    }
+
+    type LoadStream = BoxStream<wpb::LoadReport>;
+    async fn load(
+        &self,
+        _: Request<wpb::LoadRequest>,
+    ) -> Result<Response<Self::LoadStream>, Status> {
+        let rx = self.loads.subscribe();
+        let stream = futures::stream::unfold(rx, |mut rx| async move {
+            loop {
+                match rx.recv().await {
+                    Ok(r) => return Some((Ok(r), rx)),
+                    Err(broadcast::error::RecvError::Lagged(_)) => continue,
+                    Err(_) => return None,
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(stream)))
+    }
+}
+
+/// The replayed events as one batch, then one batch per live event.
+fn replay_then_live(
+    replay: Vec<wpb::KvEvent>,
+    mut live: broadcast::Receiver<wpb::KvEvent>,
+    mut last: u64,
+) -> BoxStream<wpb::KvEventBatch> {
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    tokio::spawn(async move {
+        let first = wpb::KvEventBatch {
+            events: replay,
+            snapshot_required: false,
+            dp_rank: 0,
+        };
+        if tx.send(Ok(first)).await.is_err() {
+            return;
+        }
+        loop {
+            let ev = match live.recv().await {
+                Ok(ev) if ev.seq > last => ev,
+                Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => continue,
+                Err(broadcast::error::RecvError::Closed) => return,
+            };
+            last = ev.seq;
+            let batch = wpb::KvEventBatch {
+                events: vec![ev],
+                snapshot_required: false,
+                dp_rank: 0,
+            };
+            if tx.send(Ok(batch)).await.is_err() {
+                return;
+            }
+        }
+    });
+    Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))
+}
+
+struct RunningWorker {
+    fake: FakeWorker,
+    registration: Option<Registration>,
+    id: String,
+    stop: Shutdown,
+}
+
+async fn start_worker(discovery: &Arc<dyn Discovery>) -> Result<RunningWorker> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let fake = FakeWorker::new();
+    let stop = Shutdown::new();
+    let server = tonic::transport::Server::builder()
+        .add_service(WorkerServer::new(fake.clone()))
+        .serve_with_incoming_shutdown(
+            TcpListenerStream::new(listener),
+            stop.clone().cancelled_owned(),
+        );
+    tokio::spawn(server);
+    let instance = Instance::new("decode", addr.to_string())
+        .with_model("m")
+        .with_meta("role", "decode")
+        .with_meta("block_size", BS);
+    let id = instance.id.clone();
+    let registration = discovery.register(instance, 5).await?;
+    Ok(RunningWorker {
+        fake,
+        registration: Some(registration),
+        id,
+        stop,
+    })
+}
+
+struct RunningRouter {
+    client: RouterClient<tonic::transport::Channel>,
+    stop: Shutdown,
+    task: tokio::task::JoinHandle<Result<(), sluice_router::RouterError>>,
+}
+
+async fn start_router(discovery: &Arc<dyn Discovery>, mode: RouterMode) -> Result<RunningRouter> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let stop = Shutdown::new();
+    let args = Args {
+        router_mode: mode,
+        load_cover_ms: 0,
+        ..Args::default()
+    };
+    let ctx = ServiceContext::new(Arc::clone(discovery), stop.clone());
+    let task = tokio::spawn(sluice_router::serve(listener, args, ctx));
+    // Ready = registered: serve registers only after the initial snapshots.
+    wait_for(Duration::from_secs(10), || async {
+        Ok(discovery
+            .list("router")
+            .await?
+            .iter()
+            .any(|i| i.endpoint == addr.to_string()))
+    })
+    .await
+    .context("router never registered")?;
+    let client = RouterClient::connect(format!("http://{addr}")).await?;
+    Ok(RunningRouter { client, stop, task })
+}
+
+impl RunningRouter {
+    async fn stop(self) -> Result<()> {
+        self.stop.cancel();
+        self.task.await??;
+        Ok(())
+    }
+}
+
+async fn wait_for<F, Fut>(timeout: Duration, mut f: F) -> Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<bool>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if f().await? {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("condition not met within {timeout:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn prompt(seed: u32, blocks: u32) -> (Vec<u64>, u32) {
+    let tokens: Vec<u32> = (0..blocks * BS).map(|i| seed * 1_000_003 + i).collect();
+    (sequence_block_hashes(&tokens, BS as usize), blocks * BS)
+}
+
+fn route_req(hashes: &[u64], prompt_tokens: u32, commit: bool) -> pb::RouteRequest {
+    pb::RouteRequest {
+        request_id: "req".into(),
+        model: "m".into(),
+        pool: pb::Pool::Decode as i32,
+        prompt_tokens,
+        block_hashes: hashes.to_vec(),
+        block_size: BS,
+        priority: 0,
+        commit,
+    }
+}
+
+async fn route(
+    client: &mut RouterClient<tonic::transport::Channel>,
+    hashes: &[u64],
+    tokens: u32,
+) -> Result<pb::RouteResponse> {
+    Ok(client
+        .route(route_req(hashes, tokens, false))
+        .await?
+        .into_inner())
+}
+
+fn chosen(r: &pb::RouteResponse) -> &str {
+    r.target.as_ref().map_or("", |t| t.worker_id.as_str())
+}
+
+/// Routes (dry run) until the reply shows `overlap` blocks on `worker`.
+async fn wait_overlap(
+    client: &mut RouterClient<tonic::transport::Channel>,
+    hashes: &[u64],
+    tokens: u32,
+    worker: &str,
+    overlap: u32,
+) -> Result<pb::RouteResponse> {
+    let mut last = None;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while tokio::time::Instant::now() < deadline {
+        let r = route(client, hashes, tokens).await?;
+        if chosen(&r) == worker && r.overlap_blocks == overlap {
+            return Ok(r);
+        }
+        last = Some(r);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    bail!("never saw {overlap} blocks on {worker}; last reply {last:?}")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routes_to_the_prefix_holder_resyncs_on_gaps_and_forgets_departed_workers() -> Result<()> {
+    let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new("test"));
+    let mut a = start_worker(&discovery).await?;
+    let b = start_worker(&discovery).await?;
+    let router = start_router(&discovery, RouterMode::Kv).await?;
+    let mut client = router.client.clone();
+
+    // A request whose prefix one worker holds goes there.
+    let (h, tokens) = prompt(1, 8);
+    a.fake.store(&h[..6]);
+    let r = wait_overlap(&mut client, &h, tokens, &a.id, 6).await?;
+    assert_eq!(r.mode, "kv");
+    assert_eq!(r.candidates.len(), 2);
+    let other = r
+        .candidates
+        .iter()
+        .find(|c| c.target.as_ref().is_some_and(|t| t.worker_id == b.id))
+        .context("b is a candidate")?;
+    assert_eq!(other.overlap_blocks, 0);
+    assert!(
+        other.prefill_cost
+            > r.candidates
+                .iter()
+                .map(|c| c.prefill_cost)
+                .fold(f64::INFINITY, f64::min)
+    );
+
+    // A gap (an event lost on the live stream) triggers a snapshot resync
+    // that restores the same index: the lost blocks become visible.
+    let (h2, tokens2) = prompt(2, 4);
+    let snapshots_before = b.fake.snapshots();
+    b.fake.store_lost(&h2[..2]);
+    b.fake.store(&h2[2..]);
+    wait_overlap(&mut client, &h2, tokens2, &b.id, 4).await?;
+    assert!(
+        b.fake.snapshots() > snapshots_before,
+        "resync took a snapshot"
+    );
+
+    // Equal overlap spreads by load: both hold h3, b reports heavy load.
+    let (h3, tokens3) = prompt(3, 4);
+    a.fake.store(&h3);
+    b.fake.store(&h3);
+    wait_for(Duration::from_secs(10), || {
+        let mut client = client.clone();
+        let h3 = h3.clone();
+        async move {
+            let r = route(&mut client, &h3, tokens3).await?;
+            Ok(r.candidates.iter().all(|c| c.overlap_blocks == 4))
+        }
+    })
+    .await?;
+    b.fake.report(wpb::LoadReport {
+        active_blocks: 500,
+        running: 8,
+        ..Default::default()
+    });
+    a.fake.report(wpb::LoadReport::default());
+    wait_overlap(&mut client, &h3, tokens3, &a.id, 4).await?;
+
+    // A departed worker's blocks vanish.
+    if let Some(reg) = a.registration.take() {
+        reg.deregister().await;
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = route(&mut client, &h, tokens).await?;
+        if r.candidates.len() == 1 {
+            assert_eq!(chosen(&r), b.id);
+            assert_eq!(r.overlap_blocks, 0);
+            break;
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("a never left: {r:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    a.stop.cancel();
+    router.stop().await?;
+    b.stop.cancel();
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_router_routes_as_before_from_its_first_request() -> Result<()> {
+    let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new("test"));
+    let workers = [
+        start_worker(&discovery).await?,
+        start_worker(&discovery).await?,
+        start_worker(&discovery).await?,
+    ];
+    let prompts: Vec<(Vec<u64>, u32)> = (0..3).map(|i| prompt(10 + i, 6)).collect();
+    for (w, (h, _)) in workers.iter().zip(&prompts) {
+        w.fake.store(h);
+    }
+    let router = start_router(&discovery, RouterMode::Kv).await?;
+    let mut client = router.client.clone();
+    for (w, (h, t)) in workers.iter().zip(&prompts) {
+        wait_overlap(&mut client, h, *t, &w.id, 6).await?;
+    }
+    router.stop().await?;
+
+    // The new router rebuilt its index from snapshots before it reported
+    // ready: its very first answers are the same, no waiting.
+    let router = start_router(&discovery, RouterMode::Kv).await?;
+    let mut client = router.client.clone();
+    for (w, (h, t)) in workers.iter().zip(&prompts) {
+        let r = route(&mut client, h, *t).await?;
+        assert_eq!(chosen(&r), w.id);
+        assert_eq!(r.overlap_blocks, 6);
+    }
+    router.stop().await?;
+    for w in &workers {
+        w.stop.cancel();
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_load_sends_a_view_then_one_per_report_and_bad_requests_are_invalid() -> Result<()> {
+    let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new("test"));
+    let w = start_worker(&discovery).await?;
+    let router = start_router(&discovery, RouterMode::RoundRobin).await?;
+    let mut client = router.client.clone();
+
+    let mut stream = client
+        .watch_load(pb::WatchLoadRequest { model: "m".into() })
+        .await?
+        .into_inner();
+    let first = stream.message().await?.context("first view")?;
+    assert_eq!(first.workers.len(), 1);
+    w.fake.report(wpb::LoadReport {
+        running: 3,
+        active_blocks: 42,
+        pending_prefill_tokens: 7,
+        ..Default::default()
+    });
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let v = tokio::time::timeout_at(deadline, stream.message())
+            .await
+            .context("no view with the report")??
+            .context("stream ended")?;
+        if v.workers.first().is_some_and(|l| l.running == 3) {
+            assert_eq!(v.workers[0].active_decode_blocks, 42);
+            assert_eq!(v.workers[0].active_prefill_tokens, 7);
+            assert_eq!(v.workers[0].role, "decode");
+            break;
+        }
+    }
+
+    let mut bad = route_req(&[1, 2, 3], 16, false);
+    bad.block_size = 16;
+    let err = client.route(bad).await.expect_err("too many hashes");
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+
+    let mut none = route_req(&[], 16, false);
+    none.model = "unknown".into();
+    let err = client.route(none).await.expect_err("no such model");
+    assert_eq!(err.code(), tonic::Code::Unavailable);
+
+    let mut prefill = route_req(&[], 16, false);
+    prefill.pool = pb::Pool::Prefill as i32;
+    let err = client.route(prefill).await.expect_err("no prefill workers");
+    assert_eq!(err.code(), tonic::Code::Unavailable);
+
+    router.stop().await?;
+    w.stop.cancel();
+    Ok(())
+}
