@@ -6,6 +6,7 @@
 //! without a network. Workers adapt it to gRPC.
 
 pub mod backend;
+pub mod builtin;
 pub mod config;
 pub mod engine;
 pub mod error;
