@@ -2,12 +2,14 @@
 //! passed straight to the domain code (no second internal config).
 //!
 //! Every flag reads `SLUICE_` + its name in upper snake case.
-//! [`QueueConfig::validate`] runs right after parsing; its errors name the flag.
+//! [`Args::validate`] runs right after parsing; its errors name the flag.
 
 use std::collections::HashMap;
 use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
+
+use crate::error::QueueError;
 
 /// Release order among held requests of one strict tier.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -95,9 +97,17 @@ impl fmt::Display for WfqWeights {
     }
 }
 
-/// The admission queue's policy and limits.
+/// The queue service's own flags (the common ones are the runtime's
+/// `CommonArgs`): placement source, policy and limits.
 #[derive(Debug, Clone, clap::Args)]
-pub struct QueueConfig {
+#[group(id = "queue-args")]
+#[command(next_help_heading = "Queue")]
+pub struct Args {
+    /// Router to place requests with (`host:port` or URL). Unset: every
+    /// router instance found in discovery, in turn.
+    #[arg(long, env = "SLUICE_ROUTER_ENDPOINT")]
+    pub router_endpoint: Option<String>,
+
     /// Release order among held requests of one strict tier.
     #[arg(long, env = "SLUICE_QUEUE_POLICY", value_enum, default_value_t = Policy::Fcfs)]
     pub queue_policy: Policy,
@@ -156,45 +166,35 @@ pub struct QueueConfig {
     pub refresh_interval_ms: u64,
 }
 
-/// A configuration value that cannot work; names the flag.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-#[error("--{flag}: {reason}")]
-pub struct ConfigError {
-    /// The flag, without the leading dashes.
-    pub flag: &'static str,
-    /// Why, and what would be accepted.
-    pub reason: String,
-}
-
-impl QueueConfig {
+impl Args {
     /// Checks the values clap cannot; the error names the flag.
-    pub fn validate(&self) -> Result<(), ConfigError> {
-        let err = |flag, reason: String| Err(ConfigError { flag, reason });
+    pub fn validate(&self) -> Result<(), QueueError> {
+        let err = |flag, reason: String| Err(QueueError::InvalidFlag { flag, reason });
         if let Some(t) = self.queue_threshold
             && !(t.is_finite() && t >= 0.0)
         {
             return err(
-                "queue-threshold",
+                "--queue-threshold",
                 format!("{t} must be a finite number ≥ 0 (leave unset to hold nothing)"),
             );
         }
         if self.max_pending == 0 {
-            return err("max-pending", "must be at least 1".into());
+            return err("--max-pending", "must be at least 1".into());
         }
         if self.max_pending_per_tenant == 0 {
-            return err("max-pending-per-tenant", "must be at least 1".into());
+            return err("--max-pending-per-tenant", "must be at least 1".into());
         }
         if !(0.0..1.0).contains(&self.shed_protect_fraction) {
             return err(
-                "shed-protect-fraction",
+                "--shed-protect-fraction",
                 format!("{} must be in [0, 1)", self.shed_protect_fraction),
             );
         }
         if self.wfq_default_weight == 0 {
-            return err("wfq-default-weight", "must be at least 1".into());
+            return err("--wfq-default-weight", "must be at least 1".into());
         }
         if self.refresh_interval_ms == 0 {
-            return err("refresh-interval-ms", "must be at least 1".into());
+            return err("--refresh-interval-ms", "must be at least 1".into());
         }
         Ok(())
     }
@@ -250,10 +250,10 @@ mod tests {
     #[derive(Parser)]
     struct Cli {
         #[command(flatten)]
-        queue: QueueConfig,
+        queue: Args,
     }
 
-    fn parse(args: &[&str]) -> QueueConfig {
+    fn parse(args: &[&str]) -> Args {
         let mut argv = vec!["queue"];
         argv.extend_from_slice(args);
         Cli::try_parse_from(argv).expect("arguments parse").queue
@@ -264,7 +264,7 @@ mod tests {
         let cfg = parse(&[]);
         assert_eq!(cfg.queue_policy, Policy::Fcfs);
         assert_eq!(cfg.queue_threshold, None);
-        assert_eq!(cfg.validate(), Ok(()));
+        assert!(cfg.validate().is_ok());
         assert_eq!(cfg.reserved_slots(), 820);
     }
 
@@ -279,17 +279,22 @@ mod tests {
 
     #[test]
     fn validate_names_the_flag() {
-        let cfg = parse(&["--shed-protect-fraction", "1.5"]);
-        let err = cfg.validate().expect_err("fraction above 1");
-        assert_eq!(err.flag, "shed-protect-fraction");
-        assert!(err.to_string().starts_with("--shed-protect-fraction"));
-        let cfg = parse(&["--queue-threshold", "-1"]);
-        assert_eq!(
-            cfg.validate().expect_err("negative").flag,
-            "queue-threshold"
-        );
-        let cfg = parse(&["--max-pending", "0"]);
-        assert_eq!(cfg.validate().expect_err("zero").flag, "max-pending");
+        let cases: [(&[&str], &str); 3] = [
+            (
+                &["--shed-protect-fraction", "1.5"],
+                "--shed-protect-fraction",
+            ),
+            (&["--queue-threshold", "-1"], "--queue-threshold"),
+            (&["--max-pending", "0"], "--max-pending"),
+        ];
+        for (args, expected) in cases {
+            let err = parse(args).validate().expect_err(expected);
+            assert!(
+                matches!(err, QueueError::InvalidFlag { flag, .. } if flag == expected),
+                "{err:?}"
+            );
+            assert!(err.to_string().starts_with(expected));
+        }
     }
 
     #[test]

@@ -74,6 +74,23 @@ pub enum QueueError {
     /// The queue is shutting down and admits nothing more.
     #[error("queue is shutting down")]
     Draining,
+    /// A flag's value cannot work.
+    #[error("{flag}: {reason}")]
+    InvalidFlag {
+        /// The flag, with its dashes.
+        flag: &'static str,
+        /// Why, and what would be accepted.
+        reason: String,
+    },
+    /// No router instance is known (none registered, or none reachable).
+    #[error("no router available for placement")]
+    NoRouter,
+    /// Server, discovery or telemetry plumbing failed.
+    #[error("service runtime")]
+    Runtime(#[source] Arc<sluice_runtime::RuntimeError>),
+    /// Metrics could not be registered.
+    #[error("metrics registration")]
+    Metrics(#[source] Arc<prometheus::Error>),
     /// The client's open message is malformed.
     #[error("invalid {field}: {reason}")]
     InvalidArgument {
@@ -96,6 +113,9 @@ impl QueueError {
             Self::Placement { .. } => "placement",
             Self::Draining => "draining",
             Self::InvalidArgument { .. } => "invalid_argument",
+            Self::InvalidFlag { .. } => "invalid_flag",
+            Self::NoRouter => "no_router",
+            Self::Runtime(_) | Self::Metrics(_) => "internal",
         }
     }
 
@@ -115,7 +135,7 @@ impl From<QueueError> for tonic::Status {
             | QueueError::TenantFull { .. }
             | QueueError::Shed { .. } => Status::resource_exhausted(err.to_string()),
             QueueError::DeadlineExceeded { .. } => Status::deadline_exceeded(err.to_string()),
-            QueueError::NoWorkers { .. } | QueueError::Draining => {
+            QueueError::NoWorkers { .. } | QueueError::NoRouter | QueueError::Draining => {
                 Status::unavailable(err.to_string())
             }
             QueueError::Placement { source } => {
@@ -123,7 +143,23 @@ impl From<QueueError> for tonic::Status {
                 Status::unavailable(format!("placement failed: {source}"))
             }
             QueueError::InvalidArgument { .. } => Status::invalid_argument(err.to_string()),
+            QueueError::InvalidFlag { .. } | QueueError::Runtime(_) | QueueError::Metrics(_) => {
+                tracing::error!(error = %err, cause = ?std::error::Error::source(&err), "internal error");
+                Status::internal("internal error in the queue")
+            }
         }
+    }
+}
+
+impl From<sluice_runtime::RuntimeError> for QueueError {
+    fn from(err: sluice_runtime::RuntimeError) -> Self {
+        Self::Runtime(Arc::new(err))
+    }
+}
+
+impl From<prometheus::Error> for QueueError {
+    fn from(err: prometheus::Error) -> Self {
+        Self::Metrics(Arc::new(err))
     }
 }
 

@@ -10,14 +10,75 @@
 //! inside an engine.
 
 mod config;
+mod convert;
 mod error;
 mod metrics;
+mod placement;
 mod queue;
+mod service;
 
-pub use config::{ConfigError, Policy, QueueConfig, WfqClass, WfqWeights};
+use prometheus::Registry;
+use sluice_proto::queue::v1::queue_server::QueueServer;
+use sluice_runtime::ServiceContext;
+use sluice_runtime::grpc::GrpcServer;
+use tokio::net::TcpListener;
+use tokio_util::task::TaskTracker;
+
+pub use config::{Args, Policy, WfqClass, WfqWeights};
 pub use error::QueueError;
 pub use metrics::QueueMetrics;
 pub use queue::{
     Entry, Grant, HeldStatus, HoldReason, LoadView, Placement, Placer, Queue, QueueStats, Target,
     Ticket, TicketEvent, TierStats, WorkerLoad, WorkerRole,
 };
+
+/// Discovery component name the queue registers under.
+pub const COMPONENT: &str = "queue";
+
+/// Serves the queue on `listener` until `ctx.shutdown` is cancelled: registers
+/// as `queue` in discovery, places through `--router-endpoint` or the
+/// `router` instances in discovery, follows their load, and on shutdown
+/// deregisters, drains lease streams under `--drain-timeout`, then stops the
+/// dispatcher (requests still held fail with `UNAVAILABLE`).
+pub async fn serve(
+    listener: TcpListener,
+    args: Args,
+    ctx: ServiceContext,
+) -> Result<(), QueueError> {
+    args.validate()?;
+    let registry = Registry::new();
+    let metrics = QueueMetrics::new(&registry)?;
+    let queue = Queue::new(args.clone(), metrics);
+    tracing::info!("queue: {}", args.summary());
+
+    let tracker = TaskTracker::new();
+    let background = ctx.shutdown.child_token();
+    let routers = match &args.router_endpoint {
+        Some(endpoint) => placement::Routers::fixed(endpoint)?,
+        None => {
+            placement::Routers::discovered(&ctx.discovery, &tracker, background.clone()).await?
+        }
+    };
+    let placer = placement::RouterPlacer::new(routers.clone());
+    tracker.spawn(placement::watch_load(
+        queue.clone(),
+        routers,
+        placer.clone(),
+        background.clone(),
+    ));
+    tracker.spawn({
+        let queue = queue.clone();
+        let token = background.clone();
+        async move { queue.run(placer, token).await }
+    });
+
+    let server = GrpcServer::new()?
+        .add_service(QueueServer::new(service::QueueService::new(queue)))
+        .with_metrics(vec![registry]);
+    let instance = ctx.instance(COMPONENT, &listener)?;
+    let served = ctx.run(server, listener, instance).await;
+    background.cancel();
+    tracker.close();
+    tracker.wait().await;
+    served.map_err(QueueError::from)
+}

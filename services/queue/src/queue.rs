@@ -45,12 +45,22 @@
 //! model, 0 = none) holds further requests while that many leases are
 //! granted or being placed.
 //!
+//! # Prefix overlap
+//!
+//! Only `wspt` orders by the cached prefix (uncached prompt tokens), so only
+//! `wspt` reads it: a newly held request gets a first estimate from the
+//! placer (a dry-run route) without blocking releases, and a request at the
+//! head whose estimate is older than `--refresh-interval-ms` is re-read (and
+//! re-keyed) before it is released. Other policies leave the overlap to the
+//! router, which computes it at placement anyway.
+//!
 //! # Invariants
 //!
 //! `pending` = slots held, refreshing or placing; `active` = slots granted
-//! and not yet released; every slot is in exactly one phase; a held slot is
-//! in its model's order and nowhere else; a slot whose ticket is dropped
-//! leaves at once and is never placed afterwards.
+//! and not yet released; every slot is in exactly one phase; held and
+//! refreshing slots are in their model's order, placing and active ones are
+//! not; a slot whose ticket is dropped leaves at once and is never placed
+//! afterwards.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
@@ -65,7 +75,7 @@ use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{Policy, QueueConfig, WfqClass};
+use crate::config::{Args, Policy, WfqClass};
 use crate::error::QueueError;
 use crate::metrics::QueueMetrics;
 
@@ -145,6 +155,8 @@ pub enum HoldReason {
     /// An earlier request's placement is in flight (threshold mode releases
     /// one at a time per model).
     PlacementInFlight,
+    /// The next request's prefix overlap is being re-read (`wspt`).
+    RefreshingOverlap,
 }
 
 impl HoldReason {
@@ -154,6 +166,7 @@ impl HoldReason {
             Self::AboveThreshold => "all workers above threshold",
             Self::ActiveLimit => "active leases at limit",
             Self::PlacementInFlight => "waiting for an earlier placement",
+            Self::RefreshingOverlap => "re-reading the prefix overlap",
         }
     }
 }
@@ -254,7 +267,7 @@ pub struct Queue {
 
 #[derive(Debug)]
 struct Shared {
-    cfg: QueueConfig,
+    cfg: Args,
     metrics: QueueMetrics,
     epoch: Instant,
     state: Mutex<State>,
@@ -264,7 +277,7 @@ struct Shared {
 impl Queue {
     /// A queue with `cfg`'s policy and limits; nothing is released until
     /// [`Queue::run`] is running.
-    pub fn new(cfg: QueueConfig, metrics: QueueMetrics) -> Self {
+    pub fn new(cfg: Args, metrics: QueueMetrics) -> Self {
         Self {
             shared: Arc::new(Shared {
                 cfg,
@@ -277,7 +290,7 @@ impl Queue {
     }
 
     /// The configuration the queue runs with.
-    pub fn config(&self) -> &QueueConfig {
+    pub fn config(&self) -> &Args {
         &self.shared.cfg
     }
 
@@ -318,10 +331,11 @@ impl Queue {
                 entry,
                 phase: Phase::Held,
                 tx,
-                last_refresh: now,
+                last_refresh: None,
                 sent: None,
             },
         );
+        st.unread.push(seq);
         drop(st);
         shared.wake.notify_one();
         Ok(Ticket {
@@ -496,7 +510,8 @@ struct Slot {
     entry: Entry,
     phase: Phase,
     tx: watch::Sender<TicketState>,
-    last_refresh: Instant,
+    /// When the overlap was last read (None: never; `wspt` only).
+    last_refresh: Option<Instant>,
     sent: Option<HeldStatus>,
 }
 
@@ -509,6 +524,8 @@ struct State {
     pending: usize,
     active: usize,
     deadlines: BTreeSet<(Instant, u64)>,
+    /// Admitted since the last pass; `wspt` reads their overlap if held.
+    unread: Vec<u64>,
     load: HashMap<(String, u32), WorkerLoad>,
     draining: bool,
 }
@@ -556,12 +573,7 @@ impl Op {
 }
 
 impl State {
-    fn check_admission(
-        &self,
-        cfg: &QueueConfig,
-        entry: &Entry,
-        now: Instant,
-    ) -> Result<(), QueueError> {
+    fn check_admission(&self, cfg: &Args, entry: &Entry, now: Instant) -> Result<(), QueueError> {
         if self.draining {
             return Err(QueueError::Draining);
         }
@@ -603,7 +615,7 @@ impl State {
     }
 
     /// Releases, per model, as many held requests as the hold rule allows.
-    fn release(&mut self, cfg: &QueueConfig, now: Instant) -> Vec<Op> {
+    fn release(&mut self, cfg: &Args, now: Instant) -> Vec<Op> {
         let mut ops = Vec::new();
         if self.draining {
             return ops;
@@ -622,8 +634,14 @@ impl State {
                     model.order.pop_head();
                     continue;
                 };
-                let stale = now.saturating_duration_since(slot.last_refresh) >= refresh_after;
-                if cfg.queue_threshold.is_some() && stale {
+                if slot.phase == Phase::Refreshing {
+                    model.hold = Some(HoldReason::RefreshingOverlap);
+                    break;
+                }
+                let stale = slot
+                    .last_refresh
+                    .is_some_and(|at| now.saturating_duration_since(at) >= refresh_after);
+                if cfg.queue_policy == Policy::Wspt && stale {
                     // Stays in the order (and blocks this model's releases)
                     // until the fresh overlap is back.
                     slot.phase = Phase::Refreshing;
@@ -638,6 +656,24 @@ impl State {
                 slot.phase = Phase::Placing;
                 model.placing += 1;
                 ops.push(Op::Place(seq, slot.entry.clone()));
+            }
+        }
+        // Under wspt the overlap orders held requests: read a first estimate
+        // for each newly held one, without blocking releases.
+        for seq in std::mem::take(&mut self.unread) {
+            if cfg.queue_policy != Policy::Wspt {
+                break;
+            }
+            let Some(slot) = self.slots.get_mut(&seq) else {
+                continue;
+            };
+            if slot.phase != Phase::Held || slot.last_refresh.is_some() {
+                continue;
+            }
+            if let Some(model) = self.models.get_mut(&slot.entry.model) {
+                slot.phase = Phase::Refreshing;
+                model.refreshing += 1;
+                ops.push(Op::Refresh(seq, slot.entry.clone()));
             }
         }
         ops
@@ -692,7 +728,7 @@ impl State {
     fn complete(
         &mut self,
         outcome: Outcome,
-        cfg: &QueueConfig,
+        cfg: &Args,
         epoch: Instant,
         metrics: &QueueMetrics,
         now: Instant,
@@ -720,7 +756,7 @@ impl State {
                         tracing::debug!(request_id = %slot.entry.request_id, error = %err, "overlap refresh failed; keeping the old estimate");
                     }
                 }
-                slot.last_refresh = now;
+                slot.last_refresh = Some(now);
                 slot.phase = Phase::Held;
             }
             Outcome::Placed { seq, model, result } => {
@@ -766,7 +802,7 @@ impl State {
     }
 
     /// The ticket was dropped: leave at once, or end the lease.
-    fn leave(&mut self, seq: u64, cfg: &QueueConfig, epoch: Instant, metrics: &QueueMetrics) {
+    fn leave(&mut self, seq: u64, cfg: &Args, epoch: Instant, metrics: &QueueMetrics) {
         let Some(slot) = self.slots.remove(&seq) else {
             return;
         };
@@ -827,7 +863,7 @@ impl State {
 }
 
 fn hold_reason(
-    cfg: &QueueConfig,
+    cfg: &Args,
     model: &ModelQueue,
     model_name: &str,
     load: &HashMap<(String, u32), WorkerLoad>,
@@ -836,7 +872,7 @@ fn hold_reason(
         return Some(HoldReason::ActiveLimit);
     }
     let threshold = cfg.queue_threshold?;
-    if model.placing + model.refreshing > 0 {
+    if model.placing > 0 {
         return Some(HoldReason::PlacementInFlight);
     }
     all_busy(model_name, load, threshold).then_some(HoldReason::AboveThreshold)
@@ -938,7 +974,7 @@ impl Ord for TotalF64 {
     }
 }
 
-fn order_key(cfg: &QueueConfig, epoch: Instant, seq: u64, entry: &Entry) -> OrderKey {
+fn order_key(cfg: &Args, epoch: Instant, seq: u64, entry: &Entry) -> OrderKey {
     let bump = i128::from(entry.priority.max(0));
     let key = match cfg.queue_policy {
         Policy::Fcfs | Policy::Wfq => {
@@ -962,7 +998,7 @@ fn order_key(cfg: &QueueConfig, epoch: Instant, seq: u64, entry: &Entry) -> Orde
     }
 }
 
-fn wfq_class(cfg: &QueueConfig, entry: &Entry) -> String {
+fn wfq_class(cfg: &Args, entry: &Entry) -> String {
     let tenant = if entry.tenant.is_empty() {
         "default"
     } else {
@@ -976,7 +1012,7 @@ fn wfq_class(cfg: &QueueConfig, entry: &Entry) -> String {
 }
 
 impl Order {
-    fn insert(&mut self, cfg: &QueueConfig, epoch: Instant, seq: u64, entry: &Entry) {
+    fn insert(&mut self, cfg: &Args, epoch: Instant, seq: u64, entry: &Entry) {
         match self {
             Order::Keyed(map) => {
                 map.insert(order_key(cfg, epoch, seq, entry), seq);
@@ -1000,7 +1036,7 @@ impl Order {
 
     /// Removes `seq` (cancelled, expired or re-keyed); `entry` is its
     /// current entry. Not a release: `wfq` turns are not charged.
-    fn remove(&mut self, cfg: &QueueConfig, epoch: Instant, seq: u64, entry: &Entry) {
+    fn remove(&mut self, cfg: &Args, epoch: Instant, seq: u64, entry: &Entry) {
         match self {
             Order::Keyed(map) => {
                 map.remove(&order_key(cfg, epoch, seq, entry));

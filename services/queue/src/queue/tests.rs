@@ -5,8 +5,9 @@ use crate::config::WfqWeights;
 use prometheus::Registry;
 use tokio::task::JoinHandle;
 
-fn config(policy: Policy) -> QueueConfig {
-    QueueConfig {
+fn config(policy: Policy) -> Args {
+    Args {
+        router_endpoint: None,
         queue_policy: policy,
         queue_threshold: None,
         max_pending: 1000,
@@ -84,11 +85,11 @@ struct Harness {
 }
 
 impl Harness {
-    fn start(cfg: QueueConfig) -> Self {
+    fn start(cfg: Args) -> Self {
         Self::with_placer(cfg, TestPlacer::default())
     }
 
-    fn with_placer(cfg: QueueConfig, placer: TestPlacer) -> Self {
+    fn with_placer(cfg: Args, placer: TestPlacer) -> Self {
         let registry = Registry::new();
         let metrics = QueueMetrics::new(&registry).expect("metrics register");
         let queue = Queue::new(cfg, metrics);
@@ -165,7 +166,7 @@ async fn settle() {
 /// Admits a blocker that takes the only active slot, then `entries`, then
 /// releases the blocker; each request drops its lease as soon as it is
 /// granted. Returns the order in which the rest were placed.
-async fn release_order(mut cfg: QueueConfig, entries: Vec<Entry>) -> Vec<String> {
+async fn release_order(mut cfg: Args, entries: Vec<Entry>) -> Vec<String> {
     cfg.max_active = 1;
     let h = Harness::start(cfg);
     let mut blocker = h.admit(entry("blocker", 0, 0, 10, Instant::now()));
@@ -619,10 +620,7 @@ async fn stale_overlap_is_reread_before_release_and_reorders_wspt() {
     let mut cfg = config(Policy::Wspt);
     cfg.queue_threshold = Some(0.5);
     cfg.refresh_interval_ms = 100;
-    let placer = TestPlacer::default();
-    // a's cached prefix was evicted while it waited.
-    placer.fresh_overlap.lock().insert("a".into(), 0);
-    let h = Harness::with_placer(cfg, placer);
+    let h = Harness::start(cfg);
     h.queue.update_load(load(1000));
     let t = Instant::now();
     let mut a = entry("a", 0, 0, 1000, t);
@@ -631,15 +629,43 @@ async fn stale_overlap_is_reread_before_release_and_reorders_wspt() {
     b.overlap_tokens = 500; // 500 uncached: second
     let mut a = h.admit(a);
     let mut b = h.admit(b);
+    settle().await;
+    assert_eq!(*h.placer.refreshed.lock(), ["a", "b"], "first estimates");
+    // a's cached prefix is evicted while it waits.
+    h.placer.fresh_overlap.lock().insert("a".into(), 0);
     tokio::time::sleep(Duration::from_millis(200)).await;
     h.queue.update_load(load(0));
     b.granted().await.expect("b first");
-    assert_eq!(*h.placer.refreshed.lock(), ["a", "b"]);
+    assert_eq!(*h.placer.refreshed.lock(), ["a", "b", "a", "b"]);
     assert_eq!(h.placer.placed(), ["b"]);
     h.queue.update_load(load(0));
     let grant = a.granted().await.expect("a second");
     assert_eq!(grant.placement.overlap_tokens, 0, "fresh overlap used");
     assert_eq!(h.placer.placed(), ["b", "a"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn wspt_reads_a_first_overlap_estimate_for_held_requests() {
+    let mut cfg = config(Policy::Wspt);
+    cfg.queue_threshold = Some(0.5);
+    let placer = TestPlacer::default();
+    placer.fresh_overlap.lock().insert("cached".into(), 900);
+    let h = Harness::with_placer(cfg, placer);
+    h.queue.update_load(load(1000));
+    let t = Instant::now();
+    let mut cold = h.admit(entry("cold", 0, 0, 500, t));
+    let mut cached = h.admit(entry("cached", 0, 0, 1000, t));
+    settle().await;
+    assert_eq!(
+        cached.held().map(|s| s.position),
+        Some(0),
+        "100 uncached beats 500"
+    );
+    h.queue.update_load(load(0));
+    cached.granted().await.expect("cached first");
+    h.queue.update_load(load(0));
+    cold.granted().await.expect("cold second");
+    assert_eq!(h.placer.placed(), ["cached", "cold"]);
 }
 
 #[tokio::test(start_paused = true)]

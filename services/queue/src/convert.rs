@@ -1,0 +1,276 @@
+//! Wire ⇄ domain: the `Admit` open message to an [`Entry`] (validated, with
+//! `InvalidArgument` naming the field), held statuses and grants to
+//! responses, the router's `LoadView` to the queue's, and `Stats`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sluice_proto::queue::v1 as pb;
+use sluice_proto::router::v1 as router_pb;
+use tokio::time::Instant;
+
+use crate::config::Args;
+use crate::error::QueueError;
+use crate::queue::{
+    Entry, Grant, HeldStatus, LoadView, QueueStats, Target, WorkerLoad, WorkerRole,
+};
+
+fn invalid(field: &'static str, reason: impl Into<String>) -> QueueError {
+    QueueError::InvalidArgument {
+        field,
+        reason: reason.into(),
+    }
+}
+
+/// Validates an open message received at `now` and makes it an entry. The
+/// cached-prefix estimate starts at 0; under `wspt` the queue reads it from
+/// the router while the request is held.
+pub(crate) fn entry_from_open(open: pb::AdmitOpen, now: Instant) -> Result<Entry, QueueError> {
+    if open.request_id.is_empty() {
+        return Err(invalid("open.request_id", "must not be empty"));
+    }
+    if open.prompt_tokens == 0 {
+        return Err(invalid("open.prompt_tokens", "must be at least 1"));
+    }
+    if !open.block_hashes.is_empty() {
+        if open.block_size == 0 {
+            return Err(invalid(
+                "open.block_size",
+                "must be set (> 0) when block_hashes are sent",
+            ));
+        }
+        let covered = open.block_hashes.len() as u64 * u64::from(open.block_size);
+        if covered > u64::from(open.prompt_tokens) {
+            return Err(invalid(
+                "open.block_hashes",
+                format!(
+                    "{} full blocks of {} tokens exceed prompt_tokens {}",
+                    open.block_hashes.len(),
+                    open.block_size,
+                    open.prompt_tokens
+                ),
+            ));
+        }
+    }
+    let deadline =
+        (open.deadline_ms > 0).then(|| now + Duration::from_millis(u64::from(open.deadline_ms)));
+    Ok(Entry {
+        request_id: open.request_id,
+        model: open.model,
+        priority: open.priority,
+        strict_tier: open.strict_priority,
+        tenant: open.tenant,
+        prompt_tokens: open.prompt_tokens,
+        overlap_tokens: 0,
+        block_hashes: Arc::from(open.block_hashes),
+        block_size: open.block_size,
+        arrival: now,
+        deadline,
+    })
+}
+
+pub(crate) fn held_response(status: &HeldStatus) -> pb::AdmitResponse {
+    pb::AdmitResponse {
+        msg: Some(pb::admit_response::Msg::Held(pb::Held {
+            position: status.position,
+            pending: status.pending,
+            reason: status.reason.as_str().to_owned(),
+        })),
+    }
+}
+
+pub(crate) fn grant_response(grant: &Grant) -> pb::AdmitResponse {
+    let placement = &grant.placement;
+    let (prefill_worker_id, prefill_worker_endpoint) = placement
+        .prefill
+        .as_ref()
+        .map(|t| (t.worker_id.clone(), t.endpoint.clone()))
+        .unwrap_or_default();
+    pb::AdmitResponse {
+        msg: Some(pb::admit_response::Msg::Grant(pb::Grant {
+            worker_id: placement.worker.worker_id.clone(),
+            worker_endpoint: placement.worker.endpoint.clone(),
+            dp_rank: placement.worker.dp_rank,
+            prefill_worker_id,
+            prefill_worker_endpoint,
+            overlap_tokens: placement.overlap_tokens,
+            queue_wait_ms: grant.waited.as_secs_f64() * 1000.0,
+        })),
+    }
+}
+
+impl From<router_pb::Target> for Target {
+    fn from(t: router_pb::Target) -> Self {
+        Self {
+            worker_id: t.worker_id,
+            endpoint: t.endpoint,
+            dp_rank: t.dp_rank,
+        }
+    }
+}
+
+impl From<router_pb::LoadView> for LoadView {
+    fn from(view: router_pb::LoadView) -> Self {
+        let workers = view
+            .workers
+            .into_iter()
+            .map(|w| {
+                let role = match w.role.as_str() {
+                    "prefill" => WorkerRole::Prefill,
+                    "decode" => WorkerRole::Decode,
+                    "aggregated" => WorkerRole::Aggregated,
+                    other => {
+                        tracing::debug!(
+                            role = other,
+                            "unknown worker role; counting it as aggregated"
+                        );
+                        WorkerRole::Aggregated
+                    }
+                };
+                WorkerLoad {
+                    target: w.target.map(Target::from).unwrap_or_else(|| Target {
+                        worker_id: String::new(),
+                        endpoint: String::new(),
+                        dp_rank: 0,
+                    }),
+                    model: w.model,
+                    role,
+                    active_prefill_tokens: w.active_prefill_tokens,
+                    max_num_batched_tokens: w.max_num_batched_tokens,
+                }
+            })
+            .collect();
+        Self { workers }
+    }
+}
+
+pub(crate) fn stats_response(args: &Args, stats: QueueStats) -> pb::StatsResponse {
+    let saturate = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+    pb::StatsResponse {
+        policy: args.queue_policy.as_str().to_owned(),
+        threshold: args.queue_threshold.unwrap_or(-1.0),
+        max_pending: saturate(args.max_pending),
+        max_pending_per_tenant: saturate(args.max_pending_per_tenant),
+        shed_protect_priority: args.shed_protect_priority,
+        pending: saturate(stats.pending),
+        active: saturate(stats.active),
+        tiers: stats
+            .tiers
+            .into_iter()
+            .map(|t| pb::TierStats {
+                strict_priority: t.strict_tier,
+                priority: t.priority,
+                pending: saturate(t.pending),
+                pending_tokens: t.pending_tokens,
+                oldest_wait_ms: t.oldest_wait.as_secs_f64() * 1000.0,
+            })
+            .collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn open() -> pb::AdmitOpen {
+        pb::AdmitOpen {
+            request_id: "r1".into(),
+            model: "m".into(),
+            priority: -2,
+            strict_priority: 1,
+            tenant: "t".into(),
+            prompt_tokens: 40,
+            block_hashes: vec![1, 2],
+            block_size: 16,
+            deadline_ms: 1500,
+            expected_output_tokens: 0,
+        }
+    }
+
+    fn field_of(err: QueueError) -> &'static str {
+        match err {
+            QueueError::InvalidArgument { field, .. } => field,
+            other => panic!("expected InvalidArgument, got {other:?}"),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn open_becomes_an_entry_with_deadline_from_receipt() {
+        let now = Instant::now();
+        let entry = entry_from_open(open(), now).expect("valid");
+        assert_eq!(entry.priority, -2);
+        assert_eq!(entry.strict_tier, 1);
+        assert_eq!(entry.deadline, Some(now + Duration::from_millis(1500)));
+        assert_eq!(&*entry.block_hashes, &[1, 2]);
+        let no_deadline = entry_from_open(
+            pb::AdmitOpen {
+                deadline_ms: 0,
+                ..open()
+            },
+            now,
+        )
+        .expect("valid");
+        assert_eq!(no_deadline.deadline, None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn malformed_open_names_the_field() {
+        let now = Instant::now();
+        let cases = [
+            (
+                pb::AdmitOpen {
+                    request_id: String::new(),
+                    ..open()
+                },
+                "open.request_id",
+            ),
+            (
+                pb::AdmitOpen {
+                    prompt_tokens: 0,
+                    ..open()
+                },
+                "open.prompt_tokens",
+            ),
+            (
+                pb::AdmitOpen {
+                    block_size: 0,
+                    ..open()
+                },
+                "open.block_size",
+            ),
+            (
+                pb::AdmitOpen {
+                    block_hashes: vec![1, 2, 3],
+                    ..open()
+                },
+                "open.block_hashes",
+            ),
+        ];
+        for (bad, field) in cases {
+            let err = entry_from_open(bad, now).expect_err(field);
+            assert_eq!(field_of(err), field);
+        }
+    }
+
+    #[test]
+    fn load_view_roles_and_targets_convert() {
+        let view = LoadView::from(router_pb::LoadView {
+            workers: vec![router_pb::WorkerLoad {
+                target: Some(router_pb::Target {
+                    worker_id: "p0".into(),
+                    dp_rank: 1,
+                    endpoint: "10.0.0.1:5".into(),
+                }),
+                model: "m".into(),
+                role: "prefill".into(),
+                active_prefill_tokens: 7,
+                max_num_batched_tokens: 2048,
+                ..Default::default()
+            }],
+        });
+        let w = &view.workers[0];
+        assert_eq!(w.role, WorkerRole::Prefill);
+        assert_eq!(w.target.dp_rank, 1);
+        assert_eq!(w.active_prefill_tokens, 7);
+    }
+}

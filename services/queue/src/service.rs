@@ -1,0 +1,156 @@
+//! The tonic `Queue` service: convert → call the queue → map the error.
+//!
+//! `Admit` is the request's lease. The ticket moves into the response stream
+//! and drops with it: the client sending `done`, closing its side, or the
+//! connection dropping ends the stream and so releases the slot (or cancels
+//! a request still held).
+
+use std::pin::Pin;
+
+use futures::Stream;
+use sluice_proto::queue::v1 as pb;
+use sluice_proto::queue::v1::admit_request::Msg as InMsg;
+use tokio::time::Instant;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::convert;
+use crate::error::QueueError;
+use crate::queue::{Queue, Ticket, TicketEvent};
+
+/// The gRPC face of a [`Queue`].
+#[derive(Debug, Clone)]
+pub(crate) struct QueueService {
+    queue: Queue,
+}
+
+impl QueueService {
+    pub(crate) fn new(queue: Queue) -> Self {
+        Self { queue }
+    }
+}
+
+type AdmitStream = Pin<Box<dyn Stream<Item = Result<pb::AdmitResponse, Status>> + Send>>;
+
+/// One lease's stream state; dropping it drops the ticket.
+struct Lease {
+    ticket: Ticket,
+    inbound: Streaming<pb::AdmitRequest>,
+    granted: bool,
+    finished: bool,
+}
+
+impl Lease {
+    /// The next response, or None when the stream (and the lease) ends.
+    async fn next(&mut self) -> Option<Result<pb::AdmitResponse, Status>> {
+        if self.finished {
+            return None;
+        }
+        if self.granted {
+            // Hold the lease until the client is done or gone.
+            loop {
+                match self.inbound.message().await {
+                    Ok(Some(pb::AdmitRequest {
+                        msg: Some(InMsg::Open(_)),
+                    })) => {
+                        self.finished = true;
+                        return Some(Err(QueueError::InvalidArgument {
+                            field: "open",
+                            reason: "sent twice on one lease".into(),
+                        }
+                        .into()));
+                    }
+                    Ok(Some(pb::AdmitRequest { msg: None })) => continue,
+                    Ok(Some(_)) | Ok(None) | Err(_) => return None,
+                }
+            }
+        }
+        tokio::select! {
+            event = self.ticket.next() => match event {
+                Ok(TicketEvent::Held(status)) => Some(Ok(convert::held_response(&status))),
+                Ok(TicketEvent::Granted(grant)) => {
+                    self.granted = true;
+                    Some(Ok(convert::grant_response(&grant)))
+                }
+                Err(err) => {
+                    self.finished = true;
+                    Some(Err(err.into()))
+                }
+            },
+            // Anything from the client before the grant ends the request:
+            // `done` or a close cancels it while held.
+            message = self.inbound.message() => match message {
+                Ok(Some(pb::AdmitRequest { msg: Some(InMsg::Open(_)) })) => {
+                    self.finished = true;
+                    Some(Err(QueueError::InvalidArgument {
+                        field: "open",
+                        reason: "sent twice on one lease".into(),
+                    }
+                    .into()))
+                }
+                _ => None,
+            },
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl pb::queue_server::Queue for QueueService {
+    type AdmitStream = AdmitStream;
+
+    async fn admit(
+        &self,
+        request: Request<Streaming<pb::AdmitRequest>>,
+    ) -> Result<Response<Self::AdmitStream>, Status> {
+        let mut inbound = request.into_inner();
+        let open = match inbound.message().await? {
+            Some(pb::AdmitRequest {
+                msg: Some(InMsg::Open(open)),
+            }) => open,
+            Some(_) => {
+                return Err(QueueError::InvalidArgument {
+                    field: "open",
+                    reason: "the first message on a lease must be `open`".into(),
+                }
+                .into());
+            }
+            None => {
+                return Err(QueueError::InvalidArgument {
+                    field: "open",
+                    reason: "stream closed before `open`".into(),
+                }
+                .into());
+            }
+        };
+        let entry = convert::entry_from_open(open, Instant::now())?;
+        tracing::debug!(
+            request_id = %entry.request_id,
+            priority = entry.priority,
+            strict_tier = entry.strict_tier,
+            tenant = %entry.tenant,
+            prompt_tokens = entry.prompt_tokens,
+            "admit"
+        );
+        let ticket = self.queue.admit(entry)?;
+        let lease = Lease {
+            ticket,
+            inbound,
+            granted: false,
+            finished: false,
+        };
+        let stream = futures::stream::unfold(lease, |mut lease| async move {
+            let item = lease.next().await?;
+            Some((item, lease))
+        });
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn stats(
+        &self,
+        _request: Request<pb::StatsRequest>,
+    ) -> Result<Response<pb::StatsResponse>, Status> {
+        Ok(Response::new(convert::stats_response(
+            self.queue.config(),
+            self.queue.stats(),
+        )))
+    }
+}

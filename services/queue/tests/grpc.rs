@@ -1,0 +1,428 @@
+//! The queue served for real on 127.0.0.1:0, found through in-process
+//! discovery, placing with a tiny in-test Router server whose load view the
+//! test controls.
+
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::Parser;
+use futures::{Stream, StreamExt};
+use parking_lot::Mutex;
+use sluice_proto::queue::v1 as pb;
+use sluice_proto::queue::v1::queue_client::QueueClient;
+use sluice_proto::router::v1 as router_pb;
+use sluice_proto::router::v1::router_server::{Router, RouterServer};
+use sluice_runtime::discovery::MemoryDiscovery;
+use sluice_runtime::{Discovery, Instance, Registration, ServiceContext, Shutdown};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream, WatchStream};
+use tonic::{Code, Request, Response, Status, Streaming};
+
+/// Routes everything to `w0` (and `p0` in the prefill pool), recording calls.
+#[derive(Clone)]
+struct TestRouter {
+    routes: Arc<Mutex<Vec<(String, i32, bool)>>>,
+    load: watch::Receiver<router_pb::LoadView>,
+}
+
+#[tonic::async_trait]
+impl Router for TestRouter {
+    async fn route(
+        &self,
+        request: Request<router_pb::RouteRequest>,
+    ) -> Result<Response<router_pb::RouteResponse>, Status> {
+        let req = request.into_inner();
+        self.routes
+            .lock()
+            .push((req.request_id.clone(), req.pool, req.commit));
+        let worker = if req.pool == router_pb::Pool::Prefill as i32 {
+            "p0"
+        } else {
+            "w0"
+        };
+        Ok(Response::new(router_pb::RouteResponse {
+            target: Some(router_pb::Target {
+                worker_id: worker.into(),
+                dp_rank: 0,
+                endpoint: format!("{worker}.local:1"),
+            }),
+            overlap_blocks: u32::try_from(req.block_hashes.len()).unwrap_or(0),
+            mode: "test".into(),
+            candidates: Vec::new(),
+        }))
+    }
+
+    type WatchLoadStream =
+        Pin<Box<dyn Stream<Item = Result<router_pb::LoadView, Status>> + Send + 'static>>;
+
+    async fn watch_load(
+        &self,
+        _request: Request<router_pb::WatchLoadRequest>,
+    ) -> Result<Response<Self::WatchLoadStream>, Status> {
+        let stream = WatchStream::new(self.load.clone()).map(Ok);
+        Ok(Response::new(Box::pin(stream)))
+    }
+}
+
+fn worker(id: &str, role: &str, active: u64) -> router_pb::WorkerLoad {
+    router_pb::WorkerLoad {
+        target: Some(router_pb::Target {
+            worker_id: id.into(),
+            dp_rank: 0,
+            endpoint: format!("{id}.local:1"),
+        }),
+        model: "m".into(),
+        role: role.into(),
+        active_prefill_tokens: active,
+        max_num_batched_tokens: 100,
+        ..Default::default()
+    }
+}
+
+fn view(workers: Vec<router_pb::WorkerLoad>) -> router_pb::LoadView {
+    router_pb::LoadView { workers }
+}
+
+struct Mesh {
+    queue: QueueClient<tonic::transport::Channel>,
+    routes: Arc<Mutex<Vec<(String, i32, bool)>>>,
+    load: watch::Sender<router_pb::LoadView>,
+    shutdown: Shutdown,
+    served: tokio::task::JoinHandle<Result<(), sluice_queue::QueueError>>,
+    _router: Registration,
+}
+
+impl Mesh {
+    /// A router holding `initial` load, registered in discovery, and the
+    /// queue started with `flags`.
+    async fn start(flags: &[&str], initial: router_pb::LoadView) -> anyhow::Result<Self> {
+        let (load, load_rx) = watch::channel(initial);
+        let routes = Arc::new(Mutex::new(Vec::new()));
+        let router = TestRouter {
+            routes: Arc::clone(&routes),
+            load: load_rx,
+        };
+        let router_listener = TcpListener::bind("127.0.0.1:0").await?;
+        let router_addr = router_listener.local_addr()?;
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(RouterServer::new(router))
+                .serve_with_incoming(TcpListenerStream::new(router_listener)),
+        );
+        let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new("default"));
+        let registration = discovery
+            .register(Instance::new("router", router_addr.to_string()), 5)
+            .await?;
+
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: sluice_queue::Args,
+        }
+        let mut argv = vec!["queue"];
+        argv.extend_from_slice(flags);
+        let args = Cli::try_parse_from(argv)?.args;
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr: SocketAddr = listener.local_addr()?;
+        let shutdown = Shutdown::new();
+        let ctx = ServiceContext::new(Arc::clone(&discovery), shutdown.clone());
+        let served = tokio::spawn(sluice_queue::serve(listener, args, ctx));
+        let queue = QueueClient::connect(format!("http://{addr}")).await?;
+        Ok(Self {
+            queue,
+            routes,
+            load,
+            shutdown,
+            served,
+            _router: registration,
+        })
+    }
+
+    /// Opens a lease; returns the sender (drop it or send `done` to
+    /// release) and the response stream.
+    async fn admit(
+        &self,
+        open: pb::AdmitOpen,
+    ) -> Result<(mpsc::Sender<pb::AdmitRequest>, Streaming<pb::AdmitResponse>), Status> {
+        let (tx, rx) = mpsc::channel(4);
+        tx.send(pb::AdmitRequest {
+            msg: Some(pb::admit_request::Msg::Open(open)),
+        })
+        .await
+        .map_err(|_| Status::internal("send"))?;
+        let responses = self
+            .queue
+            .clone()
+            .admit(ReceiverStream::new(rx))
+            .await?
+            .into_inner();
+        Ok((tx, responses))
+    }
+
+    /// Admits `id-0`, `id-1`, … until one is held, which shows the router's
+    /// load view has reached the queue; earlier probes are granted and
+    /// released. Returns the held one's id, sender, stream and status.
+    async fn admit_held(&self, id: &str, priority: i32) -> anyhow::Result<HeldLease> {
+        for i in 0..200 {
+            let probe = format!("{id}-{i}");
+            let (tx, mut stream) = self.admit(open(&probe, priority)).await?;
+            match next_msg(&mut stream).await? {
+                pb::admit_response::Msg::Held(status) => {
+                    return Ok(HeldLease {
+                        id: probe,
+                        tx,
+                        stream,
+                        status,
+                    });
+                }
+                pb::admit_response::Msg::Grant(_) => {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        }
+        anyhow::bail!("never held")
+    }
+
+    async fn stats(&self) -> anyhow::Result<pb::StatsResponse> {
+        Ok(self
+            .queue
+            .clone()
+            .stats(pb::StatsRequest {})
+            .await?
+            .into_inner())
+    }
+
+    /// Waits until the queue's stats satisfy `done` (the queue follows
+    /// stream ends and load views asynchronously).
+    async fn eventually(&self, done: impl Fn(&pb::StatsResponse) -> bool) -> anyhow::Result<()> {
+        for _ in 0..200 {
+            if done(&self.stats().await?) {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        anyhow::bail!("condition not reached: {:?}", self.stats().await?)
+    }
+
+    async fn stop(self) -> anyhow::Result<()> {
+        self.shutdown.cancel();
+        self.served.await?.context("serve")?;
+        Ok(())
+    }
+}
+
+struct HeldLease {
+    id: String,
+    tx: mpsc::Sender<pb::AdmitRequest>,
+    stream: Streaming<pb::AdmitResponse>,
+    status: pb::Held,
+}
+
+fn open(id: &str, priority: i32) -> pb::AdmitOpen {
+    pb::AdmitOpen {
+        request_id: id.into(),
+        model: "m".into(),
+        priority,
+        strict_priority: 0,
+        tenant: String::new(),
+        prompt_tokens: 64,
+        block_hashes: vec![11, 22],
+        block_size: 16,
+        deadline_ms: 0,
+        expected_output_tokens: 0,
+    }
+}
+
+async fn next_msg(
+    stream: &mut Streaming<pb::AdmitResponse>,
+) -> anyhow::Result<pb::admit_response::Msg> {
+    let response = tokio::time::timeout(Duration::from_secs(5), stream.message())
+        .await
+        .context("timed out")??
+        .context("stream ended")?;
+    response.msg.context("empty response")
+}
+
+fn done() -> pb::AdmitRequest {
+    pb::AdmitRequest {
+        msg: Some(pb::admit_request::Msg::Done(pb::AdmitDone {})),
+    }
+}
+
+#[tokio::test]
+async fn grant_then_done_releases_the_slot_for_the_held_request() -> anyhow::Result<()> {
+    let mesh = Mesh::start(
+        &["--max-active", "1"],
+        view(vec![worker("w0", "aggregated", 0)]),
+    )
+    .await?;
+    let (a_tx, mut a) = mesh.admit(open("a", 0)).await?;
+    let pb::admit_response::Msg::Grant(grant) = next_msg(&mut a).await? else {
+        anyhow::bail!("a not granted at once");
+    };
+    assert_eq!(grant.worker_id, "w0");
+    assert_eq!(grant.worker_endpoint, "w0.local:1");
+    assert_eq!(grant.overlap_tokens, 32, "2 blocks of 16 cached");
+    assert!(grant.prefill_worker_id.is_empty());
+
+    let (b_tx, mut b) = mesh.admit(open("b", 0)).await?;
+    let pb::admit_response::Msg::Held(held) = next_msg(&mut b).await? else {
+        anyhow::bail!("b not held");
+    };
+    assert_eq!((held.position, held.pending), (0, 1));
+    assert_eq!(held.reason, "active leases at limit");
+
+    a_tx.send(done()).await?;
+    let pb::admit_response::Msg::Grant(grant) = next_msg(&mut b).await? else {
+        anyhow::bail!("b not granted after a's lease ended");
+    };
+    assert!(grant.queue_wait_ms > 0.0);
+    assert!(
+        a.message().await?.is_none(),
+        "a's stream ends with its lease"
+    );
+
+    drop(b_tx); // closing the client side releases too
+    mesh.eventually(|s| s.active == 0 && s.pending == 0).await?;
+    let routes = mesh.routes.lock().clone();
+    assert_eq!(
+        routes,
+        [
+            ("a".to_owned(), router_pb::Pool::Decode as i32, true),
+            ("b".to_owned(), router_pb::Pool::Decode as i32, true),
+        ]
+    );
+    mesh.stop().await
+}
+
+#[tokio::test]
+async fn threshold_holds_on_the_routers_load_and_releases_when_it_drops() -> anyhow::Result<()> {
+    let mesh = Mesh::start(
+        &["--queue-threshold", "0.5"],
+        view(vec![worker("w0", "aggregated", 1000)]),
+    )
+    .await?;
+    let mut held = mesh.admit_held("held", 3).await?;
+    assert_eq!(held.status.reason, "all workers above threshold");
+    assert_eq!((held.status.position, held.status.pending), (0, 1));
+    let stats = mesh.stats().await?;
+    assert_eq!(stats.policy, "fcfs");
+    assert_eq!(stats.threshold, 0.5);
+    assert_eq!(stats.pending, 1);
+    assert_eq!(stats.tiers.len(), 1);
+    assert_eq!(stats.tiers[0].priority, 3);
+    assert_eq!(stats.tiers[0].pending_tokens, 64);
+    assert!(
+        !mesh.routes.lock().iter().any(|r| r.0 == held.id),
+        "nothing placed while held"
+    );
+
+    mesh.load.send(view(vec![worker("w0", "aggregated", 0)]))?;
+    let pb::admit_response::Msg::Grant(grant) = next_msg(&mut held.stream).await? else {
+        anyhow::bail!("not granted after load dropped");
+    };
+    assert_eq!(grant.worker_id, "w0");
+    held.tx.send(done()).await?;
+    mesh.eventually(|s| s.active == 0).await?;
+    mesh.stop().await
+}
+
+#[tokio::test]
+async fn prefill_pool_adds_a_prefill_placement() -> anyhow::Result<()> {
+    let mesh = Mesh::start(
+        &[],
+        view(vec![worker("w0", "decode", 0), worker("p0", "prefill", 0)]),
+    )
+    .await?;
+    // The placer learns the prefill pool from the load view; poll until it has.
+    for _ in 0..200 {
+        let (_tx, mut stream) = mesh.admit(open("probe", 0)).await?;
+        let pb::admit_response::Msg::Grant(grant) = next_msg(&mut stream).await? else {
+            anyhow::bail!("not granted");
+        };
+        if !grant.prefill_worker_id.is_empty() {
+            assert_eq!(grant.prefill_worker_id, "p0");
+            assert_eq!(grant.prefill_worker_endpoint, "p0.local:1");
+            assert_eq!(grant.worker_id, "w0");
+            drop((_tx, stream)); // end the lease so shutdown need not drain it
+            return mesh.stop().await;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    anyhow::bail!("prefill pool never used")
+}
+
+#[tokio::test]
+async fn overload_yields_resource_exhausted() -> anyhow::Result<()> {
+    let mesh = Mesh::start(
+        &[
+            "--queue-threshold",
+            "0",
+            "--max-pending",
+            "1",
+            "--shed-protect-fraction",
+            "0",
+        ],
+        view(vec![worker("w0", "aggregated", 1000)]),
+    )
+    .await?;
+    let _first = mesh.admit_held("first", 0).await?;
+    let err = mesh.admit(open("second", 0)).await.expect_err("full");
+    assert_eq!(err.code(), Code::ResourceExhausted);
+    assert!(err.message().contains("--max-pending"), "{}", err.message());
+    mesh.stop().await
+}
+
+#[tokio::test]
+async fn malformed_open_is_invalid_argument_naming_the_field() -> anyhow::Result<()> {
+    let mesh = Mesh::start(&[], view(Vec::new())).await?;
+    let bad = pb::AdmitOpen {
+        prompt_tokens: 0,
+        ..open("bad", 0)
+    };
+    let err = mesh.admit(bad).await.expect_err("invalid");
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(
+        err.message().contains("open.prompt_tokens"),
+        "{}",
+        err.message()
+    );
+
+    let (tx, rx) = mpsc::channel(1);
+    tx.send(done()).await?;
+    let err = mesh
+        .queue
+        .clone()
+        .admit(ReceiverStream::new(rx))
+        .await
+        .expect_err("done first");
+    assert_eq!(err.code(), Code::InvalidArgument);
+    mesh.stop().await
+}
+
+#[tokio::test]
+async fn held_request_whose_client_disconnects_never_reaches_the_router() -> anyhow::Result<()> {
+    let mesh = Mesh::start(
+        &["--queue-threshold", "0.5"],
+        view(vec![worker("w0", "aggregated", 1000)]),
+    )
+    .await?;
+    let gone = mesh.admit_held("gone", 0).await?;
+    let gone_id = gone.id.clone();
+    drop(gone);
+    mesh.eventually(|s| s.pending == 0).await?;
+    mesh.load.send(view(vec![worker("w0", "aggregated", 0)]))?;
+    let (_tx, mut next) = mesh.admit(open("next", 0)).await?;
+    let pb::admit_response::Msg::Grant(_) = next_msg(&mut next).await? else {
+        anyhow::bail!("next not granted");
+    };
+    let ids: Vec<String> = mesh.routes.lock().iter().map(|r| r.0.clone()).collect();
+    assert!(!ids.contains(&gone_id), "{ids:?}");
+    assert_eq!(ids.last().map(String::as_str), Some("next"));
+    drop((_tx, next));
+    mesh.stop().await
+}
