@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use crate::indexer::{KvIndexer, OverlapScores, Target, TargetId};
+use crate::indexer::{KvIndexer, OverlapScores, Target, TargetHandle, TargetId};
 
 /// Blocks predicted per target from placements, expiring after a TTL.
 #[derive(Debug)]
@@ -37,8 +37,9 @@ impl ApproxIndex {
         }
     }
 
-    pub(crate) fn register(&self, target: Target) -> TargetId {
-        self.index.register(target)
+    pub(crate) fn register(&self, target: Target) -> (TargetId, Option<TargetHandle>) {
+        let id = self.index.register(target);
+        (id, self.index.handle(id))
     }
 
     pub(crate) fn remove_target(&self, id: TargetId) {
@@ -99,7 +100,7 @@ mod tests {
     fn predictions_expire_after_the_ttl_of_the_last_placement() {
         let t0 = Instant::now();
         let a = ApproxIndex::new(Duration::from_secs(10));
-        let id = a.register(Target::new("w", 0));
+        let (id, _) = a.register(Target::new("w", 0));
         a.record(id, &[1, 2, 3], t0);
         a.record(id, &[1, 2], t0 + Duration::from_secs(5));
         assert_eq!(a.find_matches(&[1, 2, 3]).get(id), 3);

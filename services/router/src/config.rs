@@ -10,6 +10,8 @@ use crate::selector::{CostParams, RouterMode};
 
 /// Router flags.
 #[derive(Debug, Clone, clap::Args)]
+#[group(id = "router-args")]
+#[command(next_help_heading = "Router")]
 pub struct Args {
     /// How to choose a worker.
     #[arg(long, env = "SLUICE_ROUTER_MODE", value_enum, default_value_t = RouterMode::Kv)]

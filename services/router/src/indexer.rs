@@ -136,8 +136,9 @@ pub enum IndexError {
 /// Overlap of a request's hash chain with each target holding its first block.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct OverlapScores {
-    /// `(target, blocks)`: the length of the longest prefix of the request's
-    /// chain present on the target. Targets with no overlap are absent.
+    /// `(target, blocks)`, sorted by target: the length of the longest
+    /// prefix of the request's chain present on the target. Targets with no
+    /// overlap are absent.
     pub scores: Vec<(TargetId, u32)>,
 }
 
@@ -145,9 +146,8 @@ impl OverlapScores {
     /// Overlap of one target (0 when absent).
     pub fn get(&self, id: TargetId) -> u32 {
         self.scores
-            .iter()
-            .find(|(t, _)| *t == id)
-            .map_or(0, |(_, n)| *n)
+            .binary_search_by_key(&id, |(t, _)| *t)
+            .map_or(0, |i| self.scores[i].1)
     }
 
     /// The largest overlap of any target.
@@ -169,6 +169,28 @@ pub struct IndexStats {
     pub memory_bytes: usize,
     /// `memory_bytes / entries` (0 when empty).
     pub bytes_per_entry: f64,
+}
+
+/// A registered target's live block count, readable without index locks.
+#[derive(Clone)]
+pub struct TargetHandle(Arc<TargetEntry>);
+
+impl TargetHandle {
+    /// Blocks the target holds now (0 once removed).
+    pub fn blocks(&self) -> usize {
+        self.0.blocks.load(Ordering::Relaxed)
+    }
+}
+
+impl std::fmt::Debug for TargetHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "TargetHandle({}, {} blocks)",
+            self.0.target,
+            self.blocks()
+        )
+    }
 }
 
 /// The concurrent block index. See the module docs for the locking scheme.
@@ -420,12 +442,18 @@ impl KvIndexer {
                 }
             }
             if active.is_empty() {
-                return OverlapScores { scores };
+                break;
             }
         }
         let full = hashes.len() as u32;
         scores.extend(active.into_iter().map(|t| (t, full)));
+        scores.sort_unstable_by_key(|(t, _)| *t);
         OverlapScores { scores }
+    }
+
+    /// A handle reading the target's block count without any index lock.
+    pub fn handle(&self, id: TargetId) -> Option<TargetHandle> {
+        self.entry(id).map(TargetHandle)
     }
 
     /// Blocks held by one target (0 when unknown). Lock-free after the

@@ -37,7 +37,7 @@ pub use config::Args;
 pub use error::RouterError;
 pub use indexer::{
     Applied, IndexError, IndexStats, KvEvent, KvEventKind, KvIndexer, OverlapScores, Target,
-    TargetId,
+    TargetHandle, TargetId,
 };
 pub use load::{EffectiveLoad, LoadReport};
 pub use metrics::RouterMetrics;

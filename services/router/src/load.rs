@@ -61,14 +61,19 @@ pub(crate) struct TargetLoad {
     report: LoadReport,
     reported_at: Option<Instant>,
     pending: VecDeque<Placement>,
+    /// Sums over `pending`, kept in step so reading the load is O(1).
+    pending_tokens: u64,
+    pending_blocks: u64,
 }
 
 impl TargetLoad {
     /// Records a placement made at `now`.
     pub(crate) fn place(&mut self, now: Instant, prefill_tokens: u64, blocks: u64) {
         if self.pending.len() >= MAX_PENDING {
-            self.pending.pop_front();
+            self.pop();
         }
+        self.pending_tokens += prefill_tokens;
+        self.pending_blocks += blocks;
         self.pending.push_back(Placement {
             at: now,
             prefill_tokens,
@@ -82,14 +87,21 @@ impl TargetLoad {
         self.report = report;
         self.reported_at = Some(now);
         while self.pending.front().is_some_and(|p| p.at + cover <= now) {
-            self.pending.pop_front();
+            self.pop();
         }
     }
 
     /// Drops placements older than `max_age`.
     pub(crate) fn expire(&mut self, now: Instant, max_age: Duration) {
         while self.pending.front().is_some_and(|p| p.at + max_age <= now) {
-            self.pending.pop_front();
+            self.pop();
+        }
+    }
+
+    fn pop(&mut self) {
+        if let Some(p) = self.pending.pop_front() {
+            self.pending_tokens -= p.prefill_tokens;
+            self.pending_blocks -= p.blocks;
         }
     }
 
@@ -100,9 +112,7 @@ impl TargetLoad {
 
     /// The report plus uncovered placements.
     pub(crate) fn effective(&self) -> EffectiveLoad {
-        let (tokens, blocks) = self.pending.iter().fold((0u64, 0u64), |(t, b), p| {
-            (t + p.prefill_tokens, b + p.blocks)
-        });
+        let (tokens, blocks) = (self.pending_tokens, self.pending_blocks);
         let pending = self.pending.len() as u32;
         EffectiveLoad {
             active_prefill_tokens: self.report.pending_prefill_tokens + tokens,
@@ -176,6 +186,8 @@ mod tests {
         for _ in 0..MAX_PENDING + 10 {
             l.place(t0, 1, 1);
         }
-        assert_eq!(l.effective().pending_placements as usize, MAX_PENDING);
+        let e = l.effective();
+        assert_eq!(e.pending_placements as usize, MAX_PENDING);
+        assert_eq!(e.active_prefill_tokens as usize, MAX_PENDING);
     }
 }

@@ -18,7 +18,7 @@ use rand::rngs::StdRng;
 
 use crate::approx::ApproxIndex;
 use crate::error::RouterError;
-use crate::indexer::{KvIndexer, OverlapScores, Target, TargetId};
+use crate::indexer::{KvIndexer, OverlapScores, Target, TargetHandle, TargetId};
 use crate::load::{EffectiveLoad, LoadReport, TargetLoad};
 use crate::selector::{self, CostInput, CostParams, CostTerms, RouterMode};
 
@@ -91,6 +91,8 @@ struct Member {
     info: MemberInfo,
     kv_id: TargetId,
     approx_id: TargetId,
+    kv_handle: Option<TargetHandle>,
+    approx_handle: Option<TargetHandle>,
     load: Mutex<TargetLoad>,
 }
 
@@ -224,7 +226,8 @@ impl WorkerPool {
             return m.kv_id;
         }
         let kv_id = self.indexer.register(info.target.clone());
-        let approx_id = self.approx.register(info.target.clone());
+        let kv_handle = self.indexer.handle(kv_id);
+        let (approx_id, approx_handle) = self.approx.register(info.target.clone());
         let load = members
             .get(&info.target)
             .map(|m| std::mem::take(&mut *m.load.lock()))
@@ -235,6 +238,8 @@ impl WorkerPool {
                 info,
                 kv_id,
                 approx_id,
+                kv_handle,
+                approx_handle,
                 load: Mutex::new(load),
             }),
         );
@@ -366,7 +371,12 @@ impl WorkerPool {
             };
             t.overlap_blocks = overlap;
             costs.push(t.total_cost);
-            shares.push(index.target_blocks(id_of(m)) as f64 / total_entries);
+            let handle = if approx {
+                &m.approx_handle
+            } else {
+                &m.kv_handle
+            };
+            shares.push(handle.as_ref().map_or(0, TargetHandle::blocks) as f64 / total_entries);
             terms.push(t);
         }
 
