@@ -1,1 +1,139 @@
-//! decode
+//! `sluice-decode`: the decode worker (`sluice decode`) — the engine on the
+//! mesh — and the worker core that the prefill worker builds on.
+//!
+//! Owns: building engine ranks from the worker flags ([`WorkerArgs`]), the
+//! `Worker` gRPC service (`Generate`, KV events with replay and snapshot,
+//! load reports), registration with role, model, block size and KV
+//! capabilities. Does not own placement (router), admission (queue) or the
+//! model maths (engine).
+
+mod args;
+mod convert;
+pub mod disagg;
+mod error;
+mod metrics;
+mod service;
+pub mod transfer;
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicU32;
+
+use sluice_runtime::grpc::GrpcServer;
+use sluice_runtime::{ModelArgs, ServiceContext};
+use tokio::net::TcpListener;
+
+pub use args::{EngineKind, WorkerArgs};
+pub use convert::sampling as wire_sampling;
+pub use error::WorkerError;
+pub use metrics::WorkerMetrics;
+pub use service::{InflightGuard, PrefillHandler, RemotePrefill, Role, WorkerCore, WorkerService};
+
+/// Builds a worker's core: its engine rank(s), metrics and identity.
+pub fn build_core(
+    args: &WorkerArgs,
+    model: &ModelArgs,
+    role: Role,
+    id: String,
+) -> Result<Arc<WorkerCore>, WorkerError> {
+    let dir = model.dir().map_err(|e| WorkerError::InvalidArgument {
+        field: "--model",
+        message: e.to_string(),
+    })?;
+    let engine = args.start_engine(dir)?;
+    let metrics = WorkerMetrics::new().map_err(|e| WorkerError::Startup(e.to_string()))?;
+    Ok(Arc::new(WorkerCore {
+        id,
+        model: model.name(),
+        role,
+        engines: vec![engine],
+        metrics,
+        remote_prefills: AtomicU32::new(0),
+    }))
+}
+
+/// Registers and serves a worker built around `service` until shutdown, then
+/// stops its engines.
+pub async fn run_worker(
+    listener: TcpListener,
+    args: &WorkerArgs,
+    service: WorkerService,
+    kv_receiver: Option<Arc<transfer::Receiver>>,
+    ctx: ServiceContext,
+) -> Result<(), WorkerError> {
+    let core = Arc::clone(&service.core);
+    let engine = core
+        .engines
+        .first()
+        .ok_or(WorkerError::Startup("no engine rank".into()))?;
+    let layout = engine.kv_layout();
+    let mut instance = ctx
+        .instance(core.role.as_str(), &listener)
+        .map_err(|e| WorkerError::Startup(e.to_string()))?;
+    instance.id = core.id.clone();
+    let instance = instance
+        .with_model(core.model.clone())
+        .with_meta("role", core.role.as_str())
+        .with_meta("block_size", layout.block_size)
+        .with_meta("dp_size", core.engines.len())
+        .with_meta("engine", engine.backend_name())
+        .with_meta("total_blocks", engine.num_blocks())
+        .with_meta("max_num_seqs", args.max_num_seqs)
+        .with_meta("max_num_batched_tokens", args.max_num_batched_tokens)
+        .with_meta("kv_transports", "grpc");
+    let mut server = GrpcServer::new()
+        .map_err(|e| WorkerError::Startup(e.to_string()))?
+        .add_service(
+            sluice_proto::worker::v1::worker_server::WorkerServer::new(service)
+                .max_decoding_message_size(256 << 20),
+        )
+        .with_metrics(vec![core.metrics.registry.clone()]);
+    if let Some(receiver) = kv_receiver {
+        server = server.add_service(
+            sluice_proto::kv::v1::kv_transfer_server::KvTransferServer::new(
+                transfer::KvTransferService { receiver },
+            )
+            .max_decoding_message_size(256 << 20),
+        );
+    }
+    tracing::info!(id = %core.id, role = core.role.as_str(), model = %core.model, engine = engine.backend_name(), "worker starting");
+    let res = ctx
+        .run(server, listener, instance)
+        .await
+        .map_err(|e| WorkerError::Startup(e.to_string()));
+    let engines = core.engines.clone();
+    let _ = tokio::task::spawn_blocking(move || engines.iter().for_each(|e| e.shutdown())).await;
+    res
+}
+
+/// Serves a decode worker on `listener` until `ctx.shutdown`.
+pub async fn serve(
+    listener: TcpListener,
+    args: WorkerArgs,
+    model: ModelArgs,
+    ctx: ServiceContext,
+) -> Result<(), WorkerError> {
+    let id = format!(
+        "decode-{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    );
+    let core = build_core(&args, &model, Role::Decode, id)?;
+    let receiver = Arc::new(transfer::Receiver::default());
+    let endpoint = ctx.common.advertise_addr(
+        listener
+            .local_addr()
+            .map_err(|e| WorkerError::Startup(e.to_string()))?,
+    );
+    let remote = disagg::Disagg {
+        max_local_prefill_length: args.max_local_prefill_length,
+        max_prefill_queue_size: args.max_prefill_queue_size,
+        timeout: std::time::Duration::from_millis(args.remote_prefill_timeout_ms),
+        receiver: Arc::clone(&receiver),
+        endpoint,
+    };
+    let service = WorkerService {
+        core,
+        prefill: None,
+        remote: Some(Arc::new(remote)),
+    };
+    run_worker(listener, &args, service, Some(receiver), ctx).await
+}

@@ -28,6 +28,8 @@ pub use error::FrontendError;
 
 /// The frontend's own flags.
 #[derive(Debug, Clone, clap::Args)]
+#[group(id = "frontend-args")]
+#[command(next_help_heading = "Frontend")]
 pub struct Args {
     /// Default `max_tokens` when a request sets none.
     #[arg(long, env = "SLUICE_DEFAULT_MAX_TOKENS", default_value_t = 256)]

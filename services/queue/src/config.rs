@@ -9,6 +9,8 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
+use clap::ValueEnum;
+
 use crate::error::QueueError;
 
 /// Release order among held requests of one strict tier.
@@ -222,8 +224,9 @@ impl Args {
             0 => "unlimited".to_owned(),
             n => n.to_string(),
         };
+        let router = self.router_endpoint.as_deref().unwrap_or("discovery");
         let mut line = format!(
-            "policy={} threshold={threshold} max_pending={} max_pending_per_tenant={} max_active={max_active} shed_protect_priority={} shed_protect_fraction={} (reserved {} slots) refresh_interval_ms={}",
+            "router={router} policy={} threshold={threshold} max_pending={} max_pending_per_tenant={} max_active={max_active} shed_protect_priority={} shed_protect_fraction={} (reserved {} slots) refresh_interval_ms={}",
             self.queue_policy,
             self.max_pending,
             self.max_pending_per_tenant,
@@ -234,8 +237,12 @@ impl Args {
         );
         if self.queue_policy == Policy::Wfq {
             line.push_str(&format!(
-                " wfq_class={:?} wfq_weights={} wfq_default_weight={}",
-                self.wfq_class, self.wfq_weights, self.wfq_default_weight
+                " wfq_class={} wfq_weights={} wfq_default_weight={}",
+                self.wfq_class
+                    .to_possible_value()
+                    .map_or_else(String::new, |v| v.get_name().to_owned()),
+                self.wfq_weights,
+                self.wfq_default_weight
             ));
         }
         line

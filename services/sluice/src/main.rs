@@ -1,1 +1,238 @@
-fn main() {}
+//! `sluice`: one binary, a subcommand per role (DESIGN.md's command line).
+//! `sluice up` runs every service in one process with in-process discovery.
+
+mod up;
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use sluice_runtime::discovery;
+use sluice_runtime::telemetry::{TelemetryConfig, init};
+use sluice_runtime::{CommonArgs, ModelArgs, ServiceContext};
+
+/// Sluice: a distributed LLM-serving mesh.
+#[derive(Debug, Parser)]
+#[command(name = "sluice", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run every service in one process and serve the OpenAI API.
+    Up(Box<up::UpArgs>),
+    /// The OpenAI-compatible HTTP and gRPC Inference frontend.
+    Frontend {
+        #[command(flatten)]
+        common: CommonArgs,
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        args: sluice_frontend::Args,
+    },
+    /// The priority admission queue.
+    Queue {
+        #[command(flatten)]
+        common: CommonArgs,
+        #[command(flatten)]
+        args: sluice_queue::Args,
+    },
+    /// The KV-aware router.
+    Router {
+        #[command(flatten)]
+        common: CommonArgs,
+        #[command(flatten)]
+        args: sluice_router::Args,
+    },
+    /// A prefill worker.
+    Prefill {
+        #[command(flatten)]
+        common: CommonArgs,
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        args: sluice_decode::WorkerArgs,
+    },
+    /// A decode (or aggregated) worker.
+    Decode {
+        #[command(flatten)]
+        common: CommonArgs,
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        args: sluice_decode::WorkerArgs,
+    },
+    /// Model files.
+    Model {
+        #[command(subcommand)]
+        command: ModelCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum ModelCommand {
+    /// Write the built-in model (Hugging Face layout) into a directory.
+    Init {
+        /// Directory to write (created if missing).
+        #[arg(long)]
+        out: PathBuf,
+        /// `tiny` (the default model) or `small` (~100M parameters, for benchmarks).
+        #[arg(long, default_value = "tiny", value_parser = ["tiny", "small"])]
+        size: String,
+    },
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    if let Command::Model {
+        command: ModelCommand::Init { out, size },
+    } = &cli.command
+    {
+        let size = if size == "small" {
+            sluice_engine::builtin::BuiltinSize::Small
+        } else {
+            sluice_engine::builtin::BuiltinSize::Tiny
+        };
+        sluice_engine::builtin::write_builtin_model(out, size)
+            .with_context(|| format!("writing {}", out.display()))?;
+        println!(
+            "wrote the built-in {} model to {}",
+            size.model_name(),
+            out.display()
+        );
+        return Ok(());
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(run(cli.command))
+}
+
+async fn bind(common: &CommonArgs) -> anyhow::Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::bind(common.listen)
+        .await
+        .with_context(|| format!("binding --listen {}", common.listen))
+}
+
+async fn context(
+    common: CommonArgs,
+    shutdown: sluice_runtime::Shutdown,
+) -> anyhow::Result<ServiceContext> {
+    common.validate()?;
+    let discovery = discovery::from_args(&common, None).await?;
+    if common.etcd.is_none() {
+        tracing::warn!("no --etcd: in-process discovery only sees services in this process");
+    }
+    Ok(ServiceContext {
+        common,
+        discovery,
+        shutdown,
+    })
+}
+
+async fn run(command: Command) -> anyhow::Result<()> {
+    let role = match &command {
+        Command::Up(_) => "sluice",
+        Command::Frontend { .. } => "sluice-frontend",
+        Command::Queue { .. } => "sluice-queue",
+        Command::Router { .. } => "sluice-router",
+        Command::Prefill { .. } => "sluice-prefill",
+        Command::Decode { .. } => "sluice-decode",
+        Command::Model { .. } => "sluice",
+    };
+    let telemetry = init(&TelemetryConfig::from_env(role))?;
+    let shutdown = sluice_runtime::shutdown::on_signal();
+    let result = match command {
+        Command::Up(args) => up::run(*args, shutdown.clone()).await,
+        Command::Frontend {
+            common,
+            model,
+            args,
+        } => {
+            let l = bind(&common).await?;
+            sluice_frontend::serve(l, args, model, context(common, shutdown.clone()).await?)
+                .await
+                .map_err(Into::into)
+        }
+        Command::Queue { common, args } => {
+            let l = bind(&common).await?;
+            sluice_queue::serve(l, args, context(common, shutdown.clone()).await?)
+                .await
+                .map_err(Into::into)
+        }
+        Command::Router { common, args } => {
+            let l = bind(&common).await?;
+            sluice_router::serve(l, args, context(common, shutdown.clone()).await?)
+                .await
+                .map_err(Into::into)
+        }
+        Command::Prefill {
+            common,
+            model,
+            args,
+        } => {
+            let l = bind(&common).await?;
+            sluice_prefill::serve(l, args, model, context(common, shutdown.clone()).await?)
+                .await
+                .map_err(Into::into)
+        }
+        Command::Decode {
+            common,
+            model,
+            args,
+        } => {
+            let l = bind(&common).await?;
+            sluice_decode::serve(l, args, model, context(common, shutdown.clone()).await?)
+                .await
+                .map_err(Into::into)
+        }
+        Command::Model { .. } => Ok(()),
+    };
+    telemetry.shutdown().await;
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::*;
+
+    #[test]
+    fn command_line_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn up_accepts_the_flags_of_every_role() {
+        let cli = Cli::try_parse_from([
+            "sluice",
+            "up",
+            "--engine",
+            "mocker",
+            "--workers",
+            "2",
+            "--router-mode",
+            "round-robin",
+            "--queue-policy",
+            "wspt",
+            "--queue-threshold",
+            "0.5",
+            "--scheduling-policy",
+            "priority",
+            "--max-num-seqs",
+            "8",
+            "--block-size",
+            "32",
+            "--speedup-ratio",
+            "10",
+            "--max-local-prefill-length",
+            "64",
+            "--default-max-tokens",
+            "9",
+        ]);
+        assert!(cli.is_ok(), "{:?}", cli.err());
+    }
+}

@@ -1,0 +1,200 @@
+//! The flags every worker takes (decode and prefill alike; `sluice up`
+//! flattens them once), and building the engine they describe.
+
+use std::path::Path;
+
+use sluice_engine::backend::cpu::CpuBackend;
+use sluice_engine::model::ModelConfig;
+use sluice_engine::{
+    EngineConfig, EngineHandle, MockerBackend, MockerConfig, SchedulerConfig, SchedulingPolicy,
+};
+use sluice_tokens::Tokenizer;
+
+use crate::error::WorkerError;
+
+/// Which compute backend runs the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum EngineKind {
+    /// The real transformer on CPU.
+    Cpu,
+    /// The real scheduler and KV cache with compute replaced by Dynamo's
+    /// timing model; needs only config.json and the tokenizer.
+    Mocker,
+}
+
+/// Engine and worker flags.
+#[derive(Debug, Clone, clap::Args)]
+#[command(next_help_heading = "Worker")]
+pub struct WorkerArgs {
+    /// Compute backend.
+    #[arg(long, env = "SLUICE_ENGINE", value_enum, default_value_t = EngineKind::Cpu)]
+    pub engine: EngineKind,
+
+    /// Tokens per KV block.
+    #[arg(long, env = "SLUICE_BLOCK_SIZE", default_value_t = 16)]
+    pub block_size: usize,
+
+    /// KV blocks per engine rank.
+    #[arg(long, env = "SLUICE_NUM_GPU_BLOCKS", default_value_t = 2048)]
+    pub num_gpu_blocks: usize,
+
+    /// Sequences running at once per rank.
+    #[arg(long, env = "SLUICE_MAX_NUM_SEQS", default_value_t = 64)]
+    pub max_num_seqs: usize,
+
+    /// Tokens computed per step (prefill chunks and decode tokens together).
+    #[arg(long, env = "SLUICE_MAX_NUM_BATCHED_TOKENS", default_value_t = 2048)]
+    pub max_num_batched_tokens: usize,
+
+    /// Longest sequence (prompt + output); default: the model's limit.
+    #[arg(long, env = "SLUICE_MAX_MODEL_LEN")]
+    pub max_model_len: Option<usize>,
+
+    /// Engine scheduling policy: `priority` admits higher priority first and
+    /// preempts the lowest-priority running sequence under pressure.
+    #[arg(long, env = "SLUICE_SCHEDULING_POLICY", default_value = "fcfs", value_parser = ["fcfs", "priority"])]
+    pub scheduling_policy: String,
+
+    /// Turn off prefix caching.
+    #[arg(long, env = "SLUICE_NO_PREFIX_CACHING")]
+    pub no_prefix_caching: bool,
+
+    /// Mocker only: divide every modelled duration by this.
+    #[arg(long, env = "SLUICE_SPEEDUP_RATIO", default_value_t = 1.0)]
+    pub speedup_ratio: f64,
+
+    /// KV events kept for late subscribers.
+    #[arg(long, env = "SLUICE_EVENT_RING_CAPACITY", default_value_t = 10_000)]
+    pub event_ring_capacity: usize,
+
+    /// Decode workers: prefill remotely when the uncached prompt is longer
+    /// than this many tokens (and a prefill worker is available).
+    #[arg(long, env = "SLUICE_MAX_LOCAL_PREFILL_LENGTH", default_value_t = 512)]
+    pub max_local_prefill_length: usize,
+
+    /// Decode workers: prefill locally while this many remote prefills are
+    /// already in flight from this worker.
+    #[arg(long, env = "SLUICE_MAX_PREFILL_QUEUE_SIZE", default_value_t = 8)]
+    pub max_prefill_queue_size: usize,
+
+    /// Milliseconds a decode worker waits for a remote prefill before
+    /// prefilling locally.
+    #[arg(
+        long,
+        env = "SLUICE_REMOTE_PREFILL_TIMEOUT_MS",
+        default_value_t = 10_000
+    )]
+    pub remote_prefill_timeout_ms: u64,
+}
+
+impl Default for WorkerArgs {
+    fn default() -> Self {
+        Self {
+            engine: EngineKind::Cpu,
+            block_size: 16,
+            num_gpu_blocks: 2048,
+            max_num_seqs: 64,
+            max_num_batched_tokens: 2048,
+            max_model_len: None,
+            scheduling_policy: "fcfs".into(),
+            no_prefix_caching: false,
+            speedup_ratio: 1.0,
+            event_ring_capacity: 10_000,
+            max_local_prefill_length: 512,
+            max_prefill_queue_size: 8,
+            remote_prefill_timeout_ms: 10_000,
+        }
+    }
+}
+
+impl WorkerArgs {
+    /// Checks the flags; errors name the flag.
+    pub fn validate(&self) -> Result<(), WorkerError> {
+        let bad = |field: &'static str, message: &str| {
+            Err(WorkerError::InvalidArgument {
+                field,
+                message: message.into(),
+            })
+        };
+        if self.block_size == 0 || self.block_size > 1024 {
+            return bad("--block-size", "must be in 1..=1024");
+        }
+        if self.num_gpu_blocks == 0 {
+            return bad("--num-gpu-blocks", "must be at least 1");
+        }
+        if self.max_num_seqs == 0 {
+            return bad("--max-num-seqs", "must be at least 1");
+        }
+        if self.max_num_batched_tokens == 0 {
+            return bad("--max-num-batched-tokens", "must be at least 1");
+        }
+        if !(self.speedup_ratio.is_finite() && self.speedup_ratio > 0.0) {
+            return bad("--speedup-ratio", "must be a positive number");
+        }
+        Ok(())
+    }
+
+    fn policy(&self) -> Result<SchedulingPolicy, WorkerError> {
+        self.scheduling_policy
+            .parse()
+            .map_err(
+                |e: sluice_engine::EngineError| WorkerError::InvalidArgument {
+                    field: "--scheduling-policy",
+                    message: e.to_string(),
+                },
+            )
+    }
+
+    /// Starts one engine rank for the model in `dir`.
+    pub fn start_engine(&self, dir: &Path) -> Result<EngineHandle, WorkerError> {
+        self.validate()?;
+        let model = ModelConfig::from_dir(dir)?;
+        let tokenizer =
+            Tokenizer::from_dir(dir).map_err(|e| WorkerError::Startup(e.to_string()))?;
+        let mut eos: Vec<u32> = model.eos_token_ids.clone();
+        for &id in tokenizer.eos_token_ids() {
+            if !eos.contains(&id) {
+                eos.push(id);
+            }
+        }
+        let max_model_len = self
+            .max_model_len
+            .unwrap_or(model.max_position_embeddings)
+            .min(model.max_position_embeddings)
+            .min(self.num_gpu_blocks * self.block_size);
+        let backend: Box<dyn sluice_engine::backend::Backend> = match self.engine {
+            EngineKind::Cpu => Box::new(CpuBackend::from_dir(
+                dir,
+                self.num_gpu_blocks,
+                self.block_size,
+            )?),
+            EngineKind::Mocker => Box::new(MockerBackend::new(MockerConfig {
+                vocab_size: model.vocab_size,
+                num_layers: model.num_hidden_layers,
+                num_kv_heads: model.num_key_value_heads,
+                head_dim: model.head_dim,
+                block_size: self.block_size,
+                num_blocks: self.num_gpu_blocks,
+                speedup_ratio: self.speedup_ratio,
+                avoid_token_ids: eos.clone(),
+                ..MockerConfig::default()
+            })?),
+        };
+        let cfg = EngineConfig {
+            block_size: self.block_size,
+            num_blocks: Some(self.num_gpu_blocks),
+            scheduler: SchedulerConfig {
+                max_num_seqs: self.max_num_seqs,
+                max_num_batched_tokens: self.max_num_batched_tokens,
+                max_model_len,
+                policy: self.policy()?,
+                ..SchedulerConfig::default()
+            },
+            enable_prefix_caching: !self.no_prefix_caching,
+            event_ring_capacity: self.event_ring_capacity,
+            eos_token_ids: eos,
+            balance_group: None,
+        };
+        Ok(EngineHandle::spawn(backend, cfg)?)
+    }
+}

@@ -1,0 +1,114 @@
+//! Wire ⇄ engine conversions for the worker API. Bad input is
+//! `InvalidArgument` naming the field.
+
+use sluice_engine as engine;
+use sluice_proto::common::v1 as common;
+use sluice_proto::worker::v1 as pb;
+
+use crate::error::WorkerError;
+
+/// Sampling parameters from the wire, validated by the engine later.
+pub fn sampling(s: Option<common::SamplingParams>) -> engine::SamplingParams {
+    let s = s.unwrap_or_default();
+    engine::SamplingParams {
+        max_tokens: (s.max_tokens > 0).then_some(s.max_tokens as usize),
+        min_tokens: s.min_tokens as usize,
+        temperature: s.temperature.unwrap_or(1.0),
+        top_k: s.top_k as usize,
+        top_p: s.top_p.unwrap_or(1.0),
+        seed: s.seed,
+        repetition_penalty: s.repetition_penalty.unwrap_or(1.0),
+        stop_token_ids: s.stop_token_ids,
+        ignore_eos: s.ignore_eos,
+        logprobs: s.logprobs || s.top_logprobs > 0,
+        top_logprobs: s.top_logprobs as usize,
+    }
+}
+
+/// An engine request from a worker `Generate` call.
+pub(crate) fn request(r: &pb::GenerateRequest) -> Result<engine::Request, WorkerError> {
+    if r.prompt_token_ids.is_empty() {
+        return Err(WorkerError::InvalidArgument {
+            field: "prompt_token_ids",
+            message: "must not be empty".into(),
+        });
+    }
+    Ok(engine::Request {
+        request_id: r.request_id.clone(),
+        prompt: r.prompt_token_ids.clone(),
+        sampling: sampling(r.sampling.clone()),
+        priority: r.priority,
+    })
+}
+
+pub(crate) fn logprobs(l: &engine::PositionLogprobs) -> common::PositionLogprobs {
+    common::PositionLogprobs {
+        chosen: Some(common::TokenLogprob {
+            token_id: l.chosen.token_id,
+            logprob: l.chosen.logprob,
+        }),
+        top: l
+            .top
+            .iter()
+            .map(|t| common::TokenLogprob {
+                token_id: t.token_id,
+                logprob: t.logprob,
+            })
+            .collect(),
+    }
+}
+
+pub(crate) fn finish_reason(r: engine::FinishReason) -> common::FinishReason {
+    match r {
+        engine::FinishReason::Stop => common::FinishReason::Stop,
+        engine::FinishReason::Length => common::FinishReason::Length,
+        engine::FinishReason::Abort => common::FinishReason::Abort,
+        engine::FinishReason::Error => common::FinishReason::Error,
+    }
+}
+
+pub(crate) fn usage(u: engine::Usage) -> common::Usage {
+    common::Usage {
+        prompt_tokens: u.prompt_tokens as u32,
+        completion_tokens: u.completion_tokens as u32,
+        cached_tokens: u.cached_tokens as u32,
+    }
+}
+
+pub(crate) fn kv_event(rank: u32, r: &engine::KvEventRecord) -> pb::KvEvent {
+    let kind = match &r.event {
+        engine::KvEvent::Stored {
+            parent_hash,
+            block_hashes,
+        } => pb::kv_event::Kind::Stored(pb::BlocksStored {
+            parent_hash: *parent_hash,
+            block_hashes: block_hashes.clone(),
+        }),
+        engine::KvEvent::Removed { block_hashes } => {
+            pb::kv_event::Kind::Removed(pb::BlocksRemoved {
+                block_hashes: block_hashes.clone(),
+            })
+        }
+        engine::KvEvent::Cleared => pb::kv_event::Kind::Cleared(pb::AllBlocksCleared {}),
+    };
+    let _ = rank;
+    pb::KvEvent {
+        seq: r.seq,
+        kind: Some(kind),
+    }
+}
+
+pub(crate) fn load(rank: u32, l: &engine::LoadStats, prefill_queue: u32) -> pb::LoadReport {
+    pb::LoadReport {
+        dp_rank: rank,
+        running: l.running as u32,
+        waiting: l.waiting as u32,
+        kv_usage: l.kv_usage,
+        active_blocks: l.active_blocks as u64,
+        total_blocks: l.total_blocks as u64,
+        pending_prefill_tokens: l.pending_prefill_tokens as u64,
+        max_num_seqs: l.max_num_seqs as u32,
+        max_num_batched_tokens: l.max_num_batched_tokens as u32,
+        prefill_queue,
+    }
+}

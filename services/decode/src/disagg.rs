@@ -1,0 +1,177 @@
+//! Conditional disaggregation, decode side: prefill remotely only when it
+//! pays (uncached prompt longer than `--max-local-prefill-length`, fewer than
+//! `--max-prefill-queue-size` remote prefills in flight, a prefill worker
+//! granted), and fall back to local prefill on any failure or timeout on that
+//! path. The request always completes; the fallback is counted in
+//! `sluice_worker_remote_prefill_total{outcome}` and logged.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use sluice_engine::GenerateStream;
+use sluice_proto::kv::v1 as kvpb;
+use sluice_proto::worker::v1 as pb;
+use tracing::Instrument;
+
+use crate::service::{InflightGuard, RemotePrefill, WorkerCore};
+use crate::transfer::{Receiver, layout_to_pb};
+
+/// The decode worker's remote-prefill path.
+#[derive(Debug)]
+pub struct Disagg {
+    pub max_local_prefill_length: usize,
+    pub max_prefill_queue_size: usize,
+    pub timeout: Duration,
+    pub receiver: Arc<Receiver>,
+    /// This worker's own address, where prefill workers write blocks.
+    pub endpoint: String,
+}
+
+impl Disagg {
+    fn fallback(
+        &self,
+        core: &WorkerCore,
+        reason: &'static str,
+        detail: &str,
+    ) -> Option<(GenerateStream, String)> {
+        core.metrics
+            .remote_prefill
+            .with_label_values(&[reason])
+            .inc();
+        if !detail.is_empty() {
+            tracing::warn!(reason, detail, "remote prefill failed; prefilling locally");
+        }
+        None
+    }
+}
+
+#[tonic::async_trait]
+impl RemotePrefill for Disagg {
+    async fn try_remote(
+        &self,
+        core: &Arc<WorkerCore>,
+        req: &pb::GenerateRequest,
+        engine_req: &sluice_engine::Request,
+    ) -> Option<(GenerateStream, String)> {
+        if req.prefill_worker_endpoint.is_empty() {
+            return None;
+        }
+        let engine = core.engine(req.dp_rank).ok()?;
+        let uncached = engine_req
+            .prompt
+            .len()
+            .saturating_sub(engine.cached_prefix_tokens(&engine_req.prompt));
+        if uncached <= self.max_local_prefill_length {
+            core.metrics
+                .remote_prefill
+                .with_label_values(&["local_short"])
+                .inc();
+            return None;
+        }
+        if core.remote_prefills.load(Ordering::Relaxed) as usize >= self.max_prefill_queue_size {
+            return self.fallback(core, "local_queue_full", "");
+        }
+        let _inflight = InflightGuard::new(&core.remote_prefills);
+        let span = tracing::info_span!(
+            "kv.remote_prefill",
+            prefill_worker_id = %req.prefill_worker_id,
+            uncached,
+            transport = tracing::field::Empty,
+        );
+        self.remote(core, req, engine_req, engine, &span)
+            .instrument(span.clone())
+            .await
+    }
+}
+
+impl Disagg {
+    async fn remote(
+        &self,
+        core: &Arc<WorkerCore>,
+        req: &pb::GenerateRequest,
+        engine_req: &sluice_engine::Request,
+        engine: &sluice_engine::EngineHandle,
+        span: &tracing::Span,
+    ) -> Option<(GenerateStream, String)> {
+        let slot = match engine.reserve_remote(engine_req.clone()).await {
+            Ok(s) => s,
+            Err(e) => return self.fallback(core, "reserve_failed", &e.to_string()),
+        };
+        let transfer_id = format!("{}-{}", req.request_id, uuid::Uuid::new_v4().simple());
+        let writable: Vec<u32> = slot.block_ids()[slot.skip_blocks()..].to_vec();
+        let expectation =
+            self.receiver
+                .expect(&transfer_id, engine.clone(), slot.id(), writable.clone());
+        let descriptor = kvpb::TransferDescriptor {
+            transfer_id: transfer_id.clone(),
+            layout: Some(layout_to_pb(&engine.kv_layout())),
+            block_ids: slot.block_ids().to_vec(),
+            regions: vec![kvpb::Region {
+                transport: kvpb::Transport::Grpc as i32,
+                address: self.endpoint.clone(),
+                ..Default::default()
+            }],
+            skip_blocks: slot.skip_blocks() as u32,
+            timeout_ms: self.timeout.as_millis().min(u128::from(u32::MAX)) as u32,
+        };
+        let channel = match sluice_runtime::grpc::channel(&req.prefill_worker_endpoint) {
+            Ok(c) => c,
+            Err(e) => return self.fallback(core, "bad_endpoint", &e.to_string()),
+        };
+        let mut client = pb::worker_client::WorkerClient::new(channel);
+        let call = client.prefill(pb::PrefillRequest {
+            request_id: req.request_id.clone(),
+            model: core.model.clone(),
+            prompt_token_ids: engine_req.prompt.clone(),
+            sampling: req.sampling.clone(),
+            priority: req.priority,
+            destination: Some(descriptor),
+        });
+        let resp = match tokio::time::timeout(self.timeout, call).await {
+            Err(_) => {
+                return self.fallback(
+                    core,
+                    "timeout",
+                    "no answer within --remote-prefill-timeout-ms",
+                );
+            }
+            Ok(Err(s)) => return self.fallback(core, "prefill_error", &s.to_string()),
+            Ok(Ok(r)) => r.into_inner(),
+        };
+        if expectation.written() != writable.len() {
+            let detail = format!(
+                "{} of {} blocks arrived",
+                expectation.written(),
+                writable.len()
+            );
+            return self.fallback(core, "incomplete_transfer", &detail);
+        }
+        drop(expectation);
+        span.record("transport", resp.transport.as_str());
+        let logprobs = resp.first_logprobs.as_ref().and_then(|l| {
+            let chosen = l.chosen?;
+            Some(sluice_engine::PositionLogprobs {
+                chosen: sluice_engine::TokenLogprob {
+                    token_id: chosen.token_id,
+                    logprob: chosen.logprob,
+                },
+                top: l
+                    .top
+                    .iter()
+                    .map(|t| sluice_engine::TokenLogprob {
+                        token_id: t.token_id,
+                        logprob: t.logprob,
+                    })
+                    .collect(),
+            })
+        });
+        match engine.commit_remote(slot, resp.first_token_id, logprobs) {
+            Ok(stream) => {
+                core.metrics.remote_prefill.with_label_values(&["ok"]).inc();
+                Some((stream, resp.worker_id))
+            }
+            Err(e) => self.fallback(core, "commit_failed", &e.to_string()),
+        }
+    }
+}

@@ -1,0 +1,431 @@
+//! The `Worker` gRPC service over one or more engine ranks: `Generate`
+//! (local prefill, or remote through [`crate::disagg`]), the KV event stream
+//! with replay and snapshot, and load reports. The prefill worker plugs its
+//! `Prefill` handler in through [`PrefillHandler`].
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use futures::Stream;
+use sluice_engine::{EngineHandle, GenerateStream, KvEventRecord};
+use sluice_proto::worker::v1 as pb;
+use tokio::sync::broadcast::error::RecvError;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+use tracing::Instrument;
+
+use crate::convert;
+use crate::error::WorkerError;
+use crate::metrics::WorkerMetrics;
+
+/// What a worker does in the mesh.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// Serves `Generate`; prefills locally or, for long uncached prompts, remotely.
+    Decode,
+    /// Serves `Prefill`: computes prompts and ships their KV blocks.
+    Prefill,
+}
+
+impl Role {
+    /// Discovery component and metadata value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Decode => "decode",
+            Role::Prefill => "prefill",
+        }
+    }
+}
+
+/// State shared by every RPC of one worker.
+#[derive(Debug)]
+pub struct WorkerCore {
+    pub id: String,
+    pub model: String,
+    pub role: Role,
+    /// One engine per data-parallel rank.
+    pub engines: Vec<EngineHandle>,
+    pub metrics: WorkerMetrics,
+    /// Remote prefills in flight from this (decode) worker.
+    pub remote_prefills: AtomicU32,
+}
+
+impl WorkerCore {
+    /// The engine of `rank`.
+    pub fn engine(&self, rank: u32) -> Result<&EngineHandle, WorkerError> {
+        self.engines
+            .get(rank as usize)
+            .ok_or(WorkerError::NoSuchRank {
+                rank,
+                size: self.engines.len(),
+            })
+    }
+
+    /// Rejects a request for another model.
+    pub fn check_model(&self, model: &str) -> Result<(), WorkerError> {
+        if !model.is_empty() && model != self.model {
+            return Err(WorkerError::WrongModel {
+                requested: model.into(),
+                served: self.model.clone(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The prefill worker's `Prefill` implementation, plugged into the service.
+#[tonic::async_trait]
+pub trait PrefillHandler: Send + Sync + std::fmt::Debug {
+    async fn prefill(
+        &self,
+        core: &Arc<WorkerCore>,
+        req: pb::PrefillRequest,
+    ) -> Result<pb::PrefillResponse, WorkerError>;
+}
+
+/// Starts a generation whose prompt is computed by a remote prefill worker;
+/// plugged in by the decode role (see [`crate::disagg`]). `Ok(None)` means
+/// "prefill locally".
+#[tonic::async_trait]
+pub trait RemotePrefill: Send + Sync + std::fmt::Debug {
+    async fn try_remote(
+        &self,
+        core: &Arc<WorkerCore>,
+        req: &pb::GenerateRequest,
+        engine_req: &sluice_engine::Request,
+    ) -> Option<(GenerateStream, String)>;
+}
+
+/// The tonic `Worker` service.
+#[derive(Debug, Clone)]
+pub struct WorkerService {
+    pub core: Arc<WorkerCore>,
+    pub prefill: Option<Arc<dyn PrefillHandler>>,
+    pub remote: Option<Arc<dyn RemotePrefill>>,
+}
+
+type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+/// Adapts an engine stream to the wire: the first message carries the usage
+/// known at admission (cached prompt tokens), the last the final usage.
+fn response_stream(
+    core: Arc<WorkerCore>,
+    stream: GenerateStream,
+    prompt_tokens: usize,
+    cached_tokens: usize,
+    prefill_worker_id: String,
+    span: tracing::Span,
+) -> BoxStream<pb::GenerateResponse> {
+    struct St {
+        core: Arc<WorkerCore>,
+        stream: GenerateStream,
+        first: bool,
+        done: bool,
+        prefill_worker_id: String,
+        prompt_tokens: usize,
+        cached_tokens: usize,
+        started: Instant,
+        span: tracing::Span,
+    }
+    let st = St {
+        core,
+        stream,
+        first: true,
+        done: false,
+        prefill_worker_id,
+        prompt_tokens,
+        cached_tokens,
+        started: Instant::now(),
+        span,
+    };
+    Box::pin(futures::stream::unfold(st, |mut st| async move {
+        if st.done {
+            return None;
+        }
+        let out = st.stream.recv().await?;
+        let mut msg = pb::GenerateResponse {
+            token_ids: out.token_ids,
+            logprobs: out.logprobs.iter().map(convert::logprobs).collect(),
+            worker_id: st.core.id.clone(),
+            ..Default::default()
+        };
+        if st.first {
+            st.first = false;
+            st.core
+                .metrics
+                .ttft
+                .observe(st.started.elapsed().as_secs_f64());
+            msg.usage = Some(sluice_proto::common::v1::Usage {
+                prompt_tokens: st.prompt_tokens as u32,
+                completion_tokens: 0,
+                cached_tokens: st.cached_tokens as u32,
+            });
+            msg.prefill_worker_id = st.prefill_worker_id.clone();
+        }
+        if let Some(f) = out.finished {
+            st.done = true;
+            msg.finish_reason = convert::finish_reason(f.reason) as i32;
+            let mut usage = convert::usage(f.usage);
+            if !st.prefill_worker_id.is_empty() {
+                usage.cached_tokens = usage.cached_tokens.max(st.cached_tokens as u32);
+            }
+            msg.usage = Some(usage);
+            msg.prefill_worker_id = st.prefill_worker_id.clone();
+            st.core
+                .metrics
+                .requests
+                .with_label_values(&[finish_label(f.reason)])
+                .inc();
+            st.core
+                .metrics
+                .generated_tokens
+                .inc_by(f.usage.completion_tokens as u64);
+            st.span
+                .record("completion_tokens", f.usage.completion_tokens);
+        }
+        Some((Ok(msg), st))
+    }))
+}
+
+fn finish_label(r: sluice_engine::FinishReason) -> &'static str {
+    match r {
+        sluice_engine::FinishReason::Stop => "stop",
+        sluice_engine::FinishReason::Length => "length",
+        sluice_engine::FinishReason::Abort => "abort",
+        sluice_engine::FinishReason::Error => "error",
+    }
+}
+
+/// Sends KV events after `from_seq` of `engine`, or `snapshot_required`.
+fn kv_event_stream(engine: &EngineHandle, rank: u32, from_seq: u64) -> BoxStream<pb::KvEventBatch> {
+    let (tx, rx) = mpsc::channel::<Result<pb::KvEventBatch, Status>>(64);
+    let resync = pb::KvEventBatch {
+        events: Vec::new(),
+        snapshot_required: true,
+        dp_rank: rank,
+    };
+    match engine.subscribe_kv_events(from_seq) {
+        Err(e) => {
+            tracing::debug!(error = %e, "subscriber must resync from a snapshot");
+            let _ = tx.try_send(Ok(resync));
+        }
+        Ok(sub) => {
+            tokio::spawn(async move {
+                let batch = |events: &[KvEventRecord]| pb::KvEventBatch {
+                    events: events.iter().map(|r| convert::kv_event(rank, r)).collect(),
+                    snapshot_required: false,
+                    dp_rank: rank,
+                };
+                for chunk in sub.backlog.chunks(512) {
+                    if tx.send(Ok(batch(chunk))).await.is_err() {
+                        return;
+                    }
+                }
+                let mut live = sub.live;
+                loop {
+                    let first = tokio::select! {
+                        _ = tx.closed() => return,
+                        r = live.recv() => r,
+                    };
+                    let mut events = match first {
+                        Ok(r) => vec![r],
+                        Err(RecvError::Lagged(_)) => {
+                            let _ = tx.send(Ok(resync)).await;
+                            return;
+                        }
+                        Err(RecvError::Closed) => return,
+                    };
+                    // Batch whatever else is already there.
+                    while events.len() < 512 {
+                        match live.try_recv() {
+                            Ok(r) => events.push(r),
+                            Err(tokio::sync::broadcast::error::TryRecvError::Lagged(_)) => {
+                                let _ = tx.send(Ok(batch(&events))).await;
+                                let _ = tx.send(Ok(resync)).await;
+                                return;
+                            }
+                            Err(_) => break,
+                        }
+                    }
+                    if tx.send(Ok(batch(&events))).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    }
+    Box::pin(ReceiverStream::new(rx))
+}
+
+#[tonic::async_trait]
+impl pb::worker_server::Worker for WorkerService {
+    type GenerateStream = BoxStream<pb::GenerateResponse>;
+    type SubscribeKvEventsStream = BoxStream<pb::KvEventBatch>;
+    type LoadStream = BoxStream<pb::LoadReport>;
+
+    async fn generate(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        let req = request.into_inner();
+        let core = &self.core;
+        if core.role == Role::Prefill {
+            return Err(WorkerError::WrongRole {
+                role: "prefill",
+                rpc: "Generate",
+            }
+            .into());
+        }
+        core.check_model(&req.model)?;
+        let engine_req = convert::request(&req)?;
+        let engine = core.engine(req.dp_rank)?;
+        let cached = engine.cached_prefix_tokens(&engine_req.prompt);
+        let span = tracing::info_span!(
+            "worker.generate",
+            worker_id = %core.id,
+            request_id = %req.request_id,
+            priority = req.priority,
+            dp_rank = req.dp_rank,
+            prompt_tokens = engine_req.prompt.len(),
+            cached_tokens = cached,
+            prefill = tracing::field::Empty,
+            completion_tokens = tracing::field::Empty,
+        );
+        let prompt_tokens = engine_req.prompt.len();
+        let remote = match &self.remote {
+            Some(r) => {
+                r.try_remote(core, &req, &engine_req)
+                    .instrument(span.clone())
+                    .await
+            }
+            None => None,
+        };
+        let (stream, prefill_worker, cached) = match remote {
+            Some((stream, prefill_worker)) => {
+                span.record("prefill", "remote");
+                (stream, prefill_worker, cached)
+            }
+            None => {
+                span.record("prefill", "local");
+                (
+                    engine.generate(engine_req).map_err(WorkerError::from)?,
+                    String::new(),
+                    cached,
+                )
+            }
+        };
+        Ok(Response::new(response_stream(
+            Arc::clone(core),
+            stream,
+            prompt_tokens,
+            cached,
+            prefill_worker,
+            span,
+        )))
+    }
+
+    async fn prefill(
+        &self,
+        request: Request<pb::PrefillRequest>,
+    ) -> Result<Response<pb::PrefillResponse>, Status> {
+        let Some(handler) = &self.prefill else {
+            return Err(WorkerError::WrongRole {
+                role: "decode",
+                rpc: "Prefill",
+            }
+            .into());
+        };
+        let req = request.into_inner();
+        self.core.check_model(&req.model)?;
+        Ok(Response::new(handler.prefill(&self.core, req).await?))
+    }
+
+    async fn subscribe_kv_events(
+        &self,
+        request: Request<pb::SubscribeKvEventsRequest>,
+    ) -> Result<Response<Self::SubscribeKvEventsStream>, Status> {
+        let req = request.into_inner();
+        let engine = self.core.engine(req.dp_rank)?;
+        Ok(Response::new(kv_event_stream(
+            engine,
+            req.dp_rank,
+            req.from_seq,
+        )))
+    }
+
+    async fn kv_snapshot(
+        &self,
+        request: Request<pb::KvSnapshotRequest>,
+    ) -> Result<Response<pb::KvSnapshotResponse>, Status> {
+        let rank = request.into_inner().dp_rank;
+        let engine = self.core.engine(rank)?;
+        let snap = engine.kv_snapshot();
+        Ok(Response::new(pb::KvSnapshotResponse {
+            seq: snap.seq,
+            block_hashes: snap.block_hashes,
+            block_size: engine.kv_layout().block_size as u32,
+            dp_rank: rank,
+        }))
+    }
+
+    async fn load(
+        &self,
+        request: Request<pb::LoadRequest>,
+    ) -> Result<Response<Self::LoadStream>, Status> {
+        let req = request.into_inner();
+        let min = Duration::from_millis(u64::from(req.min_interval_ms.max(1)));
+        let max = Duration::from_millis(u64::from(if req.max_interval_ms == 0 {
+            1000
+        } else {
+            req.max_interval_ms
+        }));
+        let (tx, rx) = mpsc::channel(16);
+        for (rank, engine) in self.core.engines.iter().enumerate() {
+            let mut watch = engine.load();
+            let tx = tx.clone();
+            let core = Arc::clone(&self.core);
+            tokio::spawn(async move {
+                loop {
+                    let report = {
+                        let l = watch.borrow_and_update();
+                        convert::load(
+                            rank as u32,
+                            &l,
+                            core.remote_prefills.load(Ordering::Relaxed),
+                        )
+                    };
+                    if tx.send(Ok(report)).await.is_err() {
+                        return;
+                    }
+                    tokio::time::sleep(min).await;
+                    tokio::select! {
+                        _ = tx.closed() => return,
+                        changed = watch.changed() => if changed.is_err() { return },
+                        _ = tokio::time::sleep(max.saturating_sub(min)) => {}
+                    }
+                }
+            });
+        }
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+/// Counts a remote prefill in flight while alive.
+#[derive(Debug)]
+pub struct InflightGuard<'a>(&'a AtomicU32);
+
+impl<'a> InflightGuard<'a> {
+    pub fn new(c: &'a AtomicU32) -> Self {
+        c.fetch_add(1, Ordering::Relaxed);
+        Self(c)
+    }
+}
+
+impl Drop for InflightGuard<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
