@@ -783,6 +783,13 @@ impl State {
                         }
                         let waited = now.saturating_duration_since(entry.arrival);
                         metrics.granted(entry.priority, waited.as_secs_f64());
+                        tracing::debug!(
+                            request_id = %entry.request_id,
+                            priority = entry.priority,
+                            worker_id = %placement.worker.worker_id,
+                            waited_ms = waited.as_secs_f64() * 1000.0,
+                            "granted"
+                        );
                         if let Some(slot) = self.slots.get_mut(&seq) {
                             slot.phase = Phase::Active;
                             slot.tx
@@ -791,6 +798,7 @@ impl State {
                     }
                     Err(err) => {
                         if let Some(slot) = self.slots.remove(&seq) {
+                            tracing::debug!(request_id = %slot.entry.request_id, error = %err, "placement failed");
                             self.forget_pending(&slot.entry, metrics);
                             metrics.rejected(err.reason());
                             slot.tx.send_replace(TicketState::Failed(err));
@@ -872,10 +880,11 @@ fn hold_reason(
         return Some(HoldReason::ActiveLimit);
     }
     let threshold = cfg.queue_threshold?;
-    if model.placing > 0 {
-        return Some(HoldReason::PlacementInFlight);
+    if all_busy(model_name, load, threshold) {
+        return Some(HoldReason::AboveThreshold);
     }
-    all_busy(model_name, load, threshold).then_some(HoldReason::AboveThreshold)
+    // Serial under a threshold: the next release waits for this one's load.
+    (model.placing > 0).then_some(HoldReason::PlacementInFlight)
 }
 
 /// Dynamo's rule: busy when every eligible worker is above the threshold.

@@ -741,3 +741,122 @@ fn drr_round_robin_gives_each_class_its_weight_per_turn() {
     drr.remove("b", 10);
     assert_eq!(drr.sequence(), [1, 11, 2, 3, 12, 4, 5]);
 }
+
+proptest::proptest! {
+    #[test]
+    fn drr_releases_every_request_within_its_bound(
+        classes in proptest::collection::vec((1u32..5, 0usize..30), 1..6)
+    ) {
+        let mut drr = Drr::default();
+        let mut members = Vec::new();
+        let mut seq = 0u64;
+        for (class, &(weight, count)) in classes.iter().enumerate() {
+            for k in 0..count {
+                drr.push(format!("c{class}"), weight, seq);
+                members.push((weight as usize, k, seq));
+                seq += 1;
+            }
+        }
+        let total: usize = classes
+            .iter()
+            .filter(|(_, n)| *n > 0)
+            .map(|&(w, _)| w as usize)
+            .sum();
+        let order = drr.sequence();
+        proptest::prop_assert_eq!(order.len(), members.len());
+        for (weight, k, seq) in members {
+            let pos = order.iter().position(|&s| s == seq).expect("released once");
+            // The k-th (0-based) of its class goes in round ⌊k/w⌋ + 1,
+            // and a round releases at most W requests.
+            proptest::prop_assert!(pos < (k / weight + 1) * total, "{seq} at {pos}");
+        }
+        let mut popped = Vec::new();
+        while let Some(s) = drr.pop() {
+            popped.push(s);
+        }
+        proptest::prop_assert_eq!(popped, order, "sequence() predicts pop()");
+    }
+}
+
+/// Random admits, cancels, deadlines, load changes and lease ends: counts,
+/// gauges and ticket states always agree, and nothing leaks.
+#[tokio::test(start_paused = true)]
+async fn random_traffic_keeps_counts_and_gauges_consistent() {
+    use rand::{Rng, SeedableRng, rngs::StdRng};
+    for policy in [Policy::Fcfs, Policy::Wspt, Policy::Strict, Policy::Wfq] {
+        for seed in 0..3u64 {
+            let mut cfg = config(policy);
+            cfg.queue_threshold = Some(0.5);
+            cfg.max_pending = 40;
+            cfg.max_pending_per_tenant = 20;
+            cfg.shed_protect_fraction = 0.2;
+            cfg.refresh_interval_ms = 50;
+            cfg.max_active = if seed == 2 { 5 } else { 0 };
+            cfg.wfq_class = WfqClass::TenantPriority;
+            let h = Harness::start(cfg);
+            let mut rng = StdRng::seed_from_u64(seed);
+            let mut tickets: Vec<Ticket> = Vec::new();
+            for step in 0..300 {
+                match rng.random_range(0..10) {
+                    0..=4 => {
+                        let now = Instant::now();
+                        let mut e = entry(
+                            &format!("r{step}"),
+                            rng.random_range(-2..4),
+                            rng.random_range(0..2),
+                            rng.random_range(1..200),
+                            now,
+                        );
+                        e.tenant = format!("t{}", rng.random_range(0..3));
+                        e.overlap_tokens = rng.random_range(0..100);
+                        if rng.random_bool(0.3) {
+                            e.deadline =
+                                Some(now + Duration::from_millis(rng.random_range(1..300)));
+                        }
+                        if let Ok(t) = h.queue.admit(e) {
+                            tickets.push(t);
+                        }
+                    }
+                    5 | 6 if !tickets.is_empty() => {
+                        let i = rng.random_range(0..tickets.len());
+                        drop(tickets.swap_remove(i));
+                    }
+                    7 | 8 => h.queue.update_load(load(rng.random_range(0..120))),
+                    _ => tokio::time::sleep(Duration::from_millis(rng.random_range(0..80))).await,
+                }
+                settle().await;
+                let (mut pending, mut active) = (0, 0);
+                for t in &tickets {
+                    match &*t.rx.borrow() {
+                        TicketState::Granted(_) => active += 1,
+                        TicketState::Failed(_) => {}
+                        TicketState::Held(_) | TicketState::Waiting => pending += 1,
+                    }
+                }
+                let stats = h.queue.stats();
+                assert_eq!(
+                    (stats.pending, stats.active),
+                    (pending, active),
+                    "{policy} seed {seed} step {step}"
+                );
+                assert_eq!(h.metric("sluice_queue_pending_requests"), pending as f64);
+                assert_eq!(h.metric("sluice_queue_active_leases"), active as f64);
+                assert!(pending <= 40);
+            }
+            assert!(
+                h.metric("sluice_queue_grants_total") > 10.0,
+                "traffic flowed"
+            );
+            assert!(
+                h.metric("sluice_queue_rejections_total") > 0.0,
+                "limits hit"
+            );
+            drop(tickets);
+            let stats = h.queue.stats();
+            assert_eq!((stats.pending, stats.active), (0, 0));
+            assert_eq!(h.metric("sluice_queue_pending_tokens"), 0.0);
+            let st = h.queue.shared.state.lock();
+            assert!(st.slots.is_empty() && st.tenants.is_empty() && st.deadlines.is_empty());
+        }
+    }
+}
