@@ -29,9 +29,6 @@ pub(crate) fn entry_from_open(open: pb::AdmitOpen, now: Instant) -> Result<Entry
     if open.request_id.is_empty() {
         return Err(invalid("open.request_id", "must not be empty"));
     }
-    if open.prompt_tokens == 0 {
-        return Err(invalid("open.prompt_tokens", "must be at least 1"));
-    }
     if !open.block_hashes.is_empty() {
         if open.block_size == 0 {
             return Err(invalid(
@@ -226,10 +223,10 @@ mod tests {
             ),
             (
                 pb::AdmitOpen {
-                    prompt_tokens: 0,
+                    prompt_tokens: 20,
                     ..open()
                 },
-                "open.prompt_tokens",
+                "open.block_hashes",
             ),
             (
                 pb::AdmitOpen {

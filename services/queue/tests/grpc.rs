@@ -89,6 +89,7 @@ fn view(workers: Vec<router_pb::WorkerLoad>) -> router_pb::LoadView {
 
 struct Mesh {
     queue: QueueClient<tonic::transport::Channel>,
+    addr: SocketAddr,
     routes: Arc<Mutex<Vec<(String, i32, bool)>>>,
     load: watch::Sender<router_pb::LoadView>,
     shutdown: Shutdown,
@@ -134,6 +135,7 @@ impl Mesh {
         let queue = QueueClient::connect(format!("http://{addr}")).await?;
         Ok(Self {
             queue,
+            addr,
             routes,
             load,
             shutdown,
@@ -381,13 +383,13 @@ async fn overload_yields_resource_exhausted() -> anyhow::Result<()> {
 async fn malformed_open_is_invalid_argument_naming_the_field() -> anyhow::Result<()> {
     let mesh = Mesh::start(&[], view(Vec::new())).await?;
     let bad = pb::AdmitOpen {
-        prompt_tokens: 0,
+        block_size: 0,
         ..open("bad", 0)
     };
     let err = mesh.admit(bad).await.expect_err("invalid");
     assert_eq!(err.code(), Code::InvalidArgument);
     assert!(
-        err.message().contains("open.prompt_tokens"),
+        err.message().contains("open.block_size"),
         "{}",
         err.message()
     );
@@ -424,5 +426,28 @@ async fn held_request_whose_client_disconnects_never_reaches_the_router() -> any
     assert!(!ids.contains(&gone_id), "{ids:?}");
     assert_eq!(ids.last().map(String::as_str), Some("next"));
     drop((_tx, next));
+    mesh.stop().await
+}
+
+#[tokio::test]
+async fn metrics_are_served_on_the_grpc_port() -> anyhow::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mesh = Mesh::start(&[], view(vec![worker("w0", "aggregated", 0)])).await?;
+    let (tx, mut stream) = mesh.admit(open("counted", 2)).await?;
+    let pb::admit_response::Msg::Grant(_) = next_msg(&mut stream).await? else {
+        anyhow::bail!("not granted");
+    };
+    let mut conn = tokio::net::TcpStream::connect(mesh.addr).await?;
+    conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: queue\r\nConnection: close\r\n\r\n")
+        .await?;
+    let mut body = String::new();
+    conn.read_to_string(&mut body).await?;
+    assert!(body.starts_with("HTTP/1.1 200"), "{body}");
+    assert!(
+        body.contains("sluice_queue_grants_total{priority=\"2\"} 1"),
+        "{body}"
+    );
+    assert!(body.contains("sluice_queue_active_leases 1"), "{body}");
+    drop((tx, stream));
     mesh.stop().await
 }
