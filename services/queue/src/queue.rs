@@ -400,7 +400,7 @@ impl Queue {
             let (started, next_deadline) = {
                 let now = Instant::now();
                 let mut st = shared.state.lock();
-                st.expire(now, &shared.metrics);
+                st.expire(&shared.cfg, shared.epoch, now, &shared.metrics);
                 let started = st.release(&shared.cfg, now);
                 st.publish_positions();
                 st.models.retain(|_, m| !m.is_idle());
@@ -703,7 +703,7 @@ impl State {
     }
 
     /// Fails held requests whose deadline passed.
-    fn expire(&mut self, now: Instant, metrics: &QueueMetrics) {
+    fn expire(&mut self, cfg: &Args, epoch: Instant, now: Instant, metrics: &QueueMetrics) {
         while let Some(&(deadline, seq)) = self.deadlines.first() {
             if deadline > now {
                 break;
@@ -713,7 +713,7 @@ impl State {
                 continue;
             };
             if let Some(model) = self.models.get_mut(&slot.entry.model) {
-                model.order.remove_any(seq);
+                model.order.remove(cfg, epoch, seq, &slot.entry);
             }
             self.forget_pending(&slot.entry, metrics);
             metrics.expired();
@@ -844,11 +844,11 @@ impl State {
             .filter(|(_, s)| s.phase != Phase::Active)
             .map(|(&seq, _)| seq)
             .collect();
+        for model in self.models.values_mut() {
+            model.order.clear();
+        }
         for seq in waiting {
             if let Some(slot) = self.slots.remove(&seq) {
-                if let Some(model) = self.models.get_mut(&slot.entry.model) {
-                    model.order.remove_any(seq);
-                }
                 self.forget_pending(&slot.entry, metrics);
                 metrics.rejected(QueueError::Draining.reason());
                 slot.tx
@@ -1062,14 +1062,11 @@ impl Order {
         }
     }
 
-    /// Removes `seq` wherever it is.
-    fn remove_any(&mut self, seq: u64) {
+    /// Forgets every held request.
+    fn clear(&mut self) {
         match self {
-            Order::Keyed(map) => map.retain(|_, s| *s != seq),
-            Order::Wfq(tiers) => tiers.retain(|_, drr| {
-                drr.remove_any(seq);
-                !drr.is_empty()
-            }),
+            Order::Keyed(map) => map.clear(),
+            Order::Wfq(tiers) => tiers.clear(),
         }
     }
 
@@ -1184,17 +1181,6 @@ impl Drr {
                     self.turn = 0;
                 }
             }
-        }
-    }
-
-    fn remove_any(&mut self, seq: u64) {
-        let class = self
-            .classes
-            .iter()
-            .find(|(_, q)| q.fifo.contains(&seq))
-            .map(|(c, _)| c.clone());
-        if let Some(class) = class {
-            self.remove(&class, seq);
         }
     }
 
