@@ -218,7 +218,9 @@ impl Pipeline {
             detok,
             serving: Serving {
                 worker_id: grant.worker_id,
-                prefill_worker_id: grant.prefill_worker_id,
+                // Set from the worker's answer: the grant only offers a
+                // prefill worker; the decode worker decides whether to use it.
+                prefill_worker_id: String::new(),
                 priority: p.params.hints.priority,
                 queue_wait_ms: grant.queue_wait_ms,
             },

@@ -1,0 +1,228 @@
+//! The whole mesh in one process, for end-to-end tests: decode (and prefill)
+//! workers, router, queue and frontend on `127.0.0.1:0`, wired through
+//! in-process discovery, serving the built-in model (written once per test
+//! binary into a temp dir) or the mocker engine.
+
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use sluice_runtime::discovery::MemoryDiscovery;
+use sluice_runtime::{Discovery, ModelArgs, ServiceContext, Shutdown};
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+
+/// The built-in tiny model, written once per process.
+pub fn builtin_model_dir() -> anyhow::Result<PathBuf> {
+    static DIR: OnceLock<Result<tempfile::TempDir, String>> = OnceLock::new();
+    let dir = DIR.get_or_init(|| {
+        let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+        sluice_engine::builtin::write_builtin_model(
+            &dir.path().join("sluice-tiny"),
+            sluice_engine::builtin::BuiltinSize::Tiny,
+        )
+        .map_err(|e| e.to_string())?;
+        Ok(dir)
+    });
+    match dir {
+        Ok(d) => Ok(d.path().join("sluice-tiny")),
+        Err(e) => anyhow::bail!("writing the built-in model: {e}"),
+    }
+}
+
+/// What to start.
+#[derive(Debug, Clone)]
+pub struct MeshOptions {
+    pub decode_workers: usize,
+    pub prefill_workers: usize,
+    pub worker: sluice_decode::WorkerArgs,
+    pub queue: sluice_queue::Args,
+    pub router: sluice_router::Args,
+    pub frontend: sluice_frontend::Args,
+    /// Faults injected into every prefill worker.
+    pub prefill_fault: Option<sluice_prefill::Fault>,
+}
+
+impl Default for MeshOptions {
+    fn default() -> Self {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Q {
+            #[command(flatten)]
+            q: sluice_queue::Args,
+            #[command(flatten)]
+            r: sluice_router::Args,
+        }
+        let defaults = Q::parse_from(["x"]);
+        Self {
+            decode_workers: 1,
+            prefill_workers: 0,
+            worker: sluice_decode::WorkerArgs {
+                num_gpu_blocks: 512,
+                ..Default::default()
+            },
+            queue: defaults.q,
+            router: defaults.r,
+            frontend: sluice_frontend::Args::default(),
+            prefill_fault: None,
+        }
+    }
+}
+
+/// A running mesh; dropping it shuts everything down.
+#[derive(Debug)]
+pub struct Mesh {
+    pub http: String,
+    pub discovery: Arc<dyn Discovery>,
+    pub shutdown: Shutdown,
+    pub model: String,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+async fn listener() -> anyhow::Result<TcpListener> {
+    Ok(TcpListener::bind("127.0.0.1:0").await?)
+}
+
+impl Mesh {
+    /// Starts the mesh and waits until the frontend is ready.
+    pub async fn start(opts: MeshOptions) -> anyhow::Result<Self> {
+        let model_dir = builtin_model_dir()?;
+        let model = ModelArgs {
+            model: Some(model_dir),
+            served_model_name: None,
+        };
+        let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new("test"));
+        let shutdown = Shutdown::new();
+        let ctx = || ServiceContext::new(Arc::clone(&discovery), shutdown.child_token());
+        let mut tasks = Vec::new();
+        let report = |name: &'static str| {
+            move |r: Result<(), String>| {
+                if let Err(e) = r {
+                    eprintln!("{name} stopped with an error: {e}");
+                }
+            }
+        };
+        for _ in 0..opts.decode_workers {
+            let (l, a, m, c) = (listener().await?, opts.worker.clone(), model.clone(), ctx());
+            let done = report("decode");
+            tasks.push(tokio::spawn(async move {
+                done(
+                    sluice_decode::serve(l, a, m, c)
+                        .await
+                        .map_err(|e| format!("{e:?}")),
+                )
+            }));
+        }
+        for _ in 0..opts.prefill_workers {
+            let (l, a, m, c) = (listener().await?, opts.worker.clone(), model.clone(), ctx());
+            let prefiller = sluice_prefill::Prefiller {
+                fault: opts.prefill_fault,
+            };
+            let done = report("prefill");
+            tasks.push(tokio::spawn(async move {
+                done(
+                    sluice_prefill::serve_with(l, a, m, c, prefiller)
+                        .await
+                        .map_err(|e| format!("{e:?}")),
+                )
+            }));
+        }
+        let (l, a, c) = (listener().await?, opts.router.clone(), ctx());
+        let done = report("router");
+        tasks.push(tokio::spawn(async move {
+            done(
+                sluice_router::serve(l, a, c)
+                    .await
+                    .map_err(|e| format!("{e:?}")),
+            )
+        }));
+        let (l, a, c) = (listener().await?, opts.queue.clone(), ctx());
+        let done = report("queue");
+        tasks.push(tokio::spawn(async move {
+            done(
+                sluice_queue::serve(l, a, c)
+                    .await
+                    .map_err(|e| format!("{e:?}")),
+            )
+        }));
+        let l = listener().await?;
+        let http = format!("127.0.0.1:{}", l.local_addr()?.port());
+        let (a, m, c) = (opts.frontend.clone(), model.clone(), ctx());
+        let done = report("frontend");
+        tasks.push(tokio::spawn(async move {
+            done(
+                sluice_frontend::serve(l, a, m, c)
+                    .await
+                    .map_err(|e| format!("{e:?}")),
+            )
+        }));
+
+        let mesh = Self {
+            http,
+            discovery,
+            shutdown,
+            model: model.name(),
+            tasks,
+        };
+        mesh.wait_ready(opts.decode_workers, opts.prefill_workers)
+            .await?;
+        Ok(mesh)
+    }
+
+    async fn wait_ready(&self, decode: usize, prefill: usize) -> anyhow::Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let d = self.discovery.list("decode").await?.len();
+            let p = self.discovery.list("prefill").await?.len();
+            let ready = decode == 0
+                || crate::http::get(&self.http, "/ready")
+                    .await
+                    .map(|(s, _)| s == 200)
+                    .unwrap_or(false);
+            if ready
+                && d >= decode
+                && p >= prefill
+                && self.discovery.list("router").await?.len() == 1
+            {
+                // Give the router a moment to subscribe to every worker.
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                anyhow::bail!(
+                    "mesh not ready within 30 s (decode {d}/{decode}, prefill {p}/{prefill}, frontend ready {ready})"
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// gRPC endpoints of the registered workers of `component`.
+    pub async fn endpoints(&self, component: &str) -> anyhow::Result<Vec<String>> {
+        Ok(self
+            .discovery
+            .list(component)
+            .await?
+            .into_iter()
+            .map(|i| i.endpoint)
+            .collect())
+    }
+
+    /// Stops every service and waits for them.
+    pub async fn stop(mut self) -> anyhow::Result<()> {
+        self.shutdown.cancel();
+        for t in self.tasks.drain(..) {
+            tokio::time::timeout(Duration::from_secs(20), t)
+                .await
+                .context("service did not stop within 20 s")??;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Mesh {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}

@@ -1,0 +1,340 @@
+//! End to end through the whole mesh in one process (frontend → queue →
+//! router → decode worker, and prefill worker when disaggregated) on the
+//! built-in model with the real CPU engine.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use sluice_proto::worker::v1 as wpb;
+use sluice_tests::http::{get, open, post_json, request};
+use sluice_tests::mesh::{Mesh, MeshOptions};
+use tokio::io::AsyncBufReadExt;
+
+fn chat(content: &str, max_tokens: u32) -> Value {
+    json!({"model": "sluice-tiny", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0})
+}
+
+fn parse(body: &str) -> Value {
+    serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {body}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_completion_flows_through_the_mesh_and_reuses_the_prefix_cache() -> anyhow::Result<()>
+{
+    let mesh = Mesh::start(MeshOptions::default()).await?;
+    let prompt = "The quick brown fox jumps over the lazy dog. ".repeat(6);
+    let (status, body) = post_json(&mesh.http, "/v1/chat/completions", &chat(&prompt, 8)).await?;
+    assert_eq!(status, 200, "{body}");
+    let v = parse(&body);
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["usage"]["completion_tokens"], 8);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert!(
+        v["nvext"]["worker_id"]
+            .as_str()
+            .is_some_and(|w| w.starts_with("decode-")),
+        "{v}"
+    );
+    let prompt_tokens = v["usage"]["prompt_tokens"].as_u64().unwrap_or(0);
+    assert!(prompt_tokens > 32);
+
+    // The same prompt again: served mostly from the prefix cache, same greedy text.
+    let (_, body2) = post_json(&mesh.http, "/v1/chat/completions", &chat(&prompt, 8)).await?;
+    let v2 = parse(&body2);
+    let cached = v2["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0);
+    assert!(
+        cached >= prompt_tokens - 16,
+        "cached {cached} of {prompt_tokens}"
+    );
+    assert_eq!(
+        v["choices"][0]["message"]["content"],
+        v2["choices"][0]["message"]["content"]
+    );
+
+    let (status, models) = get(&mesh.http, "/v1/models").await?;
+    assert_eq!(status, 200);
+    assert_eq!(parse(&models)["data"][0]["id"], "sluice-tiny");
+    let (status, metrics) = get(&mesh.http, "/metrics").await?;
+    assert_eq!(status, 200);
+    assert!(
+        metrics.contains("sluice_frontend_ttft_seconds_bucket{priority=\"0\""),
+        "{metrics}"
+    );
+    mesh.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_clear_4xx_errors() -> anyhow::Result<()> {
+    let mesh = Mesh::start(MeshOptions::default()).await?;
+    let cases = [
+        (
+            json!({"model": "sluice-tiny", "messages": [{"role": "user", "content": "hi"}], "nvext": {"priority": 3}}),
+            400,
+            "nvext.agent_hints.priority",
+        ),
+        (
+            json!({"model": "sluice-tiny", "messages": [{"role": "user", "content": "hi"}], "priority": 3}),
+            400,
+            "nvext.agent_hints.priority",
+        ),
+        (
+            json!({"model": "sluice-tiny", "messages": [{"role": "user", "content": "hi"}], "nvext": {"agent_hints": {"priority": "high"}}}),
+            400,
+            "nvext.agent_hints.priority",
+        ),
+        (
+            json!({"model": "sluice-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokenz": 3}),
+            400,
+            "max_tokenz",
+        ),
+        (
+            json!({"model": "nope", "messages": [{"role": "user", "content": "hi"}]}),
+            404,
+            "model",
+        ),
+        (
+            json!({"model": "sluice-tiny", "messages": [{"role": "user", "content": "hi"}], "n": 3}),
+            400,
+            "n",
+        ),
+        (
+            json!({"model": "sluice-tiny", "messages": []}),
+            400,
+            "messages",
+        ),
+    ];
+    for (body, want, param) in cases {
+        let (status, resp) = post_json(&mesh.http, "/v1/chat/completions", &body).await?;
+        assert_eq!(status, want, "{body} -> {resp}");
+        let v = parse(&resp);
+        assert_eq!(v["error"]["param"], param, "{resp}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty())
+        );
+    }
+    let (status, resp) = request(
+        &mesh.http,
+        "POST",
+        "/v1/chat/completions",
+        Some("{not json".into()),
+        &[],
+    )
+    .await?;
+    assert_eq!(status, 400, "{resp}");
+
+    // The header overrides the body's priority; the response reports it.
+    let body = json!({"model": "sluice-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                      "nvext": {"agent_hints": {"priority": 1}}});
+    let (status, resp) = request(
+        &mesh.http,
+        "POST",
+        "/v1/chat/completions",
+        Some(body.to_string()),
+        &[("x-sluice-priority", "7")],
+    )
+    .await?;
+    assert_eq!(status, 200, "{resp}");
+    assert_eq!(parse(&resp)["nvext"]["priority"], 7);
+    let (status, _) = request(
+        &mesh.http,
+        "POST",
+        "/v1/chat/completions",
+        Some(body.to_string()),
+        &[("x-sluice-priority", "high")],
+    )
+    .await?;
+    assert_eq!(status, 400);
+    mesh.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_worker_is_a_503() -> anyhow::Result<()> {
+    let mesh = Mesh::start(MeshOptions {
+        decode_workers: 0,
+        ..Default::default()
+    })
+    .await?;
+    let (status, body) = post_json(&mesh.http, "/v1/chat/completions", &chat("hi", 2)).await?;
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(parse(&body)["error"]["code"], "no_workers");
+    let (status, _) = get(&mesh.http, "/ready").await?;
+    assert_eq!(status, 503);
+    mesh.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_sends_chunks_usage_and_done() -> anyhow::Result<()> {
+    let mesh = Mesh::start(MeshOptions::default()).await?;
+    let mut body = chat("Tell me a story", 12);
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let (status, text) = post_json(&mesh.http, "/v1/chat/completions", &body).await?;
+    assert_eq!(status, 200, "{text}");
+    let events: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(events.last(), Some(&"[DONE]"), "{text}");
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| parse(e))
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let usage = chunks
+        .iter()
+        .find(|c| c["usage"].is_object())
+        .expect("a usage chunk");
+    assert_eq!(usage["usage"]["completion_tokens"], 12);
+    let last_choice = chunks
+        .iter()
+        .rev()
+        .find(|c| c["choices"].as_array().is_some_and(|a| !a.is_empty()))
+        .expect("final chunk");
+    assert_eq!(last_choice["choices"][0]["finish_reason"], "length");
+    assert!(
+        last_choice["nvext"]["worker_id"].is_string(),
+        "{last_choice}"
+    );
+    mesh.stop().await
+}
+
+async fn active_blocks(endpoint: &str) -> anyhow::Result<u64> {
+    let mut client =
+        wpb::worker_client::WorkerClient::connect(format!("http://{endpoint}")).await?;
+    let mut s = client
+        .load(wpb::LoadRequest {
+            min_interval_ms: 1,
+            max_interval_ms: 50,
+        })
+        .await?
+        .into_inner();
+    Ok(s.message()
+        .await?
+        .map(|r| r.active_blocks)
+        .unwrap_or(u64::MAX))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_http_connection_frees_the_workers_blocks_within_a_second() -> anyhow::Result<()> {
+    let mesh = Mesh::start(MeshOptions::default()).await?;
+    let worker = mesh.endpoints("decode").await?.remove(0);
+    let mut body = chat(&"long prompt ".repeat(40), 1500);
+    body["stream"] = json!(true);
+    body["ignore_eos"] = json!(true);
+    let (status, _, mut reader) = open(
+        &mesh.http,
+        "POST",
+        "/v1/chat/completions",
+        Some(body.to_string()),
+        &[],
+    )
+    .await?;
+    assert_eq!(status, 200);
+    let mut line = String::new();
+    while !line.starts_with("data: ") {
+        line.clear();
+        reader.read_line(&mut line).await?;
+    }
+    assert!(
+        active_blocks(&worker).await? > 0,
+        "the request holds blocks while it runs"
+    );
+    drop(reader); // the client goes away mid-stream
+    let dropped = Instant::now();
+    loop {
+        if active_blocks(&worker).await? == 0 {
+            break;
+        }
+        assert!(
+            dropped.elapsed() < Duration::from_secs(1),
+            "blocks still held {:?} after the disconnect",
+            dropped.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    mesh.stop().await
+}
+
+async fn completion_text(mesh: &Mesh, prompt: &[u32], max_tokens: u32) -> anyhow::Result<Value> {
+    let body = json!({"model": "sluice-tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0});
+    let (status, resp) = post_json(&mesh.http, "/v1/completions", &body).await?;
+    assert_eq!(status, 200, "{resp}");
+    Ok(parse(&resp))
+}
+
+fn long_prompt() -> Vec<u32> {
+    (0..150u32).map(|i| (i * 37 + 11) % 900 + 5).collect()
+}
+
+fn disagg_options() -> MeshOptions {
+    let mut o = MeshOptions {
+        prefill_workers: 1,
+        ..Default::default()
+    };
+    o.worker.max_local_prefill_length = 32;
+    o
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_prefill_generates_the_same_tokens_as_local() -> anyhow::Result<()> {
+    let prompt = long_prompt();
+    let local = {
+        let mesh = Mesh::start(MeshOptions::default()).await?;
+        let v = completion_text(&mesh, &prompt, 16).await?;
+        mesh.stop().await?;
+        v
+    };
+    let mesh = Mesh::start(disagg_options()).await?;
+    let remote = completion_text(&mesh, &prompt, 16).await?;
+    assert!(
+        remote["nvext"]["prefill_worker_id"]
+            .as_str()
+            .is_some_and(|p| p.starts_with("prefill-")),
+        "{remote}"
+    );
+    assert_eq!(local["choices"][0]["text"], remote["choices"][0]["text"]);
+    assert_eq!(remote["usage"]["completion_tokens"], 16);
+    mesh.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broken_kv_transfer_falls_back_to_local_prefill_with_the_same_tokens() -> anyhow::Result<()>
+{
+    let prompt = long_prompt();
+    let good = {
+        let mesh = Mesh::start(disagg_options()).await?;
+        let v = completion_text(&mesh, &prompt, 16).await?;
+        mesh.stop().await?;
+        v
+    };
+    for fault in [
+        sluice_prefill::Fault::CorruptBlocks,
+        sluice_prefill::Fault::DropBlocks,
+    ] {
+        let mesh = Mesh::start(MeshOptions {
+            prefill_fault: Some(fault),
+            ..disagg_options()
+        })
+        .await?;
+        let v = completion_text(&mesh, &prompt, 16).await?;
+        assert_eq!(
+            v["choices"][0]["text"], good["choices"][0]["text"],
+            "{fault:?}"
+        );
+        assert!(
+            v["nvext"].get("prefill_worker_id").is_none(),
+            "{fault:?} fell back to local prefill: {v}"
+        );
+        let (_, metrics) = get(&mesh.endpoints("decode").await?[0], "/metrics").await?;
+        assert!(
+            metrics.contains("sluice_worker_remote_prefill_total{outcome=\""),
+            "{metrics}"
+        );
+        mesh.stop().await?;
+    }
+    Ok(())
+}
