@@ -7,7 +7,7 @@ use sluice_engine::backend::mocker::{MockerOutput, MockerTiming};
 use sluice_engine::kv::KvEvent;
 use sluice_engine::{
     BalanceGroup, EngineConfig, EngineError, EngineHandle, FinishReason, MockerBackend,
-    MockerConfig, Request, SamplingParams, SchedulerConfig,
+    MockerConfig, Request, SamplingParams, SchedulerConfig, SchedulingPolicy,
 };
 
 const BS: usize = 4;
@@ -443,4 +443,79 @@ async fn clear_prefix_cache_publishes_cleared() {
     assert!(e.kv_snapshot().block_hashes.is_empty());
     let events = e.subscribe_kv_events(0).expect("ring").backlog;
     assert_eq!(events.last().map(|r| &r.event), Some(&KvEvent::Cleared));
+}
+
+#[tokio::test]
+async fn higher_priority_request_preempts_and_finishes_first() {
+    let m = MockerConfig {
+        timing: MockerTiming::Polynomial,
+        speedup_ratio: 10.0,
+        ..mocker_cfg(256)
+    };
+    let cfg = EngineConfig {
+        scheduler: SchedulerConfig {
+            max_num_seqs: 1,
+            policy: SchedulingPolicy::Priority,
+            ..engine_cfg().scheduler
+        },
+        ..engine_cfg()
+    };
+    let e = spawn_with(m, cfg);
+    let mut low = e.generate(req(vec![1, 2, 3], 400)).expect("valid");
+    low.recv().await.expect("low is running");
+    let mut high_req = req(vec![4, 5, 6], 3);
+    high_req.priority = 10;
+    let high = e.generate(high_req).expect("valid");
+    let low_task = tokio::spawn(async move {
+        let (tokens, f) = low.collect().await;
+        (tokens.len() + 1, f, std::time::Instant::now())
+    });
+    let (_, fh) = high.collect().await;
+    let high_done = std::time::Instant::now();
+    let (low_len, fl, low_done) = low_task.await.expect("joined");
+    assert_eq!(fh.expect("done").reason, FinishReason::Length);
+    assert_eq!(
+        (low_len, fl.expect("done").reason),
+        (400, FinishReason::Length)
+    );
+    assert!(
+        high_done < low_done,
+        "the high-priority request finished first"
+    );
+    assert!(e.load().borrow().preemptions >= 1);
+}
+
+#[tokio::test]
+async fn many_streams_dropped_at_random_points_leak_no_blocks() {
+    let m = MockerConfig {
+        timing: MockerTiming::Polynomial,
+        speedup_ratio: 200.0,
+        ..mocker_cfg(40)
+    };
+    let cfg = EngineConfig {
+        scheduler: SchedulerConfig {
+            max_num_seqs: 8,
+            ..engine_cfg().scheduler
+        },
+        ..engine_cfg()
+    };
+    let e = spawn_with(m, cfg);
+    let mut tasks = Vec::new();
+    for i in 0..40u32 {
+        let prompt: Vec<u32> = (0..(5 + i % 23)).map(|t| 1 + t + (i % 3) * 100).collect();
+        let mut s = e.generate(req(prompt, 30)).expect("valid");
+        let keep = (i * 7) % 11;
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..keep {
+                if s.recv().await.is_none() {
+                    break;
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("joined");
+    }
+    wait_idle(&e).await;
+    assert_eq!(e.load().borrow().active_blocks, 0);
 }

@@ -22,6 +22,7 @@ use std::time::Duration;
 
 use crate::backend::{Backend, ForwardBatch, ForwardOutput, KvBlockLayout};
 use crate::error::EngineError;
+use crate::model::ModelConfig;
 
 /// What the mocker's forward returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -78,6 +79,23 @@ impl Default for MockerConfig {
             timing: MockerTiming::Polynomial,
             output: MockerOutput::Tokens,
             avoid_token_ids: Vec::new(),
+        }
+    }
+}
+
+impl MockerConfig {
+    /// A mocker shaped like `model` (vocab, layers, KV heads, head dim) that
+    /// never emits the model's EOS ids; only `config.json` is needed.
+    pub fn for_model(model: &ModelConfig, block_size: usize, num_blocks: usize) -> Self {
+        Self {
+            vocab_size: model.vocab_size,
+            num_layers: model.num_hidden_layers,
+            num_kv_heads: model.num_key_value_heads,
+            head_dim: model.head_dim,
+            block_size,
+            num_blocks,
+            avoid_token_ids: model.eos_token_ids.clone(),
+            ..Self::default()
         }
     }
 }
@@ -368,6 +386,25 @@ mod tests {
             .max_by(|a, b| a.1.total_cmp(b.1))
             .map(|(i, _)| i);
         assert_eq!(argmax, Some(tok[0] as usize));
+    }
+
+    #[test]
+    fn for_model_takes_shape_and_eos_from_config_json() {
+        let json = r#"{
+            "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 256, "eos_token_id": [2, 7]
+        }"#;
+        let model = ModelConfig::from_json_str(json, std::path::Path::new("config.json"))
+            .expect("valid config");
+        let m = MockerBackend::new(MockerConfig::for_model(&model, 16, 100)).expect("valid");
+        let layout = m.kv_layout();
+        assert_eq!(
+            (layout.num_layers, layout.num_kv_heads, layout.head_dim),
+            (3, 2, 16)
+        );
+        assert_eq!((m.vocab_size(), m.num_blocks()), (256, 100));
+        assert_eq!(m.config().avoid_token_ids, vec![2, 7]);
     }
 
     #[test]

@@ -106,6 +106,8 @@ impl EngineCore {
             .backend
             .forward(&step.batch)
             .and_then(|out| self.sched.update(&step, out));
+        // Load first, so whoever sees an output also sees the state after it.
+        self.publish_load();
         match result {
             Ok(outputs) => {
                 for out in outputs {
@@ -114,7 +116,9 @@ impl EngineCore {
             }
             Err(e) => {
                 tracing::error!(error = %e, backend = self.backend.name(), "engine step failed");
-                for (id, finished) in self.sched.fail_step(&step) {
+                let failed = self.sched.fail_step(&step);
+                self.publish_load();
+                for (id, finished) in failed {
                     self.finish_with(id, finished, &e);
                 }
             }
@@ -161,6 +165,7 @@ impl EngineCore {
                         release: AbortOnDrop::new(id, self.tx.clone()),
                     }
                 });
+                self.publish_load();
                 // A dropped receiver drops the slot, whose guard releases it.
                 let _ = reply.send(res);
             }
@@ -188,6 +193,7 @@ impl EngineCore {
                 match self.sched.commit_remote(id, first_token, logprobs) {
                     Ok(out) => {
                         self.streams.insert(id, tx);
+                        self.publish_load();
                         self.dispatch(out);
                     }
                     Err(e) => {
