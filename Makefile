@@ -8,17 +8,21 @@ APT_PACKAGES := etcd-server protobuf-compiler
 # processes and the machine has 2 cores.
 TEST_THREADS ?= 2
 
-.PHONY: help deps build run test test-rust test-python bench lint fmt clean
+.PHONY: help deps deps-system deps-python build run test test-rust test-python bench lint fmt clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
-deps: ## install system packages (etcd-server, protoc) and the Python test venv
+deps: deps-system deps-python ## install everything the build and the tests need
+
+deps-system: ## apt packages: etcd-server (tests), protobuf-compiler (build)
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
 	fi
+
+deps-python: ## the venv with the clients the tests use (openai, grpcio-tools, pytest)
 	@[ -x $(PY) ] || python3 -m venv $(VENV)
 	@$(PY) -m pip install -q --upgrade pip >/dev/null
 	@$(PY) -m pip install -q -r tests/python/requirements.txt
@@ -26,7 +30,7 @@ deps: ## install system packages (etcd-server, protoc) and the Python test venv
 build: ## build every crate (debug)
 	$(CARGO) build --workspace --all-targets
 
-run: ## run everything locally: `sluice up` with the built-in model on :8000
+run: deps-system ## set up and run everything: `sluice up` with the built-in model on :8000
 	$(CARGO) run --release -p sluice -- up $(ARGS)
 
 test: test-rust test-python ## run every test (Rust and Python clients)

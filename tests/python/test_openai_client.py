@@ -1,0 +1,126 @@
+"""The official `openai` client against `sluice up`, unmodified."""
+
+import openai
+import pytest
+from openai import OpenAI
+
+
+@pytest.fixture(scope="module")
+def client(sluice):
+    return OpenAI(base_url=f"http://{sluice}/v1", api_key="unused", max_retries=0)
+
+
+MESSAGES = [{"role": "user", "content": "Write one sentence about rivers."}]
+
+
+def test_models_lists_the_builtin_model(client):
+    ids = [m.id for m in client.models.list().data]
+    assert ids == ["sluice-tiny"]
+
+
+def test_chat_completion_returns_text_usage_and_nvext(client):
+    r = client.chat.completions.create(model="sluice-tiny", messages=MESSAGES, max_tokens=10, temperature=0)
+    assert r.object == "chat.completion"
+    assert r.choices[0].finish_reason in ("length", "stop")
+    assert r.usage.completion_tokens <= 10
+    assert r.usage.prompt_tokens > 0
+    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+    nvext = r.model_extra["nvext"]
+    assert nvext["worker_id"].startswith("decode-")
+    assert nvext["priority"] == 0
+
+
+def test_priority_is_read_from_nvext_agent_hints(client):
+    r = client.chat.completions.create(
+        model="sluice-tiny",
+        messages=MESSAGES,
+        max_tokens=2,
+        extra_body={"nvext": {"agent_hints": {"priority": 5}}},
+    )
+    assert r.model_extra["nvext"]["priority"] == 5
+
+
+def test_chat_streaming_with_usage(client):
+    stream = client.chat.completions.create(
+        model="sluice-tiny",
+        messages=MESSAGES,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    usage = [c.usage for c in chunks if c.usage]
+    assert finals and finals[-1].choices[0].finish_reason == "length"
+    assert usage and usage[-1].completion_tokens == 12
+    assert isinstance(text, str)
+
+
+def test_completions_streaming_and_not(client):
+    r = client.completions.create(model="sluice-tiny", prompt="Once upon a time", max_tokens=8, temperature=0)
+    assert r.object == "text_completion"
+    assert r.usage.completion_tokens == 8
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model="sluice-tiny", prompt="Once upon a time", max_tokens=8, temperature=0, stream=True
+        )
+        if c.choices
+    )
+    assert streamed == r.choices[0].text
+
+
+def test_same_seed_same_tokens(client):
+    def sample():
+        return client.chat.completions.create(
+            model="sluice-tiny", messages=MESSAGES, max_tokens=16, temperature=1.0, seed=1234
+        ).choices[0].message.content
+
+    assert sample() == sample()
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=MESSAGES, max_tokens=2)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"nvext": {"priority": 3}},
+        {"priority": 3},
+        {"nvext": {"agent_hints": {"priority": "urgent"}}},
+    ],
+)
+def test_misplaced_priority_is_a_400_naming_the_right_path(client, extra):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="sluice-tiny", messages=MESSAGES, max_tokens=2, extra_body=extra)
+    assert "nvext.agent_hints.priority" in str(e.value)
+
+
+def test_unknown_field_is_a_400_naming_it(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model="sluice-tiny", messages=MESSAGES, max_tokens=2, extra_body={"max_tokenz": 3}
+        )
+    assert "max_tokenz" in str(e.value)
+
+
+def test_n_greater_than_one_is_a_clear_400(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="sluice-tiny", messages=MESSAGES, max_tokens=2, n=2)
+    assert "n" in str(e.value)
+
+
+def test_stop_string_ends_generation(client):
+    full = client.completions.create(model="sluice-tiny", prompt="The river", max_tokens=24, temperature=0)
+    text = full.choices[0].text
+    assert len(text) >= 4, f"greedy output too short for this test: {text!r}"
+    # Stop on a piece from the middle of the greedy output: the text ends
+    # right before its first occurrence.
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    r = client.completions.create(model="sluice-tiny", prompt="The river", max_tokens=24, temperature=0, stop=[stop])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == text[: text.find(stop)]
