@@ -54,7 +54,8 @@ pub enum BuiltinSize {
     /// the tokenizer's. Fast enough for tests and the default `sluice up`.
     Tiny,
     /// ~100M parameters, bf16: hidden 768, 12 layers, 12 heads (4 KV),
-    /// intermediate 2048, vocab padded to 32000. For benchmarks.
+    /// intermediate 2048, vocab padded to 32000 (the padded embedding rows
+    /// are zero, so greedy decoding emits real tokens). For benchmarks.
     Small,
 }
 
@@ -161,18 +162,22 @@ impl Spec {
         self.hidden / self.heads
     }
 
-    /// Every tensor as (HF name, shape, random or ones), in generation order.
-    fn tensors(&self, vocab: usize) -> Vec<(String, Vec<usize>, Init)> {
+    /// Every tensor as (HF name, shape, initialisation), in generation
+    /// order. Embedding rows past `tokenizer_vocab` (padding) are zero.
+    fn tensors(&self, vocab: usize, tokenizer_vocab: usize) -> Vec<(String, Vec<usize>, Init)> {
         let (h, q, kv, inter) = (
             self.hidden,
             self.heads * self.head_dim(),
             self.kv_heads * self.head_dim(),
             self.intermediate,
         );
+        let embed_init = Init::NormalThenZeros {
+            random: vocab.min(tokenizer_vocab) * h,
+        };
         let mut out = vec![(
             "model.embed_tokens.weight".to_string(),
             vec![vocab, h],
-            Init::Normal,
+            embed_init,
         )];
         for i in 0..self.layers {
             let p = format!("model.layers.{i}");
@@ -200,7 +205,7 @@ impl Spec {
 
     #[cfg(test)]
     fn parameter_count(&self, vocab: usize) -> usize {
-        self.tensors(vocab)
+        self.tensors(vocab, vocab)
             .iter()
             .map(|(_, shape, _)| shape.iter().product::<usize>())
             .sum()
@@ -211,6 +216,11 @@ impl Spec {
 enum Init {
     /// Normal(0, [`INIT_STD`]).
     Normal,
+    /// Normal for the first `random` values, zero after: the embedding rows
+    /// of padded ids, so that with tied embeddings their logit is exactly 0
+    /// and greedy decoding picks real tokens (the best of ~2000 random
+    /// logits is positive).
+    NormalThenZeros { random: usize },
     /// All 1.0 (RMSNorm weights).
     Ones,
 }
@@ -342,7 +352,7 @@ pub fn write_builtin_model(dir: &Path, size: BuiltinSize) -> Result<(), EngineEr
     write_json(&dir.join(GENERATION_CONFIG_JSON), &generation_config)?;
 
     let weights = dir.join(MODEL_SAFETENSORS);
-    write_weights(&weights, &spec, vocab)?;
+    write_weights(&weights, &spec, vocab, tokenizer.vocab_size())?;
     // safetensors creates the file owner-only; give it the permissions the
     // other files got from the umask, so a model dir is shared as a whole.
     let permissions = std::fs::metadata(dir.join(CONFIG_JSON))
@@ -359,17 +369,26 @@ pub fn write_builtin_model(dir: &Path, size: BuiltinSize) -> Result<(), EngineEr
 
 /// Draws every tensor from one seeded generator and writes them with
 /// `safetensors::serialize_to_file` (metadata `format: pt`, as transformers expects).
-fn write_weights(path: &Path, spec: &Spec, vocab: usize) -> Result<(), EngineError> {
+fn write_weights(
+    path: &Path,
+    spec: &Spec,
+    vocab: usize,
+    tokenizer_vocab: usize,
+) -> Result<(), EngineError> {
     let mut rng = StdRng::seed_from_u64(WEIGHT_SEED);
     let mut normal = NormalSampler::default();
-    let tensors = spec.tensors(vocab);
+    let tensors = spec.tensors(vocab, tokenizer_vocab);
     let mut buffers = Vec::with_capacity(tensors.len());
     for (name, shape, init) in &tensors {
         let n: usize = shape.iter().product();
         let mut bytes = Vec::with_capacity(n * 4);
-        for _ in 0..n {
-            let value = match init {
+        for i in 0..n {
+            let value = match *init {
                 Init::Normal => (normal.sample(&mut rng) * INIT_STD) as f32,
+                Init::NormalThenZeros { random } if i < random => {
+                    (normal.sample(&mut rng) * INIT_STD) as f32
+                }
+                Init::NormalThenZeros { .. } => 0.0,
                 Init::Ones => 1.0,
             };
             spec.dtype.push(&mut bytes, value);
@@ -562,7 +581,7 @@ mod tests {
             .as_u64()
             .expect("vocab") as usize;
         let spec = BuiltinSize::Tiny.spec();
-        assert_eq!(st.len(), spec.tensors(vocab).len());
+        assert_eq!(st.len(), spec.tensors(vocab, vocab).len());
         assert!(st.tensor("lm_head.weight").is_err(), "embeddings are tied");
         let shape = |name: &str| st.tensor(name).expect(name).shape().to_vec();
         assert_eq!(shape("model.embed_tokens.weight"), vec![vocab, 256]);
@@ -656,6 +675,18 @@ mod tests {
         );
         assert_eq!(spec.head_dim(), 64);
         assert_eq!(spec.dtype, WeightDtype::Bf16);
+    }
+
+    #[test]
+    fn padded_embedding_rows_are_zero_and_real_rows_random() {
+        let spec = BuiltinSize::Small.spec();
+        let tensors = spec.tensors(32_000, 2073);
+        let (name, shape, init) = &tensors[0];
+        assert_eq!(name, "model.embed_tokens.weight");
+        assert_eq!(shape, &vec![32_000, 768]);
+        assert_eq!(*init, Init::NormalThenZeros { random: 2073 * 768 });
+        let unpadded = BuiltinSize::Tiny.spec().tensors(2073, 2073);
+        assert_eq!(unpadded[0].2, Init::NormalThenZeros { random: 2073 * 256 });
     }
 
     #[test]
