@@ -22,63 +22,77 @@ use crate::model::{LayerWeights, Linear, Model, ModelConfig, ModelWeights};
 
 use attention::{AttnShape, MAX_GROUP, TokenPos, paged_attention};
 use kernels::{Rope, add_bias, apply_rope, rms_norm, swiglu};
-use matmul::matmul_t;
+use matmul::{matmul, transpose};
 use paged_kv::{PagedKv, slot_offset};
 
-/// One decoder layer, laid out for compute.
+/// One decoder layer, laid out for compute: weights input-major
+/// (`[in, out]`, see [`matmul`]).
 #[derive(Debug)]
 struct Layer {
     input_norm: Vec<f32>,
-    /// `[q + k + v rows, hidden]`: q, k, v projections stacked.
+    /// `[hidden, q + k + v]`: q, k, v projections side by side.
     qkv: Vec<f32>,
     qkv_bias: Option<Vec<f32>>,
-    /// `[hidden, heads * head_dim]`.
+    /// `[heads * head_dim, hidden]`.
     o: Vec<f32>,
     o_bias: Option<Vec<f32>>,
     post_norm: Vec<f32>,
-    /// `[2 * intermediate, hidden]`: gate rows, then up rows.
+    /// `[hidden, 2 * intermediate]`: gate columns, then up columns.
     gate_up: Vec<f32>,
     gate_up_bias: Option<Vec<f32>>,
-    /// `[hidden, intermediate]`.
+    /// `[intermediate, hidden]`.
     down: Vec<f32>,
     down_bias: Option<Vec<f32>>,
 }
 
+/// HF `[out, in]` linears side by side as one input-major `[in, Σ out]`
+/// matrix, with their biases concatenated (zeros where one has none).
+fn stack(parts: &[&Linear]) -> (Vec<f32>, Option<Vec<f32>>) {
+    let inputs = parts[0].weight.shape[1];
+    let outputs: usize = parts.iter().map(|l| l.out_features()).sum();
+    let mut weight = vec![0.0; inputs * outputs];
+    let mut offset = 0;
+    for l in parts {
+        debug_assert_eq!(l.weight.shape[1], inputs);
+        transpose(
+            &mut weight,
+            outputs,
+            offset,
+            &l.weight.data,
+            l.out_features(),
+            inputs,
+        );
+        offset += l.out_features();
+    }
+    let bias = parts.iter().any(|l| l.bias.is_some()).then(|| {
+        parts
+            .iter()
+            .flat_map(|l| match &l.bias {
+                Some(b) => b.clone(),
+                None => vec![0.0; l.out_features()],
+            })
+            .collect()
+    });
+    (weight, bias)
+}
+
 impl Layer {
     fn new(w: LayerWeights) -> Self {
-        fn stack(parts: &[&Linear]) -> (Vec<f32>, Option<Vec<f32>>) {
-            let weight = parts
-                .iter()
-                .flat_map(|l| l.weight.data.iter().copied())
-                .collect();
-            let bias = if parts.iter().any(|l| l.bias.is_some()) {
-                Some(
-                    parts
-                        .iter()
-                        .flat_map(|l| match &l.bias {
-                            Some(b) => b.clone(),
-                            None => vec![0.0; l.out_features()],
-                        })
-                        .collect(),
-                )
-            } else {
-                None
-            };
-            (weight, bias)
-        }
         let (qkv, qkv_bias) = stack(&[&w.q_proj, &w.k_proj, &w.v_proj]);
         let (gate_up, gate_up_bias) = stack(&[&w.gate_proj, &w.up_proj]);
+        let (o, o_bias) = stack(&[&w.o_proj]);
+        let (down, down_bias) = stack(&[&w.down_proj]);
         Layer {
             input_norm: w.input_layernorm,
             qkv,
             qkv_bias,
-            o: w.o_proj.weight.data,
-            o_bias: w.o_proj.bias,
+            o,
+            o_bias,
             post_norm: w.post_attention_layernorm,
             gate_up,
             gate_up_bias,
-            down: w.down_proj.weight.data,
-            down_bias: w.down_proj.bias,
+            down,
+            down_bias,
         }
     }
 }
@@ -111,8 +125,8 @@ pub struct CpuBackend {
     embed: Vec<f32>,
     layers: Vec<Layer>,
     final_norm: Vec<f32>,
-    /// `[vocab, hidden]`; `None` when tied to `embed`.
-    lm_head: Option<Vec<f32>>,
+    /// `[hidden, vocab]` (input-major, also when tied to `embed`).
+    lm_head: Vec<f32>,
     rope: Rope,
     kv: PagedKv,
     scratch: Scratch,
@@ -147,6 +161,10 @@ impl CpuBackend {
             norm,
             lm_head,
         } = weights;
+        let head = lm_head.as_ref().unwrap_or(&embed_tokens);
+        let (vocab, hidden) = (head.shape[0], head.shape[1]);
+        let mut lm_head_t = vec![0.0; vocab * hidden];
+        transpose(&mut lm_head_t, vocab, 0, &head.data, vocab, hidden);
         let layout = KvBlockLayout {
             num_layers: config.num_hidden_layers,
             num_kv_heads: config.num_key_value_heads,
@@ -159,7 +177,7 @@ impl CpuBackend {
             embed: embed_tokens.data,
             layers: layers.into_iter().map(Layer::new).collect(),
             final_norm: norm,
-            lm_head: lm_head.map(|t| t.data),
+            lm_head: lm_head_t,
             kv: PagedKv::new(layout, num_blocks),
             scratch: Scratch::default(),
             config,
@@ -266,7 +284,7 @@ impl CpuBackend {
         for (l, layer) in self.layers.iter().enumerate() {
             // Attention block.
             rms_norm(h, x, &layer.input_norm, hidden, c.rms_norm_eps);
-            matmul_t(qkv, h, &layer.qkv, n, hidden, qkv_dim, false);
+            matmul(qkv, h, &layer.qkv, n, hidden, qkv_dim, false);
             if let Some(b) = &layer.qkv_bias {
                 add_bias(qkv, b);
             }
@@ -283,18 +301,18 @@ impl CpuBackend {
                 v_slab[slot..slot + kv_dim].copy_from_slice(&row[q_dim + kv_dim..]);
             }
             paged_attention(attn, qkv, k_slab, v_slab, &s.tokens, &tables, shape);
-            matmul_t(x, attn, &layer.o, n, q_dim, hidden, true);
+            matmul(x, attn, &layer.o, n, q_dim, hidden, true);
             if let Some(b) = &layer.o_bias {
                 add_bias(x, b);
             }
             // MLP block.
             rms_norm(h, x, &layer.post_norm, hidden, c.rms_norm_eps);
-            matmul_t(gate_up, h, &layer.gate_up, n, hidden, 2 * inter, false);
+            matmul(gate_up, h, &layer.gate_up, n, hidden, 2 * inter, false);
             if let Some(b) = &layer.gate_up_bias {
                 add_bias(gate_up, b);
             }
             swiglu(act, gate_up, inter);
-            matmul_t(x, act, &layer.down, n, inter, hidden, true);
+            matmul(x, act, &layer.down, n, inter, hidden, true);
             if let Some(b) = &layer.down_bias {
                 add_bias(x, b);
             }
@@ -314,8 +332,7 @@ impl CpuBackend {
         rms_norm(normed, &rows, &self.final_norm, hidden, c.rms_norm_eps);
         let vocab = c.vocab_size;
         let mut logits = vec![0.0; r * vocab];
-        let head = self.lm_head.as_deref().unwrap_or(&self.embed);
-        matmul_t(&mut logits, normed, head, r, hidden, vocab, false);
+        matmul(&mut logits, normed, &self.lm_head, r, hidden, vocab, false);
         logits
     }
 }

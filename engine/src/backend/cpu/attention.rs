@@ -9,7 +9,7 @@
 
 use rayon::prelude::*;
 
-use super::kernels::{dot, scale_add};
+use super::kernels::{axpy, dot_rows, fast_exp};
 
 /// Query heads per kv head handled by one task without allocating.
 pub(crate) const MAX_GROUP: usize = 64;
@@ -51,63 +51,141 @@ pub(crate) fn paged_attention(
         num_heads,
         num_kv_heads,
         head_dim,
-        block_size,
         qkv_dim,
+        ..
     } = shape;
     let group = num_heads / num_kv_heads;
     debug_assert!(group <= MAX_GROUP);
     debug_assert_eq!(out.len(), tokens.len() * num_heads * head_dim);
-    let scale = 1.0 / (head_dim as f32).sqrt();
-    let token_stride = num_kv_heads * head_dim;
+    let avx2 = has_avx2_fma();
     out.par_chunks_mut(group * head_dim)
         .enumerate()
         .for_each(|(task, out)| {
             let (t, g) = (task / num_kv_heads, task % num_kv_heads);
             let TokenPos { seq, pos } = tokens[t];
-            let table = tables[seq];
             let q_start = t * qkv_dim + g * group * head_dim;
             let q = &qkv[q_start..q_start + group * head_dim];
-            let mut max = [f32::NEG_INFINITY; MAX_GROUP];
-            let mut sum = [0f32; MAX_GROUP];
-            let mut scores = [0f32; SCORE_CHUNK];
-            out.fill(0.0);
-            let context = pos + 1;
-            for (b, &block) in table.iter().enumerate().take(context.div_ceil(block_size)) {
-                let in_block = block_size.min(context - b * block_size);
-                let block_start = block as usize * block_size * token_stride + g * head_dim;
-                let mut first = 0;
-                while first < in_block {
-                    let count = SCORE_CHUNK.min(in_block - first);
-                    let row = |j: usize| block_start + (first + j) * token_stride;
-                    for h in 0..group {
-                        let qh = &q[h * head_dim..(h + 1) * head_dim];
-                        let mut new_max = max[h];
-                        for (j, s) in scores[..count].iter_mut().enumerate() {
-                            let r = row(j);
-                            *s = dot(qh, &k_slab[r..r + head_dim]) * scale;
-                            new_max = new_max.max(*s);
-                        }
-                        let correction = (max[h] - new_max).exp();
-                        max[h] = new_max;
-                        sum[h] *= correction;
-                        let oh = &mut out[h * head_dim..(h + 1) * head_dim];
-                        let mut rescale = correction;
-                        for (j, s) in scores[..count].iter().enumerate() {
-                            let w = (s - new_max).exp();
-                            sum[h] += w;
-                            let r = row(j);
-                            scale_add(oh, rescale, w, &v_slab[r..r + head_dim]);
-                            rescale = 1.0;
-                        }
-                    }
-                    first += count;
-                }
+            let task = Task {
+                out,
+                q,
+                k_slab,
+                v_slab,
+                table: tables[seq],
+                context: pos + 1,
+                kv_head: g,
+                shape,
+            };
+            #[cfg(target_arch = "x86_64")]
+            if avx2 {
+                // SAFETY: the CPU supports the features `attend_avx2` is compiled for.
+                unsafe { attend_avx2(task) };
+                return;
             }
-            for h in 0..group {
-                let inv = 1.0 / sum[h];
-                for o in &mut out[h * head_dim..(h + 1) * head_dim] {
-                    *o *= inv;
-                }
-            }
+            attend(task);
         });
+}
+
+/// One (token, kv head) pair's share of the attention step.
+struct Task<'a> {
+    /// `[group, head_dim]` outputs of the query heads sharing `kv_head`.
+    out: &'a mut [f32],
+    /// `[group, head_dim]` rotated queries.
+    q: &'a [f32],
+    k_slab: &'a [f32],
+    v_slab: &'a [f32],
+    table: &'a [u32],
+    /// Positions attended to: `0..context`.
+    context: usize,
+    kv_head: usize,
+    shape: AttnShape,
+}
+
+fn has_avx2_fma() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn attend_avx2(task: Task<'_>) {
+    attend(task);
+}
+
+/// Online-softmax attention of a group of query heads over one sequence's
+/// paged K/V, a block (at most [`SCORE_CHUNK`] positions) at a time.
+#[inline(always)]
+fn attend(task: Task<'_>) {
+    let Task {
+        out,
+        q,
+        k_slab,
+        v_slab,
+        table,
+        context,
+        kv_head,
+        shape,
+    } = task;
+    let AttnShape {
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        ..
+    } = shape;
+    let group = num_heads / num_kv_heads;
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    let token_stride = num_kv_heads * head_dim;
+    let mut max = [f32::NEG_INFINITY; MAX_GROUP];
+    let mut sum = [0f32; MAX_GROUP];
+    let mut scores = [0f32; SCORE_CHUNK];
+    out.fill(0.0);
+    for (b, &block) in table.iter().enumerate().take(context.div_ceil(block_size)) {
+        let in_block = block_size.min(context - b * block_size);
+        let block_start = block as usize * block_size * token_stride + kv_head * head_dim;
+        let mut first = 0;
+        while first < in_block {
+            let count = SCORE_CHUNK.min(in_block - first);
+            let rows = block_start + first * token_stride;
+            for h in 0..group {
+                let qh = &q[h * head_dim..(h + 1) * head_dim];
+                let scores = &mut scores[..count];
+                dot_rows(scores, qh, &k_slab[rows..], token_stride);
+                let mut new_max = max[h];
+                for s in scores.iter_mut() {
+                    *s *= scale;
+                    new_max = new_max.max(*s);
+                }
+                let oh = &mut out[h * head_dim..(h + 1) * head_dim];
+                let correction = (max[h] - new_max).exp();
+                if correction != 1.0 {
+                    sum[h] *= correction;
+                    for o in oh.iter_mut() {
+                        *o *= correction;
+                    }
+                }
+                max[h] = new_max;
+                for s in scores.iter_mut() {
+                    *s = fast_exp(*s - new_max);
+                }
+                for (j, &w) in scores.iter().enumerate() {
+                    sum[h] += w;
+                    let r = rows + j * token_stride;
+                    axpy(oh, w, &v_slab[r..r + head_dim]);
+                }
+            }
+            first += count;
+        }
+    }
+    for h in 0..group {
+        let inv = 1.0 / sum[h];
+        for o in &mut out[h * head_dim..(h + 1) * head_dim] {
+            *o *= inv;
+        }
+    }
 }

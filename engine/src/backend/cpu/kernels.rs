@@ -10,7 +10,7 @@ use crate::model::{ModelConfig, RopeScaling};
 const LANES: usize = 8;
 
 /// `Σ a[i]·b[i]` with independent lane accumulators (vectorisable).
-#[inline]
+#[inline(always)]
 pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; LANES];
     let ca = a.chunks_exact(LANES);
@@ -28,12 +28,74 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     sum
 }
 
-/// `acc[i] = acc[i]·scale + w·v[i]`.
-#[inline]
-pub(crate) fn scale_add(acc: &mut [f32], scale: f32, w: f32, v: &[f32]) {
-    for (a, x) in acc.iter_mut().zip(v) {
-        *a = *a * scale + w * x;
+/// `out[j] = dot(q, k[j·stride..j·stride + q.len()])` for each `j`, four
+/// rows at a time so the four reductions overlap.
+#[inline(always)]
+pub(crate) fn dot_rows(out: &mut [f32], q: &[f32], k: &[f32], stride: usize) {
+    let d = q.len();
+    let mut quads = out.chunks_exact_mut(4);
+    let mut j = 0;
+    for o in &mut quads {
+        let rows: [&[f32]; 4] = std::array::from_fn(|i| &k[(j + i) * stride..(j + i) * stride + d]);
+        let mut acc = [[0f32; LANES]; 4];
+        let chunks = d / LANES;
+        for c in 0..chunks {
+            let qs = &q[c * LANES..(c + 1) * LANES];
+            for (a, row) in acc.iter_mut().zip(&rows) {
+                let ks = &row[c * LANES..(c + 1) * LANES];
+                for l in 0..LANES {
+                    a[l] += qs[l] * ks[l];
+                }
+            }
+        }
+        for ((o, a), row) in o.iter_mut().zip(&acc).zip(&rows) {
+            let mut sum = (a[0] + a[4]) + (a[1] + a[5]) + (a[2] + a[6]) + (a[3] + a[7]);
+            for p in chunks * LANES..d {
+                sum += q[p] * row[p];
+            }
+            *o = sum;
+        }
+        j += 4;
     }
+    for o in quads.into_remainder() {
+        *o = dot(q, &k[j * stride..j * stride + d]);
+        j += 1;
+    }
+}
+
+/// `acc[i] += w·v[i]`.
+#[inline(always)]
+pub(crate) fn axpy(acc: &mut [f32], w: f32, v: &[f32]) {
+    for (a, x) in acc.iter_mut().zip(v) {
+        *a += w * x;
+    }
+}
+
+/// `e^x` to within about 2 ulp (Cephes' `expf`: range reduction by ln 2 and
+/// a degree-5 polynomial), written with float and integer bit operations only
+/// so loops over it vectorise, unlike libm's. Inputs are clamped to
+/// `[-87.3, 88.7]`, so results stay finite and normal.
+#[inline(always)]
+pub(crate) fn fast_exp(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    // Adding 1.5·2^23 rounds to an integer held in the low mantissa bits.
+    const ROUND: f32 = 12_582_912.0;
+    let x = x.clamp(-87.3, 88.7);
+    let t = x * LOG2E + ROUND;
+    let n = t - ROUND;
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let p = 1.987_569_1e-4_f32;
+    let p = p * r + 1.398_199_9e-3;
+    let p = p * r + 8.333_452e-3;
+    let p = p * r + 4.166_579_6e-2;
+    let p = p * r + 1.666_666_5e-1;
+    let p = p * r + 0.5;
+    let y = p * r * r + r + 1.0;
+    // 2^n through the exponent bits: n = t.bits - ROUND.bits, in [-126, 128).
+    let n_bits = t.to_bits().wrapping_sub(ROUND.to_bits());
+    y * f32::from_bits(n_bits.wrapping_add(127) << 23)
 }
 
 /// RMSNorm of each `dim`-wide row of `x` into `out`, times `weight`.
@@ -65,7 +127,7 @@ pub(crate) fn swiglu(out: &mut [f32], gate_up: &[f32], inter: usize) {
     {
         let (gate, up) = row.split_at(inter);
         for ((o, g), u) in o.iter_mut().zip(gate).zip(up) {
-            *o = g / (1.0 + (-g).exp()) * u;
+            *o = g / (1.0 + fast_exp(-g)) * u;
         }
     }
 }
@@ -195,6 +257,31 @@ mod tests {
         let b: Vec<f32> = (0..19).map(|i| 1.0 - i as f32 * 0.1).collect();
         let naive: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
         assert!((dot(&a, &b) - naive).abs() < 1e-4);
+    }
+
+    #[test]
+    fn dot_rows_matches_dot_per_row() {
+        let q: Vec<f32> = (0..12).map(|i| i as f32 * 0.25 - 1.0).collect();
+        let k: Vec<f32> = (0..7 * 20).map(|i| ((i * 37) % 11) as f32 - 5.0).collect();
+        let mut out = [0.0; 7];
+        dot_rows(&mut out, &q, &k, 20);
+        for (j, o) in out.iter().enumerate() {
+            assert!((o - dot(&q, &k[j * 20..j * 20 + 12])).abs() < 1e-4);
+        }
+    }
+
+    #[test]
+    fn fast_exp_matches_std_exp() {
+        for i in -8700..=8800 {
+            let x = i as f32 * 0.01;
+            let (got, want) = (fast_exp(x), x.exp());
+            assert!(
+                (got - want).abs() <= 4.0 * f32::EPSILON * want,
+                "exp({x}): {got} vs {want}"
+            );
+        }
+        assert_eq!(fast_exp(0.0), 1.0);
+        assert!(fast_exp(-1000.0) >= 0.0 && fast_exp(-1000.0) < 1e-37);
     }
 
     #[test]

@@ -1,23 +1,27 @@
-//! Matrix products of activations by weights, through the `gemm` crate.
+//! Matrix products of activations by weights.
 //!
-//! One shape only: `out[m, n] (+)= x[m, k] · wᵀ` with `w` row-major `[n, k]`
-//! (Hugging Face's `[out_features, in_features]`), all row-major f32. Several
-//! rows use gemm's own rayon parallelism; a single row (batch-1 decode) is a
-//! matrix-vector product, which gemm runs on one thread, so it is split over
-//! output columns here instead.
+//! One shape only: `out[m, n] (+)= x[m, k] · w[k, n]`, all row-major f32,
+//! with weights stored input-major (`[in_features, out_features]`, the
+//! transpose of Hugging Face's layout; [`transpose`] converts at load).
+//!
+//! Several rows go through the `gemm` crate with its rayon parallelism; this
+//! layout is the one its packing favours. A single row (batch-1 decode) is a
+//! matrix-vector product, where gemm is slow and single-threaded, so it runs
+//! a row-axpy kernel here instead, split over output columns with rayon and
+//! compiled for AVX2+FMA when the CPU has them.
 
 use gemm::Parallelism;
 use rayon::prelude::*;
 
-/// Work (multiply-adds) below which a product stays on the calling thread.
+/// Multiply-adds below which a product stays on the calling thread.
 const PARALLEL_MIN_WORK: usize = 1 << 16;
-/// Output columns per task for a split matrix-vector product.
-const GEMV_MIN_COLUMNS: usize = 64;
+/// Output columns per task of a split matrix-vector product.
+const GEMV_MIN_COLUMNS: usize = 128;
 
-/// `out = x · wᵀ`, or `out += x · wᵀ` when `accumulate`.
+/// `out = x · w`, or `out += x · w` when `accumulate`.
 ///
-/// `x` is `[m, k]`, `w` is `[n, k]`, `out` is `[m, n]`, all row-major.
-pub(crate) fn matmul_t(
+/// `x` is `[m, k]`, `w` is `[k, n]`, `out` is `[m, n]`, all row-major.
+pub(crate) fn matmul(
     out: &mut [f32],
     x: &[f32],
     w: &[f32],
@@ -27,58 +31,34 @@ pub(crate) fn matmul_t(
     accumulate: bool,
 ) {
     assert_eq!(x.len(), m * k, "x must be [m, k]");
-    assert_eq!(w.len(), n * k, "w must be [n, k]");
+    assert_eq!(w.len(), k * n, "w must be [k, n]");
     assert_eq!(out.len(), m * n, "out must be [m, n]");
     if m == 0 || n == 0 {
         return;
     }
     let threads = rayon::current_num_threads();
-    let work = m * n * k;
-    if m == 1 && threads > 1 && work >= PARALLEL_MIN_WORK {
-        let per_task = n.div_ceil(threads * 4).max(GEMV_MIN_COLUMNS);
-        out.par_chunks_mut(per_task)
-            .enumerate()
-            .for_each(|(i, out)| {
-                let j0 = i * per_task;
-                let cols = out.len();
-                gemm_rows(
-                    out,
-                    x,
-                    &w[j0 * k..(j0 + cols) * k],
-                    1,
-                    k,
-                    cols,
-                    accumulate,
-                    Parallelism::None,
-                );
-            });
+    let parallel = threads > 1 && m * n * k >= PARALLEL_MIN_WORK;
+    if m == 1 {
+        if parallel {
+            let per_task = n.div_ceil(threads * 2).max(GEMV_MIN_COLUMNS);
+            out.par_chunks_mut(per_task)
+                .enumerate()
+                .for_each(|(i, out)| gemv(out, x, w, n, i * per_task, accumulate));
+        } else {
+            gemv(out, x, w, n, 0, accumulate);
+        }
         return;
     }
-    let parallelism = if threads > 1 && work >= PARALLEL_MIN_WORK {
+    let parallelism = if parallel {
         Parallelism::Rayon(threads)
     } else {
         Parallelism::None
     };
-    gemm_rows(out, x, w, m, k, n, accumulate, parallelism);
-}
-
-#[expect(clippy::too_many_arguments, reason = "mirrors gemm's own signature")]
-fn gemm_rows(
-    out: &mut [f32],
-    x: &[f32],
-    w: &[f32],
-    m: usize,
-    k: usize,
-    n: usize,
-    accumulate: bool,
-    parallelism: Parallelism,
-) {
-    debug_assert!(out.len() >= m * n && x.len() >= m * k && w.len() >= n * k);
-    // SAFETY: every pointer comes from a slice holding the whole matrix
-    // it describes (checked above): dst is [m, n] with row stride n, lhs is
-    // [m, k] with row stride k, rhs = wᵀ is [k, n] read from w with row
-    // stride 1 and column stride k. `out` is borrowed mutably, so it
-    // aliases neither input.
+    // SAFETY: every pointer comes from a slice holding the whole matrix it
+    // describes (lengths asserted above): dst is [m, n] with row stride n,
+    // lhs is [m, k] with row stride k, rhs is [k, n] with row stride n, all
+    // with column stride 1. `out` is borrowed mutably, so it aliases neither
+    // input.
     unsafe {
         gemm::gemm(
             m,
@@ -92,8 +72,8 @@ fn gemm_rows(
             1,
             k as isize,
             w.as_ptr(),
-            k as isize,
             1,
+            n as isize,
             1.0f32,
             1.0f32,
             false,
@@ -101,6 +81,80 @@ fn gemm_rows(
             false,
             parallelism,
         );
+    }
+}
+
+/// Columns `first..first + out.len()` of `x[1, k] · w[k, n]`.
+fn gemv(out: &mut [f32], x: &[f32], w: &[f32], n: usize, first: usize, accumulate: bool) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU supports the features `gemv_avx2` is compiled for.
+            unsafe { gemv_avx2(out, x, w, n, first, accumulate) };
+            return;
+        }
+    }
+    gemv_portable(out, x, w, n, first, accumulate);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn gemv_avx2(out: &mut [f32], x: &[f32], w: &[f32], n: usize, first: usize, accumulate: bool) {
+    gemv_portable(out, x, w, n, first, accumulate);
+}
+
+/// Accumulates four weight rows per pass, so `out` is loaded and stored a
+/// quarter as often as the weights stream by.
+#[inline(always)]
+fn gemv_portable(out: &mut [f32], x: &[f32], w: &[f32], n: usize, first: usize, accumulate: bool) {
+    let cols = out.len();
+    if !accumulate {
+        out.fill(0.0);
+    }
+    let row = |p: usize| &w[p * n + first..p * n + first + cols];
+    let quads = x.len() / 4;
+    for q in 0..quads {
+        let p = 4 * q;
+        let (x0, x1, x2, x3) = (x[p], x[p + 1], x[p + 2], x[p + 3]);
+        let rows = row(p)
+            .iter()
+            .zip(row(p + 1))
+            .zip(row(p + 2))
+            .zip(row(p + 3));
+        for (o, (((a, b), c), d)) in out.iter_mut().zip(rows) {
+            *o += x0 * a + x1 * b + x2 * c + x3 * d;
+        }
+    }
+    for (p, &xp) in x.iter().enumerate().skip(4 * quads) {
+        for (o, a) in out.iter_mut().zip(row(p)) {
+            *o += xp * a;
+        }
+    }
+}
+
+/// Transposes row-major `[rows, cols]` `src` into columns
+/// `col_offset..col_offset + rows` of row-major `dst` with `dst_cols` columns
+/// (`dst` has `cols` rows). Used to turn HF `[out, in]` weights input-major
+/// and to stack several projections side by side.
+pub(crate) fn transpose(
+    dst: &mut [f32],
+    dst_cols: usize,
+    col_offset: usize,
+    src: &[f32],
+    rows: usize,
+    cols: usize,
+) {
+    debug_assert_eq!(src.len(), rows * cols);
+    debug_assert!(dst.len() >= cols * dst_cols && col_offset + rows <= dst_cols);
+    const TILE: usize = 32;
+    for r0 in (0..rows).step_by(TILE) {
+        for c0 in (0..cols).step_by(TILE) {
+            for r in r0..(r0 + TILE).min(rows) {
+                for c in c0..(c0 + TILE).min(cols) {
+                    dst[c * dst_cols + col_offset + r] = src[r * cols + c];
+                }
+            }
+        }
     }
 }
 
@@ -112,7 +166,7 @@ mod tests {
         let mut out = vec![0.0; m * n];
         for i in 0..m {
             for j in 0..n {
-                out[i * n + j] = (0..k).map(|p| x[i * k + p] * w[j * k + p]).sum();
+                out[i * n + j] = (0..k).map(|p| x[i * k + p] * w[p * n + j]).sum();
             }
         }
         out
@@ -128,14 +182,15 @@ mod tests {
     fn matmul_matches_naive_for_gemv_and_gemm_shapes() {
         for (m, k, n) in [
             (1, 3, 5),
-            (1, 256, 1000),
+            (1, 257, 1000),
+            (1, 64, 64),
             (3, 17, 9),
             (37, 128, 300),
             (64, 256, 257),
         ] {
-            let (x, w) = (data(m * k, 1), data(n * k, 2));
+            let (x, w) = (data(m * k, 1), data(k * n, 2));
             let mut out = vec![0.0; m * n];
-            matmul_t(&mut out, &x, &w, m, k, n, false);
+            matmul(&mut out, &x, &w, m, k, n, false);
             let want = naive(&x, &w, m, k, n);
             for (a, b) in out.iter().zip(&want) {
                 assert!(
@@ -148,13 +203,31 @@ mod tests {
 
     #[test]
     fn accumulate_adds_to_existing_output() {
-        let (m, k, n) = (2, 300, 400);
-        let (x, w) = (data(m * k, 3), data(n * k, 4));
-        let mut out = vec![1.5; m * n];
-        matmul_t(&mut out, &x, &w, m, k, n, true);
-        let want = naive(&x, &w, m, k, n);
-        for (a, b) in out.iter().zip(&want) {
-            assert!((a - (b + 1.5)).abs() <= 1e-4 * b.abs().max(1.0));
+        for m in [1, 2] {
+            let (k, n) = (300, 400);
+            let (x, w) = (data(m * k, 3), data(k * n, 4));
+            let mut out = vec![1.5; m * n];
+            matmul(&mut out, &x, &w, m, k, n, true);
+            let want = naive(&x, &w, m, k, n);
+            for (a, b) in out.iter().zip(&want) {
+                assert!((a - (b + 1.5)).abs() <= 1e-4 * b.abs().max(1.0));
+            }
         }
+    }
+
+    #[test]
+    fn transpose_places_blocks_side_by_side() {
+        // Two [2, 3] matrices side by side become one [3, 4] matrix.
+        let a = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
+        let b = [7.0, 8.0, 9.0, 10.0, 11.0, 12.0];
+        let mut dst = vec![0.0; 12];
+        transpose(&mut dst, 4, 0, &a, 2, 3);
+        transpose(&mut dst, 4, 2, &b, 2, 3);
+        assert_eq!(
+            dst,
+            [
+                1.0, 4.0, 7.0, 10.0, 2.0, 5.0, 8.0, 11.0, 3.0, 6.0, 9.0, 12.0
+            ]
+        );
     }
 }

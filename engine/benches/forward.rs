@@ -1,0 +1,133 @@
+//! CPU backend forward-step throughput.
+//!
+//! Prefill of a 128-token prompt and one decode step at batch 1, 8 and 32
+//! (every sequence holding 128 tokens of context), on random weights of the
+//! built-in model's shape (`tiny`: hidden 256, 4 layers, 8 heads over 4 kv
+//! heads, intermediate 768, vocab 4096). `SLUICE_BENCH_SMALL=1` adds the
+//! ~100M-parameter `small` shape (hidden 768, 12 layers, vocab 32000).
+//! Throughput is reported in tokens per second.
+
+use std::hint::black_box;
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use sluice_engine::backend::cpu::CpuBackend;
+use sluice_engine::backend::{Backend, ForwardBatch, SeqChunk};
+use sluice_engine::model::{Architecture, Model, ModelConfig};
+
+const BLOCK_SIZE: usize = 16;
+const CONTEXT: usize = 128;
+const BATCHES: [usize; 3] = [1, 8, 32];
+
+fn config(
+    hidden: usize,
+    layers: usize,
+    heads: usize,
+    kv_heads: usize,
+    inter: usize,
+    vocab: usize,
+) -> ModelConfig {
+    ModelConfig {
+        architecture: Architecture::Llama,
+        hidden_size: hidden,
+        intermediate_size: inter,
+        num_hidden_layers: layers,
+        num_attention_heads: heads,
+        num_key_value_heads: kv_heads,
+        head_dim: hidden / heads,
+        rms_norm_eps: 1e-5,
+        rope_theta: 10_000.0,
+        rope_scaling: None,
+        tie_word_embeddings: true,
+        vocab_size: vocab,
+        max_position_embeddings: 2048,
+        qkv_bias: false,
+        o_bias: false,
+        mlp_bias: false,
+        bos_token_id: Some(1),
+        eos_token_ids: vec![2],
+    }
+}
+
+fn tokens(len: usize, salt: usize, vocab: usize) -> Vec<u32> {
+    (0..len)
+        .map(|i| ((i * 31 + salt * 977 + 5) % vocab) as u32)
+        .collect()
+}
+
+/// One sequence's blocks: a contiguous run of ids, `seq` picks which.
+fn table(seq: usize, len: usize) -> Vec<u32> {
+    let per_seq = (CONTEXT + 1).div_ceil(BLOCK_SIZE);
+    (0..len.div_ceil(BLOCK_SIZE))
+        .map(|b| (seq * per_seq + b) as u32)
+        .collect()
+}
+
+fn bench_model(c: &mut Criterion, name: &str, config: ModelConfig) {
+    let vocab = config.vocab_size;
+    let model = Model::random(config, 1).expect("random model");
+    let max_batch = BATCHES[BATCHES.len() - 1];
+    let num_blocks = max_batch * (CONTEXT + 1).div_ceil(BLOCK_SIZE);
+    let mut cpu = CpuBackend::new(model, num_blocks, BLOCK_SIZE).expect("backend");
+
+    let mut group = c.benchmark_group(format!("{name}/prefill"));
+    group.sample_size(10);
+    group.throughput(Throughput::Elements(CONTEXT as u64));
+    let prompt = tokens(CONTEXT, 0, vocab);
+    let prefill = ForwardBatch {
+        seqs: vec![SeqChunk {
+            tokens: prompt,
+            start_pos: 0,
+            block_table: table(0, CONTEXT),
+            needs_logits: true,
+        }],
+        ..ForwardBatch::default()
+    };
+    group.bench_function(BenchmarkId::from_parameter(CONTEXT), |b| {
+        b.iter(|| black_box(cpu.forward(&prefill).expect("prefill")))
+    });
+    group.finish();
+
+    // Fill every sequence's context once; decode steps then rewrite slot CONTEXT.
+    for seq in 0..max_batch {
+        let batch = ForwardBatch {
+            seqs: vec![SeqChunk {
+                tokens: tokens(CONTEXT, seq, vocab),
+                start_pos: 0,
+                block_table: table(seq, CONTEXT),
+                needs_logits: false,
+            }],
+            ..ForwardBatch::default()
+        };
+        cpu.forward(&batch).expect("fill context");
+    }
+    let mut group = c.benchmark_group(format!("{name}/decode"));
+    group.sample_size(10);
+    for batch_size in BATCHES {
+        let decode = ForwardBatch {
+            seqs: (0..batch_size)
+                .map(|seq| SeqChunk {
+                    tokens: tokens(1, seq + 7, vocab),
+                    start_pos: CONTEXT,
+                    block_table: table(seq, CONTEXT + 1),
+                    needs_logits: true,
+                })
+                .collect(),
+            ..ForwardBatch::default()
+        };
+        group.throughput(Throughput::Elements(batch_size as u64));
+        group.bench_function(BenchmarkId::from_parameter(batch_size), |b| {
+            b.iter(|| black_box(cpu.forward(&decode).expect("decode")))
+        });
+    }
+    group.finish();
+}
+
+fn forward(c: &mut Criterion) {
+    bench_model(c, "tiny", config(256, 4, 8, 4, 768, 4096));
+    if std::env::var_os("SLUICE_BENCH_SMALL").is_some() {
+        bench_model(c, "small", config(768, 12, 12, 4, 2048, 32_000));
+    }
+}
+
+criterion_group!(benches, forward);
+criterion_main!(benches);
