@@ -4,19 +4,24 @@
 //! with weights stored input-major (`[in_features, out_features]`, the
 //! transpose of Hugging Face's layout; [`transpose`] converts at load).
 //!
-//! Several rows go through the `gemm` crate with its rayon parallelism; this
-//! layout is the one its packing favours. A single row (batch-1 decode) is a
-//! matrix-vector product, where gemm is slow and single-threaded, so it runs
-//! a row-axpy kernel here instead, split over output columns with rayon and
-//! compiled for AVX2+FMA when the CPU has them.
+//! Many rows go through the `gemm` crate with its rayon parallelism; this
+//! layout is the one its packing favours. Up to [`SKINNY_MAX_ROWS`] rows
+//! (decode steps) run [`skinny`] instead: gemm's matrix-vector path is
+//! single-threaded and 2-3x slower here, and for a few rows the one pass over
+//! the weights that `skinny` makes matches gemm. It is split over output
+//! columns with rayon and compiled for AVX2+FMA when the CPU has them.
 
 use gemm::Parallelism;
 use rayon::prelude::*;
 
 /// Multiply-adds below which a product stays on the calling thread.
 const PARALLEL_MIN_WORK: usize = 1 << 16;
-/// Output columns per task of a split matrix-vector product.
-const GEMV_MIN_COLUMNS: usize = 128;
+/// Products with at most this many rows use [`skinny`] rather than gemm.
+const SKINNY_MAX_ROWS: usize = 16;
+/// Output columns per task of a split skinny product.
+const SKINNY_MIN_COLUMNS: usize = 128;
+/// Output columns kept hot while four weight rows stream by.
+const SKINNY_TILE: usize = 256;
 
 /// `out = x · w`, or `out += x · w` when `accumulate`.
 ///
@@ -38,14 +43,25 @@ pub(crate) fn matmul(
     }
     let threads = rayon::current_num_threads();
     let parallel = threads > 1 && m * n * k >= PARALLEL_MIN_WORK;
-    if m == 1 {
-        if parallel {
-            let per_task = n.div_ceil(threads * 2).max(GEMV_MIN_COLUMNS);
-            out.par_chunks_mut(per_task)
-                .enumerate()
-                .for_each(|(i, out)| gemv(out, x, w, n, i * per_task, accumulate));
+    if m <= SKINNY_MAX_ROWS {
+        let tasks = if parallel { threads * 2 } else { 1 };
+        let per_task = n.div_ceil(tasks).max(SKINNY_MIN_COLUMNS);
+        let mut parts: Vec<Vec<&mut [f32]>> = Vec::with_capacity(n.div_ceil(per_task));
+        for row in out.chunks_mut(n) {
+            for (t, piece) in row.chunks_mut(per_task).enumerate() {
+                if t == parts.len() {
+                    parts.push(Vec::with_capacity(m));
+                }
+                parts[t].push(piece);
+            }
+        }
+        if parts.len() == 1 {
+            skinny(&mut parts[0], x, w, n, 0, accumulate);
         } else {
-            gemv(out, x, w, n, 0, accumulate);
+            parts
+                .into_par_iter()
+                .enumerate()
+                .for_each(|(t, mut rows)| skinny(&mut rows, x, w, n, t * per_task, accumulate));
         }
         return;
     }
@@ -84,50 +100,77 @@ pub(crate) fn matmul(
     }
 }
 
-/// Columns `first..first + out.len()` of `x[1, k] · w[k, n]`.
-fn gemv(out: &mut [f32], x: &[f32], w: &[f32], n: usize, first: usize, accumulate: bool) {
+/// Columns `first..first + rows[i].len()` of each row `i` of `x · w`
+/// (`x` is `[rows.len(), k]`), for a few rows.
+fn skinny(rows: &mut [&mut [f32]], x: &[f32], w: &[f32], n: usize, first: usize, accumulate: bool) {
     #[cfg(target_arch = "x86_64")]
     {
         if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-            // SAFETY: the CPU supports the features `gemv_avx2` is compiled for.
-            unsafe { gemv_avx2(out, x, w, n, first, accumulate) };
+            // SAFETY: the CPU supports the features `skinny_avx2` is compiled for.
+            unsafe { skinny_avx2(rows, x, w, n, first, accumulate) };
             return;
         }
     }
-    gemv_portable(out, x, w, n, first, accumulate);
+    skinny_portable(rows, x, w, n, first, accumulate);
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-fn gemv_avx2(out: &mut [f32], x: &[f32], w: &[f32], n: usize, first: usize, accumulate: bool) {
-    gemv_portable(out, x, w, n, first, accumulate);
+fn skinny_avx2(
+    rows: &mut [&mut [f32]],
+    x: &[f32],
+    w: &[f32],
+    n: usize,
+    first: usize,
+    accumulate: bool,
+) {
+    skinny_portable(rows, x, w, n, first, accumulate);
 }
 
-/// Accumulates four weight rows per pass, so `out` is loaded and stored a
-/// quarter as often as the weights stream by.
+/// Streams the weights once: for each tile of columns and each group of four
+/// weight rows (kept in L1), every activation row accumulates into its tile
+/// of the output, so outputs are loaded and stored once per four rows.
 #[inline(always)]
-fn gemv_portable(out: &mut [f32], x: &[f32], w: &[f32], n: usize, first: usize, accumulate: bool) {
-    let cols = out.len();
+fn skinny_portable(
+    rows: &mut [&mut [f32]],
+    x: &[f32],
+    w: &[f32],
+    n: usize,
+    first: usize,
+    accumulate: bool,
+) {
+    let m = rows.len();
+    let k = x.len() / m;
+    let cols = rows[0].len();
     if !accumulate {
-        out.fill(0.0);
-    }
-    let row = |p: usize| &w[p * n + first..p * n + first + cols];
-    let quads = x.len() / 4;
-    for q in 0..quads {
-        let p = 4 * q;
-        let (x0, x1, x2, x3) = (x[p], x[p + 1], x[p + 2], x[p + 3]);
-        let rows = row(p)
-            .iter()
-            .zip(row(p + 1))
-            .zip(row(p + 2))
-            .zip(row(p + 3));
-        for (o, (((a, b), c), d)) in out.iter_mut().zip(rows) {
-            *o += x0 * a + x1 * b + x2 * c + x3 * d;
+        for row in rows.iter_mut() {
+            row.fill(0.0);
         }
     }
-    for (p, &xp) in x.iter().enumerate().skip(4 * quads) {
-        for (o, a) in out.iter_mut().zip(row(p)) {
-            *o += xp * a;
+    let quads = k / 4;
+    for t0 in (0..cols).step_by(SKINNY_TILE) {
+        let t1 = (t0 + SKINNY_TILE).min(cols);
+        let w_row = |p: usize| &w[p * n + first + t0..p * n + first + t1];
+        for q in 0..quads {
+            let p = 4 * q;
+            let (w0, w1, w2, w3) = (w_row(p), w_row(p + 1), w_row(p + 2), w_row(p + 3));
+            for (i, row) in rows.iter_mut().enumerate() {
+                let xi = &x[i * k + p..i * k + p + 4];
+                let (x0, x1, x2, x3) = (xi[0], xi[1], xi[2], xi[3]);
+                let ws = w0.iter().zip(w1).zip(w2).zip(w3);
+                for (o, (((a, b), c), d)) in row[t0..t1].iter_mut().zip(ws) {
+                    *o += x0 * a + x1 * b + x2 * c + x3 * d;
+                }
+            }
+        }
+        for p in 4 * quads..k {
+            let wp = w_row(p);
+            for (i, row) in rows.iter_mut().enumerate() {
+                let xp = x[i * k + p];
+                for (o, a) in row[t0..t1].iter_mut().zip(wp) {
+                    *o += xp * a;
+                }
+            }
         }
     }
 }
@@ -203,7 +246,7 @@ mod tests {
 
     #[test]
     fn accumulate_adds_to_existing_output() {
-        for m in [1, 2] {
+        for m in [1, 2, 40] {
             let (k, n) = (300, 400);
             let (x, w) = (data(m * k, 3), data(k * n, 4));
             let mut out = vec![1.5; m * n];
