@@ -545,6 +545,23 @@ mod tests {
     }
 
     #[test]
+    fn tiny_model_dir_loads_with_the_engine_model_loader() {
+        let dir = ScratchDir::new("engine-load");
+        write_builtin_model(&dir.0, BuiltinSize::Tiny).expect("writes");
+        let model = crate::model::Model::load(&dir.0).expect("the engine loads the built-in model");
+        let c = &model.config;
+        assert_eq!(
+            (c.hidden_size, c.num_hidden_layers, c.head_dim),
+            (256, 4, 32)
+        );
+        assert_eq!((c.num_attention_heads, c.num_key_value_heads), (8, 4));
+        assert!(c.tie_word_embeddings);
+        let tok = Tokenizer::from_dir(&dir.0).expect("tokenizer loads");
+        assert_eq!(c.vocab_size, tok.vocab_size());
+        assert_eq!(c.eos_token_ids, tok.eos_token_ids());
+    }
+
+    #[test]
     fn tiny_config_json_has_llama_keys() {
         let dir = ScratchDir::new("config");
         write_builtin_model(&dir.0, BuiltinSize::Tiny).expect("writes");
