@@ -11,6 +11,7 @@ use sluice_engine::{
 use sluice_tokens::Tokenizer;
 
 use crate::error::WorkerError;
+use crate::transfer::TransportKind;
 
 /// Which compute backend runs the model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -85,6 +86,27 @@ pub struct WorkerArgs {
         default_value_t = 10_000
     )]
     pub remote_prefill_timeout_ms: u64,
+
+    /// KV transports this worker offers (decode) or accepts (prefill),
+    /// preferred first; ones this build or machine cannot run are skipped.
+    #[arg(
+        long,
+        env = "SLUICE_KV_TRANSPORTS",
+        value_enum,
+        value_delimiter = ',',
+        default_values_t = TransportKind::ALL
+    )]
+    pub kv_transports: Vec<TransportKind>,
+
+    /// Decode workers: where the `tcp` KV listener binds (default: the gRPC
+    /// listener's host, a free port).
+    #[arg(long, env = "SLUICE_KV_TCP_LISTEN")]
+    pub kv_tcp_listen: Option<std::net::SocketAddr>,
+
+    /// Decode workers: MiB of the shared-memory pool that `shm` transfers
+    /// land in (capped at the KV cache's size; reserved at start-up).
+    #[arg(long, env = "SLUICE_KV_SHM_POOL_MB", default_value_t = 256)]
+    pub kv_shm_pool_mb: u64,
 }
 
 impl Default for WorkerArgs {
@@ -103,6 +125,9 @@ impl Default for WorkerArgs {
             max_local_prefill_length: 512,
             max_prefill_queue_size: 8,
             remote_prefill_timeout_ms: 10_000,
+            kv_transports: TransportKind::ALL.to_vec(),
+            kv_tcp_listen: None,
+            kv_shm_pool_mb: 256,
         }
     }
 }
@@ -130,6 +155,12 @@ impl WorkerArgs {
         }
         if !(self.speedup_ratio.is_finite() && self.speedup_ratio > 0.0) {
             return bad("--speedup-ratio", "must be a positive number");
+        }
+        if self.kv_transports.is_empty() {
+            return bad(
+                "--kv-transports",
+                "name at least one of shm, rdma, tcp, grpc",
+            );
         }
         Ok(())
     }

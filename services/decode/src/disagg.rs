@@ -15,7 +15,7 @@ use sluice_proto::worker::v1 as pb;
 use tracing::Instrument;
 
 use crate::service::{InflightGuard, RemotePrefill, WorkerCore};
-use crate::transfer::{Receiver, layout_to_pb};
+use crate::transfer::{Receiver, layout_to_pb, same_host};
 
 /// The decode worker's remote-prefill path.
 #[derive(Debug)]
@@ -24,7 +24,8 @@ pub struct Disagg {
     pub max_prefill_queue_size: usize,
     pub timeout: Duration,
     pub receiver: Arc<Receiver>,
-    /// This worker's own address, where prefill workers write blocks.
+    /// This worker's own address (decides whether a prefill worker is on
+    /// this host, where `shm` applies).
     pub endpoint: String,
 }
 
@@ -100,18 +101,24 @@ impl Disagg {
         };
         let transfer_id = format!("{}-{}", req.request_id, uuid::Uuid::new_v4().simple());
         let writable: Vec<u32> = slot.block_ids()[slot.skip_blocks()..].to_vec();
-        let expectation =
-            self.receiver
-                .expect(&transfer_id, engine.clone(), slot.id(), writable.clone());
+        let (expectation, regions) = match self.receiver.expect(
+            &transfer_id,
+            engine.clone(),
+            slot.id(),
+            writable.clone(),
+            same_host(&self.endpoint, &req.prefill_worker_endpoint),
+        ) {
+            Ok(e) => e,
+            Err(e) => return self.fallback(core, "register_failed", &e.to_string()),
+        };
+        if regions.is_empty() {
+            return self.fallback(core, "no_transport", "this worker offers no KV transport");
+        }
         let descriptor = kvpb::TransferDescriptor {
             transfer_id: transfer_id.clone(),
             layout: Some(layout_to_pb(&engine.kv_layout())),
             block_ids: slot.block_ids().to_vec(),
-            regions: vec![kvpb::Region {
-                transport: kvpb::Transport::Grpc as i32,
-                address: self.endpoint.clone(),
-                ..Default::default()
-            }],
+            regions,
             skip_blocks: slot.skip_blocks() as u32,
             timeout_ms: self.timeout.as_millis().min(u128::from(u32::MAX)) as u32,
         };
@@ -139,16 +146,20 @@ impl Disagg {
             Ok(Err(s)) => return self.fallback(core, "prefill_error", &s.to_string()),
             Ok(Ok(r)) => r.into_inner(),
         };
-        if expectation.written() != writable.len() {
+        span.record("transport", resp.transport.as_str());
+        let written = match expectation.finish(&resp.transport).await {
+            Ok(n) => n,
+            Err(e) => return self.fallback(core, "refused_transfer", &e.to_string()),
+        };
+        if written != writable.len() {
             let detail = format!(
-                "{} of {} blocks arrived",
-                expectation.written(),
-                writable.len()
+                "{written} of {} blocks arrived over {}",
+                writable.len(),
+                resp.transport
             );
             return self.fallback(core, "incomplete_transfer", &detail);
         }
         drop(expectation);
-        span.record("transport", resp.transport.as_str());
         let logprobs = resp.first_logprobs.as_ref().and_then(|l| {
             let chosen = l.chosen?;
             Some(sluice_engine::PositionLogprobs {

@@ -79,7 +79,13 @@ pub async fn run_worker(
         .with_meta("total_blocks", engine.num_blocks())
         .with_meta("max_num_seqs", args.max_num_seqs)
         .with_meta("max_num_batched_tokens", args.max_num_batched_tokens)
-        .with_meta("kv_transports", "grpc");
+        .with_meta("kv_transports", {
+            let kinds = match &kv_receiver {
+                Some(r) => r.kinds(),
+                None => transfer::available(&args.kv_transports),
+            };
+            transfer::join(&kinds)
+        });
     let mut server = GrpcServer::new()
         .map_err(|e| WorkerError::Startup(e.to_string()))?
         .add_service(
@@ -117,12 +123,16 @@ pub async fn serve(
         &uuid::Uuid::new_v4().simple().to_string()[..12]
     );
     let core = build_core(&args, &model, Role::Decode, id)?;
-    let receiver = Arc::new(transfer::Receiver::default());
-    let endpoint = ctx.common.advertise_addr(
-        listener
-            .local_addr()
-            .map_err(|e| WorkerError::Startup(e.to_string()))?,
-    );
+    let bound = listener
+        .local_addr()
+        .map_err(|e| WorkerError::Startup(e.to_string()))?;
+    let endpoint = ctx.common.advertise_addr(bound);
+    let receiver = transfer::start_receiver(
+        &transfer::ReceiverConfig::new(&args, &core, endpoint.clone())?,
+        bound,
+        ctx.shutdown.child_token(),
+    )
+    .await?;
     let remote = disagg::Disagg {
         max_local_prefill_length: args.max_local_prefill_length,
         max_prefill_queue_size: args.max_prefill_queue_size,

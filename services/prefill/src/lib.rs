@@ -4,35 +4,53 @@
 //! first transport both sides offer, and returns the first token.
 //!
 //! It reuses the decode crate's worker core (engine flags, KV events, load,
-//! registration) and owns only the `Prefill` RPC and the sending side.
+//! registration) and owns only the `Prefill` RPC and the sending side:
+//! negotiation picks the first region of the descriptor (the decode worker's
+//! preference order) whose transport this worker accepts (`--kv-transports`),
+//! before any compute, so a worker with nothing in common refuses at once.
 
 use std::sync::Arc;
+use std::time::Duration;
 
-use sluice_decode::transfer::{check_layout, send_grpc};
+use sluice_decode::transfer::{Block, Senders, TransportKind, check_layout};
 use sluice_decode::{PrefillHandler, Role, WorkerArgs, WorkerCore, WorkerError, WorkerService};
-use sluice_proto::kv::v1 as kvpb;
 use sluice_proto::worker::v1 as pb;
 use sluice_runtime::{ModelArgs, ServiceContext};
 use tokio::net::TcpListener;
+use tracing::Instrument;
 
-/// Faults a test can inject into the sending side.
+/// Faults a test can inject into the sending side (any transport).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fault {
     /// Flip a byte of every block after computing its checksum.
     CorruptBlocks,
     /// Send nothing and report success.
     DropBlocks,
+    /// Write the first half of the blocks, then wait out the descriptor's
+    /// timeout before writing the rest (a transfer to cancel midway).
+    StallMidTransfer,
 }
 
-/// The `Prefill` implementation.
+/// How a prefill worker behaves; the default is the real one.
 #[derive(Debug, Default)]
 pub struct Prefiller {
     /// Only tests set this.
     pub fault: Option<Fault>,
 }
 
+/// Used when a descriptor names no timeout.
+const DEFAULT_TRANSFER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The `Prefill` implementation: a [`Prefiller`] and the transports this
+/// worker accepts.
+#[derive(Debug)]
+struct Handler {
+    fault: Option<Fault>,
+    senders: Senders,
+}
+
 #[tonic::async_trait]
-impl PrefillHandler for Prefiller {
+impl PrefillHandler for Handler {
     async fn prefill(
         &self,
         core: &Arc<WorkerCore>,
@@ -59,6 +77,20 @@ impl PrefillHandler for Prefiller {
                 ),
             });
         }
+        // Negotiate before computing: no transport in common is refused at once.
+        let (sender, region) = self.senders.choose(&dest.regions).ok_or_else(|| {
+            let offered: Vec<&str> = dest
+                .regions
+                .iter()
+                .filter_map(|r| TransportKind::from_pb(r.transport).map(TransportKind::as_str))
+                .collect();
+            WorkerError::Transfer(format!(
+                "no KV transport in common: the decode worker offers [{}], this worker accepts [{}]",
+                offered.join(","),
+                sluice_decode::transfer::join(&self.senders.kinds())
+            ))
+        })?;
+        let transport = sender.kind();
         let span = tracing::info_span!("prefill.compute", request_id = %req.request_id, prompt_tokens = req.prompt_token_ids.len());
         let engine_req = sluice_engine::Request {
             request_id: req.request_id.clone(),
@@ -66,47 +98,55 @@ impl PrefillHandler for Prefiller {
             sampling: sluice_decode::wire_sampling(req.sampling.clone()),
             priority: req.priority,
         };
-        let out = tracing::Instrument::instrument(engine.prefill(engine_req), span).await?;
+        let out = engine.prefill(engine_req).instrument(span).await?;
         let skip = dest.skip_blocks as usize;
         let src: Vec<u32> = out.blocks.block_ids().iter().skip(skip).copied().collect();
         let dst: Vec<u32> = dest.block_ids.iter().skip(skip).copied().collect();
         let send_span = tracing::info_span!(
             "kv.transfer",
-            transport = tracing::field::Empty,
+            transport = transport.as_str(),
             blocks = src.len(),
             bytes = tracing::field::Empty
         );
         let data = engine.read_blocks(src).await?;
         send_span.record("bytes", data.iter().map(Vec::len).sum::<usize>());
-        let mut blocks: Vec<(u32, Vec<u8>)> = dst.into_iter().zip(data).collect();
-        let region = dest
-            .regions
-            .iter()
-            .find(|r| r.transport == kvpb::Transport::Grpc as i32)
-            .ok_or_else(|| {
-                WorkerError::Transfer("no transport in common (this worker offers grpc)".into())
-            })?;
-        send_span.record("transport", "grpc");
-        let written = match self.fault {
-            Some(Fault::DropBlocks) => 0,
-            Some(Fault::CorruptBlocks) => {
-                corrupt_after_checksum(&region.address, &dest.transfer_id, blocks).await?
-            }
-            None => {
-                let n = blocks.len();
-                let w = tracing::Instrument::instrument(
-                    send_grpc(
-                        &region.address,
-                        &dest.transfer_id,
-                        std::mem::take(&mut blocks),
-                    ),
-                    send_span,
-                )
-                .await?;
-                debug_assert!(w as usize <= n);
-                w
+        let mut blocks: Vec<Block> = dst
+            .into_iter()
+            .zip(data)
+            .map(|(id, d)| Block::new(id, d))
+            .collect();
+        let timeout = match dest.timeout_ms {
+            0 => DEFAULT_TRANSFER_TIMEOUT,
+            ms => Duration::from_millis(u64::from(ms)),
+        };
+        let send = async {
+            match self.fault {
+                Some(Fault::DropBlocks) => Ok(0),
+                Some(Fault::CorruptBlocks) => {
+                    for b in &mut blocks {
+                        if let Some(x) = b.data.first_mut() {
+                            *x ^= 0xff;
+                        }
+                    }
+                    sender.write(region, &dest.transfer_id, blocks).await
+                }
+                Some(Fault::StallMidTransfer) => {
+                    let rest = blocks.split_off(blocks.len() / 2);
+                    let first = sender.write(region, &dest.transfer_id, blocks).await?;
+                    tokio::time::sleep(timeout).await;
+                    Ok(first + sender.write(region, &dest.transfer_id, rest).await?)
+                }
+                None => sender.write(region, &dest.transfer_id, blocks).await,
             }
         };
+        let written = tokio::time::timeout(timeout, send.instrument(send_span))
+            .await
+            .map_err(|_| {
+                WorkerError::Transfer(format!(
+                    "{transport} transfer not done within {} ms",
+                    timeout.as_millis()
+                ))
+            })??;
         drop(out.blocks);
         Ok(pb::PrefillResponse {
             first_token_id: out.first_token,
@@ -128,39 +168,10 @@ impl PrefillHandler for Prefiller {
                 }),
             cached_tokens: out.cached_tokens as u32,
             blocks_written: written,
-            transport: "grpc".into(),
+            transport: transport.as_str().into(),
             worker_id: core.id.clone(),
         })
     }
-}
-
-/// Sends blocks whose bytes no longer match their checksums.
-async fn corrupt_after_checksum(
-    endpoint: &str,
-    transfer_id: &str,
-    blocks: Vec<(u32, Vec<u8>)>,
-) -> Result<u32, WorkerError> {
-    use sluice_proto::kv::v1::kv_transfer_client::KvTransferClient;
-    let channel = sluice_runtime::grpc::channel(endpoint)
-        .map_err(|e| WorkerError::Transfer(e.to_string()))?;
-    let id = transfer_id.to_string();
-    let chunks = blocks.into_iter().map(move |(block_id, mut data)| {
-        let checksum = xxhash_rust::xxh3::xxh3_64(&data);
-        if let Some(b) = data.first_mut() {
-            *b ^= 0xff;
-        }
-        kvpb::BlockChunk {
-            transfer_id: id.clone(),
-            block_id,
-            data,
-            checksum,
-        }
-    });
-    let r = KvTransferClient::new(channel)
-        .write_blocks(futures::stream::iter(chunks))
-        .await
-        .map_err(|s| WorkerError::Transfer(s.to_string()))?;
-    Ok(r.into_inner().blocks_written)
 }
 
 /// Serves a prefill worker on `listener` until `ctx.shutdown`.
@@ -186,9 +197,13 @@ pub async fn serve_with(
         &uuid::Uuid::new_v4().simple().to_string()[..12]
     );
     let core = sluice_decode::build_core(&args, &model, Role::Prefill, id)?;
+    let handler = Handler {
+        fault: prefiller.fault,
+        senders: Senders::new(&args.kv_transports),
+    };
     let service = WorkerService {
         core,
-        prefill: Some(Arc::new(prefiller)),
+        prefill: Some(Arc::new(handler)),
         remote: None,
     };
     sluice_decode::run_worker(listener, &args, service, None, ctx).await

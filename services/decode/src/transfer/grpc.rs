@@ -1,0 +1,126 @@
+//! The portable fallback transport: the prefill worker streams blocks over
+//! `KvTransfer.WriteBlocks` to the decode worker's gRPC endpoint. Works
+//! wherever gRPC does; pays protobuf framing and HTTP/2 flow control.
+
+use std::sync::Arc;
+
+use sluice_proto::kv::v1 as pb;
+use tonic::{Request, Response, Status};
+
+use super::{
+    Block, Inbound, KvSender, Receiver, Registration, TransferSpec, TransportKind, WRITE_BATCH,
+};
+use crate::error::WorkerError;
+
+/// The `KvTransfer` service, served by decode workers.
+#[derive(Debug, Clone)]
+pub struct KvTransferService {
+    pub receiver: Arc<Receiver>,
+}
+
+#[tonic::async_trait]
+impl pb::kv_transfer_server::KvTransfer for KvTransferService {
+    async fn write_blocks(
+        &self,
+        request: Request<tonic::Streaming<pb::BlockChunk>>,
+    ) -> Result<Response<pb::WriteBlocksResponse>, Status> {
+        let mut stream = request.into_inner();
+        let mut written = 0u32;
+        let mut batch: Vec<Block> = Vec::with_capacity(WRITE_BATCH);
+        let mut transfer = String::new();
+        while let Some(chunk) = stream.message().await? {
+            if transfer.is_empty() {
+                transfer = chunk.transfer_id.clone();
+            } else if chunk.transfer_id != transfer {
+                return Err(Status::invalid_argument(
+                    "one WriteBlocks stream carries one transfer_id",
+                ));
+            }
+            batch.push(Block {
+                id: chunk.block_id,
+                checksum: chunk.checksum,
+                data: chunk.data,
+            });
+            if batch.len() == WRITE_BATCH {
+                written += self
+                    .receiver
+                    .write(&transfer, std::mem::take(&mut batch))
+                    .await? as u32;
+            }
+        }
+        if !batch.is_empty() {
+            written += self.receiver.write(&transfer, batch).await? as u32;
+        }
+        Ok(Response::new(pb::WriteBlocksResponse {
+            blocks_written: written,
+        }))
+    }
+}
+
+/// The `grpc` region: this worker's gRPC endpoint.
+#[derive(Debug, Clone)]
+pub struct GrpcInbound {
+    pub endpoint: String,
+}
+
+impl Inbound for GrpcInbound {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Grpc
+    }
+
+    fn register(&self, _spec: &TransferSpec<'_>) -> Result<Option<Registration>, WorkerError> {
+        Ok(Some(Registration {
+            region: pb::Region {
+                transport: pb::Transport::Grpc as i32,
+                address: self.endpoint.clone(),
+                ..Default::default()
+            },
+            staged: None,
+        }))
+    }
+}
+
+/// Sends over `KvTransfer.WriteBlocks`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct GrpcSender;
+
+#[tonic::async_trait]
+impl KvSender for GrpcSender {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Grpc
+    }
+
+    async fn write(
+        &self,
+        region: &pb::Region,
+        transfer_id: &str,
+        blocks: Vec<Block>,
+    ) -> Result<u32, WorkerError> {
+        send_grpc(&region.address, transfer_id, blocks).await
+    }
+}
+
+/// Streams `blocks` of `transfer_id` (checksums as given) to `endpoint`;
+/// returns blocks written.
+pub async fn send_grpc(
+    endpoint: &str,
+    transfer_id: &str,
+    blocks: Vec<Block>,
+) -> Result<u32, WorkerError> {
+    let channel = sluice_runtime::grpc::channel(endpoint)
+        .map_err(|e| WorkerError::Transfer(e.to_string()))?;
+    let mut client =
+        pb::kv_transfer_client::KvTransferClient::new(channel).max_encoding_message_size(256 << 20);
+    let id = transfer_id.to_string();
+    let chunks = futures::stream::iter(blocks.into_iter().map(move |b| pb::BlockChunk {
+        transfer_id: id.clone(),
+        block_id: b.id,
+        checksum: b.checksum,
+        data: b.data,
+    }));
+    let resp = client
+        .write_blocks(chunks)
+        .await
+        .map_err(|s| WorkerError::Transfer(format!("gRPC write: {}", s.message())))?;
+    Ok(resp.into_inner().blocks_written)
+}

@@ -1,0 +1,514 @@
+//! The `tcp` transport: blocks as frames over a plain TCP connection.
+//!
+//! Every frame starts with a 24-byte little-endian header — magic `SLKV`,
+//! kind, block id, payload length, XXH3-64 of the payload — followed by the
+//! payload. A transfer is `BEGIN` (payload: the transfer id; block id field:
+//! the block count), one `BLOCK` per block, `END`; the receiver answers with
+//! an ack (magic, status, blocks written, message length, message). The
+//! sender gathers headers and payloads into vectored writes (no staging
+//! copy); the receiver reads each payload straight into the buffer that goes
+//! to the engine, and overlaps the engine write of one batch with reading
+//! the next. A refusal (unknown transfer, wrong size, checksum mismatch)
+//! is acked with its reason and the connection closed. Connections are kept
+//! for the next transfer to the same receiver.
+
+use std::collections::HashMap;
+use std::io::IoSlice;
+use std::net::SocketAddr;
+use std::sync::{Arc, OnceLock, Weak};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use sluice_proto::kv::v1 as pb;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
+
+use super::{
+    Block, Inbound, KvSender, Receiver, Registration, TransferSpec, TransportKind, WRITE_BATCH,
+};
+use crate::error::WorkerError;
+
+/// `SLKV`, little-endian.
+pub(crate) const MAGIC: u32 = u32::from_le_bytes(*b"SLKV");
+pub(crate) const HEADER_LEN: usize = 24;
+const ACK_LEN: usize = 16;
+const KIND_BEGIN: u32 = 1;
+const KIND_BLOCK: u32 = 2;
+const KIND_END: u32 = 3;
+const MAX_ID_LEN: usize = 1024;
+/// Blocks per vectored write (two slices each, well under IOV_MAX).
+const BLOCKS_PER_WRITE: usize = 256;
+/// Idle connections kept per receiver.
+const MAX_IDLE_PER_PEER: usize = 4;
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// One frame header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Header {
+    pub kind: u32,
+    pub block_id: u32,
+    pub len: u32,
+    pub checksum: u64,
+}
+
+impl Header {
+    pub(crate) fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+        b[4..8].copy_from_slice(&self.kind.to_le_bytes());
+        b[8..12].copy_from_slice(&self.block_id.to_le_bytes());
+        b[12..16].copy_from_slice(&self.len.to_le_bytes());
+        b[16..24].copy_from_slice(&self.checksum.to_le_bytes());
+        b
+    }
+
+    pub(crate) fn decode(b: &[u8; HEADER_LEN]) -> Result<Self, String> {
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        if u32_at(0) != MAGIC {
+            return Err("not a Sluice KV frame (bad magic)".into());
+        }
+        let mut c = [0u8; 8];
+        c.copy_from_slice(&b[16..24]);
+        Ok(Self {
+            kind: u32_at(4),
+            block_id: u32_at(8),
+            len: u32_at(12),
+            checksum: u64::from_le_bytes(c),
+        })
+    }
+}
+
+/// Writes every byte of `bufs` with as few system calls as the socket allows.
+async fn write_all_vectored<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    mut bufs: &mut [IoSlice<'_>],
+) -> std::io::Result<()> {
+    IoSlice::advance_slices(&mut bufs, 0);
+    while !bufs.is_empty() {
+        let n = w.write_vectored(bufs).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        IoSlice::advance_slices(&mut bufs, n);
+    }
+    Ok(())
+}
+
+/// The `tcp` listener of a decode worker.
+#[derive(Debug)]
+pub struct TcpInbound {
+    address: String,
+    local: SocketAddr,
+}
+
+impl TcpInbound {
+    /// Binds `bind` and serves connections until `shutdown`; regions name
+    /// `endpoint`'s host (or the bound IP when it is specific) and the bound port.
+    pub async fn start(
+        bind: SocketAddr,
+        endpoint: &str,
+        receiver: Arc<OnceLock<Weak<Receiver>>>,
+        shutdown: sluice_runtime::Shutdown,
+    ) -> Result<Self, WorkerError> {
+        let listener = TcpListener::bind(bind)
+            .await
+            .map_err(|e| WorkerError::Startup(format!("KV tcp listener on {bind}: {e}")))?;
+        let local = listener
+            .local_addr()
+            .map_err(|e| WorkerError::Startup(e.to_string()))?;
+        let host = if local.ip().is_unspecified() {
+            host_of(endpoint).to_string()
+        } else {
+            match local.ip() {
+                std::net::IpAddr::V6(ip) => format!("[{ip}]"),
+                ip => ip.to_string(),
+            }
+        };
+        let address = format!("{host}:{}", local.port());
+        tokio::spawn(accept_loop(listener, receiver, shutdown));
+        Ok(Self { address, local })
+    }
+
+    /// The address senders dial.
+    pub fn address(&self) -> &str {
+        &self.address
+    }
+
+    /// The bound socket address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local
+    }
+}
+
+fn host_of(endpoint: &str) -> &str {
+    let e = endpoint
+        .split_once("://")
+        .map_or(endpoint, |(_, rest)| rest);
+    e.rsplit_once(':').map_or(e, |(h, _)| h)
+}
+
+async fn accept_loop(
+    listener: TcpListener,
+    receiver: Arc<OnceLock<Weak<Receiver>>>,
+    shutdown: sluice_runtime::Shutdown,
+) {
+    loop {
+        let accepted = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            a = listener.accept() => a,
+        };
+        let (stream, peer) = match accepted {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!(error = %e, "KV tcp accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let Some(receiver) = receiver.get().and_then(Weak::upgrade) else {
+            continue;
+        };
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            let _ = stream.set_nodelay(true);
+            tokio::select! {
+                _ = shutdown.cancelled() => {}
+                r = serve_connection(stream, receiver) => if let Err(e) = r {
+                    tracing::debug!(%peer, error = %e, "KV tcp connection closed");
+                },
+            }
+        });
+    }
+}
+
+/// Serves transfers on one connection until the peer closes it or a
+/// transfer is refused.
+pub(crate) async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
+    mut stream: S,
+    receiver: Arc<Receiver>,
+) -> std::io::Result<()> {
+    loop {
+        let mut raw = [0u8; HEADER_LEN];
+        match stream.read_exact(&mut raw).await {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(e),
+        }
+        let outcome = match Header::decode(&raw) {
+            Ok(h) if h.kind == KIND_BEGIN && h.len as usize <= MAX_ID_LEN => {
+                receive_transfer(&mut stream, &receiver, h).await
+            }
+            Ok(h) => Err(Refusal::Protocol(format!(
+                "expected BEGIN, got frame kind {}",
+                h.kind
+            ))),
+            Err(e) => Err(Refusal::Protocol(e)),
+        };
+        match outcome {
+            Ok(written) => write_ack(&mut stream, 0, written, "").await?,
+            Err(Refusal::Io(e)) => return Err(e),
+            Err(Refusal::Protocol(msg)) => {
+                write_ack(&mut stream, 1, 0, &msg).await?;
+                return Ok(());
+            }
+        }
+    }
+}
+
+enum Refusal {
+    Io(std::io::Error),
+    Protocol(String),
+}
+
+impl From<std::io::Error> for Refusal {
+    fn from(e: std::io::Error) -> Self {
+        Refusal::Io(e)
+    }
+}
+
+impl From<WorkerError> for Refusal {
+    fn from(e: WorkerError) -> Self {
+        Refusal::Protocol(match e {
+            WorkerError::Transfer(m) => m,
+            other => other.to_string(),
+        })
+    }
+}
+
+async fn receive_transfer<S: AsyncRead + Unpin>(
+    stream: &mut S,
+    receiver: &Arc<Receiver>,
+    begin: Header,
+) -> Result<u32, Refusal> {
+    let mut id = vec![0u8; begin.len as usize];
+    stream.read_exact(&mut id).await?;
+    let id =
+        String::from_utf8(id).map_err(|_| Refusal::Protocol("transfer id is not UTF-8".into()))?;
+    let (block_bytes, _) = receiver.lookup(&id)?;
+    let mut written = 0usize;
+    let mut batch: Vec<Block> = Vec::with_capacity(WRITE_BATCH);
+    // One engine write in flight while the next batch is read.
+    let mut inflight: Option<JoinHandle<Result<usize, WorkerError>>> = None;
+    let join = |h: JoinHandle<Result<usize, WorkerError>>| async move {
+        h.await
+            .map_err(|e| WorkerError::Transfer(format!("engine write task: {e}")))?
+    };
+    loop {
+        let mut raw = [0u8; HEADER_LEN];
+        stream.read_exact(&mut raw).await?;
+        let h = Header::decode(&raw).map_err(Refusal::Protocol)?;
+        match h.kind {
+            KIND_BLOCK => {
+                if h.len as usize != block_bytes {
+                    return Err(Refusal::Protocol(format!(
+                        "block {} of transfer {id} has {} bytes, the layout says {block_bytes}",
+                        h.block_id, h.len
+                    )));
+                }
+                let mut data = Vec::with_capacity(block_bytes);
+                let mut limited = (&mut *stream).take(block_bytes as u64);
+                while data.len() < block_bytes {
+                    if limited.read_buf(&mut data).await? == 0 {
+                        return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
+                    }
+                }
+                batch.push(Block {
+                    id: h.block_id,
+                    checksum: h.checksum,
+                    data,
+                });
+                if batch.len() == WRITE_BATCH {
+                    if let Some(prev) = inflight.take() {
+                        written += join(prev).await?;
+                    }
+                    let (r, id, b) = (Arc::clone(receiver), id.clone(), std::mem::take(&mut batch));
+                    inflight = Some(tokio::spawn(async move { r.write(&id, b).await }));
+                }
+            }
+            KIND_END => break,
+            other => {
+                return Err(Refusal::Protocol(format!(
+                    "unexpected frame kind {other} inside transfer {id}"
+                )));
+            }
+        }
+    }
+    if let Some(prev) = inflight.take() {
+        written += join(prev).await?;
+    }
+    if !batch.is_empty() {
+        written += receiver.write(&id, batch).await?;
+    }
+    Ok(written as u32)
+}
+
+async fn write_ack<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    status: u32,
+    written: u32,
+    msg: &str,
+) -> std::io::Result<()> {
+    let mut ack = [0u8; ACK_LEN];
+    ack[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+    ack[4..8].copy_from_slice(&status.to_le_bytes());
+    ack[8..12].copy_from_slice(&written.to_le_bytes());
+    ack[12..16].copy_from_slice(&(msg.len() as u32).to_le_bytes());
+    let mut bufs = [IoSlice::new(&ack), IoSlice::new(msg.as_bytes())];
+    write_all_vectored(w, &mut bufs).await?;
+    w.flush().await
+}
+
+impl Inbound for TcpInbound {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Tcp
+    }
+
+    fn register(&self, _spec: &TransferSpec<'_>) -> Result<Option<Registration>, WorkerError> {
+        Ok(Some(Registration {
+            region: pb::Region {
+                transport: pb::Transport::Tcp as i32,
+                address: self.address.clone(),
+                ..Default::default()
+            },
+            staged: None,
+        }))
+    }
+}
+
+/// Sends over `tcp`, keeping a few idle connections per receiver.
+#[derive(Debug, Default)]
+pub struct TcpSender {
+    idle: Mutex<HashMap<String, Vec<TcpStream>>>,
+}
+
+pub(crate) enum SendError {
+    Io(std::io::Error),
+    Refused(String),
+}
+
+impl TcpSender {
+    async fn connect(address: &str) -> Result<TcpStream, WorkerError> {
+        let stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(address))
+            .await
+            .map_err(|_| WorkerError::Transfer(format!("tcp connect to {address} timed out")))?
+            .map_err(|e| WorkerError::Transfer(format!("tcp connect to {address}: {e}")))?;
+        stream
+            .set_nodelay(true)
+            .map_err(|e| WorkerError::Transfer(e.to_string()))?;
+        Ok(stream)
+    }
+
+    fn take_idle(&self, address: &str) -> Option<TcpStream> {
+        self.idle.lock().get_mut(address).and_then(Vec::pop)
+    }
+
+    fn put_idle(&self, address: &str, stream: TcpStream) {
+        let mut idle = self.idle.lock();
+        let list = idle.entry(address.to_string()).or_default();
+        if list.len() < MAX_IDLE_PER_PEER {
+            list.push(stream);
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl KvSender for TcpSender {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Tcp
+    }
+
+    async fn write(
+        &self,
+        region: &pb::Region,
+        transfer_id: &str,
+        blocks: Vec<Block>,
+    ) -> Result<u32, WorkerError> {
+        let address = region.address.as_str();
+        // A kept connection may have died since; retry once on a fresh one.
+        if let Some(mut stream) = self.take_idle(address) {
+            match send_on(&mut stream, transfer_id, &blocks).await {
+                Ok(n) => {
+                    self.put_idle(address, stream);
+                    return Ok(n);
+                }
+                Err(SendError::Refused(m)) => return Err(WorkerError::Transfer(m)),
+                Err(SendError::Io(e)) => {
+                    tracing::debug!(error = %e, "kept KV connection failed; reconnecting");
+                }
+            }
+        }
+        let mut stream = Self::connect(address).await?;
+        match send_on(&mut stream, transfer_id, &blocks).await {
+            Ok(n) => {
+                self.put_idle(address, stream);
+                Ok(n)
+            }
+            Err(SendError::Refused(m)) => Err(WorkerError::Transfer(format!("refused: {m}"))),
+            Err(SendError::Io(e)) => Err(WorkerError::Transfer(format!("tcp to {address}: {e}"))),
+        }
+    }
+}
+
+/// One transfer on an open connection: BEGIN, the blocks, END, then the ack.
+pub(crate) async fn send_on<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    transfer_id: &str,
+    blocks: &[Block],
+) -> Result<u32, SendError> {
+    let id = transfer_id.as_bytes();
+    let begin = Header {
+        kind: KIND_BEGIN,
+        block_id: blocks.len() as u32,
+        len: id.len() as u32,
+        checksum: 0,
+    }
+    .encode();
+    let end = Header {
+        kind: KIND_END,
+        block_id: 0,
+        len: 0,
+        checksum: 0,
+    }
+    .encode();
+    let sent = async {
+        let chunks: Vec<&[Block]> = blocks.chunks(BLOCKS_PER_WRITE).collect();
+        let last = chunks.len().saturating_sub(1);
+        let mut first = true;
+        for (i, chunk) in chunks.iter().enumerate() {
+            let headers: Vec<[u8; HEADER_LEN]> = chunk
+                .iter()
+                .map(|b| {
+                    Header {
+                        kind: KIND_BLOCK,
+                        block_id: b.id,
+                        len: b.data.len() as u32,
+                        checksum: b.checksum,
+                    }
+                    .encode()
+                })
+                .collect();
+            let mut iov = Vec::with_capacity(chunk.len() * 2 + 3);
+            if first {
+                iov.push(IoSlice::new(&begin));
+                iov.push(IoSlice::new(id));
+                first = false;
+            }
+            for (h, b) in headers.iter().zip(chunk.iter()) {
+                iov.push(IoSlice::new(h));
+                iov.push(IoSlice::new(&b.data));
+            }
+            if i == last {
+                iov.push(IoSlice::new(&end));
+            }
+            write_all_vectored(stream, &mut iov).await?;
+        }
+        if blocks.is_empty() {
+            let mut iov = [IoSlice::new(&begin), IoSlice::new(id), IoSlice::new(&end)];
+            write_all_vectored(stream, &mut iov).await?;
+        }
+        stream.flush().await
+    }
+    .await;
+    // On a write error the receiver may already have said why: read its ack.
+    let ack = read_ack(stream).await;
+    match (sent, ack) {
+        (_, Ok((0, written, _))) => Ok(written),
+        (_, Ok((_, _, msg))) => Err(SendError::Refused(msg)),
+        (Err(e), Err(_)) | (Ok(()), Err(e)) => Err(SendError::Io(e)),
+    }
+}
+
+async fn read_ack<S: AsyncRead + Unpin>(stream: &mut S) -> std::io::Result<(u32, u32, String)> {
+    let mut ack = [0u8; ACK_LEN];
+    stream.read_exact(&mut ack).await?;
+    let u32_at = |i: usize| u32::from_le_bytes([ack[i], ack[i + 1], ack[i + 2], ack[i + 3]]);
+    if u32_at(0) != MAGIC {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "bad ack magic",
+        ));
+    }
+    let len = (u32_at(12) as usize).min(64 << 10);
+    let mut msg = vec![0u8; len];
+    stream.read_exact(&mut msg).await?;
+    Ok((
+        u32_at(4),
+        u32_at(8),
+        String::from_utf8_lossy(&msg).into_owned(),
+    ))
+}
+
+/// Raw loopback bandwidth for the bench: the same framing cost aside, how
+/// fast this host moves bytes through one TCP connection.
+#[doc(hidden)]
+pub async fn loopback_pair() -> std::io::Result<(TcpStream, TcpStream)> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let (a, b) = tokio::join!(TcpStream::connect(addr), listener.accept());
+    let a = a?;
+    let (b, _) = b?;
+    a.set_nodelay(true)?;
+    b.set_nodelay(true)?;
+    Ok((a, b))
+}

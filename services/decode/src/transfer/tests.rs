@@ -1,0 +1,368 @@
+//! Transfer tests: negotiation, framing, and each transport writing into a
+//! real engine's reserved slot (mocker backend: the real KV cache and block
+//! memory, no model maths).
+
+use std::sync::Arc;
+
+use sluice_engine::{EngineConfig, EngineHandle, MockerBackend, MockerConfig, SchedulerConfig};
+use sluice_proto::kv::v1 as pb;
+
+use super::shm::{ShmInbound, ShmSender};
+use super::tcp::{Header, TcpSender};
+use super::*;
+
+fn engine(num_blocks: usize) -> EngineHandle {
+    let backend = MockerBackend::new(MockerConfig {
+        num_blocks,
+        num_layers: 2,
+        num_kv_heads: 2,
+        head_dim: 16,
+        ..MockerConfig::default()
+    })
+    .expect("mocker config");
+    EngineHandle::spawn(
+        Box::new(backend),
+        EngineConfig {
+            num_blocks: Some(num_blocks),
+            scheduler: SchedulerConfig {
+                max_model_len: 1 << 14,
+                ..SchedulerConfig::default()
+            },
+            ..EngineConfig::default()
+        },
+    )
+    .expect("engine")
+}
+
+fn request(blocks: usize, salt: u32) -> sluice_engine::Request {
+    sluice_engine::Request {
+        request_id: format!("r{salt}"),
+        prompt: (0..blocks as u32 * 16)
+            .map(|i| (i * 7 + salt * 131) % 30_000 + 1)
+            .collect(),
+        sampling: sluice_engine::SamplingParams::default(),
+        priority: 0,
+    }
+}
+
+fn blocks_for(ids: &[u32], block_bytes: usize, seed: u8) -> Vec<Block> {
+    ids.iter()
+        .map(|&id| {
+            let data = (0..block_bytes)
+                .map(|i| {
+                    (i as u8)
+                        .wrapping_mul(31)
+                        .wrapping_add(seed)
+                        .wrapping_add(id as u8)
+                })
+                .collect();
+            Block::new(id, data)
+        })
+        .collect()
+}
+
+async fn receiver_with(kinds: &[TransportKind], engine: &EngineHandle) -> Arc<Receiver> {
+    let cfg = ReceiverConfig {
+        transports: kinds.to_vec(),
+        endpoint: "127.0.0.1:1".into(),
+        tcp_listen: Some("127.0.0.1:0".parse().expect("addr")),
+        shm_pool_bytes: 64 << 20,
+        block_bytes: engine.kv_layout().block_bytes(),
+        num_blocks: engine.num_blocks(),
+    };
+    start_receiver(
+        &cfg,
+        "127.0.0.1:0".parse().expect("addr"),
+        sluice_runtime::Shutdown::new(),
+    )
+    .await
+    .expect("receiver")
+}
+
+fn region(regions: &[pb::Region], kind: TransportKind) -> pb::Region {
+    regions
+        .iter()
+        .find(|r| r.transport == kind.to_pb() as i32)
+        .cloned()
+        .expect("region offered")
+}
+
+/// Reserves a slot, sends its blocks over `sender`, completes the transfer,
+/// and checks the engine holds exactly the bytes sent.
+async fn round_trip(kind: TransportKind, sender: &dyn KvSender) {
+    let e = engine(64);
+    let receiver = receiver_with(&[kind], &e).await;
+    let slot = e.reserve_remote(request(5, 1)).await.expect("slot");
+    let ids = slot.block_ids().to_vec();
+    let (exp, regions) = receiver
+        .expect("t1", e.clone(), slot.id(), ids.clone(), true)
+        .expect("registered");
+    let blocks = blocks_for(&ids, e.kv_layout().block_bytes(), 3);
+    let sent = sender
+        .write(&region(&regions, kind), "t1", blocks.clone())
+        .await
+        .expect("written");
+    assert_eq!(sent, 5);
+    assert_eq!(exp.finish(kind.as_str()).await.expect("finished"), 5);
+    let back = e.read_blocks(ids).await.expect("read back");
+    assert_eq!(
+        back,
+        blocks.into_iter().map(|b| b.data).collect::<Vec<_>>(),
+        "{kind}"
+    );
+}
+
+#[tokio::test]
+async fn tcp_writes_blocks_into_the_reserved_slot() {
+    round_trip(TransportKind::Tcp, &TcpSender::default()).await;
+}
+
+#[tokio::test]
+async fn shm_writes_blocks_into_the_reserved_slot() {
+    round_trip(TransportKind::Shm, &ShmSender::default()).await;
+}
+
+#[tokio::test]
+async fn tcp_sender_reuses_its_connection_for_the_next_transfer() {
+    let e = engine(64);
+    let receiver = receiver_with(&[TransportKind::Tcp], &e).await;
+    let sender = TcpSender::default();
+    for round in 0..3u32 {
+        let slot = e
+            .reserve_remote(request(2, 10 + round))
+            .await
+            .expect("slot");
+        let ids = slot.block_ids().to_vec();
+        let id = format!("t{round}");
+        let (exp, regions) = receiver
+            .expect(&id, e.clone(), slot.id(), ids.clone(), false)
+            .expect("registered");
+        let blocks = blocks_for(&ids, e.kv_layout().block_bytes(), round as u8);
+        let n = sender
+            .write(&region(&regions, TransportKind::Tcp), &id, blocks)
+            .await
+            .expect("written");
+        assert_eq!((n, exp.written()), (2, 2));
+    }
+}
+
+#[tokio::test]
+async fn tcp_refuses_a_checksum_mismatch_and_says_why() {
+    let e = engine(64);
+    let receiver = receiver_with(&[TransportKind::Tcp], &e).await;
+    let slot = e.reserve_remote(request(3, 2)).await.expect("slot");
+    let ids = slot.block_ids().to_vec();
+    let (exp, regions) = receiver
+        .expect("bad", e.clone(), slot.id(), ids.clone(), true)
+        .expect("registered");
+    let mut blocks = blocks_for(&ids, e.kv_layout().block_bytes(), 1);
+    blocks[1].data[7] ^= 1;
+    let err = TcpSender::default()
+        .write(&region(&regions, TransportKind::Tcp), "bad", blocks)
+        .await
+        .expect_err("refused");
+    assert!(err.to_string().contains("checksum mismatch"), "{err}");
+    assert!(exp.written() < 3);
+}
+
+#[tokio::test]
+async fn tcp_refuses_an_unknown_transfer() {
+    let e = engine(16);
+    let receiver = receiver_with(&[TransportKind::Tcp], &e).await;
+    let slot = e.reserve_remote(request(1, 3)).await.expect("slot");
+    let (exp, regions) = receiver
+        .expect(
+            "known",
+            e.clone(),
+            slot.id(),
+            slot.block_ids().to_vec(),
+            true,
+        )
+        .expect("registered");
+    let r = region(&regions, TransportKind::Tcp);
+    drop(exp); // the decode side gave up: late writes are refused
+    let err = TcpSender::default()
+        .write(
+            &r,
+            "known",
+            blocks_for(slot.block_ids(), e.kv_layout().block_bytes(), 0),
+        )
+        .await
+        .expect_err("refused");
+    assert!(err.to_string().contains("unknown or cancelled"), "{err}");
+}
+
+#[tokio::test]
+async fn shm_refuses_a_checksum_mismatch() {
+    let e = engine(64);
+    let receiver = receiver_with(&[TransportKind::Shm], &e).await;
+    let slot = e.reserve_remote(request(2, 4)).await.expect("slot");
+    let ids = slot.block_ids().to_vec();
+    let (exp, regions) = receiver
+        .expect("bad", e.clone(), slot.id(), ids.clone(), true)
+        .expect("registered");
+    let mut blocks = blocks_for(&ids, e.kv_layout().block_bytes(), 1);
+    blocks[0].data[0] ^= 0xff;
+    ShmSender::default()
+        .write(&region(&regions, TransportKind::Shm), "bad", blocks)
+        .await
+        .expect("one-sided writes are not checked by the writer");
+    let err = exp.finish("shm").await.expect_err("refused on collection");
+    assert!(err.to_string().contains("checksum mismatch"), "{err}");
+    assert_eq!(exp.written(), 0);
+}
+
+#[tokio::test]
+async fn shm_never_passes_stale_bytes_of_an_earlier_transfer() {
+    let e = engine(64);
+    let dir = tempfile::tempdir().expect("dir");
+    let block_bytes = e.kv_layout().block_bytes();
+    let shm = Arc::new(ShmInbound::create_in(dir.path(), 8 << 20, block_bytes, 64).expect("pool"));
+    let receiver = Arc::new(Receiver::new(vec![shm.clone() as Arc<dyn Inbound>]));
+    let slot = e.reserve_remote(request(2, 5)).await.expect("slot");
+    let ids = slot.block_ids().to_vec();
+    {
+        let (exp, regions) = receiver
+            .expect("first", e.clone(), slot.id(), ids.clone(), true)
+            .expect("registered");
+        ShmSender::default()
+            .write(
+                &region(&regions, TransportKind::Shm),
+                "first",
+                blocks_for(&ids, block_bytes, 9),
+            )
+            .await
+            .expect("written");
+        assert_eq!(exp.finish("shm").await.expect("collected"), 2);
+    }
+    // The same run is handed out again; nothing is written this time.
+    let (exp, _) = receiver
+        .expect("second", e.clone(), slot.id(), ids.clone(), true)
+        .expect("registered");
+    let err = exp.finish("shm").await.expect_err("nothing was written");
+    assert!(err.to_string().contains("not written"), "{err}");
+}
+
+#[tokio::test]
+async fn shm_frees_its_run_when_the_transfer_ends_and_its_file_when_dropped() {
+    let e = engine(64);
+    let dir = tempfile::tempdir().expect("dir");
+    let shm = Arc::new(
+        ShmInbound::create_in(dir.path(), 8 << 20, e.kv_layout().block_bytes(), 10).expect("pool"),
+    );
+    let path = shm.path().to_path_buf();
+    assert!(path.exists());
+    let receiver = Arc::new(Receiver::new(vec![shm.clone() as Arc<dyn Inbound>]));
+    let (a, ra) = receiver
+        .expect("a", e.clone(), 1, (0..6).collect(), true)
+        .expect("registered");
+    assert_eq!((ra.len(), shm.free_slots()), (1, 4));
+    // No run of 6 is left: shm is not offered, nothing fails.
+    let (_b, rb) = receiver
+        .expect("b", e.clone(), 2, (6..12).collect(), true)
+        .expect("registered");
+    assert!(rb.is_empty());
+    drop(a);
+    assert_eq!(shm.free_slots(), 10);
+    drop((receiver, _b));
+    drop(shm);
+    assert!(!path.exists(), "pool file removed");
+}
+
+#[tokio::test]
+async fn shm_is_offered_only_to_a_sender_on_this_host() {
+    let e = engine(16);
+    let receiver = receiver_with(&[TransportKind::Shm, TransportKind::Tcp], &e).await;
+    let (_x, remote) = receiver
+        .expect("x", e.clone(), 1, vec![1], false)
+        .expect("registered");
+    let kinds: Vec<i32> = remote.iter().map(|r| r.transport).collect();
+    assert_eq!(kinds, vec![pb::Transport::Tcp as i32]);
+    let (_y, local) = receiver
+        .expect("y", e.clone(), 1, vec![1], true)
+        .expect("registered");
+    let kinds: Vec<i32> = local.iter().map(|r| r.transport).collect();
+    assert_eq!(
+        kinds,
+        vec![pb::Transport::Shm as i32, pb::Transport::Tcp as i32]
+    );
+}
+
+#[test]
+fn negotiation_picks_the_receivers_first_choice_the_sender_supports() {
+    let region = |t: pb::Transport, address: &str| pb::Region {
+        transport: t as i32,
+        address: address.into(),
+        ..Default::default()
+    };
+    let offered = vec![
+        region(pb::Transport::Shm, "/nonexistent/sluice-kv-1-x"),
+        region(pb::Transport::Tcp, "127.0.0.1:9"),
+        region(pb::Transport::Grpc, "127.0.0.1:8"),
+    ];
+    let all = Senders::new(&TransportKind::ALL);
+    // The shm file is not on this host: the next choice, tcp.
+    let (s, r) = all.choose(&offered).expect("a transport in common");
+    assert_eq!(
+        (s.kind(), r.address.as_str()),
+        (TransportKind::Tcp, "127.0.0.1:9")
+    );
+    let grpc_only = Senders::new(&[TransportKind::Grpc]);
+    let (s, _) = grpc_only.choose(&offered).expect("grpc in common");
+    assert_eq!(s.kind(), TransportKind::Grpc);
+    let shm_only = Senders::new(&[TransportKind::Shm]);
+    assert!(shm_only.choose(&offered).is_none());
+    assert!(all.choose(&[]).is_none());
+}
+
+#[test]
+fn rdma_is_skipped_with_a_reason_when_it_cannot_run() {
+    assert_eq!(
+        available(&[TransportKind::Rdma, TransportKind::Tcp, TransportKind::Tcp]),
+        vec![TransportKind::Tcp]
+    );
+    let why = TransportKind::Rdma
+        .availability()
+        .expect_err("no RDMA here");
+    assert!(why.contains("rdma") || why.contains("RDMA"), "{why}");
+}
+
+#[test]
+fn same_host_compares_hosts_and_treats_loopback_as_one() {
+    assert!(same_host("127.0.0.1:5000", "localhost:6000"));
+    assert!(same_host("http://10.0.0.2:1", "10.0.0.2:2"));
+    assert!(same_host("[::1]:1", "127.0.0.1:2"));
+    assert!(!same_host("10.0.0.2:1", "10.0.0.3:1"));
+    assert!(!same_host("10.0.0.2:1", "127.0.0.1:1"));
+}
+
+#[test]
+fn frame_headers_round_trip_and_reject_foreign_bytes() {
+    let h = Header {
+        kind: 2,
+        block_id: 77,
+        len: 131_072,
+        checksum: 0xdead_beef_f00d,
+    };
+    assert_eq!(Header::decode(&h.encode()), Ok(h));
+    let mut bad = h.encode();
+    bad[0] = b'X';
+    assert!(Header::decode(&bad).is_err());
+}
+
+#[test]
+fn layout_mismatch_is_refused_with_both_layouts_named() {
+    let ours = sluice_engine::backend::KvBlockLayout {
+        num_layers: 2,
+        num_kv_heads: 2,
+        head_dim: 16,
+        block_size: 16,
+        elem_bytes: 4,
+    };
+    let mut theirs = layout_to_pb(&ours);
+    assert!(check_layout(Some(&theirs), &ours).is_ok());
+    theirs.dtype = pb::Dtype::F16 as i32;
+    let err = check_layout(Some(&theirs), &ours).expect_err("dtype differs");
+    assert!(err.to_string().contains("layout mismatch"), "{err}");
+    assert!(check_layout(None, &ours).is_err());
+}
