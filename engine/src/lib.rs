@@ -15,10 +15,12 @@ pub mod model;
 pub mod sampler;
 pub mod scheduler;
 
+pub use backend::cpu::CpuBackend;
 pub use backend::mocker::{MockerBackend, MockerConfig};
 pub use config::{BalanceGroup, EngineConfig, SchedulerConfig, SchedulingPolicy};
 pub use engine::{EngineHandle, GenerateStream, HeldBlocks, Output, PrefillOutput, RemoteSlot};
 pub use error::EngineError;
 pub use kv::{KvEvent, KvEventRecord, KvSnapshot, KvSubscription, SnapshotRequired};
+pub use model::{Model, ModelConfig};
 pub use sampler::{PositionLogprobs, SamplingParams, TokenLogprob};
 pub use scheduler::{FinishReason, Finished, LoadStats, Request, Usage};
