@@ -1,6 +1,7 @@
 //! CPU backend forward-step throughput.
 //!
-//! Prefill of a 128-token prompt and one decode step at batch 1, 8 and 32
+//! A whole 64-token reply at batch 1, prefill of a 128-token prompt and one
+//! decode step at batch 1, 8 and 32
 //! (every sequence holding 128 tokens of context), on random weights of the
 //! built-in model's shape (`tiny`: hidden 256, 4 layers, 8 heads over 4 kv
 //! heads, intermediate 768, vocab 4096). `SLUICE_BENCH_SMALL=1` adds the
@@ -11,7 +12,7 @@ use std::hint::black_box;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use sluice_engine::backend::cpu::CpuBackend;
-use sluice_engine::backend::{Backend, ForwardBatch, SeqChunk};
+use sluice_engine::backend::{Backend, ForwardBatch, ForwardOutput, SeqChunk};
 use sluice_engine::model::{Architecture, Model, ModelConfig};
 
 const BLOCK_SIZE: usize = 16;
@@ -122,7 +123,54 @@ fn bench_model(c: &mut Criterion, name: &str, config: ModelConfig) {
     group.finish();
 }
 
+/// A whole 64-token reply at batch 1: a 16-token prompt, then 64 greedy
+/// decode steps (argmax of the logits, as the sampler's greedy mode does).
+fn bench_reply(c: &mut Criterion, name: &str, config: ModelConfig) {
+    const PROMPT: usize = 16;
+    const REPLY: usize = 64;
+    let vocab = config.vocab_size;
+    let model = Model::random(config, 2).expect("random model");
+    let mut cpu =
+        CpuBackend::new(model, (PROMPT + REPLY).div_ceil(BLOCK_SIZE), BLOCK_SIZE).expect("backend");
+    let all_blocks = table(0, PROMPT + REPLY);
+    let mut group = c.benchmark_group(format!("{name}/reply"));
+    group.sample_size(10);
+    group.throughput(Throughput::Elements(REPLY as u64));
+    group.bench_function(BenchmarkId::from_parameter(REPLY), |b| {
+        b.iter(|| {
+            let mut tokens = tokens(PROMPT, 3, vocab);
+            let mut start_pos = 0;
+            for _ in 0..REPLY {
+                let seq = SeqChunk {
+                    tokens: tokens[start_pos..].to_vec(),
+                    start_pos,
+                    block_table: all_blocks.clone(),
+                    needs_logits: true,
+                };
+                start_pos = tokens.len();
+                let batch = ForwardBatch {
+                    seqs: vec![seq],
+                    ..ForwardBatch::default()
+                };
+                let ForwardOutput::Logits { data, .. } = cpu.forward(&batch).expect("step") else {
+                    panic!("the CPU backend returns logits");
+                };
+                let next = data
+                    .iter()
+                    .enumerate()
+                    .max_by(|a, b| a.1.total_cmp(b.1))
+                    .map(|(i, _)| i as u32)
+                    .expect("non-empty logits");
+                tokens.push(next);
+            }
+            black_box(tokens)
+        })
+    });
+    group.finish();
+}
+
 fn forward(c: &mut Criterion) {
+    bench_reply(c, "tiny", config(256, 4, 8, 4, 768, 4096));
     bench_model(c, "tiny", config(256, 4, 8, 4, 768, 4096));
     if std::env::var_os("SLUICE_BENCH_SMALL").is_some() {
         bench_model(c, "small", config(768, 12, 12, 4, 2048, 32_000));
