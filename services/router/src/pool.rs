@@ -89,6 +89,7 @@ pub struct MemberInfo {
 
 struct Member {
     info: MemberInfo,
+    endpoint: Arc<str>,
     kv_id: TargetId,
     approx_id: TargetId,
     kv_handle: Option<TargetHandle>,
@@ -119,7 +120,7 @@ pub struct Candidate {
     /// Worker and rank.
     pub target: Target,
     /// Its address.
-    pub endpoint: String,
+    pub endpoint: Arc<str>,
     /// Its cost terms.
     pub terms: CostTerms,
 }
@@ -235,6 +236,7 @@ impl WorkerPool {
         members.insert(
             info.target.clone(),
             Arc::new(Member {
+                endpoint: info.endpoint.as_str().into(),
                 info,
                 kv_id,
                 approx_id,
@@ -416,7 +418,7 @@ impl WorkerPool {
                 .zip(terms)
                 .map(|(m, terms)| Candidate {
                     target: m.info.target.clone(),
-                    endpoint: m.info.endpoint.clone(),
+                    endpoint: Arc::clone(&m.endpoint),
                     terms,
                 })
                 .collect(),
