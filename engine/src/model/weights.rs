@@ -136,6 +136,14 @@ impl ModelWeights {
                     actual: tensor.shape,
                 });
             }
+            if tensor.data.len() != shape.iter().product::<usize>() {
+                // An in-memory tensor whose data disagrees with its shape.
+                return Err(EngineError::WeightShape {
+                    name: name.to_owned(),
+                    expected: shape.to_vec(),
+                    actual: vec![tensor.data.len()],
+                });
+            }
             Ok(tensor)
         };
         let embed_tokens = fetch("model.embed_tokens.weight", &[config.vocab_size, h])?;
