@@ -1,6 +1,7 @@
 //! `sluice`: one binary, a subcommand per role (DESIGN.md's command line).
 //! `sluice up` runs every service in one process with in-process discovery.
 
+mod bench;
 mod up;
 
 use std::path::PathBuf;
@@ -64,6 +65,9 @@ enum Command {
         #[command(flatten)]
         args: sluice_decode::WorkerArgs,
     },
+    /// Load-test an OpenAI-compatible server: trace replay or synthetic load,
+    /// TTFT/ITL/e2e and throughput per priority tier.
+    Bench(Box<bench::BenchArgs>),
     /// Model files.
     Model {
         #[command(subcommand)]
@@ -141,6 +145,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
         Command::Prefill { .. } => "sluice-prefill",
         Command::Decode { .. } => "sluice-decode",
         Command::Model { .. } => "sluice",
+        Command::Bench(_) => "sluice-bench",
     };
     let telemetry = init(&TelemetryConfig::from_env(role))?;
     let shutdown = sluice_runtime::shutdown::on_signal();
@@ -189,6 +194,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
                 .map_err(Into::into)
         }
         Command::Model { .. } => Ok(()),
+        Command::Bench(args) => bench::run(*args).await,
     };
     telemetry.shutdown().await;
     result
