@@ -1,8 +1,9 @@
 //! The CPU backend: a Llama/Qwen2 forward pass in f32 over paged KV memory.
 //!
-//! Owns the model's weights (rearranged for compute: q/k/v fused into one
-//! matrix, gate/up fused into another), the per-layer KV slabs
-//! ([`paged_kv`]) and reusable activation buffers. One [`Backend::forward`]
+//! Owns the model's weights (rearranged for compute: input-major, q/k/v
+//! fused into one matrix, gate/up into another), the per-layer KV slabs
+//! (`[num_blocks, block_size, num_kv_heads, head_dim]` f32 for K and for V)
+//! and reusable activation buffers. One [`Backend::forward`]
 //! runs a flattened batch that mixes prefill chunks and decode tokens of
 //! many sequences: every projection is one GEMM over all the step's tokens,
 //! RoPE uses each token's absolute position, K/V go into the slots the block
@@ -360,7 +361,8 @@ impl Backend for CpuBackend {
     }
 
     /// Layout: for each layer in order, the block's K then its V, each
-    /// `[block_size, num_kv_heads, head_dim]` row-major little-endian f32.
+    /// `[block_size, num_kv_heads, head_dim]` row-major little-endian f32
+    /// (`KvBlockLayout::block_bytes()` in all).
     fn read_block(&self, id: u32, out: &mut [u8]) -> Result<(), EngineError> {
         self.kv.read_block(id, out)
     }
