@@ -45,6 +45,16 @@
 //! model, 0 = none) holds further requests while that many leases are
 //! granted or being placed.
 //!
+//! # Position updates
+//!
+//! A held request learns its 0-based position in its model's release order,
+//! the number held and why. The head learns at once; the others are updated
+//! in a full pass at most once per 100 ms per model (at once when the reason
+//! changes), so a burst of releases costs each waiting client a few
+//! messages, not one per release, and the dispatcher O(n) work per 100 ms
+//! instead of per release. A newly held request's first update may lag by
+//! up to that interval.
+//!
 //! # Prefix overlap
 //!
 //! Only `wspt` orders by the cached prefix (uncached prompt tokens), so only
@@ -402,9 +412,15 @@ impl Queue {
                 let mut st = shared.state.lock();
                 st.expire(&shared.cfg, shared.epoch, now, &shared.metrics);
                 let started = st.release(&shared.cfg, now);
-                st.publish_positions();
+                let next_publish = st.publish_positions(now);
                 st.models.retain(|_, m| !m.is_idle());
-                (started, st.deadlines.first().map(|&(d, _)| d))
+                let next_deadline = st.deadlines.first().map(|&(d, _)| d);
+                // Wake for whichever comes first: a deadline or a held-back update.
+                let wake_at = match (next_deadline, next_publish) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                };
+                (started, wake_at)
             };
             for op in started {
                 ops.push(op.start(Arc::clone(&placer)));
@@ -426,6 +442,10 @@ impl Queue {
         st.drain(&shared.metrics);
     }
 }
+
+/// Least time between two position updates to one held request (the first,
+/// a changed reason and reaching the head are sent at once).
+pub(crate) const POSITION_INTERVAL: Duration = Duration::from_millis(100);
 
 /// A request's place in the queue and, once granted, its lease.
 ///
@@ -679,12 +699,32 @@ impl State {
         ops
     }
 
-    /// Sends every held request its position when it changed.
-    fn publish_positions(&mut self) {
-        for model in self.models.values() {
-            let Some(reason) = model.hold else { continue };
-            let order = model.order.sequence();
-            let pending = u32::try_from(order.len()).unwrap_or(u32::MAX);
+    /// Sends held requests their status when it changed: the head at once,
+    /// everyone else in a full pass at most once per [`POSITION_INTERVAL`]
+    /// per model (at once when the reason changed). Returns when a
+    /// held-back pass falls due.
+    fn publish_positions(&mut self, now: Instant) -> Option<Instant> {
+        let mut due_next: Option<Instant> = None;
+        for model in self.models.values_mut() {
+            let Some(reason) = model.hold else {
+                model.published = None;
+                continue;
+            };
+            let pending = u32::try_from(model.order.len()).unwrap_or(u32::MAX);
+            let full_due = match model.published {
+                Some((at, published)) if published == reason && now < at + POSITION_INTERVAL => {
+                    let due = at + POSITION_INTERVAL;
+                    due_next = Some(due_next.map_or(due, |d| d.min(due)));
+                    false
+                }
+                _ => true,
+            };
+            let order = if full_due {
+                model.published = Some((now, reason));
+                model.order.sequence()
+            } else {
+                model.order.head().into_iter().collect()
+            };
             for (position, seq) in order.into_iter().enumerate() {
                 let Some(slot) = self.slots.get_mut(&seq) else {
                     continue;
@@ -700,6 +740,7 @@ impl State {
                 }
             }
         }
+        due_next
     }
 
     /// Fails held requests whose deadline passed.
@@ -915,6 +956,8 @@ struct ModelQueue {
     refreshing: usize,
     active: usize,
     hold: Option<HoldReason>,
+    /// When positions were last sent in full, and with which reason.
+    published: Option<(Instant, HoldReason)>,
 }
 
 impl ModelQueue {
@@ -928,6 +971,7 @@ impl ModelQueue {
             refreshing: 0,
             active: 0,
             hold: None,
+            published: None,
         }
     }
 
@@ -1101,6 +1145,13 @@ impl Order {
         }
     }
 
+    fn len(&self) -> usize {
+        match self {
+            Order::Keyed(map) => map.len(),
+            Order::Wfq(tiers) => tiers.values().map(|drr| drr.len).sum(),
+        }
+    }
+
     fn is_empty(&self) -> bool {
         match self {
             Order::Keyed(map) => map.is_empty(),
@@ -1117,6 +1168,8 @@ struct Drr {
     ring: VecDeque<String>,
     /// Releases left in the front class's current turn (0 = turn not begun).
     turn: u32,
+    /// Requests in all classes.
+    len: usize,
 }
 
 #[derive(Debug, Clone)]
@@ -1138,6 +1191,7 @@ impl Drr {
             self.ring.push_back(class);
         }
         queue.fifo.push_back(seq);
+        self.len += 1;
     }
 
     fn head(&self) -> Option<u64> {
@@ -1153,6 +1207,7 @@ impl Drr {
             self.turn = queue.weight.max(1);
         }
         let seq = queue.fifo.pop_front()?;
+        self.len -= 1;
         self.turn -= 1;
         if queue.fifo.is_empty() {
             self.classes.remove(&class);
@@ -1173,6 +1228,7 @@ impl Drr {
             return;
         };
         queue.fifo.remove(i);
+        self.len -= 1;
         if queue.fifo.is_empty() {
             self.classes.remove(class);
             if let Some(pos) = self.ring.iter().position(|c| c == class) {

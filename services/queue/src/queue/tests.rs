@@ -683,7 +683,17 @@ async fn positions_update_when_an_earlier_request_leaves() {
     assert_eq!(c.held().map(|s| s.position), Some(2));
     drop(a);
     settle().await;
-    assert_eq!(b.held().map(|s| (s.position, s.pending)), Some((0, 2)));
+    assert_eq!(
+        b.held().map(|s| (s.position, s.pending)),
+        Some((0, 2)),
+        "reaching the head is sent at once"
+    );
+    assert_eq!(
+        c.held().map(|s| (s.position, s.pending)),
+        Some((2, 3)),
+        "other moves wait for the interval"
+    );
+    tokio::time::sleep(POSITION_INTERVAL).await;
     assert_eq!(c.held().map(|s| (s.position, s.pending)), Some((1, 2)));
     assert!(matches!(b.next().await, Ok(TicketEvent::Held(_))));
     let stats = h.queue.stats();
@@ -764,6 +774,7 @@ proptest::proptest! {
             .sum();
         let order = drr.sequence();
         proptest::prop_assert_eq!(order.len(), members.len());
+        proptest::prop_assert_eq!(drr.len, members.len());
         for (weight, k, seq) in members {
             let pos = order.iter().position(|&s| s == seq).expect("released once");
             // The k-th (0-based) of its class goes in round ⌊k/w⌋ + 1,
@@ -775,6 +786,7 @@ proptest::proptest! {
             popped.push(s);
         }
         proptest::prop_assert_eq!(popped, order, "sequence() predicts pop()");
+        proptest::prop_assert_eq!(drr.len, 0);
     }
 }
 
