@@ -25,7 +25,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use minijinja::value::{Kwargs, Value, ValueKind};
-use minijinja::{Environment, Error, ErrorKind};
+use minijinja::{Environment, Error, ErrorKind, Output, State};
 use serde::{Deserialize, Serialize};
 
 use crate::error::TokensError;
@@ -165,6 +165,7 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
+        env.set_formatter(python_formatter);
         let mut has_tool_use = false;
         for (name, source) in templates {
             has_tool_use |= name == TOOL_USE_NAME;
@@ -291,6 +292,82 @@ fn templates_of(config: &JsonFile) -> Result<Vec<(String, String)>, TokensError>
 
 fn raise_exception(message: String) -> Result<Value, Error> {
     Err(Error::new(ErrorKind::InvalidOperation, message))
+}
+
+/// Prints lists and dicts as Python's `str()` does (`['a', None]`,
+/// `{'k': True}`), as a template printing `{{ message.content }}` with
+/// content parts would under transformers; everything else as minijinja
+/// prints it (already Python-like: `True`, `None`).
+fn python_formatter(out: &mut Output, state: &State, value: &Value) -> Result<(), Error> {
+    match value.kind() {
+        ValueKind::Seq | ValueKind::Map => {
+            let mut text = String::new();
+            python_repr(value, &mut text)?;
+            out.write_str(&text)
+                .map_err(|_| Error::new(ErrorKind::WriteFailure, "writing template output failed"))
+        }
+        _ => minijinja::escape_formatter(out, state, value),
+    }
+}
+
+/// Python's `repr()` of a template value, for containers and their items.
+fn python_repr(value: &Value, out: &mut String) -> Result<(), Error> {
+    match value.kind() {
+        ValueKind::Undefined | ValueKind::None => out.push_str("None"),
+        ValueKind::String => python_str_repr(value.as_str().unwrap_or_default(), out),
+        ValueKind::Seq => {
+            out.push('[');
+            for (i, item) in value.try_iter()?.enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                python_repr(&item, out)?;
+            }
+            out.push(']');
+        }
+        ValueKind::Map => {
+            out.push('{');
+            for (i, key) in value.try_iter()?.enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                python_repr(&key, out)?;
+                out.push_str(": ");
+                python_repr(&value.get_item(&key)?, out)?;
+            }
+            out.push('}');
+        }
+        _ => out.push_str(&value.to_string()),
+    }
+    Ok(())
+}
+
+/// Python's `repr()` of a string: single quotes unless the text has a single
+/// quote and no double quote.
+fn python_str_repr(s: &str, out: &mut String) {
+    let quote = if s.contains('\'') && !s.contains('"') {
+        '"'
+    } else {
+        '\''
+    };
+    out.push(quote);
+    for c in s.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if c == quote => {
+                out.push('\\');
+                out.push(c);
+            }
+            c if (c as u32) < 0x20 || c as u32 == 0x7f => {
+                out.push_str(&format!("\\x{:02x}", c as u32))
+            }
+            c => out.push(c),
+        }
+    }
+    out.push(quote);
 }
 
 /// transformers' `tojson`: `json.dumps(x, ensure_ascii=False, indent=None,
@@ -649,6 +726,23 @@ mod tests {
     }
 
     #[test]
+    fn lists_and_dicts_print_as_python_prints_them() {
+        assert_eq!(
+            render_expr("{{ 'a,b,,c'.split(',') }}"),
+            "['a', 'b', '', 'c']"
+        );
+        assert_eq!(
+            render_expr("{{ [1, 2.5, none, true, \"it's\", 'q\\'\"'] }}"),
+            r#"[1, 2.5, None, True, "it's", 'q\'"']"#
+        );
+        assert_eq!(
+            render_expr("{{ {'k': [false], 'tab': '\t'} }}"),
+            r"{'k': [False], 'tab': '\t'}"
+        );
+        assert_eq!(render_expr("{{ 'plain' }} {{ 3 }}"), "plain 3");
+    }
+
+    #[test]
     fn bos_eos_and_namespace_are_available() {
         assert_eq!(render_expr("{{ bos_token }}|{{ eos_token }}"), "<s>|</s>");
         let ns = "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{% endfor %}{{ ns.n }}";
@@ -698,6 +792,24 @@ mod tests {
         assert_eq!(
             t.render_with(&msgs(), &options).expect("renders"),
             "get_time;False"
+        );
+    }
+
+    #[test]
+    fn tojson_keeps_the_key_order_of_request_json() {
+        let tools: serde_json::Value = serde_json::from_str(
+            r#"[{"type": "function", "function": {"name": "f", "description": "d"}}]"#,
+        )
+        .expect("valid JSON");
+        let t = ChatTemplate::new("{% for t in tools %}{{ t | tojson }}{% endfor %}", "", "")
+            .expect("compiles");
+        let options = ChatRenderOptions {
+            tools: Some(tools),
+            ..Default::default()
+        };
+        assert_eq!(
+            t.render_with(&msgs(), &options).expect("renders"),
+            r#"{"type": "function", "function": {"name": "f", "description": "d"}}"#
         );
     }
 
