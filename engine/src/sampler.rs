@@ -193,6 +193,9 @@ impl Sampler {
 
     fn sample_random(&mut self, work: &mut [f32], params: &SamplingParams) -> u32 {
         let inv_t = 1.0 / params.temperature;
+        if (params.top_k == 0 || params.top_k >= work.len()) && params.top_p >= 1.0 {
+            return self.sample_full(work, inv_t);
+        }
         // Candidates sorted by logit, most likely first, cut by top-k.
         let mut cand: Vec<u32> = (0..work.len() as u32).collect();
         let by_logit_desc = |a: &u32, b: &u32| {
@@ -236,6 +239,31 @@ impl Sampler {
         }
         // Rounding left r just above the last mass: take the last kept token.
         cand[keep - 1]
+    }
+}
+
+impl Sampler {
+    /// Plain temperature sampling over the whole vocabulary: one pass for
+    /// the normaliser, one for the draw; no sort.
+    fn sample_full(&mut self, work: &[f32], inv_t: f32) -> u32 {
+        let max = work.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        if max == f32::NEG_INFINITY {
+            return argmax(work);
+        }
+        let total: f32 = work.iter().map(|&x| ((x - max) * inv_t).exp()).sum();
+        let mut r = self.rng.random::<f32>() * total;
+        let mut last_possible = 0;
+        for (i, &x) in work.iter().enumerate() {
+            let p = ((x - max) * inv_t).exp();
+            if p > 0.0 {
+                last_possible = i;
+                if r < p {
+                    return i as u32;
+                }
+                r -= p;
+            }
+        }
+        last_possible as u32
     }
 }
 

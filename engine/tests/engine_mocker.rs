@@ -519,3 +519,23 @@ async fn many_streams_dropped_at_random_points_leak_no_blocks() {
     wait_idle(&e).await;
     assert_eq!(e.load().borrow().active_blocks, 0);
 }
+
+#[tokio::test]
+async fn flat_block_transfer_round_trips() {
+    let e = spawn(64);
+    let slot = e
+        .reserve_remote(req((1..=10).collect(), 4))
+        .await
+        .expect("fits");
+    let bytes = e.kv_layout().block_bytes();
+    let ids = slot.block_ids().to_vec();
+    let data: Vec<u8> = (0..ids.len() * bytes).map(|i| (i % 251) as u8).collect();
+    e.write_blocks_flat(slot.id(), ids.clone(), data.clone())
+        .await
+        .expect("write");
+    assert_eq!(e.read_blocks_flat(ids.clone()).await.expect("read"), data);
+    let short = e
+        .write_blocks_flat(slot.id(), ids, data[1..].to_vec())
+        .await;
+    assert!(matches!(short, Err(EngineError::BlockSize { .. })));
+}

@@ -170,7 +170,35 @@ impl EngineCore {
                 let _ = reply.send(res);
             }
             Command::WriteBlocks { id, blocks, reply } => {
-                let _ = reply.send(self.write_blocks(id, &blocks));
+                let blocks = blocks.iter().map(|(b, d)| (*b, d.as_slice()));
+                let _ = reply.send(self.write_blocks(id, blocks));
+            }
+            Command::WriteBlocksFlat {
+                id,
+                ids,
+                data,
+                reply,
+            } => {
+                let bytes = self.backend.kv_layout().block_bytes();
+                let res = if data.len() != ids.len() * bytes {
+                    Err(EngineError::BlockSize {
+                        expected: ids.len() * bytes,
+                        actual: data.len(),
+                    })
+                } else {
+                    self.write_blocks(id, ids.iter().copied().zip(data.chunks_exact(bytes.max(1))))
+                };
+                let _ = reply.send(res);
+            }
+            Command::ReadBlocksFlat { ids, reply } => {
+                let bytes = self.backend.kv_layout().block_bytes();
+                let mut buf = vec![0u8; ids.len() * bytes];
+                let res = ids
+                    .iter()
+                    .zip(buf.chunks_exact_mut(bytes.max(1)))
+                    .try_for_each(|(&id, out)| self.backend.read_block(id, out))
+                    .map(|()| buf);
+                let _ = reply.send(res);
             }
             Command::ReadBlocks { ids, reply } => {
                 let bytes = self.backend.kv_layout().block_bytes();
@@ -223,17 +251,21 @@ impl EngineCore {
         self.publish_load();
     }
 
-    fn write_blocks(&mut self, id: SeqId, blocks: &[(u32, Vec<u8>)]) -> Result<(), EngineError> {
+    fn write_blocks<'a>(
+        &mut self,
+        id: SeqId,
+        blocks: impl Iterator<Item = (u32, &'a [u8])> + Clone,
+    ) -> Result<(), EngineError> {
         let skip = *self
             .reserved
             .get(&id)
             .ok_or(EngineError::UnknownSequence(id))?;
         let writable = &self.sched.block_table(id)[skip..];
-        if let Some(&(bad, _)) = blocks.iter().find(|(b, _)| !writable.contains(b)) {
+        if let Some((bad, _)) = blocks.clone().find(|(b, _)| !writable.contains(b)) {
             return Err(EngineError::BlockNotReserved { seq: id, id: bad });
         }
         for (block, data) in blocks {
-            self.backend.write_block(*block, data)?;
+            self.backend.write_block(block, data)?;
         }
         Ok(())
     }
