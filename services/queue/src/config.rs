@@ -155,7 +155,12 @@ pub struct Args {
     /// `wfq` weights, `CLASS=WEIGHT,...` (e.g. `3=8,0=2,-1=1` by priority or
     /// `gold=4,free=1` by tenant). A class releases up to WEIGHT requests per
     /// round.
-    #[arg(long, env = "SLUICE_WFQ_WEIGHTS", default_value_t = WfqWeights::default())]
+    #[arg(
+        long,
+        env = "SLUICE_WFQ_WEIGHTS",
+        default_value_t = WfqWeights::default(),
+        allow_hyphen_values = true
+    )]
     pub wfq_weights: WfqWeights,
 
     /// Weight of `wfq` classes not named in `--wfq-weights`.
@@ -280,6 +285,12 @@ mod tests {
         let cfg = parse(&["--queue-policy", "wfq", "--wfq-weights", "3=8, 0=2,-1=1"]);
         assert_eq!(cfg.wfq_weights.0.get("-1"), Some(&1));
         assert_eq!(cfg.wfq_weights.0.get("3"), Some(&8));
+        let cfg = parse(&["--wfq-weights", "-1=4"]);
+        assert_eq!(
+            cfg.wfq_weights.0.get("-1"),
+            Some(&4),
+            "a negative class parses"
+        );
         assert!("a=0".parse::<WfqWeights>().is_err());
         assert!("a".parse::<WfqWeights>().is_err());
     }

@@ -18,6 +18,7 @@ pub struct QueueMetrics {
     grants: IntCounterVec,
     rejections: IntCounterVec,
     expiries: IntCounter,
+    cancellations: IntCounter,
     active_leases: IntGauge,
 }
 
@@ -69,6 +70,10 @@ impl QueueMetrics {
             "sluice_queue_expiries_total",
             "Requests whose deadline passed while held.",
         )?;
+        let cancellations = IntCounter::new(
+            "sluice_queue_cancellations_total",
+            "Requests whose client left before the grant.",
+        )?;
         let active_leases = IntGauge::new(
             "sluice_queue_active_leases",
             "Granted leases not yet released.",
@@ -79,6 +84,7 @@ impl QueueMetrics {
         registry.register(Box::new(grants.clone()))?;
         registry.register(Box::new(rejections.clone()))?;
         registry.register(Box::new(expiries.clone()))?;
+        registry.register(Box::new(cancellations.clone()))?;
         registry.register(Box::new(active_leases.clone()))?;
         Ok(Self {
             pending_requests,
@@ -87,6 +93,7 @@ impl QueueMetrics {
             grants,
             rejections,
             expiries,
+            cancellations,
             active_leases,
         })
     }
@@ -117,6 +124,10 @@ impl QueueMetrics {
 
     pub(crate) fn rejected(&self, reason: &str) {
         self.rejections.with_label_values(&[reason]).inc();
+    }
+
+    pub(crate) fn cancelled(&self) {
+        self.cancellations.inc();
     }
 
     pub(crate) fn expired(&self) {
@@ -176,12 +187,14 @@ mod tests {
         m.granted(0, 0.2);
         m.rejected("queue_full");
         m.expired();
+        m.cancelled();
         m.released();
         let text = render(&registry);
         assert!(text.contains("sluice_queue_grants_total{priority=\"0\"} 1"));
         assert!(text.contains("sluice_queue_rejections_total{reason=\"queue_full\"} 1"));
         assert!(text.contains("sluice_queue_rejections_total{reason=\"deadline\"} 1"));
         assert!(text.contains("sluice_queue_expiries_total 1"));
+        assert!(text.contains("sluice_queue_cancellations_total 1"));
         assert!(text.contains("sluice_queue_wait_seconds_count{priority=\"0\"} 1"));
         assert!(text.contains("sluice_queue_active_leases 0"));
     }

@@ -864,8 +864,12 @@ impl State {
                     self.deadlines.remove(&(deadline, seq));
                 }
                 self.forget_pending(&slot.entry, metrics);
+                metrics.cancelled();
             }
-            Phase::Placing => self.forget_pending(&slot.entry, metrics),
+            Phase::Placing => {
+                self.forget_pending(&slot.entry, metrics);
+                metrics.cancelled();
+            }
             Phase::Active => {
                 self.active -= 1;
                 if let Some(model) = self.models.get_mut(&slot.entry.model) {

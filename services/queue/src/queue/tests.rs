@@ -567,6 +567,7 @@ async fn held_then_cancelled_request_never_reaches_placement() {
     drop(doomed);
     assert_eq!(h.queue.stats().pending, 0);
     assert_eq!(h.metric("sluice_queue_pending_requests"), 0.0);
+    assert_eq!(h.metric("sluice_queue_cancellations_total"), 1.0);
     h.queue.update_load(load(0));
     let mut next = h.admit(entry("next", 0, 0, 10, Instant::now()));
     next.granted().await.expect("granted");
