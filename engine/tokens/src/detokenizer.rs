@@ -341,6 +341,51 @@ mod tests {
         assert_eq!(concat(&stream(&mut det, &reply)), " jumps over 😀");
     }
 
+    /// A SentencePiece-style tokenizer (Metaspace `▁`, whose decoder drops
+    /// the space before the first word of a decode).
+    fn metaspace_tokenizer() -> Tokenizer {
+        use tokenizers::models::TrainerWrapper;
+        use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
+        use tokenizers::pre_tokenizers::metaspace::Metaspace;
+        use tokenizers::{DecoderWrapper, PreTokenizerWrapper};
+        let mut inner = tokenizers::Tokenizer::new(BPE::default());
+        inner.with_pre_tokenizer(Some(PreTokenizerWrapper::Metaspace(Metaspace::default())));
+        inner.with_decoder(Some(DecoderWrapper::Metaspace(Metaspace::default())));
+        let mut trainer = TrainerWrapper::BpeTrainer(
+            BpeTrainerBuilder::new()
+                .vocab_size(200)
+                .show_progress(false)
+                .build(),
+        );
+        let corpus = ["hello world again", "hello again world", "world hello"];
+        inner.train(&mut trainer, corpus.iter()).expect("trains");
+        Tokenizer::from_parts(inner, crate::SpecialTokens::default())
+    }
+
+    #[test]
+    fn metaspace_spaces_between_words_survive_streaming() {
+        let tok = metaspace_tokenizer();
+        let ids = tok.encode("hello world again", false).expect("encode");
+        assert_eq!(
+            tok.decode(&ids[1..2], true).expect("decode"),
+            "world",
+            "a lone word loses its space"
+        );
+        let mut det = IncrementalDetokenizer::new(tok, Vec::new(), true);
+        assert_eq!(concat(&stream(&mut det, &ids)), "hello world again");
+    }
+
+    #[test]
+    fn metaspace_first_generated_word_keeps_its_space_with_prompt_context() {
+        let tok = metaspace_tokenizer();
+        let prompt = tok.encode("hello world", false).expect("encode");
+        let reply = tok.encode("again", false).expect("encode");
+        let mut without = IncrementalDetokenizer::new(tok.clone(), Vec::new(), true);
+        assert_eq!(concat(&stream(&mut without, &reply)), "again");
+        let mut with = IncrementalDetokenizer::new(tok, Vec::new(), true).with_prompt(&prompt);
+        assert_eq!(concat(&stream(&mut with, &reply)), " again");
+    }
+
     #[test]
     fn long_streams_compact_their_window() {
         let tok = test_tokenizer();
