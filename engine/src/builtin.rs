@@ -10,8 +10,8 @@
 //!
 //! Invariant: the output is a pure function of the size. Tokenizer training
 //! is deterministic, weights come from one `StdRng` seeded with 0 drawn in a
-//! fixed tensor order, JSON keys are sorted, so writing twice gives the same
-//! bytes.
+//! fixed tensor order, JSON objects are built in a fixed key order, so writing
+//! twice gives the same bytes.
 
 use std::collections::HashMap;
 use std::fmt;
