@@ -29,6 +29,10 @@ pub(crate) const ROUTER_COMPONENT: &str = "router";
 /// Pause before re-subscribing to a router's load after a failure.
 const RETRY: Duration = Duration::from_millis(500);
 
+/// Longest wait for one `Route` answer. Under a threshold a model's releases
+/// wait for the previous placement, so a hung router must not stall them.
+const ROUTE_TIMEOUT: Duration = Duration::from_secs(5);
+
 type Client = RouterClient<TracedChannel>;
 
 /// The routers to call, round robin.
@@ -173,7 +177,10 @@ impl RouterPlacer {
             priority: entry.priority,
             commit,
         };
-        match client.route(request).await {
+        let answer = tokio::time::timeout(ROUTE_TIMEOUT, client.route(request))
+            .await
+            .map_err(QueueError::placement)?;
+        match answer {
             Ok(response) => Ok(response.into_inner()),
             Err(status) => Err(match status.code() {
                 tonic::Code::Unavailable
