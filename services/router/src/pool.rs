@@ -598,6 +598,30 @@ mod tests {
     }
 
     #[test]
+    fn a_concurrent_burst_of_one_prompt_spreads_evenly() {
+        let p = Arc::new(pool(RouterMode::Kv, 4));
+        let now = Instant::now();
+        idle(&p, 4, now);
+        let h = Arc::new(sequence_block_hashes(&tokens(8, 2048), BS as usize));
+        let threads: Vec<_> = (0..8)
+            .map(|_| {
+                let p = Arc::clone(&p);
+                let h = Arc::clone(&h);
+                std::thread::spawn(move || {
+                    let d = p.route(&input(&h, 2048), now).expect("route");
+                    d.target().target.worker_id.to_string()
+                })
+            })
+            .collect();
+        let mut per_worker = BTreeMap::<String, usize>::new();
+        for t in threads {
+            *per_worker.entry(t.join().expect("thread")).or_default() += 1;
+        }
+        assert_eq!(per_worker.len(), 4, "{per_worker:?}");
+        assert!(per_worker.values().all(|&n| n == 2), "{per_worker:?}");
+    }
+
+    #[test]
     fn a_dry_run_is_not_counted_as_load() {
         let p = pool(RouterMode::Kv, 2);
         let now = Instant::now();

@@ -253,6 +253,8 @@ enum StreamEnd {
     Gap,
     SnapshotRequired,
     Ended,
+    /// The worker does not implement `SubscribeKvEvents`.
+    Unsupported,
 }
 
 /// Snapshot, follow events, resync; until cancelled.
@@ -307,6 +309,10 @@ async fn rank_task(ctx: Ctx, info: MemberInfo, mut client: Client, token: Cancel
                     StreamEnd::Cancelled => return,
                     StreamEnd::Gap => reason = "gap",
                     StreamEnd::SnapshotRequired => reason = "snapshot_required",
+                    StreamEnd::Unsupported => {
+                        tracing::warn!(%target, "worker publishes no KV events; keeping its snapshot only");
+                        return;
+                    }
                     StreamEnd::Ended => {
                         reason = "reconnect";
                         if !sleep_or_cancel(BACKOFF_START, &token).await {
@@ -367,6 +373,7 @@ async fn follow_events(
         _ = token.cancelled() => return StreamEnd::Cancelled,
         r = client.subscribe_kv_events(req) => match r {
             Ok(s) => s.into_inner(),
+            Err(status) if status.code() == tonic::Code::Unimplemented => return StreamEnd::Unsupported,
             Err(status) => {
                 tracing::debug!(%target, code = ?status.code(), "subscribe failed");
                 return StreamEnd::Ended;

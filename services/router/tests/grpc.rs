@@ -33,6 +33,8 @@ struct FakeWorker {
     state: Arc<Mutex<KvState>>,
     events: broadcast::Sender<wpb::KvEvent>,
     loads: broadcast::Sender<wpb::LoadReport>,
+    /// Cancelled = the worker is gone: streams end, every call fails.
+    dead: Shutdown,
 }
 
 #[derive(Default)]
@@ -50,6 +52,15 @@ impl FakeWorker {
             state: Arc::default(),
             events: broadcast::channel(1024).0,
             loads: broadcast::channel(1024).0,
+            dead: Shutdown::new(),
+        }
+    }
+
+    fn check_alive(&self) -> Result<(), Status> {
+        if self.dead.is_cancelled() {
+            Err(Status::unavailable("worker is gone"))
+        } else {
+            Ok(())
         }
     }
 
@@ -128,6 +139,7 @@ impl Worker for FakeWorker {
         &self,
         request: Request<wpb::SubscribeKvEventsRequest>,
     ) -> Result<Response<Self::SubscribeKvEventsStream>, Status> {
+        self.check_alive()?;
         let from = request.into_inner().from_seq;
         let live = self.events.subscribe();
         let replay: Vec<wpb::KvEvent> = self
@@ -139,7 +151,7 @@ impl Worker for FakeWorker {
             .cloned()
             .collect();
         let last = replay.last().map_or(from, |e| e.seq);
-        let stream = replay_then_live(replay, live, last);
+        let stream = replay_then_live(replay, live, last, self.dead.clone());
         Ok(Response::new(stream))
     }
 
@@ -147,6 +159,7 @@ impl Worker for FakeWorker {
         &self,
         _: Request<wpb::KvSnapshotRequest>,
     ) -> Result<Response<wpb::KvSnapshotResponse>, Status> {
+        self.check_alive()?;
         let mut s = self.state.lock();
         s.snapshots += 1;
         Ok(Response::new(wpb::KvSnapshotResponse {
@@ -162,11 +175,17 @@ impl Worker for FakeWorker {
         &self,
         _: Request<wpb::LoadRequest>,
     ) -> Result<Response<Self::LoadStream>, Status> {
+        self.check_alive()?;
         let rx = self.loads.subscribe();
-        let stream = futures::stream::unfold(rx, |mut rx| async move {
+        let dead = self.dead.clone();
+        let stream = futures::stream::unfold((rx, dead), |(mut rx, dead)| async move {
             loop {
-                match rx.recv().await {
-                    Ok(r) => return Some((Ok(r), rx)),
+                let r = tokio::select! {
+                    _ = dead.cancelled() => return None,
+                    r = rx.recv() => r,
+                };
+                match r {
+                    Ok(r) => return Some((Ok(r), (rx, dead))),
                     Err(broadcast::error::RecvError::Lagged(_)) => continue,
                     Err(_) => return None,
                 }
@@ -181,6 +200,7 @@ fn replay_then_live(
     replay: Vec<wpb::KvEvent>,
     mut live: broadcast::Receiver<wpb::KvEvent>,
     mut last: u64,
+    dead: Shutdown,
 ) -> BoxStream<wpb::KvEventBatch> {
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     tokio::spawn(async move {
@@ -193,7 +213,11 @@ fn replay_then_live(
             return;
         }
         loop {
-            let ev = match live.recv().await {
+            let next = tokio::select! {
+                _ = dead.cancelled() => return,
+                r = live.recv() => r,
+            };
+            let ev = match next {
                 Ok(ev) if ev.seq > last => ev,
                 Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => continue,
                 Err(broadcast::error::RecvError::Closed) => return,
@@ -524,5 +548,79 @@ async fn watch_load_sends_a_view_then_one_per_report_and_bad_requests_are_invali
 
     router.stop().await?;
     w.stop.cancel();
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_whose_streams_end_for_good_is_forgotten_while_still_registered() -> Result<()> {
+    let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new("test"));
+    let a = start_worker(&discovery).await?;
+    let b = start_worker(&discovery).await?;
+    let router = start_router(&discovery, RouterMode::Kv).await?;
+    let mut client = router.client.clone();
+    let (h, tokens) = prompt(30, 4);
+    a.fake.store(&h);
+    wait_overlap(&mut client, &h, tokens, &a.id, 4).await?;
+
+    // a's process dies but its lease has not expired yet.
+    a.fake.dead.cancel();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = route(&mut client, &h, tokens).await?;
+        if r.candidates.len() == 1 {
+            assert_eq!(chosen(&r), b.id);
+            assert_eq!(r.overlap_blocks, 0);
+            break;
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("a was never forgotten: {r:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(a.registration.is_some(), "still registered");
+    router.stop().await?;
+    a.stop.cancel();
+    b.stop.cancel();
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn approx_mode_routes_repeats_of_a_prompt_to_the_same_worker() -> Result<()> {
+    let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new("test"));
+    let workers = [
+        start_worker(&discovery).await?,
+        start_worker(&discovery).await?,
+        start_worker(&discovery).await?,
+    ];
+    let router = start_router(&discovery, RouterMode::Approx).await?;
+    let mut client = router.client.clone();
+    wait_for(Duration::from_secs(10), || {
+        let mut client = client.clone();
+        async move { Ok(route(&mut client, &[], 16).await?.candidates.len() == 3) }
+    })
+    .await?;
+    let prompts: Vec<(Vec<u64>, u32)> = (0..3).map(|i| prompt(40 + i, 8)).collect();
+    let mut first = Vec::new();
+    for (h, t) in &prompts {
+        let r = client.route(route_req(h, *t, true)).await?.into_inner();
+        assert_eq!(r.mode, "approx");
+        first.push(chosen(&r).to_owned());
+    }
+    for round in 0..3 {
+        // Workers report idle: earlier placements are covered.
+        for w in &workers {
+            w.fake.report(wpb::LoadReport::default());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        for (i, (h, t)) in prompts.iter().enumerate() {
+            let r = client.route(route_req(h, *t, true)).await?.into_inner();
+            assert_eq!(chosen(&r), first[i], "round {round}, prompt {i}");
+            assert_eq!(r.overlap_blocks, 8);
+        }
+    }
+    router.stop().await?;
+    for w in &workers {
+        w.stop.cancel();
+    }
     Ok(())
 }
