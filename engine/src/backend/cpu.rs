@@ -16,6 +16,7 @@ mod matmul;
 mod paged_kv;
 
 use std::path::Path;
+use std::sync::Arc;
 
 use crate::backend::{Backend, ForwardBatch, ForwardOutput, KvBlockLayout};
 use crate::error::EngineError;
@@ -119,9 +120,11 @@ fn resize(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
     &mut buf[..len]
 }
 
-/// Llama/Qwen2 on the CPU, f32 compute over paged KV memory.
+/// A model's weights prepared for the CPU backend (input-major, fused),
+/// immutable, so several backends (workers in one process) can share one
+/// copy through an `Arc`.
 #[derive(Debug)]
-pub struct CpuBackend {
+pub struct CpuWeights {
     config: ModelConfig,
     embed: Vec<f32>,
     layers: Vec<Layer>,
@@ -129,27 +132,13 @@ pub struct CpuBackend {
     /// `[hidden, vocab]` (input-major, also when tied to `embed`).
     lm_head: Vec<f32>,
     rope: Rope,
-    kv: PagedKv,
-    scratch: Scratch,
 }
 
-impl CpuBackend {
-    /// Loads the model in `dir` and allocates `num_blocks` KV blocks of
-    /// `block_size` tokens.
-    pub fn from_dir(dir: &Path, num_blocks: usize, block_size: usize) -> Result<Self, EngineError> {
-        Self::new(Model::load(dir)?, num_blocks, block_size)
-    }
-
-    /// Takes a loaded model and allocates `num_blocks` KV blocks of
-    /// `block_size` tokens (`2 · layers · block_size · kv_heads · head_dim · 4`
-    /// bytes each).
-    pub fn new(model: Model, num_blocks: usize, block_size: usize) -> Result<Self, EngineError> {
+impl CpuWeights {
+    /// Rearranges a loaded model for compute (its HF-layout tensors are
+    /// dropped as each is converted).
+    pub fn new(model: Model) -> Result<Self, EngineError> {
         let Model { config, weights } = model;
-        if num_blocks == 0 || block_size == 0 {
-            return Err(EngineError::InvalidRequest(format!(
-                "the CPU backend needs at least one block of at least one token (got {num_blocks} blocks of {block_size})"
-            )));
-        }
         if config.num_attention_heads / config.num_key_value_heads > MAX_GROUP {
             return Err(EngineError::InvalidRequest(format!(
                 "{} query heads per kv head; the CPU backend supports at most {MAX_GROUP}",
@@ -166,6 +155,58 @@ impl CpuBackend {
         let (vocab, hidden) = (head.shape[0], head.shape[1]);
         let mut lm_head_t = vec![0.0; vocab * hidden];
         transpose(&mut lm_head_t, vocab, 0, &head.data, vocab, hidden);
+        drop(lm_head);
+        Ok(CpuWeights {
+            rope: Rope::new(&config),
+            embed: embed_tokens.data,
+            layers: layers.into_iter().map(Layer::new).collect(),
+            final_norm: norm,
+            lm_head: lm_head_t,
+            config,
+        })
+    }
+
+    /// The model's configuration.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+}
+
+/// Llama/Qwen2 on the CPU, f32 compute over paged KV memory.
+#[derive(Debug)]
+pub struct CpuBackend {
+    weights: Arc<CpuWeights>,
+    kv: PagedKv,
+    scratch: Scratch,
+}
+
+impl CpuBackend {
+    /// Loads the model in `dir` and allocates `num_blocks` KV blocks of
+    /// `block_size` tokens.
+    pub fn from_dir(dir: &Path, num_blocks: usize, block_size: usize) -> Result<Self, EngineError> {
+        Self::new(Model::load(dir)?, num_blocks, block_size)
+    }
+
+    /// Takes a loaded model and allocates `num_blocks` KV blocks of
+    /// `block_size` tokens (`2 · layers · block_size · kv_heads · head_dim · 4`
+    /// bytes each).
+    pub fn new(model: Model, num_blocks: usize, block_size: usize) -> Result<Self, EngineError> {
+        Self::with_weights(Arc::new(CpuWeights::new(model)?), num_blocks, block_size)
+    }
+
+    /// A backend over shared prepared weights, with its own `num_blocks` KV
+    /// blocks of `block_size` tokens.
+    pub fn with_weights(
+        weights: Arc<CpuWeights>,
+        num_blocks: usize,
+        block_size: usize,
+    ) -> Result<Self, EngineError> {
+        if num_blocks == 0 || block_size == 0 {
+            return Err(EngineError::InvalidRequest(format!(
+                "the CPU backend needs at least one block of at least one token (got {num_blocks} blocks of {block_size})"
+            )));
+        }
+        let config = &weights.config;
         let layout = KvBlockLayout {
             num_layers: config.num_hidden_layers,
             num_kv_heads: config.num_key_value_heads,
@@ -174,20 +215,20 @@ impl CpuBackend {
             elem_bytes: 4,
         };
         Ok(CpuBackend {
-            rope: Rope::new(&config),
-            embed: embed_tokens.data,
-            layers: layers.into_iter().map(Layer::new).collect(),
-            final_norm: norm,
-            lm_head: lm_head_t,
             kv: PagedKv::new(layout, num_blocks),
             scratch: Scratch::default(),
-            config,
+            weights,
         })
+    }
+
+    /// The shared prepared weights (to build another backend over them).
+    pub fn weights(&self) -> &Arc<CpuWeights> {
+        &self.weights
     }
 
     /// The model's configuration (vocab, eos ids, geometry).
     pub fn config(&self) -> &ModelConfig {
-        &self.config
+        &self.weights.config
     }
 
     /// Checks the batch against the model and the KV pool before computing.
@@ -202,11 +243,11 @@ impl CpuBackend {
             if let Some(t) = seq
                 .tokens
                 .iter()
-                .find(|t| **t as usize >= self.config.vocab_size)
+                .find(|t| **t as usize >= self.weights.config.vocab_size)
             {
                 return Err(EngineError::InvalidRequest(format!(
                     "token id {t} is outside the vocabulary ({})",
-                    self.config.vocab_size
+                    self.weights.config.vocab_size
                 )));
             }
             let end = seq.start_pos + seq.tokens.len();
@@ -231,7 +272,8 @@ impl CpuBackend {
     }
 
     fn run(&mut self, batch: &ForwardBatch) -> Vec<f32> {
-        let c = &self.config;
+        let w = &*self.weights;
+        let c = &w.config;
         let (hidden, head_dim) = (c.hidden_size, c.head_dim);
         let (nh, nkv) = (c.num_attention_heads, c.num_key_value_heads);
         let (q_dim, kv_dim, qkv_dim) = (nh * head_dim, nkv * head_dim, c.qkv_dim());
@@ -251,7 +293,7 @@ impl CpuBackend {
             let positions = seq.start_pos..seq.start_pos + len;
             s.tokens
                 .extend(positions.clone().map(|pos| TokenPos { seq: i, pos }));
-            self.rope.fill(
+            w.rope.fill(
                 positions,
                 &mut cos[t * half..(t + len) * half],
                 &mut sin[t * half..(t + len) * half],
@@ -259,7 +301,7 @@ impl CpuBackend {
             for (j, &tok) in seq.tokens.iter().enumerate() {
                 let row = tok as usize * hidden;
                 x[(t + j) * hidden..(t + j + 1) * hidden]
-                    .copy_from_slice(&self.embed[row..row + hidden]);
+                    .copy_from_slice(&w.embed[row..row + hidden]);
             }
             t += len;
         }
@@ -282,7 +324,7 @@ impl CpuBackend {
         let attn = resize(&mut s.attn, n * q_dim);
         let gate_up = resize(&mut s.gate_up, n * 2 * inter);
         let act = resize(&mut s.act, n * inter);
-        for (l, layer) in self.layers.iter().enumerate() {
+        for (l, layer) in w.layers.iter().enumerate() {
             // Attention block.
             rms_norm(h, x, &layer.input_norm, hidden, c.rms_norm_eps);
             matmul(qkv, h, &layer.qkv, n, hidden, qkv_dim, false);
@@ -330,10 +372,10 @@ impl CpuBackend {
         }
         let r = rows.len() / hidden;
         let normed = resize(&mut s.h, r * hidden);
-        rms_norm(normed, &rows, &self.final_norm, hidden, c.rms_norm_eps);
+        rms_norm(normed, &rows, &w.final_norm, hidden, c.rms_norm_eps);
         let vocab = c.vocab_size;
         let mut logits = vec![0.0; r * vocab];
-        matmul(&mut logits, normed, &self.lm_head, r, hidden, vocab, false);
+        matmul(&mut logits, normed, &w.lm_head, r, hidden, vocab, false);
         logits
     }
 }
@@ -347,7 +389,7 @@ impl Backend for CpuBackend {
             self.run(batch)
         };
         Ok(ForwardOutput::Logits {
-            vocab_size: self.config.vocab_size,
+            vocab_size: self.weights.config.vocab_size,
             data,
         })
     }
@@ -373,7 +415,7 @@ impl Backend for CpuBackend {
     }
 
     fn vocab_size(&self) -> usize {
-        self.config.vocab_size
+        self.weights.config.vocab_size
     }
 
     fn name(&self) -> &'static str {

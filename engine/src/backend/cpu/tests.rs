@@ -350,3 +350,28 @@ fn empty_batch_returns_no_rows() {
     assert_eq!(cpu.num_blocks(), 4);
     assert_eq!(cpu.name(), "cpu");
 }
+
+#[test]
+fn backends_sharing_weights_keep_separate_kv_memory() {
+    let model = Model::random(tiny_config(false), 20).expect("model");
+    let tokens = prompt(9, 9);
+    let want = reference_logits(&model, &tokens);
+    let mut first = backend(&model, 4, 4);
+    let mut second = CpuBackend::with_weights(first.weights().clone(), 4, 4).expect("shared");
+    assert_eq!(Arc::strong_count(first.weights()), 2);
+    first
+        .forward(&batch(vec![chunk(&tokens[..8], 0, &[0, 1], false)]))
+        .expect("prefill first");
+    // The second backend's block 0 and 1 are still zero: it must prefill itself.
+    second
+        .forward(&batch(vec![chunk(&prompt(8, 3), 0, &[0, 1], false)]))
+        .expect("prefill second");
+    let out = first
+        .forward(&batch(vec![chunk(&tokens[8..], 8, &[0, 1, 2], true)]))
+        .expect("decode");
+    assert_close(
+        &logits(out),
+        &want[8],
+        "first backend after the second wrote its own blocks",
+    );
+}
