@@ -547,10 +547,15 @@ impl Scheduler {
             });
         }
         let mut outputs = Vec::with_capacity(rows);
-        let mut row = 0;
+        let mut next_row = 0;
         for s in &step.seqs {
+            // Rows follow the batch order of sequences that need logits.
+            let row = next_row;
+            if s.needs_logits {
+                next_row += 1;
+            }
             let Some(seq) = self.seqs.get_mut(&s.seq_id) else {
-                continue;
+                continue; // aborted since `schedule`: its row is skipped
             };
             seq.num_computed += s.num_new_tokens;
             self.kv
@@ -571,7 +576,6 @@ impl Scheduler {
                     (sampled.token, sampled.logprobs)
                 }
             };
-            row += 1;
             seq.push_token(token);
             let reason = stop_reason(seq, token, &self.eos_token_ids, self.max_len);
             let finished = reason.map(|reason| Finished {

@@ -425,3 +425,17 @@ fn committed_remote_sequence_waiting_gives_blocks_back_under_pressure() {
     assert_eq!(finished(&outs, 2).expect("done").usage.completion_tokens, 2);
     assert_eq!(s.kv().num_used(), 0);
 }
+
+#[test]
+fn abort_between_schedule_and_update_keeps_rows_aligned() {
+    let mut s = sched(cfg(4, 100, SchedulingPolicy::Fcfs), 64);
+    s.add(1, req(4, 5, 0)).expect("valid");
+    s.add(2, req(4, 5, 0)).expect("valid");
+    let st = s.schedule();
+    s.abort(1);
+    let outs = s
+        .update(&st, ForwardOutput::Tokens(vec![11, 22]))
+        .expect("rows match");
+    assert_eq!((outs.len(), outs[0].seq_id, outs[0].token), (1, 2, 22));
+    s.check_invariants().expect("invariants");
+}
