@@ -8,7 +8,7 @@ APT_PACKAGES := etcd-server protobuf-compiler
 # processes and the machine has 2 cores.
 TEST_THREADS ?= 2
 
-.PHONY: help deps deps-system deps-python build run test test-rust test-python bench lint fmt clean
+.PHONY: help deps deps-system deps-python build run test test-rust test-python test-deploy bench lint fmt clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -25,7 +25,7 @@ deps-system: ## apt packages: etcd-server (tests), protobuf-compiler (build)
 deps-python: ## the venv with the clients the tests use (openai, grpcio-tools, pytest)
 	@[ -x $(PY) ] || python3 -m venv $(VENV)
 	@$(PY) -m pip install -q --upgrade pip >/dev/null
-	@$(PY) -m pip install -q -r tests/python/requirements.txt
+	@$(PY) -m pip install -q -r tests/python/requirements.txt -r tests/deploy/requirements.txt
 
 build: ## build every crate (debug)
 	$(CARGO) build --workspace --all-targets
@@ -33,7 +33,7 @@ build: ## build every crate (debug)
 run: deps-system ## set up and run everything: `sluice up` with the built-in model on :8000
 	$(CARGO) run --release -p sluice -- up $(ARGS)
 
-test: test-rust test-python ## run every test (Rust and Python clients)
+test: test-rust test-python test-deploy ## run every test (Rust, Python clients, deploy manifests)
 
 test-rust: ## cargo tests, unit and integration
 	$(CARGO) test --workspace -- --test-threads=$(TEST_THREADS)
@@ -42,6 +42,12 @@ test-python: ## tests that use other people's clients (openai, grpcio) from the 
 	@if [ ! -x $(PY) ]; then echo "no $(VENV): run 'make deps' first"; exit 1; fi
 	$(CARGO) build -p sluice
 	SLUICE_BIN=$(CURDIR)/target/debug/sluice $(PY) -m pytest -q tests/python
+
+test-deploy: ## validate deploy/ offline: compose, Dockerfile, kustomize + kubernetes-validate
+	@if [ ! -x $(PY) ]; then echo "no $(VENV): run 'make deps' first"; exit 1; fi
+	$(CARGO) build -p sluice
+	SLUICE_BIN=$(CURDIR)/target/debug/sluice PY=$(PY) tests/deploy/validate.sh
+	SLUICE_BIN=$(CURDIR)/target/debug/sluice $(PY) tests/deploy/selftest.py
 
 bench: ## criterion benches and `sluice bench` tables
 	$(CARGO) bench --workspace

@@ -194,17 +194,37 @@ impl tonic::service::Interceptor for TraceInjector {
     }
 }
 
-/// The server span for one gRPC request, child of the caller's span when the
-/// request carries `traceparent`. Used as tonic's `trace_fn`.
+/// Paths polled by probes, scrapers and the mesh's own long-lived control
+/// streams: their spans stay at debug level so that traces show requests.
+const QUIET_PATHS: &[&str] = &[
+    "/live",
+    "/ready",
+    "/health",
+    "/metrics",
+    "/grpc.health.v1.Health/Check",
+    "/grpc.health.v1.Health/Watch",
+    "/sluice.worker.v1.Worker/Load",
+    "/sluice.worker.v1.Worker/KvSnapshot",
+    "/sluice.worker.v1.Worker/SubscribeKvEvents",
+    "/sluice.router.v1.Router/WatchLoad",
+];
+
+/// The server span for one request (gRPC or HTTP on a gRPC port), child of
+/// the caller's span when the request carries `traceparent`. Used as tonic's
+/// `trace_fn`.
 pub fn grpc_server_span<B>(req: &http::Request<B>) -> Span {
     let path = req.uri().path();
-    let span = tracing::info_span!(
-        "grpc.server",
-        otel.name = %path.trim_start_matches('/'),
-        otel.kind = "server",
-        rpc.system = "grpc",
-        rpc.method = %path,
-    );
+    let span = if QUIET_PATHS.contains(&path) {
+        tracing::debug_span!("grpc.server", otel.name = %path.trim_start_matches('/'), rpc.method = %path)
+    } else {
+        tracing::info_span!(
+            "grpc.server",
+            otel.name = %path.trim_start_matches('/'),
+            otel.kind = "server",
+            rpc.system = "grpc",
+            rpc.method = %path,
+        )
+    };
     extract_http(req.headers(), &span);
     span
 }
