@@ -12,6 +12,7 @@ use sluice_proto::queue::v1 as pb;
 use sluice_proto::queue::v1::admit_request::Msg as InMsg;
 use tokio::time::Instant;
 use tonic::{Request, Response, Status, Streaming};
+use tracing::Instrument;
 
 use crate::convert;
 use crate::error::QueueError;
@@ -31,9 +32,11 @@ impl QueueService {
 
 type AdmitStream = Pin<Box<dyn Stream<Item = Result<pb::AdmitResponse, Status>> + Send>>;
 
-/// One lease's stream state; dropping it drops the ticket.
+/// One lease's stream state; dropping it drops the ticket (and closes the
+/// `queue.lease` span, whose length is the lease's).
 struct Lease {
     ticket: Ticket,
+    span: tracing::Span,
     inbound: Streaming<pb::AdmitRequest>,
     granted: bool,
     finished: bool,
@@ -69,10 +72,13 @@ impl Lease {
                 Ok(TicketEvent::Held(status)) => Some(Ok(convert::held_response(&status))),
                 Ok(TicketEvent::Granted(grant)) => {
                     self.granted = true;
+                    self.span.record("worker_id", grant.placement.worker.worker_id.as_str());
+                    self.span.record("queue_wait_ms", grant.waited.as_secs_f64() * 1000.0);
                     Some(Ok(convert::grant_response(&grant)))
                 }
                 Err(err) => {
                     self.finished = true;
+                    self.span.record("error", tracing::field::display(&err));
                     Some(Err(err.into()))
                 }
             },
@@ -122,23 +128,32 @@ impl pb::queue_server::Queue for QueueService {
             }
         };
         let entry = convert::entry_from_open(open, Instant::now())?;
-        tracing::debug!(
+        let span = tracing::info_span!(
+            "queue.lease",
             request_id = %entry.request_id,
             priority = entry.priority,
             strict_tier = entry.strict_tier,
             tenant = %entry.tenant,
             prompt_tokens = entry.prompt_tokens,
-            "admit"
+            worker_id = tracing::field::Empty,
+            queue_wait_ms = tracing::field::Empty,
+            error = tracing::field::Empty,
         );
-        let ticket = self.queue.admit(entry)?;
+        let ticket = span
+            .in_scope(|| self.queue.admit(entry))
+            .inspect_err(|err| {
+                span.record("error", tracing::field::display(err));
+            })?;
         let lease = Lease {
             ticket,
+            span,
             inbound,
             granted: false,
             finished: false,
         };
         let stream = futures::stream::unfold(lease, |mut lease| async move {
-            let item = lease.next().await?;
+            let span = lease.span.clone();
+            let item = lease.next().instrument(span).await?;
             Some((item, lease))
         });
         Ok(Response::new(Box::pin(stream)))
