@@ -75,13 +75,7 @@ pub(crate) fn paged_attention(
                 kv_head: g,
                 shape,
             };
-            #[cfg(target_arch = "x86_64")]
-            if avx2 {
-                // SAFETY: the CPU supports the features `attend_avx2` is compiled for.
-                unsafe { attend_avx2(task) };
-                return;
-            }
-            attend(task);
+            dispatch(task, avx2);
         });
 }
 
@@ -109,6 +103,21 @@ fn has_avx2_fma() -> bool {
     {
         false
     }
+}
+
+/// Runs `task` with the AVX2+FMA build of [`attend`] when `avx2` says the
+/// CPU has those features.
+fn dispatch(task: Task<'_>, avx2: bool) {
+    #[cfg(target_arch = "x86_64")]
+    if avx2 {
+        // SAFETY: `avx2` comes from `has_avx2_fma`, so the CPU supports the
+        // features `attend_avx2` is compiled for.
+        unsafe { attend_avx2(task) };
+        return;
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = avx2;
+    attend(task);
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -259,6 +259,21 @@ mod tests {
     }
 
     #[test]
+    fn portable_skinny_kernel_matches_naive() {
+        // The AVX2 build runs on this CPU through `matmul`; check the
+        // portable one that other CPUs run, on the same shapes.
+        let (m, k, n) = (3, 37, 300);
+        let (x, w) = (data(m * k, 5), data(k * n, 6));
+        let mut out = vec![0.0; m * n];
+        let mut rows: Vec<&mut [f32]> = out.chunks_mut(n).collect();
+        skinny_portable(&mut rows, &x, &w, n, 0, false);
+        let want = naive(&x, &w, m, k, n);
+        for (a, b) in out.iter().zip(&want) {
+            assert!((a - b).abs() <= 1e-4 * b.abs().max(1.0), "{a} vs {b}");
+        }
+    }
+
+    #[test]
     fn transpose_places_blocks_side_by_side() {
         // Two [2, 3] matrices side by side become one [3, 4] matrix.
         let a = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
