@@ -6,6 +6,9 @@ use std::fmt;
 use std::str::FromStr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use parking_lot::{Condvar, Mutex};
 
 use crate::error::EngineError;
 
@@ -141,25 +144,79 @@ impl EngineConfig {
     }
 }
 
-/// Running counts shared by the data-parallel ranks of one worker, for
-/// balance scheduling: each rank publishes its count every step and reads the
-/// largest. Counts lag by at most one step of the slowest rank.
+/// The data-parallel ranks of one worker: running counts shared for
+/// balance scheduling (each rank publishes its count every step and reads the
+/// largest; counts lag by at most one step of the slowest rank), and,
+/// optionally, a lockstep barrier.
+///
+/// In lockstep (as data-parallel ranks of an MoE model run in vLLM) every
+/// rank takes part in every step while any rank has work: an idle rank runs
+/// an empty step, and each step ends when the slowest rank's does. The
+/// barrier never deadlocks: a rank that waits longer than the step timeout
+/// moves on (and logs), and a stopped engine leaves the group. Every rank
+/// of a lockstep group must run an engine; an idle rank polls its commands
+/// every millisecond so it can join its peers' steps.
 #[derive(Debug)]
 pub struct BalanceGroup {
     running: Vec<AtomicUsize>,
+    lockstep: Option<Lockstep>,
+}
+
+#[derive(Debug)]
+struct Lockstep {
+    state: Mutex<LockstepState>,
+    cv: Condvar,
+    timeout: Duration,
+}
+
+#[derive(Debug)]
+struct LockstepState {
+    generation: u64,
+    arrived: usize,
+    members: usize,
+    busy: Vec<bool>,
+    left: Vec<bool>,
+    /// Steps completed together.
+    steps: u64,
 }
 
 impl BalanceGroup {
-    /// A group of `num_ranks` ranks, all at 0 running.
+    /// A group of `num_ranks` ranks, all at 0 running; ranks step independently.
     pub fn new(num_ranks: usize) -> Arc<Self> {
         Arc::new(Self {
             running: (0..num_ranks).map(|_| AtomicUsize::new(0)).collect(),
+            lockstep: None,
+        })
+    }
+
+    /// A group whose ranks step in lockstep; a rank waits at most
+    /// `step_timeout` for the others.
+    pub fn lockstep(num_ranks: usize, step_timeout: Duration) -> Arc<Self> {
+        Arc::new(Self {
+            running: (0..num_ranks).map(|_| AtomicUsize::new(0)).collect(),
+            lockstep: Some(Lockstep {
+                state: Mutex::new(LockstepState {
+                    generation: 0,
+                    arrived: 0,
+                    members: num_ranks,
+                    busy: vec![false; num_ranks],
+                    left: vec![false; num_ranks],
+                    steps: 0,
+                }),
+                cv: Condvar::new(),
+                timeout: step_timeout,
+            }),
         })
     }
 
     /// Ranks in the group.
     pub fn num_ranks(&self) -> usize {
         self.running.len()
+    }
+
+    /// Whether the ranks step in lockstep.
+    pub fn is_lockstep(&self) -> bool {
+        self.lockstep.is_some()
     }
 
     /// Publishes `rank`'s running count.
@@ -184,5 +241,132 @@ impl BalanceGroup {
             .iter()
             .map(|c| c.load(Ordering::Relaxed))
             .collect()
+    }
+
+    /// Lockstep steps completed by all ranks together (0 without lockstep).
+    pub fn lockstep_steps(&self) -> u64 {
+        self.lockstep.as_ref().map_or(0, |l| l.state.lock().steps)
+    }
+
+    /// Lockstep: records whether `rank` has work and says whether it must
+    /// take part in the next step (some rank has work or is already waiting).
+    /// Always true without lockstep.
+    pub(crate) fn should_step(&self, rank: usize, has_work: bool) -> bool {
+        let Some(l) = &self.lockstep else { return true };
+        let mut g = l.state.lock();
+        if let Some(b) = g.busy.get_mut(rank) {
+            *b = has_work;
+        }
+        g.arrived > 0 || g.busy.iter().any(|&b| b)
+    }
+
+    /// Lockstep: whether any rank has work or waits at the barrier.
+    pub(crate) fn any_busy(&self) -> bool {
+        self.lockstep.as_ref().is_some_and(|l| {
+            let g = l.state.lock();
+            g.arrived > 0 || g.busy.iter().any(|&b| b)
+        })
+    }
+
+    /// Lockstep: waits until every rank has finished this step (or the step
+    /// timeout passes). Returns immediately without lockstep.
+    pub(crate) fn end_step(&self, rank: usize) {
+        let Some(l) = &self.lockstep else { return };
+        let mut g = l.state.lock();
+        let generation = g.generation;
+        g.arrived += 1;
+        if g.arrived >= g.members {
+            complete_generation(&mut g, &l.cv);
+            return;
+        }
+        while g.generation == generation {
+            if l.cv.wait_for(&mut g, l.timeout).timed_out() {
+                if g.generation == generation {
+                    g.arrived -= 1;
+                    tracing::warn!(rank, "lockstep: peers did not finish the step in time");
+                }
+                return;
+            }
+        }
+    }
+
+    /// Lockstep: `rank`'s engine stopped; the others stop waiting for it.
+    pub(crate) fn leave(&self, rank: usize) {
+        let Some(l) = &self.lockstep else { return };
+        let mut g = l.state.lock();
+        if g.left.get(rank).copied().unwrap_or(true) {
+            return;
+        }
+        g.left[rank] = true;
+        g.busy[rank] = false;
+        g.members = g.members.saturating_sub(1);
+        if g.arrived > 0 && g.arrived >= g.members {
+            complete_generation(&mut g, &l.cv);
+        }
+    }
+}
+
+fn complete_generation(g: &mut LockstepState, cv: &Condvar) {
+    g.arrived = 0;
+    g.generation += 1;
+    g.steps += 1;
+    cv.notify_all();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lockstep_step_ends_when_every_rank_arrives() {
+        let g = BalanceGroup::lockstep(3, Duration::from_secs(10));
+        let handles: Vec<_> = (0..3)
+            .map(|r| {
+                let g = g.clone();
+                std::thread::spawn(move || {
+                    for _ in 0..50 {
+                        assert!(g.should_step(r, r == 0));
+                        g.end_step(r);
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().expect("rank thread");
+        }
+        assert_eq!(g.lockstep_steps(), 50);
+    }
+
+    #[test]
+    fn lockstep_idle_group_does_not_step_and_a_leaver_releases_waiters() {
+        let g = BalanceGroup::lockstep(2, Duration::from_secs(10));
+        assert!(!g.should_step(0, false));
+        assert!(!g.should_step(1, false));
+        assert!(g.should_step(0, true));
+        let g2 = g.clone();
+        let waiter = std::thread::spawn(move || g2.end_step(0));
+        std::thread::sleep(Duration::from_millis(20));
+        g.leave(1);
+        waiter.join().expect("released");
+        assert_eq!(g.lockstep_steps(), 1);
+    }
+
+    #[test]
+    fn lockstep_wait_times_out_instead_of_hanging() {
+        let g = BalanceGroup::lockstep(2, Duration::from_millis(20));
+        assert!(g.should_step(0, true));
+        g.end_step(0);
+        assert_eq!(g.lockstep_steps(), 0);
+        assert!(g.any_busy(), "rank 0 still has work");
+    }
+
+    #[test]
+    fn policy_parses_and_displays() {
+        assert_eq!(
+            "priority".parse::<SchedulingPolicy>().expect("known"),
+            SchedulingPolicy::Priority
+        );
+        assert_eq!(SchedulingPolicy::Fcfs.to_string(), "fcfs");
+        assert!("lifo".parse::<SchedulingPolicy>().is_err());
     }
 }

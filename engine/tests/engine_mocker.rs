@@ -539,3 +539,46 @@ async fn flat_block_transfer_round_trips() {
         .await;
     assert!(matches!(short, Err(EngineError::BlockSize { .. })));
 }
+
+#[tokio::test]
+async fn lockstep_ranks_step_together_and_a_stopped_rank_leaves() {
+    let group = BalanceGroup::lockstep(2, Duration::from_secs(10));
+    let rank = |r: usize| {
+        let m = MockerConfig {
+            timing: MockerTiming::Polynomial,
+            speedup_ratio: 50.0,
+            ..mocker_cfg(64)
+        };
+        let cfg = EngineConfig {
+            balance_group: Some((group.clone(), r)),
+            ..engine_cfg()
+        };
+        spawn_with(m, cfg)
+    };
+    let (r0, r1) = (rank(0), rank(1));
+    // Only rank 0 has work: idle rank 1 still joins every step.
+    let (tokens, _) = r0
+        .generate(req(vec![1, 2, 3], 20))
+        .expect("valid")
+        .collect()
+        .await;
+    assert_eq!(tokens.len(), 20);
+    let after_one = group.lockstep_steps();
+    assert!(after_one >= 20, "{after_one} lockstep steps");
+    let a = r0.generate(req(vec![4, 5, 6], 10)).expect("valid");
+    let b = r1.generate(req(vec![7, 8, 9], 10)).expect("valid");
+    let ((ta, _), (tb, _)) = tokio::join!(a.collect(), b.collect());
+    assert_eq!((ta.len(), tb.len()), (10, 10));
+    // Rank 1 stops; rank 0 goes on alone without waiting for it.
+    tokio::task::spawn_blocking(move || r1.shutdown())
+        .await
+        .expect("joined");
+    let started = std::time::Instant::now();
+    let (tokens, _) = r0
+        .generate(req(vec![1, 2, 3], 5))
+        .expect("valid")
+        .collect()
+        .await;
+    assert_eq!(tokens.len(), 5);
+    assert!(started.elapsed() < Duration::from_secs(5));
+}

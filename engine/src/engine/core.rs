@@ -20,6 +20,9 @@ use crate::scheduler::{FinishReason, Finished, LoadStats, Scheduler, StepOutput}
 /// elsewhere, or balance holding admission) waits before trying again.
 const STALL_POLL: Duration = Duration::from_millis(2);
 
+/// How often an idle rank of a lockstep group looks for busy peers.
+const LOCKSTEP_IDLE_POLL: Duration = Duration::from_millis(1);
+
 pub(super) struct EngineCore {
     backend: Box<dyn Backend>,
     sched: Scheduler,
@@ -56,9 +59,24 @@ impl EngineCore {
     }
 
     pub(super) fn run(mut self, rx: std_mpsc::Receiver<Command>) {
+        let lockstep = self
+            .balance
+            .as_ref()
+            .filter(|(g, _)| g.is_lockstep())
+            .cloned();
         let mut stalled = false;
         while !self.shutting_down {
-            let waited = if !self.sched.has_unfinished() {
+            let idle = !self.sched.has_unfinished();
+            let waited = if let Some((group, _)) = &lockstep {
+                // In lockstep an idle rank polls, so it can join the steps
+                // of busy peers.
+                if idle && !group.any_busy() {
+                    self.publish_balance();
+                    rx.recv_timeout(LOCKSTEP_IDLE_POLL)
+                } else {
+                    Err(std_mpsc::RecvTimeoutError::Timeout)
+                }
+            } else if idle {
                 self.publish_balance();
                 rx.recv()
                     .map_err(|_| std_mpsc::RecvTimeoutError::Disconnected)
@@ -87,8 +105,22 @@ impl EngineCore {
             }
             self.drop_abandoned();
             self.publish_balance();
-            stalled = !self.step();
-            self.publish_load();
+            match &lockstep {
+                Some((group, rank)) => {
+                    if group.should_step(*rank, self.sched.has_unfinished()) {
+                        self.step();
+                        self.publish_load();
+                        group.end_step(*rank);
+                    }
+                }
+                None => {
+                    stalled = !self.step();
+                    self.publish_load();
+                }
+            }
+        }
+        if let Some((group, rank)) = &lockstep {
+            group.leave(*rank);
         }
         self.abort_all();
     }
