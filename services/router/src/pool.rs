@@ -303,6 +303,27 @@ impl WorkerPool {
 
     /// Chooses a member for one request at `now`.
     pub fn route(&self, input: &RouteInput<'_>, now: Instant) -> Result<Decision, RouterError> {
+        self.route_inner(input, now, None)
+    }
+
+    /// Like [`WorkerPool::route`], with each candidate's overlap taken from
+    /// `overlap` instead of the index: an external view of every cache (the
+    /// benchmarks' oracle, which asks the engines themselves).
+    pub fn route_with_overlaps(
+        &self,
+        input: &RouteInput<'_>,
+        now: Instant,
+        overlap: &dyn Fn(&Target) -> u32,
+    ) -> Result<Decision, RouterError> {
+        self.route_inner(input, now, Some(overlap))
+    }
+
+    fn route_inner(
+        &self,
+        input: &RouteInput<'_>,
+        now: Instant,
+        external: Option<&dyn Fn(&Target) -> u32>,
+    ) -> Result<Decision, RouterError> {
         if input.block_size == 0 {
             return Err(RouterError::InvalidArgument(
                 "block_size must be positive".into(),
@@ -326,7 +347,9 @@ impl WorkerPool {
         }
 
         let approx = mode == RouterMode::Approx;
-        let (scores, index): (OverlapScores, &KvIndexer) = if approx {
+        let (scores, index): (OverlapScores, &KvIndexer) = if external.is_some() {
+            (OverlapScores::default(), &self.indexer)
+        } else if approx {
             self.approx.expire(now);
             (
                 self.approx.find_matches(input.block_hashes),
@@ -343,7 +366,10 @@ impl WorkerPool {
         let mut costs = Vec::with_capacity(candidates.len());
         let mut shares = Vec::with_capacity(candidates.len());
         for m in &candidates {
-            let overlap = scores.get(id_of(m));
+            let overlap = match external {
+                Some(f) => f(&m.info.target),
+                None => scores.get(id_of(m)),
+            };
             let load = {
                 let mut l = m.load.lock();
                 l.expire(now, self.cfg.placement_max_age);
