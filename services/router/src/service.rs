@@ -170,3 +170,123 @@ fn load_view(pools: &Pools, model: &str) -> pb::LoadView {
         .collect();
     pb::LoadView { workers }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+
+    use sluice_proto::router::v1::router_server::Router as _;
+    use tracing::field::{Field, Visit};
+    use tracing::span::{Attributes, Id, Record};
+    use tracing_subscriber::layer::{Context, Layer};
+    use tracing_subscriber::prelude::*;
+
+    use super::*;
+    use crate::indexer::{KvEvent, KvEventKind, Target};
+    use crate::pool::{MemberInfo, PoolConfig, PoolKind};
+
+    /// Collects every field recorded on spans named `route`.
+    #[derive(Clone, Default)]
+    struct Fields(Arc<Mutex<HashMap<String, String>>>);
+
+    struct Collect<'a>(&'a Mutex<HashMap<String, String>>);
+
+    impl Visit for Collect<'_> {
+        fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+            if let Ok(mut m) = self.0.lock() {
+                m.insert(field.name().to_owned(), format!("{value:?}"));
+            }
+        }
+        fn record_str(&mut self, field: &Field, value: &str) {
+            if let Ok(mut m) = self.0.lock() {
+                m.insert(field.name().to_owned(), value.to_owned());
+            }
+        }
+    }
+
+    impl<S: tracing::Subscriber> Layer<S> for Fields {
+        fn on_new_span(&self, attrs: &Attributes<'_>, _: &Id, _: Context<'_, S>) {
+            if attrs.metadata().name() == "route" {
+                attrs.record(&mut Collect(&self.0));
+            }
+        }
+        fn on_record(&self, _: &Id, values: &Record<'_>, _: Context<'_, S>) {
+            values.record(&mut Collect(&self.0));
+        }
+    }
+
+    #[tokio::test]
+    async fn route_records_the_choice_and_every_candidates_cost_terms_on_its_span() {
+        let fields = Fields::default();
+        let subscriber = tracing_subscriber::registry().with(fields.clone());
+        let _guard = tracing::subscriber::set_default(subscriber);
+
+        let pools = Arc::new(Pools::new(PoolConfig::default()));
+        let pool = pools.get(PoolKind::Decode);
+        for i in 0..2 {
+            pool.add_member(MemberInfo {
+                target: Target::new(format!("w{i}"), 0),
+                endpoint: format!("127.0.0.1:{i}"),
+                model: "m".into(),
+                role: "decode".into(),
+            });
+        }
+        let hashes = vec![11u64, 12, 13];
+        let id = pool.kv_id(&Target::new("w1", 0)).expect("member");
+        pool.indexer()
+            .apply(
+                id,
+                &KvEvent {
+                    seq: 1,
+                    kind: KvEventKind::Stored {
+                        parent: None,
+                        hashes: hashes.clone(),
+                    },
+                },
+            )
+            .expect("apply");
+        let metrics = RouterMetrics::new().expect("metrics");
+        let svc = RouterService::new(pools, metrics.clone(), CancellationToken::new());
+        let reply = svc
+            .route(Request::new(pb::RouteRequest {
+                request_id: "req-1".into(),
+                model: "m".into(),
+                pool: pb::Pool::Decode as i32,
+                prompt_tokens: 48,
+                block_hashes: hashes,
+                block_size: 16,
+                priority: 3,
+                commit: true,
+            }))
+            .await
+            .expect("route")
+            .into_inner();
+        assert_eq!(
+            reply.target.as_ref().map(|t| t.worker_id.as_str()),
+            Some("w1")
+        );
+        assert_eq!(reply.overlap_blocks, 3);
+        assert_eq!(reply.candidates.len(), 2);
+
+        let f = fields.0.lock().expect("fields").clone();
+        assert_eq!(f.get("worker_id").map(String::as_str), Some("w1"));
+        assert_eq!(f.get("overlap_blocks").map(String::as_str), Some("3"));
+        assert_eq!(f.get("mode").map(String::as_str), Some("kv"));
+        assert_eq!(f.get("request_id").map(String::as_str), Some("req-1"));
+        let candidates = f.get("candidates").expect("candidates recorded");
+        assert!(
+            candidates.contains("w0/0 overlap=0 prefill=3.00"),
+            "{candidates}"
+        );
+        assert!(
+            candidates.contains("w1/0* overlap=3 prefill=0.00"),
+            "{candidates}"
+        );
+        let placed = metrics
+            .placements
+            .with_label_values(&["decode", "w1", "kv"])
+            .get();
+        assert_eq!(placed, 1);
+    }
+}
