@@ -43,11 +43,12 @@ fn text(area: &Area<'_>, s: &str, x: i32, y: i32, scale: i32) -> Result<(), Benc
             for col in 0..8 {
                 if bits & (1 << col) != 0 {
                     let (px, py) = (x0 + col * scale, y + row as i32 * scale);
-                    area.draw(&Rectangle::new(
-                        [(px, py), (px + scale - 1, py + scale - 1)],
-                        BLACK.filled(),
-                    ))
-                    .map_err(draw_err)?;
+                    for dx in 0..scale {
+                        for dy in 0..scale {
+                            area.draw_pixel((px + dx, py + dy), &BLACK)
+                                .map_err(draw_err)?;
+                        }
+                    }
                 }
             }
         }
@@ -102,7 +103,11 @@ fn render(title: &str, tiers: &[(String, Summary)]) -> Result<Vec<u8>, BenchErro
             };
             area.draw(&PathElement::new(vec![(x0, y), (x1, y)], grid))
                 .map_err(draw_err)?;
-            let label = fmt(v);
+            let label = if ymax >= 10.0 {
+                format!("{v:.0}")
+            } else {
+                fmt(v)
+            };
             text(&area, &label, x0 - 8 - text_width(&label, 1), y - 4, 1)?;
         }
         area.draw(&PathElement::new(vec![(x0, y0), (x0, y1)], BLACK))
