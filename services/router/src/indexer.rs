@@ -23,6 +23,14 @@
 //! "longest run of the chain present on a target" exactly. The parent is
 //! only checked to count orphan stores (parent unknown on that target).
 //!
+//! # Memory
+//!
+//! A block entry is a 32-byte bucket (hash + target set, the set inline
+//! when one target holds the block) plus a control byte, and each target
+//! keeps its own 9-byte set entry per block for removal: about 40–80 bytes
+//! per (target, block) pair at hashbrown's load factors (measured in
+//! `benches/results.md`; [`KvIndexer::stats`] reports it live).
+//!
 //! # Invariants
 //!
 //! - A target id appears in a block's entry iff the hash is in that target's
