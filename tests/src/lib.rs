@@ -3,11 +3,13 @@
 //! - [`etcd::EtcdServer`]: a real `etcd` on free loopback ports with a temp
 //!   data dir, killed when dropped.
 //! - [`mesh::Mesh`]: every service in one process on loopback.
+//! - [`otlp::Collector`]: an in-process OTLP trace collector.
 //! - [`http`]: a raw HTTP/1.1 client that can drop a stream mid-way.
 
 pub mod etcd;
 pub mod http;
 pub mod mesh;
+pub mod otlp;
 
 use std::net::TcpListener;
 

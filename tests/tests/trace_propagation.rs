@@ -3,57 +3,16 @@
 //! and the server span's parent is the client span. One OTLP test per test
 //! binary: the subscriber is global.
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
-    TraceService, TraceServiceServer,
-};
-use opentelemetry_proto::tonic::collector::trace::v1::{
-    ExportTraceServiceRequest, ExportTraceServiceResponse,
-};
-use opentelemetry_proto::tonic::trace::v1::Span;
 use sluice_runtime::grpc::{GrpcServer, channel};
 use sluice_runtime::telemetry::{TelemetryConfig, init};
-use tokio::sync::Mutex;
+use sluice_tests::otlp::{Collector, hex};
 use tracing::Instrument;
-
-#[derive(Default, Clone)]
-struct Collector {
-    spans: Arc<Mutex<Vec<Span>>>,
-}
-
-#[tonic::async_trait]
-impl TraceService for Collector {
-    async fn export(
-        &self,
-        req: tonic::Request<ExportTraceServiceRequest>,
-    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
-        let mut spans = self.spans.lock().await;
-        for rs in req.into_inner().resource_spans {
-            for ss in rs.scope_spans {
-                spans.extend(ss.spans);
-            }
-        }
-        Ok(tonic::Response::new(ExportTraceServiceResponse {
-            partial_success: None,
-        }))
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_and_server_spans_share_one_trace() -> anyhow::Result<()> {
-    // The collector.
-    let collector = Collector::default();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let otlp_addr = listener.local_addr()?;
-    let c = collector.clone();
-    tokio::spawn(async move {
-        tonic::transport::Server::builder()
-            .add_service(TraceServiceServer::new(c))
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
-            .await
-    });
+    let (collector, otlp_addr) = Collector::start().await?;
 
     let telemetry = init(&TelemetryConfig {
         service_name: "trace-test".into(),
@@ -93,7 +52,7 @@ async fn client_and_server_spans_share_one_trace() -> anyhow::Result<()> {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     let (client_span, server_span) = loop {
         {
-            let spans = collector.spans.lock().await;
+            let spans = collector.spans().await;
             let client = spans.iter().find(|s| s.name == "client.call").cloned();
             let server = spans
                 .iter()
@@ -120,8 +79,4 @@ async fn client_and_server_spans_share_one_trace() -> anyhow::Result<()> {
     );
     telemetry.shutdown().await;
     Ok(())
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
 }

@@ -63,6 +63,7 @@ pub(crate) fn entry_from_open(open: pb::AdmitOpen, now: Instant) -> Result<Entry
         block_size: open.block_size,
         arrival: now,
         deadline,
+        span: tracing::Span::none(),
     })
 }
 

@@ -115,6 +115,9 @@ pub struct Entry {
     pub arrival: Instant,
     /// Past this instant a held request fails with `DeadlineExceeded`.
     pub deadline: Option<Instant>,
+    /// The request's span: placement and refresh calls to the router run
+    /// inside it, so the router's spans join the request's trace.
+    pub span: tracing::Span,
 }
 
 impl Entry {
@@ -573,7 +576,8 @@ impl Op {
     fn start<P: Placer>(self, placer: Arc<P>) -> BoxFuture<'static, Outcome> {
         match self {
             Op::Place(seq, entry) => Box::pin(async move {
-                let result = placer.place(&entry).await;
+                let span = entry.span.clone();
+                let result = tracing::Instrument::instrument(placer.place(&entry), span).await;
                 Outcome::Placed {
                     seq,
                     model: entry.model,
@@ -581,7 +585,8 @@ impl Op {
                 }
             }),
             Op::Refresh(seq, entry) => Box::pin(async move {
-                let result = placer.overlap(&entry).await;
+                let span = entry.span.clone();
+                let result = tracing::Instrument::instrument(placer.overlap(&entry), span).await;
                 Outcome::Refreshed {
                     seq,
                     model: entry.model,

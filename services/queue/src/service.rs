@@ -127,7 +127,7 @@ impl pb::queue_server::Queue for QueueService {
                 .into());
             }
         };
-        let entry = convert::entry_from_open(open, Instant::now())?;
+        let mut entry = convert::entry_from_open(open, Instant::now())?;
         let span = tracing::info_span!(
             "queue.lease",
             request_id = %entry.request_id,
@@ -139,6 +139,7 @@ impl pb::queue_server::Queue for QueueService {
             queue_wait_ms = tracing::field::Empty,
             error = tracing::field::Empty,
         );
+        entry.span = span.clone();
         let ticket = span
             .in_scope(|| self.queue.admit(entry))
             .inspect_err(|err| {

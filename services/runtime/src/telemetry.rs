@@ -195,7 +195,8 @@ impl tonic::service::Interceptor for TraceInjector {
 }
 
 /// Paths polled by probes, scrapers and the mesh's own long-lived control
-/// streams: their spans stay at debug level so that traces show requests.
+/// streams: when the caller sends no trace context, their spans stay at
+/// debug level so that exported traces show requests, not polling.
 const QUIET_PATHS: &[&str] = &[
     "/live",
     "/ready",
@@ -214,7 +215,7 @@ const QUIET_PATHS: &[&str] = &[
 /// `trace_fn`.
 pub fn grpc_server_span<B>(req: &http::Request<B>) -> Span {
     let path = req.uri().path();
-    let span = if QUIET_PATHS.contains(&path) {
+    let span = if QUIET_PATHS.contains(&path) && !req.headers().contains_key("traceparent") {
         tracing::debug_span!("grpc.server", otel.name = %path.trim_start_matches('/'), rpc.method = %path)
     } else {
         tracing::info_span!(

@@ -24,11 +24,25 @@ impl Drop for Proc {
     }
 }
 
-fn spawn(name: &'static str, args: &[&str], etcd: &str, log_dir: &std::path::Path) -> anyhow::Result<Proc> {
+fn spawn(
+    name: &'static str,
+    args: &[&str],
+    etcd: &str,
+    log_dir: &std::path::Path,
+) -> anyhow::Result<Proc> {
     let log = std::fs::File::create(log_dir.join(format!("{name}-{}.log", free_port()?)))?;
     let child = Command::new(env!("CARGO_BIN_EXE_sluice"))
         .args(args)
-        .args(["--etcd", etcd, "--namespace", "proc-test", "--lease-ttl", &TTL_SECS.to_string(), "--drain-timeout", "2"])
+        .args([
+            "--etcd",
+            etcd,
+            "--namespace",
+            "proc-test",
+            "--lease-ttl",
+            &TTL_SECS.to_string(),
+            "--drain-timeout",
+            "2",
+        ])
         .env("RUST_LOG", "info")
         .stdout(Stdio::null())
         .stderr(log)
@@ -39,15 +53,22 @@ fn spawn(name: &'static str, args: &[&str], etcd: &str, log_dir: &std::path::Pat
 async fn complete(http: &str) -> anyhow::Result<(u16, Value)> {
     let body = json!({"model": "sluice-tiny", "prompt": "The river runs", "max_tokens": 3, "temperature": 0});
     let (status, resp) = post_json(http, "/v1/completions", &body).await?;
-    Ok((status, serde_json::from_str(&resp).unwrap_or(Value::String(resp))))
+    Ok((
+        status,
+        serde_json::from_str(&resp).unwrap_or(Value::String(resp)),
+    ))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn separate_processes_serve_and_a_killed_worker_stops_receiving_requests() -> anyhow::Result<()> {
+async fn separate_processes_serve_and_a_killed_worker_stops_receiving_requests()
+-> anyhow::Result<()> {
     let etcd = EtcdServer::start().await?;
     let dir = tempfile::tempdir()?;
     let model = dir.path().join("sluice-tiny");
-    let status = Command::new(env!("CARGO_BIN_EXE_sluice")).args(["model", "init", "--out"]).arg(&model).status()?;
+    let status = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["model", "init", "--out"])
+        .arg(&model)
+        .status()?;
     assert!(status.success());
     let model = model.to_string_lossy().into_owned();
     let url = etcd.url();
@@ -57,9 +78,40 @@ async fn separate_processes_serve_and_a_killed_worker_stops_receiving_requests()
 
     let _router = spawn("router", &["router", "--listen", listen], &url, dir.path())?;
     let _queue = spawn("queue", &["queue", "--listen", listen], &url, dir.path())?;
-    let mut decode_a = spawn("decode", &["decode", "--listen", listen, "--model", &model, "--num-gpu-blocks", "256"], &url, dir.path())?;
-    let _decode_b = spawn("decode", &["decode", "--listen", listen, "--model", &model, "--num-gpu-blocks", "256"], &url, dir.path())?;
-    let _frontend = spawn("frontend", &["frontend", "--listen", &http, "--model", &model], &url, dir.path())?;
+    let mut decode_a = spawn(
+        "decode",
+        &[
+            "decode",
+            "--listen",
+            listen,
+            "--model",
+            &model,
+            "--num-gpu-blocks",
+            "256",
+        ],
+        &url,
+        dir.path(),
+    )?;
+    let _decode_b = spawn(
+        "decode",
+        &[
+            "decode",
+            "--listen",
+            listen,
+            "--model",
+            &model,
+            "--num-gpu-blocks",
+            "256",
+        ],
+        &url,
+        dir.path(),
+    )?;
+    let _frontend = spawn(
+        "frontend",
+        &["frontend", "--listen", &http, "--model", &model],
+        &url,
+        dir.path(),
+    )?;
 
     // Ready: both workers known.
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -69,7 +121,11 @@ async fn separate_processes_serve_and_a_killed_worker_stops_receiving_requests()
         {
             break;
         }
-        assert!(Instant::now() < deadline, "mesh not ready in 60 s; logs in {}", dir.path().display());
+        assert!(
+            Instant::now() < deadline,
+            "mesh not ready in 60 s; logs in {}",
+            dir.path().display()
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 
@@ -78,7 +134,12 @@ async fn separate_processes_serve_and_a_killed_worker_stops_receiving_requests()
     for _ in 0..6 {
         let (status, v) = complete(&http).await?;
         assert_eq!(status, 200, "{v}");
-        seen.insert(v["nvext"]["worker_id"].as_str().unwrap_or_default().to_string());
+        seen.insert(
+            v["nvext"]["worker_id"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string(),
+        );
     }
     assert!(!seen.is_empty());
 
@@ -92,12 +153,30 @@ async fn separate_processes_serve_and_a_killed_worker_stops_receiving_requests()
     let mut survivors = std::collections::BTreeSet::new();
     for _ in 0..6 {
         let (status, v) = complete(&http).await?;
-        assert_eq!(status, 200, "request failed {:?} after the kill: {v}", killed.elapsed());
-        survivors.insert(v["nvext"]["worker_id"].as_str().unwrap_or_default().to_string());
+        assert_eq!(
+            status,
+            200,
+            "request failed {:?} after the kill: {v}",
+            killed.elapsed()
+        );
+        survivors.insert(
+            v["nvext"]["worker_id"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string(),
+        );
     }
-    assert_eq!(survivors.len(), 1, "placements after the lease expired: {survivors:?}");
+    assert_eq!(
+        survivors.len(),
+        1,
+        "placements after the lease expired: {survivors:?}"
+    );
     let (_, ready) = get(&http, "/ready").await?;
-    assert_eq!(serde_json::from_str::<Value>(&ready)?["workers"], 1, "{ready}");
+    assert_eq!(
+        serde_json::from_str::<Value>(&ready)?["workers"],
+        1,
+        "{ready}"
+    );
     let _ = decode_a.name;
     Ok(())
 }

@@ -138,6 +138,7 @@ fn entry(id: &str, priority: i32, tier: u32, prompt: u32, arrival: Instant) -> E
         block_size: 16,
         arrival,
         deadline: None,
+        span: tracing::Span::none(),
     }
 }
 

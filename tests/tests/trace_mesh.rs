@@ -1,0 +1,92 @@
+//! One disaggregated request yields one trace whose spans cover frontend →
+//! queue → router → decode worker → prefill worker → KV transfer, with the
+//! attributes that say why it waited and where it ran. An in-process
+//! OTLP/gRPC collector receives the spans; one OTLP test per binary (the
+//! subscriber is global).
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use serde_json::json;
+use sluice_runtime::telemetry::{TelemetryConfig, init};
+use sluice_tests::http::post_json;
+use sluice_tests::mesh::{Mesh, MeshOptions};
+use sluice_tests::otlp::{Collector, Span, attr, hex};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disaggregated_request_is_one_trace_across_every_hop() -> anyhow::Result<()> {
+    let (collector, otlp) = Collector::start().await?;
+    let telemetry = init(&TelemetryConfig {
+        service_name: "sluice-test".into(),
+        otlp_endpoint: Some(format!("http://{otlp}")),
+        json_logs: false,
+    })?;
+
+    let mut opts = MeshOptions {
+        prefill_workers: 1,
+        ..Default::default()
+    };
+    opts.worker.max_local_prefill_length = 16;
+    let mesh = Mesh::start(opts).await?;
+    let prompt: Vec<u32> = (0..120u32).map(|i| (i * 13 + 7) % 800 + 3).collect();
+    let body = json!({"model": "sluice-tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0,
+                      "nvext": {"agent_hints": {"priority": 2}}});
+    let (status, resp) = post_json(&mesh.http, "/v1/completions", &body).await?;
+    assert_eq!(status, 200, "{resp}");
+    assert!(
+        resp.contains("prefill_worker_id"),
+        "the request must be disaggregated: {resp}"
+    );
+    mesh.stop().await?;
+    telemetry.flush().await;
+
+    let wanted = [
+        "completions",                      // frontend root (http.request)
+        "queue.admit",                      // frontend → queue
+        "sluice.queue.v1.Queue/Admit",      // queue server
+        "sluice.router.v1.Router/Route",    // router server
+        "sluice.worker.v1.Worker/Generate", // decode worker server
+        "kv.remote_prefill",                // decode worker's remote prefill
+        "sluice.worker.v1.Worker/Prefill",  // prefill worker server
+        "kv.transfer",                      // KV blocks sent
+    ];
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let (spans, trace_id) = loop {
+        let spans = collector.spans().await;
+        let root = spans.iter().find(|s| s.name == "completions");
+        if let Some(root) = root {
+            let trace: Vec<Span> = spans
+                .iter()
+                .filter(|s| s.trace_id == root.trace_id)
+                .cloned()
+                .collect();
+            if wanted.iter().all(|w| trace.iter().any(|s| s.name == *w)) {
+                break (trace, root.trace_id.clone());
+            }
+        }
+        if tokio::time::Instant::now() > deadline {
+            let names: Vec<(String, String)> = spans
+                .iter()
+                .map(|s| (s.name.clone(), hex(&s.trace_id)))
+                .collect();
+            panic!("missing spans; got {names:#?}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(!trace_id.is_empty());
+    let by_name: HashMap<&str, &Span> = spans.iter().map(|s| (s.name.as_str(), s)).collect();
+    // Why did it wait, where did it run.
+    let root = by_name["completions"];
+    assert_eq!(attr(root, "priority").as_deref(), Some("2"));
+    assert!(attr(root, "worker_id").is_some_and(|w| w.starts_with("decode-")));
+    let route = by_name["sluice.router.v1.Router/Route"];
+    assert!(
+        spans
+            .iter()
+            .any(|s| attr(s, "chosen_worker").is_some() || attr(s, "worker_id").is_some()),
+        "{route:?}"
+    );
+    assert!(attr(by_name["kv.transfer"], "transport").is_some());
+    telemetry.shutdown().await;
+    Ok(())
+}
