@@ -14,7 +14,8 @@
 //! `cargo bench -p sluice-router --bench trace` (the engine is optimised
 //! even in the dev profile, so `--profile dev` gives the same figures).
 //! `SLUICE_BENCH_QUICK=1` runs a short trace; `SLUICE_BENCH_RATE` sets the
-//! arrival rate in requests per second (default 60).
+//! arrival rate in requests per second (default 60), `SLUICE_BENCH_SPEEDUP`
+//! the mocker's speedup ratio (default 10).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -35,7 +36,6 @@ const WORKERS: usize = 8;
 const BLOCK: usize = 16;
 /// KV blocks per engine: the documents fit across the cluster, not in one.
 const BLOCKS_PER_WORKER: usize = 1024;
-const SPEEDUP: f64 = 10.0;
 
 /// One trace line, mooncake-style.
 #[derive(Debug, Clone)]
@@ -119,11 +119,19 @@ struct Outcome {
     worker: usize,
 }
 
+fn speedup() -> f64 {
+    std::env::var("SLUICE_BENCH_SPEEDUP")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|s: &f64| *s > 0.0)
+        .unwrap_or(10.0)
+}
+
 fn engine() -> EngineHandle {
     let backend = MockerBackend::new(MockerConfig {
         block_size: BLOCK,
         num_blocks: BLOCKS_PER_WORKER,
-        speedup_ratio: SPEEDUP,
+        speedup_ratio: speedup(),
         ..MockerConfig::default()
     })
     .expect("mocker config");
@@ -336,7 +344,8 @@ fn main() {
     let reqs = trace(n, 48, rate, 2026);
     let prompt_blocks: usize = reqs.iter().map(|r| r.hash_ids.len()).sum();
     println!(
-        "{n} requests, {WORKERS} mocker workers × {BLOCKS_PER_WORKER} blocks of {BLOCK}, speedup {SPEEDUP}, {rate} req/s, mean prompt {} tokens",
+        "{n} requests, {WORKERS} mocker workers × {BLOCKS_PER_WORKER} blocks of {BLOCK}, speedup {}, {rate} req/s, mean prompt {} tokens",
+        speedup(),
         prompt_blocks * BLOCK / n
     );
     println!();
