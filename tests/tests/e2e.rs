@@ -338,3 +338,44 @@ async fn broken_kv_transfer_falls_back_to_local_prefill_with_the_same_tokens() -
     }
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn data_parallel_ranks_of_one_worker_all_serve() -> anyhow::Result<()> {
+    let mut opts = MeshOptions::default();
+    opts.worker.engine = sluice_decode::EngineKind::Mocker;
+    opts.worker.speedup_ratio = 20.0;
+    opts.worker.data_parallel_size = 2;
+    opts.worker.balance_scheduling = true;
+    let mesh = Mesh::start(opts).await?;
+    let http = mesh.http.clone();
+    let requests = (0..6).map(|i| {
+        let http = http.clone();
+        tokio::spawn(async move {
+            let body = json!({"model": "sluice-tiny", "prompt": format!("request number {i} "), "max_tokens": 40, "ignore_eos": true});
+            post_json(&http, "/v1/completions", &body).await
+        })
+    });
+    let mut ranks = std::collections::BTreeSet::new();
+    for r in futures::future::join_all(requests).await {
+        let (status, body) = r??;
+        assert_eq!(status, 200, "{body}");
+        let v = parse(&body);
+        assert_eq!(v["usage"]["completion_tokens"], 40);
+        ranks.insert(v["nvext"]["dp_rank"].as_u64().unwrap_or(99));
+    }
+    assert_eq!(
+        ranks,
+        [0, 1].into_iter().collect(),
+        "concurrent requests spread over both ranks"
+    );
+    let (_, metrics) = get(&mesh.endpoints("decode").await?[0], "/metrics").await?;
+    assert!(
+        metrics.contains("sluice_worker_running_sequences{rank=\"1\"}"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("sluice_worker_balance_held_steps{rank=\"0\"}"),
+        "{metrics}"
+    );
+    mesh.stop().await
+}

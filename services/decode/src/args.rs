@@ -2,15 +2,20 @@
 //! flattens them once), and building the engine they describe.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use sluice_engine::backend::cpu::CpuBackend;
 use sluice_engine::model::ModelConfig;
 use sluice_engine::{
-    EngineConfig, EngineHandle, MockerBackend, MockerConfig, SchedulerConfig, SchedulingPolicy,
+    BalanceGroup, EngineConfig, EngineHandle, MockerBackend, MockerConfig, SchedulerConfig,
+    SchedulingPolicy,
 };
 use sluice_tokens::Tokenizer;
 
 use crate::error::WorkerError;
+
+/// How long a lockstep rank waits for its peers before stepping alone.
+const LOCKSTEP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 use crate::transfer::TransportKind;
 
 /// Which compute backend runs the model.
@@ -87,6 +92,17 @@ pub struct WorkerArgs {
     )]
     pub remote_prefill_timeout_ms: u64,
 
+    /// Engine ranks (data parallel) in this worker. Ranks step in lockstep,
+    /// as the data-parallel ranks of an MoE model do; the router places on
+    /// (worker, rank).
+    #[arg(long, env = "SLUICE_DATA_PARALLEL_SIZE", default_value_t = 1)]
+    pub data_parallel_size: usize,
+
+    /// Admit waiting requests on a rank only while the largest running count
+    /// across ranks is below `max_num_seqs - 1` (vLLM-Ascend patch 5212).
+    #[arg(long, env = "SLUICE_BALANCE_SCHEDULING")]
+    pub balance_scheduling: bool,
+
     /// KV transports this worker offers (decode) or accepts (prefill),
     /// preferred first; ones this build or machine cannot run are skipped.
     #[arg(
@@ -125,6 +141,8 @@ impl Default for WorkerArgs {
             max_local_prefill_length: 512,
             max_prefill_queue_size: 8,
             remote_prefill_timeout_ms: 10_000,
+            data_parallel_size: 1,
+            balance_scheduling: false,
             kv_transports: TransportKind::ALL.to_vec(),
             kv_tcp_listen: None,
             kv_shm_pool_mb: 256,
@@ -156,6 +174,9 @@ impl WorkerArgs {
         if !(self.speedup_ratio.is_finite() && self.speedup_ratio > 0.0) {
             return bad("--speedup-ratio", "must be a positive number");
         }
+        if self.data_parallel_size == 0 || self.data_parallel_size > 64 {
+            return bad("--data-parallel-size", "must be in 1..=64");
+        }
         if self.kv_transports.is_empty() {
             return bad(
                 "--kv-transports",
@@ -177,7 +198,29 @@ impl WorkerArgs {
     }
 
     /// Starts one engine rank for the model in `dir`.
-    pub fn start_engine(&self, dir: &Path) -> Result<EngineHandle, WorkerError> {
+    /// Starts every engine rank for the model in `dir`; ranks of one worker
+    /// share a balance group (and step in lockstep when there are several).
+    pub fn start_engines(&self, dir: &Path) -> Result<Vec<EngineHandle>, WorkerError> {
+        self.validate()?;
+        let n = self.data_parallel_size;
+        let group = if n > 1 {
+            Some(BalanceGroup::lockstep(n, LOCKSTEP_TIMEOUT))
+        } else if self.balance_scheduling {
+            Some(BalanceGroup::new(1))
+        } else {
+            None
+        };
+        (0..n)
+            .map(|rank| self.start_engine(dir, group.clone().map(|g| (g, rank))))
+            .collect()
+    }
+
+    /// Starts one engine rank for the model in `dir`.
+    pub fn start_engine(
+        &self,
+        dir: &Path,
+        balance_group: Option<(Arc<BalanceGroup>, usize)>,
+    ) -> Result<EngineHandle, WorkerError> {
         self.validate()?;
         let model = ModelConfig::from_dir(dir)?;
         let tokenizer =
@@ -219,12 +262,13 @@ impl WorkerArgs {
                 max_num_batched_tokens: self.max_num_batched_tokens,
                 max_model_len,
                 policy: self.policy()?,
+                balance_scheduling: self.balance_scheduling,
                 ..SchedulerConfig::default()
             },
             enable_prefix_caching: !self.no_prefix_caching,
             event_ring_capacity: self.event_ring_capacity,
             eos_token_ids: eos,
-            balance_group: None,
+            balance_group,
         };
         Ok(EngineHandle::spawn(backend, cfg)?)
     }

@@ -39,13 +39,13 @@ pub fn build_core(
         field: "--model",
         message: e.to_string(),
     })?;
-    let engine = args.start_engine(dir)?;
+    let engines = args.start_engines(dir)?;
     let metrics = WorkerMetrics::new().map_err(|e| WorkerError::Startup(e.to_string()))?;
     Ok(Arc::new(WorkerCore {
         id,
         model: model.name(),
         role,
-        engines: vec![engine],
+        engines,
         metrics,
         remote_prefills: AtomicU32::new(0),
     }))
@@ -102,6 +102,20 @@ pub async fn run_worker(
         );
     }
     tracing::info!(id = %core.id, role = core.role.as_str(), model = %core.model, engine = engine.backend_name(), "worker starting");
+    // Keep the per-rank gauges current until shutdown.
+    for (rank, engine) in core.engines.iter().enumerate() {
+        let (mut load, core, stop) = (engine.load(), Arc::clone(&core), ctx.shutdown.clone());
+        tokio::spawn(async move {
+            loop {
+                core.metrics.record_load(rank, &load.borrow_and_update());
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    changed = load.changed() => if changed.is_err() { return },
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+        });
+    }
     let res = ctx
         .run(server, listener, instance)
         .await

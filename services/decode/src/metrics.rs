@@ -1,7 +1,10 @@
 //! Worker metrics: requests by finish reason, tokens, time to first token,
 //! remote prefill outcomes, and each rank's scheduler load.
 
-use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, Opts, Registry};
+use prometheus::{
+    GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
+};
+use sluice_engine::LoadStats;
 
 /// Every metric one worker exports, in its own registry.
 #[derive(Debug, Clone)]
@@ -11,6 +14,15 @@ pub struct WorkerMetrics {
     pub generated_tokens: IntCounter,
     pub ttft: Histogram,
     pub remote_prefill: IntCounterVec,
+    /// Per engine rank: running and waiting sequences.
+    pub running: IntGaugeVec,
+    pub waiting: IntGaugeVec,
+    /// Per engine rank: fraction of KV blocks in use.
+    pub kv_usage: GaugeVec,
+    /// Per engine rank: steps where balance scheduling held admission back,
+    /// and preemptions (both cumulative, as the engine counts them).
+    pub balance_held_steps: IntGaugeVec,
+    pub preemptions: IntGaugeVec,
 }
 
 impl WorkerMetrics {
@@ -41,6 +53,35 @@ impl WorkerMetrics {
             ),
             &["outcome"],
         )?;
+        let rank_gauge =
+            |name: &str, help: &str| IntGaugeVec::new(Opts::new(name, help), &["rank"]);
+        let running = rank_gauge(
+            "sluice_worker_running_sequences",
+            "Running sequences, by engine rank",
+        )?;
+        let waiting = rank_gauge(
+            "sluice_worker_waiting_sequences",
+            "Waiting sequences, by engine rank",
+        )?;
+        let kv_usage = GaugeVec::new(
+            Opts::new(
+                "sluice_worker_kv_usage",
+                "Fraction of KV blocks in use, by engine rank",
+            ),
+            &["rank"],
+        )?;
+        let balance_held_steps = rank_gauge(
+            "sluice_worker_balance_held_steps",
+            "Steps where balance scheduling held admission back (cumulative), by engine rank",
+        )?;
+        let preemptions = rank_gauge(
+            "sluice_worker_preemptions",
+            "Preemptions so far, by engine rank",
+        )?;
+        for m in [&running, &waiting, &balance_held_steps, &preemptions] {
+            registry.register(Box::new(m.clone()))?;
+        }
+        registry.register(Box::new(kv_usage.clone()))?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(generated_tokens.clone()))?;
         registry.register(Box::new(ttft.clone()))?;
@@ -51,6 +92,28 @@ impl WorkerMetrics {
             generated_tokens,
             ttft,
             remote_prefill,
+            running,
+            waiting,
+            kv_usage,
+            balance_held_steps,
+            preemptions,
         })
+    }
+}
+
+impl WorkerMetrics {
+    /// Records one rank's load report.
+    pub fn record_load(&self, rank: usize, l: &LoadStats) {
+        let r = rank.to_string();
+        let r = [r.as_str()];
+        self.running.with_label_values(&r).set(l.running as i64);
+        self.waiting.with_label_values(&r).set(l.waiting as i64);
+        self.kv_usage.with_label_values(&r).set(l.kv_usage);
+        self.balance_held_steps
+            .with_label_values(&r)
+            .set(l.balance_held_steps as i64);
+        self.preemptions
+            .with_label_values(&r)
+            .set(l.preemptions as i64);
     }
 }

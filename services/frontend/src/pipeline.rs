@@ -81,6 +81,8 @@ pub(crate) enum Event {
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub(crate) struct Serving {
     pub worker_id: String,
+    /// The worker's data-parallel engine rank that ran the request.
+    pub dp_rank: u32,
     #[serde(skip_serializing_if = "String::is_empty")]
     pub prefill_worker_id: String,
     pub priority: i32,
@@ -218,6 +220,7 @@ impl Pipeline {
             detok,
             serving: Serving {
                 worker_id: grant.worker_id,
+                dp_rank: grant.dp_rank,
                 // Set from the worker's answer: the grant only offers a
                 // prefill worker; the decode worker decides whether to use it.
                 prefill_worker_id: String::new(),
