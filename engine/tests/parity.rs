@@ -13,6 +13,9 @@
 //! rotates earlier keys with a base no cache can have used, so only its
 //! single-chunk prefill is compared.
 //!
+//! Through the whole engine (scheduler, chunked prefill, prefix cache,
+//! greedy sampler), the generated tokens must be transformers' greedy ones.
+//!
 //! Agreement is measured per logits row as
 //! `max_i |engine_i - hf_i| / max(max_i |hf_i|, 1e-6)`: the largest
 //! absolute difference relative to the row's largest magnitude, which is
@@ -24,6 +27,7 @@ use serde::Deserialize;
 use sluice_engine::backend::cpu::CpuBackend;
 use sluice_engine::backend::{Backend, ForwardBatch, ForwardOutput, SeqChunk};
 use sluice_engine::model::{Architecture, ModelConfig, RopeScaling};
+use sluice_engine::{EngineConfig, EngineHandle, Request, SamplingParams, SchedulerConfig};
 
 const BLOCK_SIZE: usize = 4;
 const NUM_BLOCKS: usize = 23;
@@ -270,4 +274,62 @@ fn fixture_configs_parse_as_written_by_transformers() {
         Some(RopeScaling::Dynamic { factor: 2.0 })
     );
     assert_eq!(dynamic.max_position_embeddings, 12);
+}
+
+/// The greedy continuation transformers produced: the recorded decode
+/// tokens, then the argmax of the last recorded logits.
+fn greedy_tokens(case: &Case) -> Vec<u32> {
+    let last = &case.decode[case.decode.len() - 1].logits;
+    let next = last
+        .iter()
+        .enumerate()
+        .max_by(|a, b| a.1.total_cmp(b.1))
+        .map(|(i, _)| i as u32)
+        .expect("non-empty logits");
+    case.decode.iter().map(|s| s.token).chain([next]).collect()
+}
+
+#[tokio::test]
+async fn engine_greedy_generation_reproduces_transformers_tokens() {
+    let reference = reference();
+    for name in ["llama_untied", "qwen2_tied"] {
+        let case = &reference.cases[name];
+        let want = greedy_tokens(case);
+        let backend =
+            CpuBackend::from_dir(&fixture_dir().join(name), 32, BLOCK_SIZE).expect("load fixture");
+        let cfg = EngineConfig {
+            block_size: BLOCK_SIZE,
+            // Prompts of 20 tokens prefill in chunks of at most 6.
+            scheduler: SchedulerConfig {
+                max_num_batched_tokens: 6,
+                ..SchedulerConfig::default()
+            },
+            ..EngineConfig::default()
+        };
+        let engine = EngineHandle::spawn(Box::new(backend), cfg).expect("engine starts");
+        let request = |id: &str| Request {
+            request_id: id.to_owned(),
+            prompt: case.prompt.clone(),
+            sampling: SamplingParams {
+                max_tokens: Some(want.len()),
+                ..SamplingParams::greedy()
+            },
+            priority: 0,
+        };
+        // Two at once (batched, chunked), then one served from the prefix cache.
+        let first = engine.generate(request("a")).expect("valid request");
+        let second = engine.generate(request("b")).expect("valid request");
+        let (a, b) = tokio::join!(first.collect(), second.collect());
+        let third = engine.generate(request("c")).expect("valid request");
+        let (c, finished) = third.collect().await;
+        for (who, got) in [("a", &a.0), ("b", &b.0), ("c", &c)] {
+            assert_eq!(got, &want, "{name}: request {who}");
+        }
+        let usage = finished.expect("finished").usage;
+        assert!(
+            usage.cached_tokens >= 16,
+            "{name}: repeated prompt cached {usage:?}"
+        );
+        engine.shutdown();
+    }
 }
