@@ -40,6 +40,9 @@ pub use grpc::{GrpcInbound, GrpcSender, KvTransferService, send_grpc};
 /// Blocks written per engine round trip.
 pub(crate) const WRITE_BATCH: usize = 16;
 
+/// Copies of at least this many blocks run on the blocking pool.
+pub(crate) const BLOCKING_COPY_BLOCKS: usize = 64;
+
 /// A KV transport, as named on the command line, in discovery metadata and
 /// in `PrefillResponse.transport`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, clap::ValueEnum)]
@@ -249,7 +252,7 @@ impl Senders {
             match kind {
                 TransportKind::Shm => senders.push(Arc::new(shm::ShmSender::default())),
                 TransportKind::Tcp => senders.push(Arc::new(tcp::TcpSender::default())),
-                TransportKind::Grpc => senders.push(Arc::new(GrpcSender)),
+                TransportKind::Grpc => senders.push(Arc::new(GrpcSender::default())),
                 // `available` yields rdma only once its data path exists
                 // (see `rdma::probe`).
                 TransportKind::Rdma => {}
@@ -301,15 +304,19 @@ pub struct TransferSpec<'a> {
 pub struct Registration {
     pub region: pb::Region,
     /// One-sided transports: where the written blocks wait for collection.
-    pub staged: Option<Box<dyn Staged>>,
+    pub staged: Option<Arc<dyn Staged>>,
 }
 
 /// Blocks a sender wrote one-sidedly into receiver memory.
 pub trait Staged: Send + Sync + fmt::Debug {
     /// Copies out and returns the written blocks (destination ids `ids`, in
-    /// order) with the checksums the sender recorded; refuses a block that
-    /// was not written by this transfer.
-    fn collect(&self, ids: &[u32]) -> Result<Vec<Block>, WorkerError>;
+    /// order), each checked against the checksum the sender recorded right
+    /// after its copy (while it is in cache); refuses a block that was not
+    /// written by this transfer or does not match.
+    ///
+    /// `first` is the position of `ids[0]` in the transfer, so a transfer
+    /// can be collected batch by batch.
+    fn collect(&self, first: usize, ids: &[u32]) -> Result<Vec<Block>, WorkerError>;
 }
 
 /// The receiving side of one transport.
@@ -348,7 +355,7 @@ pub struct Expectation {
     receiver: Arc<Receiver>,
     id: String,
     writable: Arc<[u32]>,
-    staged: Vec<(TransportKind, Box<dyn Staged>)>,
+    staged: Vec<(TransportKind, Arc<dyn Staged>)>,
 }
 
 impl Expectation {
@@ -367,25 +374,33 @@ impl Expectation {
     /// into the engine now. Returns the blocks written in all.
     pub async fn finish(&self, transport: &str) -> Result<usize, WorkerError> {
         if let Some((_, staged)) = self.staged.iter().find(|(k, _)| k.as_str() == transport) {
-            let blocks = staged.collect(&self.writable)?;
-            for chunk in chunks(blocks, WRITE_BATCH) {
-                self.receiver.write(&self.id, chunk).await?;
+            // Batch by batch, collecting the next while the engine writes
+            // the previous one.
+            let mut inflight: Option<tokio::task::JoinHandle<Result<usize, WorkerError>>> = None;
+            for (k, ids) in self.writable.chunks(WRITE_BATCH).enumerate() {
+                let blocks = staged.collect(k * WRITE_BATCH, ids)?;
+                if let Some(prev) = inflight.take() {
+                    join_write(prev).await?;
+                }
+                let (receiver, id) = (Arc::clone(&self.receiver), self.id.clone());
+                inflight = Some(tokio::spawn(async move {
+                    receiver.write_verified(&id, blocks).await
+                }));
+            }
+            if let Some(prev) = inflight.take() {
+                join_write(prev).await?;
             }
         }
         Ok(self.written())
     }
 }
 
-fn chunks(mut blocks: Vec<Block>, n: usize) -> Vec<Vec<Block>> {
-    let mut out = Vec::with_capacity(blocks.len().div_ceil(n.max(1)));
-    while blocks.len() > n {
-        let rest = blocks.split_off(n);
-        out.push(std::mem::replace(&mut blocks, rest));
-    }
-    if !blocks.is_empty() {
-        out.push(blocks);
-    }
-    out
+/// Waits for a spawned engine write.
+pub(crate) async fn join_write(
+    h: tokio::task::JoinHandle<Result<usize, WorkerError>>,
+) -> Result<usize, WorkerError> {
+    h.await
+        .map_err(|e| WorkerError::Transfer(format!("engine write task: {e}")))?
 }
 
 impl Drop for Expectation {
@@ -473,6 +488,17 @@ impl Receiver {
 
     /// Verifies and writes blocks of transfer `id`; returns how many.
     pub async fn write(&self, id: &str, blocks: Vec<Block>) -> Result<usize, WorkerError> {
+        verify(id, &blocks)?;
+        self.write_verified(id, blocks).await
+    }
+
+    /// [`Receiver::write`] for blocks whose checksums the transport already
+    /// verified (right after reading each, while it was in cache).
+    pub(crate) async fn write_verified(
+        &self,
+        id: &str,
+        blocks: Vec<Block>,
+    ) -> Result<usize, WorkerError> {
         let (engine, slot, block_bytes, writable) = {
             let guard = self.expected.lock();
             let e = guard.get(id).ok_or_else(|| {
@@ -499,12 +525,6 @@ impl Receiver {
                     b.data.len()
                 )));
             }
-            if xxh3_64(&b.data) != b.checksum {
-                return Err(WorkerError::Transfer(format!(
-                    "checksum mismatch on block {} of transfer {id}",
-                    b.id
-                )));
-            }
         }
         let n = blocks.len();
         engine
@@ -514,6 +534,17 @@ impl Receiver {
             e.written += n;
         }
         Ok(n)
+    }
+}
+
+/// Refuses the first block whose bytes do not match its checksum.
+pub(crate) fn verify(id: &str, blocks: &[Block]) -> Result<(), WorkerError> {
+    match blocks.iter().find(|b| xxh3_64(&b.data) != b.checksum) {
+        Some(b) => Err(WorkerError::Transfer(format!(
+            "checksum mismatch on block {} of transfer {id}",
+            b.id
+        ))),
+        None => Ok(()),
     }
 }
 

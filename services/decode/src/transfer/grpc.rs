@@ -2,9 +2,12 @@
 //! `KvTransfer.WriteBlocks` to the decode worker's gRPC endpoint. Works
 //! wherever gRPC does; pays protobuf framing and HTTP/2 flow control.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
+use parking_lot::Mutex;
 use sluice_proto::kv::v1 as pb;
+use sluice_runtime::grpc::TracedChannel;
 use tonic::{Request, Response, Status};
 
 use super::{
@@ -80,9 +83,31 @@ impl Inbound for GrpcInbound {
     }
 }
 
-/// Sends over `KvTransfer.WriteBlocks`.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct GrpcSender;
+/// Sends over `KvTransfer.WriteBlocks`, one kept channel per receiver
+/// (HTTP/2 multiplexes concurrent transfers on it).
+#[derive(Debug, Default)]
+pub struct GrpcSender {
+    channels: Mutex<HashMap<String, TracedChannel>>,
+}
+
+/// Channels kept per sender.
+const MAX_CHANNELS: usize = 64;
+
+impl GrpcSender {
+    fn channel(&self, endpoint: &str) -> Result<TracedChannel, WorkerError> {
+        if let Some(c) = self.channels.lock().get(endpoint) {
+            return Ok(c.clone());
+        }
+        let c = sluice_runtime::grpc::channel(endpoint)
+            .map_err(|e| WorkerError::Transfer(e.to_string()))?;
+        let mut channels = self.channels.lock();
+        if channels.len() >= MAX_CHANNELS {
+            channels.clear();
+        }
+        channels.insert(endpoint.to_string(), c.clone());
+        Ok(c)
+    }
+}
 
 #[tonic::async_trait]
 impl KvSender for GrpcSender {
@@ -96,12 +121,18 @@ impl KvSender for GrpcSender {
         transfer_id: &str,
         blocks: Vec<Block>,
     ) -> Result<u32, WorkerError> {
-        send_grpc(&region.address, transfer_id, blocks).await
+        let channel = self.channel(&region.address)?;
+        let r = send_on(channel, transfer_id, blocks).await;
+        if r.is_err() {
+            // A broken channel is not kept; the next transfer dials again.
+            self.channels.lock().remove(&region.address);
+        }
+        r
     }
 }
 
-/// Streams `blocks` of `transfer_id` (checksums as given) to `endpoint`;
-/// returns blocks written.
+/// Streams `blocks` of `transfer_id` (checksums as given) to `endpoint` on a
+/// new channel; returns blocks written.
 pub async fn send_grpc(
     endpoint: &str,
     transfer_id: &str,
@@ -109,6 +140,14 @@ pub async fn send_grpc(
 ) -> Result<u32, WorkerError> {
     let channel = sluice_runtime::grpc::channel(endpoint)
         .map_err(|e| WorkerError::Transfer(e.to_string()))?;
+    send_on(channel, transfer_id, blocks).await
+}
+
+async fn send_on(
+    channel: TracedChannel,
+    transfer_id: &str,
+    blocks: Vec<Block>,
+) -> Result<u32, WorkerError> {
     let mut client =
         pb::kv_transfer_client::KvTransferClient::new(channel).max_encoding_message_size(256 << 20);
     let id = transfer_id.to_string();

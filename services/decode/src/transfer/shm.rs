@@ -367,11 +367,12 @@ impl Inbound for ShmInbound {
                 base_addr: (m.data_off + first * m.block_bytes) as u64,
                 length: (n * m.block_bytes) as u64,
             },
-            staged: Some(Box::new(ShmRun {
+            staged: Some(Arc::new(ShmRun {
                 pool: Arc::clone(&self.pool),
                 first,
                 n,
                 tag: xxh3_64(spec.id.as_bytes()),
+                transfer: spec.id.to_string(),
             })),
         }))
     }
@@ -384,6 +385,7 @@ struct ShmRun {
     first: usize,
     n: usize,
     tag: u64,
+    transfer: String,
 }
 
 impl Drop for ShmRun {
@@ -393,17 +395,21 @@ impl Drop for ShmRun {
 }
 
 impl Staged for ShmRun {
-    fn collect(&self, ids: &[u32]) -> Result<Vec<Block>, WorkerError> {
+    fn collect(&self, first: usize, ids: &[u32]) -> Result<Vec<Block>, WorkerError> {
         let m = &self.pool.mapped;
-        if ids.len() != self.n {
+        if first + ids.len() > self.n {
             return Err(shm_err(
                 "collect",
-                format!("{} blocks expected in a run of {}", ids.len(), self.n),
+                format!(
+                    "blocks {first}..{} of a run of {}",
+                    first + ids.len(),
+                    self.n
+                ),
             ));
         }
-        let mut out = Vec::with_capacity(self.n);
+        let mut out = Vec::with_capacity(ids.len());
         for (i, &id) in ids.iter().enumerate() {
-            let slot = self.first + i;
+            let slot = self.first + first + i;
             let entry = m.table_off + slot * ENTRY;
             if m.state(slot).load(Ordering::Acquire) != 1 {
                 return Err(shm_err("collect", format!("block {id} was not written")));
@@ -431,7 +437,9 @@ impl Staged for ShmRun {
                 );
                 data.set_len(m.block_bytes);
             }
-            out.push(Block { id, checksum, data });
+            let block = Block { id, checksum, data };
+            super::verify(&self.transfer, std::slice::from_ref(&block))?;
+            out.push(block);
         }
         Ok(out)
     }
@@ -516,8 +524,7 @@ impl KvSender for ShmSender {
             ));
         }
         let tag = xxh3_64(transfer_id.as_bytes());
-        // Copies of a few hundred MiB are fine inline; larger runs should not
-        // hold a runtime thread.
+        // Large copies leave the runtime's threads alone.
         let m2 = Arc::clone(&m);
         let write = move || {
             for (i, b) in blocks.iter().enumerate() {
@@ -539,8 +546,7 @@ impl KvSender for ShmSender {
             }
             blocks.len() as u32
         };
-        let bytes = n * m.block_bytes;
-        if bytes > (64 << 20) {
+        if n >= super::BLOCKING_COPY_BLOCKS {
             tokio::task::spawn_blocking(write)
                 .await
                 .map_err(|e| shm_err("write task", e))

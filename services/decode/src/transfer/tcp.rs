@@ -250,10 +250,6 @@ async fn receive_transfer<S: AsyncRead + Unpin>(
     let mut batch: Vec<Block> = Vec::with_capacity(WRITE_BATCH);
     // One engine write in flight while the next batch is read.
     let mut inflight: Option<JoinHandle<Result<usize, WorkerError>>> = None;
-    let join = |h: JoinHandle<Result<usize, WorkerError>>| async move {
-        h.await
-            .map_err(|e| WorkerError::Transfer(format!("engine write task: {e}")))?
-    };
     loop {
         let mut raw = [0u8; HEADER_LEN];
         stream.read_exact(&mut raw).await?;
@@ -273,17 +269,20 @@ async fn receive_transfer<S: AsyncRead + Unpin>(
                         return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
                     }
                 }
-                batch.push(Block {
+                let block = Block {
                     id: h.block_id,
                     checksum: h.checksum,
                     data,
-                });
+                };
+                // Checked now, while the bytes are in cache.
+                super::verify(&id, std::slice::from_ref(&block))?;
+                batch.push(block);
                 if batch.len() == WRITE_BATCH {
                     if let Some(prev) = inflight.take() {
-                        written += join(prev).await?;
+                        written += super::join_write(prev).await?;
                     }
                     let (r, id, b) = (Arc::clone(receiver), id.clone(), std::mem::take(&mut batch));
-                    inflight = Some(tokio::spawn(async move { r.write(&id, b).await }));
+                    inflight = Some(tokio::spawn(async move { r.write_verified(&id, b).await }));
                 }
             }
             KIND_END => break,
@@ -295,10 +294,10 @@ async fn receive_transfer<S: AsyncRead + Unpin>(
         }
     }
     if let Some(prev) = inflight.take() {
-        written += join(prev).await?;
+        written += super::join_write(prev).await?;
     }
     if !batch.is_empty() {
-        written += receiver.write(&id, batch).await?;
+        written += receiver.write_verified(&id, batch).await?;
     }
     Ok(written as u32)
 }
