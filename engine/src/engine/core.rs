@@ -110,6 +110,12 @@ impl EngineCore {
                     if group.should_step(*rank, self.sched.has_unfinished()) {
                         self.step();
                         self.publish_load();
+                        // The count this step left, before the barrier: the
+                        // rank that reaches it last starts the next step at
+                        // once and must not read a peer's count from before
+                        // that peer's admissions (it would admit while the
+                        // peer is full).
+                        self.publish_balance();
                         group.end_step(*rank);
                     }
                 }
