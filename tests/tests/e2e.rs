@@ -379,3 +379,58 @@ async fn data_parallel_ranks_of_one_worker_all_serve() -> anyhow::Result<()> {
     );
     mesh.stop().await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queue_refusal_is_a_429_with_retry_after_and_a_held_request_past_its_deadline_a_504()
+-> anyhow::Result<()> {
+    let mut opts = MeshOptions::default();
+    opts.worker.engine = sluice_decode::EngineKind::Mocker;
+    opts.queue.max_active = 1; // one lease at a time: the rest are held
+    opts.queue.max_pending = 1; // and only one may be held
+    opts.frontend.request_timeout = 1;
+    let mesh = Mesh::start(opts).await?;
+    // A long request takes the only active lease (its stream stays open).
+    let mut long = chat("occupy the worker", 3000);
+    long["stream"] = json!(true);
+    long["ignore_eos"] = json!(true);
+    let (status, _, reader) = open(
+        &mesh.http,
+        "POST",
+        "/v1/chat/completions",
+        Some(long.to_string()),
+        &[],
+    )
+    .await?;
+    assert_eq!(status, 200);
+
+    // The next one is held; while it waits, a third is refused.
+    let http = mesh.http.clone();
+    let held =
+        tokio::spawn(
+            async move { post_json(&http, "/v1/chat/completions", &chat("held", 2)).await },
+        );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (status, head, mut refused) = open(
+        &mesh.http,
+        "POST",
+        "/v1/chat/completions",
+        Some(chat("refused", 2).to_string()),
+        &[],
+    )
+    .await?;
+    assert_eq!(status, 429, "{head}");
+    assert!(
+        head.to_ascii_lowercase().contains("retry-after: 1"),
+        "{head}"
+    );
+    let mut rest = String::new();
+    tokio::io::AsyncReadExt::read_to_string(&mut refused, &mut rest).await?;
+    assert!(rest.contains("rate_limit_error"), "{rest}");
+
+    // The held request passes its 1 s deadline: 504.
+    let (status, body) = held.await??;
+    assert_eq!(status, 504, "{body}");
+    assert_eq!(parse(&body)["error"]["code"], "deadline_exceeded");
+    drop(reader);
+    mesh.stop().await
+}
