@@ -60,7 +60,11 @@ pub struct Args {
 
     /// Seconds to wait at start for every known worker's snapshot before
     /// reporting ready.
-    #[arg(long = "router-sync-timeout-secs", env = "SLUICE_ROUTER_SYNC_TIMEOUT_SECS", default_value_t = 10)]
+    #[arg(
+        long = "router-sync-timeout-secs",
+        env = "SLUICE_ROUTER_SYNC_TIMEOUT_SECS",
+        default_value_t = 10
+    )]
     pub sync_timeout_secs: u64,
 }
 
