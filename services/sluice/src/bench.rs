@@ -470,3 +470,192 @@ fn progress_line(done: usize, in_flight: usize, failed: usize, total: usize, sta
     );
     let _ = err.flush();
 }
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpListener;
+
+    use super::*;
+    use crate::bench::trace::PromptSpec;
+
+    /// Reads one HTTP/1.1 request and returns its JSON body.
+    async fn read_request(sock: &mut tokio::net::TcpStream) -> serde_json::Value {
+        let mut buf = Vec::new();
+        let mut chunk = [0u8; 4096];
+        loop {
+            let n = sock.read(&mut chunk).await.expect("read");
+            assert!(n > 0, "client closed early");
+            buf.extend_from_slice(&chunk[..n]);
+            let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+                continue;
+            };
+            let head = String::from_utf8_lossy(&buf[..end]).to_lowercase();
+            let len: usize = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .map_or(0, |v| v.trim().parse().expect("length"));
+            if buf.len() >= end + 4 + len {
+                return serde_json::from_slice(&buf[end + 4..end + 4 + len]).expect("json");
+            }
+        }
+    }
+
+    /// A server that streams three tokens for priority 0, answers 429 for
+    /// priority 1 and never answers priority 2.
+    async fn fake_server() -> String {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        tokio::spawn(async move {
+            while let Ok((mut sock, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let body = read_request(&mut sock).await;
+                    let prio = body["nvext"]["agent_hints"]["priority"]
+                        .as_i64()
+                        .unwrap_or(0);
+                    match prio {
+                        0 => {
+                            let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n";
+                            sock.write_all(head.as_bytes()).await.expect("write");
+                            let role = r#"{"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}"#;
+                            sock.write_all(format!("data: {role}\n\n").as_bytes())
+                                .await
+                                .expect("write");
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                            for t in ["a", "b", "c"] {
+                                let c = format!(
+                                    "{{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{t}\"}}}}]}}"
+                                );
+                                sock.write_all(format!("data: {c}\n\n").as_bytes())
+                                    .await
+                                    .expect("write");
+                                tokio::time::sleep(Duration::from_millis(10)).await;
+                            }
+                            let fin = r#"{"choices":[],"usage":{"prompt_tokens":4,"completion_tokens":3},"nvext":{"worker_id":"w1","queue_wait_ms":1.5}}"#;
+                            sock.write_all(format!("data: {fin}\n\ndata: [DONE]\n\n").as_bytes())
+                                .await
+                                .expect("write");
+                        }
+                        1 => {
+                            let resp = "HTTP/1.1 429 Too Many Requests\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}";
+                            sock.write_all(resp.as_bytes()).await.expect("write");
+                        }
+                        _ => tokio::time::sleep(Duration::from_secs(30)).await,
+                    }
+                });
+            }
+        });
+        format!("http://{addr}")
+    }
+
+    fn planned(index: usize, priority: i32, at_ms: u64) -> Planned {
+        Planned {
+            index,
+            at: Duration::from_millis(at_ms),
+            prompt: PromptSpec {
+                len: 4,
+                hash_ids: vec![],
+                block_tokens: 1,
+                tail_seed: index as u64,
+            },
+            output_tokens: 3,
+            priority,
+        }
+    }
+
+    #[tokio::test]
+    async fn run_measures_streams_and_counts_errors_and_timeouts() {
+        let url = fake_server().await;
+        let target = Target::new(&url, "m".into(), Endpoint::Chat, None, 100).expect("target");
+        let plan = vec![
+            planned(0, 0, 0),
+            planned(1, 1, 0),
+            planned(2, 2, 0),
+            planned(3, 0, 100),
+            // Scheduled after the run's time limit: never sent.
+            planned(4, 0, 5_000),
+        ];
+        let run = Run {
+            concurrency: 0,
+            timeout: Duration::from_millis(1_500),
+            request_timeout: Duration::from_millis(700),
+            progress: false,
+        };
+        let (records, duration) = run.execute(Arc::new(target), plan).await;
+        assert_eq!(records.len(), 5);
+        assert!(duration > 0.0);
+        for r in [&records[0], &records[3]] {
+            assert!(r.error.is_none(), "{r:?}");
+            let ttft = r.ttft_ms.expect("ttft");
+            assert!(ttft >= 45.0 && ttft <= r.e2e_ms, "{r:?}");
+            assert_eq!(r.output_tokens, 3);
+            assert_eq!(r.input_tokens, 4);
+            assert_eq!(r.worker_id.as_deref(), Some("w1"));
+            assert_eq!(r.queue_wait_ms, Some(1.5));
+            assert!(r.itl_ms().expect("itl") > 0.0);
+        }
+        assert!(records[3].sent_ms >= 100.0);
+        let kind = |i: usize| records[i].error.as_ref().map(|e| e.kind.as_str());
+        assert_eq!(kind(1), Some("429"));
+        assert_eq!(kind(2), Some("timeout"));
+        assert_eq!(kind(4), Some("not_sent"));
+        let stats = stats::GroupStats::of(&records, duration);
+        assert_eq!((stats.completed, stats.failed), (2, 3));
+    }
+
+    #[tokio::test]
+    async fn concurrency_caps_requests_in_flight() {
+        let url = fake_server().await;
+        let target =
+            Target::new(&url, "m".into(), Endpoint::Completions, None, 100).expect("target");
+        let plan: Vec<Planned> = (0..4).map(|i| planned(i, 0, 0)).collect();
+        let run = Run {
+            concurrency: 1,
+            timeout: Duration::from_secs(10),
+            request_timeout: Duration::from_secs(5),
+            progress: false,
+        };
+        let (records, _) = run.execute(Arc::new(target), plan).await;
+        assert!(records.iter().all(|r| r.error.is_none()));
+        // One at a time: each is sent after the previous one finished.
+        for w in records.windows(2) {
+            assert!(w[1].sent_ms >= w[0].sent_ms + w[0].e2e_ms - 1.0, "{w:?}");
+        }
+    }
+
+    #[test]
+    fn flags_are_validated_with_the_flag_named() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: BenchArgs,
+        }
+        let parse = |a: &[&str]| {
+            Cli::try_parse_from(std::iter::once("bench").chain(a.iter().copied())).map(|c| c.args)
+        };
+        let args = parse(&["--requests", "0"]).expect("parses");
+        assert!(
+            args.validate()
+                .expect_err("invalid")
+                .to_string()
+                .contains("--requests")
+        );
+        let args = parse(&["--rate", "0"]).expect("parses");
+        assert!(
+            args.validate()
+                .expect_err("invalid")
+                .to_string()
+                .contains("--rate")
+        );
+        assert!(parse(&["--trace", "x.jsonl", "--requests", "5"]).is_err());
+        assert!(
+            parse(&["--max-isl", "5"]).is_err(),
+            "trace-only flag without --trace"
+        );
+        assert!(parse(&["--burst", "--rate", "3"]).is_err());
+        let ok = parse(&["--priority-tiers", "0:1,3:2", "--rate", "4"]).expect("parses");
+        assert!(ok.validate().is_ok());
+        assert_eq!(ok.workload().expect("workload").len(), 100);
+    }
+}
