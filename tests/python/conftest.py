@@ -18,8 +18,8 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def sluice():
-    """Base address (host:port) of a running `sluice up`."""
+def sluice_up():
+    """A running `sluice up`: {"addr": host:port, "model_dir": its built-in model}."""
     binary = os.environ.get("SLUICE_BIN", "target/debug/sluice")
     port = _free_port()
     cache = tempfile.mkdtemp(prefix="sluice-models-")
@@ -44,7 +44,7 @@ def sluice():
             proc.kill()
             raise RuntimeError(f"sluice up not ready in 60 s; log: {open(log.name).read()}")
         time.sleep(0.2)
-    yield addr
+    yield {"addr": addr, "model_dir": os.path.join(cache, "sluice-tiny")}
     proc.terminate()
     try:
         proc.wait(timeout=20)
@@ -52,3 +52,9 @@ def sluice():
         proc.kill()
         raise
     assert proc.returncode == 0, f"sluice up did not shut down cleanly; log: {open(log.name).read()}"
+
+
+@pytest.fixture(scope="session")
+def sluice(sluice_up):
+    """Base address (host:port) of a running `sluice up`."""
+    return sluice_up["addr"]
