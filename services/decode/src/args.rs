@@ -120,7 +120,8 @@ pub struct WorkerArgs {
     pub kv_tcp_listen: Option<std::net::SocketAddr>,
 
     /// Decode workers: MiB of the shared-memory pool that `shm` transfers
-    /// land in (capped at the KV cache's size; reserved at start-up).
+    /// land in (capped at the KV cache's size; reserved when a prefill
+    /// worker on this host first needs it).
     #[arg(long, env = "SLUICE_KV_SHM_POOL_MB", default_value_t = 256)]
     pub kv_shm_pool_mb: u64,
 }

@@ -613,7 +613,7 @@ pub async fn start_receiver(
                 .map(|t| Arc::new(t) as Arc<dyn Inbound>)
             }
             TransportKind::Shm => {
-                shm::ShmInbound::create(cfg.shm_pool_bytes, cfg.block_bytes, cfg.num_blocks)
+                shm::ShmInbound::lazy(cfg.shm_pool_bytes, cfg.block_bytes, cfg.num_blocks)
                     .map(|s| Arc::new(s) as Arc<dyn Inbound>)
             }
             // Never yielded by `available` yet (see `rdma::probe`).

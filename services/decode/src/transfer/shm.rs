@@ -2,8 +2,9 @@
 //! RDMA model without the NIC).
 //!
 //! A decode worker creates one pool file under `/dev/shm` (the temp dir
-//! where there is none), fills it with zeros through `write(2)` — so a full
-//! tmpfs is a clean start-up error instead of a `SIGBUS` later — and maps it.
+//! where there is none) when a prefill worker on its host first needs it,
+//! fills it with zeros through `write(2)` — so a full tmpfs is a clean
+//! refusal (shm is then not offered) instead of a `SIGBUS` later — and maps it.
 //! The file is a header page, a table with one 32-byte entry per slot (tag =
 //! XXH3 of the transfer id, checksum, destination block id, state), then the
 //! slots, `block_bytes` each. A transfer gets a contiguous run of free slots
@@ -23,8 +24,8 @@ use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use memmap2::MmapRaw;
 use parking_lot::Mutex;
@@ -199,24 +200,31 @@ impl Pool {
     }
 }
 
-/// The `shm` side of a decode worker: one pool, runs handed out per transfer.
+/// The `shm` side of a decode worker: one pool, runs handed out per
+/// transfer. The pool is created when a transfer from this host first needs
+/// it, so a worker that never meets a same-host prefill worker holds no
+/// shared memory; if creation fails, `shm` is not offered from then on.
 #[derive(Debug)]
 pub struct ShmInbound {
-    pool: Arc<Pool>,
+    dir: PathBuf,
+    slots: usize,
+    block_bytes: usize,
+    pool: OnceLock<Option<Arc<Pool>>>,
 }
 
 impl ShmInbound {
-    /// Creates the pool file: `min(pool_bytes / block_bytes, num_blocks)` slots.
-    pub fn create(
+    /// A pool of `min(pool_bytes / block_bytes, num_blocks)` slots under
+    /// [`shm_dir`], created on first use.
+    pub fn lazy(
         pool_bytes: u64,
         block_bytes: usize,
         num_blocks: usize,
     ) -> Result<Self, WorkerError> {
-        Self::create_in(&shm_dir(), pool_bytes, block_bytes, num_blocks)
+        Self::lazy_in(&shm_dir(), pool_bytes, block_bytes, num_blocks)
     }
 
-    /// [`ShmInbound::create`] in `dir`.
-    pub fn create_in(
+    /// [`ShmInbound::lazy`] in `dir`.
+    pub fn lazy_in(
         dir: &Path,
         pool_bytes: u64,
         block_bytes: usize,
@@ -232,6 +240,56 @@ impl ShmInbound {
                 format!("--kv-shm-pool-mb holds no {block_bytes}-byte block"),
             ));
         }
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            slots,
+            block_bytes,
+            pool: OnceLock::new(),
+        })
+    }
+
+    /// [`ShmInbound::lazy_in`], with the pool created now.
+    pub fn create_in(
+        dir: &Path,
+        pool_bytes: u64,
+        block_bytes: usize,
+        num_blocks: usize,
+    ) -> Result<Self, WorkerError> {
+        let s = Self::lazy_in(dir, pool_bytes, block_bytes, num_blocks)?;
+        let pool = Pool::create(&s.dir, s.slots, s.block_bytes)?;
+        let _ = s.pool.set(Some(Arc::new(pool)));
+        Ok(s)
+    }
+
+    fn pool(&self) -> Option<&Arc<Pool>> {
+        self.pool
+            .get_or_init(|| match Pool::create(&self.dir, self.slots, self.block_bytes) {
+                Ok(p) => Some(Arc::new(p)),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot create the KV shm pool; not offering shm");
+                    None
+                }
+            })
+            .as_ref()
+    }
+
+    /// The pool file, once created.
+    pub fn path(&self) -> Option<&Path> {
+        self.pool.get()?.as_ref().map(|p| p.path.as_path())
+    }
+
+    /// Slots not held by a transfer.
+    pub fn free_slots(&self) -> usize {
+        match self.pool.get() {
+            Some(Some(p)) => p.used.lock().iter().filter(|u| !**u).count(),
+            _ => self.slots,
+        }
+    }
+}
+
+impl Pool {
+    /// Creates, reserves and maps a pool file of `slots` slots in `dir`.
+    fn create(dir: &Path, slots: usize, block_bytes: usize) -> Result<Self, WorkerError> {
         remove_stale(dir);
         let table_off = PAGE;
         let data_off = (table_off + slots * ENTRY).div_ceil(PAGE) * PAGE + SLOT_SKEW;
@@ -275,23 +333,11 @@ impl ShmInbound {
         }
         std::mem::forget(cleanup);
         tracing::info!(path = %path.display(), slots, block_bytes, "KV shm pool ready");
-        Ok(Self {
-            pool: Arc::new(Pool {
-                path,
-                mapped,
-                used: Mutex::new(vec![false; slots]),
-            }),
+        Ok(Pool {
+            path,
+            mapped,
+            used: Mutex::new(vec![false; slots]),
         })
-    }
-
-    /// The pool file.
-    pub fn path(&self) -> &Path {
-        &self.pool.path
-    }
-
-    /// Slots not held by a transfer.
-    pub fn free_slots(&self) -> usize {
-        self.pool.used.lock().iter().filter(|u| !**u).count()
     }
 }
 
@@ -346,7 +392,10 @@ impl Inbound for ShmInbound {
         if !spec.same_host {
             return Ok(None);
         }
-        let m = &self.pool.mapped;
+        let Some(pool) = self.pool() else {
+            return Ok(None);
+        };
+        let m = &pool.mapped;
         if spec.block_bytes != m.block_bytes {
             return Err(shm_err(
                 "register",
@@ -357,7 +406,7 @@ impl Inbound for ShmInbound {
             ));
         }
         let n = spec.blocks;
-        let Some(first) = self.pool.take(n) else {
+        let Some(first) = pool.take(n) else {
             tracing::debug!(blocks = n, "KV shm pool has no free run; not offering shm");
             return Ok(None);
         };
@@ -368,13 +417,13 @@ impl Inbound for ShmInbound {
         Ok(Some(Registration {
             region: pb::Region {
                 transport: pb::Transport::Shm as i32,
-                address: self.pool.path.to_string_lossy().into_owned(),
+                address: pool.path.to_string_lossy().into_owned(),
                 rkey: 0,
                 base_addr: (m.data_off + first * m.block_bytes) as u64,
                 length: (n * m.block_bytes) as u64,
             },
             staged: Some(Arc::new(ShmRun {
-                pool: Arc::clone(&self.pool),
+                pool: Arc::clone(pool),
                 first,
                 n,
                 tag: xxh3_64(spec.id.as_bytes()),

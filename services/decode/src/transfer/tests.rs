@@ -250,7 +250,7 @@ async fn shm_frees_its_run_when_the_transfer_ends_and_its_file_when_dropped() {
     let shm = Arc::new(
         ShmInbound::create_in(dir.path(), 8 << 20, e.kv_layout().block_bytes(), 10).expect("pool"),
     );
-    let path = shm.path().to_path_buf();
+    let path = shm.path().expect("created now").to_path_buf();
     assert!(path.exists());
     let receiver = Arc::new(Receiver::new(vec![shm.clone() as Arc<dyn Inbound>]));
     let (a, ra) = receiver
@@ -267,6 +267,27 @@ async fn shm_frees_its_run_when_the_transfer_ends_and_its_file_when_dropped() {
     drop((receiver, _b));
     drop(shm);
     assert!(!path.exists(), "pool file removed");
+}
+
+#[tokio::test]
+async fn shm_pool_is_created_on_first_use_only() {
+    let e = engine(16);
+    let dir = tempfile::tempdir().expect("dir");
+    let block_bytes = e.kv_layout().block_bytes();
+    let shm = Arc::new(ShmInbound::lazy_in(dir.path(), 8 << 20, block_bytes, 16).expect("spec"));
+    let receiver = Arc::new(Receiver::new(vec![shm.clone() as Arc<dyn Inbound>]));
+    let (_x, remote) = receiver
+        .expect("x", e.clone(), 1, vec![1], false)
+        .expect("registered");
+    assert!(
+        remote.is_empty() && shm.path().is_none(),
+        "nothing for another host"
+    );
+    let (_y, local) = receiver
+        .expect("y", e.clone(), 1, vec![1], true)
+        .expect("registered");
+    assert_eq!(local.len(), 1);
+    assert!(shm.path().is_some_and(|p| p.exists()));
 }
 
 #[tokio::test]
