@@ -118,8 +118,10 @@ impl Target {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(Duration::from_secs(10)));
+        // Idle keep-alive connections are dropped well before a server's
+        // usual 30 s idle/header timeout, so a reused one is never half-closed.
         let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(30))
+            .pool_idle_timeout(Duration::from_secs(10))
             .build(connector);
         Ok(Self {
             client,
