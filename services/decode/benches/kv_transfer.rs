@@ -6,7 +6,8 @@
 //! receiver's checks and the write into a real engine's reserved slot
 //! (mocker backend, so the engine's own copy is included; `engine` is that
 //! last step alone, the floor every transport shares; `shm_write` is the
-//! one-sided write alone, without collection). Blocks have the
+//! one-sided write alone, without collection, and `shm_copy` the same with
+//! the sender's checksums computed beforehand). Blocks have the
 //! built-in model's geometry (4 layers, 4 KV heads, head_dim 64, 16 tokens,
 //! f32: 128 KiB). Prints a table at the end; goals: shm ≥ 80% of memcpy,
 //! tcp ≥ 70% of raw loopback.
@@ -329,42 +330,75 @@ fn main() {
                 e
             })
         });
+        // The same with checksums computed beforehand: the copy alone.
+        g.bench_function("shm_copy", |b| {
+            b.iter_custom(|iters| {
+                let e = rt.block_on(async {
+                    let mut total = Duration::ZERO;
+                    for _ in 0..iters {
+                        let blocks: Vec<Block> = t
+                            .ids
+                            .iter()
+                            .zip(data.clone())
+                            .map(|(&id, d)| Block::new(id, d))
+                            .collect();
+                        let start = Instant::now();
+                        sender.write(&region, &t.id, blocks).await.expect("written");
+                        total += start.elapsed();
+                    }
+                    total
+                });
+                results.add("shm_copy", n, e, iters);
+                e
+            })
+        });
         g.finish();
     }
 
     println!();
     println!(
-        "KV transfer, {} KiB blocks (GB/s; transports end to end into the engine)",
+        "KV transfer, {} KiB blocks, GB/s. shm, tcp, grpc: end to end into the engine; \
+         engine: the receiver's engine write alone; shm_write: the one-sided write alone \
+         (with the sender's checksums); shm_copy: the same, checksums computed beforehand",
         block_bytes / 1024
     );
-    println!("shm_write: the one-sided write alone; engine: the receiver's engine write alone");
-    println!(
-        "{:>6} | {:>7} | {:>7} | {:>7} | {:>9} {:>5} | {:>7} {:>5} | {:>7} {:>5} | {:>7}",
+    let header = [
         "blocks",
         "memcpy",
         "tcp_raw",
         "engine",
+        "shm_copy",
+        "%mcp",
         "shm_write",
         "%mcp",
         "shm",
         "%mcp",
         "tcp",
         "%raw",
-        "grpc"
-    );
+        "grpc",
+    ];
+    println!("{}", header.map(|h| format!("{h:>9}")).join(" "));
     for n in SIZES {
         let bytes = n * block_bytes;
         let g = |s: &str| results.gbps(s, n, bytes).unwrap_or(f64::NAN);
         let (memcpy, raw) = (g("memcpy"), g("tcp_raw"));
-        let (shm_w, shm, tcp) = (g("shm_write"), g("shm"), g("tcp"));
-        println!(
-            "{n:>6} | {memcpy:>7.2} | {raw:>7.2} | {:>7.2} | {shm_w:>9.2} {:>4.0}% | {shm:>7.2} {:>4.0}% | {tcp:>7.2} {:>4.0}% | {:>7.2}",
-            g("engine"),
-            100.0 * shm_w / memcpy,
-            100.0 * shm / memcpy,
-            100.0 * tcp / raw,
-            g("grpc"),
-        );
+        let pct = |x: f64, of: f64| format!("{:>8.0}%", 100.0 * x / of);
+        let row = [
+            format!("{n:>9}"),
+            format!("{memcpy:>9.2}"),
+            format!("{raw:>9.2}"),
+            format!("{:>9.2}", g("engine")),
+            format!("{:>9.2}", g("shm_copy")),
+            pct(g("shm_copy"), memcpy),
+            format!("{:>9.2}", g("shm_write")),
+            pct(g("shm_write"), memcpy),
+            format!("{:>9.2}", g("shm")),
+            pct(g("shm"), memcpy),
+            format!("{:>9.2}", g("tcp")),
+            pct(g("tcp"), raw),
+            format!("{:>9.2}", g("grpc")),
+        ];
+        println!("{}", row.join(" "));
     }
     c.final_summary();
 }
