@@ -7,10 +7,18 @@
 //! heads, intermediate 768, vocab 4096). `SLUICE_BENCH_SMALL=1` adds the
 //! ~100M-parameter `small` shape (hidden 768, 12 layers, vocab 32000).
 //! Throughput is reported in tokens per second.
+//!
+//! Before criterion runs, a table puts decode tokens/s at batch 1, 8 and 32
+//! and prefill tokens/s beside the memory-bandwidth roofline measured in the
+//! same run: a decode step must read every weight once, so at best it takes
+//! (weight bytes + KV bytes read) / copy bandwidth. The goal is batch-1
+//! decode within 2x of that bound. `SLUICE_BENCH_SMALL=0` skips `small` in
+//! the table (it is always skipped by criterion unless set to 1).
 
 use std::hint::black_box;
+use std::time::{Duration, Instant};
 
-use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group};
 use sluice_engine::backend::cpu::CpuBackend;
 use sluice_engine::backend::{Backend, ForwardBatch, ForwardOutput, SeqChunk};
 use sluice_engine::model::{Architecture, Model, ModelConfig};
@@ -177,5 +185,119 @@ fn forward(c: &mut Criterion) {
     }
 }
 
+/// Best-of-several copy bandwidth of a buffer much larger than the caches, in bytes/s
+/// (bytes read + bytes written, as a decode step only reads: reported per byte read).
+fn copy_bandwidth() -> f64 {
+    const BYTES: usize = 256 << 20;
+    let src = vec![1u8; BYTES];
+    let mut dst = vec![0u8; BYTES];
+    let mut best = Duration::MAX;
+    for _ in 0..5 {
+        let t = Instant::now();
+        dst.copy_from_slice(black_box(&src));
+        best = best.min(t.elapsed());
+        black_box(&dst);
+    }
+    // A copy reads and writes each byte; count both, as a streaming read would.
+    2.0 * BYTES as f64 / best.as_secs_f64()
+}
+
+/// Median time of `iters` calls of `f`.
+fn median(iters: usize, mut f: impl FnMut()) -> Duration {
+    let mut times: Vec<Duration> = (0..iters)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed()
+        })
+        .collect();
+    times.sort();
+    times[times.len() / 2]
+}
+
+fn roofline_rows(name: &str, config: ModelConfig, bandwidth: f64) {
+    let vocab = config.vocab_size;
+    let kv_bytes_per_token =
+        2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4;
+    let weight_bytes = config.num_parameters() * 4;
+    let model = Model::random(config, 1).expect("random model");
+    let max_batch = BATCHES[BATCHES.len() - 1];
+    let num_blocks = max_batch * (CONTEXT + 1).div_ceil(BLOCK_SIZE);
+    let mut cpu = CpuBackend::new(model, num_blocks, BLOCK_SIZE).expect("backend");
+    for seq in 0..max_batch {
+        let fill = ForwardBatch {
+            seqs: vec![SeqChunk {
+                tokens: tokens(CONTEXT, seq, vocab),
+                start_pos: 0,
+                block_table: table(seq, CONTEXT),
+                needs_logits: seq == 0,
+            }],
+            ..ForwardBatch::default()
+        };
+        cpu.forward(&fill).expect("fill context");
+    }
+    let prefill = ForwardBatch {
+        seqs: vec![SeqChunk {
+            tokens: tokens(CONTEXT, 0, vocab),
+            start_pos: 0,
+            block_table: table(0, CONTEXT),
+            needs_logits: true,
+        }],
+        ..ForwardBatch::default()
+    };
+    let t = median(5, || {
+        black_box(cpu.forward(&prefill).expect("prefill"));
+    });
+    println!(
+        "| {name} | prefill {CONTEXT} | {:>10.0} | {:>10} | {:>6} |",
+        CONTEXT as f64 / t.as_secs_f64(),
+        "-",
+        "-"
+    );
+    for batch_size in BATCHES {
+        let decode = ForwardBatch {
+            seqs: (0..batch_size)
+                .map(|seq| SeqChunk {
+                    tokens: tokens(1, seq + 7, vocab),
+                    start_pos: CONTEXT,
+                    block_table: table(seq, CONTEXT + 1),
+                    needs_logits: true,
+                })
+                .collect(),
+            ..ForwardBatch::default()
+        };
+        let t = median(15, || {
+            black_box(cpu.forward(&decode).expect("decode"));
+        });
+        let bytes = weight_bytes + batch_size * (CONTEXT + 1) * kv_bytes_per_token;
+        let bound = bytes as f64 / bandwidth;
+        let measured = batch_size as f64 / t.as_secs_f64();
+        let roofline = batch_size as f64 / bound;
+        println!(
+            "| {name} | decode b={batch_size} | {measured:>10.0} | {roofline:>10.0} | {:>5.2}x |",
+            roofline / measured
+        );
+    }
+}
+
+/// The roofline table (tokens/s measured beside the bandwidth bound).
+fn roofline_table() {
+    let bandwidth = copy_bandwidth();
+    println!();
+    println!("copy bandwidth measured now: {:.1} GB/s", bandwidth / 1e9);
+    println!("| model | step | measured tok/s | roofline tok/s | gap |");
+    println!("|---|---|---:|---:|---:|");
+    roofline_rows("tiny", config(256, 4, 8, 4, 768, 4096), bandwidth);
+    if std::env::var("SLUICE_BENCH_SMALL").as_deref() != Ok("0") {
+        roofline_rows("small", config(768, 12, 12, 4, 2048, 32_000), bandwidth);
+    }
+    println!();
+}
+
 criterion_group!(benches, forward);
-criterion_main!(benches);
+
+fn main() {
+    roofline_table();
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}
