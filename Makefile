@@ -3,19 +3,19 @@ SHELL := /bin/bash
 CARGO ?= cargo
 VENV ?= .venv
 PY := $(VENV)/bin/python
-APT_PACKAGES := etcd-server protobuf-compiler
+APT_PACKAGES := etcd-server protobuf-compiler libibverbs-dev
 # Tests run with a couple of threads: the integration tests start real
 # processes and the machine has 2 cores.
 TEST_THREADS ?= 2
 
-.PHONY: help deps deps-system deps-python build run test test-rust test-python test-deploy bench lint fmt clean
+.PHONY: help deps deps-system deps-python build run test test-rust test-python test-deploy bench bench-priority lint fmt clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
 deps: deps-system deps-python ## install everything the build and the tests need
 
-deps-system: ## apt packages: etcd-server (tests), protobuf-compiler (build)
+deps-system: ## apt packages: etcd-server (tests), protobuf-compiler (build), libibverbs-dev (rdma feature)
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
@@ -35,8 +35,9 @@ run: deps-system ## set up and run everything: `sluice up` with the built-in mod
 
 test: test-rust test-python test-deploy ## run every test (Rust, Python clients, deploy manifests)
 
-test-rust: ## cargo tests, unit and integration
+test-rust: ## cargo tests, unit and integration; the rdma KV transport must keep compiling
 	$(CARGO) test --workspace -- --test-threads=$(TEST_THREADS)
+	$(CARGO) build -p sluice-prefill --features rdma
 
 test-python: ## tests that use other people's clients (openai, grpcio) from the venv
 	@if [ ! -x $(PY) ]; then echo "no $(VENV): run 'make deps' first"; exit 1; fi
@@ -49,8 +50,11 @@ test-deploy: ## validate deploy/ offline: compose, Dockerfile, kustomize + kuber
 	SLUICE_BIN=$(CURDIR)/target/debug/sluice PY=$(PY) tests/deploy/validate.sh
 	SLUICE_BIN=$(CURDIR)/target/debug/sluice $(PY) tests/deploy/selftest.py
 
-bench: ## criterion benches and `sluice bench` tables
+bench: bench-priority ## criterion benches (engine roofline, KV transfer, router, balance) and `sluice bench` tables
 	$(CARGO) bench --workspace
+
+bench-priority: ## the priority experiment (mocker) -> tests/bench/results/ttft_by_priority.md
+	tests/bench/priority/run.sh
 
 lint: ## fmt check, clippy -D warnings, buf lint
 	$(CARGO) fmt --all -- --check

@@ -390,18 +390,30 @@ async fn queue_refusal_is_a_429_with_retry_after_and_a_held_request_past_its_dea
     opts.frontend.request_timeout = 1;
     let mesh = Mesh::start(opts).await?;
     // A long request takes the only active lease (its stream stays open).
-    let mut long = chat("occupy the worker", 3000);
-    long["stream"] = json!(true);
-    long["ignore_eos"] = json!(true);
-    let (status, _, reader) = open(
-        &mesh.http,
-        "POST",
-        "/v1/chat/completions",
-        Some(long.to_string()),
-        &[],
-    )
-    .await?;
-    assert_eq!(status, 200);
+    // It comes over the gRPC Inference API with its own 60 s deadline, so
+    // only the HTTP requests below live under the frontend's 1 s default.
+    use sluice_proto::common::v1 as common;
+    use sluice_proto::inference::v1 as ipb;
+    let mut grpc =
+        ipb::inference_client::InferenceClient::connect(format!("http://{}", mesh.http)).await?;
+    let long = ipb::GenerateRequest {
+        model: "sluice-tiny".into(),
+        input: Some(ipb::generate_request::Input::Text(
+            "occupy the worker".into(),
+        )),
+        sampling: Some(common::SamplingParams {
+            max_tokens: 1500,
+            ignore_eos: true,
+            ..Default::default()
+        }),
+        timeout_ms: 60_000,
+        ..Default::default()
+    };
+    let mut reader = grpc.generate(long).await?.into_inner();
+    assert!(
+        reader.message().await?.is_some(),
+        "the long request is running"
+    );
 
     // The next one is held; while it waits, a third is refused.
     let http = mesh.http.clone();
@@ -432,5 +444,38 @@ async fn queue_refusal_is_a_429_with_retry_after_and_a_held_request_past_its_dea
     assert_eq!(status, 504, "{body}");
     assert_eq!(parse(&body)["error"]["code"], "deadline_exceeded");
     drop(reader);
+    mesh.stop().await
+}
+
+/// Every request opens a lease and a worker stream on channels the frontend
+/// shares across requests; h2 gives up on a connection after 1,024 library
+/// resets. 1,100 requests, streaming and not, through one mesh all succeed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn more_requests_than_h2_reset_limit_all_succeed() -> anyhow::Result<()> {
+    let mut opts = MeshOptions::default();
+    opts.worker.engine = sluice_decode::EngineKind::Mocker;
+    opts.worker.speedup_ratio = 1000.0;
+    let mesh = Mesh::start(opts).await?;
+    let failures = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let clients = (0..8).map(|c| {
+        let (http, failures) = (mesh.http.clone(), failures.clone());
+        tokio::spawn(async move {
+            for i in 0..138 {
+                let mut body = chat(&format!("client {c} request {i}"), 2);
+                body["stream"] = json!(i % 2 == 0);
+                match post_json(&http, "/v1/chat/completions", &body).await {
+                    Ok((200, b)) if !b.contains("\"error\"") => {}
+                    other => {
+                        failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        eprintln!("request {c}/{i} failed: {other:?}");
+                    }
+                }
+            }
+        })
+    });
+    for c in futures::future::join_all(clients).await {
+        c?;
+    }
+    assert_eq!(failures.load(std::sync::atomic::Ordering::Relaxed), 0);
     mesh.stop().await
 }

@@ -214,9 +214,10 @@ impl Pipeline {
         self.metrics.inflight.inc();
         Ok(Generation {
             pipeline: Arc::clone(self),
-            _lease: lease_tx,
-            _lease_responses: lease_rx,
-            stream,
+            lease: Some(lease_tx),
+            lease_responses: Some(lease_rx),
+            stream: Some(stream),
+            worker_done: false,
             detok,
             serving: Serving {
                 worker_id: grant.worker_id,
@@ -332,9 +333,14 @@ impl Pipeline {
 #[derive(Debug)]
 pub(crate) struct Generation {
     pipeline: Arc<Pipeline>,
-    _lease: mpsc::Sender<qpb::AdmitRequest>,
-    _lease_responses: tonic::Streaming<qpb::AdmitResponse>,
-    stream: tonic::Streaming<wpb::GenerateResponse>,
+    /// The lease's request side and the queue's answers; both are closed
+    /// cleanly on drop (see `Drop`).
+    lease: Option<mpsc::Sender<qpb::AdmitRequest>>,
+    lease_responses: Option<tonic::Streaming<qpb::AdmitResponse>>,
+    stream: Option<tonic::Streaming<wpb::GenerateResponse>>,
+    /// The worker finished the sequence itself: its stream only has its
+    /// trailers left, so it is drained rather than reset on drop.
+    worker_done: bool,
     detok: IncrementalDetokenizer,
     serving: Serving,
     usage: common::Usage,
@@ -368,7 +374,12 @@ impl Generation {
 
     /// Reads one worker message into `pending`.
     async fn read(&mut self) -> Result<(), FrontendError> {
-        let msg = match tokio::time::timeout_at(self.deadline.into(), self.stream.message()).await {
+        let Some(stream) = self.stream.as_mut() else {
+            return Err(FrontendError::Internal {
+                detail: "worker stream already closed".into(),
+            });
+        };
+        let msg = match tokio::time::timeout_at(self.deadline.into(), stream.message()).await {
             Err(_) => return Err(FrontendError::Deadline),
             Ok(Err(s)) => {
                 return Err(FrontendError::from_status(
@@ -443,6 +454,7 @@ impl Generation {
                 }
             };
             if reason.is_some() {
+                self.worker_done = true;
                 text.push_str(&self.detok.flush()?.text);
             }
         }
@@ -476,13 +488,48 @@ impl Generation {
     }
 
     fn record_end(&self, e: &FrontendError) {
-        tracing::warn!(parent: &self.span, error = %e, "generation failed");
+        tracing::warn!(parent: &self.span, error = ?e, "generation failed");
     }
 }
 
 impl Drop for Generation {
+    /// Closes the lease cleanly — `done`, half-close, read the queue's end of
+    /// stream — and drains a worker stream the worker already finished. An
+    /// unfinished worker stream (client gone, stop string, deadline) is
+    /// dropped: that reset is the cancellation. Dropping finished streams
+    /// mid-frame instead would make h2 reset them too, and a connection
+    /// counts such library resets until it gives up on itself (1,024 by
+    /// default): every request after that on the shared channel would fail.
     fn drop(&mut self) {
         self.pipeline.metrics.inflight.dec();
+        let lease = self.lease.take();
+        let responses = self.lease_responses.take();
+        let worker = if self.worker_done {
+            self.stream.take()
+        } else {
+            None
+        };
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        rt.spawn(async move {
+            let drain = async {
+                if let Some(lease) = lease {
+                    let _ = lease
+                        .send(qpb::AdmitRequest {
+                            msg: Some(qpb::admit_request::Msg::Done(qpb::AdmitDone {})),
+                        })
+                        .await;
+                }
+                if let Some(mut r) = responses {
+                    while let Ok(Some(_)) = r.message().await {}
+                }
+                if let Some(mut w) = worker {
+                    while let Ok(Some(_)) = w.message().await {}
+                }
+            };
+            let _ = tokio::time::timeout(Duration::from_secs(5), drain).await;
+        });
     }
 }
 
