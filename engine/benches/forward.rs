@@ -71,33 +71,22 @@ fn table(seq: usize, len: usize) -> Vec<u32> {
         .collect()
 }
 
-fn bench_model(c: &mut Criterion, name: &str, config: ModelConfig) {
-    let vocab = config.vocab_size;
-    let model = Model::random(config, 1).expect("random model");
-    let max_batch = BATCHES[BATCHES.len() - 1];
-    let num_blocks = max_batch * (CONTEXT + 1).div_ceil(BLOCK_SIZE);
-    let mut cpu = CpuBackend::new(model, num_blocks, BLOCK_SIZE).expect("backend");
-
-    let mut group = c.benchmark_group(format!("{name}/prefill"));
-    group.sample_size(10);
-    group.throughput(Throughput::Elements(CONTEXT as u64));
-    let prompt = tokens(CONTEXT, 0, vocab);
-    let prefill = ForwardBatch {
+/// A whole-prompt prefill of sequence 0's context.
+fn prefill_batch(vocab: usize) -> ForwardBatch {
+    ForwardBatch {
         seqs: vec![SeqChunk {
-            tokens: prompt,
+            tokens: tokens(CONTEXT, 0, vocab),
             start_pos: 0,
             block_table: table(0, CONTEXT),
             needs_logits: true,
         }],
         ..ForwardBatch::default()
-    };
-    group.bench_function(BenchmarkId::from_parameter(CONTEXT), |b| {
-        b.iter(|| black_box(cpu.forward(&prefill).expect("prefill")))
-    });
-    group.finish();
+    }
+}
 
-    // Fill every sequence's context once; decode steps then rewrite slot CONTEXT.
-    for seq in 0..max_batch {
+/// Fills every sequence's context once; decode steps then rewrite slot CONTEXT.
+fn fill_contexts(cpu: &mut CpuBackend, vocab: usize) {
+    for seq in 0..BATCHES[BATCHES.len() - 1] {
         let batch = ForwardBatch {
             seqs: vec![SeqChunk {
                 tokens: tokens(CONTEXT, seq, vocab),
@@ -109,20 +98,44 @@ fn bench_model(c: &mut Criterion, name: &str, config: ModelConfig) {
         };
         cpu.forward(&batch).expect("fill context");
     }
+}
+
+/// One decode token for each of `batch_size` sequences holding CONTEXT tokens.
+fn decode_batch(batch_size: usize, vocab: usize) -> ForwardBatch {
+    ForwardBatch {
+        seqs: (0..batch_size)
+            .map(|seq| SeqChunk {
+                tokens: tokens(1, seq + 7, vocab),
+                start_pos: CONTEXT,
+                block_table: table(seq, CONTEXT + 1),
+                needs_logits: true,
+            })
+            .collect(),
+        ..ForwardBatch::default()
+    }
+}
+
+fn bench_model(c: &mut Criterion, name: &str, config: ModelConfig) {
+    let vocab = config.vocab_size;
+    let model = Model::random(config, 1).expect("random model");
+    let max_batch = BATCHES[BATCHES.len() - 1];
+    let num_blocks = max_batch * (CONTEXT + 1).div_ceil(BLOCK_SIZE);
+    let mut cpu = CpuBackend::new(model, num_blocks, BLOCK_SIZE).expect("backend");
+
+    let mut group = c.benchmark_group(format!("{name}/prefill"));
+    group.sample_size(10);
+    group.throughput(Throughput::Elements(CONTEXT as u64));
+    let prefill = prefill_batch(vocab);
+    group.bench_function(BenchmarkId::from_parameter(CONTEXT), |b| {
+        b.iter(|| black_box(cpu.forward(&prefill).expect("prefill")))
+    });
+    group.finish();
+
+    fill_contexts(&mut cpu, vocab);
     let mut group = c.benchmark_group(format!("{name}/decode"));
     group.sample_size(10);
     for batch_size in BATCHES {
-        let decode = ForwardBatch {
-            seqs: (0..batch_size)
-                .map(|seq| SeqChunk {
-                    tokens: tokens(1, seq + 7, vocab),
-                    start_pos: CONTEXT,
-                    block_table: table(seq, CONTEXT + 1),
-                    needs_logits: true,
-                })
-                .collect(),
-            ..ForwardBatch::default()
-        };
+        let decode = decode_batch(batch_size, vocab);
         group.throughput(Throughput::Elements(batch_size as u64));
         group.bench_function(BenchmarkId::from_parameter(batch_size), |b| {
             b.iter(|| black_box(cpu.forward(&decode).expect("decode")))
@@ -224,27 +237,8 @@ fn roofline_rows(name: &str, config: ModelConfig, bandwidth: f64) {
     let max_batch = BATCHES[BATCHES.len() - 1];
     let num_blocks = max_batch * (CONTEXT + 1).div_ceil(BLOCK_SIZE);
     let mut cpu = CpuBackend::new(model, num_blocks, BLOCK_SIZE).expect("backend");
-    for seq in 0..max_batch {
-        let fill = ForwardBatch {
-            seqs: vec![SeqChunk {
-                tokens: tokens(CONTEXT, seq, vocab),
-                start_pos: 0,
-                block_table: table(seq, CONTEXT),
-                needs_logits: seq == 0,
-            }],
-            ..ForwardBatch::default()
-        };
-        cpu.forward(&fill).expect("fill context");
-    }
-    let prefill = ForwardBatch {
-        seqs: vec![SeqChunk {
-            tokens: tokens(CONTEXT, 0, vocab),
-            start_pos: 0,
-            block_table: table(0, CONTEXT),
-            needs_logits: true,
-        }],
-        ..ForwardBatch::default()
-    };
+    fill_contexts(&mut cpu, vocab);
+    let prefill = prefill_batch(vocab);
     let t = median(5, || {
         black_box(cpu.forward(&prefill).expect("prefill"));
     });
@@ -255,17 +249,7 @@ fn roofline_rows(name: &str, config: ModelConfig, bandwidth: f64) {
         "-"
     );
     for batch_size in BATCHES {
-        let decode = ForwardBatch {
-            seqs: (0..batch_size)
-                .map(|seq| SeqChunk {
-                    tokens: tokens(1, seq + 7, vocab),
-                    start_pos: CONTEXT,
-                    block_table: table(seq, CONTEXT + 1),
-                    needs_logits: true,
-                })
-                .collect(),
-            ..ForwardBatch::default()
-        };
+        let decode = decode_batch(batch_size, vocab);
         let t = median(15, || {
             black_box(cpu.forward(&decode).expect("decode"));
         });

@@ -226,3 +226,35 @@ impl Drop for Mesh {
         self.shutdown.cancel();
     }
 }
+
+impl Mesh {
+    /// A greedy `/v1/completions` of token ids; panics unless it is a 200.
+    pub async fn complete_tokens(
+        &self,
+        prompt: &[u32],
+        max_tokens: u32,
+    ) -> anyhow::Result<serde_json::Value> {
+        let body = serde_json::json!({"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0});
+        let (status, resp) = crate::http::post_json(&self.http, "/v1/completions", &body).await?;
+        anyhow::ensure!(status == 200, "status {status}: {resp}");
+        Ok(serde_json::from_str(&resp)?)
+    }
+}
+
+/// KV blocks a worker's first rank holds right now (from its `Load` stream).
+pub async fn active_blocks(endpoint: &str) -> anyhow::Result<u64> {
+    use sluice_proto::worker::v1 as wpb;
+    let mut client =
+        wpb::worker_client::WorkerClient::connect(format!("http://{endpoint}")).await?;
+    let mut s = client
+        .load(wpb::LoadRequest {
+            min_interval_ms: 1,
+            max_interval_ms: 50,
+        })
+        .await?
+        .into_inner();
+    Ok(s.message()
+        .await?
+        .map(|r| r.active_blocks)
+        .unwrap_or(u64::MAX))
+}

@@ -1,13 +1,13 @@
 //! End to end through the whole mesh in one process (frontend → queue →
-//! router → decode worker, and prefill worker when disaggregated) on the
-//! built-in model with the real CPU engine.
+//! router → decode worker) on the built-in model with the real CPU engine
+//! (or the mocker where timing matters). Disaggregated serving is tested in
+//! `kv_transfer.rs`.
 
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use sluice_proto::worker::v1 as wpb;
 use sluice_tests::http::{get, open, post_json, request};
-use sluice_tests::mesh::{Mesh, MeshOptions};
+use sluice_tests::mesh::{Mesh, MeshOptions, active_blocks};
 use tokio::io::AsyncBufReadExt;
 
 fn chat(content: &str, max_tokens: u32) -> Value {
@@ -202,22 +202,6 @@ async fn streaming_sends_chunks_usage_and_done() -> anyhow::Result<()> {
     mesh.stop().await
 }
 
-async fn active_blocks(endpoint: &str) -> anyhow::Result<u64> {
-    let mut client =
-        wpb::worker_client::WorkerClient::connect(format!("http://{endpoint}")).await?;
-    let mut s = client
-        .load(wpb::LoadRequest {
-            min_interval_ms: 1,
-            max_interval_ms: 50,
-        })
-        .await?
-        .into_inner();
-    Ok(s.message()
-        .await?
-        .map(|r| r.active_blocks)
-        .unwrap_or(u64::MAX))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropped_http_connection_frees_the_workers_blocks_within_a_second() -> anyhow::Result<()> {
     let mesh = Mesh::start(MeshOptions::default()).await?;
@@ -257,86 +241,6 @@ async fn dropped_http_connection_frees_the_workers_blocks_within_a_second() -> a
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     mesh.stop().await
-}
-
-async fn completion_text(mesh: &Mesh, prompt: &[u32], max_tokens: u32) -> anyhow::Result<Value> {
-    let body = json!({"model": "sluice-tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0});
-    let (status, resp) = post_json(&mesh.http, "/v1/completions", &body).await?;
-    assert_eq!(status, 200, "{resp}");
-    Ok(parse(&resp))
-}
-
-fn long_prompt() -> Vec<u32> {
-    (0..150u32).map(|i| (i * 37 + 11) % 900 + 5).collect()
-}
-
-fn disagg_options() -> MeshOptions {
-    let mut o = MeshOptions {
-        prefill_workers: 1,
-        ..Default::default()
-    };
-    o.worker.max_local_prefill_length = 32;
-    o
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn remote_prefill_generates_the_same_tokens_as_local() -> anyhow::Result<()> {
-    let prompt = long_prompt();
-    let local = {
-        let mesh = Mesh::start(MeshOptions::default()).await?;
-        let v = completion_text(&mesh, &prompt, 16).await?;
-        mesh.stop().await?;
-        v
-    };
-    let mesh = Mesh::start(disagg_options()).await?;
-    let remote = completion_text(&mesh, &prompt, 16).await?;
-    assert!(
-        remote["nvext"]["prefill_worker_id"]
-            .as_str()
-            .is_some_and(|p| p.starts_with("prefill-")),
-        "{remote}"
-    );
-    assert_eq!(local["choices"][0]["text"], remote["choices"][0]["text"]);
-    assert_eq!(remote["usage"]["completion_tokens"], 16);
-    mesh.stop().await
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn broken_kv_transfer_falls_back_to_local_prefill_with_the_same_tokens() -> anyhow::Result<()>
-{
-    let prompt = long_prompt();
-    let good = {
-        let mesh = Mesh::start(disagg_options()).await?;
-        let v = completion_text(&mesh, &prompt, 16).await?;
-        mesh.stop().await?;
-        v
-    };
-    for fault in [
-        sluice_prefill::Fault::CorruptBlocks,
-        sluice_prefill::Fault::DropBlocks,
-    ] {
-        let mesh = Mesh::start(MeshOptions {
-            prefill_fault: Some(fault),
-            ..disagg_options()
-        })
-        .await?;
-        let v = completion_text(&mesh, &prompt, 16).await?;
-        assert_eq!(
-            v["choices"][0]["text"], good["choices"][0]["text"],
-            "{fault:?}"
-        );
-        assert!(
-            v["nvext"].get("prefill_worker_id").is_none(),
-            "{fault:?} fell back to local prefill: {v}"
-        );
-        let (_, metrics) = get(&mesh.endpoints("decode").await?[0], "/metrics").await?;
-        assert!(
-            metrics.contains("sluice_worker_remote_prefill_total{outcome=\""),
-            "{metrics}"
-        );
-        mesh.stop().await?;
-    }
-    Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -9,20 +9,12 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 use sluice_decode::transfer::TransportKind;
 use sluice_prefill::Fault;
-use sluice_proto::worker::v1 as wpb;
-use sluice_tests::http::{get, post_json};
-use sluice_tests::mesh::{Mesh, MeshOptions};
+use sluice_tests::http::get;
+use sluice_tests::mesh::{Mesh, MeshOptions, active_blocks};
 use tokio::io::AsyncWriteExt;
 
 fn long_prompt() -> Vec<u32> {
     (0..150u32).map(|i| (i * 37 + 11) % 900 + 5).collect()
-}
-
-async fn completion(mesh: &Mesh, prompt: &[u32], max_tokens: u32) -> anyhow::Result<Value> {
-    let body = json!({"model": "sluice-tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0});
-    let (status, resp) = post_json(&mesh.http, "/v1/completions", &body).await?;
-    assert_eq!(status, 200, "{resp}");
-    Ok(serde_json::from_str(&resp)?)
 }
 
 fn disagg(transports: &[TransportKind]) -> MeshOptions {
@@ -37,7 +29,7 @@ fn disagg(transports: &[TransportKind]) -> MeshOptions {
 
 async fn local_reference(prompt: &[u32]) -> anyhow::Result<Value> {
     let mesh = Mesh::start(MeshOptions::default()).await?;
-    let v = completion(&mesh, prompt, 16).await?;
+    let v = mesh.complete_tokens(prompt, 16).await?;
     mesh.stop().await?;
     Ok(v)
 }
@@ -59,7 +51,7 @@ async fn remote_prefill_over_shm_tcp_and_grpc_generates_the_same_tokens_as_local
         let mesh = Mesh::start(disagg(&[kind])).await?;
         assert_eq!(advertised(&mesh, "decode").await?, kind.as_str());
         assert_eq!(advertised(&mesh, "prefill").await?, kind.as_str());
-        let remote = completion(&mesh, &prompt, 16).await?;
+        let remote = mesh.complete_tokens(&prompt, 16).await?;
         assert!(
             remote["nvext"]["prefill_worker_id"]
                 .as_str()
@@ -82,7 +74,7 @@ async fn workers_advertise_the_transports_they_run_preferred_first() -> anyhow::
     // rdma cannot run here (no device, or not built): skipped, not advertised.
     assert_eq!(advertised(&mesh, "decode").await?, "shm,tcp,grpc");
     assert_eq!(advertised(&mesh, "prefill").await?, "shm,tcp,grpc");
-    let v = completion(&mesh, &long_prompt(), 4).await?;
+    let v = mesh.complete_tokens(&long_prompt(), 4).await?;
     assert!(v["nvext"]["prefill_worker_id"].is_string(), "{v}");
     mesh.stop().await
 }
@@ -99,7 +91,7 @@ async fn broken_shm_and_tcp_transfers_fall_back_to_local_prefill_with_the_same_t
                 ..disagg(&[kind])
             })
             .await?;
-            let v = completion(&mesh, &prompt, 16).await?;
+            let v = mesh.complete_tokens(&prompt, 16).await?;
             assert_eq!(
                 v["choices"][0]["text"], local["choices"][0]["text"],
                 "{kind} {fault:?}"
@@ -122,22 +114,6 @@ async fn broken_shm_and_tcp_transfers_fall_back_to_local_prefill_with_the_same_t
         }
     }
     Ok(())
-}
-
-async fn active_blocks(endpoint: &str) -> anyhow::Result<u64> {
-    let mut client =
-        wpb::worker_client::WorkerClient::connect(format!("http://{endpoint}")).await?;
-    let mut s = client
-        .load(wpb::LoadRequest {
-            min_interval_ms: 1,
-            max_interval_ms: 50,
-        })
-        .await?
-        .into_inner();
-    Ok(s.message()
-        .await?
-        .map(|r| r.active_blocks)
-        .unwrap_or(u64::MAX))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -132,10 +132,7 @@ pub async fn serve(
     model: ModelArgs,
     ctx: ServiceContext,
 ) -> Result<(), WorkerError> {
-    let id = format!(
-        "decode-{}",
-        &uuid::Uuid::new_v4().simple().to_string()[..12]
-    );
+    let id = sluice_runtime::discovery::instance_id("decode");
     let core = build_core(&args, &model, Role::Decode, id)?;
     let bound = listener
         .local_addr()

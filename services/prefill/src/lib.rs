@@ -192,10 +192,7 @@ pub async fn serve_with(
     ctx: ServiceContext,
     prefiller: Prefiller,
 ) -> Result<(), WorkerError> {
-    let id = format!(
-        "prefill-{}",
-        &uuid::Uuid::new_v4().simple().to_string()[..12]
-    );
+    let id = sluice_runtime::discovery::instance_id("prefill");
     let core = sluice_decode::build_core(&args, &model, Role::Prefill, id)?;
     let handler = Handler {
         fault: prefiller.fault,

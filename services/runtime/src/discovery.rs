@@ -69,6 +69,11 @@ impl Instance {
     }
 }
 
+/// A fresh instance id: the component name and 12 random hex digits.
+pub fn instance_id(component: &str) -> String {
+    format!("{component}-{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
+}
+
 /// A change in a watched component.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DiscoveryEvent {

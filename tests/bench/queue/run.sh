@@ -1,0 +1,291 @@
+#!/usr/bin/env bash
+# The queue's two `make bench` experiments (issue 10), with the mocker engine,
+# each printed beside the same run's priority-off baseline.
+#
+# 1. Burst: REQUESTS streaming requests at t=0, prompts of ISL token ids, OSL
+#    output tokens each (ignore_eos), four priority tiers (0..3, equal weights,
+#    shuffled), 2 mocker workers with max_num_seqs 16. Cases differ only in the
+#    queue (threshold, policy, max-active) and the engine's scheduling policy.
+#    Reported: tier-3/tier-0 mean-TTFT ratio and output throughput against
+#    the priority-off baseline (run first and again last, to show the noise).
+#    Goal: ratio <= 0.15 with throughput no lower than priority-off.
+# 2. Co-location: 1 mocker worker with max_num_seqs 4. A background `sluice
+#    bench` keeps BATCH_CONCURRENCY low-priority (0) batch requests with long
+#    outputs in flight (closed loop), so every slot is full and more wait;
+#    once they run, a foreground `sluice bench --concurrency 1` sends
+#    INTERACTIVE high-priority (3) requests one after another. Their median
+#    TTFT is compared with the same requests (same seed) on an idle worker,
+#    with and without the engine's priority preemption.
+#    Goal: <= 2x idle with preemption.
+#
+# Writes tests/bench/results/queue.md (with tests/bench/queue/conclusions.md,
+# the hand-written reading of the committed run, appended); exits 1 when a request failed or the
+# priority cases show no gradient (the tables are still written). Goals that
+# are missed are reported in the tables, not turned into a failure.
+#
+# Environment (defaults in brackets):
+#   SLUICE_BIN      a built `sluice` binary [builds target/release/sluice]
+#   REQUESTS [400] ISL [512] OSL [64] WORKERS [2] MAX_NUM_SEQS [16]
+#   SPEEDUP [2]     mocker --speedup-ratio of the burst runs
+#   COLO_SPEEDUP [1] mocker --speedup-ratio of the co-location runs
+#   BATCH_CONCURRENCY [8] BATCH_ISL [512] BATCH_OSL [256]
+#   INTERACTIVE [10] INTERACTIVE_ISL [512] INTERACTIVE_OSL [16]
+#   PORT [18441]    HTTP port for `sluice up`
+#   OUT             raw results per case [target/bench/queue]
+#   ONLY            `burst` or `colo` to run one experiment (the other's
+#                   section is then left out of the results file)
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)
+cd "$ROOT"
+REQUESTS=${REQUESTS:-400}
+ISL=${ISL:-512}
+OSL=${OSL:-64}
+WORKERS=${WORKERS:-2}
+MAX_NUM_SEQS=${MAX_NUM_SEQS:-16}
+SPEEDUP=${SPEEDUP:-2}
+COLO_SPEEDUP=${COLO_SPEEDUP:-1}
+BATCH_CONCURRENCY=${BATCH_CONCURRENCY:-8}
+BATCH_ISL=${BATCH_ISL:-512}
+BATCH_OSL=${BATCH_OSL:-256}
+INTERACTIVE=${INTERACTIVE:-10}
+INTERACTIVE_ISL=${INTERACTIVE_ISL:-512}
+INTERACTIVE_OSL=${INTERACTIVE_OSL:-16}
+PORT=${PORT:-18441}
+ONLY=${ONLY:-}
+TIERS="0:1,1:1,2:1,3:1"
+URL="http://127.0.0.1:$PORT"
+OUT=${OUT:-$ROOT/target/bench/queue}
+RESULT=$ROOT/tests/bench/results/queue.md
+
+if [ -z "${SLUICE_BIN:-}" ]; then
+  cargo build --release -p sluice
+  SLUICE_BIN=${CARGO_TARGET_DIR:-$ROOT/target}/release/sluice
+fi
+mkdir -p "$OUT"
+started=$(date +%s)
+
+server_pid=""
+batch_pid=""
+cleanup() {
+  if [ -n "$batch_pid" ]; then kill "$batch_pid" 2>/dev/null || true; wait "$batch_pid" 2>/dev/null || true; fi
+  if [ -n "$server_pid" ]; then kill "$server_pid" 2>/dev/null || true; wait "$server_pid" 2>/dev/null || true; fi
+}
+trap cleanup EXIT
+
+start_server() { # log file, then the `sluice up` flags
+  local log=$1; shift
+  RUST_LOG=${RUST_LOG:-warn} "$SLUICE_BIN" up --engine mocker --http-port "$PORT" "$@" >"$log" 2>&1 &
+  server_pid=$!
+  local ready=""
+  for _ in $(seq 1 120); do
+    if curl -sf "$URL/ready" >/dev/null 2>&1; then ready=1; break; fi
+    kill -0 "$server_pid" 2>/dev/null || { echo "sluice up died:"; cat "$log"; exit 1; }
+    sleep 0.5
+  done
+  [ -n "$ready" ] || { echo "sluice up not ready after 60 s"; cat "$log"; exit 1; }
+  # /ready can answer before the queue has found the router: the first
+  # requests then fail with 503 "no router available for placement". One
+  # one-token request has to succeed before a case starts.
+  for _ in $(seq 1 100); do
+    if curl -sf "$URL/v1/completions" -H 'content-type: application/json' \
+      -d '{"model":"sluice-tiny","prompt":[1,2,3],"max_tokens":1}' >/dev/null 2>&1; then
+      return 0
+    fi
+    sleep 0.2
+  done
+  echo "no request succeeded 20 s after /ready"; cat "$log"; exit 1
+}
+
+stop_server() {
+  kill "$server_pid"; wait "$server_pid" 2>/dev/null || true; server_pid=""
+}
+
+burst_case() { # name, then the extra `sluice up` flags
+  local name=$1; shift
+  local dir=$OUT/burst/$name
+  rm -rf "$dir"; mkdir -p "$dir"
+  echo "$*" >"$dir/flags"
+  start_server "$dir/server.log" --workers "$WORKERS" --max-num-seqs "$MAX_NUM_SEQS" \
+    --speedup-ratio "$SPEEDUP" "$@"
+  echo "== burst $name: sluice up $*"
+  "$SLUICE_BIN" bench --url "$URL" --model sluice-tiny \
+    --requests "$REQUESTS" --burst --isl-mean "$ISL" --osl-mean "$OSL" \
+    --priority-tiers "$TIERS" --seed 1 --timeout-secs 300 --no-progress --out "$dir" | tee "$dir/table.md"
+  stop_server
+}
+
+interactive() { # out dir
+  "$SLUICE_BIN" bench --url "$URL" --model sluice-tiny \
+    --requests "$INTERACTIVE" --burst --concurrency 1 --isl-mean "$INTERACTIVE_ISL" \
+    --osl-mean "$INTERACTIVE_OSL" --priority-tiers "3:1" --seed 1 --timeout-secs 300 \
+    --no-progress --out "$1"
+}
+
+colo_case() { # name, idle|loaded, then the extra `sluice up` flags
+  local name=$1 load=$2; shift 2
+  local dir=$OUT/colo/$name
+  rm -rf "$dir"; mkdir -p "$dir/interactive"
+  echo "$*" >"$dir/flags"
+  start_server "$dir/server.log" --workers 1 --max-num-seqs 4 --speedup-ratio "$COLO_SPEEDUP" "$@"
+  echo "== colo $name ($load): sluice up $*"
+  if [ "$load" = loaded ]; then
+    # Closed loop: BATCH_CONCURRENCY clients, far more requests than the
+    # interactive phase can use; stopped once it is over.
+    "$SLUICE_BIN" bench --url "$URL" --model sluice-tiny \
+      --requests 100000 --burst --concurrency "$BATCH_CONCURRENCY" --isl-mean "$BATCH_ISL" \
+      --osl-mean "$BATCH_OSL" --priority-tiers "0:1" --seed 2 --timeout-secs 300 \
+      --no-progress >"$dir/batch.log" 2>&1 &
+    batch_pid=$!
+    # Every slot running and a backlog waiting: the first four prompts take
+    # one 2,048-token prefill step; two seconds of wall clock is plenty.
+    sleep 2
+    kill -0 "$batch_pid" 2>/dev/null || { echo "batch load died:"; cat "$dir/batch.log"; exit 1; }
+  fi
+  interactive "$dir/interactive" | tee "$dir/table.md"
+  if [ -n "$batch_pid" ]; then
+    kill "$batch_pid" 2>/dev/null || true; wait "$batch_pid" 2>/dev/null || true; batch_pid=""
+  fi
+  stop_server
+}
+
+if [ "$ONLY" != colo ]; then
+  rm -rf "$OUT/burst"
+  burst_case off
+  burst_case engine --scheduling-policy priority
+  burst_case q025-strict --queue-threshold 0.25 --queue-policy strict
+  burst_case q0-strict --queue-threshold 0.0 --queue-policy strict
+  burst_case q1-strict --queue-threshold 1.0 --queue-policy strict
+  burst_case q025-fcfs --queue-threshold 0.25 --queue-policy fcfs
+  burst_case q025-strict+engine --queue-threshold 0.25 --queue-policy strict --scheduling-policy priority
+  burst_case active32-strict --max-active $((WORKERS * MAX_NUM_SEQS)) --queue-policy strict
+  burst_case off-again
+fi
+if [ "$ONLY" != burst ]; then
+  rm -rf "$OUT/colo"
+  colo_case idle-fcfs idle
+  colo_case loaded-fcfs loaded
+  colo_case loaded-queue-fcfs loaded --queue-threshold 0.25 --queue-policy strict
+  colo_case idle-priority idle --scheduling-policy priority
+  colo_case loaded-priority loaded --scheduling-policy priority
+  colo_case loaded-queue-priority loaded --queue-threshold 0.25 --queue-policy strict --scheduling-policy priority
+fi
+elapsed=$(( $(date +%s) - started ))
+
+python3 - "$OUT" "$RESULT" "$elapsed" "$ONLY" <<EOF
+import json, os, sys, datetime
+out, result, elapsed, only = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+def load(path):
+    return json.load(open(os.path.join(out, path, "results.json")))
+def flags(path):
+    return open(os.path.join(out, path, "flags")).read().strip()
+lines = []
+w = lines.append
+ok = True
+w("# Queue experiments: burst separation and co-location (mocker)")
+w("")
+w("Written by \`tests/bench/queue/run.sh\`; do not edit by hand.")
+w(f"Run {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {elapsed} s in all including start-ups,")
+w(f"on a shared 2-core machine. Every case is a fresh \`sluice up --engine mocker\`.")
+w("Mocker times are Dynamo's timing model divided by the speed-up ratio; the machine's own")
+w("overhead (HTTP, gRPC, hundreds of streams on 2 cores) is not divided.")
+w("")
+if only != "colo":
+    bursts = [
+        ("off", "priority off: no threshold (nothing held), engine fcfs"),
+        ("engine", "engine \`--scheduling-policy priority\` only"),
+        ("q025-strict", "queue threshold 0.25, strict; engine fcfs"),
+        ("q0-strict", "queue threshold 0.0, strict; engine fcfs"),
+        ("q1-strict", "queue threshold 1.0, strict; engine fcfs"),
+        ("q025-fcfs", "queue threshold 0.25, fcfs (priority = seconds of arrival bump, Dynamo's); engine fcfs"),
+        ("q025-strict+engine", "queue threshold 0.25, strict; engine priority"),
+        ("active32-strict", "no threshold, \`--max-active\` = slots in all, strict; engine fcfs"),
+        ("off-again", "priority off again, last: the baseline's run-to-run noise"),
+    ]
+    res = {c: load(f"burst/{c}") for c, _ in bursts}
+    def tier(c, p):
+        return next(t for t in res[c]["tiers"] if t["priority"] == p)
+    base = res["off"]["overall"]["output_token_throughput"]
+    noise = res["off-again"]["overall"]["output_token_throughput"] / base - 1
+    w("## 1. Burst")
+    w("")
+    w(f"$REQUESTS streaming requests at t=0, prompts of $ISL token ids, $OSL output tokens (\`ignore_eos\`),")
+    w(f"tiers $TIERS (priority:weight, shuffled, seed 1); $WORKERS mocker workers,")
+    w(f"\`--max-num-seqs $MAX_NUM_SEQS --speedup-ratio $SPEEDUP\`. Ratio = tier-3 mean TTFT / tier-0 mean TTFT")
+    w("(lower = more separation; four equal tiers served strictly in order give about 1/7).")
+    w("Throughput = output tokens/s over the whole run, against the first priority-off run.")
+    w("Goal: ratio <= 0.15 with throughput no lower than priority-off.")
+    w("")
+    w("| case | \`sluice up\` flags | TTFT ms tier 3 | 2 | 1 | 0 | ratio 3/0 | out tok/s | vs off | failed | goal |")
+    w("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for c, _ in bursts:
+        r = res[c]
+        means = [tier(c, p)["ttft_ms"]["mean"] for p in (3, 2, 1, 0)]
+        ratio = means[0] / means[3]
+        thr = r["overall"]["output_token_throughput"]
+        d = thr / base - 1
+        failed = r["overall"]["failed"]
+        ok &= failed == 0
+        priority_on = not c.startswith("off")
+        if priority_on:
+            goal = "yes" if ratio <= 0.15 and d >= 0 else ("ratio only" if ratio <= 0.15 else ("throughput only" if d >= 0 else "no"))
+            gradient = all(a < b for a, b in zip(means, means[1:]))
+            if not gradient:
+                ok = False
+                goal += "; NO GRADIENT"
+        else:
+            goal = "baseline"
+        w(f"| {c} | \`{flags('burst/' + c) or '(none)'}\` | " + " | ".join(f"{m:.0f}" for m in means)
+          + f" | {ratio:.3f} | {thr:.0f} | {d * 100:+.1f}% | {failed} | {goal} |")
+    w("")
+    w(f"The two priority-off runs differ by {noise * 100:+.1f}% in throughput: differences of that size are noise.")
+    w("")
+    w("Cases:")
+    for c, d in bursts:
+        w(f"- {c}: {d}")
+    w("")
+if only != "burst":
+    colos = [
+        ("fcfs", "engine fcfs", "idle-fcfs", [("loaded-fcfs", "no queue"), ("loaded-queue-fcfs", "queue 0.25 strict")]),
+        ("priority", "engine priority (preemption)", "idle-priority", [("loaded-priority", "no queue"), ("loaded-queue-priority", "queue 0.25 strict")]),
+    ]
+    w("## 2. Co-location")
+    w("")
+    w("One mocker worker, \`--max-num-seqs 4 --speedup-ratio $COLO_SPEEDUP\`. Batch load: a background")
+    w(f"\`sluice bench\` closed loop of $BATCH_CONCURRENCY clients, priority 0, prompts of $BATCH_ISL ids, $BATCH_OSL output")
+    w("tokens, so all 4 slots run batch work and more waits; it starts 2 s before the interactive")
+    w(f"requests and is stopped after them. Interactive: $INTERACTIVE requests, priority 3, one at a time")
+    w(f"(\`--concurrency 1\`), prompts of $INTERACTIVE_ISL ids, $INTERACTIVE_OSL output tokens, the same seed (same prompts)")
+    w("in every case. Idle = the same interactive requests on the same configuration with no batch load.")
+    w("Goal: loaded median TTFT <= 2x idle with the engine's priority preemption.")
+    w("")
+    w("| engine | load | \`sluice up\` flags | TTFT ms p50 | mean | p90 | max | x idle (p50) | failed |")
+    w("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    summary = {}
+    for eng, engdesc, idle, loaded in colos:
+        ri = load(f"colo/{idle}/interactive")["overall"]
+        idle50 = ri["ttft_ms"]["p50"]
+        for case, desc in [(idle, "idle")] + loaded:
+            r = load(f"colo/{case}/interactive")["overall"]
+            t = r["ttft_ms"]
+            ok &= r["failed"] == 0
+            x = t["p50"] / idle50
+            summary[case] = x
+            w(f"| {engdesc} | {desc} | \`{flags('colo/' + case) or '(none)'}\` | {t['p50']:.0f} | {t['mean']:.0f} | {t['p90']:.0f} | {t['max']:.0f} | {x:.1f}x | {r['failed']} |")
+    w("")
+    best = min(summary["loaded-priority"], summary["loaded-queue-priority"])
+    w(f"Goal (<= 2x idle with preemption): **{'met' if best <= 2.0 else 'missed'}** "
+      f"({summary['loaded-priority']:.1f}x without the queue, {summary['loaded-queue-priority']:.1f}x with it; "
+      f"without preemption {summary['loaded-fcfs']:.1f}x and {summary['loaded-queue-fcfs']:.1f}x).")
+    w("")
+w("Raw results (results.json, requests.jsonl, server logs per case) are written under")
+w("\`target/bench/queue/\` by the script and not committed.")
+text = "\n".join(lines) + "\n"
+
+notes = "$ROOT/tests/bench/queue/conclusions.md"
+if os.path.exists(notes):
+    text += "\n" + open(notes).read()
+open(result, "w").write(text)
+print(text)
+sys.exit(0 if ok else 1)
+EOF
