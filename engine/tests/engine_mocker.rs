@@ -563,6 +563,11 @@ async fn lockstep_ranks_step_together_and_a_stopped_rank_leaves() {
         .collect()
         .await;
     assert_eq!(tokens.len(), 20);
+    // The last token leaves before its step's barrier completes.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while group.lockstep_steps() < 20 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
     let after_one = group.lockstep_steps();
     assert!(after_one >= 20, "{after_one} lockstep steps");
     let a = r0.generate(req(vec![4, 5, 6], 10)).expect("valid");
