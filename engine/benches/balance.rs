@@ -9,13 +9,14 @@
 //! replays the baseline's placement, so both runs see the same per-rank
 //! request lists.
 //!
-//! Times are wall-clock measurements multiplied back by the mocker's
-//! speedup ratio, i.e. in the timing model's milliseconds. As a check that
-//! does not depend on how busy this machine is, every rank's forward also
-//! records its modelled step time: "model busy" is the sum over lockstep
-//! steps of the slowest rank's modelled time, and "stalled" counts steps in
-//! which some rank prefilled while another only decoded (the steps balance
-//! scheduling is meant to remove).
+//! Two clocks. The model clock: every rank's forward records its modelled
+//! step time; a lockstep step costs its slowest rank's, and a request's
+//! TTFT/TPOT come from the step counter read at arrival, first and last
+//! token — what the timing model says, whatever else runs on this machine.
+//! The wall clock: measured times multiplied back by the speedup ratio
+//! (so also in the model's milliseconds), overhead included. "Stalled"
+//! counts steps in which some rank prefilled while another only decoded
+//! (the steps balance scheduling is meant to remove).
 //!
 //! `cargo bench -p sluice-engine --bench balance`; `BALANCE_ONLY=name,...`
 //! runs only the named scenarios, `BALANCE_SPEEDUP=x` overrides the speedup
