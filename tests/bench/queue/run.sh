@@ -27,6 +27,8 @@
 #   SLUICE_BIN      a built `sluice` binary [builds target/release/sluice]
 #   REQUESTS [400] ISL [512] OSL [64] WORKERS [2] MAX_NUM_SEQS [16]
 #   SPEEDUP [2]     mocker --speedup-ratio of the burst runs
+#   REPEATS [2]     rounds of the burst cases (each round runs every case once,
+#                   the baseline first and last); the table shows the mean
 #   COLO_SPEEDUP [1] mocker --speedup-ratio of the co-location runs
 #   BATCH_CONCURRENCY [8] BATCH_ISL [512] BATCH_OSL [256]
 #   INTERACTIVE [10] INTERACTIVE_ISL [512] INTERACTIVE_OSL [16]
@@ -44,6 +46,7 @@ OSL=${OSL:-64}
 WORKERS=${WORKERS:-2}
 MAX_NUM_SEQS=${MAX_NUM_SEQS:-16}
 SPEEDUP=${SPEEDUP:-2}
+REPEATS=${REPEATS:-2}
 COLO_SPEEDUP=${COLO_SPEEDUP:-1}
 BATCH_CONCURRENCY=${BATCH_CONCURRENCY:-8}
 BATCH_ISL=${BATCH_ISL:-512}
@@ -68,7 +71,7 @@ started=$(date +%s)
 server_pid=""
 batch_pid=""
 cleanup() {
-  if [ -n "$batch_pid" ]; then kill "$batch_pid" 2>/dev/null || true; wait "$batch_pid" 2>/dev/null || true; fi
+  if [ -n "$batch_pid" ]; then kill -9 "$batch_pid" 2>/dev/null || true; wait "$batch_pid" 2>/dev/null || true; fi
   if [ -n "$server_pid" ]; then kill "$server_pid" 2>/dev/null || true; wait "$server_pid" 2>/dev/null || true; fi
 }
 trap cleanup EXIT
@@ -101,14 +104,14 @@ stop_server() {
   kill "$server_pid"; wait "$server_pid" 2>/dev/null || true; server_pid=""
 }
 
-burst_case() { # name, then the extra `sluice up` flags
-  local name=$1; shift
-  local dir=$OUT/burst/$name
+burst_case() { # name, repetition, then the extra `sluice up` flags
+  local name=$1 rep=$2; shift 2
+  local dir=$OUT/burst/$name/$rep
   rm -rf "$dir"; mkdir -p "$dir"
-  echo "$*" >"$dir/flags"
+  echo "$*" >"$OUT/burst/$name/flags"
   start_server "$dir/server.log" --workers "$WORKERS" --max-num-seqs "$MAX_NUM_SEQS" \
     --speedup-ratio "$SPEEDUP" "$@"
-  echo "== burst $name: sluice up $*"
+  echo "== burst $name (run $rep): sluice up $*"
   "$SLUICE_BIN" bench --url "$URL" --model sluice-tiny \
     --requests "$REQUESTS" --burst --isl-mean "$ISL" --osl-mean "$OSL" \
     --priority-tiers "$TIERS" --seed 1 --timeout-secs 300 --no-progress --out "$dir" | tee "$dir/table.md"
@@ -144,22 +147,26 @@ colo_case() { # name, idle|loaded, then the extra `sluice up` flags
   fi
   interactive "$dir/interactive" | tee "$dir/table.md"
   if [ -n "$batch_pid" ]; then
-    kill "$batch_pid" 2>/dev/null || true; wait "$batch_pid" 2>/dev/null || true; batch_pid=""
+    # `sluice bench` catches SIGTERM (and then waits for its requests); the
+    # batch load is thrown away, so it is killed outright.
+    kill -9 "$batch_pid" 2>/dev/null || true; wait "$batch_pid" 2>/dev/null || true; batch_pid=""
   fi
   stop_server
 }
 
 if [ "$ONLY" != colo ]; then
   rm -rf "$OUT/burst"
-  burst_case off
-  burst_case engine --scheduling-policy priority
-  burst_case q025-strict --queue-threshold 0.25 --queue-policy strict
-  burst_case q0-strict --queue-threshold 0.0 --queue-policy strict
-  burst_case q1-strict --queue-threshold 1.0 --queue-policy strict
-  burst_case q025-fcfs --queue-threshold 0.25 --queue-policy fcfs
-  burst_case q025-strict+engine --queue-threshold 0.25 --queue-policy strict --scheduling-policy priority
-  burst_case active32-strict --max-active $((WORKERS * MAX_NUM_SEQS)) --queue-policy strict
-  burst_case off-again
+  for rep in $(seq 1 "$REPEATS"); do
+    burst_case off "$rep"
+    burst_case engine "$rep" --scheduling-policy priority
+    burst_case q025-strict "$rep" --queue-threshold 0.25 --queue-policy strict
+    burst_case q0-strict "$rep" --queue-threshold 0.0 --queue-policy strict
+    burst_case q1-strict "$rep" --queue-threshold 1.0 --queue-policy strict
+    burst_case q025-fcfs "$rep" --queue-threshold 0.25 --queue-policy fcfs
+    burst_case q025-strict+engine "$rep" --queue-threshold 0.25 --queue-policy strict --scheduling-policy priority
+    burst_case active32-strict "$rep" --max-active $((WORKERS * MAX_NUM_SEQS)) --queue-policy strict
+    burst_case off-again "$rep"
+  done
 fi
 if [ "$ONLY" != burst ]; then
   rm -rf "$OUT/colo"
@@ -172,9 +179,9 @@ if [ "$ONLY" != burst ]; then
 fi
 elapsed=$(( $(date +%s) - started ))
 
-python3 - "$OUT" "$RESULT" "$elapsed" "$ONLY" <<EOF
+python3 - "$OUT" "$RESULT" "$elapsed" "$ONLY" "$REPEATS" <<EOF
 import json, os, sys, datetime
-out, result, elapsed, only = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+out, result, elapsed, only, repeats = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
 def load(path):
     return json.load(open(os.path.join(out, path, "results.json")))
 def flags(path):
@@ -202,43 +209,51 @@ if only != "colo":
         ("active32-strict", "no threshold, \`--max-active\` = slots in all, strict; engine fcfs"),
         ("off-again", "priority off again, last: the baseline's run-to-run noise"),
     ]
-    res = {c: load(f"burst/{c}") for c, _ in bursts}
-    def tier(c, p):
-        return next(t for t in res[c]["tiers"] if t["priority"] == p)
-    base = res["off"]["overall"]["output_token_throughput"]
-    noise = res["off-again"]["overall"]["output_token_throughput"] / base - 1
+    runs = {c: [load(f"burst/{c}/{i}") for i in range(1, repeats + 1)] for c, _ in bursts}
+    def tier(r, p):
+        return next(t for t in r["tiers"] if t["priority"] == p)
+    def thr(r):
+        return r["overall"]["output_token_throughput"]
+    offs = [thr(r) for c in ("off", "off-again") for r in runs[c]]
+    base = sum(offs) / len(offs)
     w("## 1. Burst")
     w("")
     w(f"$REQUESTS streaming requests at t=0, prompts of $ISL token ids, $OSL output tokens (\`ignore_eos\`),")
     w(f"tiers $TIERS (priority:weight, shuffled, seed 1); $WORKERS mocker workers,")
-    w(f"\`--max-num-seqs $MAX_NUM_SEQS --speedup-ratio $SPEEDUP\`. Ratio = tier-3 mean TTFT / tier-0 mean TTFT")
-    w("(lower = more separation; four equal tiers served strictly in order give about 1/7).")
-    w("Throughput = output tokens/s over the whole run, against the first priority-off run.")
+    w(f"\`--max-num-seqs $MAX_NUM_SEQS --speedup-ratio $SPEEDUP\`. Every case ran {repeats} times (rounds of all cases,")
+    w("priority-off first and last in each round); figures are means over the runs.")
+    w("Ratio = tier-3 mean TTFT / tier-0 mean TTFT (lower = more separation; four equal tiers")
+    w("served strictly in order give about 1/7). Throughput = output tokens/s over the whole run;")
+    w(f"\"vs off\" is against the mean of the {len(offs)} priority-off runs, with the case's own min..max.")
     w("Goal: ratio <= 0.15 with throughput no lower than priority-off.")
     w("")
-    w("| case | \`sluice up\` flags | TTFT ms tier 3 | 2 | 1 | 0 | ratio 3/0 | out tok/s | vs off | failed | goal |")
-    w("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    w("| case | \`sluice up\` flags | TTFT ms tier 3 | 2 | 1 | 0 | ratio 3/0 | ratio per run | out tok/s | vs off (min..max) | failed | goal |")
+    w("|---|---|---:|---:|---:|---:|---:|---|---:|---|---:|---|")
     for c, _ in bursts:
-        r = res[c]
-        means = [tier(c, p)["ttft_ms"]["mean"] for p in (3, 2, 1, 0)]
-        ratio = means[0] / means[3]
-        thr = r["overall"]["output_token_throughput"]
-        d = thr / base - 1
-        failed = r["overall"]["failed"]
+        rs = runs[c]
+        means = [sum(tier(r, p)["ttft_ms"]["mean"] for r in rs) / len(rs) for p in (3, 2, 1, 0)]
+        ratios = [tier(r, 3)["ttft_ms"]["mean"] / tier(r, 0)["ttft_ms"]["mean"] for r in rs]
+        ratio = sum(ratios) / len(ratios)
+        t = sum(thr(r) for r in rs) / len(rs)
+        d = t / base - 1
+        lo, hi = min(thr(r) for r in rs) / base - 1, max(thr(r) for r in rs) / base - 1
+        failed = sum(r["overall"]["failed"] for r in rs)
         ok &= failed == 0
-        priority_on = not c.startswith("off")
-        if priority_on:
+        if not c.startswith("off"):
             goal = "yes" if ratio <= 0.15 and d >= 0 else ("ratio only" if ratio <= 0.15 else ("throughput only" if d >= 0 else "no"))
-            gradient = all(a < b for a, b in zip(means, means[1:]))
-            if not gradient:
-                ok = False
-                goal += "; NO GRADIENT"
+            for r in rs:
+                m = [tier(r, p)["ttft_ms"]["mean"] for p in (3, 2, 1, 0)]
+                if not all(a < b for a, b in zip(m, m[1:])):
+                    ok = False
+                    goal += "; NO GRADIENT in a run"
+                    break
         else:
             goal = "baseline"
         w(f"| {c} | \`{flags('burst/' + c) or '(none)'}\` | " + " | ".join(f"{m:.0f}" for m in means)
-          + f" | {ratio:.3f} | {thr:.0f} | {d * 100:+.1f}% | {failed} | {goal} |")
+          + f" | {ratio:.3f} | {' '.join(f'{x:.3f}' for x in ratios)} | {t:.0f} | {d * 100:+.1f}% ({lo * 100:+.1f}..{hi * 100:+.1f}) | {failed} | {goal} |")
     w("")
-    w(f"The two priority-off runs differ by {noise * 100:+.1f}% in throughput: differences of that size are noise.")
+    w(f"Priority-off throughput over its {len(offs)} runs: {min(offs):.0f}..{max(offs):.0f} out tok/s "
+      f"({(max(offs) / min(offs) - 1) * 100:.1f}% apart): differences of that size are noise of the shared machine.")
     w("")
     w("Cases:")
     for c, d in bursts:
