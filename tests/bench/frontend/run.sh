@@ -22,10 +22,10 @@
 #   SLUICE_BIN      a built release `sluice` binary [builds target/release/sluice]
 #   MODES ["round-robin kv"]  router modes
 #   CONCURRENCIES ["1 16 64"]
-#   REQUESTS [20000]  requests per case at C>1; C=1 runs REQUESTS_C1 [5000]
+#   REQUESTS [10000]  requests per case at C>1; C=1 runs REQUESTS_C1 [2000]
 #   WARMUP [1000]   requests at C=16 before measuring, per server
 #   ISL [32] OSL [8] WORKERS [2] SPEEDUP [1e6]
-#   PORT [18441]    HTTP port for `sluice up`
+#   PORT [18493]    HTTP port for `sluice up`
 #   SERVER_LOG [info]  RUST_LOG of the server (what a default `sluice up` logs)
 #   OUT             raw results [target/bench/frontend]
 set -euo pipefail
@@ -34,14 +34,14 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)
 cd "$ROOT"
 MODES=${MODES:-"round-robin kv"}
 CONCURRENCIES=${CONCURRENCIES:-"1 16 64"}
-REQUESTS=${REQUESTS:-20000}
-REQUESTS_C1=${REQUESTS_C1:-5000}
+REQUESTS=${REQUESTS:-10000}
+REQUESTS_C1=${REQUESTS_C1:-2000}
 WARMUP=${WARMUP:-1000}
 ISL=${ISL:-32}
 OSL=${OSL:-8}
 WORKERS=${WORKERS:-2}
 SPEEDUP=${SPEEDUP:-1e6}
-PORT=${PORT:-18441}
+PORT=${PORT:-18493}
 SERVER_LOG=${SERVER_LOG:-info}
 OUT=${OUT:-$ROOT/target/bench/frontend}
 RESULT=${RESULT:-$ROOT/tests/bench/results/frontend.md}
@@ -74,6 +74,9 @@ bench() { # out-dir, concurrency, requests; prints "user sys wall" of the client
 
 for mode in $MODES; do
   sdir=$OUT/$mode
+  if curl -s -o /dev/null "http://127.0.0.1:$PORT/"; then
+    echo "port $PORT is already taken by another server; set PORT" >&2; exit 1
+  fi
   rm -rf "$sdir"; mkdir -p "$sdir"
   RUST_LOG=$SERVER_LOG "$SLUICE_BIN" up --engine mocker --http-port "$PORT" \
     --workers "$WORKERS" --router-mode "$mode" --speedup-ratio "$SPEEDUP" \
