@@ -13,7 +13,6 @@ use std::convert::Infallible;
 use std::time::Duration;
 
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic::body::Body;
 use tonic::server::NamedService;
 use tonic::service::interceptor::InterceptedService;
@@ -130,7 +129,11 @@ impl GrpcServer {
                 .set_service_status("", ServingStatus::NotServing)
                 .await;
         };
-        let incoming = TcpListenerStream::new(listener);
+        // `tcp_nodelay` on the builder is ignored for a given listener: set it
+        // on the incoming stream, or every small message (grants, tokens, SSE
+        // chunks) waits ~40 ms for Nagle against the peer's delayed ACK.
+        let incoming =
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
         tonic::transport::Server::builder()
             .accept_http1(true)
             .tcp_nodelay(true)
