@@ -71,7 +71,10 @@ impl Instance {
 
 /// A fresh instance id: the component name and 12 random hex digits.
 pub fn instance_id(component: &str) -> String {
-    format!("{component}-{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
+    format!(
+        "{component}-{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    )
 }
 
 /// A change in a watched component.
