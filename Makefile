@@ -8,7 +8,7 @@ APT_PACKAGES := etcd-server protobuf-compiler libibverbs-dev
 # processes and the machine has 2 cores.
 TEST_THREADS ?= 2
 
-.PHONY: help deps deps-system deps-python build run test test-rust test-python test-deploy bench bench-priority lint fmt clean
+.PHONY: help deps deps-system deps-python build run test test-rust test-python test-deploy bench bench-priority bench-queue bench-frontend lint fmt clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -50,11 +50,17 @@ test-deploy: ## validate deploy/ offline: compose, Dockerfile, kustomize + kuber
 	SLUICE_BIN=$(CURDIR)/target/debug/sluice PY=$(PY) tests/deploy/validate.sh
 	SLUICE_BIN=$(CURDIR)/target/debug/sluice $(PY) tests/deploy/selftest.py
 
-bench: bench-priority ## criterion benches (engine roofline, KV transfer, router, balance) and `sluice bench` tables
+bench: bench-priority bench-queue bench-frontend ## criterion benches (engine roofline, KV transfer, router, balance) and `sluice bench` experiments
 	$(CARGO) bench --workspace
 
 bench-priority: ## the priority experiment (mocker) -> tests/bench/results/ttft_by_priority.md
 	tests/bench/priority/run.sh
+
+bench-queue: ## queue burst and co-location experiments (mocker) -> tests/bench/results/queue.md
+	tests/bench/queue/run.sh
+
+bench-frontend: ## req/s and added latency at near-zero compute -> tests/bench/results/frontend.md
+	tests/bench/frontend/run.sh
 
 lint: ## fmt check, clippy -D warnings, buf lint
 	$(CARGO) fmt --all -- --check
