@@ -320,6 +320,9 @@ mod tests {
     #[test]
     fn lockstep_step_ends_when_every_rank_arrives() {
         let g = BalanceGroup::lockstep(3, Duration::from_secs(10));
+        // Rank 0 has work before any idle rank asks; otherwise an idle rank
+        // could ask first, be told to skip, and leave its peers to time out.
+        assert!(g.should_step(0, true));
         let handles: Vec<_> = (0..3)
             .map(|r| {
                 let g = g.clone();
