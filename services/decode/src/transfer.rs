@@ -307,6 +307,20 @@ pub struct Registration {
     pub staged: Option<Arc<dyn Staged>>,
 }
 
+impl Registration {
+    /// A stream transport's region: just where to connect.
+    pub fn address(kind: TransportKind, address: &str) -> Self {
+        Self {
+            region: pb::Region {
+                transport: kind.to_pb() as i32,
+                address: address.to_string(),
+                ..Default::default()
+            },
+            staged: None,
+        }
+    }
+}
+
 /// Blocks a sender wrote one-sidedly into receiver memory.
 pub trait Staged: Send + Sync + fmt::Debug {
     /// Copies out and returns the written blocks (destination ids `ids`, in

@@ -72,14 +72,10 @@ impl Inbound for GrpcInbound {
     }
 
     fn register(&self, _spec: &TransferSpec<'_>) -> Result<Option<Registration>, WorkerError> {
-        Ok(Some(Registration {
-            region: pb::Region {
-                transport: pb::Transport::Grpc as i32,
-                address: self.endpoint.clone(),
-                ..Default::default()
-            },
-            staged: None,
-        }))
+        Ok(Some(Registration::address(
+            TransportKind::Grpc,
+            &self.endpoint,
+        )))
     }
 }
 

@@ -324,14 +324,10 @@ impl Inbound for TcpInbound {
     }
 
     fn register(&self, _spec: &TransferSpec<'_>) -> Result<Option<Registration>, WorkerError> {
-        Ok(Some(Registration {
-            region: pb::Region {
-                transport: pb::Transport::Tcp as i32,
-                address: self.address.clone(),
-                ..Default::default()
-            },
-            staged: None,
-        }))
+        Ok(Some(Registration::address(
+            TransportKind::Tcp,
+            &self.address,
+        )))
     }
 }
 
