@@ -114,26 +114,27 @@ fn main() -> anyhow::Result<()> {
     runtime.block_on(run(cli.command))
 }
 
-async fn bind(common: &CommonArgs) -> anyhow::Result<tokio::net::TcpListener> {
-    tokio::net::TcpListener::bind(common.listen)
-        .await
-        .with_context(|| format!("binding --listen {}", common.listen))
-}
-
-async fn context(
+/// Binds `--listen` and builds the service context (discovery, shutdown).
+async fn listen(
     common: CommonArgs,
-    shutdown: sluice_runtime::Shutdown,
-) -> anyhow::Result<ServiceContext> {
+    shutdown: &sluice_runtime::Shutdown,
+) -> anyhow::Result<(tokio::net::TcpListener, ServiceContext)> {
     common.validate()?;
+    let listener = tokio::net::TcpListener::bind(common.listen)
+        .await
+        .with_context(|| format!("binding --listen {}", common.listen))?;
     let discovery = discovery::from_args(&common, None).await?;
     if common.etcd.is_none() {
         tracing::warn!("no --etcd: in-process discovery only sees services in this process");
     }
-    Ok(ServiceContext {
-        common,
-        discovery,
-        shutdown,
-    })
+    Ok((
+        listener,
+        ServiceContext {
+            common,
+            discovery,
+            shutdown: shutdown.clone(),
+        },
+    ))
 }
 
 async fn run(command: Command) -> anyhow::Result<()> {
@@ -156,30 +157,26 @@ async fn run(command: Command) -> anyhow::Result<()> {
             model,
             args,
         } => {
-            let l = bind(&common).await?;
-            sluice_frontend::serve(l, args, model, context(common, shutdown.clone()).await?)
+            let (l, ctx) = listen(common, &shutdown).await?;
+            sluice_frontend::serve(l, args, model, ctx)
                 .await
                 .map_err(Into::into)
         }
         Command::Queue { common, args } => {
-            let l = bind(&common).await?;
-            sluice_queue::serve(l, args, context(common, shutdown.clone()).await?)
-                .await
-                .map_err(Into::into)
+            let (l, ctx) = listen(common, &shutdown).await?;
+            sluice_queue::serve(l, args, ctx).await.map_err(Into::into)
         }
         Command::Router { common, args } => {
-            let l = bind(&common).await?;
-            sluice_router::serve(l, args, context(common, shutdown.clone()).await?)
-                .await
-                .map_err(Into::into)
+            let (l, ctx) = listen(common, &shutdown).await?;
+            sluice_router::serve(l, args, ctx).await.map_err(Into::into)
         }
         Command::Prefill {
             common,
             model,
             args,
         } => {
-            let l = bind(&common).await?;
-            sluice_prefill::serve(l, args, model, context(common, shutdown.clone()).await?)
+            let (l, ctx) = listen(common, &shutdown).await?;
+            sluice_prefill::serve(l, args, model, ctx)
                 .await
                 .map_err(Into::into)
         }
@@ -188,8 +185,8 @@ async fn run(command: Command) -> anyhow::Result<()> {
             model,
             args,
         } => {
-            let l = bind(&common).await?;
-            sluice_decode::serve(l, args, model, context(common, shutdown.clone()).await?)
+            let (l, ctx) = listen(common, &shutdown).await?;
+            sluice_decode::serve(l, args, model, ctx)
                 .await
                 .map_err(Into::into)
         }
