@@ -78,34 +78,17 @@ async fn separate_processes_serve_and_a_killed_worker_stops_receiving_requests()
 
     let _router = spawn("router", &["router", "--listen", listen], &url, dir.path())?;
     let _queue = spawn("queue", &["queue", "--listen", listen], &url, dir.path())?;
-    let mut decode_a = spawn(
+    let decode_args = [
         "decode",
-        &[
-            "decode",
-            "--listen",
-            listen,
-            "--model",
-            &model,
-            "--num-gpu-blocks",
-            "256",
-        ],
-        &url,
-        dir.path(),
-    )?;
-    let _decode_b = spawn(
-        "decode",
-        &[
-            "decode",
-            "--listen",
-            listen,
-            "--model",
-            &model,
-            "--num-gpu-blocks",
-            "256",
-        ],
-        &url,
-        dir.path(),
-    )?;
+        "--listen",
+        listen,
+        "--model",
+        &model,
+        "--num-gpu-blocks",
+        "256",
+    ];
+    let mut decode_a = spawn("decode", &decode_args, &url, dir.path())?;
+    let _decode_b = spawn("decode", &decode_args, &url, dir.path())?;
     let _frontend = spawn(
         "frontend",
         &["frontend", "--listen", &http, "--model", &model],
