@@ -75,7 +75,7 @@ pub(crate) fn usage(u: engine::Usage) -> common::Usage {
     }
 }
 
-pub(crate) fn kv_event(rank: u32, r: &engine::KvEventRecord) -> pb::KvEvent {
+pub(crate) fn kv_event(r: &engine::KvEventRecord) -> pb::KvEvent {
     let kind = match &r.event {
         engine::KvEvent::Stored {
             parent_hash,
@@ -91,7 +91,6 @@ pub(crate) fn kv_event(rank: u32, r: &engine::KvEventRecord) -> pb::KvEvent {
         }
         engine::KvEvent::Cleared => pb::kv_event::Kind::Cleared(pb::AllBlocksCleared {}),
     };
-    let _ = rank;
     pb::KvEvent {
         seq: r.seq,
         kind: Some(kind),
