@@ -215,7 +215,7 @@ fn kv_event_stream(engine: &EngineHandle, rank: u32, from_seq: u64) -> BoxStream
         Ok(sub) => {
             tokio::spawn(async move {
                 let batch = |events: &[KvEventRecord]| pb::KvEventBatch {
-                    events: events.iter().map(|r| convert::kv_event(r)).collect(),
+                    events: events.iter().map(convert::kv_event).collect(),
                     snapshot_required: false,
                     dp_rank: rank,
                 };
