@@ -6,8 +6,13 @@
 //! allocates or frees block ids: the block pool does. This is the one seam
 //! every backend (cpu, mocker, cuda) implements.
 
+pub mod arena;
 pub mod cpu;
 pub mod mocker;
+
+use std::sync::Arc;
+
+pub use arena::{ArenaGeometry, KvArena, KvBacking};
 
 use crate::error::EngineError;
 
@@ -76,6 +81,12 @@ pub trait Backend: Send {
     fn read_block(&self, id: u32, out: &mut [u8]) -> Result<(), EngineError>;
     /// Overwrites block `id` with `data` (exactly `block_bytes()` long).
     fn write_block(&mut self, id: u32, data: &[u8]) -> Result<(), EngineError>;
+    /// The backend's KV memory when transports may write into it directly
+    /// (host memory laid out as [`KvArena`]); `None`: blocks go through
+    /// [`Backend::write_block`] on the engine thread.
+    fn kv_arena(&self) -> Option<Arc<KvArena>> {
+        None
+    }
     /// Vocabulary size of the model.
     fn vocab_size(&self) -> usize;
     /// Short name for logs and metrics ("cpu", "mocker", "cuda").

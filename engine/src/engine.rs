@@ -22,7 +22,7 @@ use std::task::{Context, Poll};
 
 use tokio::sync::{mpsc, oneshot, watch};
 
-use crate::backend::{Backend, KvBlockLayout};
+use crate::backend::{Backend, KvArena, KvBlockLayout};
 use crate::config::EngineConfig;
 use crate::error::EngineError;
 use crate::kv::{KvCache, KvEventLog, KvSnapshot, KvSubscription, SeqId, SnapshotRequired};
@@ -263,6 +263,7 @@ struct Shared {
     next_id: AtomicU64,
     layout: KvBlockLayout,
     num_blocks: usize,
+    kv_arena: Option<Arc<KvArena>>,
     max_len: usize,
     backend_name: &'static str,
     thread: parking_lot::Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -304,6 +305,7 @@ impl EngineHandle {
         let (load_tx, load_rx) = watch::channel(sched.load());
         let (tx, rx) = std_mpsc::channel();
         let backend_name = backend.name();
+        let kv_arena = backend.kv_arena();
         let core = core::EngineCore::new(backend, sched, tx.clone(), load_tx, cfg.balance_group);
         let thread = std::thread::Builder::new()
             .name(format!("sluice-engine-{backend_name}"))
@@ -317,6 +319,7 @@ impl EngineHandle {
                 next_id: AtomicU64::new(1),
                 layout,
                 num_blocks,
+                kv_arena,
                 max_len,
                 backend_name,
                 thread: parking_lot::Mutex::new(Some(thread)),
@@ -456,6 +459,12 @@ impl EngineHandle {
     /// Layout of one KV block of this engine's backend.
     pub fn kv_layout(&self) -> KvBlockLayout {
         self.shared.layout
+    }
+
+    /// The backend's KV memory, when transports may write reserved blocks
+    /// into it directly (see [`KvArena`]).
+    pub fn kv_arena(&self) -> Option<&Arc<KvArena>> {
+        self.shared.kv_arena.as_ref()
     }
 
     /// KV blocks the engine manages.

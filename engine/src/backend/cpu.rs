@@ -18,7 +18,7 @@ mod paged_kv;
 use std::path::Path;
 use std::sync::Arc;
 
-use crate::backend::{Backend, ForwardBatch, ForwardOutput, KvBlockLayout};
+use crate::backend::{Backend, ForwardBatch, ForwardOutput, KvArena, KvBacking, KvBlockLayout};
 use crate::error::EngineError;
 use crate::model::{LayerWeights, Linear, Model, ModelConfig, ModelWeights};
 
@@ -215,10 +215,18 @@ impl CpuBackend {
             elem_bytes: 4,
         };
         Ok(CpuBackend {
-            kv: PagedKv::new(layout, num_blocks),
+            kv: PagedKv::new(layout, num_blocks, &KvBacking::Private)?,
             scratch: Scratch::default(),
             weights,
         })
+    }
+
+    /// Moves the KV memory to `backing` (e.g. shared memory a same-host
+    /// prefill worker writes into). The KV is empty at this point: call it
+    /// right after construction.
+    pub fn with_kv_backing(mut self, backing: &KvBacking) -> Result<Self, EngineError> {
+        self.kv = PagedKv::new(self.kv.layout, self.kv.num_blocks, backing)?;
+        Ok(self)
     }
 
     /// The shared prepared weights (to build another backend over them).
@@ -331,7 +339,7 @@ impl CpuBackend {
             if let Some(b) = &layer.qkv_bias {
                 add_bias(qkv, b);
             }
-            let (k_slab, v_slab) = (&mut self.kv.k[l], &mut self.kv.v[l]);
+            let (k_slab, v_slab) = self.kv.slabs_mut(l);
             for (t, tp) in s.tokens.iter().enumerate() {
                 let row = &mut qkv[t * qkv_dim..(t + 1) * qkv_dim];
                 let (cs, sn) = (
@@ -412,6 +420,10 @@ impl Backend for CpuBackend {
     /// Same layout as [`CpuBackend::read_block`].
     fn write_block(&mut self, id: u32, data: &[u8]) -> Result<(), EngineError> {
         self.kv.write_block(id, data)
+    }
+
+    fn kv_arena(&self) -> Option<Arc<KvArena>> {
+        Some(Arc::clone(&self.kv.arena))
     }
 
     fn vocab_size(&self) -> usize {

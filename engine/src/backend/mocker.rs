@@ -18,9 +18,10 @@
 //! simulated pool costs nothing); unwritten blocks read as zeros.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
-use crate::backend::{Backend, ForwardBatch, ForwardOutput, KvBlockLayout};
+use crate::backend::{Backend, ForwardBatch, ForwardOutput, KvArena, KvBacking, KvBlockLayout};
 use crate::error::EngineError;
 use crate::model::ModelConfig;
 
@@ -115,7 +116,16 @@ pub fn decode_ms(a: f64) -> f64 {
 #[derive(Debug)]
 pub struct MockerBackend {
     cfg: MockerConfig,
-    memory: HashMap<u32, Box<[u8]>>,
+    memory: Memory,
+}
+
+/// Where the mocker keeps written blocks.
+#[derive(Debug)]
+enum Memory {
+    /// Only blocks written so far (a huge simulated pool costs nothing).
+    Sparse(HashMap<u32, Box<[u8]>>),
+    /// Real KV memory transports can write into (see [`MockerBackend::with_kv_backing`]).
+    Arena(Arc<KvArena>),
 }
 
 impl MockerBackend {
@@ -136,8 +146,17 @@ impl MockerBackend {
         }
         Ok(Self {
             cfg,
-            memory: HashMap::new(),
+            memory: Memory::Sparse(HashMap::new()),
         })
+    }
+
+    /// Holds the KV in real memory laid out as a [`KvArena`] in `backing`
+    /// (for KV transfers that write into it directly), instead of only the
+    /// blocks written so far. Call it right after construction.
+    pub fn with_kv_backing(mut self, backing: &KvBacking) -> Result<Self, EngineError> {
+        let arena = KvArena::new(self.kv_layout(), self.cfg.num_blocks, backing)?;
+        self.memory = Memory::Arena(Arc::new(arena));
+        Ok(self)
     }
 
     /// The mocker's configuration.
@@ -259,9 +278,12 @@ impl Backend for MockerBackend {
                 actual: out.len(),
             });
         }
-        match self.memory.get(&id) {
-            Some(data) => out.copy_from_slice(data),
-            None => out.fill(0),
+        match &self.memory {
+            Memory::Sparse(m) => match m.get(&id) {
+                Some(data) => out.copy_from_slice(data),
+                None => out.fill(0),
+            },
+            Memory::Arena(a) => a.read_block(id, out)?,
         }
         Ok(())
     }
@@ -275,8 +297,21 @@ impl Backend for MockerBackend {
                 actual: data.len(),
             });
         }
-        self.memory.insert(id, data.into());
+        match &mut self.memory {
+            Memory::Sparse(m) => {
+                m.insert(id, data.into());
+            }
+            // SAFETY: called on the engine thread for a block the engine owns.
+            Memory::Arena(a) => unsafe { a.write_block(id, data)? },
+        }
         Ok(())
+    }
+
+    fn kv_arena(&self) -> Option<Arc<KvArena>> {
+        match &self.memory {
+            Memory::Arena(a) => Some(Arc::clone(a)),
+            Memory::Sparse(_) => None,
+        }
     }
 
     fn vocab_size(&self) -> usize {
