@@ -87,6 +87,15 @@ pub trait Backend: Send {
     fn kv_arena(&self) -> Option<Arc<KvArena>> {
         None
     }
+    /// Moves the (still empty) KV memory to `backing`, e.g. shared memory a
+    /// same-host prefill worker writes into; on error nothing changed.
+    fn set_kv_backing(&mut self, backing: &KvBacking) -> Result<(), EngineError> {
+        let _ = backing;
+        Err(EngineError::InvalidConfig(format!(
+            "the {} backend keeps its own KV memory",
+            self.name()
+        )))
+    }
     /// Vocabulary size of the model.
     fn vocab_size(&self) -> usize;
     /// Short name for logs and metrics ("cpu", "mocker", "cuda").

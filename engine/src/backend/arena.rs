@@ -25,7 +25,7 @@
 //! | offset | what |
 //! |---|---|
 //! | 0 | header: [`MAGIC`], version, num_layers, num_kv_heads, head_dim, block_size, elem_bytes, num_blocks, control offset, data offset (u64 LE each) |
-//! | control offset (page 1) | two `u64` control words per block, for one-sided transports |
+//! | control offset (page 1) | four `u64` control words per block, for one-sided transports |
 //! | data offset (page aligned) | slab `2·layer + kv` (kv: 0 = K, 1 = V) at `data + slab·num_blocks·chunk`; block `b`'s part at `+ b·chunk`, `chunk = block_size·num_kv_heads·head_dim·elem_bytes` |
 //!
 //! A block's serialised form (what [`KvArena::read_block`] and
@@ -51,7 +51,7 @@ pub const VERSION: u64 = 1;
 pub const HEADER_BYTES: usize = 80;
 const PAGE: usize = 4096;
 /// Control words per block.
-pub const CONTROL_WORDS: usize = 2;
+pub const CONTROL_WORDS: usize = 4;
 const FILE_PREFIX: &str = "sluice-kv-";
 
 /// Where KV memory lives.
@@ -119,7 +119,7 @@ impl ArenaGeometry {
     }
 
     /// Bytes of the whole mapping.
-    pub fn len(&self) -> usize {
+    pub fn mapping_len(&self) -> usize {
         self.data_offset + self.num_blocks * self.layout.block_bytes()
     }
 
@@ -212,7 +212,7 @@ impl ArenaGeometry {
             control_offset: w(8) as usize,
             data_offset: w(9) as usize,
         };
-        if g != expected || expected.len() > len {
+        if g != expected || expected.mapping_len() > len {
             return Err("inconsistent KV arena header".into());
         }
         Ok(g)
@@ -244,7 +244,7 @@ impl KvArena {
         backing: &KvBacking,
     ) -> Result<Self, EngineError> {
         let geometry = ArenaGeometry::new(layout, num_blocks)?;
-        let len = geometry.len();
+        let len = geometry.mapping_len();
         let (map, path) = match backing {
             KvBacking::Private => {
                 let map = MmapOptions::new().len(len).map_anon().map_err(|e| {
@@ -551,17 +551,17 @@ mod tests {
         let g = ArenaGeometry::new(layout(), 5).expect("geometry");
         let mut h = g.header();
         assert!(
-            ArenaGeometry::from_header(&h, g.len() - 1).is_err(),
+            ArenaGeometry::from_header(&h, g.mapping_len() - 1).is_err(),
             "mapping too short"
         );
         h[0] ^= 1;
         assert!(
-            ArenaGeometry::from_header(&h, g.len())
-                .unwrap_err()
+            ArenaGeometry::from_header(&h, g.mapping_len())
+                .expect_err("bad magic")
                 .contains("magic")
         );
         let mut h = g.header();
         h[9 * 8] ^= 8;
-        assert!(ArenaGeometry::from_header(&h, g.len()).is_err());
+        assert!(ArenaGeometry::from_header(&h, g.mapping_len()).is_err());
     }
 }

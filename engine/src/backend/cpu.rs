@@ -221,14 +221,6 @@ impl CpuBackend {
         })
     }
 
-    /// Moves the KV memory to `backing` (e.g. shared memory a same-host
-    /// prefill worker writes into). The KV is empty at this point: call it
-    /// right after construction.
-    pub fn with_kv_backing(mut self, backing: &KvBacking) -> Result<Self, EngineError> {
-        self.kv = PagedKv::new(self.kv.layout, self.kv.num_blocks, backing)?;
-        Ok(self)
-    }
-
     /// The shared prepared weights (to build another backend over them).
     pub fn weights(&self) -> &Arc<CpuWeights> {
         &self.weights
@@ -424,6 +416,11 @@ impl Backend for CpuBackend {
 
     fn kv_arena(&self) -> Option<Arc<KvArena>> {
         Some(Arc::clone(&self.kv.arena))
+    }
+
+    fn set_kv_backing(&mut self, backing: &KvBacking) -> Result<(), EngineError> {
+        self.kv = PagedKv::new(self.kv.layout, self.kv.num_blocks, backing)?;
+        Ok(())
     }
 
     fn vocab_size(&self) -> usize {

@@ -124,7 +124,7 @@ pub struct MockerBackend {
 enum Memory {
     /// Only blocks written so far (a huge simulated pool costs nothing).
     Sparse(HashMap<u32, Box<[u8]>>),
-    /// Real KV memory transports can write into (see [`MockerBackend::with_kv_backing`]).
+    /// Real KV memory transports can write into (see [`Backend::set_kv_backing`]).
     Arena(Arc<KvArena>),
 }
 
@@ -148,15 +148,6 @@ impl MockerBackend {
             cfg,
             memory: Memory::Sparse(HashMap::new()),
         })
-    }
-
-    /// Holds the KV in real memory laid out as a [`KvArena`] in `backing`
-    /// (for KV transfers that write into it directly), instead of only the
-    /// blocks written so far. Call it right after construction.
-    pub fn with_kv_backing(mut self, backing: &KvBacking) -> Result<Self, EngineError> {
-        let arena = KvArena::new(self.kv_layout(), self.cfg.num_blocks, backing)?;
-        self.memory = Memory::Arena(Arc::new(arena));
-        Ok(self)
     }
 
     /// The mocker's configuration.
@@ -312,6 +303,15 @@ impl Backend for MockerBackend {
             Memory::Arena(a) => Some(Arc::clone(a)),
             Memory::Sparse(_) => None,
         }
+    }
+
+    /// Holds the KV in real memory laid out as a [`KvArena`] in `backing`
+    /// (for KV transfers that write into it directly), instead of only the
+    /// blocks written so far.
+    fn set_kv_backing(&mut self, backing: &KvBacking) -> Result<(), EngineError> {
+        let arena = KvArena::new(self.kv_layout(), self.cfg.num_blocks, backing)?;
+        self.memory = Memory::Arena(Arc::new(arena));
+        Ok(())
     }
 
     fn vocab_size(&self) -> usize {

@@ -24,6 +24,7 @@ use sluice_decode::transfer::{
     Block, Expectation, GrpcSender, KvSender, KvTransferService, Receiver, ReceiverConfig,
     TransportKind, start_receiver,
 };
+use sluice_engine::backend::{Backend, KvBacking, arena};
 use sluice_engine::{
     EngineConfig, EngineHandle, MockerBackend, MockerConfig, RemoteSlot, SchedulerConfig,
 };
@@ -54,7 +55,7 @@ impl Results {
 }
 
 fn engine() -> EngineHandle {
-    let backend = MockerBackend::new(MockerConfig {
+    let mut backend = MockerBackend::new(MockerConfig {
         num_layers: 4,
         num_kv_heads: 4,
         head_dim: 64,
@@ -63,6 +64,10 @@ fn engine() -> EngineHandle {
         ..MockerConfig::default()
     })
     .expect("mocker config");
+    // As a decode worker offering shm: KV memory in a shared file.
+    backend
+        .set_kv_backing(&KvBacking::Shared(arena::shm_dir()))
+        .expect("shared KV memory");
     EngineHandle::spawn(
         Box::new(backend),
         EngineConfig {
@@ -106,9 +111,6 @@ async fn decode_side() -> DecodeSide {
             transports: vec![TransportKind::Shm, TransportKind::Tcp, TransportKind::Grpc],
             endpoint: bound.to_string(),
             tcp_listen: None,
-            shm_pool_bytes: 256 << 20,
-            block_bytes: engine.kv_layout().block_bytes(),
-            num_blocks: engine.num_blocks(),
         },
         bound,
         shutdown.clone(),

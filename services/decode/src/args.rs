@@ -4,6 +4,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use sluice_engine::backend::KvBacking;
 use sluice_engine::backend::cpu::CpuBackend;
 use sluice_engine::model::ModelConfig;
 use sluice_engine::{
@@ -118,12 +119,6 @@ pub struct WorkerArgs {
     /// listener's host, a free port).
     #[arg(long, env = "SLUICE_KV_TCP_LISTEN")]
     pub kv_tcp_listen: Option<std::net::SocketAddr>,
-
-    /// Decode workers: MiB of the shared-memory pool that `shm` transfers
-    /// land in (capped at the KV cache's size; reserved when a prefill
-    /// worker on this host first needs it).
-    #[arg(long, env = "SLUICE_KV_SHM_POOL_MB", default_value_t = 256)]
-    pub kv_shm_pool_mb: u64,
 }
 
 impl Default for WorkerArgs {
@@ -146,7 +141,6 @@ impl Default for WorkerArgs {
             balance_scheduling: false,
             kv_transports: TransportKind::ALL.to_vec(),
             kv_tcp_listen: None,
-            kv_shm_pool_mb: 256,
         }
     }
 }
@@ -198,10 +192,14 @@ impl WorkerArgs {
             )
     }
 
-    /// Starts one engine rank for the model in `dir`.
     /// Starts every engine rank for the model in `dir`; ranks of one worker
     /// share a balance group (and step in lockstep when there are several).
-    pub fn start_engines(&self, dir: &Path) -> Result<Vec<EngineHandle>, WorkerError> {
+    /// Their KV memory lives in `backing` (see [`WorkerArgs::start_engine`]).
+    pub fn start_engines(
+        &self,
+        dir: &Path,
+        backing: &KvBacking,
+    ) -> Result<Vec<EngineHandle>, WorkerError> {
         self.validate()?;
         let n = self.data_parallel_size;
         let group = if n > 1 {
@@ -212,15 +210,20 @@ impl WorkerArgs {
             None
         };
         (0..n)
-            .map(|rank| self.start_engine(dir, group.clone().map(|g| (g, rank))))
+            .map(|rank| self.start_engine(dir, group.clone().map(|g| (g, rank)), backing))
             .collect()
     }
 
     /// Starts one engine rank for the model in `dir`.
+    ///
+    /// Its KV memory lives in `backing`; when a shared file cannot be had
+    /// (e.g. `/dev/shm` is too small), in private memory, and `shm` is then
+    /// not offered for this rank.
     pub fn start_engine(
         &self,
         dir: &Path,
         balance_group: Option<(Arc<BalanceGroup>, usize)>,
+        backing: &KvBacking,
     ) -> Result<EngineHandle, WorkerError> {
         self.validate()?;
         let model = ModelConfig::from_dir(dir)?;
@@ -237,7 +240,7 @@ impl WorkerArgs {
             .unwrap_or(model.max_position_embeddings)
             .min(model.max_position_embeddings)
             .min(self.num_gpu_blocks * self.block_size);
-        let backend: Box<dyn sluice_engine::backend::Backend> = match self.engine {
+        let mut backend: Box<dyn sluice_engine::backend::Backend> = match self.engine {
             EngineKind::Cpu => Box::new(CpuBackend::from_dir(
                 dir,
                 self.num_gpu_blocks,
@@ -255,6 +258,11 @@ impl WorkerArgs {
                 ..MockerConfig::default()
             })?),
         };
+        if *backing != KvBacking::Private
+            && let Err(e) = backend.set_kv_backing(backing)
+        {
+            tracing::warn!(error = %e, "KV memory stays private; shm is not offered");
+        }
         let cfg = EngineConfig {
             block_size: self.block_size,
             num_blocks: Some(self.num_gpu_blocks),

@@ -27,6 +27,7 @@ pub use convert::sampling as wire_sampling;
 pub use error::WorkerError;
 pub use metrics::WorkerMetrics;
 pub use service::{InflightGuard, PrefillHandler, RemotePrefill, Role, WorkerCore, WorkerService};
+use sluice_engine::backend::KvBacking;
 
 /// Builds a worker's core: its engine rank(s), metrics and identity.
 pub fn build_core(
@@ -39,7 +40,16 @@ pub fn build_core(
         field: "--model",
         message: e.to_string(),
     })?;
-    let engines = args.start_engines(dir)?;
+    // A decode worker that offers `shm` keeps its KV in a shared file for
+    // same-host prefill workers to write into.
+    let backing = if role == Role::Decode
+        && transfer::available(&args.kv_transports).contains(&transfer::TransportKind::Shm)
+    {
+        KvBacking::Shared(sluice_engine::backend::arena::shm_dir())
+    } else {
+        KvBacking::Private
+    };
+    let engines = args.start_engines(dir, &backing)?;
     let metrics = WorkerMetrics::new().map_err(|e| WorkerError::Startup(e.to_string()))?;
     Ok(Arc::new(WorkerCore {
         id,
@@ -139,7 +149,7 @@ pub async fn serve(
         .map_err(|e| WorkerError::Startup(e.to_string()))?;
     let endpoint = ctx.common.advertise_addr(bound);
     let receiver = transfer::start_receiver(
-        &transfer::ReceiverConfig::new(&args, &core, endpoint.clone())?,
+        &transfer::ReceiverConfig::new(&args, endpoint.clone()),
         bound,
         ctx.shutdown.child_token(),
     )

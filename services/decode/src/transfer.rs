@@ -7,15 +7,21 @@
 //! regions in preference order (`shm` when the prefill worker is on this
 //! host, then `rdma`, `tcp`, `grpc`). The prefill worker's [`Senders`] pick
 //! the first region whose transport it supports and write every block there
-//! ([`KvSender::write`]). Each block travels with an XXH3 checksum; a
-//! checksum or layout mismatch, an unknown transfer or a block outside the
-//! slot is refused, and the decode worker falls back to local prefill.
+//! ([`KvSender::write`]). Each block travels with an XXH3 checksum of its
+//! bytes; a checksum or layout mismatch, an unknown transfer or a block
+//! outside the slot is refused, and the decode worker falls back to local
+//! prefill.
 //!
-//! Two delivery models: streamed transports (`tcp`, `grpc`) hand blocks to
-//! [`Receiver::write`] as they arrive; one-sided transports (`shm`, `rdma`)
-//! land bytes in memory the receiver registered, and the receiver collects
-//! and verifies them when the prefill worker reports completion (the
-//! `Prefill` response), in [`Expectation::finish`].
+//! Blocks land in the engine's KV memory itself (the [`KvArena`], when the
+//! backend has one), never in a staging buffer: streamed transports (`tcp`,
+//! `grpc`) copy each received, verified block into its destination block
+//! ([`Target::write`]); one-sided ones (`shm`, `rdma`) write the destination
+//! blocks from the prefill worker's side, and the receiver checks what they
+//! wrote when the prefill worker reports completion (the `Prefill`
+//! response), in [`Expectation::finish`]. Nothing is written into a block
+//! once its transfer is forgotten (cancelled, timed out, fallen back): the
+//! [`Expectation`]'s drop closes the gate streamed writes pass and revokes
+//! one-sided writers before the slot's blocks can be reused.
 
 pub mod grpc;
 #[cfg(feature = "rdma")]
@@ -26,19 +32,17 @@ pub mod tcp;
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 use sluice_engine::EngineHandle;
-use sluice_engine::backend::KvBlockLayout;
+use sluice_engine::backend::{KvArena, KvBlockLayout};
 use sluice_proto::kv::v1 as pb;
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::error::WorkerError;
 
 pub use grpc::{GrpcInbound, GrpcSender, KvTransferService, send_grpc};
-
-/// Blocks written per engine round trip.
-pub(crate) const WRITE_BATCH: usize = 16;
 
 /// Copies of at least this many blocks run on the blocking pool.
 pub(crate) const BLOCKING_COPY_BLOCKS: usize = 64;
@@ -291,20 +295,21 @@ impl Senders {
 #[derive(Debug, Clone, Copy)]
 pub struct TransferSpec<'a> {
     pub id: &'a str,
-    /// Blocks the sender will write.
-    pub blocks: usize,
-    pub block_bytes: usize,
+    /// The destination blocks the sender will write, in order.
+    pub writable: &'a [u32],
+    /// The destination engine's KV memory, when transports may write it.
+    pub arena: Option<&'a Arc<KvArena>>,
     /// Whether the sender runs on this host (`shm` is offered only then).
     pub same_host: bool,
 }
 
-/// A region registered for one transfer. What it holds (shared-memory slots,
-/// a registered memory region) is released when it drops.
+/// A region registered for one transfer. What it holds (armed blocks, a
+/// registered memory region) is released when it drops.
 #[derive(Debug)]
 pub struct Registration {
     pub region: pb::Region,
-    /// One-sided transports: where the written blocks wait for collection.
-    pub staged: Option<Arc<dyn Staged>>,
+    /// One-sided transports: how to check what the sender wrote.
+    pub one_sided: Option<Arc<dyn OneSided>>,
 }
 
 impl Registration {
@@ -316,21 +321,18 @@ impl Registration {
                 address: address.to_string(),
                 ..Default::default()
             },
-            staged: None,
+            one_sided: None,
         }
     }
 }
 
-/// Blocks a sender wrote one-sidedly into receiver memory.
-pub trait Staged: Send + Sync + fmt::Debug {
-    /// Copies out and returns the written blocks (destination ids `ids`, in
-    /// order), each checked against the checksum the sender recorded right
-    /// after its copy (while it is in cache); refuses a block that was not
-    /// written by this transfer or does not match.
-    ///
-    /// `first` is the position of `ids[0]` in the transfer, so a transfer
-    /// can be collected batch by batch.
-    fn collect(&self, first: usize, ids: &[u32]) -> Result<Vec<Block>, WorkerError>;
+/// Blocks a sender writes one-sidedly into the engine's KV memory.
+/// Dropping it revokes the sender's right to write: once the drop returns,
+/// no write of this transfer lands any more.
+pub trait OneSided: Send + Sync + fmt::Debug {
+    /// Checks that every block of `ids` was written by this transfer and
+    /// matches the checksum its sender recorded; refuses otherwise.
+    fn complete(&self, ids: &[u32]) -> Result<(), WorkerError>;
 }
 
 /// The receiving side of one transport.
@@ -339,26 +341,96 @@ pub trait Inbound: Send + Sync + fmt::Debug {
     fn kind(&self) -> TransportKind;
 
     /// A region for `spec`, or `None` when this transport does not apply to
-    /// it (e.g. `shm` for a sender on another host, or a full pool).
+    /// it (e.g. `shm` for a sender on another host).
     fn register(&self, spec: &TransferSpec<'_>) -> Result<Option<Registration>, WorkerError>;
 }
 
-/// One transfer a decode worker is waiting for.
-#[derive(Debug)]
-struct Expected {
+/// Where a streamed transport writes the blocks of one transfer.
+#[derive(Debug, Clone)]
+pub struct Target {
+    transfer: Arc<str>,
     engine: EngineHandle,
     slot: u64,
     block_bytes: usize,
     /// Block ids the sender may write (the slot's blocks past the skipped prefix).
     writable: Arc<[u32]>,
-    written: usize,
+    /// Which of `writable` arrived.
+    done: Arc<[AtomicBool]>,
+    arena: Option<Arc<KvArena>>,
+    /// `true` while the transfer is registered; writes hold it read-locked.
+    open: Arc<RwLock<bool>>,
+}
+
+impl Target {
+    /// Block bytes of this transfer's layout.
+    pub fn block_bytes(&self) -> usize {
+        self.block_bytes
+    }
+
+    fn position(&self, id: u32, len: usize) -> Result<usize, WorkerError> {
+        let transfer = &self.transfer;
+        let i = self.writable.iter().position(|&w| w == id).ok_or_else(|| {
+            WorkerError::Transfer(format!("block {id} is not part of transfer {transfer}"))
+        })?;
+        if len != self.block_bytes {
+            return Err(WorkerError::Transfer(format!(
+                "block {id} of transfer {transfer} has {len} bytes, the layout says {}",
+                self.block_bytes
+            )));
+        }
+        Ok(i)
+    }
+
+    /// Copies one verified block into its destination block: straight into
+    /// the engine's KV memory when it has an arena, else through the engine.
+    pub async fn write(&self, id: u32, data: &[u8]) -> Result<(), WorkerError> {
+        let i = self.position(id, data.len())?;
+        match &self.arena {
+            Some(arena) => {
+                let open = self.open.read();
+                if !*open {
+                    return Err(cancelled(&self.transfer));
+                }
+                // SAFETY: `id` is a reserved block of this transfer's slot
+                // (checked above); the engine leaves reserved blocks alone
+                // until the slot is committed, which happens only after the
+                // transfer is forgotten, and forgetting it waits for this
+                // read lock to be released.
+                unsafe { arena.write_block(id, data) }?;
+            }
+            None => {
+                self.engine
+                    .write_blocks(self.slot, vec![(id, data.to_vec())])
+                    .await?
+            }
+        }
+        self.done[i].store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Verifies `block`'s checksum, then [`Target::write`]s it.
+    pub async fn write_checked(&self, block: &Block) -> Result<(), WorkerError> {
+        verify(&self.transfer, std::slice::from_ref(block))?;
+        self.write(block.id, &block.data).await
+    }
+
+    fn written(&self) -> usize {
+        self.done
+            .iter()
+            .filter(|d| d.load(Ordering::Acquire))
+            .count()
+    }
+}
+
+fn cancelled(transfer: &str) -> WorkerError {
+    WorkerError::Transfer(format!("unknown or cancelled transfer {transfer}"))
 }
 
 /// The decode side's registry of expected transfers, and the transports
 /// that write into them.
 #[derive(Debug, Default)]
 pub struct Receiver {
-    expected: Mutex<HashMap<String, Expected>>,
+    expected: Mutex<HashMap<String, Target>>,
     inbound: Vec<Arc<dyn Inbound>>,
 }
 
@@ -367,59 +439,52 @@ pub struct Receiver {
 #[derive(Debug)]
 pub struct Expectation {
     receiver: Arc<Receiver>,
-    id: String,
-    writable: Arc<[u32]>,
-    staged: Vec<(TransportKind, Arc<dyn Staged>)>,
+    target: Target,
+    one_sided: Vec<(TransportKind, Arc<dyn OneSided>)>,
 }
 
 impl Expectation {
     /// Blocks written so far.
     pub fn written(&self) -> usize {
-        self.receiver
-            .expected
-            .lock()
-            .get(&self.id)
-            .map(|e| e.written)
-            .unwrap_or(0)
+        self.target.written()
     }
 
     /// Completes the transfer once the sender reports it done over
-    /// `transport`: one-sided transports are collected, verified and written
-    /// into the engine now. Returns the blocks written in all.
+    /// `transport`: what a one-sided transport wrote is checked now.
+    /// Returns the blocks written in all.
     pub async fn finish(&self, transport: &str) -> Result<usize, WorkerError> {
-        if let Some((_, staged)) = self.staged.iter().find(|(k, _)| k.as_str() == transport) {
-            // Batch by batch, collecting the next while the engine writes
-            // the previous one.
-            let mut inflight: Option<tokio::task::JoinHandle<Result<usize, WorkerError>>> = None;
-            for (k, ids) in self.writable.chunks(WRITE_BATCH).enumerate() {
-                let blocks = staged.collect(k * WRITE_BATCH, ids)?;
-                if let Some(prev) = inflight.take() {
-                    join_write(prev).await?;
-                }
-                let (receiver, id) = (Arc::clone(&self.receiver), self.id.clone());
-                inflight = Some(tokio::spawn(async move {
-                    receiver.write_verified(&id, blocks).await
-                }));
+        if let Some((_, one_sided)) = self.one_sided.iter().find(|(k, _)| k.as_str() == transport) {
+            let ids = Arc::clone(&self.target.writable);
+            // Checksums read every block: large transfers leave the runtime's
+            // threads alone.
+            if ids.len() >= BLOCKING_COPY_BLOCKS {
+                let o = Arc::clone(one_sided);
+                tokio::task::spawn_blocking(move || o.complete(&ids))
+                    .await
+                    .map_err(|e| {
+                        WorkerError::Transfer(format!("checking a one-sided write: {e}"))
+                    })??;
+            } else {
+                one_sided.complete(&ids)?;
             }
-            if let Some(prev) = inflight.take() {
-                join_write(prev).await?;
+            for d in self.target.done.iter() {
+                d.store(true, Ordering::Release);
             }
         }
         Ok(self.written())
     }
 }
 
-/// Waits for a spawned engine write.
-pub(crate) async fn join_write(
-    h: tokio::task::JoinHandle<Result<usize, WorkerError>>,
-) -> Result<usize, WorkerError> {
-    h.await
-        .map_err(|e| WorkerError::Transfer(format!("engine write task: {e}")))?
-}
-
 impl Drop for Expectation {
     fn drop(&mut self) {
-        self.receiver.expected.lock().remove(&self.id);
+        // Waits for a streamed write in progress; none starts afterwards.
+        *self.target.open.write() = false;
+        self.receiver
+            .expected
+            .lock()
+            .remove(self.target.transfer.as_ref());
+        // One-sided registrations revoke their writers as they drop.
+        self.one_sided.clear();
     }
 }
 
@@ -439,7 +504,7 @@ impl Receiver {
 
     /// Registers transfer `id` into `slot` of `engine` and returns its
     /// regions, preferred first. Dropping the guard forgets the transfer
-    /// (late writes are then refused) and releases the regions.
+    /// (later writes are refused) and releases the regions.
     pub fn expect(
         self: &Arc<Self>,
         id: &str,
@@ -449,36 +514,38 @@ impl Receiver {
         same_host: bool,
     ) -> Result<(Expectation, Vec<pb::Region>), WorkerError> {
         let block_bytes = engine.kv_layout().block_bytes();
+        let arena = engine.kv_arena().cloned();
         let writable: Arc<[u32]> = writable.into();
-        self.expected.lock().insert(
-            id.to_string(),
-            Expected {
-                engine,
-                slot,
-                block_bytes,
-                writable: Arc::clone(&writable),
-                written: 0,
-            },
-        );
+        let target = Target {
+            transfer: id.into(),
+            engine,
+            slot,
+            block_bytes,
+            done: writable.iter().map(|_| AtomicBool::new(false)).collect(),
+            writable,
+            arena,
+            open: Arc::new(RwLock::new(true)),
+        };
+        self.expected.lock().insert(id.to_string(), target.clone());
         let mut expectation = Expectation {
             receiver: Arc::clone(self),
-            id: id.to_string(),
-            writable: Arc::clone(&writable),
-            staged: Vec::new(),
+            target,
+            one_sided: Vec::new(),
         };
         let spec = TransferSpec {
             id,
-            blocks: writable.len(),
-            block_bytes,
+            writable: &expectation.target.writable,
+            arena: expectation.target.arena.as_ref(),
             same_host,
         };
         let mut regions = Vec::with_capacity(self.inbound.len());
+        let mut one_sided = Vec::new();
         for inbound in &self.inbound {
             match inbound.register(&spec) {
                 Ok(Some(reg)) => {
                     regions.push(reg.region);
-                    if let Some(staged) = reg.staged {
-                        expectation.staged.push((inbound.kind(), staged));
+                    if let Some(o) = reg.one_sided {
+                        one_sided.push((inbound.kind(), o));
                     }
                 }
                 Ok(None) => {}
@@ -487,67 +554,27 @@ impl Receiver {
                 }
             }
         }
+        expectation.one_sided = one_sided;
         Ok((expectation, regions))
     }
 
-    /// The block size and writable blocks of transfer `id` (streamed
-    /// transports check incoming frames against them before reading).
-    pub(crate) fn lookup(&self, id: &str) -> Result<(usize, Arc<[u32]>), WorkerError> {
-        let guard = self.expected.lock();
-        let e = guard
+    /// Where transfer `id`'s blocks go (streamed transports look it up when
+    /// a transfer begins).
+    pub fn target(&self, id: &str) -> Result<Target, WorkerError> {
+        self.expected
+            .lock()
             .get(id)
-            .ok_or_else(|| WorkerError::Transfer(format!("unknown or cancelled transfer {id}")))?;
-        Ok((e.block_bytes, Arc::clone(&e.writable)))
+            .cloned()
+            .ok_or_else(|| cancelled(id))
     }
 
     /// Verifies and writes blocks of transfer `id`; returns how many.
     pub async fn write(&self, id: &str, blocks: Vec<Block>) -> Result<usize, WorkerError> {
-        verify(id, &blocks)?;
-        self.write_verified(id, blocks).await
-    }
-
-    /// [`Receiver::write`] for blocks whose checksums the transport already
-    /// verified (right after reading each, while it was in cache).
-    pub(crate) async fn write_verified(
-        &self,
-        id: &str,
-        blocks: Vec<Block>,
-    ) -> Result<usize, WorkerError> {
-        let (engine, slot, block_bytes, writable) = {
-            let guard = self.expected.lock();
-            let e = guard.get(id).ok_or_else(|| {
-                WorkerError::Transfer(format!("unknown or cancelled transfer {id}"))
-            })?;
-            (
-                e.engine.clone(),
-                e.slot,
-                e.block_bytes,
-                Arc::clone(&e.writable),
-            )
-        };
+        let target = self.target(id)?;
         for b in &blocks {
-            if !writable.contains(&b.id) {
-                return Err(WorkerError::Transfer(format!(
-                    "block {} is not part of transfer {id}",
-                    b.id
-                )));
-            }
-            if b.data.len() != block_bytes {
-                return Err(WorkerError::Transfer(format!(
-                    "block {} of transfer {id} has {} bytes, the layout says {block_bytes}",
-                    b.id,
-                    b.data.len()
-                )));
-            }
+            target.write_checked(b).await?;
         }
-        let n = blocks.len();
-        engine
-            .write_blocks(slot, blocks.into_iter().map(|b| (b.id, b.data)).collect())
-            .await?;
-        if let Some(e) = self.expected.lock().get_mut(id) {
-            e.written += n;
-        }
-        Ok(n)
+        Ok(blocks.len())
     }
 }
 
@@ -562,7 +589,7 @@ pub(crate) fn verify(id: &str, blocks: &[Block]) -> Result<(), WorkerError> {
     }
 }
 
-/// Where a decode worker's transports listen and how big they are.
+/// Where a decode worker's transports listen.
 #[derive(Debug, Clone)]
 pub struct ReceiverConfig {
     /// Transports to offer, preferred first (unavailable ones are skipped).
@@ -572,28 +599,16 @@ pub struct ReceiverConfig {
     pub endpoint: String,
     /// Where the `tcp` listener binds; `None`: the gRPC host, port 0.
     pub tcp_listen: Option<std::net::SocketAddr>,
-    /// Bytes of the shared-memory pool (capped at the engine's KV size).
-    pub shm_pool_bytes: u64,
-    pub block_bytes: usize,
-    pub num_blocks: usize,
 }
 
 impl ReceiverConfig {
-    /// From the worker's flags and its first engine rank's KV geometry.
-    pub fn new(
-        args: &crate::WorkerArgs,
-        core: &crate::WorkerCore,
-        endpoint: String,
-    ) -> Result<Self, WorkerError> {
-        let engine = core.engine(0)?;
-        Ok(Self {
+    /// From the worker's flags.
+    pub fn new(args: &crate::WorkerArgs, endpoint: String) -> Self {
+        Self {
             transports: args.kv_transports.clone(),
             endpoint,
             tcp_listen: args.kv_tcp_listen,
-            shm_pool_bytes: args.kv_shm_pool_mb.saturating_mul(1 << 20),
-            block_bytes: engine.kv_layout().block_bytes(),
-            num_blocks: engine.num_blocks(),
-        })
+        }
     }
 }
 
@@ -626,10 +641,7 @@ pub async fn start_receiver(
                 .await
                 .map(|t| Arc::new(t) as Arc<dyn Inbound>)
             }
-            TransportKind::Shm => {
-                shm::ShmInbound::lazy(cfg.shm_pool_bytes, cfg.block_bytes, cfg.num_blocks)
-                    .map(|s| Arc::new(s) as Arc<dyn Inbound>)
-            }
+            TransportKind::Shm => Ok(Arc::new(shm::ShmInbound) as Arc<dyn Inbound>),
             // Never yielded by `available` yet (see `rdma::probe`).
             TransportKind::Rdma => continue,
         };

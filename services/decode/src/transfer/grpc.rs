@@ -10,9 +10,7 @@ use sluice_proto::kv::v1 as pb;
 use sluice_runtime::grpc::TracedChannel;
 use tonic::{Request, Response, Status};
 
-use super::{
-    Block, Inbound, KvSender, Receiver, Registration, TransferSpec, TransportKind, WRITE_BATCH,
-};
+use super::{Block, Inbound, KvSender, Receiver, Registration, TransferSpec, TransportKind};
 use crate::error::WorkerError;
 
 /// The `KvTransfer` service, served by decode workers.
@@ -29,30 +27,26 @@ impl pb::kv_transfer_server::KvTransfer for KvTransferService {
     ) -> Result<Response<pb::WriteBlocksResponse>, Status> {
         let mut stream = request.into_inner();
         let mut written = 0u32;
-        let mut batch: Vec<Block> = Vec::with_capacity(WRITE_BATCH);
+        let mut target: Option<super::Target> = None;
         let mut transfer = String::new();
         while let Some(chunk) = stream.message().await? {
-            if transfer.is_empty() {
+            if target.is_none() {
                 transfer = chunk.transfer_id.clone();
+                target = Some(self.receiver.target(&transfer)?);
             } else if chunk.transfer_id != transfer {
                 return Err(Status::invalid_argument(
                     "one WriteBlocks stream carries one transfer_id",
                 ));
             }
-            batch.push(Block {
+            let block = Block {
                 id: chunk.block_id,
                 checksum: chunk.checksum,
                 data: chunk.data,
-            });
-            if batch.len() == WRITE_BATCH {
-                written += self
-                    .receiver
-                    .write(&transfer, std::mem::take(&mut batch))
-                    .await? as u32;
+            };
+            if let Some(t) = &target {
+                t.write_checked(&block).await?;
+                written += 1;
             }
-        }
-        if !batch.is_empty() {
-            written += self.receiver.write(&transfer, batch).await? as u32;
         }
         Ok(Response::new(pb::WriteBlocksResponse {
             blocks_written: written,

@@ -1,387 +1,95 @@
-//! The `shm` transport: same host, one-sided writes into shared memory (the
-//! RDMA model without the NIC).
+//! The `shm` transport: same host, one-sided writes straight into the decode
+//! engine's KV memory (the RDMA model without the NIC).
 //!
-//! A decode worker creates one pool file under `/dev/shm` (the temp dir
-//! where there is none) when a prefill worker on its host first needs it,
-//! fills it with zeros through `write(2)` — so a full tmpfs is a clean
-//! refusal (shm is then not offered) instead of a `SIGBUS` later — and maps it.
-//! The file is a header page, a table with one 32-byte entry per slot (tag =
-//! XXH3 of the transfer id, checksum, destination block id, state), then the
-//! slots, `block_bytes` each. A transfer gets a contiguous run of free slots
-//! (its region: the file path, the byte offset and length of the run); the
-//! prefill worker maps the file once, copies each block into its slot, then
-//! fills the slot's entry and publishes it (`state = 1`, release order). When
-//! the `Prefill` response says the blocks are written, the receiver copies
-//! each slot out, refusing entries of another transfer, another block or a
-//! wrong checksum, and hands the blocks to the engine. Entries are cleared
-//! when a run is handed out, so stale bytes of an earlier transfer never pass.
-//! The run is freed when the transfer ends, successful or not; the file is
-//! removed when the worker stops, and files left by dead processes are
-//! removed at start-up.
+//! A decode worker that offers `shm` keeps its KV memory in a shared file
+//! ([`KvArena`] with [`sluice_engine::backend::KvBacking::Shared`], under
+//! `/dev/shm`). Its region names that file; the prefill worker maps it once,
+//! reads the geometry from its header and copies each block's `2·layers`
+//! parts into the destination block's place in the slabs — one copy, from
+//! the sender's memory into the engine's, no staging buffer, no round trip
+//! through the decode engine's thread.
+//!
+//! Who may write which block is settled through each block's control words
+//! in the file (`tag`, `state`, `checksum`):
+//!
+//! - registering a transfer *arms* its blocks: `state = 0`, `tag` = the
+//!   transfer's tag (XXH3 of its id, never 0);
+//! - the sender, per block: `state += 1 << 32` (a writer inside), then
+//!   reads `tag` — another tag means the transfer was revoked: it leaves
+//!   and fails —, copies, stores the block's checksum, sets bit 0
+//!   (written), and `state -= 1 << 32`;
+//! - the receiver, on completion, accepts a block only with its tag, the
+//!   written bit and bytes matching the checksum;
+//! - forgetting the transfer *revokes* it: `tag = 0`, then it waits until
+//!   no writer is inside (bounded) before the blocks can be reused.
+//!
+//! Both sides use sequentially consistent operations on `state` and `tag`,
+//! so either the sender sees the revocation or the receiver sees the sender
+//! inside and waits: a write never lands in a block after it is reused.
 
 use std::collections::HashMap;
-use std::fs::{File, OpenOptions};
-use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::fs::OpenOptions;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use memmap2::MmapRaw;
 use parking_lot::Mutex;
+use sluice_engine::backend::{ArenaGeometry, KvArena, arena};
 use sluice_proto::kv::v1 as pb;
-use xxhash_rust::xxh3::xxh3_64;
+use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
-use super::{Block, Inbound, KvSender, Registration, Staged, TransferSpec, TransportKind};
+use super::{Block, Inbound, KvSender, OneSided, Registration, TransferSpec, TransportKind};
 use crate::error::WorkerError;
 
-const MAGIC: u64 = u64::from_le_bytes(*b"SLKVSHM1");
-const VERSION: u32 = 1;
-const PAGE: usize = 4096;
-const ENTRY: usize = 32;
-const FILE_PREFIX: &str = "sluice-kv-";
-/// Slots start half a page past a page boundary. Block buffers from the
-/// allocator usually sit 16 bytes past one (their own mapping), and copying
-/// to a destination a few bytes ahead of its source within a page is
-/// pathologically slow with `rep movsb` (4K aliasing: 2 GB/s instead of 20+
-/// measured here); half a page apart it runs at full speed.
-const SLOT_SKEW: usize = PAGE / 2;
-/// Mapped pool files a sender keeps open.
+/// Mapped arena files a sender keeps open.
 const MAX_MAPPED: usize = 16;
-
-/// Where pool files live: `/dev/shm` when present.
-pub fn shm_dir() -> PathBuf {
-    let dev_shm = Path::new("/dev/shm");
-    if dev_shm.is_dir() {
-        dev_shm.to_path_buf()
-    } else {
-        std::env::temp_dir()
-    }
-}
+/// How long revoking a transfer waits for a writer still inside a block.
+const REVOKE_WAIT: Duration = Duration::from_millis(500);
+const WRITING: u64 = 1 << 32;
+const WRITTEN: u64 = 1;
+/// Control word indices.
+const TAG: usize = 0;
+const STATE: usize = 1;
+const CHECKSUM: usize = 2;
 
 fn shm_err(what: &str, e: impl std::fmt::Display) -> WorkerError {
     WorkerError::Transfer(format!("shm {what}: {e}"))
 }
 
-/// A mapped pool file and its geometry.
-#[derive(Debug)]
-struct Mapped {
-    map: MmapRaw,
-    block_bytes: usize,
-    slots: usize,
-    table_off: usize,
-    data_off: usize,
+/// A transfer's tag in the control words: never 0 (0 = nobody may write).
+fn tag_of(transfer_id: &str) -> u64 {
+    xxh3_64(transfer_id.as_bytes()) | 1
 }
 
-impl Mapped {
-    fn ptr(&self, off: usize, len: usize) -> *mut u8 {
-        assert!(off + len <= self.map.len(), "shm access within the map");
-        // SAFETY: `off + len` lies within the mapping (checked above).
-        unsafe { self.map.as_mut_ptr().add(off) }
+/// XXH3-64 of block `id`'s serialised form, read from its slab parts.
+fn block_checksum(base: *const u8, g: &ArenaGeometry, id: u32) -> u64 {
+    let chunk = g.chunk_bytes();
+    let mut h = Xxh3::new();
+    for slab in 0..g.slabs() {
+        // SAFETY: `chunk_offset(slab, id) + chunk` lies within the mapping
+        // (`id` checked against the geometry by the callers).
+        let part = unsafe { std::slice::from_raw_parts(base.add(g.chunk_offset(slab, id)), chunk) };
+        h.update(part);
     }
-
-    fn read_u64(&self, off: usize) -> u64 {
-        let mut b = [0u8; 8];
-        // SAFETY: 8 bytes within the mapping; plain bytes, any value is valid.
-        unsafe { std::ptr::copy_nonoverlapping(self.ptr(off, 8), b.as_mut_ptr(), 8) };
-        u64::from_le_bytes(b)
-    }
-
-    fn write_u64(&self, off: usize, v: u64) {
-        // SAFETY: 8 bytes within the mapping.
-        unsafe { std::ptr::copy_nonoverlapping(v.to_le_bytes().as_ptr(), self.ptr(off, 8), 8) };
-    }
-
-    fn read_u32(&self, off: usize) -> u32 {
-        let mut b = [0u8; 4];
-        // SAFETY: 4 bytes within the mapping; plain bytes, any value is valid.
-        unsafe { std::ptr::copy_nonoverlapping(self.ptr(off, 4), b.as_mut_ptr(), 4) };
-        u32::from_le_bytes(b)
-    }
-
-    fn write_u32(&self, off: usize, v: u32) {
-        // SAFETY: 4 bytes within the mapping.
-        unsafe { std::ptr::copy_nonoverlapping(v.to_le_bytes().as_ptr(), self.ptr(off, 4), 4) };
-    }
-
-    fn state(&self, slot: usize) -> &AtomicU32 {
-        let off = self.table_off + slot * ENTRY + 20;
-        // SAFETY: in the mapping, 4-byte aligned (page-aligned map, table at a
-        // page boundary, 32-byte entries); the memory lives as long as `self`.
-        unsafe { &*(self.ptr(off, 4) as *const AtomicU32) }
-    }
-
-    /// Reads and checks the header of a mapped pool file.
-    fn open(map: MmapRaw) -> Result<Self, WorkerError> {
-        if map.len() < PAGE {
-            return Err(shm_err("pool", "file too small"));
-        }
-        let mut m = Self {
-            map,
-            block_bytes: 0,
-            slots: 0,
-            table_off: 0,
-            data_off: 0,
-        };
-        if m.read_u64(0) != MAGIC || m.read_u64(8) as u32 != VERSION {
-            return Err(shm_err("pool", "not a Sluice KV pool file"));
-        }
-        m.block_bytes = m.read_u64(16) as usize;
-        m.slots = m.read_u64(24) as usize;
-        m.table_off = m.read_u64(32) as usize;
-        m.data_off = m.read_u64(40) as usize;
-        let need = m
-            .slots
-            .checked_mul(m.block_bytes)
-            .and_then(|d| d.checked_add(m.data_off));
-        if m.block_bytes == 0
-            || m.table_off < PAGE
-            || m.data_off < m.table_off + m.slots * ENTRY
-            || need.is_none_or(|n| n > m.map.len())
-        {
-            return Err(shm_err("pool", "inconsistent header"));
-        }
-        Ok(m)
-    }
-
-    /// The slot run a region names.
-    fn run(&self, region: &pb::Region) -> Result<(usize, usize), WorkerError> {
-        let (base, len) = (region.base_addr as usize, region.length as usize);
-        if base < self.data_off
-            || !(base - self.data_off).is_multiple_of(self.block_bytes)
-            || !len.is_multiple_of(self.block_bytes)
-        {
-            return Err(shm_err("region", "not aligned to the pool's slots"));
-        }
-        let first = (base - self.data_off) / self.block_bytes;
-        let n = len / self.block_bytes;
-        if first + n > self.slots {
-            return Err(shm_err("region", "beyond the pool"));
-        }
-        Ok((first, n))
-    }
+    h.digest()
 }
 
-/// A decode worker's shared-memory pool.
-#[derive(Debug)]
-struct Pool {
-    path: PathBuf,
-    mapped: Mapped,
-    /// Which slots a transfer holds.
-    used: Mutex<Vec<bool>>,
+/// The control words of block `id` in a mapping with geometry `g`.
+///
+/// # Safety
+/// `base` is the start of a live mapping of at least `g.len()` bytes that
+/// outlives the returned reference; `id < g.num_blocks`.
+unsafe fn control<'a>(base: *mut u8, g: &ArenaGeometry, id: u32) -> &'a [AtomicU64; 4] {
+    // SAFETY: per the contract; the control area is 8-byte aligned.
+    unsafe { &*(base.add(g.control_offset_of(id)) as *const [AtomicU64; 4]) }
 }
 
-impl Drop for Pool {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
-    }
-}
-
-impl Pool {
-    /// First-fit run of `n` free slots, marked used.
-    fn take(&self, n: usize) -> Option<usize> {
-        let mut used = self.used.lock();
-        let mut start = 0;
-        while start + n <= used.len() {
-            match used[start..start + n].iter().rposition(|u| *u) {
-                Some(busy) => start += busy + 1,
-                None => {
-                    used[start..start + n].iter_mut().for_each(|u| *u = true);
-                    return Some(start);
-                }
-            }
-        }
-        None
-    }
-
-    fn give_back(&self, first: usize, n: usize) {
-        let mut used = self.used.lock();
-        used[first..first + n].iter_mut().for_each(|u| *u = false);
-    }
-}
-
-/// The `shm` side of a decode worker: one pool, runs handed out per
-/// transfer. The pool is created when a transfer from this host first needs
-/// it, so a worker that never meets a same-host prefill worker holds no
-/// shared memory; if creation fails, `shm` is not offered from then on.
-#[derive(Debug)]
-pub struct ShmInbound {
-    dir: PathBuf,
-    slots: usize,
-    block_bytes: usize,
-    pool: OnceLock<Option<Arc<Pool>>>,
-}
-
-impl ShmInbound {
-    /// A pool of `min(pool_bytes / block_bytes, num_blocks)` slots under
-    /// [`shm_dir`], created on first use.
-    pub fn lazy(
-        pool_bytes: u64,
-        block_bytes: usize,
-        num_blocks: usize,
-    ) -> Result<Self, WorkerError> {
-        Self::lazy_in(&shm_dir(), pool_bytes, block_bytes, num_blocks)
-    }
-
-    /// [`ShmInbound::lazy`] in `dir`.
-    pub fn lazy_in(
-        dir: &Path,
-        pool_bytes: u64,
-        block_bytes: usize,
-        num_blocks: usize,
-    ) -> Result<Self, WorkerError> {
-        if block_bytes == 0 {
-            return Err(shm_err("pool", "zero-sized blocks"));
-        }
-        let slots = ((pool_bytes / block_bytes as u64) as usize).min(num_blocks);
-        if slots == 0 {
-            return Err(shm_err(
-                "pool",
-                format!("--kv-shm-pool-mb holds no {block_bytes}-byte block"),
-            ));
-        }
-        Ok(Self {
-            dir: dir.to_path_buf(),
-            slots,
-            block_bytes,
-            pool: OnceLock::new(),
-        })
-    }
-
-    /// [`ShmInbound::lazy_in`], with the pool created now.
-    pub fn create_in(
-        dir: &Path,
-        pool_bytes: u64,
-        block_bytes: usize,
-        num_blocks: usize,
-    ) -> Result<Self, WorkerError> {
-        let s = Self::lazy_in(dir, pool_bytes, block_bytes, num_blocks)?;
-        let pool = Pool::create(&s.dir, s.slots, s.block_bytes)?;
-        let _ = s.pool.set(Some(Arc::new(pool)));
-        Ok(s)
-    }
-
-    fn pool(&self) -> Option<&Arc<Pool>> {
-        self.pool
-            .get_or_init(|| match Pool::create(&self.dir, self.slots, self.block_bytes) {
-                Ok(p) => Some(Arc::new(p)),
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot create the KV shm pool; not offering shm");
-                    None
-                }
-            })
-            .as_ref()
-    }
-
-    /// The pool file, once created.
-    pub fn path(&self) -> Option<&Path> {
-        self.pool.get()?.as_ref().map(|p| p.path.as_path())
-    }
-
-    /// Slots not held by a transfer.
-    pub fn free_slots(&self) -> usize {
-        match self.pool.get() {
-            Some(Some(p)) => p.used.lock().iter().filter(|u| !**u).count(),
-            _ => self.slots,
-        }
-    }
-}
-
-impl Pool {
-    /// Creates, reserves and maps a pool file of `slots` slots in `dir`.
-    fn create(dir: &Path, slots: usize, block_bytes: usize) -> Result<Self, WorkerError> {
-        remove_stale(dir);
-        let table_off = PAGE;
-        let data_off = (table_off + slots * ENTRY).div_ceil(PAGE) * PAGE + SLOT_SKEW;
-        let len = data_off + slots * block_bytes;
-        let path = dir.join(format!(
-            "{FILE_PREFIX}{}-{}",
-            std::process::id(),
-            uuid::Uuid::new_v4().simple()
-        ));
-        let mut file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&path)
-            .map_err(|e| shm_err(&format!("create {}", path.display()), e))?;
-        // From here on the file is removed on every exit path.
-        let cleanup = RemoveOnDrop(path.clone());
-        fill_zeros(&mut file, len)
-            .map_err(|e| shm_err(&format!("reserve {len} bytes in {}", path.display()), e))?;
-        let map = MmapRaw::map_raw(&file).map_err(|e| shm_err("map", e))?;
-        let mapped = Mapped {
-            map,
-            block_bytes,
-            slots,
-            table_off,
-            data_off,
-        };
-        for (i, v) in [
-            MAGIC,
-            u64::from(VERSION),
-            block_bytes as u64,
-            slots as u64,
-            table_off as u64,
-            data_off as u64,
-        ]
-        .into_iter()
-        .enumerate()
-        {
-            mapped.write_u64(i * 8, v);
-        }
-        std::mem::forget(cleanup);
-        tracing::info!(path = %path.display(), slots, block_bytes, "KV shm pool ready");
-        Ok(Pool {
-            path,
-            mapped,
-            used: Mutex::new(vec![false; slots]),
-        })
-    }
-}
-
-struct RemoveOnDrop(PathBuf);
-
-impl Drop for RemoveOnDrop {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
-fn fill_zeros(file: &mut File, len: usize) -> std::io::Result<()> {
-    let zeros = vec![0u8; 1 << 20];
-    let mut left = len;
-    while left > 0 {
-        let n = left.min(zeros.len());
-        file.write_all(&zeros[..n])?;
-        left -= n;
-    }
-    file.flush()
-}
-
-/// Removes pool files whose creating process is gone (Linux: no `/proc/<pid>`).
-fn remove_stale(dir: &Path) {
-    if !Path::new("/proc/self").exists() {
-        return;
-    }
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(FILE_PREFIX)) else {
-            continue;
-        };
-        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
-            continue;
-        };
-        if !Path::new(&format!("/proc/{pid}")).exists() {
-            tracing::info!(path = %entry.path().display(), "removing a KV shm pool left by a dead process");
-            let _ = std::fs::remove_file(entry.path());
-        }
-    }
-}
+/// The `shm` side of a decode worker: offers the engine's KV file to
+/// senders on this host.
+#[derive(Debug, Default)]
+pub struct ShmInbound;
 
 impl Inbound for ShmInbound {
     fn kind(&self) -> TransportKind {
@@ -392,118 +100,128 @@ impl Inbound for ShmInbound {
         if !spec.same_host {
             return Ok(None);
         }
-        let Some(pool) = self.pool() else {
+        let Some(arena) = spec.arena.filter(|a| a.path().is_some()) else {
             return Ok(None);
         };
-        let m = &pool.mapped;
-        if spec.block_bytes != m.block_bytes {
-            return Err(shm_err(
-                "register",
-                format!(
-                    "{}-byte blocks in a pool of {}-byte slots",
-                    spec.block_bytes, m.block_bytes
-                ),
-            ));
+        let tag = tag_of(spec.id);
+        for &id in spec.writable {
+            let c = arena.control(id)?;
+            c[STATE].store(0, Ordering::SeqCst);
+            c[CHECKSUM].store(0, Ordering::Relaxed);
+            c[TAG].store(tag, Ordering::SeqCst);
         }
-        let n = spec.blocks;
-        let Some(first) = pool.take(n) else {
-            tracing::debug!(blocks = n, "KV shm pool has no free run; not offering shm");
-            return Ok(None);
-        };
-        for slot in first..first + n {
-            m.state(slot).store(0, Ordering::Relaxed);
-            m.write_u64(m.table_off + slot * ENTRY, 0);
-        }
+        let path = arena.path().map(|p| p.to_string_lossy().into_owned());
         Ok(Some(Registration {
             region: pb::Region {
                 transport: pb::Transport::Shm as i32,
-                address: pool.path.to_string_lossy().into_owned(),
+                address: path.unwrap_or_default(),
                 rkey: 0,
-                base_addr: (m.data_off + first * m.block_bytes) as u64,
-                length: (n * m.block_bytes) as u64,
+                base_addr: 0,
+                length: arena.len() as u64,
             },
-            staged: Some(Arc::new(ShmRun {
-                pool: Arc::clone(pool),
-                first,
-                n,
-                tag: xxh3_64(spec.id.as_bytes()),
+            one_sided: Some(Arc::new(Armed {
+                arena: Arc::clone(arena),
+                ids: spec.writable.to_vec(),
+                tag,
                 transfer: spec.id.to_string(),
             })),
         }))
     }
 }
 
-/// One transfer's run of slots; freed when dropped.
+/// One transfer's armed blocks; revoked when dropped.
 #[derive(Debug)]
-struct ShmRun {
-    pool: Arc<Pool>,
-    first: usize,
-    n: usize,
+struct Armed {
+    arena: Arc<KvArena>,
+    ids: Vec<u32>,
     tag: u64,
     transfer: String,
 }
 
-impl Drop for ShmRun {
-    fn drop(&mut self) {
-        self.pool.give_back(self.first, self.n);
-    }
-}
-
-impl Staged for ShmRun {
-    fn collect(&self, first: usize, ids: &[u32]) -> Result<Vec<Block>, WorkerError> {
-        let m = &self.pool.mapped;
-        if first + ids.len() > self.n {
-            return Err(shm_err(
-                "collect",
-                format!(
-                    "blocks {first}..{} of a run of {}",
-                    first + ids.len(),
-                    self.n
-                ),
-            ));
-        }
-        let mut out = Vec::with_capacity(ids.len());
-        for (i, &id) in ids.iter().enumerate() {
-            let slot = self.first + first + i;
-            let entry = m.table_off + slot * ENTRY;
-            if m.state(slot).load(Ordering::Acquire) != 1 {
-                return Err(shm_err("collect", format!("block {id} was not written")));
-            }
-            let tag = m.read_u64(entry);
-            let checksum = m.read_u64(entry + 8);
-            let written_id = m.read_u32(entry + 16);
-            if tag != self.tag || written_id != id {
+impl OneSided for Armed {
+    fn complete(&self, ids: &[u32]) -> Result<(), WorkerError> {
+        let g = self.arena.geometry();
+        for &id in ids {
+            let c = self.arena.control(id)?;
+            let state = c[STATE].load(Ordering::Acquire);
+            if c[TAG].load(Ordering::Acquire) != self.tag || state & WRITTEN == 0 {
                 return Err(shm_err(
-                    "collect",
-                    format!("slot {slot} holds another transfer's block (wanted block {id})"),
+                    "complete",
+                    format!("block {id} of transfer {} was not written", self.transfer),
                 ));
             }
-            let mut data = Vec::with_capacity(m.block_bytes);
-            // SAFETY: the slot lies within the mapping (the run was checked
-            // against the pool at registration); `data` has the capacity and
-            // is set to the length just written. The bytes are copied before
-            // they are checked, so a concurrent writer cannot change what is
-            // verified.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    m.ptr(m.data_off + slot * m.block_bytes, m.block_bytes),
-                    data.as_mut_ptr(),
-                    m.block_bytes,
-                );
-                data.set_len(m.block_bytes);
+            if state >= WRITING {
+                return Err(shm_err(
+                    "complete",
+                    format!(
+                        "block {id} of transfer {} is still being written",
+                        self.transfer
+                    ),
+                ));
             }
-            let block = Block { id, checksum, data };
-            super::verify(&self.transfer, std::slice::from_ref(&block))?;
-            out.push(block);
+            if block_checksum(self.arena.as_ptr(), g, id) != c[CHECKSUM].load(Ordering::Relaxed) {
+                return Err(shm_err(
+                    "complete",
+                    format!(
+                        "checksum mismatch on block {id} of transfer {}",
+                        self.transfer
+                    ),
+                ));
+            }
         }
-        Ok(out)
+        Ok(())
     }
 }
 
-/// Writes into pool files on this host; keeps each file mapped.
+impl Drop for Armed {
+    fn drop(&mut self) {
+        let Ok(controls) = self
+            .ids
+            .iter()
+            .map(|&id| self.arena.control(id))
+            .collect::<Result<Vec<_>, _>>()
+        else {
+            return;
+        };
+        for c in &controls {
+            let _ = c[TAG].compare_exchange(self.tag, 0, Ordering::SeqCst, Ordering::SeqCst);
+        }
+        let deadline = Instant::now() + REVOKE_WAIT;
+        for (c, id) in controls.iter().zip(&self.ids) {
+            while c[STATE].load(Ordering::SeqCst) >= WRITING {
+                if Instant::now() > deadline {
+                    // A sender that died mid-copy leaves its mark for ever;
+                    // one still alive this long after is stuck all the same.
+                    tracing::warn!(transfer = %self.transfer, block = id, "a KV shm writer is still inside a revoked block");
+                    break;
+                }
+                std::thread::yield_now();
+            }
+        }
+    }
+}
+
+/// A mapped arena file and its geometry.
+#[derive(Debug)]
+struct Mapped {
+    map: MmapRaw,
+    geometry: ArenaGeometry,
+}
+
+// The geometry is read once; the mapping is shared memory written only
+// through raw pointers and atomics.
+
+/// Writes into decode engines' KV files on this host; keeps each mapped.
 #[derive(Debug, Default)]
 pub struct ShmSender {
     mapped: Mutex<HashMap<String, Arc<Mapped>>>,
+}
+
+fn is_arena_path(path: &str) -> bool {
+    Path::new(path)
+        .file_name()
+        .and_then(|n| n.to_str())
+        .is_some_and(|n| n.starts_with("sluice-kv-"))
 }
 
 impl ShmSender {
@@ -511,19 +229,23 @@ impl ShmSender {
         if let Some(m) = self.mapped.lock().get(path) {
             return Ok(Arc::clone(m));
         }
-        if !is_pool_path(path) {
-            return Err(shm_err("open", format!("{path} is not a KV pool file")));
+        if !is_arena_path(path) {
+            return Err(shm_err("open", format!("{path} is not a KV arena file")));
         }
         let file = OpenOptions::new()
             .read(true)
             .write(true)
             .open(path)
             .map_err(|e| shm_err(&format!("open {path}"), e))?;
-        let map = memmap2::MmapOptions::new()
-            .populate()
-            .map_raw(&file)
-            .map_err(|e| shm_err("map", e))?;
-        let m = Arc::new(Mapped::open(map)?);
+        let map = MmapRaw::map_raw(&file).map_err(|e| shm_err("map", e))?;
+        if map.len() < arena::HEADER_BYTES {
+            return Err(shm_err("open", format!("{path} is too short")));
+        }
+        // SAFETY: the header lies within the mapping; plain bytes.
+        let header = unsafe { std::slice::from_raw_parts(map.as_ptr(), arena::HEADER_BYTES) };
+        let geometry =
+            ArenaGeometry::from_header(header, map.len()).map_err(|e| shm_err(path, e))?;
+        let m = Arc::new(Mapped { map, geometry });
         let mut cache = self.mapped.lock();
         if cache.len() >= MAX_MAPPED {
             cache.clear();
@@ -533,11 +255,45 @@ impl ShmSender {
     }
 }
 
-fn is_pool_path(path: &str) -> bool {
-    Path::new(path)
-        .file_name()
-        .and_then(|n| n.to_str())
-        .is_some_and(|n| n.starts_with(FILE_PREFIX))
+/// Writes `blocks` of the transfer tagged `tag` into the mapped arena.
+fn write_blocks(m: &Mapped, transfer_id: &str, blocks: &[Block]) -> Result<u32, WorkerError> {
+    let g = &m.geometry;
+    let tag = tag_of(transfer_id);
+    let base = m.map.as_mut_ptr();
+    let chunk = g.chunk_bytes();
+    for b in blocks {
+        // SAFETY: `b.id` was checked against the geometry by the caller; the
+        // mapping lives in `m`.
+        let c = unsafe { control(base, g, b.id) };
+        c[STATE].fetch_add(WRITING, Ordering::SeqCst);
+        if c[TAG].load(Ordering::SeqCst) != tag {
+            c[STATE].fetch_sub(WRITING, Ordering::SeqCst);
+            return Err(shm_err(
+                "write",
+                format!(
+                    "transfer {transfer_id} no longer expects block {} (cancelled or timed out)",
+                    b.id
+                ),
+            ));
+        }
+        for (slab, part) in b.data.chunks_exact(chunk).enumerate() {
+            // SAFETY: the block's part lies within the mapping (id checked,
+            // `part` is one chunk); the receiver armed this block for this
+            // transfer and cannot reuse it while we are inside (see the
+            // module docs).
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    part.as_ptr(),
+                    base.add(g.chunk_offset(slab, b.id)),
+                    chunk,
+                )
+            };
+        }
+        c[CHECKSUM].store(b.checksum, Ordering::Relaxed);
+        c[STATE].fetch_or(WRITTEN, Ordering::Release);
+        c[STATE].fetch_sub(WRITING, Ordering::SeqCst);
+    }
+    Ok(blocks.len() as u32)
 }
 
 #[tonic::async_trait]
@@ -546,9 +302,9 @@ impl KvSender for ShmSender {
         TransportKind::Shm
     }
 
-    /// Only pool files visible on this host.
+    /// Only arena files visible on this host.
     fn accepts(&self, region: &pb::Region) -> bool {
-        is_pool_path(&region.address)
+        is_arena_path(&region.address)
             && (self.mapped.lock().contains_key(&region.address)
                 || Path::new(&region.address).is_file())
     }
@@ -560,53 +316,30 @@ impl KvSender for ShmSender {
         blocks: Vec<Block>,
     ) -> Result<u32, WorkerError> {
         let m = self.open(&region.address)?;
-        let (first, n) = m.run(region)?;
-        if blocks.len() > n {
-            return Err(shm_err(
-                "write",
-                format!("{} blocks for a run of {n}", blocks.len()),
-            ));
-        }
-        if let Some(b) = blocks.iter().find(|b| b.data.len() != m.block_bytes) {
+        let g = m.geometry;
+        if let Some(b) = blocks
+            .iter()
+            .find(|b| b.id as usize >= g.num_blocks || b.data.len() != g.layout.block_bytes())
+        {
             return Err(shm_err(
                 "write",
                 format!(
-                    "block {} has {} bytes, the pool's slots {}",
+                    "block {} ({} bytes) does not fit an arena of {} blocks of {} bytes",
                     b.id,
                     b.data.len(),
-                    m.block_bytes
+                    g.num_blocks,
+                    g.layout.block_bytes()
                 ),
             ));
         }
-        let tag = xxh3_64(transfer_id.as_bytes());
         // Large copies leave the runtime's threads alone.
-        let m2 = Arc::clone(&m);
-        let write = move || {
-            for (i, b) in blocks.iter().enumerate() {
-                let slot = first + i;
-                // SAFETY: the run is within the pool (checked by `run`), each
-                // block is exactly one slot long (checked above).
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        b.data.as_ptr(),
-                        m2.ptr(m2.data_off + slot * m2.block_bytes, m2.block_bytes),
-                        m2.block_bytes,
-                    );
-                }
-                let entry = m2.table_off + slot * ENTRY;
-                m2.write_u64(entry, tag);
-                m2.write_u64(entry + 8, b.checksum);
-                m2.write_u32(entry + 16, b.id);
-                m2.state(slot).store(1, Ordering::Release);
-            }
-            blocks.len() as u32
-        };
-        if n >= super::BLOCKING_COPY_BLOCKS {
-            tokio::task::spawn_blocking(write)
+        if blocks.len() >= super::BLOCKING_COPY_BLOCKS {
+            let id = transfer_id.to_string();
+            tokio::task::spawn_blocking(move || write_blocks(&m, &id, &blocks))
                 .await
-                .map_err(|e| shm_err("write task", e))
+                .map_err(|e| shm_err("write task", e))?
         } else {
-            Ok(write())
+            write_blocks(&m, transfer_id, &blocks)
         }
     }
 }

@@ -6,9 +6,9 @@
 //! the block count), one `BLOCK` per block, `END`; the receiver answers with
 //! an ack (magic, status, blocks written, message length, message). The
 //! sender gathers headers and payloads into vectored writes (no staging
-//! copy); the receiver reads each payload straight into the buffer that goes
-//! to the engine, and overlaps the engine write of one batch with reading
-//! the next. A refusal (unknown transfer, wrong size, checksum mismatch)
+//! copy); the receiver reads each payload into one cache-resident buffer per
+//! connection, checks it and copies it into its block of the engine's KV
+//! memory. A refusal (unknown transfer, wrong size, checksum mismatch)
 //! is acked with its reason and the connection closed. Connections are kept
 //! for the next transfer to the same receiver.
 
@@ -22,11 +22,10 @@ use parking_lot::Mutex;
 use sluice_proto::kv::v1 as pb;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::task::JoinHandle;
 
-use super::{
-    Block, Inbound, KvSender, Receiver, Registration, TransferSpec, TransportKind, WRITE_BATCH,
-};
+use xxhash_rust::xxh3::xxh3_64;
+
+use super::{Block, Inbound, KvSender, Receiver, Registration, TransferSpec, TransportKind};
 use crate::error::WorkerError;
 
 /// `SLKV`, little-endian.
@@ -188,6 +187,7 @@ pub(crate) async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
     mut stream: S,
     receiver: Arc<Receiver>,
 ) -> std::io::Result<()> {
+    let mut buf = Vec::new();
     loop {
         let mut raw = [0u8; HEADER_LEN];
         match stream.read_exact(&mut raw).await {
@@ -197,7 +197,7 @@ pub(crate) async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
         }
         let outcome = match Header::decode(&raw) {
             Ok(h) if h.kind == KIND_BEGIN && h.len as usize <= MAX_ID_LEN => {
-                receive_transfer(&mut stream, &receiver, h).await
+                receive_transfer(&mut stream, &receiver, h, &mut buf).await
             }
             Ok(h) => Err(Refusal::Protocol(format!(
                 "expected BEGIN, got frame kind {}",
@@ -240,16 +240,16 @@ async fn receive_transfer<S: AsyncRead + Unpin>(
     stream: &mut S,
     receiver: &Arc<Receiver>,
     begin: Header,
+    buf: &mut Vec<u8>,
 ) -> Result<u32, Refusal> {
     let mut id = vec![0u8; begin.len as usize];
     stream.read_exact(&mut id).await?;
     let id =
         String::from_utf8(id).map_err(|_| Refusal::Protocol("transfer id is not UTF-8".into()))?;
-    let (block_bytes, _) = receiver.lookup(&id)?;
-    let mut written = 0usize;
-    let mut batch: Vec<Block> = Vec::with_capacity(WRITE_BATCH);
-    // One engine write in flight while the next batch is read.
-    let mut inflight: Option<JoinHandle<Result<usize, WorkerError>>> = None;
+    let target = receiver.target(&id)?;
+    let block_bytes = target.block_bytes();
+    buf.resize(block_bytes, 0);
+    let mut written = 0u32;
     loop {
         let mut raw = [0u8; HEADER_LEN];
         stream.read_exact(&mut raw).await?;
@@ -262,28 +262,18 @@ async fn receive_transfer<S: AsyncRead + Unpin>(
                         h.block_id, h.len
                     )));
                 }
-                let mut data = Vec::with_capacity(block_bytes);
-                let mut limited = (&mut *stream).take(block_bytes as u64);
-                while data.len() < block_bytes {
-                    if limited.read_buf(&mut data).await? == 0 {
-                        return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
-                    }
+                // One reused buffer per connection: the block stays in cache
+                // from the socket read through the checksum to its copy into
+                // the engine's KV memory.
+                stream.read_exact(buf).await?;
+                if xxh3_64(buf) != h.checksum {
+                    return Err(Refusal::Protocol(format!(
+                        "checksum mismatch on block {} of transfer {id}",
+                        h.block_id
+                    )));
                 }
-                let block = Block {
-                    id: h.block_id,
-                    checksum: h.checksum,
-                    data,
-                };
-                // Checked now, while the bytes are in cache.
-                super::verify(&id, std::slice::from_ref(&block))?;
-                batch.push(block);
-                if batch.len() == WRITE_BATCH {
-                    if let Some(prev) = inflight.take() {
-                        written += super::join_write(prev).await?;
-                    }
-                    let (r, id, b) = (Arc::clone(receiver), id.clone(), std::mem::take(&mut batch));
-                    inflight = Some(tokio::spawn(async move { r.write_verified(&id, b).await }));
-                }
+                target.write(h.block_id, buf).await?;
+                written += 1;
             }
             KIND_END => break,
             other => {
@@ -293,13 +283,7 @@ async fn receive_transfer<S: AsyncRead + Unpin>(
             }
         }
     }
-    if let Some(prev) = inflight.take() {
-        written += super::join_write(prev).await?;
-    }
-    if !batch.is_empty() {
-        written += receiver.write_verified(&id, batch).await?;
-    }
-    Ok(written as u32)
+    Ok(written)
 }
 
 async fn write_ack<W: AsyncWrite + Unpin>(

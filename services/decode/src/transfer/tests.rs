@@ -4,15 +4,27 @@
 
 use std::sync::Arc;
 
+use sluice_engine::backend::{Backend, KvBacking, arena};
 use sluice_engine::{EngineConfig, EngineHandle, MockerBackend, MockerConfig, SchedulerConfig};
 use sluice_proto::kv::v1 as pb;
 
-use super::shm::{ShmInbound, ShmSender};
+use super::shm::ShmSender;
 use super::tcp::{Header, TcpSender};
 use super::*;
 
+/// A mocker engine whose KV memory is a shared arena (as a decode worker
+/// offering `shm` has).
 fn engine(num_blocks: usize) -> EngineHandle {
-    let backend = MockerBackend::new(MockerConfig {
+    engine_in(num_blocks, &KvBacking::Shared(arena::shm_dir()))
+}
+
+/// A mocker engine without an arena: transports go through the engine thread.
+fn engine_without_arena(num_blocks: usize) -> EngineHandle {
+    engine_in(num_blocks, &KvBacking::Private)
+}
+
+fn engine_in(num_blocks: usize, backing: &KvBacking) -> EngineHandle {
+    let mut backend = MockerBackend::new(MockerConfig {
         num_blocks,
         num_layers: 2,
         num_kv_heads: 2,
@@ -20,6 +32,9 @@ fn engine(num_blocks: usize) -> EngineHandle {
         ..MockerConfig::default()
     })
     .expect("mocker config");
+    if *backing != KvBacking::Private {
+        backend.set_kv_backing(backing).expect("shared KV memory");
+    }
     EngineHandle::spawn(
         Box::new(backend),
         EngineConfig {
@@ -61,14 +76,11 @@ fn blocks_for(ids: &[u32], block_bytes: usize, seed: u8) -> Vec<Block> {
         .collect()
 }
 
-async fn receiver_with(kinds: &[TransportKind], engine: &EngineHandle) -> Arc<Receiver> {
+async fn receiver_with(kinds: &[TransportKind], _engine: &EngineHandle) -> Arc<Receiver> {
     let cfg = ReceiverConfig {
         transports: kinds.to_vec(),
         endpoint: "127.0.0.1:1".into(),
         tcp_listen: Some("127.0.0.1:0".parse().expect("addr")),
-        shm_pool_bytes: 64 << 20,
-        block_bytes: engine.kv_layout().block_bytes(),
-        num_blocks: engine.num_blocks(),
     };
     start_receiver(
         &cfg,
@@ -90,7 +102,10 @@ fn region(regions: &[pb::Region], kind: TransportKind) -> pb::Region {
 /// Reserves a slot, sends its blocks over `sender`, completes the transfer,
 /// and checks the engine holds exactly the bytes sent.
 async fn round_trip(kind: TransportKind, sender: &dyn KvSender) {
-    let e = engine(64);
+    round_trip_on(engine(64), kind, sender).await
+}
+
+async fn round_trip_on(e: EngineHandle, kind: TransportKind, sender: &dyn KvSender) {
     let receiver = receiver_with(&[kind], &e).await;
     let slot = e.reserve_remote(request(5, 1)).await.expect("slot");
     let ids = slot.block_ids().to_vec();
@@ -115,6 +130,13 @@ async fn round_trip(kind: TransportKind, sender: &dyn KvSender) {
 #[tokio::test]
 async fn tcp_writes_blocks_into_the_reserved_slot() {
     round_trip(TransportKind::Tcp, &TcpSender::default()).await;
+}
+
+#[tokio::test]
+async fn tcp_writes_through_an_engine_without_an_arena() {
+    let e = engine_without_arena(64);
+    assert!(e.kv_arena().is_none());
+    round_trip_on(e, TransportKind::Tcp, &TcpSender::default()).await;
 }
 
 #[tokio::test]
@@ -215,10 +237,8 @@ async fn shm_refuses_a_checksum_mismatch() {
 #[tokio::test]
 async fn shm_never_passes_stale_bytes_of_an_earlier_transfer() {
     let e = engine(64);
-    let dir = tempfile::tempdir().expect("dir");
+    let receiver = receiver_with(&[TransportKind::Shm], &e).await;
     let block_bytes = e.kv_layout().block_bytes();
-    let shm = Arc::new(ShmInbound::create_in(dir.path(), 8 << 20, block_bytes, 64).expect("pool"));
-    let receiver = Arc::new(Receiver::new(vec![shm.clone() as Arc<dyn Inbound>]));
     let slot = e.reserve_remote(request(2, 5)).await.expect("slot");
     let ids = slot.block_ids().to_vec();
     {
@@ -233,9 +253,9 @@ async fn shm_never_passes_stale_bytes_of_an_earlier_transfer() {
             )
             .await
             .expect("written");
-        assert_eq!(exp.finish("shm").await.expect("collected"), 2);
+        assert_eq!(exp.finish("shm").await.expect("checked"), 2);
     }
-    // The same run is handed out again; nothing is written this time.
+    // The same blocks are armed again; nothing is written this time.
     let (exp, _) = receiver
         .expect("second", e.clone(), slot.id(), ids.clone(), true)
         .expect("registered");
@@ -244,50 +264,42 @@ async fn shm_never_passes_stale_bytes_of_an_earlier_transfer() {
 }
 
 #[tokio::test]
-async fn shm_frees_its_run_when_the_transfer_ends_and_its_file_when_dropped() {
+async fn shm_writes_of_a_forgotten_transfer_are_refused_before_they_land() {
     let e = engine(64);
-    let dir = tempfile::tempdir().expect("dir");
-    let shm = Arc::new(
-        ShmInbound::create_in(dir.path(), 8 << 20, e.kv_layout().block_bytes(), 10).expect("pool"),
+    let receiver = receiver_with(&[TransportKind::Shm], &e).await;
+    let block_bytes = e.kv_layout().block_bytes();
+    let slot = e.reserve_remote(request(3, 6)).await.expect("slot");
+    let ids = slot.block_ids().to_vec();
+    let before = e.read_blocks(ids.clone()).await.expect("read");
+    let (exp, regions) = receiver
+        .expect("gone", e.clone(), slot.id(), ids.clone(), true)
+        .expect("registered");
+    drop(exp); // timed out or cancelled on the decode side
+    let err = ShmSender::default()
+        .write(
+            &region(&regions, TransportKind::Shm),
+            "gone",
+            blocks_for(&ids, block_bytes, 4),
+        )
+        .await
+        .expect_err("revoked");
+    assert!(err.to_string().contains("no longer expects"), "{err}");
+    assert_eq!(
+        e.read_blocks(ids).await.expect("read"),
+        before,
+        "nothing landed"
     );
-    let path = shm.path().expect("created now").to_path_buf();
-    assert!(path.exists());
-    let receiver = Arc::new(Receiver::new(vec![shm.clone() as Arc<dyn Inbound>]));
-    let (a, ra) = receiver
-        .expect("a", e.clone(), 1, (0..6).collect(), true)
-        .expect("registered");
-    assert_eq!((ra.len(), shm.free_slots()), (1, 4));
-    // No run of 6 is left: shm is not offered, nothing fails.
-    let (_b, rb) = receiver
-        .expect("b", e.clone(), 2, (6..12).collect(), true)
-        .expect("registered");
-    assert!(rb.is_empty());
-    drop(a);
-    assert_eq!(shm.free_slots(), 10);
-    drop((receiver, _b));
-    drop(shm);
-    assert!(!path.exists(), "pool file removed");
 }
 
 #[tokio::test]
-async fn shm_pool_is_created_on_first_use_only() {
-    let e = engine(16);
-    let dir = tempfile::tempdir().expect("dir");
-    let block_bytes = e.kv_layout().block_bytes();
-    let shm = Arc::new(ShmInbound::lazy_in(dir.path(), 8 << 20, block_bytes, 16).expect("spec"));
-    let receiver = Arc::new(Receiver::new(vec![shm.clone() as Arc<dyn Inbound>]));
-    let (_x, remote) = receiver
-        .expect("x", e.clone(), 1, vec![1], false)
+async fn shm_is_not_offered_without_a_shared_arena() {
+    let e = engine_without_arena(16);
+    let receiver = receiver_with(&[TransportKind::Shm, TransportKind::Tcp], &e).await;
+    let (_x, regions) = receiver
+        .expect("x", e.clone(), 1, vec![1], true)
         .expect("registered");
-    assert!(
-        remote.is_empty() && shm.path().is_none(),
-        "nothing for another host"
-    );
-    let (_y, local) = receiver
-        .expect("y", e.clone(), 1, vec![1], true)
-        .expect("registered");
-    assert_eq!(local.len(), 1);
-    assert!(shm.path().is_some_and(|p| p.exists()));
+    let kinds: Vec<i32> = regions.iter().map(|r| r.transport).collect();
+    assert_eq!(kinds, vec![pb::Transport::Tcp as i32]);
 }
 
 #[tokio::test]
