@@ -86,11 +86,14 @@ async fn broken_shm_and_tcp_transfers_fall_back_to_local_prefill_with_the_same_t
     let local = local_reference(&prompt).await?;
     for kind in [TransportKind::Shm, TransportKind::Tcp] {
         for fault in [Fault::CorruptBlocks, Fault::DropBlocks] {
-            let mesh = Mesh::start(MeshOptions {
+            let mut opts = MeshOptions {
                 prefill_fault: Some(fault),
                 ..disagg(&[kind])
-            })
-            .await?;
+            };
+            // shm checks only whether every block was written, unless asked
+            // to verify checksums too.
+            opts.worker.kv_shm_checksums = fault == Fault::CorruptBlocks;
+            let mesh = Mesh::start(opts).await?;
             let v = mesh.complete_tokens(&prompt, 16).await?;
             assert_eq!(
                 v["choices"][0]["text"], local["choices"][0]["text"],

@@ -2,15 +2,15 @@
 //! two baselines measured in the same run: `memcpy` of the same bytes into
 //! one buffer, and raw loopback TCP (the same bytes through one connection,
 //! one-byte reply). Every transport run is the whole path a remote prefill
-//! takes on the decode side's behalf: sender checksums, the transport, the
-//! receiver's checks and the write into a real engine's reserved slot
-//! (mocker backend, so the engine's own copy is included; `engine` is that
-//! last step alone, the floor every transport shares; `shm_write` is the
-//! one-sided write alone, without collection, and `shm_copy` the same with
-//! the sender's checksums computed beforehand). Blocks have the
-//! built-in model's geometry (4 layers, 4 KV heads, head_dim 64, 16 tokens,
-//! f32: 128 KiB). Prints a table at the end; goals: shm ≥ 80% of memcpy,
-//! tcp ≥ 70% of raw loopback.
+//! takes on the decode side's behalf, from the sender's blocks (fresh
+//! buffers, as `read_blocks` gives them; `memcpy` copies from fresh buffers
+//! too, `memcpy_hot` from the same ones every time): the checksums the
+//! region asks for, the transport, the receiver's checks, and the blocks in
+//! a real engine's KV memory (mocker backend with a shared arena, as a
+//! decode worker offering `shm` has). `engine` is the receiver's
+//! verify-and-copy alone. Blocks have the built-in model's geometry (4
+//! layers, 4 KV heads, head_dim 64, 16 tokens, f32: 128 KiB). Prints a
+//! table at the end; goals: shm ≥ 80% of memcpy, tcp ≥ 70% of raw loopback.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -97,6 +97,8 @@ fn payload(n: usize, block_bytes: usize) -> Vec<Vec<u8>> {
 struct DecodeSide {
     engine: EngineHandle,
     receiver: Arc<Receiver>,
+    /// The same engine's `shm` with `--kv-shm-checksums`.
+    checking: Arc<Receiver>,
 }
 
 async fn decode_side() -> DecodeSide {
@@ -111,12 +113,25 @@ async fn decode_side() -> DecodeSide {
             transports: vec![TransportKind::Shm, TransportKind::Tcp, TransportKind::Grpc],
             endpoint: bound.to_string(),
             tcp_listen: None,
+            shm_checksums: false,
         },
         bound,
         shutdown.clone(),
     )
     .await
     .expect("receiver");
+    let checking = start_receiver(
+        &ReceiverConfig {
+            transports: vec![TransportKind::Shm],
+            endpoint: bound.to_string(),
+            tcp_listen: None,
+            shm_checksums: true,
+        },
+        bound,
+        shutdown.clone(),
+    )
+    .await
+    .expect("checking receiver");
     let server = sluice_runtime::grpc::GrpcServer::new()
         .expect("grpc server")
         .add_service(
@@ -126,7 +141,11 @@ async fn decode_side() -> DecodeSide {
             .max_decoding_message_size(256 << 20),
         );
     tokio::spawn(server.serve(listener, shutdown));
-    DecodeSide { engine, receiver }
+    DecodeSide {
+        engine,
+        receiver,
+        checking,
+    }
 }
 
 /// One registered transfer of `n` blocks, reused for every iteration.
@@ -139,6 +158,10 @@ struct Transfer {
 }
 
 async fn transfer(side: &DecodeSide, n: usize, salt: u32) -> Transfer {
+    transfer_on(side, &side.receiver, n, salt).await
+}
+
+async fn transfer_on(side: &DecodeSide, receiver: &Arc<Receiver>, n: usize, salt: u32) -> Transfer {
     let req = sluice_engine::Request {
         request_id: format!("bench-{salt}"),
         prompt: (0..n as u32 * 16)
@@ -151,8 +174,7 @@ async fn transfer(side: &DecodeSide, n: usize, salt: u32) -> Transfer {
     let ids = slot.block_ids()[slot.skip_blocks()..].to_vec();
     assert_eq!(ids.len(), n, "fresh prompt, nothing cached");
     let id = format!("bench-{salt}");
-    let (exp, regions) = side
-        .receiver
+    let (exp, regions) = receiver
         .expect(&id, side.engine.clone(), slot.id(), ids.clone(), true)
         .expect("registered");
     Transfer {
@@ -192,7 +214,26 @@ fn main() {
         let mut buf = vec![0u8; bytes + 8192];
         let skew = (data[0].as_ptr() as usize + 2048).wrapping_sub(buf.as_ptr() as usize) % 4096;
         let dst = &mut buf[skew..skew + bytes];
+        // From fresh copies of the blocks, as every transport gets them
+        // (the prefill worker's `read_blocks` makes new buffers), and from
+        // the same long-lived buffers every time (`memcpy_hot`).
         g.bench_function("memcpy", |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    let copies = data.clone();
+                    let t = Instant::now();
+                    for (i, d) in copies.iter().enumerate() {
+                        dst[i * block_bytes..(i + 1) * block_bytes].copy_from_slice(d);
+                    }
+                    std::hint::black_box(&mut *dst);
+                    total += t.elapsed();
+                }
+                results.add("memcpy", n, total, iters);
+                total
+            })
+        });
+        g.bench_function("memcpy_hot", |b| {
             b.iter_custom(|iters| {
                 let t = Instant::now();
                 for _ in 0..iters {
@@ -202,7 +243,7 @@ fn main() {
                     std::hint::black_box(&mut *dst);
                 }
                 let e = t.elapsed();
-                results.add("memcpy", n, e, iters);
+                results.add("memcpy_hot", n, e, iters);
                 e
             })
         });
@@ -259,32 +300,50 @@ fn main() {
             })
         });
 
-        let senders: [(TransportKind, Box<dyn KvSender>); 3] = [
-            (TransportKind::Shm, Box::new(ShmSender::default())),
-            (TransportKind::Tcp, Box::new(TcpSender::default())),
-            (TransportKind::Grpc, Box::new(GrpcSender::default())),
+        let senders: [(&str, TransportKind, Box<dyn KvSender>); 4] = [
+            ("shm", TransportKind::Shm, Box::new(ShmSender::default())),
+            (
+                "shm_xxh3",
+                TransportKind::Shm,
+                Box::new(ShmSender::default()),
+            ),
+            ("tcp", TransportKind::Tcp, Box::new(TcpSender::default())),
+            ("grpc", TransportKind::Grpc, Box::new(GrpcSender::default())),
         ];
-        for (kind, sender) in senders {
+        for (series, kind, sender) in senders {
             salt += 1;
-            let t = rt.block_on(transfer(&side, n, salt));
+            let receiver = if series == "shm_xxh3" {
+                &side.checking
+            } else {
+                &side.receiver
+            };
+            let t = rt.block_on(transfer_on(&side, receiver, n, salt));
             let region = t
                 .regions
                 .iter()
                 .find(|r| r.transport == kind.to_pb() as i32)
                 .cloned()
                 .expect("region offered");
-            g.bench_function(BenchmarkId::new(kind.as_str(), n), |b| {
+            let checked = sender.needs_checksums(&region);
+            g.bench_function(BenchmarkId::new(series, n), |b| {
                 b.iter_custom(|iters| {
                     let e = rt.block_on(async {
                         let mut total = Duration::ZERO;
                         for _ in 0..iters {
                             let copies = data.clone();
                             let start = Instant::now();
+                            // What the prefill worker does with its blocks.
                             let blocks: Vec<Block> = t
                                 .ids
                                 .iter()
                                 .zip(copies)
-                                .map(|(&id, d)| Block::new(id, d))
+                                .map(|(&id, d)| {
+                                    if checked {
+                                        Block::new(id, d)
+                                    } else {
+                                        Block::unchecked(id, d)
+                                    }
+                                })
                                 .collect();
                             let sent = sender.write(&region, &t.id, blocks).await.expect("written");
                             let done = t.exp.finish(kind.as_str()).await.expect("finished");
@@ -294,108 +353,44 @@ fn main() {
                         }
                         total
                     });
-                    results.add(kind.as_str(), n, e, iters);
+                    results.add(series, n, e, iters);
                     e
                 })
             });
         }
-        // The one-sided write alone (checksums and copies into the pool),
-        // without the receiver's collection and engine write.
-        salt += 1;
-        let t = rt.block_on(transfer(&side, n, salt));
-        let region = t
-            .regions
-            .iter()
-            .find(|r| r.transport == TransportKind::Shm.to_pb() as i32)
-            .cloned()
-            .expect("shm offered");
-        let sender = ShmSender::default();
-        g.bench_function("shm_write", |b| {
-            b.iter_custom(|iters| {
-                let e = rt.block_on(async {
-                    let mut total = Duration::ZERO;
-                    for _ in 0..iters {
-                        let copies = data.clone();
-                        let start = Instant::now();
-                        let blocks: Vec<Block> = t
-                            .ids
-                            .iter()
-                            .zip(copies)
-                            .map(|(&id, d)| Block::new(id, d))
-                            .collect();
-                        sender.write(&region, &t.id, blocks).await.expect("written");
-                        total += start.elapsed();
-                    }
-                    total
-                });
-                results.add("shm_write", n, e, iters);
-                e
-            })
-        });
-        // The same with checksums computed beforehand: the copy alone.
-        g.bench_function("shm_copy", |b| {
-            b.iter_custom(|iters| {
-                let e = rt.block_on(async {
-                    let mut total = Duration::ZERO;
-                    for _ in 0..iters {
-                        let blocks: Vec<Block> = t
-                            .ids
-                            .iter()
-                            .zip(data.clone())
-                            .map(|(&id, d)| Block::new(id, d))
-                            .collect();
-                        let start = Instant::now();
-                        sender.write(&region, &t.id, blocks).await.expect("written");
-                        total += start.elapsed();
-                    }
-                    total
-                });
-                results.add("shm_copy", n, e, iters);
-                e
-            })
-        });
         g.finish();
     }
 
     println!();
     println!(
-        "KV transfer, {} KiB blocks, GB/s. shm, tcp, grpc: end to end into the engine; \
-         engine: the receiver's engine write alone; shm_write: the one-sided write alone \
-         (with the sender's checksums); shm_copy: the same, checksums computed beforehand",
+        "KV transfer, {} KiB blocks, GB/s. memcpy: the same bytes from fresh buffers (as every \
+         transport gets them) into one buffer; memcpy_hot: from the same buffers every time; \
+         engine: the receiver's verify-and-copy into the KV memory alone; shm, tcp, grpc: end \
+         to end, from the sender's blocks to a completed transfer in the engine's KV memory; \
+         shm_xxh3: shm with --kv-shm-checksums",
         block_bytes / 1024
     );
     let header = [
-        "blocks",
-        "memcpy",
-        "tcp_raw",
-        "engine",
-        "shm_copy",
-        "%mcp",
-        "shm_write",
-        "%mcp",
-        "shm",
-        "%mcp",
-        "tcp",
-        "%raw",
-        "grpc",
+        "blocks", "memcpy", "mcp_hot", "tcp_raw", "engine", "shm", "%mcp", "%hot", "shm_xxh3",
+        "%mcp", "tcp", "%raw", "grpc",
     ];
     println!("{}", header.map(|h| format!("{h:>9}")).join(" "));
     for n in SIZES {
         let bytes = n * block_bytes;
         let g = |s: &str| results.gbps(s, n, bytes).unwrap_or(f64::NAN);
-        let (memcpy, raw) = (g("memcpy"), g("tcp_raw"));
+        let (memcpy, hot, raw) = (g("memcpy"), g("memcpy_hot"), g("tcp_raw"));
         let pct = |x: f64, of: f64| format!("{:>8.0}%", 100.0 * x / of);
         let row = [
             format!("{n:>9}"),
             format!("{memcpy:>9.2}"),
+            format!("{hot:>9.2}"),
             format!("{raw:>9.2}"),
             format!("{:>9.2}", g("engine")),
-            format!("{:>9.2}", g("shm_copy")),
-            pct(g("shm_copy"), memcpy),
-            format!("{:>9.2}", g("shm_write")),
-            pct(g("shm_write"), memcpy),
             format!("{:>9.2}", g("shm")),
             pct(g("shm"), memcpy),
+            pct(g("shm"), hot),
+            format!("{:>9.2}", g("shm_xxh3")),
+            pct(g("shm_xxh3"), memcpy),
             format!("{:>9.2}", g("tcp")),
             pct(g("tcp"), raw),
             format!("{:>9.2}", g("grpc")),

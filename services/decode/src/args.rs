@@ -119,6 +119,13 @@ pub struct WorkerArgs {
     /// listener's host, a free port).
     #[arg(long, env = "SLUICE_KV_TCP_LISTEN")]
     pub kv_tcp_listen: Option<std::net::SocketAddr>,
+
+    /// Decode workers: `shm` senders record a per-block XXH3 checksum and
+    /// completion verifies it (a pass over the blocks on each side; off by
+    /// default: a memory-to-memory copy is as safe as the memory, as with
+    /// RDMA). `tcp` and `grpc` always checksum.
+    #[arg(long, env = "SLUICE_KV_SHM_CHECKSUMS")]
+    pub kv_shm_checksums: bool,
 }
 
 impl Default for WorkerArgs {
@@ -141,6 +148,7 @@ impl Default for WorkerArgs {
             balance_scheduling: false,
             kv_transports: TransportKind::ALL.to_vec(),
             kv_tcp_listen: None,
+            kv_shm_checksums: false,
         }
     }
 }

@@ -7,10 +7,12 @@
 //! regions in preference order (`shm` when the prefill worker is on this
 //! host, then `rdma`, `tcp`, `grpc`). The prefill worker's [`Senders`] pick
 //! the first region whose transport it supports and write every block there
-//! ([`KvSender::write`]). Each block travels with an XXH3 checksum of its
-//! bytes; a checksum or layout mismatch, an unknown transfer or a block
-//! outside the slot is refused, and the decode worker falls back to local
-//! prefill.
+//! ([`KvSender::write`]). Blocks on streamed transports travel with an
+//! XXH3 checksum of their bytes (one-sided ones only with
+//! `--kv-shm-checksums`: memory-to-memory copies are as safe as the memory,
+//! and a verifying pass costs more than the copy); a checksum or layout
+//! mismatch, an unknown transfer, a block not written or outside the slot
+//! is refused, and the decode worker falls back to local prefill.
 //!
 //! Blocks land in the engine's KV memory itself (the [`KvArena`], when the
 //! backend has one), never in a staging buffer: streamed transports (`tcp`,
@@ -218,6 +220,16 @@ impl Block {
             data,
         }
     }
+
+    /// A block without a checksum (0), for a region that does not verify
+    /// them ([`KvSender::needs_checksums`]).
+    pub fn unchecked(id: u32, data: Vec<u8>) -> Self {
+        Self {
+            id,
+            checksum: 0,
+            data,
+        }
+    }
 }
 
 /// The sending side of one transport.
@@ -229,6 +241,12 @@ pub trait KvSender: Send + Sync + fmt::Debug {
     /// Whether this sender can write into `region` at all (cheap, writes
     /// nothing): e.g. `shm` only when the region's file is on this host.
     fn accepts(&self, _region: &pb::Region) -> bool {
+        true
+    }
+
+    /// Whether blocks written to `region` must carry their checksum
+    /// ([`Block::new`]); else [`Block::unchecked`] saves a pass over them.
+    fn needs_checksums(&self, _region: &pb::Region) -> bool {
         true
     }
 
@@ -599,6 +617,8 @@ pub struct ReceiverConfig {
     pub endpoint: String,
     /// Where the `tcp` listener binds; `None`: the gRPC host, port 0.
     pub tcp_listen: Option<std::net::SocketAddr>,
+    /// Whether `shm` writes carry checksums the receiver verifies.
+    pub shm_checksums: bool,
 }
 
 impl ReceiverConfig {
@@ -608,6 +628,7 @@ impl ReceiverConfig {
             transports: args.kv_transports.clone(),
             endpoint,
             tcp_listen: args.kv_tcp_listen,
+            shm_checksums: args.kv_shm_checksums,
         }
     }
 }
@@ -641,7 +662,9 @@ pub async fn start_receiver(
                 .await
                 .map(|t| Arc::new(t) as Arc<dyn Inbound>)
             }
-            TransportKind::Shm => Ok(Arc::new(shm::ShmInbound) as Arc<dyn Inbound>),
+            TransportKind::Shm => Ok(Arc::new(shm::ShmInbound {
+                checksums: cfg.shm_checksums,
+            }) as Arc<dyn Inbound>),
             // Never yielded by `available` yet (see `rdma::probe`).
             TransportKind::Rdma => continue,
         };

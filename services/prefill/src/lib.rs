@@ -22,7 +22,8 @@ use tracing::Instrument;
 /// Faults a test can inject into the sending side (any transport).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fault {
-    /// Flip a byte of every block after computing its checksum.
+    /// Flip a byte of every block after computing its checksum (on `shm`,
+    /// only a receiver with `--kv-shm-checksums` can tell).
     CorruptBlocks,
     /// Send nothing and report success.
     DropBlocks,
@@ -110,10 +111,17 @@ impl PrefillHandler for Handler {
         );
         let data = engine.read_blocks(src).await?;
         send_span.record("bytes", data.iter().map(Vec::len).sum::<usize>());
+        let checked = sender.needs_checksums(region);
         let mut blocks: Vec<Block> = dst
             .into_iter()
             .zip(data)
-            .map(|(id, d)| Block::new(id, d))
+            .map(|(id, d)| {
+                if checked {
+                    Block::new(id, d)
+                } else {
+                    Block::unchecked(id, d)
+                }
+            })
             .collect();
         let timeout = match dest.timeout_ms {
             0 => DEFAULT_TRANSFER_TIMEOUT,

@@ -18,8 +18,9 @@
 //!   reads `tag` — another tag means the transfer was revoked: it leaves
 //!   and fails —, copies, stores the block's checksum, sets bit 0
 //!   (written), and `state -= 1 << 32`;
-//! - the receiver, on completion, accepts a block only with its tag, the
-//!   written bit and bytes matching the checksum;
+//! - the receiver, on completion, accepts a block only with its tag and
+//!   the written bit (and, with `--kv-shm-checksums`, bytes matching the
+//!   checksum the sender recorded);
 //! - forgetting the transfer *revokes* it: `tag = 0`, then it waits until
 //!   no writer is inside (bounded) before the blocks can be reused.
 //!
@@ -89,7 +90,10 @@ unsafe fn control<'a>(base: *mut u8, g: &ArenaGeometry, id: u32) -> &'a [AtomicU
 /// The `shm` side of a decode worker: offers the engine's KV file to
 /// senders on this host.
 #[derive(Debug, Default)]
-pub struct ShmInbound;
+pub struct ShmInbound {
+    /// Whether senders record checksums and completion verifies them.
+    pub checksums: bool,
+}
 
 impl Inbound for ShmInbound {
     fn kind(&self) -> TransportKind {
@@ -118,11 +122,13 @@ impl Inbound for ShmInbound {
                 rkey: 0,
                 base_addr: 0,
                 length: arena.len() as u64,
+                checksums: self.checksums,
             },
             one_sided: Some(Arc::new(Armed {
                 arena: Arc::clone(arena),
                 ids: spec.writable.to_vec(),
                 tag,
+                verify: self.checksums,
                 transfer: spec.id.to_string(),
             })),
         }))
@@ -135,6 +141,7 @@ struct Armed {
     arena: Arc<KvArena>,
     ids: Vec<u32>,
     tag: u64,
+    verify: bool,
     transfer: String,
 }
 
@@ -159,7 +166,9 @@ impl OneSided for Armed {
                     ),
                 ));
             }
-            if block_checksum(self.arena.as_ptr(), g, id) != c[CHECKSUM].load(Ordering::Relaxed) {
+            if self.verify
+                && block_checksum(self.arena.as_ptr(), g, id) != c[CHECKSUM].load(Ordering::Relaxed)
+            {
                 return Err(shm_err(
                     "complete",
                     format!(
@@ -302,6 +311,10 @@ impl KvSender for ShmSender {
         TransportKind::Shm
     }
 
+    fn needs_checksums(&self, region: &pb::Region) -> bool {
+        region.checksums
+    }
+
     /// Only arena files visible on this host.
     fn accepts(&self, region: &pb::Region) -> bool {
         is_arena_path(&region.address)
@@ -332,12 +345,17 @@ impl KvSender for ShmSender {
                 ),
             ));
         }
-        // Large copies leave the runtime's threads alone.
+        // Large copies leave the runtime's threads alone; the blocks are
+        // freed after the answer is out (unmapping hundreds of buffers
+        // takes as long as copying them).
         if blocks.len() >= super::BLOCKING_COPY_BLOCKS {
             let id = transfer_id.to_string();
-            tokio::task::spawn_blocking(move || write_blocks(&m, &id, &blocks))
-                .await
-                .map_err(|e| shm_err("write task", e))?
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            tokio::task::spawn_blocking(move || {
+                let _ = tx.send(write_blocks(&m, &id, &blocks));
+                drop(blocks);
+            });
+            rx.await.map_err(|e| shm_err("write task", e))?
         } else {
             write_blocks(&m, transfer_id, &blocks)
         }

@@ -77,10 +77,15 @@ fn blocks_for(ids: &[u32], block_bytes: usize, seed: u8) -> Vec<Block> {
 }
 
 async fn receiver_with(kinds: &[TransportKind], _engine: &EngineHandle) -> Arc<Receiver> {
+    receiver_checking(kinds, false).await
+}
+
+async fn receiver_checking(kinds: &[TransportKind], shm_checksums: bool) -> Arc<Receiver> {
     let cfg = ReceiverConfig {
         transports: kinds.to_vec(),
         endpoint: "127.0.0.1:1".into(),
         tcp_listen: Some("127.0.0.1:0".parse().expect("addr")),
+        shm_checksums,
     };
     start_receiver(
         &cfg,
@@ -215,23 +220,51 @@ async fn tcp_refuses_an_unknown_transfer() {
 }
 
 #[tokio::test]
-async fn shm_refuses_a_checksum_mismatch() {
+async fn shm_refuses_a_checksum_mismatch_when_asked_to_check() {
     let e = engine(64);
-    let receiver = receiver_with(&[TransportKind::Shm], &e).await;
+    let receiver = receiver_checking(&[TransportKind::Shm], true).await;
     let slot = e.reserve_remote(request(2, 4)).await.expect("slot");
     let ids = slot.block_ids().to_vec();
     let (exp, regions) = receiver
         .expect("bad", e.clone(), slot.id(), ids.clone(), true)
         .expect("registered");
+    let r = region(&regions, TransportKind::Shm);
+    let sender = ShmSender::default();
+    assert!(r.checksums && sender.needs_checksums(&r));
     let mut blocks = blocks_for(&ids, e.kv_layout().block_bytes(), 1);
     blocks[0].data[0] ^= 0xff;
-    ShmSender::default()
-        .write(&region(&regions, TransportKind::Shm), "bad", blocks)
+    sender
+        .write(&r, "bad", blocks)
         .await
         .expect("one-sided writes are not checked by the writer");
-    let err = exp.finish("shm").await.expect_err("refused on collection");
+    let err = exp.finish("shm").await.expect_err("refused on completion");
     assert!(err.to_string().contains("checksum mismatch"), "{err}");
     assert_eq!(exp.written(), 0);
+}
+
+#[tokio::test]
+async fn shm_without_checksums_asks_for_none_and_completes_unchecked_blocks() {
+    let e = engine(64);
+    let receiver = receiver_with(&[TransportKind::Shm], &e).await;
+    let slot = e.reserve_remote(request(2, 8)).await.expect("slot");
+    let ids = slot.block_ids().to_vec();
+    let (exp, regions) = receiver
+        .expect("fast", e.clone(), slot.id(), ids.clone(), true)
+        .expect("registered");
+    let r = region(&regions, TransportKind::Shm);
+    let sender = ShmSender::default();
+    assert!(!r.checksums && !sender.needs_checksums(&r));
+    let blocks: Vec<Block> = blocks_for(&ids, e.kv_layout().block_bytes(), 2)
+        .into_iter()
+        .map(|b| Block::unchecked(b.id, b.data))
+        .collect();
+    sender
+        .write(&r, "fast", blocks.clone())
+        .await
+        .expect("written");
+    assert_eq!(exp.finish("shm").await.expect("complete"), 2);
+    let back = e.read_blocks(ids).await.expect("read back");
+    assert_eq!(back, blocks.into_iter().map(|b| b.data).collect::<Vec<_>>());
 }
 
 #[tokio::test]
