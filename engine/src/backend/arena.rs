@@ -342,6 +342,26 @@ impl KvArena {
         }
     }
 
+    /// Block `id`'s part in slab `slab` (`2·layer + kv`), `chunk_bytes()` long.
+    ///
+    /// # Safety
+    /// Nobody may write block `id` while the slice lives (a KV sender
+    /// reading the blocks of a finished prefill the engine holds for it).
+    pub unsafe fn block_part(&self, slab: usize, id: u32) -> Result<&[u8], EngineError> {
+        self.geometry.check_block(id)?;
+        if slab >= self.geometry.slabs() {
+            return Err(EngineError::InvalidRequest(format!(
+                "slab {slab} of {}",
+                self.geometry.slabs()
+            )));
+        }
+        let off = self.geometry.chunk_offset(slab, id);
+        // SAFETY: within the mapping; no writer meanwhile (the caller's).
+        Ok(unsafe {
+            std::slice::from_raw_parts(self.map.as_ptr().add(off), self.geometry.chunk_bytes())
+        })
+    }
+
     fn check_len(&self, len: usize) -> Result<(), EngineError> {
         let expected = self.geometry.layout.block_bytes();
         if len != expected {

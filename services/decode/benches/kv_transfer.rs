@@ -54,7 +54,17 @@ impl Results {
     }
 }
 
+/// A prefill worker's engine: KV memory of its own (private).
+fn source_engine() -> EngineHandle {
+    engine_in(&KvBacking::Private)
+}
+
 fn engine() -> EngineHandle {
+    // As a decode worker offering shm: KV memory in a shared file.
+    engine_in(&KvBacking::Shared(arena::shm_dir()))
+}
+
+fn engine_in(backing: &KvBacking) -> EngineHandle {
     let mut backend = MockerBackend::new(MockerConfig {
         num_layers: 4,
         num_kv_heads: 4,
@@ -64,10 +74,7 @@ fn engine() -> EngineHandle {
         ..MockerConfig::default()
     })
     .expect("mocker config");
-    // As a decode worker offering shm: KV memory in a shared file.
-    backend
-        .set_kv_backing(&KvBacking::Shared(arena::shm_dir()))
-        .expect("shared KV memory");
+    backend.set_kv_backing(backing).expect("KV memory");
     EngineHandle::spawn(
         Box::new(backend),
         EngineConfig {
@@ -161,16 +168,23 @@ async fn transfer(side: &DecodeSide, n: usize, salt: u32) -> Transfer {
     transfer_on(side, &side.receiver, n, salt).await
 }
 
-async fn transfer_on(side: &DecodeSide, receiver: &Arc<Receiver>, n: usize, salt: u32) -> Transfer {
-    let req = sluice_engine::Request {
+fn request(n: usize, salt: u32) -> sluice_engine::Request {
+    sluice_engine::Request {
         request_id: format!("bench-{salt}"),
         prompt: (0..n as u32 * 16)
             .map(|i| (i * 7 + salt * 7919) % 30_000 + 1)
             .collect(),
         sampling: sluice_engine::SamplingParams::default(),
         priority: 0,
-    };
-    let slot = side.engine.reserve_remote(req).await.expect("slot");
+    }
+}
+
+async fn transfer_on(side: &DecodeSide, receiver: &Arc<Receiver>, n: usize, salt: u32) -> Transfer {
+    let slot = side
+        .engine
+        .reserve_remote(request(n, salt))
+        .await
+        .expect("slot");
     let ids = slot.block_ids()[slot.skip_blocks()..].to_vec();
     assert_eq!(ids.len(), n, "fresh prompt, nothing cached");
     let id = format!("bench-{salt}");
@@ -199,6 +213,7 @@ fn main() {
         .configure_from_args();
     let results = Results::default();
     let side = rt.block_on(decode_side());
+    let source = source_engine();
     let block_bytes = side.engine.kv_layout().block_bytes();
     let mut salt = 0u32;
     for n in SIZES {
@@ -358,6 +373,54 @@ fn main() {
                 })
             });
         }
+        // The prefill worker's real path: straight from its engine's KV
+        // memory into the destination (no buffers in between).
+        salt += 1;
+        let t = rt.block_on(transfer(&side, n, salt));
+        let (src, pairs) = rt.block_on(async {
+            let held = source
+                .reserve_remote(request(n, salt))
+                .await
+                .expect("source slot");
+            let src_ids = held.block_ids().to_vec();
+            source
+                .write_blocks(
+                    held.id(),
+                    src_ids.iter().copied().zip(data.clone()).collect(),
+                )
+                .await
+                .expect("source blocks");
+            let pairs: Vec<(u32, u32)> = src_ids.into_iter().zip(t.ids.iter().copied()).collect();
+            (held, pairs)
+        });
+        let region = t
+            .regions
+            .iter()
+            .find(|r| r.transport == TransportKind::Shm.to_pb() as i32)
+            .cloned()
+            .expect("shm offered");
+        let sender = ShmSender::default();
+        let arena = source.kv_arena().expect("source KV memory").clone();
+        g.bench_function("shm_arena", |b| {
+            b.iter_custom(|iters| {
+                let e = rt.block_on(async {
+                    let start = Instant::now();
+                    for _ in 0..iters {
+                        let sent = sender
+                            .write_from(&region, &t.id, &arena, &pairs)
+                            .await
+                            .expect("shm copies from KV memory")
+                            .expect("written");
+                        let done = t.exp.finish("shm").await.expect("finished");
+                        assert_eq!((sent as usize, done), (n, n));
+                    }
+                    start.elapsed()
+                });
+                results.add("shm_arena", n, e, iters);
+                e
+            })
+        });
+        drop(src);
         g.finish();
     }
 
@@ -367,12 +430,26 @@ fn main() {
          transport gets them) into one buffer; memcpy_hot: from the same buffers every time; \
          engine: the receiver's verify-and-copy into the KV memory alone; shm, tcp, grpc: end \
          to end, from the sender's blocks to a completed transfer in the engine's KV memory; \
-         shm_xxh3: shm with --kv-shm-checksums",
+         shm_xxh3: shm with --kv-shm-checksums; shm_arena: shm the way a prefill worker \
+         sends, from its engine's KV memory (long-lived, compared with memcpy_hot)",
         block_bytes / 1024
     );
     let header = [
-        "blocks", "memcpy", "mcp_hot", "tcp_raw", "engine", "shm", "%mcp", "%hot", "shm_xxh3",
-        "%mcp", "tcp", "%raw", "grpc",
+        "blocks",
+        "memcpy",
+        "mcp_hot",
+        "tcp_raw",
+        "engine",
+        "shm",
+        "%mcp",
+        "%hot",
+        "shm_xxh3",
+        "%mcp",
+        "shm_arena",
+        "%hot",
+        "tcp",
+        "%raw",
+        "grpc",
     ];
     println!("{}", header.map(|h| format!("{h:>9}")).join(" "));
     for n in SIZES {
@@ -391,6 +468,8 @@ fn main() {
             pct(g("shm"), hot),
             format!("{:>9.2}", g("shm_xxh3")),
             pct(g("shm_xxh3"), memcpy),
+            format!("{:>9.2}", g("shm_arena")),
+            pct(g("shm_arena"), hot),
             format!("{:>9.2}", g("tcp")),
             pct(g("tcp"), raw),
             format!("{:>9.2}", g("grpc")),

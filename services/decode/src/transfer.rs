@@ -250,6 +250,19 @@ pub trait KvSender: Send + Sync + fmt::Debug {
         true
     }
 
+    /// Writes blocks straight from the sender engine's KV memory `src`:
+    /// `pairs` of (source block, destination block). `None`: this transport
+    /// cannot; the caller reads the blocks out and calls [`KvSender::write`].
+    async fn write_from(
+        &self,
+        _region: &pb::Region,
+        _transfer_id: &str,
+        _src: &Arc<KvArena>,
+        _pairs: &[(u32, u32)],
+    ) -> Option<Result<u32, WorkerError>> {
+        None
+    }
+
     /// Writes `blocks` of `transfer_id` into `region`; returns the blocks the
     /// receiver took (streamed transports) or wrote (one-sided ones).
     async fn write(

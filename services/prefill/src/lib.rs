@@ -109,25 +109,38 @@ impl PrefillHandler for Handler {
             blocks = src.len(),
             bytes = tracing::field::Empty
         );
-        let data = engine.read_blocks(src).await?;
-        send_span.record("bytes", data.iter().map(Vec::len).sum::<usize>());
-        let checked = sender.needs_checksums(region);
-        let mut blocks: Vec<Block> = dst
-            .into_iter()
-            .zip(data)
-            .map(|(id, d)| {
-                if checked {
-                    Block::new(id, d)
-                } else {
-                    Block::unchecked(id, d)
-                }
-            })
-            .collect();
         let timeout = match dest.timeout_ms {
             0 => DEFAULT_TRANSFER_TIMEOUT,
             ms => Duration::from_millis(u64::from(ms)),
         };
         let send = async {
+            // Straight from this engine's KV memory into the destination
+            // when the transport can (shm); faults need blocks in hand.
+            if self.fault.is_none()
+                && let Some(arena) = engine.kv_arena()
+            {
+                let pairs: Vec<(u32, u32)> = src.iter().copied().zip(dst.iter().copied()).collect();
+                let direct = sender.write_from(region, &dest.transfer_id, arena, &pairs);
+                if let Some(r) = direct.await {
+                    tracing::Span::current()
+                        .record("bytes", pairs.len() * engine.kv_layout().block_bytes());
+                    return r;
+                }
+            }
+            let data = engine.read_blocks(src).await?;
+            tracing::Span::current().record("bytes", data.iter().map(Vec::len).sum::<usize>());
+            let checked = sender.needs_checksums(region);
+            let mut blocks: Vec<Block> = dst
+                .into_iter()
+                .zip(data)
+                .map(|(id, d)| {
+                    if checked {
+                        Block::new(id, d)
+                    } else {
+                        Block::unchecked(id, d)
+                    }
+                })
+                .collect();
             match self.fault {
                 Some(Fault::DropBlocks) => Ok(0),
                 Some(Fault::CorruptBlocks) => {

@@ -226,6 +226,45 @@ pub struct ShmSender {
     mapped: Mutex<HashMap<String, Arc<Mapped>>>,
 }
 
+impl ShmSender {
+    async fn copy_pairs(
+        &self,
+        region: &pb::Region,
+        transfer_id: &str,
+        src: &Arc<KvArena>,
+        pairs: &[(u32, u32)],
+    ) -> Result<u32, WorkerError> {
+        let m = self.open(&region.address)?;
+        let g = m.geometry;
+        if src.layout() != g.layout {
+            return Err(shm_err(
+                "write",
+                format!(
+                    "KV layout mismatch: receiver has {:?}, this worker has {:?}",
+                    g.layout,
+                    src.layout()
+                ),
+            ));
+        }
+        if let Some((_, d)) = pairs.iter().find(|(_, d)| *d as usize >= g.num_blocks) {
+            return Err(shm_err(
+                "write",
+                format!("block {d} is outside an arena of {} blocks", g.num_blocks),
+            ));
+        }
+        let checksums = region.checksums;
+        // Large copies leave the runtime's threads alone.
+        if pairs.len() >= super::BLOCKING_COPY_BLOCKS {
+            let (id, src, pairs) = (transfer_id.to_string(), Arc::clone(src), pairs.to_vec());
+            tokio::task::spawn_blocking(move || write_pairs(&m, &id, &src, &pairs, checksums))
+                .await
+                .map_err(|e| shm_err("write task", e))?
+        } else {
+            write_pairs(&m, transfer_id, src, pairs, checksums)
+        }
+    }
+}
+
 fn is_arena_path(path: &str) -> bool {
     Path::new(path)
         .file_name()
@@ -264,45 +303,91 @@ impl ShmSender {
     }
 }
 
-/// Writes `blocks` of the transfer tagged `tag` into the mapped arena.
-fn write_blocks(m: &Mapped, transfer_id: &str, blocks: &[Block]) -> Result<u32, WorkerError> {
+/// Writes one block of transfer `transfer_id` (tag `tag`) into destination
+/// block `dst`: `part(slab)` gives the source of each of its parts.
+fn write_one<'a>(
+    m: &Mapped,
+    transfer_id: &str,
+    tag: u64,
+    dst: u32,
+    checksum: u64,
+    part: impl Fn(usize) -> &'a [u8],
+) -> Result<(), WorkerError> {
     let g = &m.geometry;
-    let tag = tag_of(transfer_id);
     let base = m.map.as_mut_ptr();
     let chunk = g.chunk_bytes();
-    for b in blocks {
-        // SAFETY: `b.id` was checked against the geometry by the caller; the
-        // mapping lives in `m`.
-        let c = unsafe { control(base, g, b.id) };
-        c[STATE].fetch_add(WRITING, Ordering::SeqCst);
-        if c[TAG].load(Ordering::SeqCst) != tag {
-            c[STATE].fetch_sub(WRITING, Ordering::SeqCst);
-            return Err(shm_err(
-                "write",
-                format!(
-                    "transfer {transfer_id} no longer expects block {} (cancelled or timed out)",
-                    b.id
-                ),
-            ));
-        }
-        for (slab, part) in b.data.chunks_exact(chunk).enumerate() {
-            // SAFETY: the block's part lies within the mapping (id checked,
-            // `part` is one chunk); the receiver armed this block for this
-            // transfer and cannot reuse it while we are inside (see the
-            // module docs).
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    part.as_ptr(),
-                    base.add(g.chunk_offset(slab, b.id)),
-                    chunk,
-                )
-            };
-        }
-        c[CHECKSUM].store(b.checksum, Ordering::Relaxed);
-        c[STATE].fetch_or(WRITTEN, Ordering::Release);
+    // SAFETY: `dst` was checked against the geometry by the caller; the
+    // mapping lives in `m`.
+    let c = unsafe { control(base, g, dst) };
+    c[STATE].fetch_add(WRITING, Ordering::SeqCst);
+    if c[TAG].load(Ordering::SeqCst) != tag {
         c[STATE].fetch_sub(WRITING, Ordering::SeqCst);
+        return Err(shm_err(
+            "write",
+            format!(
+                "transfer {transfer_id} no longer expects block {dst} (cancelled or timed out)"
+            ),
+        ));
+    }
+    for slab in 0..g.slabs() {
+        let src = part(slab);
+        debug_assert_eq!(src.len(), chunk);
+        // SAFETY: the part lies within the mapping (id checked, one chunk
+        // long); the receiver armed this block for this transfer and cannot
+        // reuse it while we are inside (see the module docs).
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), base.add(g.chunk_offset(slab, dst)), chunk)
+        };
+    }
+    c[CHECKSUM].store(checksum, Ordering::Relaxed);
+    c[STATE].fetch_or(WRITTEN, Ordering::Release);
+    c[STATE].fetch_sub(WRITING, Ordering::SeqCst);
+    Ok(())
+}
+
+/// Writes `blocks` of `transfer_id` into the mapped arena.
+fn write_blocks(m: &Mapped, transfer_id: &str, blocks: &[Block]) -> Result<u32, WorkerError> {
+    let tag = tag_of(transfer_id);
+    let chunk = m.geometry.chunk_bytes();
+    for b in blocks {
+        write_one(m, transfer_id, tag, b.id, b.checksum, |slab| {
+            &b.data[slab * chunk..(slab + 1) * chunk]
+        })?;
     }
     Ok(blocks.len() as u32)
+}
+
+/// Copies `(source, destination)` block pairs from the sender engine's KV
+/// memory `src` straight into the mapped arena, checksumming each part
+/// just before its copy when `checksums` (it is in cache then).
+fn write_pairs(
+    m: &Mapped,
+    transfer_id: &str,
+    src: &KvArena,
+    pairs: &[(u32, u32)],
+    checksums: bool,
+) -> Result<u32, WorkerError> {
+    let tag = tag_of(transfer_id);
+    let slabs = m.geometry.slabs();
+    let part = |id: u32, slab: usize| -> Result<&[u8], WorkerError> {
+        // SAFETY: the source blocks belong to a finished prefill the sender
+        // engine holds for this transfer: nobody writes them meanwhile.
+        unsafe { src.block_part(slab, id) }.map_err(|e| shm_err("source", e))
+    };
+    for &(s, d) in pairs {
+        let parts = (0..slabs)
+            .map(|slab| part(s, slab))
+            .collect::<Result<Vec<_>, _>>()?;
+        let checksum = if checksums {
+            let mut h = Xxh3::new();
+            parts.iter().for_each(|p| h.update(p));
+            h.digest()
+        } else {
+            0
+        };
+        write_one(m, transfer_id, tag, d, checksum, |slab| parts[slab])?;
+    }
+    Ok(pairs.len() as u32)
 }
 
 #[tonic::async_trait]
@@ -320,6 +405,16 @@ impl KvSender for ShmSender {
         is_arena_path(&region.address)
             && (self.mapped.lock().contains_key(&region.address)
                 || Path::new(&region.address).is_file())
+    }
+
+    async fn write_from(
+        &self,
+        region: &pb::Region,
+        transfer_id: &str,
+        src: &Arc<KvArena>,
+        pairs: &[(u32, u32)],
+    ) -> Option<Result<u32, WorkerError>> {
+        Some(self.copy_pairs(region, transfer_id, src, pairs).await)
     }
 
     async fn write(

@@ -20,6 +20,19 @@ fn engine(num_blocks: usize) -> EngineHandle {
 
 /// A mocker engine without an arena: transports go through the engine thread.
 fn engine_without_arena(num_blocks: usize) -> EngineHandle {
+    let backend = MockerBackend::new(MockerConfig {
+        num_blocks,
+        num_layers: 2,
+        num_kv_heads: 2,
+        head_dim: 16,
+        ..MockerConfig::default()
+    })
+    .expect("mocker config");
+    spawn(backend, num_blocks)
+}
+
+/// A mocker engine with KV memory of its own (a prefill worker's).
+fn engine_with_private_arena(num_blocks: usize) -> EngineHandle {
     engine_in(num_blocks, &KvBacking::Private)
 }
 
@@ -32,9 +45,11 @@ fn engine_in(num_blocks: usize, backing: &KvBacking) -> EngineHandle {
         ..MockerConfig::default()
     })
     .expect("mocker config");
-    if *backing != KvBacking::Private {
-        backend.set_kv_backing(backing).expect("shared KV memory");
-    }
+    backend.set_kv_backing(backing).expect("KV memory");
+    spawn(backend, num_blocks)
+}
+
+fn spawn(backend: MockerBackend, num_blocks: usize) -> EngineHandle {
     EngineHandle::spawn(
         Box::new(backend),
         EngineConfig {
@@ -142,6 +157,56 @@ async fn tcp_writes_through_an_engine_without_an_arena() {
     let e = engine_without_arena(64);
     assert!(e.kv_arena().is_none());
     round_trip_on(e, TransportKind::Tcp, &TcpSender::default()).await;
+}
+
+#[tokio::test]
+async fn shm_copies_straight_from_the_senders_kv_memory() {
+    let (src, dst) = (engine_with_private_arena(64), engine(64));
+    let block_bytes = dst.kv_layout().block_bytes();
+    for checksums in [false, true] {
+        // Blocks in the sender engine's memory, as a finished prefill leaves them.
+        let held = src
+            .reserve_remote(request(4, 20 + u32::from(checksums)))
+            .await
+            .expect("source");
+        let src_ids = held.block_ids().to_vec();
+        let data = blocks_for(&src_ids, block_bytes, 5);
+        src.write_blocks(
+            held.id(),
+            data.iter().map(|b| (b.id, b.data.clone())).collect(),
+        )
+        .await
+        .expect("source blocks");
+        let receiver = receiver_checking(&[TransportKind::Shm], checksums).await;
+        let slot = dst
+            .reserve_remote(request(4, 30 + u32::from(checksums)))
+            .await
+            .expect("slot");
+        let ids = slot.block_ids().to_vec();
+        let (exp, regions) = receiver
+            .expect("direct", dst.clone(), slot.id(), ids.clone(), true)
+            .expect("registered");
+        let pairs: Vec<(u32, u32)> = src_ids.iter().copied().zip(ids.iter().copied()).collect();
+        let arena = src.kv_arena().expect("the source has KV memory");
+        let n = ShmSender::default()
+            .write_from(
+                &region(&regions, TransportKind::Shm),
+                "direct",
+                arena,
+                &pairs,
+            )
+            .await
+            .expect("shm copies from KV memory")
+            .expect("written");
+        assert_eq!(n, 4);
+        assert_eq!(
+            exp.finish("shm").await.expect("complete"),
+            4,
+            "checksums {checksums}"
+        );
+        let back = dst.read_blocks(ids).await.expect("read back");
+        assert_eq!(back, data.into_iter().map(|b| b.data).collect::<Vec<_>>());
+    }
 }
 
 #[tokio::test]
