@@ -1,0 +1,727 @@
+//! One reliable-connection queue pair and its completion queue: setup
+//! (RESET → INIT → RTR → RTS), the [`QpInfo`] two sides exchange, and
+//! posting `IBV_WR_RDMA_WRITE`s.
+
+use std::ffi::{c_int, c_uint};
+use std::fmt;
+use std::hash::{BuildHasher, Hasher};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use super::{DEFAULT_PORT, Device, PortInfo, cstr_lossy, errno_text, ffi, rdma_err};
+use crate::error::WorkerError;
+
+/// Length of [`QpInfo::to_bytes`]: lid (2) + qpn (4) + psn (4) + gid (16).
+pub const QP_INFO_LEN: usize = 26;
+
+/// Queue-pair numbers and packet sequence numbers are 24-bit.
+const MAX_24_BIT: u32 = 0x00ff_ffff;
+
+/// What one side of a connection tells the other: where its queue pair is
+/// (LID for InfiniBand, GID for RoCE or routed InfiniBand), its number, and
+/// the first packet sequence number it will send.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QpInfo {
+    /// The port's local identifier (0 on RoCE).
+    pub lid: u16,
+    /// The queue-pair number (24-bit).
+    pub qpn: u32,
+    /// The initial packet sequence number (24-bit).
+    pub psn: u32,
+    /// The port's GID at the chosen `sgid_index`; all zero when the sender
+    /// uses no global route (InfiniBand within one subnet).
+    pub gid: [u8; 16],
+}
+
+impl QpInfo {
+    /// The fixed little-endian wire form: `lid u16 | qpn u32 | psn u32 |
+    /// gid [u8; 16]`, 26 bytes.
+    pub fn to_bytes(&self) -> [u8; QP_INFO_LEN] {
+        let mut out = [0u8; QP_INFO_LEN];
+        out[0..2].copy_from_slice(&self.lid.to_le_bytes());
+        out[2..6].copy_from_slice(&self.qpn.to_le_bytes());
+        out[6..10].copy_from_slice(&self.psn.to_le_bytes());
+        out[10..26].copy_from_slice(&self.gid);
+        out
+    }
+
+    /// Parses [`QpInfo::to_bytes`]'s form. Refuses any other length, and a
+    /// QP number or PSN that does not fit 24 bits.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, WorkerError> {
+        let bytes: &[u8; QP_INFO_LEN] = bytes.try_into().map_err(|_| {
+            rdma_err(format!(
+                "a queue-pair info is {QP_INFO_LEN} bytes, got {}",
+                bytes.len()
+            ))
+        })?;
+        let [l0, l1, q0, q1, q2, q3, p0, p1, p2, p3, gid @ ..] = *bytes;
+        let info = QpInfo {
+            lid: u16::from_le_bytes([l0, l1]),
+            qpn: u32::from_le_bytes([q0, q1, q2, q3]),
+            psn: u32::from_le_bytes([p0, p1, p2, p3]),
+            gid,
+        };
+        if info.qpn > MAX_24_BIT {
+            return Err(rdma_err(format!(
+                "queue-pair number {:#x} does not fit 24 bits",
+                info.qpn
+            )));
+        }
+        if info.psn > MAX_24_BIT {
+            return Err(rdma_err(format!(
+                "packet sequence number {:#x} does not fit 24 bits",
+                info.psn
+            )));
+        }
+        Ok(info)
+    }
+
+    /// Whether a GID was given (any byte non-zero).
+    pub fn has_gid(&self) -> bool {
+        self.gid != [0; 16]
+    }
+}
+
+impl fmt::Display for QpInfo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "lid {:#06x} qpn {:#08x} psn {:#08x} gid {}",
+            self.lid,
+            self.qpn,
+            self.psn,
+            std::net::Ipv6Addr::from(self.gid)
+        )
+    }
+}
+
+/// One RDMA WRITE: `len` bytes from local registered memory (`local_addr`,
+/// `lkey`) to the peer's registered memory (`remote_addr`, `rkey`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WriteOp {
+    pub local_addr: u64,
+    pub lkey: u32,
+    pub len: u32,
+    pub remote_addr: u64,
+    pub rkey: u32,
+}
+
+/// How a [`Connection`] is set up; `Default` is what the transport uses.
+#[derive(Debug, Clone)]
+pub struct ConnectionOptions {
+    /// The HCA port (verbs ports count from 1). Default 1.
+    pub port: u8,
+    /// Which entry of the port's GID table to send from (`sgid_index`) and
+    /// advertise. Default 0. On RoCE v2 hosts the right index is the one whose
+    /// GID type is RoCE v2 for the interface's IP (see `show_gids`).
+    pub sgid_index: u8,
+    /// Advertise a GID, and so make the peer use a global route, even on an
+    /// InfiniBand port (routed fabrics). RoCE ports always do. Default false.
+    pub use_gid: bool,
+    /// Send-queue depth, and the longest chain of work requests posted at
+    /// once. Default 256.
+    pub max_send_wr: u32,
+    /// How long [`Connection::write`] waits for a chain's completion before
+    /// giving up. Default 10 s.
+    pub completion_timeout: Duration,
+}
+
+impl Default for ConnectionOptions {
+    fn default() -> Self {
+        Self {
+            port: DEFAULT_PORT,
+            sgid_index: 0,
+            use_gid: false,
+            max_send_wr: 256,
+            completion_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// `ibv_qp_init_attr.cap` besides the send depth: one SGE per write, and a
+/// token receive queue (RDMA WRITE without immediate consumes no receive).
+const MAX_SEND_SGE: u32 = 1;
+const MAX_RECV_WR: u32 = 1;
+const MAX_RECV_SGE: u32 = 1;
+
+/// Completions taken from the CQ per `ibv_poll_cq` call.
+const POLL_BATCH: usize = 16;
+
+/// Mutable write-side state, behind the connection's lock (which also keeps
+/// two writers from sharing the send queue and stealing each other's
+/// completions).
+#[derive(Debug)]
+struct WriteState {
+    next_wr_id: u64,
+    /// Set once the queue pair is unusable (error completion, timeout, or a
+    /// partly posted chain): every later write fails with it.
+    broken: Option<String>,
+}
+
+/// A completion queue and a reliable-connection queue pair on one device.
+///
+/// Made in INIT by [`Connection::new`]; usable for [`Connection::write`]
+/// after [`Connection::connect`]. `write` busy-polls the CQ, so call it from
+/// a blocking context (`tokio::task::spawn_blocking`), not from an async task.
+#[derive(Debug)]
+pub struct Connection {
+    qp: *mut ffi::IbvQp,
+    cq: *mut ffi::IbvCq,
+    device: Device,
+    options: ConnectionOptions,
+    port: PortInfo,
+    local: QpInfo,
+    remote: Option<QpInfo>,
+    state: Mutex<WriteState>,
+}
+
+// SAFETY: verbs QP and CQ handles may be used from any thread (providers
+// lock their queues). `connect` takes `&mut self`; `write`, the only other
+// user of the handles, holds `state`'s lock throughout, so the send queue and
+// the CQ have one user at a time.
+unsafe impl Send for Connection {}
+// SAFETY: as above.
+unsafe impl Sync for Connection {}
+
+impl Connection {
+    /// Creates a CQ and an RC queue pair on `device` with the default
+    /// [`ConnectionOptions`], moves the QP to INIT, and returns it with the
+    /// [`QpInfo`] to send the peer.
+    pub fn new(device: &Device) -> Result<(Connection, QpInfo), WorkerError> {
+        Self::with_options(device, ConnectionOptions::default())
+    }
+
+    /// [`Connection::new`] with explicit options.
+    pub fn with_options(
+        device: &Device,
+        options: ConnectionOptions,
+    ) -> Result<(Connection, QpInfo), WorkerError> {
+        if options.max_send_wr == 0 {
+            return Err(rdma_err("max_send_wr must be at least 1"));
+        }
+        let cqe = c_int::try_from(options.max_send_wr.saturating_add(MAX_RECV_WR))
+            .map_err(|_| rdma_err(format!("max_send_wr {} is too large", options.max_send_wr)))?;
+
+        let port = device.query_port(options.port)?;
+        if !port.is_active() {
+            return Err(rdma_err(format!(
+                "port {} of {} is not active (state {})",
+                options.port,
+                device.name(),
+                super::port_state_name(port.state)
+            )));
+        }
+        let gid = if port.is_ethernet() || options.use_gid {
+            device.query_gid(options.port, options.sgid_index)?
+        } else {
+            [0; 16]
+        };
+
+        // SAFETY: the context is live; no completion channel, vector 0.
+        let cq = unsafe {
+            ffi::ibv_create_cq(
+                device.inner.context,
+                cqe,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                0,
+            )
+        };
+        if cq.is_null() {
+            return Err(rdma_err(format!(
+                "ibv_create_cq({cqe}) on {}: {}",
+                device.name(),
+                std::io::Error::last_os_error()
+            )));
+        }
+
+        let mut init = <ffi::IbvQpInitAttr as ffi::Zeroed>::zeroed();
+        init.send_cq = cq;
+        init.recv_cq = cq;
+        init.cap = ffi::IbvQpCap {
+            max_send_wr: options.max_send_wr,
+            max_recv_wr: MAX_RECV_WR,
+            max_send_sge: MAX_SEND_SGE,
+            max_recv_sge: MAX_RECV_SGE,
+            max_inline_data: 0,
+        };
+        init.qp_type = ffi::IBV_QPT_RC;
+        init.sq_sig_all = 0;
+        // SAFETY: the PD and `cq` are live; `init` is a filled-in
+        // `ibv_qp_init_attr` the call may write the granted caps back into.
+        let qp = unsafe { ffi::ibv_create_qp(device.inner.pd, &mut init) };
+        if qp.is_null() {
+            let why = std::io::Error::last_os_error();
+            // SAFETY: `cq` was created above and nothing else uses it.
+            unsafe { ffi::ibv_destroy_cq(cq) };
+            return Err(rdma_err(format!(
+                "ibv_create_qp(RC, {} send WRs) on {}: {why}",
+                options.max_send_wr,
+                device.name()
+            )));
+        }
+        // SAFETY: `qp` is a live `struct ibv_qp` just returned.
+        let qpn = unsafe { (*qp).qp_num };
+
+        // From here on `Drop` releases the QP and CQ.
+        let conn = Connection {
+            qp,
+            cq,
+            device: device.clone(),
+            local: QpInfo {
+                lid: port.lid,
+                qpn,
+                psn: random_psn(),
+                gid,
+            },
+            options,
+            port,
+            remote: None,
+            state: Mutex::new(WriteState {
+                next_wr_id: 1,
+                broken: None,
+            }),
+        };
+
+        let mut attr = <ffi::IbvQpAttr as ffi::Zeroed>::zeroed();
+        attr.qp_state = ffi::IBV_QPS_INIT;
+        attr.pkey_index = 0;
+        attr.port_num = conn.options.port;
+        attr.qp_access_flags =
+            (ffi::IBV_ACCESS_LOCAL_WRITE | ffi::IBV_ACCESS_REMOTE_WRITE) as c_uint;
+        conn.modify(
+            "INIT",
+            &mut attr,
+            ffi::IBV_QP_STATE
+                | ffi::IBV_QP_PKEY_INDEX
+                | ffi::IBV_QP_PORT
+                | ffi::IBV_QP_ACCESS_FLAGS,
+        )?;
+        let local = conn.local;
+        Ok((conn, local))
+    }
+
+    /// What this side sends the peer (also returned by `new`).
+    pub fn local_info(&self) -> QpInfo {
+        self.local
+    }
+
+    /// The peer this connection was connected to, if it has been.
+    pub fn remote_info(&self) -> Option<QpInfo> {
+        self.remote
+    }
+
+    /// Connects to the peer described by `remote`: INIT → RTR → RTS. The
+    /// peer must do the same with this side's [`QpInfo`] before writes land;
+    /// until it reaches RTR the hardware retries (`retry_cnt`/`rnr_retry`).
+    pub fn connect(&mut self, remote: &QpInfo) -> Result<(), WorkerError> {
+        if let Some(prev) = self.remote {
+            return Err(rdma_err(format!("queue pair already connected to {prev}")));
+        }
+        if remote.qpn > MAX_24_BIT || remote.psn > MAX_24_BIT {
+            return Err(rdma_err(format!(
+                "peer queue-pair info out of range: {remote}"
+            )));
+        }
+        if remote.qpn < 2 {
+            // QP0/QP1 are the management QPs; no RC QP has those numbers.
+            return Err(rdma_err(format!(
+                "peer sent queue-pair number {}",
+                remote.qpn
+            )));
+        }
+        let global = self.port.is_ethernet() || remote.has_gid();
+        if self.port.is_ethernet() && !remote.has_gid() {
+            return Err(rdma_err(format!(
+                "port {} of {} is RoCE (Ethernet) and the peer sent no GID",
+                self.options.port,
+                self.device.name()
+            )));
+        }
+
+        let mut attr = <ffi::IbvQpAttr as ffi::Zeroed>::zeroed();
+        attr.qp_state = ffi::IBV_QPS_RTR;
+        attr.path_mtu = self.port.active_mtu;
+        attr.dest_qp_num = remote.qpn;
+        attr.rq_psn = remote.psn;
+        attr.max_dest_rd_atomic = 1;
+        attr.min_rnr_timer = 12;
+        attr.ah_attr.dlid = remote.lid;
+        attr.ah_attr.sl = 0;
+        attr.ah_attr.src_path_bits = 0;
+        attr.ah_attr.port_num = self.options.port;
+        if global {
+            attr.ah_attr.is_global = 1;
+            attr.ah_attr.grh.dgid = ffi::IbvGid { raw: remote.gid };
+            attr.ah_attr.grh.sgid_index = self.options.sgid_index;
+            attr.ah_attr.grh.hop_limit = 64;
+            attr.ah_attr.grh.flow_label = 0;
+            attr.ah_attr.grh.traffic_class = 0;
+        }
+        self.modify(
+            "RTR",
+            &mut attr,
+            ffi::IBV_QP_STATE
+                | ffi::IBV_QP_AV
+                | ffi::IBV_QP_PATH_MTU
+                | ffi::IBV_QP_DEST_QPN
+                | ffi::IBV_QP_RQ_PSN
+                | ffi::IBV_QP_MAX_DEST_RD_ATOMIC
+                | ffi::IBV_QP_MIN_RNR_TIMER,
+        )?;
+
+        let mut attr = <ffi::IbvQpAttr as ffi::Zeroed>::zeroed();
+        attr.qp_state = ffi::IBV_QPS_RTS;
+        attr.timeout = 14;
+        attr.retry_cnt = 7;
+        attr.rnr_retry = 7;
+        attr.sq_psn = self.local.psn;
+        attr.max_rd_atomic = 1;
+        self.modify(
+            "RTS",
+            &mut attr,
+            ffi::IBV_QP_STATE
+                | ffi::IBV_QP_TIMEOUT
+                | ffi::IBV_QP_RETRY_CNT
+                | ffi::IBV_QP_RNR_RETRY
+                | ffi::IBV_QP_SQ_PSN
+                | ffi::IBV_QP_MAX_QP_RD_ATOMIC,
+        )?;
+        self.remote = Some(*remote);
+        Ok(())
+    }
+
+    fn modify(&self, to: &str, attr: &mut ffi::IbvQpAttr, mask: c_int) -> Result<(), WorkerError> {
+        // SAFETY: `qp` is live; `attr` is a zero-initialised `ibv_qp_attr`
+        // with the fields `mask` names filled in.
+        let rc = unsafe { ffi::ibv_modify_qp(self.qp, attr, mask) };
+        if rc != 0 {
+            return Err(rdma_err(format!(
+                "ibv_modify_qp(qpn {:#x} on {}) to {to}: {}",
+                self.local.qpn,
+                self.device.name(),
+                errno_text(rc)
+            )));
+        }
+        Ok(())
+    }
+
+    /// Posts `ops` as `IBV_WR_RDMA_WRITE`s, in chains of at most the send
+    /// queue depth with only each chain's last request signalled, and waits
+    /// for each chain's completion (busy-polling, at most
+    /// `completion_timeout` per chain). Zero-length ops are skipped.
+    ///
+    /// A failed completion, a timeout or a partly posted chain leaves the
+    /// queue pair unusable: the error says why, and so does every later call.
+    pub fn write(&self, ops: &[WriteOp]) -> Result<(), WorkerError> {
+        let mut state = self.state.lock();
+        if let Some(why) = &state.broken {
+            return Err(rdma_err(format!(
+                "connection unusable after an earlier failure ({why}); reconnect"
+            )));
+        }
+        if self.remote.is_none() {
+            return Err(rdma_err("write on a queue pair that is not connected"));
+        }
+        let ops: Vec<WriteOp> = ops.iter().copied().filter(|op| op.len > 0).collect();
+        let limit = self.port.max_msg_sz;
+        if let Some(op) = ops.iter().find(|op| limit != 0 && op.len > limit) {
+            return Err(rdma_err(format!(
+                "a write of {} bytes exceeds the port's {}-byte message limit",
+                op.len, self.port.max_msg_sz
+            )));
+        }
+        let depth = usize::try_from(self.options.max_send_wr).unwrap_or(usize::MAX);
+        for chain in ops.chunks(depth) {
+            if let Err(e) = self.write_chain(&mut state, chain) {
+                if let ChainError::Fatal(why) = &e {
+                    state.broken = Some(why.clone());
+                }
+                return Err(rdma_err(e.message()));
+            }
+        }
+        Ok(())
+    }
+
+    /// Posts one chain (at most the send depth, non-empty) and waits for
+    /// its signalled last request.
+    fn write_chain(&self, state: &mut WriteState, chain: &[WriteOp]) -> Result<(), ChainError> {
+        let mut sges: Vec<ffi::IbvSge> = chain
+            .iter()
+            .map(|op| ffi::IbvSge {
+                addr: op.local_addr,
+                length: op.len,
+                lkey: op.lkey,
+            })
+            .collect();
+        let mut wrs: Vec<ffi::IbvSendWr> = Vec::with_capacity(chain.len());
+        for (op, sge) in chain.iter().zip(sges.iter_mut()) {
+            let mut wr = ffi::IbvSendWr::zeroed();
+            wr.wr_id = state.next_wr_id;
+            state.next_wr_id = state.next_wr_id.wrapping_add(1);
+            wr.sg_list = sge;
+            wr.num_sge = 1;
+            wr.opcode = ffi::IBV_WR_RDMA_WRITE;
+            wr.wr.rdma = ffi::SendWrRdma {
+                remote_addr: op.remote_addr,
+                rkey: op.rkey,
+            };
+            wrs.push(wr);
+        }
+        // Link the chain now that `wrs` will not move again.
+        let base = wrs.as_mut_ptr();
+        let n = wrs.len();
+        for (i, wr) in wrs.iter_mut().enumerate().take(n - 1) {
+            // SAFETY: `i + 1 < n`, inside the allocation.
+            wr.next = unsafe { base.add(i + 1) };
+        }
+        let last = &mut wrs[n - 1];
+        last.send_flags = ffi::IBV_SEND_SIGNALED;
+        let signalled = last.wr_id;
+
+        let mut bad: *mut ffi::IbvSendWr = std::ptr::null_mut();
+        // SAFETY: `qp` is live and connected; `wrs` is a well-formed chain of
+        // `n` requests whose SGEs (`sges`) outlive the call (providers copy
+        // requests into the send queue before returning).
+        let rc = unsafe { post_send(self.qp, wrs.as_mut_ptr(), &mut bad) };
+        if rc != 0 {
+            let why = format!("ibv_post_send of {n} writes: {}", errno_text(rc));
+            // Nothing was queued if the first request was refused; otherwise
+            // unsignalled requests sit in the send queue with no completion
+            // to wait for, and the queue pair cannot be trusted again.
+            return Err(if bad.is_null() || bad == wrs.as_mut_ptr() {
+                ChainError::Refused(why)
+            } else {
+                ChainError::Fatal(why)
+            });
+        }
+        drop(sges);
+        self.wait_for(signalled)
+    }
+
+    /// Polls the CQ until the request `wr_id` completes, any request fails,
+    /// or the timeout passes.
+    fn wait_for(&self, wr_id: u64) -> Result<(), ChainError> {
+        let deadline = Instant::now() + self.options.completion_timeout;
+        let mut wcs = [ffi::IbvWc::zeroed(); POLL_BATCH];
+        let mut idle: u32 = 0;
+        loop {
+            // SAFETY: `cq` is live; `wcs` has room for POLL_BATCH entries.
+            let n = unsafe { poll_cq(self.cq, POLL_BATCH as c_int, wcs.as_mut_ptr()) };
+            let n = usize::try_from(n)
+                .map_err(|_| ChainError::Fatal(format!("ibv_poll_cq failed ({n})")))?;
+            let mut done = false;
+            for wc in &wcs[..n.min(POLL_BATCH)] {
+                if wc.status != ffi::IBV_WC_SUCCESS {
+                    return Err(ChainError::Fatal(format!(
+                        "RDMA write completion failed: {} (status {}, vendor error {:#x}, wr {})",
+                        wc_status_str(wc.status),
+                        wc.status,
+                        wc.vendor_err,
+                        wc.wr_id
+                    )));
+                }
+                done |= wc.wr_id == wr_id;
+            }
+            if done {
+                return Ok(());
+            }
+            if n == 0 {
+                idle = idle.wrapping_add(1);
+                if idle.is_multiple_of(1024) {
+                    if Instant::now() >= deadline {
+                        return Err(ChainError::Fatal(format!(
+                            "no completion for RDMA write chain within {:?}",
+                            self.options.completion_timeout
+                        )));
+                    }
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        // SAFETY: both handles are live and released once, the QP before the
+        // CQ it completes into; the device (PD, context) outlives both via
+        // `self.device`, dropped after this body.
+        unsafe {
+            ffi::ibv_destroy_qp(self.qp);
+            ffi::ibv_destroy_cq(self.cq);
+        }
+    }
+}
+
+/// Why a chain failed: `Refused` leaves the queue pair usable (nothing was
+/// posted); `Fatal` does not.
+#[derive(Debug)]
+enum ChainError {
+    Refused(String),
+    Fatal(String),
+}
+
+impl ChainError {
+    fn message(self) -> String {
+        match self {
+            ChainError::Refused(m) | ChainError::Fatal(m) => m,
+        }
+    }
+}
+
+/// verbs.h's `static inline ibv_post_send`: `qp->context->ops.post_send`.
+///
+/// # Safety
+/// `qp` must be a live queue pair and `wr` a valid chain of send requests.
+unsafe fn post_send(
+    qp: *mut ffi::IbvQp,
+    wr: *mut ffi::IbvSendWr,
+    bad: *mut *mut ffi::IbvSendWr,
+) -> c_int {
+    // SAFETY: per the contract `qp` is live, so is its context; the ops table
+    // is filled in by the provider when the context is opened.
+    let f = unsafe { (*(*qp).context).ops.post_send };
+    match f {
+        // SAFETY: the provider's own post_send, called as verbs.h does.
+        Some(f) => unsafe { f(qp, wr, bad) },
+        None => EOPNOTSUPP,
+    }
+}
+
+/// verbs.h's `static inline ibv_poll_cq`: `cq->context->ops.poll_cq`.
+///
+/// # Safety
+/// `cq` must be a live completion queue and `wc` point at `n` writable
+/// entries.
+unsafe fn poll_cq(cq: *mut ffi::IbvCq, n: c_int, wc: *mut ffi::IbvWc) -> c_int {
+    // SAFETY: per the contract `cq` is live, so is its context.
+    let f = unsafe { (*(*cq).context).ops.poll_cq };
+    match f {
+        // SAFETY: the provider's own poll_cq, called as verbs.h does.
+        Some(f) => unsafe { f(cq, n, wc) },
+        None => -1,
+    }
+}
+
+/// `EOPNOTSUPP` on Linux, for a provider without a `post_send`.
+const EOPNOTSUPP: c_int = 95;
+
+/// `ibv_wc_status_str`: the library's name for a completion status.
+fn wc_status_str(status: c_uint) -> String {
+    // SAFETY: ibv_wc_status_str accepts any value (unknown ones map to
+    // "unknown") and returns a static NUL-terminated string.
+    unsafe { cstr_lossy(ffi::ibv_wc_status_str(status)) }
+}
+
+/// A random 24-bit initial packet sequence number, from std's per-process
+/// random hasher keys mixed with the clock (no RNG crate needed; PSNs only
+/// need to differ between successive connections).
+fn random_psn() -> u32 {
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    if let Ok(d) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) {
+        h.write_u128(d.as_nanos());
+    }
+    (h.finish() as u32) & MAX_24_BIT
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> QpInfo {
+        QpInfo {
+            lid: 0x1234,
+            qpn: 0x00ab_cdef,
+            psn: 0x0012_3456,
+            gid: [
+                0xfe, 0x80, 0, 0, 0, 0, 0, 0, 0x02, 0x11, 0x22, 0xff, 0xfe, 0x33, 0x44, 0x55,
+            ],
+        }
+    }
+
+    #[test]
+    fn qp_info_round_trips_in_a_fixed_little_endian_form() {
+        let info = sample();
+        let bytes = info.to_bytes();
+        assert_eq!(bytes.len(), QP_INFO_LEN);
+        assert_eq!(&bytes[0..2], &[0x34, 0x12]);
+        assert_eq!(&bytes[2..6], &[0xef, 0xcd, 0xab, 0x00]);
+        assert_eq!(&bytes[6..10], &[0x56, 0x34, 0x12, 0x00]);
+        assert_eq!(&bytes[10..26], &info.gid);
+        assert_eq!(QpInfo::from_bytes(&bytes).expect("valid"), info);
+
+        let no_gid = QpInfo {
+            gid: [0; 16],
+            ..info
+        };
+        assert!(!no_gid.has_gid());
+        assert!(info.has_gid());
+        assert_eq!(
+            QpInfo::from_bytes(&no_gid.to_bytes()).expect("valid"),
+            no_gid
+        );
+    }
+
+    #[test]
+    fn qp_info_refuses_wrong_lengths() {
+        let bytes = sample().to_bytes();
+        for len in [0, 1, 25, 27, 30] {
+            let mut v = bytes.to_vec();
+            v.resize(len, 0);
+            let msg = QpInfo::from_bytes(&v)
+                .expect_err("wrong length")
+                .to_string();
+            assert!(msg.contains("26 bytes"), "{msg}");
+            assert!(msg.contains(&format!("got {len}")), "{msg}");
+        }
+    }
+
+    #[test]
+    fn qp_info_refuses_numbers_wider_than_24_bits() {
+        let mut bytes = sample().to_bytes();
+        bytes[5] = 1; // qpn's top byte
+        let msg = QpInfo::from_bytes(&bytes).expect_err("qpn").to_string();
+        assert!(msg.contains("queue-pair number"), "{msg}");
+
+        let mut bytes = sample().to_bytes();
+        bytes[9] = 0x80; // psn's top byte
+        let msg = QpInfo::from_bytes(&bytes).expect_err("psn").to_string();
+        assert!(msg.contains("packet sequence number"), "{msg}");
+    }
+
+    #[test]
+    fn qp_info_displays_the_gid_as_an_address() {
+        let text = sample().to_string();
+        assert!(text.contains("qpn 0xabcdef"), "{text}");
+        assert!(text.contains("fe80::211:22ff:fe33:4455"), "{text}");
+    }
+
+    #[test]
+    fn psns_are_24_bit() {
+        for _ in 0..64 {
+            assert!(random_psn() <= MAX_24_BIT);
+        }
+    }
+
+    #[test]
+    fn completion_statuses_are_named_by_libibverbs() {
+        assert_eq!(wc_status_str(ffi::IBV_WC_SUCCESS), "success");
+        // IBV_WC_REM_ACCESS_ERR = 10: what a wrong rkey produces.
+        assert_eq!(wc_status_str(10), "remote access error");
+        assert_eq!(wc_status_str(12), "transport retry counter exceeded");
+    }
+
+    #[test]
+    fn default_options_are_the_documented_ones() {
+        let o = ConnectionOptions::default();
+        assert_eq!(o.port, 1);
+        assert_eq!(o.sgid_index, 0);
+        assert!(!o.use_gid);
+        assert_eq!(o.max_send_wr, 256);
+        assert_eq!(o.completion_timeout, Duration::from_secs(10));
+    }
+}
