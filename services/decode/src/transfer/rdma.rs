@@ -33,6 +33,7 @@ use std::ffi::{CStr, c_char, c_int, c_uint};
 use std::sync::Arc;
 
 use crate::error::WorkerError;
+use ffi::Zeroed as _;
 
 mod ffi;
 mod handshake;
@@ -211,7 +212,7 @@ impl Device {
 
     /// Queries `port` (verbs ports count from 1).
     pub(crate) fn query_port(&self, port: u8) -> Result<PortInfo, WorkerError> {
-        let mut attr = <ffi::IbvPortAttr as ffi::Zeroed>::zeroed();
+        let mut attr = ffi::IbvPortAttr::zeroed();
         // SAFETY: the context is live; `attr` is a zeroed, full-size
         // `ibv_port_attr`, larger than the compat struct the exported symbol
         // fills — the same call verbs.h's `___ibv_query_port` makes on its
@@ -241,7 +242,7 @@ impl Device {
 
     /// Reads entry `index` of `port`'s GID table.
     pub(crate) fn query_gid(&self, port: u8, index: u8) -> Result<[u8; 16], WorkerError> {
-        let mut gid = <ffi::IbvGid as ffi::Zeroed>::zeroed();
+        let mut gid = ffi::IbvGid::zeroed();
         // SAFETY: the context is live and `gid` is a writable `union ibv_gid`.
         let rc =
             unsafe { ffi::ibv_query_gid(self.inner.context, port, c_int::from(index), &mut gid) };

@@ -436,16 +436,6 @@ pub(super) struct IbvSendWr {
     pub(super) ext: SendWrExt,
 }
 
-impl IbvSendWr {
-    /// An all-zero work request (null pointers, no flags), as C code gets
-    /// from `memset` before filling one in.
-    pub(super) fn zeroed() -> Self {
-        // SAFETY: every field is an integer, a raw pointer or a union of
-        // those, for all of which the all-zero bit pattern is valid.
-        unsafe { std::mem::zeroed() }
-    }
-}
-
 /// The anonymous union of `struct ibv_wc`.
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -473,14 +463,8 @@ pub(super) struct IbvWc {
     pub(super) dlid_path_bits: u8,
 }
 
-impl IbvWc {
-    pub(super) fn zeroed() -> Self {
-        // SAFETY: integers and a union of integers; all-zero is valid.
-        unsafe { std::mem::zeroed() }
-    }
-}
-
-/// Zeroed plain-data verbs attributes (`memset(&attr, 0, sizeof attr)`).
+/// All-zero values of the plain-data verbs structs, as C code gets them from
+/// `memset(&x, 0, sizeof x)` before filling them in.
 pub(super) trait Zeroed: Sized {
     fn zeroed() -> Self;
 }
@@ -489,14 +473,25 @@ macro_rules! zeroed {
     ($($t:ty),*) => {$(
         impl Zeroed for $t {
             fn zeroed() -> Self {
-                // SAFETY: integers, raw pointers and unions of those only;
-                // the all-zero bit pattern is valid for each.
+                // SAFETY: the type holds integers, raw pointers, nullable
+                // (`Option`) function pointers and unions of those only; the
+                // all-zero bit pattern is valid for each.
                 unsafe { std::mem::zeroed() }
             }
         }
     )*};
 }
-zeroed!(IbvPortAttr, IbvQpInitAttr, IbvQpAttr, IbvGid);
+zeroed!(
+    IbvPortAttr,
+    IbvQpInitAttr,
+    IbvQpAttr,
+    IbvGid,
+    IbvSendWr,
+    IbvWc,
+    IbvContext,
+    IbvQp,
+    IbvCq
+);
 
 // -------------------------------------------------------------- constants ---
 

@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::{DEFAULT_PORT, Device, PortInfo, cstr_lossy, errno_text, ffi, rdma_err};
+use super::ffi::{self, Zeroed as _};
+use super::{DEFAULT_PORT, Device, PortInfo, cstr_lossy, errno_text, rdma_err};
 use crate::error::WorkerError;
 
 /// Length of [`QpInfo::to_bytes`]: lid (2) + qpn (4) + psn (4) + gid (16).
@@ -236,7 +237,7 @@ impl Connection {
             )));
         }
 
-        let mut init = <ffi::IbvQpInitAttr as ffi::Zeroed>::zeroed();
+        let mut init = ffi::IbvQpInitAttr::zeroed();
         init.send_cq = cq;
         init.recv_cq = cq;
         init.cap = ffi::IbvQpCap {
@@ -284,7 +285,7 @@ impl Connection {
             }),
         };
 
-        let mut attr = <ffi::IbvQpAttr as ffi::Zeroed>::zeroed();
+        let mut attr = ffi::IbvQpAttr::zeroed();
         attr.qp_state = ffi::IBV_QPS_INIT;
         attr.pkey_index = 0;
         attr.port_num = conn.options.port;
@@ -340,7 +341,7 @@ impl Connection {
             )));
         }
 
-        let mut attr = <ffi::IbvQpAttr as ffi::Zeroed>::zeroed();
+        let mut attr = ffi::IbvQpAttr::zeroed();
         attr.qp_state = ffi::IBV_QPS_RTR;
         attr.path_mtu = self.port.active_mtu;
         attr.dest_qp_num = remote.qpn;
@@ -371,7 +372,7 @@ impl Connection {
                 | ffi::IBV_QP_MIN_RNR_TIMER,
         )?;
 
-        let mut attr = <ffi::IbvQpAttr as ffi::Zeroed>::zeroed();
+        let mut attr = ffi::IbvQpAttr::zeroed();
         attr.qp_state = ffi::IBV_QPS_RTS;
         attr.timeout = 14;
         attr.retry_cnt = 7;
@@ -446,57 +447,32 @@ impl Connection {
 
     /// Posts one chain (at most the send depth, non-empty) and waits for
     /// its signalled last request.
-    fn write_chain(&self, state: &mut WriteState, chain: &[WriteOp]) -> Result<(), ChainError> {
-        let mut sges: Vec<ffi::IbvSge> = chain
-            .iter()
-            .map(|op| ffi::IbvSge {
-                addr: op.local_addr,
-                length: op.len,
-                lkey: op.lkey,
-            })
-            .collect();
-        let mut wrs: Vec<ffi::IbvSendWr> = Vec::with_capacity(chain.len());
-        for (op, sge) in chain.iter().zip(sges.iter_mut()) {
-            let mut wr = ffi::IbvSendWr::zeroed();
-            wr.wr_id = state.next_wr_id;
-            state.next_wr_id = state.next_wr_id.wrapping_add(1);
-            wr.sg_list = sge;
-            wr.num_sge = 1;
-            wr.opcode = ffi::IBV_WR_RDMA_WRITE;
-            wr.wr.rdma = ffi::SendWrRdma {
-                remote_addr: op.remote_addr,
-                rkey: op.rkey,
-            };
-            wrs.push(wr);
-        }
-        // Link the chain now that `wrs` will not move again.
-        let base = wrs.as_mut_ptr();
-        let n = wrs.len();
-        for (i, wr) in wrs.iter_mut().enumerate().take(n - 1) {
-            // SAFETY: `i + 1 < n`, inside the allocation.
-            wr.next = unsafe { base.add(i + 1) };
-        }
-        let last = &mut wrs[n - 1];
-        last.send_flags = ffi::IBV_SEND_SIGNALED;
-        let signalled = last.wr_id;
+    fn write_chain(&self, state: &mut WriteState, ops: &[WriteOp]) -> Result<(), ChainError> {
+        let first = state.next_wr_id;
+        state.next_wr_id = first.wrapping_add(ops.len() as u64);
+        let mut chain = Chain::new(ops, first);
+        let n = ops.len();
 
+        let head = chain.head();
         let mut bad: *mut ffi::IbvSendWr = std::ptr::null_mut();
-        // SAFETY: `qp` is live and connected; `wrs` is a well-formed chain of
-        // `n` requests whose SGEs (`sges`) outlive the call (providers copy
-        // requests into the send queue before returning).
-        let rc = unsafe { post_send(self.qp, wrs.as_mut_ptr(), &mut bad) };
+        // SAFETY: `qp` is live and connected; `head` starts a well-formed,
+        // null-terminated chain of `n` requests whose SGEs live in `chain`,
+        // alive across the call (providers copy requests into the send queue
+        // before returning, so nothing needs them afterwards).
+        let rc = unsafe { post_send(self.qp, head, &mut bad) };
         if rc != 0 {
             let why = format!("ibv_post_send of {n} writes: {}", errno_text(rc));
             // Nothing was queued if the first request was refused; otherwise
             // unsignalled requests sit in the send queue with no completion
             // to wait for, and the queue pair cannot be trusted again.
-            return Err(if bad.is_null() || bad == wrs.as_mut_ptr() {
+            return Err(if bad.is_null() || bad == head {
                 ChainError::Refused(why)
             } else {
                 ChainError::Fatal(why)
             });
         }
-        drop(sges);
+        let signalled = chain.last_wr_id();
+        drop(chain);
         self.wait_for(signalled)
     }
 
@@ -554,6 +530,60 @@ impl Drop for Connection {
             ffi::ibv_destroy_qp(self.qp);
             ffi::ibv_destroy_cq(self.cq);
         }
+    }
+}
+
+/// One chain of RDMA WRITE requests ready for `ibv_post_send`: each request
+/// points at its SGE and at the next request, and only the last is
+/// signalled. Both vectors are filled within their initial capacity and never
+/// touched again, so the pointers stay valid wherever the `Chain` moves.
+struct Chain {
+    /// Only referenced through the requests' `sg_list` pointers.
+    _sges: Vec<ffi::IbvSge>,
+    wrs: Vec<ffi::IbvSendWr>,
+}
+
+impl Chain {
+    /// Requests for `ops` (non-empty), numbered from `first_wr_id`.
+    fn new(ops: &[WriteOp], first_wr_id: u64) -> Chain {
+        let n = ops.len();
+        let mut sges: Vec<ffi::IbvSge> = Vec::with_capacity(n);
+        let mut wrs: Vec<ffi::IbvSendWr> = Vec::with_capacity(n);
+        let sge_base = sges.as_mut_ptr();
+        let wr_base = wrs.as_mut_ptr();
+        for (i, op) in ops.iter().enumerate() {
+            sges.push(ffi::IbvSge {
+                addr: op.local_addr,
+                length: op.len,
+                lkey: op.lkey,
+            });
+            let last = i + 1 == n;
+            let mut wr = ffi::IbvSendWr::zeroed();
+            wr.wr_id = first_wr_id.wrapping_add(i as u64);
+            wr.next = if last {
+                std::ptr::null_mut()
+            } else {
+                wr_base.wrapping_add(i + 1)
+            };
+            wr.sg_list = sge_base.wrapping_add(i);
+            wr.num_sge = 1;
+            wr.opcode = ffi::IBV_WR_RDMA_WRITE;
+            wr.send_flags = if last { ffi::IBV_SEND_SIGNALED } else { 0 };
+            wr.wr.rdma = ffi::SendWrRdma {
+                remote_addr: op.remote_addr,
+                rkey: op.rkey,
+            };
+            wrs.push(wr);
+        }
+        Chain { _sges: sges, wrs }
+    }
+
+    fn head(&mut self) -> *mut ffi::IbvSendWr {
+        self.wrs.as_mut_ptr()
+    }
+
+    fn last_wr_id(&self) -> u64 {
+        self.wrs.last().map_or(0, |wr| wr.wr_id)
     }
 }
 
@@ -723,5 +753,284 @@ mod tests {
         assert!(!o.use_gid);
         assert_eq!(o.max_send_wr, 256);
         assert_eq!(o.completion_timeout, Duration::from_secs(10));
+    }
+}
+
+/// `Connection::write` against a fake provider: an `ibv_context` whose
+/// `ops.post_send`/`ops.poll_cq` are Rust functions, so the dispatch, the
+/// chaining, the signalling and the error paths run without hardware.
+#[cfg(test)]
+mod fake_provider_tests {
+    use std::cell::RefCell;
+    use std::collections::VecDeque;
+    use std::mem::ManuallyDrop;
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::transfer::rdma::DeviceInner;
+
+    /// What the fake saw of one posted request.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    struct Posted {
+        wr_id: u64,
+        signalled: bool,
+        opcode: c_uint,
+        num_sge: c_int,
+        sge: (u64, u32, u32),
+        rdma: (u64, u32),
+    }
+
+    #[derive(Default)]
+    struct FakeState {
+        /// One entry per `post_send` call: the chain it was given.
+        chains: Vec<Vec<Posted>>,
+        cq: VecDeque<ffi::IbvWc>,
+        /// Complete this wr_id (and everything after it) with this status.
+        fail: Option<(u64, c_uint)>,
+        /// Make `post_send` refuse the whole chain with this errno.
+        refuse: Option<c_int>,
+        /// Post, but never complete anything.
+        silent: bool,
+    }
+
+    thread_local! {
+        static FAKE: RefCell<FakeState> = RefCell::new(FakeState::default());
+    }
+
+    unsafe extern "C" fn fake_post_send(
+        _qp: *mut ffi::IbvQp,
+        mut wr: *mut ffi::IbvSendWr,
+        bad: *mut *mut ffi::IbvSendWr,
+    ) -> c_int {
+        FAKE.with_borrow_mut(|f| {
+            if let Some(errno) = f.refuse {
+                // SAFETY: `bad` is the caller's out-pointer.
+                unsafe { *bad = wr };
+                return errno;
+            }
+            let mut chain = Vec::new();
+            while !wr.is_null() {
+                // SAFETY: `wr` walks the caller's null-terminated chain.
+                let w = unsafe { &*wr };
+                // SAFETY: every request in the chain has one valid SGE.
+                let sge = unsafe { *w.sg_list };
+                // SAFETY: RDMA WRITE requests use the `rdma` member.
+                let rdma = unsafe { w.wr.rdma };
+                let posted = Posted {
+                    wr_id: w.wr_id,
+                    signalled: w.send_flags & ffi::IBV_SEND_SIGNALED != 0,
+                    opcode: w.opcode,
+                    num_sge: w.num_sge,
+                    sge: (sge.addr, sge.length, sge.lkey),
+                    rdma: (rdma.remote_addr, rdma.rkey),
+                };
+                let failing = f.fail.filter(|(id, _)| posted.wr_id >= *id);
+                if !f.silent && (posted.signalled || failing.is_some()) {
+                    let mut wc = ffi::IbvWc::zeroed();
+                    wc.wr_id = posted.wr_id;
+                    wc.status = failing.map_or(ffi::IBV_WC_SUCCESS, |(_, st)| st);
+                    wc.byte_len = sge.length;
+                    f.cq.push_back(wc);
+                }
+                chain.push(posted);
+                wr = w.next;
+            }
+            f.chains.push(chain);
+            0
+        })
+    }
+
+    unsafe extern "C" fn fake_poll_cq(
+        _cq: *mut ffi::IbvCq,
+        n: c_int,
+        wc: *mut ffi::IbvWc,
+    ) -> c_int {
+        FAKE.with_borrow_mut(|f| {
+            let mut got = 0;
+            while got < n {
+                let Some(next) = f.cq.pop_front() else { break };
+                // SAFETY: the caller's array has room for `n` entries.
+                unsafe { *wc.add(got as usize) = next };
+                got += 1;
+            }
+            got
+        })
+    }
+
+    /// A connected `Connection` over the fake ops. Its boxes must outlive
+    /// it; it is never dropped (its `Drop` would call into libibverbs).
+    struct Fake {
+        conn: ManuallyDrop<Connection>,
+        _ctx: Box<ffi::IbvContext>,
+        _qp: Box<ffi::IbvQp>,
+        _cq: Box<ffi::IbvCq>,
+    }
+
+    fn fake(max_send_wr: u32, timeout: Duration, connected: bool) -> Fake {
+        FAKE.with_borrow_mut(|f| *f = FakeState::default());
+        let mut ctx = Box::new(ffi::IbvContext::zeroed());
+        ctx.ops.post_send = Some(fake_post_send);
+        ctx.ops.poll_cq = Some(fake_poll_cq);
+        let mut qp = Box::new(ffi::IbvQp::zeroed());
+        qp.context = &mut *ctx;
+        let mut cq = Box::new(ffi::IbvCq::zeroed());
+        cq.context = &mut *ctx;
+        let local = QpInfo {
+            lid: 1,
+            qpn: 0x100,
+            psn: 7,
+            gid: [0; 16],
+        };
+        let conn = Connection {
+            qp: &mut *qp,
+            cq: &mut *cq,
+            device: Device {
+                inner: Arc::new(DeviceInner {
+                    name: "fake0".into(),
+                    context: std::ptr::null_mut(),
+                    pd: std::ptr::null_mut(),
+                }),
+            },
+            options: ConnectionOptions {
+                max_send_wr,
+                completion_timeout: timeout,
+                ..ConnectionOptions::default()
+            },
+            port: PortInfo {
+                state: ffi::IBV_PORT_ACTIVE,
+                active_mtu: 5,
+                max_msg_sz: 1 << 30,
+                lid: 1,
+                link_layer: ffi::IBV_LINK_LAYER_INFINIBAND,
+            },
+            local,
+            remote: connected.then_some(QpInfo {
+                qpn: 0x200,
+                ..local
+            }),
+            state: Mutex::new(WriteState {
+                next_wr_id: 1,
+                broken: None,
+            }),
+        };
+        Fake {
+            conn: ManuallyDrop::new(conn),
+            _ctx: ctx,
+            _qp: qp,
+            _cq: cq,
+        }
+    }
+
+    fn op(i: u32, len: u32) -> WriteOp {
+        WriteOp {
+            local_addr: 0x1000 + u64::from(i) * 0x100,
+            lkey: 0x11,
+            len,
+            remote_addr: 0x9000_0000 + u64::from(i) * 0x100,
+            rkey: 0x22,
+        }
+    }
+
+    fn posted_chains() -> Vec<Vec<Posted>> {
+        FAKE.with_borrow(|f| f.chains.clone())
+    }
+
+    #[test]
+    fn writes_go_out_in_chains_of_the_queue_depth_with_only_the_last_signalled() {
+        let f = fake(4, Duration::from_secs(1), true);
+        let mut ops: Vec<WriteOp> = (0..10).map(|i| op(i, 64 + i)).collect();
+        ops.insert(3, op(99, 0)); // zero-length: skipped, writes nothing
+        f.conn.write(&ops).expect("write");
+
+        let chains = posted_chains();
+        assert_eq!(
+            chains.iter().map(Vec::len).collect::<Vec<_>>(),
+            vec![4, 4, 2]
+        );
+        let all: Vec<Posted> = chains.iter().flatten().copied().collect();
+        for (i, p) in all.iter().enumerate() {
+            let i = i as u32;
+            assert_eq!(p.opcode, ffi::IBV_WR_RDMA_WRITE);
+            assert_eq!(p.num_sge, 1);
+            assert_eq!(p.sge, (0x1000 + u64::from(i) * 0x100, 64 + i, 0x11));
+            assert_eq!(p.rdma, (0x9000_0000 + u64::from(i) * 0x100, 0x22));
+            assert_eq!(p.wr_id, u64::from(i) + 1, "unique, consecutive ids");
+        }
+        for chain in &chains {
+            let (last, rest) = chain.split_last().expect("non-empty");
+            assert!(last.signalled);
+            assert!(rest.iter().all(|p| !p.signalled));
+        }
+        // Every chain's completion was consumed.
+        assert!(FAKE.with_borrow(|f| f.cq.is_empty()));
+
+        // The connection stays usable and keeps numbering.
+        f.conn.write(&[op(0, 8)]).expect("second write");
+        assert_eq!(posted_chains().last().expect("posted")[0].wr_id, 11);
+        f.conn.write(&[]).expect("nothing to write");
+        assert_eq!(posted_chains().len(), 4);
+    }
+
+    #[test]
+    fn a_failed_completion_is_named_and_poisons_the_connection() {
+        let f = fake(4, Duration::from_secs(1), true);
+        FAKE.with_borrow_mut(|s| s.fail = Some((6, 10))); // IBV_WC_REM_ACCESS_ERR
+        let ops: Vec<WriteOp> = (0..8).map(|i| op(i, 16)).collect();
+        let msg = f.conn.write(&ops).expect_err("bad rkey").to_string();
+        assert!(msg.contains("remote access error"), "{msg}");
+        assert!(msg.contains("status 10"), "{msg}");
+
+        let msg = f.conn.write(&ops[..1]).expect_err("unusable").to_string();
+        assert!(msg.contains("unusable"), "{msg}");
+        assert!(msg.contains("remote access error"), "{msg}");
+    }
+
+    #[test]
+    fn a_missing_completion_times_out_instead_of_hanging() {
+        let f = fake(4, Duration::from_millis(50), true);
+        FAKE.with_borrow_mut(|s| s.silent = true);
+        let started = Instant::now();
+        let msg = f.conn.write(&[op(0, 16)]).expect_err("timeout").to_string();
+        assert!(msg.contains("no completion"), "{msg}");
+        assert!(started.elapsed() < Duration::from_secs(5));
+        let msg = f
+            .conn
+            .write(&[op(0, 16)])
+            .expect_err("unusable")
+            .to_string();
+        assert!(msg.contains("unusable"), "{msg}");
+    }
+
+    #[test]
+    fn a_refused_post_is_reported_and_leaves_the_connection_usable() {
+        let f = fake(4, Duration::from_secs(1), true);
+        FAKE.with_borrow_mut(|s| s.refuse = Some(12)); // ENOMEM
+        let msg = f.conn.write(&[op(0, 16)]).expect_err("refused").to_string();
+        assert!(msg.contains("ibv_post_send"), "{msg}");
+        assert!(msg.contains("memory"), "{msg}");
+        FAKE.with_borrow_mut(|s| s.refuse = None);
+        f.conn
+            .write(&[op(0, 16)])
+            .expect("nothing was queued, so it still works");
+    }
+
+    #[test]
+    fn writes_need_a_connected_queue_pair_and_fitting_sizes() {
+        let f = fake(4, Duration::from_secs(1), false);
+        let msg = f
+            .conn
+            .write(&[op(0, 16)])
+            .expect_err("not connected")
+            .to_string();
+        assert!(msg.contains("not connected"), "{msg}");
+
+        let f = fake(4, Duration::from_secs(1), true);
+        let msg = f
+            .conn
+            .write(&[op(0, (1 << 30) + 1)])
+            .expect_err("too long")
+            .to_string();
+        assert!(msg.contains("message limit"), "{msg}");
+        assert!(posted_chains().is_empty());
     }
 }
