@@ -1,5 +1,5 @@
 //! The `rdma` transport (cargo feature `rdma`): ibverbs through hand-written
-//! `extern "C"` declarations ([`ffi`]), linked against `libibverbs` (Debian:
+//! `extern "C"` declarations (`rdma/ffi.rs`), linked against `libibverbs` (Debian:
 //! `libibverbs-dev`). No bindgen, no extra crates.
 //!
 //! The verbs layer, bottom up:
@@ -19,7 +19,9 @@
 //! The typical sequence, on both sides: `Device::open`, `register` the KV
 //! pool (receiver) or staging memory (sender), `Connection::new`, exchange
 //! infos, `connect`. The receiver then tells the sender its region's
-//! `addr`/`rkey` (in the transfer registration) and the sender `write`s.
+//! `addr`/`rkey` (in the transfer registration) and, once its own `connect`
+//! has returned, that it is ready; only then does the sender `write` (see
+//! [`Connection::connect`]). `write` busy-polls: run it on a blocking thread.
 //!
 //! [`probe`] says whether this host can do any of that: a device must open
 //! and its port 1 must be ACTIVE.

@@ -17,9 +17,11 @@
 //! this links is the exported `ibv_query_port@@IBVERBS_1.1`, which takes a
 //! `struct _compat_ibv_port_attr *`: the leading part of `struct
 //! ibv_port_attr` up to `link_layer`/`flags`. The header's own fallback path
-//! does exactly what [`query_port`](super::query_port) does: zero a full
-//! `ibv_port_attr` and hand it to that symbol; everything this transport
-//! reads (`state`, `active_mtu`, `lid`, `link_layer`) lies in the compat part.
+//! does exactly what `Device::query_port` does: zero a full
+//! `ibv_port_attr` and hand it to that symbol. libibverbs (`__lib_query_port`)
+//! queries into a full temporary and copies back the compat size, 48 bytes,
+//! leaving `port_cap_flags2` zero; everything this transport reads
+//! (`state`, `active_mtu`, `max_msg_sz`, `lid`, `link_layer`) lies in those.
 
 // These structs mirror C layouts field for field; most fields are never read
 // from Rust but must be there for the offsets of the ones that are.

@@ -313,9 +313,13 @@ impl Connection {
         self.remote
     }
 
-    /// Connects to the peer described by `remote`: INIT → RTR → RTS. The
-    /// peer must do the same with this side's [`QpInfo`] before writes land;
-    /// until it reaches RTR the hardware retries (`retry_cnt`/`rnr_retry`).
+    /// Connects to the peer described by `remote`: INIT → RTR → RTS.
+    ///
+    /// The peer must have connected too (reached RTR) before this side
+    /// writes: a QP still in INIT drops what arrives, and the writer gives up
+    /// after its transport retries (`timeout` 14 ≈ 67 ms, `retry_cnt` 7)
+    /// with "transport retry counter exceeded". Have the receiving side send
+    /// a ready message on the side channel after its own `connect`.
     pub fn connect(&mut self, remote: &QpInfo) -> Result<(), WorkerError> {
         if let Some(prev) = self.remote {
             return Err(rdma_err(format!("queue pair already connected to {prev}")));
@@ -1012,6 +1016,36 @@ mod fake_provider_tests {
         f.conn
             .write(&[op(0, 16)])
             .expect("nothing was queued, so it still works");
+    }
+
+    #[test]
+    fn connect_refuses_bad_peers_before_touching_the_queue_pair() {
+        // Each of these returns before any ibv_modify_qp call.
+        let mut f = fake(4, Duration::from_secs(1), true);
+        let peer = QpInfo {
+            lid: 2,
+            qpn: 0x300,
+            psn: 1,
+            gid: [0; 16],
+        };
+        let msg = f.conn.connect(&peer).expect_err("twice").to_string();
+        assert!(msg.contains("already connected"), "{msg}");
+
+        let mut f = fake(4, Duration::from_secs(1), false);
+        for qpn in [0, 1, 0x0100_0000] {
+            let msg = f
+                .conn
+                .connect(&QpInfo { qpn, ..peer })
+                .expect_err("bad qpn")
+                .to_string();
+            assert!(msg.contains("queue-pair"), "{qpn}: {msg}");
+        }
+
+        f.conn.port.link_layer = ffi::IBV_LINK_LAYER_ETHERNET;
+        let msg = f.conn.connect(&peer).expect_err("no gid").to_string();
+        assert!(msg.contains("RoCE"), "{msg}");
+        assert!(msg.contains("no GID"), "{msg}");
+        assert!(f.conn.remote_info().is_none());
     }
 
     #[test]
