@@ -288,8 +288,12 @@ impl Senders {
                 TransportKind::Shm => senders.push(Arc::new(shm::ShmSender::default())),
                 TransportKind::Tcp => senders.push(Arc::new(tcp::TcpSender::default())),
                 TransportKind::Grpc => senders.push(Arc::new(GrpcSender::default())),
-                // `available` yields rdma only once its data path exists
-                // (see `rdma::probe`).
+                #[cfg(feature = "rdma")]
+                TransportKind::Rdma => match rdma::RdmaSender::new() {
+                    Ok(r) => senders.push(Arc::new(r)),
+                    Err(e) => tracing::warn!(error = %e, "rdma sender unavailable"),
+                },
+                #[cfg(not(feature = "rdma"))]
                 TransportKind::Rdma => {}
             }
         }
@@ -678,7 +682,16 @@ pub async fn start_receiver(
             TransportKind::Shm => Ok(Arc::new(shm::ShmInbound {
                 checksums: cfg.shm_checksums,
             }) as Arc<dyn Inbound>),
-            // Never yielded by `available` yet (see `rdma::probe`).
+            #[cfg(feature = "rdma")]
+            TransportKind::Rdma => rdma::RdmaInbound::start(
+                std::net::SocketAddr::new(grpc_bind.ip(), 0),
+                &cfg.endpoint,
+                shutdown.child_token(),
+            )
+            .await
+            .map(|r| Arc::new(r) as Arc<dyn Inbound>),
+            // `available` never yields rdma without the feature.
+            #[cfg(not(feature = "rdma"))]
             TransportKind::Rdma => continue,
         };
         match built {

@@ -40,9 +40,11 @@ use ffi::Zeroed as _;
 mod ffi;
 mod handshake;
 mod qp;
+mod transport;
 
 pub use handshake::{HANDSHAKE_MAGIC, exchange_as_client, exchange_as_server};
 pub use qp::{Connection, ConnectionOptions, QP_INFO_LEN, QpInfo, WriteOp};
+pub use transport::{RdmaInbound, RdmaSender};
 
 /// The port every connection uses unless told otherwise (verbs ports count
 /// from 1).

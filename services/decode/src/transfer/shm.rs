@@ -123,6 +123,7 @@ impl Inbound for ShmInbound {
                 base_addr: 0,
                 length: arena.len() as u64,
                 checksums: self.checksums,
+                arena_blocks: arena.num_blocks() as u32,
             },
             one_sided: Some(Arc::new(Armed {
                 arena: Arc::clone(arena),

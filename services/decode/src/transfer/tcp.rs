@@ -116,15 +116,7 @@ impl TcpInbound {
         let local = listener
             .local_addr()
             .map_err(|e| WorkerError::Startup(e.to_string()))?;
-        let host = if local.ip().is_unspecified() {
-            host_of(endpoint).to_string()
-        } else {
-            match local.ip() {
-                std::net::IpAddr::V6(ip) => format!("[{ip}]"),
-                ip => ip.to_string(),
-            }
-        };
-        let address = format!("{host}:{}", local.port());
+        let address = advertised(local, endpoint);
         tokio::spawn(accept_loop(listener, receiver, shutdown));
         Ok(Self { address, local })
     }
@@ -138,6 +130,20 @@ impl TcpInbound {
     pub fn local_addr(&self) -> SocketAddr {
         self.local
     }
+}
+
+/// The address a side-channel listener bound to `local` is dialled at:
+/// `endpoint`'s host when bound to every interface, else the bound IP.
+pub(crate) fn advertised(local: SocketAddr, endpoint: &str) -> String {
+    let host = if local.ip().is_unspecified() {
+        host_of(endpoint).to_string()
+    } else {
+        match local.ip() {
+            std::net::IpAddr::V6(ip) => format!("[{ip}]"),
+            ip => ip.to_string(),
+        }
+    };
+    format!("{host}:{}", local.port())
 }
 
 fn host_of(endpoint: &str) -> &str {
