@@ -35,8 +35,9 @@ run: deps-system ## set up and run everything: `sluice up` with the built-in mod
 
 test: test-rust test-python test-deploy ## run every test (Rust, Python clients, deploy manifests)
 
-test-rust: ## cargo tests, unit and integration; the rdma KV transport must keep compiling
+test-rust: ## cargo tests, unit and integration; the rdma KV transport must keep compiling and its verbs layouts must match verbs.h
 	$(CARGO) test --workspace -- --test-threads=$(TEST_THREADS)
+	$(CARGO) test -p sluice-decode --features rdma --lib transfer::rdma
 	$(CARGO) build -p sluice-prefill --features rdma
 
 test-python: ## tests that use other people's clients (openai, grpcio) from the venv
