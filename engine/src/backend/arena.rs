@@ -470,18 +470,24 @@ fn remove_stale(dir: &Path) {
     }
 }
 
+/// A small layout for unit tests: 2 layers, 2 KV heads, head_dim 4, 3-token blocks, f32.
+#[cfg(test)]
+pub(crate) fn tiny_layout() -> KvBlockLayout {
+    KvBlockLayout {
+        num_layers: 2,
+        num_kv_heads: 2,
+        head_dim: 4,
+        block_size: 3,
+        elem_bytes: 4,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn layout() -> KvBlockLayout {
-        KvBlockLayout {
-            num_layers: 2,
-            num_kv_heads: 2,
-            head_dim: 4,
-            block_size: 3,
-            elem_bytes: 4,
-        }
+        tiny_layout()
     }
 
     fn pattern(seed: u32) -> Vec<u8> {

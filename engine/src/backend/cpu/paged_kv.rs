@@ -73,13 +73,7 @@ mod tests {
     use super::*;
 
     fn layout() -> KvBlockLayout {
-        KvBlockLayout {
-            num_layers: 2,
-            num_kv_heads: 2,
-            head_dim: 4,
-            block_size: 3,
-            elem_bytes: 4,
-        }
+        crate::backend::arena::tiny_layout()
     }
 
     #[test]

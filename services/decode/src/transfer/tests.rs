@@ -111,6 +111,28 @@ async fn receiver_checking(kinds: &[TransportKind], shm_checksums: bool) -> Arc<
     .expect("receiver")
 }
 
+/// A reserved slot of `blocks` blocks in `e`, expected as transfer `id`
+/// from a sender on this host.
+async fn expected(
+    e: &EngineHandle,
+    receiver: &Arc<Receiver>,
+    blocks: usize,
+    salt: u32,
+    id: &str,
+) -> (
+    sluice_engine::RemoteSlot,
+    Vec<u32>,
+    Expectation,
+    Vec<pb::Region>,
+) {
+    let slot = e.reserve_remote(request(blocks, salt)).await.expect("slot");
+    let ids = slot.block_ids().to_vec();
+    let (exp, regions) = receiver
+        .expect(id, e.clone(), slot.id(), ids.clone(), true)
+        .expect("registered");
+    (slot, ids, exp, regions)
+}
+
 fn region(regions: &[pb::Region], kind: TransportKind) -> pb::Region {
     regions
         .iter()
@@ -127,11 +149,7 @@ async fn round_trip(kind: TransportKind, sender: &dyn KvSender) {
 
 async fn round_trip_on(e: EngineHandle, kind: TransportKind, sender: &dyn KvSender) {
     let receiver = receiver_with(&[kind], &e).await;
-    let slot = e.reserve_remote(request(5, 1)).await.expect("slot");
-    let ids = slot.block_ids().to_vec();
-    let (exp, regions) = receiver
-        .expect("t1", e.clone(), slot.id(), ids.clone(), true)
-        .expect("registered");
+    let (_slot, ids, exp, regions) = expected(&e, &receiver, 5, 1, "t1").await;
     let blocks = blocks_for(&ids, e.kv_layout().block_bytes(), 3);
     let sent = sender
         .write(&region(&regions, kind), "t1", blocks.clone())
@@ -242,11 +260,7 @@ async fn tcp_sender_reuses_its_connection_for_the_next_transfer() {
 async fn tcp_refuses_a_checksum_mismatch_and_says_why() {
     let e = engine(64);
     let receiver = receiver_with(&[TransportKind::Tcp], &e).await;
-    let slot = e.reserve_remote(request(3, 2)).await.expect("slot");
-    let ids = slot.block_ids().to_vec();
-    let (exp, regions) = receiver
-        .expect("bad", e.clone(), slot.id(), ids.clone(), true)
-        .expect("registered");
+    let (_slot, ids, exp, regions) = expected(&e, &receiver, 3, 2, "bad").await;
     let mut blocks = blocks_for(&ids, e.kv_layout().block_bytes(), 1);
     blocks[1].data[7] ^= 1;
     let err = TcpSender::default()
@@ -288,11 +302,7 @@ async fn tcp_refuses_an_unknown_transfer() {
 async fn shm_refuses_a_checksum_mismatch_when_asked_to_check() {
     let e = engine(64);
     let receiver = receiver_checking(&[TransportKind::Shm], true).await;
-    let slot = e.reserve_remote(request(2, 4)).await.expect("slot");
-    let ids = slot.block_ids().to_vec();
-    let (exp, regions) = receiver
-        .expect("bad", e.clone(), slot.id(), ids.clone(), true)
-        .expect("registered");
+    let (_slot, ids, exp, regions) = expected(&e, &receiver, 2, 4, "bad").await;
     let r = region(&regions, TransportKind::Shm);
     let sender = ShmSender::default();
     assert!(r.checksums && sender.needs_checksums(&r));
@@ -311,11 +321,7 @@ async fn shm_refuses_a_checksum_mismatch_when_asked_to_check() {
 async fn shm_without_checksums_asks_for_none_and_completes_unchecked_blocks() {
     let e = engine(64);
     let receiver = receiver_with(&[TransportKind::Shm], &e).await;
-    let slot = e.reserve_remote(request(2, 8)).await.expect("slot");
-    let ids = slot.block_ids().to_vec();
-    let (exp, regions) = receiver
-        .expect("fast", e.clone(), slot.id(), ids.clone(), true)
-        .expect("registered");
+    let (_slot, ids, exp, regions) = expected(&e, &receiver, 2, 8, "fast").await;
     let r = region(&regions, TransportKind::Shm);
     let sender = ShmSender::default();
     assert!(!r.checksums && !sender.needs_checksums(&r));
