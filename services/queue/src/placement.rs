@@ -32,6 +32,9 @@ const RETRY: Duration = Duration::from_millis(500);
 /// Longest wait for one `Route` answer. Under a threshold a model's releases
 /// wait for the previous placement, so a hung router must not stall them.
 const ROUTE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long placement waits for a router to appear before failing with
+/// `no_router` (start-up order, router restarts).
+const ROUTER_WAIT: Duration = Duration::from_secs(3);
 
 type Client = RouterClient<TracedChannel>;
 
@@ -113,6 +116,23 @@ impl Routers {
         Ok(routers)
     }
 
+    /// The next router, waiting up to `wait` for one to appear (a queue
+    /// that starts before the router, or between router restarts, holds a
+    /// request briefly instead of failing it).
+    async fn pick_within(&self, wait: Duration) -> Option<Client> {
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            // Registered before the check: a router found in between still wakes us.
+            let changed = self.inner.changed.notified();
+            if let Some(c) = self.pick() {
+                return Some(c);
+            }
+            if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                return self.pick();
+            }
+        }
+    }
+
     /// The next router, round robin; None when none is known.
     fn pick(&self) -> Option<Client> {
         let clients = self.inner.clients.lock();
@@ -166,7 +186,11 @@ impl RouterPlacer {
         pool: router_pb::Pool,
         commit: bool,
     ) -> Result<router_pb::RouteResponse, QueueError> {
-        let mut client = self.routers.pick().ok_or(QueueError::NoRouter)?;
+        let mut client = self
+            .routers
+            .pick_within(ROUTER_WAIT)
+            .await
+            .ok_or(QueueError::NoRouter)?;
         let request = router_pb::RouteRequest {
             request_id: entry.request_id.clone(),
             model: entry.model.clone(),

@@ -94,31 +94,56 @@ struct Mesh {
     load: watch::Sender<router_pb::LoadView>,
     shutdown: Shutdown,
     served: tokio::task::JoinHandle<Result<(), sluice_queue::QueueError>>,
-    _router: Registration,
+    _router: Option<Registration>,
+}
+
+type Routes = Arc<Mutex<Vec<(String, i32, bool)>>>;
+
+/// A test router holding `initial` load, served and registered in `discovery`.
+async fn start_router(
+    discovery: &Arc<dyn Discovery>,
+    initial: router_pb::LoadView,
+) -> anyhow::Result<(
+    watch::Sender<router_pb::LoadView>,
+    Routes,
+    Option<Registration>,
+)> {
+    let (load, load_rx) = watch::channel(initial);
+    let routes = Arc::new(Mutex::new(Vec::new()));
+    let router = TestRouter {
+        routes: Arc::clone(&routes),
+        load: load_rx,
+    };
+    let router_listener = TcpListener::bind("127.0.0.1:0").await?;
+    let router_addr = router_listener.local_addr()?;
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(RouterServer::new(router))
+            .serve_with_incoming(TcpListenerStream::new(router_listener)),
+    );
+    let registration = discovery
+        .register(Instance::new("router", router_addr.to_string()), 5)
+        .await?;
+    Ok((load, routes, Some(registration)))
 }
 
 impl Mesh {
     /// A router holding `initial` load, registered in discovery, and the
     /// queue started with `flags`.
     async fn start(flags: &[&str], initial: router_pb::LoadView) -> anyhow::Result<Self> {
-        let (load, load_rx) = watch::channel(initial);
-        let routes = Arc::new(Mutex::new(Vec::new()));
-        let router = TestRouter {
-            routes: Arc::clone(&routes),
-            load: load_rx,
-        };
-        let router_listener = TcpListener::bind("127.0.0.1:0").await?;
-        let router_addr = router_listener.local_addr()?;
-        tokio::spawn(
-            tonic::transport::Server::builder()
-                .add_service(RouterServer::new(router))
-                .serve_with_incoming(TcpListenerStream::new(router_listener)),
-        );
         let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new("default"));
-        let registration = discovery
-            .register(Instance::new("router", router_addr.to_string()), 5)
-            .await?;
+        let (load, routes, registration) = start_router(&discovery, initial).await?;
+        Self::start_queue(discovery, flags, load, routes, registration).await
+    }
 
+    /// The queue started with `flags` over `discovery`.
+    async fn start_queue(
+        discovery: Arc<dyn Discovery>,
+        flags: &[&str],
+        load: watch::Sender<router_pb::LoadView>,
+        routes: Routes,
+        registration: Option<Registration>,
+    ) -> anyhow::Result<Self> {
         #[derive(Parser)]
         struct Cli {
             #[command(flatten)]
@@ -454,5 +479,28 @@ async fn metrics_are_served_on_the_grpc_port() -> anyhow::Result<()> {
     );
     assert!(body.contains("sluice_queue_active_leases 1"), "{body}");
     drop((tx, stream));
+    mesh.stop().await
+}
+
+#[tokio::test]
+async fn a_request_placed_before_any_router_is_known_waits_for_one() -> anyhow::Result<()> {
+    // The queue starts first (as in any start-up order); the router comes later.
+    let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new("default"));
+    let (load, _) = watch::channel(router_pb::LoadView::default());
+    let mesh =
+        Mesh::start_queue(Arc::clone(&discovery), &[], load, Routes::default(), None).await?;
+    let (_tx, mut stream) = mesh.admit(open("early", 0)).await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (_load, routes, _registration) =
+        start_router(&discovery, view(vec![worker("w0", "aggregated", 0)])).await?;
+    let pb::admit_response::Msg::Grant(grant) = next_msg(&mut stream).await? else {
+        anyhow::bail!("not granted once a router appeared");
+    };
+    assert_eq!(grant.worker_id, "w0");
+    assert_eq!(
+        routes.lock().len(),
+        1,
+        "placed by the router that came later"
+    );
     mesh.stop().await
 }
