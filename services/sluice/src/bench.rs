@@ -285,7 +285,9 @@ impl BenchArgs {
 }
 
 /// Runs `sluice bench`: sends the workload, prints the table, writes `--out`.
-pub(crate) async fn run(args: BenchArgs) -> anyhow::Result<()> {
+/// A signal (`stop`) ends the run early: what finished is reported, the
+/// rest counts as interrupted.
+pub(crate) async fn run(args: BenchArgs, stop: sluice_runtime::Shutdown) -> anyhow::Result<()> {
     args.validate()?;
     let plan = args.workload()?;
     let target = Target::new(
@@ -309,7 +311,7 @@ pub(crate) async fn run(args: BenchArgs) -> anyhow::Result<()> {
         ),
         progress: !args.no_progress,
     };
-    let (records, duration_s) = run.execute(Arc::new(target), plan).await;
+    let (records, duration_s) = run.execute(Arc::new(target), plan, &stop).await;
     let results = report::Results::new(args.config_json(), &records, duration_s);
     println!("{}", results.table());
     if let Some(out) = &args.out {
@@ -337,7 +339,12 @@ struct Run {
 impl Run {
     /// Sends `plan` on its schedule; returns one record per planned request
     /// and the run's duration (first send to last answer) in seconds.
-    async fn execute(self, target: Arc<Target>, plan: Vec<Planned>) -> (Vec<RequestRecord>, f64) {
+    async fn execute(
+        self,
+        target: Arc<Target>,
+        plan: Vec<Planned>,
+        stop: &sluice_runtime::Shutdown,
+    ) -> (Vec<RequestRecord>, f64) {
         let total = plan.len();
         let start = Instant::now();
         let deadline = tokio::time::Instant::from_std(start + self.timeout);
@@ -356,14 +363,20 @@ impl Run {
         let mut first_sent: Option<Instant> = None;
         let mut last_done = start;
         let mut failed = 0usize;
-        let mut timed_out = false;
+        // Why the run ended early: (error kind, detail) for what was cut short.
+        let mut cut: Option<(&str, String)> = None;
         while pending.peek().is_some() || !tasks.is_empty() {
             let next_at = pending
                 .peek()
                 .map(|p| tokio::time::Instant::from_std(start + p.at));
             tokio::select! {
                 () = tokio::time::sleep_until(deadline) => {
-                    timed_out = true;
+                    let limit = format!("the run's --timeout-secs ({} s) ran out", self.timeout.as_secs());
+                    cut = Some(("timeout", limit));
+                    break;
+                }
+                () = stop.cancelled() => {
+                    cut = Some(("interrupted", "the run was stopped by a signal".into()));
                     break;
                 }
                 Some(joined) = tasks.join_next(), if !tasks.is_empty() => {
@@ -398,17 +411,14 @@ impl Run {
                 }
             }
         }
-        if timed_out {
+        if let Some((kind, detail)) = cut {
             tasks.abort_all();
             let now = Instant::now();
             for (_, mut rec) in in_flight.drain() {
                 rec.e2e_ms = (now - start).as_secs_f64() * 1000.0 - rec.sent_ms;
                 rec.error = Some(RequestError {
-                    kind: "timeout".into(),
-                    detail: format!(
-                        "the run's --timeout-secs ({} s) ran out",
-                        self.timeout.as_secs()
-                    ),
+                    kind: kind.into(),
+                    detail: detail.clone(),
                 });
                 records.push(rec);
             }
@@ -417,7 +427,7 @@ impl Run {
                 rec.sent_ms = f64::NAN;
                 rec.error = Some(RequestError {
                     kind: "not_sent".into(),
-                    detail: "the run's --timeout-secs ran out first".into(),
+                    detail: format!("{detail} first"),
                 });
                 records.push(rec);
             }
@@ -581,7 +591,9 @@ mod tests {
             request_timeout: Duration::from_millis(700),
             progress: false,
         };
-        let (records, duration) = run.execute(Arc::new(target), plan).await;
+        let (records, duration) = run
+            .execute(Arc::new(target), plan, &sluice_runtime::Shutdown::new())
+            .await;
         assert_eq!(records.len(), 5);
         assert!(duration > 0.0);
         for r in [&records[0], &records[3]] {
@@ -604,6 +616,34 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_signal_ends_the_run_and_reports_what_finished() {
+        let url = fake_server().await;
+        let target =
+            Target::new(&url, "m".into(), Endpoint::Completions, None, 100).expect("target");
+        // One answered at once, one scheduled long after the signal.
+        let plan = vec![planned(0, 0, 0), planned(1, 0, 60_000)];
+        let run = Run {
+            concurrency: 0,
+            timeout: Duration::from_secs(120),
+            request_timeout: Duration::from_secs(5),
+            progress: false,
+        };
+        let stop = sluice_runtime::Shutdown::new();
+        let signal = stop.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            signal.cancel();
+        });
+        let started = Instant::now();
+        let (records, _) = run.execute(Arc::new(target), plan, &stop).await;
+        assert!(started.elapsed() < Duration::from_secs(10), "stopped early");
+        assert!(records[0].error.is_none(), "{:?}", records[0]);
+        let e = records[1].error.as_ref().expect("not sent");
+        assert_eq!(e.kind, "not_sent");
+        assert!(e.detail.contains("signal"), "{e:?}");
+    }
+
+    #[tokio::test]
     async fn concurrency_caps_requests_in_flight() {
         let url = fake_server().await;
         let target =
@@ -615,7 +655,9 @@ mod tests {
             request_timeout: Duration::from_secs(5),
             progress: false,
         };
-        let (records, _) = run.execute(Arc::new(target), plan).await;
+        let (records, _) = run
+            .execute(Arc::new(target), plan, &sluice_runtime::Shutdown::new())
+            .await;
         assert!(records.iter().all(|r| r.error.is_none()));
         // One at a time: each is sent after the previous one finished.
         for w in records.windows(2) {

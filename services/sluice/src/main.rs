@@ -191,7 +191,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
                 .map_err(Into::into)
         }
         Command::Model { .. } => Ok(()),
-        Command::Bench(args) => bench::run(*args).await,
+        Command::Bench(args) => bench::run(*args, shutdown.clone()).await,
     };
     telemetry.shutdown().await;
     result
