@@ -393,33 +393,46 @@ fn main() {
             let pairs: Vec<(u32, u32)> = src_ids.into_iter().zip(t.ids.iter().copied()).collect();
             (held, pairs)
         });
-        let region = t
-            .regions
-            .iter()
-            .find(|r| r.transport == TransportKind::Shm.to_pb() as i32)
-            .cloned()
-            .expect("shm offered");
-        let sender = ShmSender::default();
         let arena = source.kv_arena().expect("source KV memory").clone();
-        g.bench_function("shm_arena", |b| {
-            b.iter_custom(|iters| {
-                let e = rt.block_on(async {
-                    let start = Instant::now();
-                    for _ in 0..iters {
-                        let sent = sender
-                            .write_from(&region, &t.id, &arena, &pairs)
-                            .await
-                            .expect("shm copies from KV memory")
-                            .expect("written");
-                        let done = t.exp.finish("shm").await.expect("finished");
-                        assert_eq!((sent as usize, done), (n, n));
-                    }
-                    start.elapsed()
-                });
-                results.add("shm_arena", n, e, iters);
-                e
-            })
-        });
+        let from_arena: [(&str, TransportKind, Box<dyn KvSender>); 2] = [
+            (
+                "shm_arena",
+                TransportKind::Shm,
+                Box::new(ShmSender::default()),
+            ),
+            (
+                "tcp_arena",
+                TransportKind::Tcp,
+                Box::new(TcpSender::default()),
+            ),
+        ];
+        for (series, kind, sender) in from_arena {
+            let region = t
+                .regions
+                .iter()
+                .find(|r| r.transport == kind.to_pb() as i32)
+                .cloned()
+                .expect("region offered");
+            g.bench_function(series, |b| {
+                b.iter_custom(|iters| {
+                    let e = rt.block_on(async {
+                        let start = Instant::now();
+                        for _ in 0..iters {
+                            let sent = sender
+                                .write_from(&region, &t.id, &arena, &pairs)
+                                .await
+                                .expect("sends from KV memory")
+                                .expect("written");
+                            let done = t.exp.finish(kind.as_str()).await.expect("finished");
+                            assert_eq!((sent as usize, done), (n, n));
+                        }
+                        start.elapsed()
+                    });
+                    results.add(series, n, e, iters);
+                    e
+                })
+            });
+        }
         drop(src);
         g.finish();
     }
@@ -431,7 +444,8 @@ fn main() {
          engine: the receiver's verify-and-copy into the KV memory alone; shm, tcp, grpc: end \
          to end, from the sender's blocks to a completed transfer in the engine's KV memory; \
          shm_xxh3: shm with --kv-shm-checksums; shm_arena: shm the way a prefill worker \
-         sends, from its engine's KV memory (long-lived, compared with memcpy_hot)",
+         sends, from its engine's KV memory (long-lived, compared with memcpy_hot); tcp_arena: tcp \
+         the same way, the socket reading the block parts where they lie",
         block_bytes / 1024
     );
     let header = [
@@ -470,6 +484,8 @@ fn main() {
             pct(g("shm_xxh3"), memcpy),
             format!("{:>9.2}", g("shm_arena")),
             pct(g("shm_arena"), hot),
+            format!("{:>9.2}", g("tcp_arena")),
+            pct(g("tcp_arena"), raw),
             format!("{:>9.2}", g("tcp")),
             pct(g("tcp"), raw),
             format!("{:>9.2}", g("grpc")),

@@ -23,7 +23,8 @@ use sluice_proto::kv::v1 as pb;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-use xxhash_rust::xxh3::xxh3_64;
+use sluice_engine::backend::KvArena;
+use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
 use super::{Block, Inbound, KvSender, Receiver, Registration, TransferSpec, TransportKind};
 use crate::error::WorkerError;
@@ -36,8 +37,8 @@ const KIND_BEGIN: u32 = 1;
 const KIND_BLOCK: u32 = 2;
 const KIND_END: u32 = 3;
 const MAX_ID_LEN: usize = 1024;
-/// Blocks per vectored write (two slices each, well under IOV_MAX).
-const BLOCKS_PER_WRITE: usize = 256;
+/// Slices per vectored write (IOV_MAX is 1024 on Linux).
+const MAX_SLICES: usize = 512;
 /// Idle connections kept per receiver.
 const MAX_IDLE_PER_PEER: usize = 4;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -369,10 +370,71 @@ impl KvSender for TcpSender {
         transfer_id: &str,
         blocks: Vec<Block>,
     ) -> Result<u32, WorkerError> {
-        let address = region.address.as_str();
-        // A kept connection may have died since; retry once on a fresh one.
+        let frames: Vec<Frame<'_>> = blocks
+            .iter()
+            .map(|b| Frame {
+                id: b.id,
+                checksum: b.checksum,
+                parts: vec![&b.data],
+            })
+            .collect();
+        self.send_frames(&region.address, transfer_id, &frames)
+            .await
+    }
+
+    /// Frames each block straight from the sender engine's KV memory: the
+    /// socket reads the parts where they lie (no copy into a buffer); each
+    /// block's checksum is taken over its parts first.
+    async fn write_from(
+        &self,
+        region: &pb::Region,
+        transfer_id: &str,
+        src: &Arc<KvArena>,
+        pairs: &[(u32, u32)],
+    ) -> Option<Result<u32, WorkerError>> {
+        let slabs = src.geometry().slabs();
+        let frames = pairs
+            .iter()
+            .map(|&(s, d)| {
+                let parts = (0..slabs)
+                    .map(|slab| {
+                        // SAFETY: the source blocks belong to a finished
+                        // prefill the sender engine holds for this transfer:
+                        // nobody writes them while they are sent.
+                        unsafe { src.block_part(slab, s) }
+                    })
+                    .collect::<Result<Vec<&[u8]>, _>>()
+                    .map_err(|e| WorkerError::Transfer(format!("tcp source: {e}")))?;
+                let mut h = Xxh3::new();
+                parts.iter().for_each(|p| h.update(p));
+                Ok(Frame {
+                    id: d,
+                    checksum: h.digest(),
+                    parts,
+                })
+            })
+            .collect::<Result<Vec<_>, WorkerError>>();
+        Some(match frames {
+            Ok(frames) => {
+                self.send_frames(&region.address, transfer_id, &frames)
+                    .await
+            }
+            Err(e) => Err(e),
+        })
+    }
+}
+
+impl TcpSender {
+    /// Sends `frames` to `address` on a kept connection (retrying once on a
+    /// fresh one if it died) or a new one.
+    async fn send_frames(
+        &self,
+        address: &str,
+        transfer_id: &str,
+        frames: &[Frame<'_>],
+    ) -> Result<u32, WorkerError> {
         if let Some(mut stream) = self.take_idle(address) {
-            match send_on(&mut stream, transfer_id, &blocks).await {
+            match send_on(&mut stream, transfer_id, frames).await {
                 Ok(n) => {
                     self.put_idle(address, stream);
                     return Ok(n);
@@ -384,7 +446,7 @@ impl KvSender for TcpSender {
             }
         }
         let mut stream = Self::connect(address).await?;
-        match send_on(&mut stream, transfer_id, &blocks).await {
+        match send_on(&mut stream, transfer_id, frames).await {
             Ok(n) => {
                 self.put_idle(address, stream);
                 Ok(n)
@@ -395,11 +457,26 @@ impl KvSender for TcpSender {
     }
 }
 
+/// One block on the wire: destination id, XXH3-64 of its bytes, and the
+/// bytes as they lie in memory (one buffer, or a block's parts in the slabs).
+#[derive(Debug)]
+pub(crate) struct Frame<'a> {
+    pub id: u32,
+    pub checksum: u64,
+    pub parts: Vec<&'a [u8]>,
+}
+
+impl Frame<'_> {
+    fn len(&self) -> usize {
+        self.parts.iter().map(|p| p.len()).sum()
+    }
+}
+
 /// One transfer on an open connection: BEGIN, the blocks, END, then the ack.
 pub(crate) async fn send_on<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
     transfer_id: &str,
-    blocks: &[Block],
+    blocks: &[Frame<'_>],
 ) -> Result<u32, SendError> {
     let id = transfer_id.as_bytes();
     let begin = Header {
@@ -417,7 +494,10 @@ pub(crate) async fn send_on<S: AsyncRead + AsyncWrite + Unpin>(
     }
     .encode();
     let sent = async {
-        let chunks: Vec<&[Block]> = blocks.chunks(BLOCKS_PER_WRITE).collect();
+        // Under IOV_MAX slices per vectored write.
+        let per_block = blocks.first().map_or(1, |b| b.parts.len()) + 1;
+        let per_write = (MAX_SLICES / per_block).max(1);
+        let chunks: Vec<&[Frame<'_>]> = blocks.chunks(per_write).collect();
         let last = chunks.len().saturating_sub(1);
         let mut first = true;
         for (i, chunk) in chunks.iter().enumerate() {
@@ -427,13 +507,13 @@ pub(crate) async fn send_on<S: AsyncRead + AsyncWrite + Unpin>(
                     Header {
                         kind: KIND_BLOCK,
                         block_id: b.id,
-                        len: b.data.len() as u32,
+                        len: b.len() as u32,
                         checksum: b.checksum,
                     }
                     .encode()
                 })
                 .collect();
-            let mut iov = Vec::with_capacity(chunk.len() * 2 + 3);
+            let mut iov = Vec::with_capacity(chunk.len() * per_block + 3);
             if first {
                 iov.push(IoSlice::new(&begin));
                 iov.push(IoSlice::new(id));
@@ -441,7 +521,7 @@ pub(crate) async fn send_on<S: AsyncRead + AsyncWrite + Unpin>(
             }
             for (h, b) in headers.iter().zip(chunk.iter()) {
                 iov.push(IoSlice::new(h));
-                iov.push(IoSlice::new(&b.data));
+                iov.extend(b.parts.iter().map(|p| IoSlice::new(p)));
             }
             if i == last {
                 iov.push(IoSlice::new(&end));

@@ -178,15 +178,17 @@ async fn tcp_writes_through_an_engine_without_an_arena() {
 }
 
 #[tokio::test]
-async fn shm_copies_straight_from_the_senders_kv_memory() {
+async fn shm_and_tcp_send_straight_from_the_senders_kv_memory() {
     let (src, dst) = (engine_with_private_arena(64), engine(64));
     let block_bytes = dst.kv_layout().block_bytes();
-    for checksums in [false, true] {
+    let cases: [(TransportKind, bool, Box<dyn KvSender>); 3] = [
+        (TransportKind::Shm, false, Box::new(ShmSender::default())),
+        (TransportKind::Shm, true, Box::new(ShmSender::default())),
+        (TransportKind::Tcp, false, Box::new(TcpSender::default())),
+    ];
+    for (salt, (kind, checksums, sender)) in (20u32..).zip(cases) {
         // Blocks in the sender engine's memory, as a finished prefill leaves them.
-        let held = src
-            .reserve_remote(request(4, 20 + u32::from(checksums)))
-            .await
-            .expect("source");
+        let held = src.reserve_remote(request(4, salt)).await.expect("source");
         let src_ids = held.block_ids().to_vec();
         let data = blocks_for(&src_ids, block_bytes, 5);
         src.write_blocks(
@@ -195,35 +197,28 @@ async fn shm_copies_straight_from_the_senders_kv_memory() {
         )
         .await
         .expect("source blocks");
-        let receiver = receiver_checking(&[TransportKind::Shm], checksums).await;
-        let slot = dst
-            .reserve_remote(request(4, 30 + u32::from(checksums)))
-            .await
-            .expect("slot");
-        let ids = slot.block_ids().to_vec();
-        let (exp, regions) = receiver
-            .expect("direct", dst.clone(), slot.id(), ids.clone(), true)
-            .expect("registered");
+        let receiver = receiver_checking(&[kind], checksums).await;
+        let (_slot, ids, exp, regions) = expected(&dst, &receiver, 4, salt + 100, "direct").await;
         let pairs: Vec<(u32, u32)> = src_ids.iter().copied().zip(ids.iter().copied()).collect();
         let arena = src.kv_arena().expect("the source has KV memory");
-        let n = ShmSender::default()
-            .write_from(
-                &region(&regions, TransportKind::Shm),
-                "direct",
-                arena,
-                &pairs,
-            )
+        let n = sender
+            .write_from(&region(&regions, kind), "direct", arena, &pairs)
             .await
-            .expect("shm copies from KV memory")
+            .expect("sends from KV memory")
             .expect("written");
         assert_eq!(n, 4);
+        let case = format!("{kind} checksums {checksums}");
         assert_eq!(
-            exp.finish("shm").await.expect("complete"),
+            exp.finish(kind.as_str()).await.expect("complete"),
             4,
-            "checksums {checksums}"
+            "{case}"
         );
         let back = dst.read_blocks(ids).await.expect("read back");
-        assert_eq!(back, data.into_iter().map(|b| b.data).collect::<Vec<_>>());
+        assert_eq!(
+            back,
+            data.into_iter().map(|b| b.data).collect::<Vec<_>>(),
+            "{case}"
+        );
     }
 }
 
