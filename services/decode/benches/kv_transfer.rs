@@ -461,6 +461,8 @@ fn main() {
         "%mcp",
         "shm_arena",
         "%hot",
+        "tcp_arena",
+        "%raw",
         "tcp",
         "%raw",
         "grpc",
