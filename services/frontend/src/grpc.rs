@@ -142,6 +142,7 @@ impl pb::inference_server::Inference for InferenceService {
                                 prefill_worker_id: serving.prefill_worker_id,
                                 priority: serving.priority,
                                 queue_wait_ms: serving.queue_wait_ms,
+                                migrations: serving.migrations,
                                 request_id,
                             }),
                             ..Default::default()

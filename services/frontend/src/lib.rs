@@ -38,6 +38,12 @@ pub struct Args {
     /// Deadline of a request from receipt to its last token, in seconds (504 after).
     #[arg(long, env = "SLUICE_REQUEST_TIMEOUT", default_value_t = 600)]
     pub request_timeout: u64,
+
+    /// How many times a request whose decode worker fails mid-stream (dies,
+    /// resets the stream, ends it unfinished) moves to another worker and
+    /// goes on from the tokens already streamed; 0 = the client gets the error.
+    #[arg(long, env = "SLUICE_MIGRATION_LIMIT", default_value_t = 3)]
+    pub migration_limit: u32,
 }
 
 impl Default for Args {
@@ -45,6 +51,7 @@ impl Default for Args {
         Self {
             default_max_tokens: 256,
             request_timeout: 600,
+            migration_limit: 3,
         }
     }
 }
@@ -99,6 +106,7 @@ pub async fn serve(
         metrics: metrics.clone(),
         default_max_tokens: args.default_max_tokens,
         request_timeout: Duration::from_secs(args.request_timeout),
+        migration_limit: args.migration_limit,
     });
     let server = GrpcServer::new()
         .map_err(|e| startup(e.to_string()))?

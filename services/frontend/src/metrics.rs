@@ -13,6 +13,7 @@ pub(crate) struct Metrics {
     pub queue_wait: HistogramVec,
     pub requests: IntCounterVec,
     pub inflight: IntGauge,
+    pub migrations: IntCounterVec,
 }
 
 const LATENCY_BUCKETS: &[f64] = &[
@@ -52,12 +53,20 @@ impl Metrics {
             &["endpoint", "code"],
         )?;
         let inflight = IntGauge::new("sluice_frontend_inflight_requests", "Requests being served")?;
+        let migrations = IntCounterVec::new(
+            Opts::new(
+                "sluice_frontend_migrations_total",
+                "Requests moved to another decode worker after theirs failed mid-stream, by outcome",
+            ),
+            &["outcome"],
+        )?;
         registry.register(Box::new(ttft.clone()))?;
         registry.register(Box::new(itl.clone()))?;
         registry.register(Box::new(e2e.clone()))?;
         registry.register(Box::new(queue_wait.clone()))?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(inflight.clone()))?;
+        registry.register(Box::new(migrations.clone()))?;
         Ok(Self {
             registry,
             ttft,
@@ -66,6 +75,7 @@ impl Metrics {
             queue_wait,
             requests,
             inflight,
+            migrations,
         })
     }
 }

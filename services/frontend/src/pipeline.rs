@@ -6,6 +6,12 @@
 //! Resources ride with the [`Generation`]: it owns the lease's request side
 //! and the worker stream, so dropping it (client gone, stop string, deadline)
 //! releases the queue slot and aborts the sequence on the worker.
+//!
+//! A worker that fails mid-stream (dies, resets the stream, ends it
+//! unfinished) does not fail the request: up to `--migration-limit` times,
+//! the generation takes a new lease that excludes the failed workers and
+//! asks another worker to go on from the prompt plus every token already
+//! streamed; the client's stream continues where it was.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -40,10 +46,12 @@ pub(crate) struct Pipeline {
     pub metrics: Metrics,
     pub default_max_tokens: u32,
     pub request_timeout: Duration,
+    /// Moves to another worker a request may make (`--migration-limit`).
+    pub migration_limit: u32,
 }
 
 /// A request ready for the mesh: tokenized and hashed.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct Prepared {
     pub params: GenerateParams,
     pub prompt_ids: Vec<u32>,
@@ -87,6 +95,22 @@ pub(crate) struct Serving {
     pub prefill_worker_id: String,
     pub priority: i32,
     pub queue_wait_ms: f64,
+    /// Moves to another worker after a worker failed mid-stream.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub migrations: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+/// A placed request: its lease, the worker's stream and the grant.
+struct Opened {
+    lease_tx: mpsc::Sender<qpb::AdmitRequest>,
+    lease_rx: tonic::Streaming<qpb::AdmitResponse>,
+    grant: qpb::Grant,
+    stream: tonic::Streaming<wpb::GenerateResponse>,
+    span: Span,
 }
 
 impl Pipeline {
@@ -166,19 +190,70 @@ impl Pipeline {
     /// the first token surface here, so the HTTP layer can still pick a status.
     pub(crate) async fn start(self: &Arc<Self>, p: Prepared) -> Result<Generation, FrontendError> {
         let deadline = p.received + p.params.timeout.unwrap_or(self.request_timeout);
-        let admit = self.admit(&p).instrument(tracing::info_span!(
+        let priority_label = p.params.hints.priority.to_string();
+        let opened = self.open(&p, deadline, &[]).await?;
+        let grant = &opened.grant;
+        Span::current().record("worker_id", grant.worker_id.as_str());
+        let detok =
+            IncrementalDetokenizer::new(self.tokenizer.clone(), p.params.stop.clone(), true)
+                .with_prompt(&p.prompt_ids);
+        self.metrics.inflight.inc();
+        Ok(Generation {
+            pipeline: Arc::clone(self),
+            serving: Serving {
+                worker_id: grant.worker_id.clone(),
+                dp_rank: grant.dp_rank,
+                // Set from the worker's answer: the grant only offers a
+                // prefill worker; the decode worker decides whether to use it.
+                prefill_worker_id: String::new(),
+                priority: p.params.hints.priority,
+                queue_wait_ms: grant.queue_wait_ms,
+                migrations: 0,
+            },
+            lease: Some(opened.lease_tx),
+            lease_responses: Some(opened.lease_rx),
+            stream: Some(opened.stream),
+            worker_done: false,
+            detok,
+            usage: common::Usage {
+                prompt_tokens: p.prompt_ids.len() as u32,
+                completion_tokens: 0,
+                cached_tokens: 0,
+            },
+            want_logprobs: p.params.sampling.logprobs,
+            priority_label,
+            received: p.received,
+            last_token: None,
+            deadline,
+            pending: VecDeque::new(),
+            finished: false,
+            span: opened.span,
+            generated: Vec::new(),
+            failed_workers: Vec::new(),
+            worker_lost: false,
+            request: p,
+        })
+    }
+
+    /// Admission, then `Generate` on the granted worker (never one of
+    /// `exclude`), both within `deadline`.
+    async fn open(
+        &self,
+        p: &Prepared,
+        deadline: Instant,
+        exclude: &[String],
+    ) -> Result<Opened, FrontendError> {
+        let admit = self.admit(p, exclude).instrument(tracing::info_span!(
             "queue.admit",
             priority = p.params.hints.priority
         ));
         let (lease_tx, lease_rx, grant) = tokio::time::timeout_at(deadline.into(), admit)
             .await
             .map_err(|_| FrontendError::Deadline)??;
-        let priority_label = p.params.hints.priority.to_string();
         self.metrics
             .queue_wait
-            .with_label_values(&[&priority_label])
+            .with_label_values(&[&p.params.hints.priority.to_string()])
             .observe(grant.queue_wait_ms / 1000.0);
-        Span::current().record("worker_id", grant.worker_id.as_str());
 
         let span = tracing::info_span!(
             "worker.generate",
@@ -207,39 +282,11 @@ impl Pipeline {
         .map_err(|_| FrontendError::Deadline)?
         .map_err(|s| FrontendError::from_status("worker", s, &self.model))?
         .into_inner();
-
-        let detok =
-            IncrementalDetokenizer::new(self.tokenizer.clone(), p.params.stop.clone(), true)
-                .with_prompt(&p.prompt_ids);
-        self.metrics.inflight.inc();
-        Ok(Generation {
-            pipeline: Arc::clone(self),
-            lease: Some(lease_tx),
-            lease_responses: Some(lease_rx),
-            stream: Some(stream),
-            worker_done: false,
-            detok,
-            serving: Serving {
-                worker_id: grant.worker_id,
-                dp_rank: grant.dp_rank,
-                // Set from the worker's answer: the grant only offers a
-                // prefill worker; the decode worker decides whether to use it.
-                prefill_worker_id: String::new(),
-                priority: p.params.hints.priority,
-                queue_wait_ms: grant.queue_wait_ms,
-            },
-            usage: common::Usage {
-                prompt_tokens: p.prompt_ids.len() as u32,
-                completion_tokens: 0,
-                cached_tokens: 0,
-            },
-            want_logprobs: p.params.sampling.logprobs,
-            priority_label,
-            received: p.received,
-            last_token: None,
-            deadline,
-            pending: VecDeque::new(),
-            finished: false,
+        Ok(Opened {
+            lease_tx,
+            lease_rx,
+            grant,
+            stream,
             span,
         })
     }
@@ -247,6 +294,7 @@ impl Pipeline {
     async fn admit(
         &self,
         p: &Prepared,
+        exclude: &[String],
     ) -> Result<
         (
             mpsc::Sender<qpb::AdmitRequest>,
@@ -287,6 +335,7 @@ impl Pipeline {
             } else {
                 p.params.sampling.max_tokens
             },
+            exclude_worker_ids: exclude.to_vec(),
         };
         tx.send(qpb::AdmitRequest {
             msg: Some(qpb::admit_request::Msg::Open(open)),
@@ -352,6 +401,14 @@ pub(crate) struct Generation {
     pending: VecDeque<Event>,
     finished: bool,
     span: Span,
+    /// The request as first placed (a migration continues it).
+    request: Prepared,
+    /// Tokens streamed so far, across workers.
+    generated: Vec<u32>,
+    /// Workers that failed this request mid-stream.
+    failed_workers: Vec<String>,
+    /// The last read failed because the worker did (not the request).
+    worker_lost: bool,
 }
 
 impl Generation {
@@ -365,6 +422,9 @@ impl Generation {
                 return None;
             }
             if let Err(e) = self.read().await {
+                if self.worker_lost && self.migrate(&e).await {
+                    continue;
+                }
                 self.finished = true;
                 self.record_end(&e);
                 return Some(Err(e));
@@ -372,8 +432,64 @@ impl Generation {
         }
     }
 
-    /// Reads one worker message into `pending`.
+    /// Moves the request to another worker after its worker failed with
+    /// `cause`: a new lease that excludes every failed worker, and a
+    /// `Generate` of the prompt plus the tokens already streamed for the
+    /// tokens still to come. The client's stream goes on. `false` when the
+    /// limit is reached, the deadline has passed or no worker takes it.
+    async fn migrate(&mut self, cause: &FrontendError) -> bool {
+        let p = &self.pipeline;
+        let done = self.generated.len() as u32;
+        let wanted = self.request.params.sampling.max_tokens;
+        if self.serving.migrations >= p.migration_limit
+            || Instant::now() >= self.deadline
+            || (wanted > 0 && done >= wanted)
+        {
+            return false;
+        }
+        self.failed_workers.push(self.serving.worker_id.clone());
+        let mut next = self.request.clone();
+        next.prompt_ids.extend_from_slice(&self.generated);
+        next.block_hashes = sluice_tokens::sequence_block_hashes(&next.prompt_ids, next.block_size);
+        if wanted > 0 {
+            next.params.sampling.max_tokens = wanted - done;
+        }
+        tracing::warn!(
+            parent: &self.span,
+            worker_id = %self.serving.worker_id,
+            error = ?cause,
+            streamed_tokens = done,
+            "worker failed mid-stream; moving the request to another worker"
+        );
+        // The failed worker's stream is gone; its lease ends now.
+        self.stream = None;
+        close_lease(self.lease.take(), self.lease_responses.take(), None);
+        let outcome = match p.open(&next, self.deadline, &self.failed_workers).await {
+            Ok(opened) => {
+                self.serving.migrations += 1;
+                self.serving.worker_id = opened.grant.worker_id.clone();
+                self.serving.dp_rank = opened.grant.dp_rank;
+                self.serving.queue_wait_ms += opened.grant.queue_wait_ms;
+                self.lease = Some(opened.lease_tx);
+                self.lease_responses = Some(opened.lease_rx);
+                self.stream = Some(opened.stream);
+                self.worker_done = false;
+                self.span = opened.span;
+                "ok"
+            }
+            Err(e) => {
+                tracing::warn!(parent: &self.span, error = ?e, "no worker took the migrating request");
+                "failed"
+            }
+        };
+        p.metrics.migrations.with_label_values(&[outcome]).inc();
+        outcome == "ok"
+    }
+
+    /// Reads one worker message into `pending`. A failure of the worker
+    /// itself (transport error, reset, unfinished end) sets `worker_lost`.
     async fn read(&mut self) -> Result<(), FrontendError> {
+        self.worker_lost = false;
         let Some(stream) = self.stream.as_mut() else {
             return Err(FrontendError::Internal {
                 detail: "worker stream already closed".into(),
@@ -382,6 +498,7 @@ impl Generation {
         let msg = match tokio::time::timeout_at(self.deadline.into(), stream.message()).await {
             Err(_) => return Err(FrontendError::Deadline),
             Ok(Err(s)) => {
+                self.worker_lost = worker_failed(&s);
                 return Err(FrontendError::from_status(
                     "worker",
                     s,
@@ -389,6 +506,7 @@ impl Generation {
                 ));
             }
             Ok(Ok(None)) => {
+                self.worker_lost = true;
                 return Err(FrontendError::Unavailable {
                     component: "worker",
                     message: "the worker ended the stream before finishing".into(),
@@ -397,8 +515,11 @@ impl Generation {
             Ok(Ok(Some(m))) => m,
         };
         if let Some(u) = &msg.usage {
-            self.usage.cached_tokens = u.cached_tokens;
-            self.usage.prompt_tokens = u.prompt_tokens.max(self.usage.prompt_tokens);
+            if self.serving.migrations == 0 {
+                self.usage.prompt_tokens = u.prompt_tokens.max(self.usage.prompt_tokens);
+            }
+            // After a move the worker's prompt holds the streamed tokens too.
+            self.usage.cached_tokens = u.cached_tokens.min(self.usage.prompt_tokens);
         }
         if !msg.prefill_worker_id.is_empty() {
             self.serving.prefill_worker_id = msg.prefill_worker_id.clone();
@@ -426,6 +547,7 @@ impl Generation {
         let mut reason = None;
         for (i, &id) in msg.token_ids.iter().enumerate() {
             self.usage.completion_tokens += 1;
+            self.generated.push(id);
             token_ids.push(id);
             if self.want_logprobs
                 && let Some(lp) = msg.logprobs.get(i)
@@ -502,35 +624,58 @@ impl Drop for Generation {
     /// default): every request after that on the shared channel would fail.
     fn drop(&mut self) {
         self.pipeline.metrics.inflight.dec();
-        let lease = self.lease.take();
-        let responses = self.lease_responses.take();
         let worker = if self.worker_done {
             self.stream.take()
         } else {
             None
         };
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        rt.spawn(async move {
-            let drain = async {
-                if let Some(lease) = lease {
-                    let _ = lease
-                        .send(qpb::AdmitRequest {
-                            msg: Some(qpb::admit_request::Msg::Done(qpb::AdmitDone {})),
-                        })
-                        .await;
-                }
-                if let Some(mut r) = responses {
-                    while let Ok(Some(_)) = r.message().await {}
-                }
-                if let Some(mut w) = worker {
-                    while let Ok(Some(_)) = w.message().await {}
-                }
-            };
-            let _ = tokio::time::timeout(Duration::from_secs(5), drain).await;
-        });
+        close_lease(self.lease.take(), self.lease_responses.take(), worker);
     }
+}
+
+/// Whether a worker stream's error means the worker failed (so the request
+/// may go on elsewhere) rather than refusing the request.
+fn worker_failed(s: &tonic::Status) -> bool {
+    use tonic::Code;
+    matches!(
+        s.code(),
+        Code::Unavailable
+            | Code::Unknown
+            | Code::Internal
+            | Code::Cancelled
+            | Code::Aborted
+            | Code::DataLoss
+    )
+}
+
+/// Ends a lease cleanly in the background — `done`, half-close, read the
+/// queue's end of stream — and drains `worker`, a stream its worker finished.
+fn close_lease(
+    lease: Option<mpsc::Sender<qpb::AdmitRequest>>,
+    responses: Option<tonic::Streaming<qpb::AdmitResponse>>,
+    worker: Option<tonic::Streaming<wpb::GenerateResponse>>,
+) {
+    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    rt.spawn(async move {
+        let drain = async {
+            if let Some(lease) = lease {
+                let _ = lease
+                    .send(qpb::AdmitRequest {
+                        msg: Some(qpb::admit_request::Msg::Done(qpb::AdmitDone {})),
+                    })
+                    .await;
+            }
+            if let Some(mut r) = responses {
+                while let Ok(Some(_)) = r.message().await {}
+            }
+            if let Some(mut w) = worker {
+                while let Ok(Some(_)) = w.message().await {}
+            }
+        };
+        let _ = tokio::time::timeout(Duration::from_secs(5), drain).await;
+    });
 }
 
 impl Pipeline {

@@ -61,6 +61,7 @@ pub(crate) fn entry_from_open(open: pb::AdmitOpen, now: Instant) -> Result<Entry
         overlap_tokens: 0,
         block_hashes: Arc::from(open.block_hashes),
         block_size: open.block_size,
+        exclude_worker_ids: Arc::from(open.exclude_worker_ids),
         arrival: now,
         deadline,
         span: tracing::Span::none(),
@@ -182,6 +183,7 @@ mod tests {
             block_size: 16,
             deadline_ms: 1500,
             expected_output_tokens: 0,
+            exclude_worker_ids: vec!["w9".into()],
         }
     }
 
@@ -200,6 +202,7 @@ mod tests {
         assert_eq!(entry.strict_tier, 1);
         assert_eq!(entry.deadline, Some(now + Duration::from_millis(1500)));
         assert_eq!(&*entry.block_hashes, &[1, 2]);
+        assert_eq!(&*entry.exclude_worker_ids, ["w9".to_string()]);
         let no_deadline = entry_from_open(
             pb::AdmitOpen {
                 deadline_ms: 0,

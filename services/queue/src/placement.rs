@@ -200,6 +200,12 @@ impl RouterPlacer {
             block_size: entry.block_size,
             priority: entry.priority,
             commit,
+            // Exclusions name decode workers (the ones that failed this request).
+            exclude_worker_ids: if pool == router_pb::Pool::Decode {
+                entry.exclude_worker_ids.to_vec()
+            } else {
+                Vec::new()
+            },
         };
         let answer = tokio::time::timeout(ROUTE_TIMEOUT, client.route(request))
             .await

@@ -111,6 +111,8 @@ pub struct Entry {
     pub block_hashes: Arc<[u64]>,
     /// Block size the hashes were computed with.
     pub block_size: u32,
+    /// Decode workers not to place on (a migrating request's failed ones).
+    pub exclude_worker_ids: Arc<[String]>,
     /// When the queue received the request.
     pub arrival: Instant,
     /// Past this instant a held request fails with `DeadlineExceeded`.

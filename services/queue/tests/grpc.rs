@@ -261,6 +261,7 @@ fn open(id: &str, priority: i32) -> pb::AdmitOpen {
         block_size: 16,
         deadline_ms: 0,
         expected_output_tokens: 0,
+        exclude_worker_ids: Vec::new(),
     }
 }
 

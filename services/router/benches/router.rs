@@ -194,6 +194,7 @@ fn run(workers: usize, entries: usize, queries: usize, seed: u64) -> Row {
             block_hashes: q,
             block_size: BLOCK,
             commit: true,
+            exclude: &[],
         };
         let t = Instant::now();
         let d = pool.route(&input, now);

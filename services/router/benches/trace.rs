@@ -267,6 +267,7 @@ async fn replay(mode: Mode, reqs: &[TraceRequest]) -> Vec<Outcome> {
             block_hashes: &hashes,
             block_size: BLOCK as u32,
             commit: true,
+            exclude: &[],
         };
         let decision = match mode {
             Mode::Router(_) => pool.route(&input, Instant::now()),

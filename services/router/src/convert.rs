@@ -43,6 +43,7 @@ pub(crate) fn route_input(req: &pb::RouteRequest) -> Result<RouteInput<'_>, Rout
         block_hashes: &req.block_hashes,
         block_size: req.block_size,
         commit: req.commit,
+        exclude: &req.exclude_worker_ids,
     })
 }
 

@@ -112,6 +112,8 @@ pub struct RouteInput<'a> {
     pub block_size: u32,
     /// Count the placement as active load (false = dry run).
     pub commit: bool,
+    /// Worker ids not to place on (a migrating request's failed workers).
+    pub exclude: &'a [String],
 }
 
 /// A candidate's address and cost terms.
@@ -335,7 +337,8 @@ impl WorkerPool {
             .read()
             .values()
             .filter(|m| {
-                input.model.is_empty() || m.info.model.is_empty() || m.info.model == input.model
+                (input.model.is_empty() || m.info.model.is_empty() || m.info.model == input.model)
+                    && !input.exclude.iter().any(|x| *x == *m.info.target.worker_id)
             })
             .cloned()
             .collect();
@@ -545,6 +548,7 @@ mod tests {
             block_hashes: hashes,
             block_size: BS,
             commit: true,
+            exclude: &[],
         }
     }
 
@@ -586,6 +590,35 @@ mod tests {
         assert_eq!(d.candidates.len(), 4);
         assert_eq!(d.candidates[2].terms.prefill_cost, 16.0);
         assert_eq!(d.candidates[0].terms.prefill_cost, 64.0);
+    }
+
+    #[test]
+    fn excluded_workers_are_never_chosen_even_holding_the_prefix() {
+        let p = pool(RouterMode::Kv, 3);
+        let t = tokens(1, 1024);
+        let h = sequence_block_hashes(&t, BS as usize);
+        store(&p, 2, 1, &h[..48]);
+        let failed = ["w2".to_string()];
+        let d = p
+            .route(
+                &RouteInput {
+                    exclude: &failed,
+                    ..input(&h, 1024)
+                },
+                Instant::now(),
+            )
+            .expect("route");
+        assert_ne!(chosen(&d), "w2");
+        assert_eq!(d.candidates.len(), 2, "w2 is not even a candidate");
+        let all = ["w0".to_string(), "w1".to_string(), "w2".to_string()];
+        let none = p.route(
+            &RouteInput {
+                exclude: &all,
+                ..input(&h, 1024)
+            },
+            Instant::now(),
+        );
+        assert!(matches!(none, Err(RouterError::NoWorkers { .. })));
     }
 
     #[test]

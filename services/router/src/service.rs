@@ -258,6 +258,7 @@ mod tests {
                 block_size: 16,
                 priority: 3,
                 commit: true,
+                ..Default::default()
             }))
             .await
             .expect("route")

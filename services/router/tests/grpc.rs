@@ -340,6 +340,7 @@ fn route_req(hashes: &[u64], prompt_tokens: u32, commit: bool) -> pb::RouteReque
         block_size: BS,
         priority: 0,
         commit,
+        ..Default::default()
     }
 }
 

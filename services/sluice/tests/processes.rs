@@ -1,6 +1,7 @@
 //! The mesh as separate `sluice` processes with a real etcd-server on
 //! loopback: a request is served end to end, then a decode worker is killed
-//! with SIGKILL and the router stops placing on it within the lease TTL.
+//! with SIGKILL and the router stops placing on it within the lease TTL; and
+//! a stream whose worker is killed mid-generation goes on on the other one.
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -13,7 +14,6 @@ use sluice_tests::http::{get, post_json};
 const TTL_SECS: u64 = 2;
 
 struct Proc {
-    name: &'static str,
     child: Child,
 }
 
@@ -47,7 +47,7 @@ fn spawn(
         .stdout(Stdio::null())
         .stderr(log)
         .spawn()?;
-    Ok(Proc { name, child })
+    Ok(Proc { child })
 }
 
 async fn complete(http: &str) -> anyhow::Result<(u16, Value)> {
@@ -59,58 +59,87 @@ async fn complete(http: &str) -> anyhow::Result<(u16, Value)> {
     ))
 }
 
+/// etcd, the built-in model, a router, a queue, two decode workers on
+/// known ports and a frontend, as separate processes; ready when the
+/// frontend knows both workers.
+struct Cluster {
+    _etcd: EtcdServer,
+    dir: tempfile::TempDir,
+    http: String,
+    decode_ports: [u16; 2],
+    decode: Vec<Proc>,
+    _others: Vec<Proc>,
+}
+
+impl Cluster {
+    async fn start(decode_flags: &[&str]) -> anyhow::Result<Self> {
+        let etcd = EtcdServer::start().await?;
+        let dir = tempfile::tempdir()?;
+        let model = dir.path().join("sluice-tiny");
+        let status = Command::new(env!("CARGO_BIN_EXE_sluice"))
+            .args(["model", "init", "--out"])
+            .arg(&model)
+            .status()?;
+        assert!(status.success());
+        let model = model.to_string_lossy().into_owned();
+        let url = etcd.url();
+        let http = format!("127.0.0.1:{}", free_port()?);
+        let listen = "127.0.0.1:0";
+        let mut others = vec![
+            spawn("router", &["router", "--listen", listen], &url, dir.path())?,
+            spawn("queue", &["queue", "--listen", listen], &url, dir.path())?,
+        ];
+        let decode_ports = [free_port()?, free_port()?];
+        let mut decode = Vec::new();
+        for port in decode_ports {
+            let addr = format!("127.0.0.1:{port}");
+            let mut args = vec!["decode", "--listen", &addr, "--model", &model];
+            args.extend_from_slice(decode_flags);
+            decode.push(spawn("decode", &args, &url, dir.path())?);
+        }
+        others.push(spawn(
+            "frontend",
+            &["frontend", "--listen", &http, "--model", &model],
+            &url,
+            dir.path(),
+        )?);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Ok((200, body)) = get(&http, "/ready").await
+                && serde_json::from_str::<Value>(&body)?["workers"] == 2
+            {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "mesh not ready in 60 s; logs in {}",
+                dir.path().display()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        Ok(Self {
+            _etcd: etcd,
+            dir,
+            http,
+            decode_ports,
+            decode,
+            _others: others,
+        })
+    }
+
+    /// SIGKILL decode worker `i`: no deregistration, no drain.
+    fn kill_decode(&mut self, i: usize) -> anyhow::Result<()> {
+        self.decode[i].child.kill()?;
+        let _ = self.decode[i].child.wait();
+        Ok(())
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn separate_processes_serve_and_a_killed_worker_stops_receiving_requests()
 -> anyhow::Result<()> {
-    let etcd = EtcdServer::start().await?;
-    let dir = tempfile::tempdir()?;
-    let model = dir.path().join("sluice-tiny");
-    let status = Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args(["model", "init", "--out"])
-        .arg(&model)
-        .status()?;
-    assert!(status.success());
-    let model = model.to_string_lossy().into_owned();
-    let url = etcd.url();
-    let http_port = free_port()?;
-    let http = format!("127.0.0.1:{http_port}");
-    let listen = "127.0.0.1:0";
-
-    let _router = spawn("router", &["router", "--listen", listen], &url, dir.path())?;
-    let _queue = spawn("queue", &["queue", "--listen", listen], &url, dir.path())?;
-    let decode_args = [
-        "decode",
-        "--listen",
-        listen,
-        "--model",
-        &model,
-        "--num-gpu-blocks",
-        "256",
-    ];
-    let mut decode_a = spawn("decode", &decode_args, &url, dir.path())?;
-    let _decode_b = spawn("decode", &decode_args, &url, dir.path())?;
-    let _frontend = spawn(
-        "frontend",
-        &["frontend", "--listen", &http, "--model", &model],
-        &url,
-        dir.path(),
-    )?;
-
-    // Ready: both workers known.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Ok((200, body)) = get(&http, "/ready").await
-            && serde_json::from_str::<Value>(&body)?["workers"] == 2
-        {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "mesh not ready in 60 s; logs in {}",
-            dir.path().display()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let mut cluster = Cluster::start(&["--num-gpu-blocks", "256"]).await?;
+    let http = cluster.http.clone();
 
     // Served end to end, on both workers over a few requests (router spreads idle load).
     let mut seen = std::collections::BTreeSet::new();
@@ -127,8 +156,7 @@ async fn separate_processes_serve_and_a_killed_worker_stops_receiving_requests()
     assert!(!seen.is_empty());
 
     // Kill one worker: no deregistration, only its lease can remove it.
-    decode_a.child.kill()?;
-    let _ = decode_a.child.wait();
+    cluster.kill_decode(0)?;
     let killed = Instant::now();
     tokio::time::sleep(Duration::from_secs(TTL_SECS) + Duration::from_millis(1500)).await;
 
@@ -160,6 +188,111 @@ async fn separate_processes_serve_and_a_killed_worker_stops_receiving_requests()
         1,
         "{ready}"
     );
-    let _ = decode_a.name;
+    Ok(())
+}
+
+/// Which decode worker runs a sequence now (from its `/metrics`).
+async fn busy_worker(cluster: &Cluster) -> anyhow::Result<Option<usize>> {
+    for (i, port) in cluster.decode_ports.iter().enumerate() {
+        let Ok((200, metrics)) = get(&format!("127.0.0.1:{port}"), "/metrics").await else {
+            continue;
+        };
+        let running = metrics
+            .lines()
+            .filter(|l| l.starts_with("sluice_worker_running_sequences{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>();
+        if running > 0.0 {
+            return Ok(Some(i));
+        }
+    }
+    Ok(None)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_goes_on_when_its_worker_is_killed_mid_generation() -> anyhow::Result<()> {
+    // The mocker: its tokens depend only on the previous token and the
+    // position, so a continuation on another worker must give exactly the
+    // tokens an unbroken run gives; slowed down so the kill lands mid-stream.
+    let mut cluster = Cluster::start(&["--engine", "mocker", "--speedup-ratio", "0.5"]).await?;
+    let http = cluster.http.clone();
+    let body = |stream: bool| {
+        json!({"model": "sluice-tiny", "prompt": "The river runs", "max_tokens": 200,
+               "temperature": 0, "stream": stream})
+    };
+    let (status, reference) = post_json(&http, "/v1/completions", &body(false)).await?;
+    assert_eq!(status, 200, "{reference}");
+    let reference: Value = serde_json::from_str(&reference)?;
+    let expected = reference["choices"][0]["text"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert_eq!(reference["usage"]["completion_tokens"], 200, "{reference}");
+
+    let (status, _, mut reader) = sluice_tests::http::open(
+        &http,
+        "POST",
+        "/v1/completions",
+        Some(body(true).to_string()),
+        &[],
+    )
+    .await?;
+    assert_eq!(status, 200);
+    let mut text = String::new();
+    let mut last: Option<Value> = None;
+    let mut killed: Option<usize> = None;
+    let mut deltas = 0;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        assert!(
+            Instant::now() < deadline,
+            "stream did not end; logs in {}",
+            cluster.dir.path().display()
+        );
+        let mut line = String::new();
+        if tokio::io::AsyncBufReadExt::read_line(&mut reader, &mut line).await? == 0 {
+            break;
+        }
+        let Some(data) = line.trim().strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            break;
+        }
+        let chunk: Value = serde_json::from_str(data)?;
+        assert!(
+            chunk.get("error").is_none(),
+            "the client saw an error: {chunk}"
+        );
+        if let Some(t) = chunk["choices"][0]["text"].as_str() {
+            text.push_str(t);
+            deltas += 1;
+        }
+        if killed.is_none() && deltas >= 3 {
+            // Kill whichever worker runs the stream (its gauge updates every 100 ms).
+            for _ in 0..50 {
+                if let Some(i) = busy_worker(&cluster).await? {
+                    cluster.kill_decode(i)?;
+                    killed = Some(i);
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            assert!(killed.is_some(), "no worker ran the stream");
+        }
+        last = Some(chunk);
+    }
+    let last = last.expect("chunks");
+    assert_eq!(
+        text, expected,
+        "the continuation gives the unbroken run's tokens"
+    );
+    assert_eq!(last["choices"][0]["finish_reason"], "length", "{last}");
+    assert_eq!(last["nvext"]["migrations"], 1, "{last}");
+    let (_, metrics) = get(&http, "/metrics").await?;
+    assert!(
+        metrics.contains("sluice_frontend_migrations_total{outcome=\"ok\"} 1"),
+        "{metrics}"
+    );
     Ok(())
 }

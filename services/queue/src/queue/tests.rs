@@ -136,6 +136,7 @@ fn entry(id: &str, priority: i32, tier: u32, prompt: u32, arrival: Instant) -> E
         overlap_tokens: 0,
         block_hashes: Arc::from(Vec::new()),
         block_size: 16,
+        exclude_worker_ids: Arc::from(Vec::new()),
         arrival,
         deadline: None,
         span: tracing::Span::none(),
