@@ -104,6 +104,22 @@ fn is_zero(n: &u32) -> bool {
     *n == 0
 }
 
+/// Why placing a request failed: its worker failed it (place it again
+/// elsewhere), or anything else.
+enum OpenError {
+    WorkerFailed {
+        worker_id: String,
+        error: FrontendError,
+    },
+    Other(FrontendError),
+}
+
+impl From<FrontendError> for OpenError {
+    fn from(e: FrontendError) -> Self {
+        OpenError::Other(e)
+    }
+}
+
 /// A placed request: its lease, the worker's stream and the grant.
 struct Opened {
     lease_tx: mpsc::Sender<qpb::AdmitRequest>,
@@ -191,7 +207,15 @@ impl Pipeline {
     pub(crate) async fn start(self: &Arc<Self>, p: Prepared) -> Result<Generation, FrontendError> {
         let deadline = p.received + p.params.timeout.unwrap_or(self.request_timeout);
         let priority_label = p.params.hints.priority.to_string();
-        let opened = self.open(&p, deadline, &[]).await?;
+        let mut failed = Vec::new();
+        let opened = self
+            .open(&p, deadline, &mut failed, self.migration_limit)
+            .await;
+        if !failed.is_empty() {
+            let outcome = if opened.is_ok() { "ok" } else { "failed" };
+            self.metrics.migrations.with_label_values(&[outcome]).inc();
+        }
+        let opened = opened?;
         let grant = &opened.grant;
         Span::current().record("worker_id", grant.worker_id.as_str());
         let detok =
@@ -208,7 +232,7 @@ impl Pipeline {
                 prefill_worker_id: String::new(),
                 priority: p.params.hints.priority,
                 queue_wait_ms: grant.queue_wait_ms,
-                migrations: 0,
+                migrations: failed.len() as u32,
             },
             lease: Some(opened.lease_tx),
             lease_responses: Some(opened.lease_rx),
@@ -229,20 +253,47 @@ impl Pipeline {
             finished: false,
             span: opened.span,
             generated: Vec::new(),
-            failed_workers: Vec::new(),
+            failed_workers: failed,
             worker_lost: false,
             request: p,
         })
     }
 
-    /// Admission, then `Generate` on the granted worker (never one of
-    /// `exclude`), both within `deadline`.
+    /// Admission, then `Generate` on the granted worker, never one of
+    /// `failed`, both within `deadline`. A granted worker that is dead but
+    /// still registered (refused connection, reset) joins `failed` and the
+    /// request is placed again, at most `retries` times.
     async fn open(
         &self,
         p: &Prepared,
         deadline: Instant,
-        exclude: &[String],
+        failed: &mut Vec<String>,
+        retries: u32,
     ) -> Result<Opened, FrontendError> {
+        let mut left = retries;
+        loop {
+            match self.open_once(p, deadline, failed).await {
+                Ok(opened) => return Ok(opened),
+                Err(OpenError::WorkerFailed { worker_id, error })
+                    if left > 0 && Instant::now() < deadline =>
+                {
+                    tracing::warn!(%worker_id, error = ?error, "granted worker failed the request; placing it again");
+                    failed.push(worker_id);
+                    left -= 1;
+                }
+                Err(OpenError::WorkerFailed { error, .. } | OpenError::Other(error)) => {
+                    return Err(error);
+                }
+            }
+        }
+    }
+
+    async fn open_once(
+        &self,
+        p: &Prepared,
+        deadline: Instant,
+        exclude: &[String],
+    ) -> Result<Opened, OpenError> {
         let admit = self.admit(p, exclude).instrument(tracing::info_span!(
             "queue.admit",
             priority = p.params.hints.priority
@@ -274,14 +325,28 @@ impl Pipeline {
             prefill_worker_id: grant.prefill_worker_id.clone(),
             prefill_worker_endpoint: grant.prefill_worker_endpoint.clone(),
         };
-        let stream = tokio::time::timeout_at(
+        let answer = tokio::time::timeout_at(
             deadline.into(),
             client.generate(req).instrument(span.clone()),
         )
         .await
-        .map_err(|_| FrontendError::Deadline)?
-        .map_err(|s| FrontendError::from_status("worker", s, &self.model))?
-        .into_inner();
+        .map_err(|_| FrontendError::Deadline)?;
+        let stream = match answer {
+            Ok(r) => r.into_inner(),
+            Err(s) => {
+                close_lease(Some(lease_tx), Some(lease_rx), None);
+                let failed = worker_failed(&s);
+                let error = FrontendError::from_status("worker", s, &self.model);
+                return Err(if failed {
+                    OpenError::WorkerFailed {
+                        worker_id: grant.worker_id,
+                        error,
+                    }
+                } else {
+                    OpenError::Other(error)
+                });
+            }
+        };
         Ok(Opened {
             lease_tx,
             lease_rx,
@@ -441,7 +506,7 @@ impl Generation {
         let p = &self.pipeline;
         let done = self.generated.len() as u32;
         let wanted = self.request.params.sampling.max_tokens;
-        if self.serving.migrations >= p.migration_limit
+        if self.failed_workers.len() as u32 >= p.migration_limit
             || Instant::now() >= self.deadline
             || (wanted > 0 && done >= wanted)
         {
@@ -464,9 +529,15 @@ impl Generation {
         // The failed worker's stream is gone; its lease ends now.
         self.stream = None;
         close_lease(self.lease.take(), self.lease_responses.take(), None);
-        let outcome = match p.open(&next, self.deadline, &self.failed_workers).await {
+        let retries = p
+            .migration_limit
+            .saturating_sub(self.failed_workers.len() as u32);
+        let outcome = match p
+            .open(&next, self.deadline, &mut self.failed_workers, retries)
+            .await
+        {
             Ok(opened) => {
-                self.serving.migrations += 1;
+                self.serving.migrations = self.failed_workers.len() as u32;
                 self.serving.worker_id = opened.grant.worker_id.clone();
                 self.serving.dp_rank = opened.grant.dp_rank;
                 self.serving.queue_wait_ms += opened.grant.queue_wait_ms;

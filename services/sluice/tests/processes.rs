@@ -1,7 +1,8 @@
 //! The mesh as separate `sluice` processes with a real etcd-server on
 //! loopback: a request is served end to end, then a decode worker is killed
-//! with SIGKILL and the router stops placing on it within the lease TTL; and
-//! a stream whose worker is killed mid-generation goes on on the other one.
+//! with SIGKILL: requests placed on it before its lease expires are placed
+//! again, and the router stops placing on it within the lease TTL; and a
+//! stream whose worker is killed mid-generation goes on on the other one.
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -158,6 +159,18 @@ async fn separate_processes_serve_and_a_killed_worker_stops_receiving_requests()
     // Kill one worker: no deregistration, only its lease can remove it.
     cluster.kill_decode(0)?;
     let killed = Instant::now();
+    // While discovery still lists it, requests placed on it are placed
+    // again on the survivor: none fails.
+    let mut moved = 0;
+    for _ in 0..6 {
+        let (status, v) = complete(&http).await?;
+        assert_eq!(status, 200, "request failed right after the kill: {v}");
+        moved += v["nvext"]["migrations"].as_u64().unwrap_or(0);
+    }
+    eprintln!(
+        "{moved} of 6 requests were placed on the dead worker first ({:?} after the kill)",
+        killed.elapsed()
+    );
     tokio::time::sleep(Duration::from_secs(TTL_SECS) + Duration::from_millis(1500)).await;
 
     // From now on every request is served, and by the survivor.
