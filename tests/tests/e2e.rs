@@ -167,6 +167,59 @@ async fn no_worker_is_a_503() -> anyhow::Result<()> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_api_keys_every_api_call_needs_one_and_probes_stay_open() -> anyhow::Result<()> {
+    use sluice_proto::inference::v1 as ipb;
+    let dir = tempfile::tempdir()?;
+    let keys = dir.path().join("keys");
+    std::fs::write(&keys, "# team keys\nsk-alpha\nsk-beta\n")?;
+    let mut opts = MeshOptions::default();
+    opts.frontend.api_key_file = Some(keys);
+    let mesh = Mesh::start(opts).await?;
+
+    let (status, body) = get(&mesh.http, "/v1/models").await?;
+    assert_eq!(status, 401, "{body}");
+    assert_eq!(parse(&body)["error"]["code"], "invalid_api_key");
+    let wrong = [("Authorization", "Bearer sk-gamma")];
+    let (status, body) = request(&mesh.http, "GET", "/v1/models", None, &wrong).await?;
+    assert_eq!(status, 401, "{body}");
+    assert!(
+        parse(&body)["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("invalid API key")
+    );
+    let right = [("Authorization", "Bearer sk-beta")];
+    let (status, body) = request(&mesh.http, "GET", "/v1/models", None, &right).await?;
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = request(
+        &mesh.http,
+        "POST",
+        "/v1/chat/completions",
+        Some(chat("hi", 2).to_string()),
+        &right,
+    )
+    .await?;
+    assert_eq!(status, 200, "{body}");
+    let (status, _) = get(&mesh.http, "/health").await?;
+    assert_eq!(status, 200, "probes need no key");
+    let (status, _) = get(&mesh.http, "/ready").await?;
+    assert_eq!(status, 200, "probes need no key");
+
+    let mut client =
+        ipb::inference_client::InferenceClient::connect(format!("http://{}", mesh.http)).await?;
+    let err = client
+        .list_models(ipb::ListModelsRequest {})
+        .await
+        .expect_err("no key");
+    assert_eq!(err.code(), tonic::Code::Unauthenticated);
+    let mut req = tonic::Request::new(ipb::ListModelsRequest {});
+    req.metadata_mut()
+        .insert("authorization", "Bearer sk-alpha".parse()?);
+    client.list_models(req).await?;
+    mesh.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streaming_sends_chunks_usage_and_done() -> anyhow::Result<()> {
     let mesh = Mesh::start(MeshOptions::default()).await?;
     let mut body = chat("Tell me a story", 12);

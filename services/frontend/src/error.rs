@@ -15,6 +15,9 @@ pub enum FrontendError {
         message: String,
         param: Option<String>,
     },
+    /// No or a wrong API key (`--api-key-file`).
+    #[error("{message}")]
+    Unauthorized { message: String },
     #[error("the model `{model}` does not exist; this server serves `{served}`")]
     UnknownModel { model: String, served: String },
     #[error("the queue refused the request: {message}")]
@@ -80,6 +83,7 @@ impl FrontendError {
         match self {
             Self::InvalidRequest { .. } => StatusCode::BAD_REQUEST,
             Self::Tokens(_) => StatusCode::BAD_REQUEST,
+            Self::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
             Self::UnknownModel { .. } => StatusCode::NOT_FOUND,
             Self::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
             Self::NoWorkers { .. } | Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
@@ -94,6 +98,7 @@ impl FrontendError {
             Self::InvalidRequest { .. } | Self::Tokens(_) => {
                 ("invalid_request_error", "invalid_request")
             }
+            Self::Unauthorized { .. } => ("invalid_request_error", "invalid_api_key"),
             Self::UnknownModel { .. } => ("invalid_request_error", "model_not_found"),
             Self::Overloaded { .. } => ("rate_limit_error", "queue_full"),
             Self::NoWorkers { .. } => ("service_unavailable", "no_workers"),
@@ -148,6 +153,7 @@ impl From<FrontendError> for tonic::Status {
             FrontendError::InvalidRequest { .. } | FrontendError::Tokens(_) => {
                 Code::InvalidArgument
             }
+            FrontendError::Unauthorized { .. } => Code::Unauthenticated,
             FrontendError::UnknownModel { .. } => Code::NotFound,
             FrontendError::Overloaded { .. } => Code::ResourceExhausted,
             FrontendError::NoWorkers { .. } | FrontendError::Unavailable { .. } => {

@@ -21,6 +21,17 @@ pub(crate) struct InferenceService {
     pub pipeline: Arc<Pipeline>,
 }
 
+impl InferenceService {
+    /// `authorization` metadata against `--api-key-file`.
+    fn authorize<T>(&self, request: &Request<T>) -> Result<(), FrontendError> {
+        let value = request
+            .metadata()
+            .get("authorization")
+            .map(|v| v.as_bytes());
+        self.pipeline.authorize(value)
+    }
+}
+
 fn params(req: pb::GenerateRequest) -> Result<GenerateParams, FrontendError> {
     let prompt = match req.input {
         Some(pb::generate_request::Input::Text(t)) if !t.is_empty() => Prompt::Text(t),
@@ -83,6 +94,7 @@ impl pb::inference_server::Inference for InferenceService {
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let received = Instant::now();
+        self.authorize(&request)?;
         let params = params(request.into_inner())?;
         let span = tracing::info_span!("inference.generate", request_id = %params.request_id, priority = params.hints.priority);
         let p = Arc::clone(&self.pipeline);
@@ -158,8 +170,9 @@ impl pb::inference_server::Inference for InferenceService {
 
     async fn list_models(
         &self,
-        _: Request<pb::ListModelsRequest>,
+        request: Request<pb::ListModelsRequest>,
     ) -> Result<Response<pb::ListModelsResponse>, Status> {
+        self.authorize(&request)?;
         Ok(Response::new(pb::ListModelsResponse {
             models: vec![pb::Model {
                 id: self.pipeline.model.clone(),

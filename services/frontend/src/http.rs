@@ -33,10 +33,16 @@ const MAX_BODY_BYTES: usize = 32 * 1024 * 1024;
 pub(crate) fn router(pipeline: Arc<Pipeline>) -> Router {
     use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
     let x_request_id = http::HeaderName::from_static("x-request-id");
-    Router::new()
+    let api = Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route_layer(axum::middleware::from_fn_with_state(
+            Arc::clone(&pipeline),
+            authorize,
+        ));
+    Router::new()
+        .merge(api)
         .route("/health", get(health))
         .route("/ready", get(ready))
         .with_state(pipeline)
@@ -47,6 +53,22 @@ pub(crate) fn router(pipeline: Arc<Pipeline>) -> Router {
         ))
         .layer(PropagateRequestIdLayer::new(x_request_id.clone()))
         .layer(SetRequestIdLayer::new(x_request_id, MakeRequestUuid))
+}
+
+/// Refuses an API request without a valid key (`--api-key-file`).
+async fn authorize(
+    State(p): State<Arc<Pipeline>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let value = request
+        .headers()
+        .get(http::header::AUTHORIZATION)
+        .map(|v| v.as_bytes());
+    match p.authorize(value) {
+        Ok(()) => next.run(request).await,
+        Err(e) => e.into_response(),
+    }
 }
 
 async fn models(State(p): State<Arc<Pipeline>>) -> Json<Value> {

@@ -8,6 +8,7 @@
 //! detokenization and stop strings, the OpenAI response shapes. Does not own
 //! placement (the queue and router) or compute (the workers).
 
+mod auth;
 mod error;
 mod grpc;
 mod http;
@@ -44,6 +45,12 @@ pub struct Args {
     /// goes on from the tokens already streamed; 0 = the client gets the error.
     #[arg(long, env = "SLUICE_MIGRATION_LIMIT", default_value_t = 3)]
     pub migration_limit: u32,
+
+    /// A file of API keys, one per line (`#` comments): every OpenAI route
+    /// and `Inference` RPC then needs `Authorization: Bearer <key>`
+    /// (probes and `/metrics` stay open). Unset: no authentication.
+    #[arg(long, env = "SLUICE_API_KEY_FILE")]
+    pub api_key_file: Option<std::path::PathBuf>,
 }
 
 impl Default for Args {
@@ -52,6 +59,7 @@ impl Default for Args {
             default_max_tokens: 256,
             request_timeout: 600,
             migration_limit: 3,
+            api_key_file: None,
         }
     }
 }
@@ -87,6 +95,11 @@ pub async fn serve(
     let dir = model
         .dir()
         .map_err(|e| FrontendError::invalid("--model", e.to_string()))?;
+    let api_keys = args
+        .api_key_file
+        .as_deref()
+        .map(auth::ApiKeys::from_file)
+        .transpose()?;
     let tokenizer = Tokenizer::from_dir(dir)?;
     let template = ChatTemplate::from_dir(dir)?;
     let metrics = metrics::Metrics::new().map_err(|e| startup(e.to_string()))?;
@@ -107,6 +120,7 @@ pub async fn serve(
         default_max_tokens: args.default_max_tokens,
         request_timeout: Duration::from_secs(args.request_timeout),
         migration_limit: args.migration_limit,
+        api_keys,
     });
     let server = GrpcServer::new()
         .map_err(|e| startup(e.to_string()))?

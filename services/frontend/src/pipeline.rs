@@ -48,6 +48,18 @@ pub(crate) struct Pipeline {
     pub request_timeout: Duration,
     /// Moves to another worker a request may make (`--migration-limit`).
     pub migration_limit: u32,
+    /// `--api-key-file`'s keys; `None`: open.
+    pub api_keys: Option<crate::auth::ApiKeys>,
+}
+
+impl Pipeline {
+    /// Checks an `Authorization` value against `--api-key-file`.
+    pub(crate) fn authorize(&self, authorization: Option<&[u8]>) -> Result<(), FrontendError> {
+        match &self.api_keys {
+            Some(keys) => keys.check(authorization),
+            None => Ok(()),
+        }
+    }
 }
 
 /// A request ready for the mesh: tokenized and hashed.
