@@ -62,6 +62,12 @@ pub struct WorkerArgs {
     #[arg(long, env = "SLUICE_SCHEDULING_POLICY", default_value = "fcfs", value_parser = ["fcfs", "priority"])]
     pub scheduling_policy: String,
 
+    /// With `--scheduling-policy priority`: never preempt a running sequence
+    /// only because `--max-num-seqs` is reached (a waiting higher-priority
+    /// request then waits for a slot; KV pressure still preempts).
+    #[arg(long, env = "SLUICE_NO_PREEMPT_ON_SEQ_LIMIT")]
+    pub no_preempt_on_seq_limit: bool,
+
     /// Turn off prefix caching.
     #[arg(long, env = "SLUICE_NO_PREFIX_CACHING")]
     pub no_prefix_caching: bool,
@@ -138,6 +144,7 @@ impl Default for WorkerArgs {
             max_num_batched_tokens: 2048,
             max_model_len: None,
             scheduling_policy: "fcfs".into(),
+            no_preempt_on_seq_limit: false,
             no_prefix_caching: false,
             speedup_ratio: 1.0,
             event_ring_capacity: 10_000,
@@ -280,6 +287,7 @@ impl WorkerArgs {
                 max_model_len,
                 policy: self.policy()?,
                 balance_scheduling: self.balance_scheduling,
+                preempt_on_seq_limit: !self.no_preempt_on_seq_limit,
                 ..SchedulerConfig::default()
             },
             enable_prefix_caching: !self.no_prefix_caching,

@@ -147,8 +147,8 @@ colo_case() { # name, idle|loaded, then the extra `sluice up` flags
   fi
   interactive "$dir/interactive" | tee "$dir/table.md"
   if [ -n "$batch_pid" ]; then
-    # `sluice bench` catches SIGTERM (and then waits for its requests); the
-    # batch load is thrown away, so it is killed outright.
+    # The batch load is thrown away, so it is killed outright (SIGTERM
+    # would stop it too, but print its table).
     kill -9 "$batch_pid" 2>/dev/null || true; wait "$batch_pid" 2>/dev/null || true; batch_pid=""
   fi
   stop_server
@@ -159,6 +159,7 @@ if [ "$ONLY" != colo ]; then
   for rep in $(seq 1 "$REPEATS"); do
     burst_case off "$rep"
     burst_case engine "$rep" --scheduling-policy priority
+    burst_case engine-nopreempt "$rep" --scheduling-policy priority --no-preempt-on-seq-limit
     burst_case q025-strict "$rep" --queue-threshold 0.25 --queue-policy strict
     burst_case q0-strict "$rep" --queue-threshold 0.0 --queue-policy strict
     burst_case q1-strict "$rep" --queue-threshold 1.0 --queue-policy strict
@@ -201,6 +202,7 @@ if only != "colo":
     bursts = [
         ("off", "priority off: no threshold (nothing held), engine fcfs"),
         ("engine", "engine \`--scheduling-policy priority\` only"),
+        ("engine-nopreempt", "engine priority without preemption at the seq limit (\`--no-preempt-on-seq-limit\`)"),
         ("q025-strict", "queue threshold 0.25, strict; engine fcfs"),
         ("q0-strict", "queue threshold 0.0, strict; engine fcfs"),
         ("q1-strict", "queue threshold 1.0, strict; engine fcfs"),
