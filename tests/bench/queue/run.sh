@@ -177,8 +177,8 @@ if [ "$ONLY" != burst ]; then
   colo_case idle-priority idle --scheduling-policy priority
   colo_case loaded-priority loaded --scheduling-policy priority
   colo_case loaded-queue-priority loaded --queue-threshold 0.25 --queue-policy strict --scheduling-policy priority
-  colo_case idle-priority-512 idle --scheduling-policy priority --max-num-batched-tokens 512
-  colo_case loaded-priority-512 loaded --scheduling-policy priority --max-num-batched-tokens 512
+  colo_case idle-priority-1024 idle --scheduling-policy priority --max-num-batched-tokens 1024
+  colo_case loaded-priority-1024 loaded --scheduling-policy priority --max-num-batched-tokens 1024
 fi
 elapsed=$(( $(date +%s) - started ))
 
@@ -267,7 +267,7 @@ if only != "burst":
     colos = [
         ("fcfs", "engine fcfs", "idle-fcfs", [("loaded-fcfs", "no queue"), ("loaded-queue-fcfs", "queue 0.25 strict")]),
         ("priority", "engine priority (preemption)", "idle-priority", [("loaded-priority", "no queue"), ("loaded-queue-priority", "queue 0.25 strict")]),
-        ("priority-512", "engine priority, steps of at most 512 tokens", "idle-priority-512", [("loaded-priority-512", "no queue")]),
+        ("priority-1024", "engine priority, steps of at most 1,024 tokens", "idle-priority-1024", [("loaded-priority-1024", "no queue")]),
     ]
     w("## 2. Co-location")
     w("")

@@ -48,11 +48,11 @@ use crate::error::WorkerError;
 const MAX_MAPPED: usize = 16;
 /// How long revoking a transfer waits for a writer still inside a block.
 const REVOKE_WAIT: Duration = Duration::from_millis(500);
-const WRITING: u64 = 1 << 32;
+pub(crate) const WRITING: u64 = 1 << 32;
 const WRITTEN: u64 = 1;
 /// Control word indices.
-const TAG: usize = 0;
-const STATE: usize = 1;
+pub(crate) const TAG: usize = 0;
+pub(crate) const STATE: usize = 1;
 const CHECKSUM: usize = 2;
 
 fn shm_err(what: &str, e: impl std::fmt::Display) -> WorkerError {

@@ -390,6 +390,38 @@ async fn shm_writes_of_a_forgotten_transfer_are_refused_before_they_land() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forgetting_an_shm_transfer_waits_for_a_writer_inside_a_block() {
+    use super::shm::{STATE, TAG, WRITING};
+    use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+    let e = engine(16);
+    let receiver = receiver_with(&[TransportKind::Shm], &e).await;
+    let (_slot, ids, exp, _regions) = expected(&e, &receiver, 1, 40, "inside").await;
+    let arena = Arc::clone(e.kv_arena().expect("arena"));
+    let c = arena.control(ids[0]).expect("control words");
+    // A sender enters the block, as ShmSender does before it copies.
+    c[STATE].fetch_add(WRITING, SeqCst);
+    let forgotten = Arc::new(AtomicBool::new(false));
+    let f = Arc::clone(&forgotten);
+    let dropper = std::thread::spawn(move || {
+        drop(exp);
+        f.store(true, SeqCst);
+    });
+    std::thread::sleep(std::time::Duration::from_millis(150));
+    assert_eq!(
+        c[TAG].load(SeqCst),
+        0,
+        "revoked at once: no new block may start"
+    );
+    assert!(
+        !forgotten.load(SeqCst),
+        "the blocks are not given back while a writer is inside"
+    );
+    c[STATE].fetch_sub(WRITING, SeqCst);
+    dropper.join().expect("dropper");
+    assert!(forgotten.load(SeqCst));
+}
+
 #[tokio::test]
 async fn shm_is_not_offered_without_a_shared_arena() {
     let e = engine_without_arena(16);
