@@ -97,6 +97,13 @@ pub(crate) async fn run(mut args: UpArgs, shutdown: Shutdown) -> anyhow::Result<
         args.model.model = Some(builtin_model(cache_dir(args.model_cache.clone()))?);
     }
     args.worker.validate()?;
+    if !args.disagg && args.common.etcd.is_none() {
+        // No prefill worker can ever join this mesh: shared KV memory
+        // (committed up front in /dev/shm) would buy nothing.
+        args.worker
+            .kv_transports
+            .retain(|t| *t != sluice_decode::transfer::TransportKind::Shm);
+    }
     if args.workers == 0 {
         anyhow::bail!("--workers must be at least 1");
     }
