@@ -20,15 +20,18 @@ fn engine(num_blocks: usize) -> EngineHandle {
 
 /// A mocker engine without an arena: transports go through the engine thread.
 fn engine_without_arena(num_blocks: usize) -> EngineHandle {
-    let backend = MockerBackend::new(MockerConfig {
+    spawn(mocker(num_blocks), num_blocks)
+}
+
+fn mocker(num_blocks: usize) -> MockerBackend {
+    MockerBackend::new(MockerConfig {
         num_blocks,
         num_layers: 2,
         num_kv_heads: 2,
         head_dim: 16,
         ..MockerConfig::default()
     })
-    .expect("mocker config");
-    spawn(backend, num_blocks)
+    .expect("mocker config")
 }
 
 /// A mocker engine with KV memory of its own (a prefill worker's).
@@ -37,14 +40,7 @@ fn engine_with_private_arena(num_blocks: usize) -> EngineHandle {
 }
 
 fn engine_in(num_blocks: usize, backing: &KvBacking) -> EngineHandle {
-    let mut backend = MockerBackend::new(MockerConfig {
-        num_blocks,
-        num_layers: 2,
-        num_kv_heads: 2,
-        head_dim: 16,
-        ..MockerConfig::default()
-    })
-    .expect("mocker config");
+    let mut backend = mocker(num_blocks);
     backend.set_kv_backing(backing).expect("KV memory");
     spawn(backend, num_blocks)
 }
