@@ -17,6 +17,32 @@ use tracing::Instrument;
 use crate::service::{InflightGuard, RemotePrefill, WorkerCore};
 use crate::transfer::{Receiver, layout_to_pb, same_host};
 
+/// How long past the remote-prefill timeout the blocks of a failed transfer
+/// that may have gone over `rdma` stay reserved: a posted RDMA write cannot
+/// be revoked, and the prefill worker's sender may finish one (its own send
+/// is bounded by the same timeout, its completion wait by 10 s).
+const RDMA_QUARANTINE: Duration = Duration::from_secs(15);
+
+/// A reserved slot that, dropped while `hold` is set, stays reserved that
+/// long before its blocks are freed.
+struct Quarantine {
+    slot: Option<sluice_engine::RemoteSlot>,
+    hold: Option<Duration>,
+}
+
+impl Drop for Quarantine {
+    fn drop(&mut self) {
+        if let (Some(slot), Some(hold)) = (self.slot.take(), self.hold)
+            && let Ok(rt) = tokio::runtime::Handle::try_current()
+        {
+            rt.spawn(async move {
+                tokio::time::sleep(hold).await;
+                drop(slot);
+            });
+        }
+    }
+}
+
 /// The decode worker's remote-prefill path.
 #[derive(Debug)]
 pub struct Disagg {
@@ -99,12 +125,17 @@ impl Disagg {
             Ok(s) => s,
             Err(e) => return self.fallback(core, "reserve_failed", &e.to_string()),
         };
+        let (slot_id, block_ids, skip) = (slot.id(), slot.block_ids().to_vec(), slot.skip_blocks());
+        let mut slot = Quarantine {
+            slot: Some(slot),
+            hold: None,
+        };
         let transfer_id = format!("{}-{}", req.request_id, uuid::Uuid::new_v4().simple());
-        let writable: Vec<u32> = slot.block_ids()[slot.skip_blocks()..].to_vec();
+        let writable: Vec<u32> = block_ids[skip..].to_vec();
         let (expectation, regions) = match self.receiver.expect(
             &transfer_id,
             engine.clone(),
-            slot.id(),
+            slot_id,
             writable.clone(),
             same_host(&self.endpoint, &req.prefill_worker_endpoint),
         ) {
@@ -114,12 +145,20 @@ impl Disagg {
         if regions.is_empty() {
             return self.fallback(core, "no_transport", "this worker offers no KV transport");
         }
+        if regions
+            .iter()
+            .any(|r| r.transport == kvpb::Transport::Rdma as i32)
+        {
+            // Until the prefill worker says it used another transport, an
+            // RDMA write may still land after a failure here.
+            slot.hold = Some(self.timeout + RDMA_QUARANTINE);
+        }
         let descriptor = kvpb::TransferDescriptor {
             transfer_id: transfer_id.clone(),
             layout: Some(layout_to_pb(&engine.kv_layout())),
-            block_ids: slot.block_ids().to_vec(),
+            block_ids,
             regions,
-            skip_blocks: slot.skip_blocks() as u32,
+            skip_blocks: skip as u32,
             timeout_ms: self.timeout.as_millis().min(u128::from(u32::MAX)) as u32,
         };
         let channel = match sluice_runtime::grpc::channel(&req.prefill_worker_endpoint) {
@@ -147,6 +186,9 @@ impl Disagg {
             Ok(Ok(r)) => r.into_inner(),
         };
         span.record("transport", resp.transport.as_str());
+        if resp.transport != "rdma" {
+            slot.hold = None;
+        }
         let written = match expectation.finish(&resp.transport).await {
             Ok(n) => n,
             Err(e) => return self.fallback(core, "refused_transfer", &e.to_string()),
@@ -177,6 +219,9 @@ impl Disagg {
                     .collect(),
             })
         });
+        let Some(slot) = slot.slot.take() else {
+            return self.fallback(core, "commit_failed", "the reserved slot is gone");
+        };
         match engine.commit_remote(slot, resp.first_token_id, logprobs) {
             Ok(stream) => {
                 core.metrics.remote_prefill.with_label_values(&["ok"]).inc();
