@@ -71,16 +71,6 @@ enum Command {
         ids: Vec<u32>,
         reply: oneshot::Sender<Result<Vec<Vec<u8>>, EngineError>>,
     },
-    WriteBlocksFlat {
-        id: SeqId,
-        ids: Vec<u32>,
-        data: Vec<u8>,
-        reply: oneshot::Sender<Result<(), EngineError>>,
-    },
-    ReadBlocksFlat {
-        ids: Vec<u32>,
-        reply: oneshot::Sender<Result<Vec<u8>, EngineError>>,
-    },
     /// Abort a sequence or release held/reserved blocks.
     Abort(SeqId),
     ClearPrefixCache,
@@ -122,8 +112,6 @@ impl std::fmt::Debug for Command {
             Self::Commit { .. } => "Commit",
             Self::WriteBlocks { .. } => "WriteBlocks",
             Self::ReadBlocks { .. } => "ReadBlocks",
-            Self::WriteBlocksFlat { .. } => "WriteBlocksFlat",
-            Self::ReadBlocksFlat { .. } => "ReadBlocksFlat",
             Self::Abort(_) => "Abort",
             Self::ClearPrefixCache => "ClearPrefixCache",
             Self::Shutdown => "Shutdown",
@@ -380,32 +368,6 @@ impl EngineHandle {
     pub async fn read_blocks(&self, ids: Vec<u32>) -> Result<Vec<Vec<u8>>, EngineError> {
         let (reply, rx) = oneshot::channel();
         self.send(Command::ReadBlocks { ids, reply })?;
-        rx.await.map_err(|_| EngineError::Shutdown)?
-    }
-
-    /// [`EngineHandle::write_blocks`] from one contiguous buffer: block
-    /// `ids[i]` gets `data[i * block_bytes()..(i + 1) * block_bytes()]`.
-    pub async fn write_blocks_flat(
-        &self,
-        slot_id: SeqId,
-        ids: Vec<u32>,
-        data: Vec<u8>,
-    ) -> Result<(), EngineError> {
-        let (reply, rx) = oneshot::channel();
-        self.send(Command::WriteBlocksFlat {
-            id: slot_id,
-            ids,
-            data,
-            reply,
-        })?;
-        rx.await.map_err(|_| EngineError::Shutdown)?
-    }
-
-    /// [`EngineHandle::read_blocks`] into one contiguous buffer, block
-    /// `ids[i]` at offset `i * block_bytes()` (one allocation per call).
-    pub async fn read_blocks_flat(&self, ids: Vec<u32>) -> Result<Vec<u8>, EngineError> {
-        let (reply, rx) = oneshot::channel();
-        self.send(Command::ReadBlocksFlat { ids, reply })?;
         rx.await.map_err(|_| EngineError::Shutdown)?
     }
 

@@ -521,26 +521,6 @@ async fn many_streams_dropped_at_random_points_leak_no_blocks() {
 }
 
 #[tokio::test]
-async fn flat_block_transfer_round_trips() {
-    let e = spawn(64);
-    let slot = e
-        .reserve_remote(req((1..=10).collect(), 4))
-        .await
-        .expect("fits");
-    let bytes = e.kv_layout().block_bytes();
-    let ids = slot.block_ids().to_vec();
-    let data: Vec<u8> = (0..ids.len() * bytes).map(|i| (i % 251) as u8).collect();
-    e.write_blocks_flat(slot.id(), ids.clone(), data.clone())
-        .await
-        .expect("write");
-    assert_eq!(e.read_blocks_flat(ids.clone()).await.expect("read"), data);
-    let short = e
-        .write_blocks_flat(slot.id(), ids, data[1..].to_vec())
-        .await;
-    assert!(matches!(short, Err(EngineError::BlockSize { .. })));
-}
-
-#[tokio::test]
 async fn lockstep_ranks_step_together_and_a_stopped_rank_leaves() {
     let group = BalanceGroup::lockstep(2, Duration::from_secs(10));
     let rank = |r: usize| {

@@ -211,33 +211,6 @@ impl EngineCore {
                 let blocks = blocks.iter().map(|(b, d)| (*b, d.as_slice()));
                 let _ = reply.send(self.write_blocks(id, blocks));
             }
-            Command::WriteBlocksFlat {
-                id,
-                ids,
-                data,
-                reply,
-            } => {
-                let bytes = self.backend.kv_layout().block_bytes();
-                let res = if data.len() != ids.len() * bytes {
-                    Err(EngineError::BlockSize {
-                        expected: ids.len() * bytes,
-                        actual: data.len(),
-                    })
-                } else {
-                    self.write_blocks(id, ids.iter().copied().zip(data.chunks_exact(bytes.max(1))))
-                };
-                let _ = reply.send(res);
-            }
-            Command::ReadBlocksFlat { ids, reply } => {
-                let bytes = self.backend.kv_layout().block_bytes();
-                let mut buf = vec![0u8; ids.len() * bytes];
-                let res = ids
-                    .iter()
-                    .zip(buf.chunks_exact_mut(bytes.max(1)))
-                    .try_for_each(|(&id, out)| self.backend.read_block(id, out))
-                    .map(|()| buf);
-                let _ = reply.send(res);
-            }
             Command::ReadBlocks { ids, reply } => {
                 let bytes = self.backend.kv_layout().block_bytes();
                 let res = ids
