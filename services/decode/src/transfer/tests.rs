@@ -403,7 +403,7 @@ async fn forgetting_an_shm_transfer_waits_for_a_writer_inside_a_block() {
         drop(exp);
         f.store(true, SeqCst);
     });
-    std::thread::sleep(std::time::Duration::from_millis(150));
+    std::thread::sleep(std::time::Duration::from_millis(50));
     assert_eq!(
         c[TAG].load(SeqCst),
         0,
