@@ -204,6 +204,11 @@ async fn with_api_keys_every_api_call_needs_one_and_probes_stay_open() -> anyhow
     assert_eq!(status, 200, "probes need no key");
     let (status, _) = get(&mesh.http, "/ready").await?;
     assert_eq!(status, 200, "probes need no key");
+    let (_, metrics) = get(&mesh.http, "/metrics").await?;
+    assert!(
+        metrics.contains(r#"sluice_frontend_requests_total{code="401",endpoint="models"} 2"#),
+        "refusals are counted\n{metrics}"
+    );
 
     let mut client =
         ipb::inference_client::InferenceClient::connect(format!("http://{}", mesh.http)).await?;

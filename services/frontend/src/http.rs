@@ -67,7 +67,18 @@ async fn authorize(
         .map(|v| v.as_bytes());
     match p.authorize(value) {
         Ok(()) => next.run(request).await,
-        Err(e) => e.into_response(),
+        Err(e) => {
+            let endpoint = match request.uri().path() {
+                "/v1/chat/completions" => Api::Chat.endpoint(),
+                "/v1/completions" => Api::Completion.endpoint(),
+                _ => "models",
+            };
+            p.metrics
+                .requests
+                .with_label_values(&[endpoint, e.status().as_str()])
+                .inc();
+            e.into_response()
+        }
     }
 }
 
