@@ -38,7 +38,7 @@ test: test-rust test-python test-deploy ## run every test (Rust, Python clients,
 test-rust: ## cargo tests, unit and integration; the rdma KV transport must keep compiling and its verbs layouts must match verbs.h
 	$(CARGO) test --workspace -- --test-threads=$(TEST_THREADS)
 	$(CARGO) test -p sluice-decode --features rdma --lib transfer::rdma
-	$(CARGO) build -p sluice-prefill --features rdma
+	$(CARGO) build -p sluice --features rdma
 
 test-python: ## tests that use other people's clients (openai, grpcio) from the venv
 	@if [ ! -x $(PY) ]; then echo "no $(VENV): run 'make deps' first"; exit 1; fi
