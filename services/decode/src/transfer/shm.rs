@@ -296,6 +296,9 @@ impl ShmSender {
             ArenaGeometry::from_header(header, map.len()).map_err(|e| shm_err(path, e))?;
         let m = Arc::new(Mapped { map, geometry });
         let mut cache = self.mapped.lock();
+        // A mapping keeps a removed file's memory alive: let go of the
+        // arenas of decode workers that have gone.
+        cache.retain(|p, _| Path::new(p).exists());
         if cache.len() >= MAX_MAPPED {
             cache.clear();
         }
