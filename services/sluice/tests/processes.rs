@@ -307,5 +307,18 @@ async fn a_stream_goes_on_when_its_worker_is_killed_mid_generation() -> anyhow::
         metrics.contains("sluice_frontend_migrations_total{outcome=\"ok\"} 1"),
         "{metrics}"
     );
+
+    // With every worker dead (both still listed until their leases expire)
+    // a request fails quickly with a clear status; it does not hang.
+    let survivor = 1 - killed.expect("killed one");
+    cluster.kill_decode(survivor)?;
+    let asked = Instant::now();
+    let (status, body) = post_json(&http, "/v1/completions", &body(false)).await?;
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        asked.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        asked.elapsed()
+    );
     Ok(())
 }
