@@ -48,6 +48,16 @@ async fn chat_completion_flows_through_the_mesh_and_reuses_the_prefix_cache() ->
         cached >= prompt_tokens - 16,
         "cached {cached} of {prompt_tokens}"
     );
+    // The router saw it coming: its expected overlap is reported beside.
+    let routed = v2["nvext"]["routed_overlap_tokens"].as_u64().unwrap_or(0);
+    assert!(
+        routed >= prompt_tokens - 16 && routed <= cached,
+        "routed {routed}, cached {cached}: {v2}"
+    );
+    assert_eq!(
+        v["nvext"]["routed_overlap_tokens"], 0,
+        "nothing cached the first time"
+    );
     assert_eq!(
         v["choices"][0]["message"]["content"],
         v2["choices"][0]["message"]["content"]

@@ -155,6 +155,7 @@ impl pb::inference_server::Inference for InferenceService {
                                 priority: serving.priority,
                                 queue_wait_ms: serving.queue_wait_ms,
                                 migrations: serving.migrations,
+                                routed_overlap_tokens: serving.routed_overlap_tokens,
                                 request_id,
                             }),
                             ..Default::default()

@@ -107,6 +107,9 @@ pub(crate) struct Serving {
     pub prefill_worker_id: String,
     pub priority: i32,
     pub queue_wait_ms: f64,
+    /// Prompt tokens the router expected cached on the worker it chose
+    /// (routing you can check against `usage.prompt_tokens_details`).
+    pub routed_overlap_tokens: u32,
     /// Moves to another worker after a worker failed mid-stream.
     #[serde(skip_serializing_if = "is_zero")]
     pub migrations: u32,
@@ -244,6 +247,7 @@ impl Pipeline {
                 prefill_worker_id: String::new(),
                 priority: p.params.hints.priority,
                 queue_wait_ms: grant.queue_wait_ms,
+                routed_overlap_tokens: grant.overlap_tokens,
                 migrations: failed.len() as u32,
             },
             lease: Some(opened.lease_tx),
