@@ -155,6 +155,17 @@ async fn decode_side() -> DecodeSide {
     }
 }
 
+impl Transfer {
+    /// The region `kind` offers for this transfer.
+    fn region(&self, kind: TransportKind) -> pb::Region {
+        self.regions
+            .iter()
+            .find(|r| r.transport == kind.to_pb() as i32)
+            .cloned()
+            .expect("region offered")
+    }
+}
+
 /// One registered transfer of `n` blocks, reused for every iteration.
 struct Transfer {
     _slot: RemoteSlot,
@@ -333,12 +344,7 @@ fn main() {
                 &side.receiver
             };
             let t = rt.block_on(transfer_on(&side, receiver, n, salt));
-            let region = t
-                .regions
-                .iter()
-                .find(|r| r.transport == kind.to_pb() as i32)
-                .cloned()
-                .expect("region offered");
+            let region = t.region(kind);
             let checked = sender.needs_checksums(&region);
             g.bench_function(BenchmarkId::new(series, n), |b| {
                 b.iter_custom(|iters| {
@@ -407,12 +413,7 @@ fn main() {
             ),
         ];
         for (series, kind, sender) in from_arena {
-            let region = t
-                .regions
-                .iter()
-                .find(|r| r.transport == kind.to_pb() as i32)
-                .cloned()
-                .expect("region offered");
+            let region = t.region(kind);
             g.bench_function(series, |b| {
                 b.iter_custom(|iters| {
                     let e = rt.block_on(async {
