@@ -33,24 +33,28 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const SIZES: [usize; 3] = [1, 16, 256];
 
-/// Mean time per iteration of every (series, blocks), over all of
-/// criterion's calls (warm-up included).
+/// Time per iteration of every (series, blocks): one figure per criterion
+/// call (warm-up included); the table reports their median, so a call that
+/// a neighbour on this shared machine stalled does not move a row.
 #[derive(Default)]
-struct Results(Mutex<BTreeMap<(String, usize), (Duration, u64)>>);
+struct Results(Mutex<BTreeMap<(String, usize), Vec<f64>>>);
 
 impl Results {
     fn add(&self, series: &str, n: usize, d: Duration, iters: u64) {
-        let mut m = self.0.lock();
-        let e = m.entry((series.to_string(), n)).or_default();
-        e.0 += d;
-        e.1 += iters;
+        let per = d.as_secs_f64() / iters.max(1) as f64;
+        self.0
+            .lock()
+            .entry((series.to_string(), n))
+            .or_default()
+            .push(per);
     }
 
     fn gbps(&self, series: &str, n: usize, bytes: usize) -> Option<f64> {
         let m = self.0.lock();
-        let (d, iters) = m.get(&(series.to_string(), n))?;
-        let per = d.as_secs_f64() / (*iters).max(1) as f64;
-        Some(bytes as f64 / per / 1e9)
+        let mut per = m.get(&(series.to_string(), n))?.clone();
+        per.sort_by(f64::total_cmp);
+        let median = *per.get(per.len() / 2)?;
+        Some(bytes as f64 / median / 1e9)
     }
 }
 

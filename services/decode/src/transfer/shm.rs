@@ -308,14 +308,14 @@ impl ShmSender {
 }
 
 /// Writes one block of transfer `transfer_id` (tag `tag`) into destination
-/// block `dst`: `part(slab)` gives the source of each of its parts.
+/// block `dst` from `parts`, its parts in slab order.
 fn write_one<'a>(
     m: &Mapped,
     transfer_id: &str,
     tag: u64,
     dst: u32,
     checksum: u64,
-    part: impl Fn(usize) -> &'a [u8],
+    parts: impl Iterator<Item = &'a [u8]>,
 ) -> Result<(), WorkerError> {
     let g = &m.geometry;
     let base = m.map.as_mut_ptr();
@@ -324,29 +324,45 @@ fn write_one<'a>(
     // mapping lives in `m`.
     let c = unsafe { control(base, g, dst) };
     c[STATE].fetch_add(WRITING, Ordering::SeqCst);
-    if c[TAG].load(Ordering::SeqCst) != tag {
-        c[STATE].fetch_sub(WRITING, Ordering::SeqCst);
-        return Err(shm_err(
+    let result = if c[TAG].load(Ordering::SeqCst) != tag {
+        Err(shm_err(
             "write",
             format!(
                 "transfer {transfer_id} no longer expects block {dst} (cancelled or timed out)"
             ),
-        ));
-    }
-    for slab in 0..g.slabs() {
-        let src = part(slab);
-        debug_assert_eq!(src.len(), chunk);
-        // SAFETY: the part lies within the mapping (id checked, one chunk
-        // long); the receiver armed this block for this transfer and cannot
-        // reuse it while we are inside (see the module docs).
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), base.add(g.chunk_offset(slab, dst)), chunk)
-        };
-    }
-    c[CHECKSUM].store(checksum, Ordering::Relaxed);
-    c[STATE].fetch_or(WRITTEN, Ordering::Release);
+        ))
+    } else {
+        let mut written = 0;
+        for (slab, src) in parts.take(g.slabs()).enumerate() {
+            if src.len() != chunk {
+                break;
+            }
+            // SAFETY: the part lies within the mapping (id checked, slab below
+            // the slab count, one chunk long); the receiver armed this block
+            // for this transfer and cannot reuse it while we are inside (see
+            // the module docs).
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    src.as_ptr(),
+                    base.add(g.chunk_offset(slab, dst)),
+                    chunk,
+                )
+            };
+            written += 1;
+        }
+        if written == g.slabs() {
+            c[CHECKSUM].store(checksum, Ordering::Relaxed);
+            c[STATE].fetch_or(WRITTEN, Ordering::Release);
+            Ok(())
+        } else {
+            Err(shm_err(
+                "write",
+                format!("block {dst}: its parts do not match the arena's layout"),
+            ))
+        }
+    };
     c[STATE].fetch_sub(WRITING, Ordering::SeqCst);
-    Ok(())
+    result
 }
 
 /// Writes `blocks` of `transfer_id` into the mapped arena.
@@ -354,16 +370,21 @@ fn write_blocks(m: &Mapped, transfer_id: &str, blocks: &[Block]) -> Result<u32, 
     let tag = tag_of(transfer_id);
     let chunk = m.geometry.chunk_bytes();
     for b in blocks {
-        write_one(m, transfer_id, tag, b.id, b.checksum, |slab| {
-            &b.data[slab * chunk..(slab + 1) * chunk]
-        })?;
+        write_one(
+            m,
+            transfer_id,
+            tag,
+            b.id,
+            b.checksum,
+            b.data.chunks_exact(chunk),
+        )?;
     }
     Ok(blocks.len() as u32)
 }
 
 /// Copies `(source, destination)` block pairs from the sender engine's KV
-/// memory `src` straight into the mapped arena, checksumming each part
-/// just before its copy when `checksums` (it is in cache then).
+/// memory `src` straight into the mapped arena, checksumming each block's
+/// parts just before its copy when `checksums` (they are in cache then).
 fn write_pairs(
     m: &Mapped,
     transfer_id: &str,
@@ -372,24 +393,18 @@ fn write_pairs(
     checksums: bool,
 ) -> Result<u32, WorkerError> {
     let tag = tag_of(transfer_id);
-    let slabs = m.geometry.slabs();
-    let part = |id: u32, slab: usize| -> Result<&[u8], WorkerError> {
+    for &(s, d) in pairs {
         // SAFETY: the source blocks belong to a finished prefill the sender
         // engine holds for this transfer: nobody writes them meanwhile.
-        unsafe { src.block_part(slab, id) }.map_err(|e| shm_err("source", e))
-    };
-    for &(s, d) in pairs {
-        let parts = (0..slabs)
-            .map(|slab| part(s, slab))
-            .collect::<Result<Vec<_>, _>>()?;
+        let parts = unsafe { src.block_parts(s) }.map_err(|e| shm_err("source", e))?;
         let checksum = if checksums {
             let mut h = Xxh3::new();
-            parts.iter().for_each(|p| h.update(p));
+            parts.clone().for_each(|p| h.update(p));
             h.digest()
         } else {
             0
         };
-        write_one(m, transfer_id, tag, d, checksum, |slab| parts[slab])?;
+        write_one(m, transfer_id, tag, d, checksum, parts)?;
     }
     Ok(pairs.len() as u32)
 }

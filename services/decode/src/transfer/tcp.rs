@@ -392,19 +392,15 @@ impl KvSender for TcpSender {
         src: &Arc<KvArena>,
         pairs: &[(u32, u32)],
     ) -> Option<Result<u32, WorkerError>> {
-        let slabs = src.geometry().slabs();
         let frames = pairs
             .iter()
             .map(|&(s, d)| {
-                let parts = (0..slabs)
-                    .map(|slab| {
-                        // SAFETY: the source blocks belong to a finished
-                        // prefill the sender engine holds for this transfer:
-                        // nobody writes them while they are sent.
-                        unsafe { src.block_part(slab, s) }
-                    })
-                    .collect::<Result<Vec<&[u8]>, _>>()
-                    .map_err(|e| WorkerError::Transfer(format!("tcp source: {e}")))?;
+                // SAFETY: the source blocks belong to a finished prefill the
+                // sender engine holds for this transfer: nobody writes them
+                // while they are sent.
+                let parts: Vec<&[u8]> = unsafe { src.block_parts(s) }
+                    .map_err(|e| WorkerError::Transfer(format!("tcp source: {e}")))?
+                    .collect();
                 let mut h = Xxh3::new();
                 parts.iter().for_each(|p| h.update(p));
                 Ok(Frame {

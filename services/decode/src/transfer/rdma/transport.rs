@@ -240,15 +240,12 @@ impl RdmaSender {
 
 /// Where `region`'s arena puts its blocks, for this worker's layout.
 fn remote_geometry(region: &pb::Region, src: &KvArena) -> Result<ArenaGeometry, WorkerError> {
-    let g = ArenaGeometry::new(src.layout(), region.arena_blocks as usize)
-        .map_err(|e| rdma_err(format!("region: {e}")))?;
-    if g.mapping_len() as u64 != region.length {
-        return Err(rdma_err(format!(
-            "region of {} bytes does not hold {} blocks of this worker's layout",
-            region.length, region.arena_blocks
-        )));
-    }
-    Ok(g)
+    ArenaGeometry::of_len(
+        src.layout(),
+        region.arena_blocks as usize,
+        region.length as usize,
+    )
+    .map_err(|e| rdma_err(format!("region: {e}")))
 }
 
 #[tonic::async_trait]
