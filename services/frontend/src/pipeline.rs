@@ -119,19 +119,45 @@ fn is_zero(n: &u32) -> bool {
     *n == 0
 }
 
-/// Why placing a request failed: its worker failed it (place it again
-/// elsewhere), or anything else.
-enum OpenError {
-    WorkerFailed {
+/// Why opening or reading a worker stream failed: the worker itself failed
+/// (the request may go on elsewhere), or anything else.
+enum Failure {
+    Worker {
         worker_id: String,
         error: FrontendError,
     },
     Other(FrontendError),
 }
 
-impl From<FrontendError> for OpenError {
+impl Failure {
+    /// `error` from `worker_id`, a worker failure when `failed`.
+    fn of_worker(worker_id: &str, failed: bool, error: FrontendError) -> Self {
+        if failed {
+            Failure::Worker {
+                worker_id: worker_id.to_string(),
+                error,
+            }
+        } else {
+            Failure::Other(error)
+        }
+    }
+
+    fn into_error(self) -> FrontendError {
+        match self {
+            Failure::Worker { error, .. } | Failure::Other(error) => error,
+        }
+    }
+}
+
+impl From<FrontendError> for Failure {
     fn from(e: FrontendError) -> Self {
-        OpenError::Other(e)
+        Failure::Other(e)
+    }
+}
+
+impl From<sluice_tokens::TokensError> for Failure {
+    fn from(e: sluice_tokens::TokensError) -> Self {
+        Failure::Other(e.into())
     }
 }
 
@@ -270,7 +296,6 @@ impl Pipeline {
             span: opened.span,
             generated: Vec::new(),
             failed_workers: failed,
-            worker_lost: false,
             request: p,
         })
     }
@@ -290,16 +315,14 @@ impl Pipeline {
         loop {
             match self.open_once(p, deadline, failed).await {
                 Ok(opened) => return Ok(opened),
-                Err(OpenError::WorkerFailed { worker_id, error })
+                Err(Failure::Worker { worker_id, error })
                     if left > 0 && Instant::now() < deadline =>
                 {
                     tracing::warn!(%worker_id, error = ?error, "granted worker failed the request; placing it again");
                     failed.push(worker_id);
                     left -= 1;
                 }
-                Err(OpenError::WorkerFailed { error, .. } | OpenError::Other(error)) => {
-                    return Err(error);
-                }
+                Err(failure) => return Err(failure.into_error()),
             }
         }
     }
@@ -309,7 +332,7 @@ impl Pipeline {
         p: &Prepared,
         deadline: Instant,
         exclude: &[String],
-    ) -> Result<Opened, OpenError> {
+    ) -> Result<Opened, Failure> {
         let admit = self.admit(p, exclude).instrument(tracing::info_span!(
             "queue.admit",
             priority = p.params.hints.priority
@@ -353,14 +376,7 @@ impl Pipeline {
                 close_lease(Some(lease_tx), Some(lease_rx), None);
                 let failed = worker_failed(&s);
                 let error = FrontendError::from_status("worker", s, &self.model);
-                return Err(if failed {
-                    OpenError::WorkerFailed {
-                        worker_id: grant.worker_id,
-                        error,
-                    }
-                } else {
-                    OpenError::Other(error)
-                });
+                return Err(Failure::of_worker(&grant.worker_id, failed, error));
             }
         };
         Ok(Opened {
@@ -488,8 +504,6 @@ pub(crate) struct Generation {
     generated: Vec<u32>,
     /// Workers that failed this request mid-stream.
     failed_workers: Vec<String>,
-    /// The last read failed because the worker did (not the request).
-    worker_lost: bool,
 }
 
 impl Generation {
@@ -502,10 +516,13 @@ impl Generation {
             if self.finished {
                 return None;
             }
-            if let Err(e) = self.read().await {
-                if self.worker_lost && self.migrate(&e).await {
+            if let Err(failure) = self.read().await {
+                if let Failure::Worker { error, .. } = &failure
+                    && self.migrate(error).await
+                {
                     continue;
                 }
+                let e = failure.into_error();
                 self.finished = true;
                 self.record_end(&e);
                 return Some(Err(e));
@@ -574,30 +591,27 @@ impl Generation {
     }
 
     /// Reads one worker message into `pending`. A failure of the worker
-    /// itself (transport error, reset, unfinished end) sets `worker_lost`.
-    async fn read(&mut self) -> Result<(), FrontendError> {
-        self.worker_lost = false;
+    /// itself (transport error, reset, unfinished end) is `Failure::Worker`.
+    async fn read(&mut self) -> Result<(), Failure> {
         let Some(stream) = self.stream.as_mut() else {
             return Err(FrontendError::Internal {
                 detail: "worker stream already closed".into(),
-            });
+            }
+            .into());
         };
         let msg = match tokio::time::timeout_at(self.deadline.into(), stream.message()).await {
-            Err(_) => return Err(FrontendError::Deadline),
+            Err(_) => return Err(FrontendError::Deadline.into()),
             Ok(Err(s)) => {
-                self.worker_lost = worker_failed(&s);
-                return Err(FrontendError::from_status(
-                    "worker",
-                    s,
-                    &self.pipeline.model,
-                ));
+                let failed = worker_failed(&s);
+                let error = FrontendError::from_status("worker", s, &self.pipeline.model);
+                return Err(Failure::of_worker(&self.serving.worker_id, failed, error));
             }
             Ok(Ok(None)) => {
-                self.worker_lost = true;
-                return Err(FrontendError::Unavailable {
+                let error = FrontendError::Unavailable {
                     component: "worker",
                     message: "the worker ended the stream before finishing".into(),
-                });
+                };
+                return Err(Failure::of_worker(&self.serving.worker_id, true, error));
             }
             Ok(Ok(Some(m))) => m,
         };
@@ -659,7 +673,8 @@ impl Generation {
                 common::FinishReason::Error => {
                     return Err(FrontendError::Internal {
                         detail: "the worker reported an error".into(),
-                    });
+                    }
+                    .into());
                 }
             };
             if reason.is_some() {
