@@ -44,7 +44,7 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use crate::error::WorkerError;
 
-pub use grpc::{GrpcInbound, GrpcSender, KvTransferService, send_grpc};
+pub use grpc::{GrpcSender, KvTransferService, send_grpc};
 
 /// Copies of at least this many blocks run on the blocking pool.
 pub(crate) const BLOCKING_COPY_BLOCKS: usize = 64;
@@ -347,17 +347,28 @@ pub struct Registration {
     pub one_sided: Option<Arc<dyn OneSided>>,
 }
 
-impl Registration {
-    /// A stream transport's region: just where to connect.
-    pub fn address(kind: TransportKind, address: &str) -> Self {
-        Self {
+/// A streamed transport's receiving side (`tcp`, `grpc`): every transfer
+/// gets the same region, the address senders connect to.
+#[derive(Debug, Clone)]
+pub struct AddressInbound {
+    pub kind: TransportKind,
+    pub address: String,
+}
+
+impl Inbound for AddressInbound {
+    fn kind(&self) -> TransportKind {
+        self.kind
+    }
+
+    fn register(&self, _spec: &TransferSpec<'_>) -> Result<Option<Registration>, WorkerError> {
+        Ok(Some(Registration {
             region: pb::Region {
-                transport: kind.to_pb() as i32,
-                address: address.to_string(),
+                transport: self.kind.to_pb() as i32,
+                address: self.address.clone(),
                 ..Default::default()
             },
             one_sided: None,
-        }
+        }))
     }
 }
 
@@ -663,14 +674,15 @@ pub async fn start_receiver(
     let mut inbound: Vec<Arc<dyn Inbound>> = Vec::new();
     for kind in available(&cfg.transports) {
         let built: Result<Arc<dyn Inbound>, WorkerError> = match kind {
-            TransportKind::Grpc => Ok(Arc::new(GrpcInbound {
-                endpoint: cfg.endpoint.clone(),
-            })),
+            TransportKind::Grpc => Ok(Arc::new(AddressInbound {
+                kind: TransportKind::Grpc,
+                address: cfg.endpoint.clone(),
+            }) as Arc<dyn Inbound>),
             TransportKind::Tcp => {
                 let bind = cfg
                     .tcp_listen
                     .unwrap_or_else(|| std::net::SocketAddr::new(grpc_bind.ip(), 0));
-                tcp::TcpInbound::start(
+                tcp::listen(
                     bind,
                     &cfg.endpoint,
                     Arc::clone(&slot),

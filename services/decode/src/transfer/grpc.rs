@@ -10,7 +10,7 @@ use sluice_proto::kv::v1 as pb;
 use sluice_runtime::grpc::TracedChannel;
 use tonic::{Request, Response, Status};
 
-use super::{Block, Inbound, KvSender, Receiver, Registration, TransferSpec, TransportKind};
+use super::{Block, KvSender, Receiver, TransportKind};
 use crate::error::WorkerError;
 
 /// The `KvTransfer` service, served by decode workers.
@@ -51,25 +51,6 @@ impl pb::kv_transfer_server::KvTransfer for KvTransferService {
         Ok(Response::new(pb::WriteBlocksResponse {
             blocks_written: written,
         }))
-    }
-}
-
-/// The `grpc` region: this worker's gRPC endpoint.
-#[derive(Debug, Clone)]
-pub struct GrpcInbound {
-    pub endpoint: String,
-}
-
-impl Inbound for GrpcInbound {
-    fn kind(&self) -> TransportKind {
-        TransportKind::Grpc
-    }
-
-    fn register(&self, _spec: &TransferSpec<'_>) -> Result<Option<Registration>, WorkerError> {
-        Ok(Some(Registration::address(
-            TransportKind::Grpc,
-            &self.endpoint,
-        )))
     }
 }
 

@@ -26,7 +26,7 @@ use tokio::net::{TcpListener, TcpStream};
 use sluice_engine::backend::KvArena;
 use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
-use super::{Block, Inbound, KvSender, Receiver, Registration, TransferSpec, TransportKind};
+use super::{AddressInbound, Block, KvSender, Receiver, TransportKind};
 use crate::error::WorkerError;
 
 /// `SLKV`, little-endian.
@@ -95,42 +95,26 @@ async fn write_all_vectored<W: AsyncWrite + Unpin>(
     Ok(())
 }
 
-/// The `tcp` listener of a decode worker.
-#[derive(Debug)]
-pub struct TcpInbound {
-    address: String,
-    local: SocketAddr,
-}
-
-impl TcpInbound {
-    /// Binds `bind` and serves connections until `shutdown`; regions name
-    /// `endpoint`'s host (or the bound IP when it is specific) and the bound port.
-    pub async fn start(
-        bind: SocketAddr,
-        endpoint: &str,
-        receiver: Arc<OnceLock<Weak<Receiver>>>,
-        shutdown: sluice_runtime::Shutdown,
-    ) -> Result<Self, WorkerError> {
-        let listener = TcpListener::bind(bind)
-            .await
-            .map_err(|e| WorkerError::Startup(format!("KV tcp listener on {bind}: {e}")))?;
-        let local = listener
-            .local_addr()
-            .map_err(|e| WorkerError::Startup(e.to_string()))?;
-        let address = advertised(local, endpoint);
-        tokio::spawn(accept_loop(listener, receiver, shutdown));
-        Ok(Self { address, local })
-    }
-
-    /// The address senders dial.
-    pub fn address(&self) -> &str {
-        &self.address
-    }
-
-    /// The bound socket address.
-    pub fn local_addr(&self) -> SocketAddr {
-        self.local
-    }
+/// Binds `bind` and serves transfers on it until `shutdown`; the region
+/// names `endpoint`'s host (or the bound IP when it is specific) and the
+/// bound port.
+pub async fn listen(
+    bind: SocketAddr,
+    endpoint: &str,
+    receiver: Arc<OnceLock<Weak<Receiver>>>,
+    shutdown: sluice_runtime::Shutdown,
+) -> Result<AddressInbound, WorkerError> {
+    let listener = TcpListener::bind(bind)
+        .await
+        .map_err(|e| WorkerError::Startup(format!("KV tcp listener on {bind}: {e}")))?;
+    let local = listener
+        .local_addr()
+        .map_err(|e| WorkerError::Startup(e.to_string()))?;
+    tokio::spawn(accept_loop(listener, receiver, shutdown));
+    Ok(AddressInbound {
+        kind: TransportKind::Tcp,
+        address: advertised(local, endpoint),
+    })
 }
 
 /// The address a side-channel listener bound to `local` is dialled at:
@@ -307,19 +291,6 @@ async fn write_ack<W: AsyncWrite + Unpin>(
     let mut bufs = [IoSlice::new(&ack), IoSlice::new(msg.as_bytes())];
     write_all_vectored(w, &mut bufs).await?;
     w.flush().await
-}
-
-impl Inbound for TcpInbound {
-    fn kind(&self) -> TransportKind {
-        TransportKind::Tcp
-    }
-
-    fn register(&self, _spec: &TransferSpec<'_>) -> Result<Option<Registration>, WorkerError> {
-        Ok(Some(Registration::address(
-            TransportKind::Tcp,
-            &self.address,
-        )))
-    }
 }
 
 /// Sends over `tcp`, keeping a few idle connections per receiver.
