@@ -160,6 +160,21 @@ async fn decode_side() -> DecodeSide {
 }
 
 impl Transfer {
+    /// `data` as this transfer's blocks, with checksums when `checked`.
+    fn blocks(&self, data: Vec<Vec<u8>>, checked: bool) -> Vec<Block> {
+        self.ids
+            .iter()
+            .zip(data)
+            .map(|(&id, d)| {
+                if checked {
+                    Block::new(id, d)
+                } else {
+                    Block::unchecked(id, d)
+                }
+            })
+            .collect()
+    }
+
     /// The region `kind` offers for this transfer.
     fn region(&self, kind: TransportKind) -> pb::Region {
         self.regions
@@ -314,12 +329,7 @@ fn main() {
                     for _ in 0..iters {
                         let copies = data.clone();
                         let start = Instant::now();
-                        let blocks: Vec<Block> = t
-                            .ids
-                            .iter()
-                            .zip(copies)
-                            .map(|(&id, d)| Block::new(id, d))
-                            .collect();
+                        let blocks = t.blocks(copies, true);
                         side.receiver.write(&t.id, blocks).await.expect("written");
                         total += start.elapsed();
                     }
@@ -358,18 +368,7 @@ fn main() {
                             let copies = data.clone();
                             let start = Instant::now();
                             // What the prefill worker does with its blocks.
-                            let blocks: Vec<Block> = t
-                                .ids
-                                .iter()
-                                .zip(copies)
-                                .map(|(&id, d)| {
-                                    if checked {
-                                        Block::new(id, d)
-                                    } else {
-                                        Block::unchecked(id, d)
-                                    }
-                                })
-                                .collect();
+                            let blocks = t.blocks(copies, checked);
                             let sent = sender.write(&region, &t.id, blocks).await.expect("written");
                             let done = t.exp.finish(kind.as_str()).await.expect("finished");
                             total += start.elapsed();
