@@ -165,13 +165,7 @@ impl Transfer {
         self.ids
             .iter()
             .zip(data)
-            .map(|(&id, d)| {
-                if checked {
-                    Block::new(id, d)
-                } else {
-                    Block::unchecked(id, d)
-                }
-            })
+            .map(|(&id, d)| Block::for_region(id, d, checked))
             .collect()
     }
 

@@ -230,6 +230,15 @@ impl Block {
             data,
         }
     }
+
+    /// [`Block::new`] when `checked`, else [`Block::unchecked`].
+    pub fn for_region(id: u32, data: Vec<u8>, checked: bool) -> Self {
+        if checked {
+            Self::new(id, data)
+        } else {
+            Self::unchecked(id, data)
+        }
+    }
 }
 
 /// The sending side of one transport.

@@ -133,13 +133,7 @@ impl PrefillHandler for Handler {
             let mut blocks: Vec<Block> = dst
                 .into_iter()
                 .zip(data)
-                .map(|(id, d)| {
-                    if checked {
-                        Block::new(id, d)
-                    } else {
-                        Block::unchecked(id, d)
-                    }
-                })
+                .map(|(id, d)| Block::for_region(id, d, checked))
                 .collect();
             match self.fault {
                 Some(Fault::DropBlocks) => Ok(0),
