@@ -396,7 +396,7 @@ impl Run {
                     if let Some(p) = pending.next() {
                         let now = Instant::now();
                         first_sent.get_or_insert(now);
-                        in_flight.insert(p.index, placeholder(&p, start, now));
+                        in_flight.insert(p.index, RequestRecord::unanswered(&p, start, now));
                         let target = Arc::clone(&target);
                         let timeout = self.request_timeout;
                         tasks.spawn(async move {
@@ -423,7 +423,7 @@ impl Run {
                 records.push(rec);
             }
             for p in pending {
-                let mut rec = placeholder(&p, start, now);
+                let mut rec = RequestRecord::unanswered(&p, start, now);
                 rec.sent_ms = f64::NAN;
                 rec.error = Some(RequestError {
                     kind: "not_sent".into(),
@@ -446,24 +446,6 @@ impl Run {
         records.sort_by_key(|r| r.index);
         let duration = last_done.saturating_duration_since(first_sent.unwrap_or(start));
         (records, duration.as_secs_f64())
-    }
-}
-
-/// The record of a request that has not answered (yet).
-fn placeholder(p: &Planned, start: Instant, sent: Instant) -> RequestRecord {
-    RequestRecord {
-        index: p.index,
-        priority: p.priority,
-        scheduled_ms: p.at.as_secs_f64() * 1000.0,
-        sent_ms: (sent - start).as_secs_f64() * 1000.0,
-        ttft_ms: None,
-        e2e_ms: 0.0,
-        input_tokens: p.prompt.len as u32,
-        output_tokens: 0,
-        cached_tokens: None,
-        queue_wait_ms: None,
-        worker_id: None,
-        error: None,
     }
 }
 

@@ -66,6 +66,24 @@ pub(crate) struct RequestRecord {
 }
 
 impl RequestRecord {
+    /// The record of `p`, sent at `sent`, before any answer.
+    pub(crate) fn unanswered(p: &Planned, start: Instant, sent: Instant) -> Self {
+        Self {
+            index: p.index,
+            priority: p.priority,
+            scheduled_ms: p.at.as_secs_f64() * 1000.0,
+            sent_ms: ms(sent - start),
+            ttft_ms: None,
+            e2e_ms: 0.0,
+            input_tokens: p.prompt.len as u32,
+            output_tokens: 0,
+            cached_tokens: None,
+            queue_wait_ms: None,
+            worker_id: None,
+            error: None,
+        }
+    }
+
     /// Mean inter-token latency: (e2e − TTFT) / (output tokens − 1).
     pub(crate) fn itl_ms(&self) -> Option<f64> {
         let ttft = self.ttft_ms?;
@@ -172,20 +190,7 @@ impl Target {
     ) -> RequestRecord {
         let body = self.body(p);
         let sent = Instant::now();
-        let mut rec = RequestRecord {
-            index: p.index,
-            priority: p.priority,
-            scheduled_ms: p.at.as_secs_f64() * 1000.0,
-            sent_ms: ms(sent - start),
-            ttft_ms: None,
-            e2e_ms: 0.0,
-            input_tokens: p.prompt.len as u32,
-            output_tokens: 0,
-            cached_tokens: None,
-            queue_wait_ms: None,
-            worker_id: None,
-            error: None,
-        };
+        let mut rec = RequestRecord::unanswered(p, start, sent);
         let outcome = tokio::time::timeout(timeout, self.stream(body, sent, &mut rec)).await;
         rec.e2e_ms = ms(sent.elapsed());
         let err = match outcome {
