@@ -47,10 +47,9 @@ OUT=${OUT:-$ROOT/target/bench/frontend}
 RESULT=${RESULT:-$ROOT/tests/bench/results/frontend.md}
 TCK=$(getconf CLK_TCK)
 
-if [ -z "${SLUICE_BIN:-}" ]; then
-  cargo build --release -p sluice
-  SLUICE_BIN=${CARGO_TARGET_DIR:-$ROOT/target}/release/sluice
-fi
+# shellcheck source=../lib.sh
+. "$ROOT/tests/bench/lib.sh"
+ensure_sluice_bin
 mkdir -p "$OUT"
 rm -f "$OUT/cases.tsv"
 
@@ -82,11 +81,7 @@ for mode in $MODES; do
     --workers "$WORKERS" --router-mode "$mode" --speedup-ratio "$SPEEDUP" \
     >"$sdir/server.log" 2>&1 &
   server_pid=$!
-  for _ in $(seq 1 120); do
-    curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null 2>&1 && break
-    kill -0 "$server_pid" 2>/dev/null || { echo "sluice up died:"; cat "$sdir/server.log"; exit 1; }
-    sleep 0.5
-  done
+  wait_ready "http://127.0.0.1:$PORT" "$server_pid" "$sdir/server.log"
   echo "== $mode: warm-up ($WARMUP requests at C=16)"
   bench "$sdir/warmup" 16 "$WARMUP"
   for c in $CONCURRENCIES; do

@@ -39,10 +39,9 @@ RESULT=$ROOT/tests/bench/results/ttft_by_priority.md
 # the experiment measures admission order, not preemption.
 BLOCKS=$(( (MAX_NUM_SEQS * (ISL + OSL) / 16) * 2 + 256 ))
 
-if [ -z "${SLUICE_BIN:-}" ]; then
-  cargo build --release -p sluice
-  SLUICE_BIN=${CARGO_TARGET_DIR:-$ROOT/target}/release/sluice
-fi
+# shellcheck source=../lib.sh
+. "$ROOT/tests/bench/lib.sh"
+ensure_sluice_bin
 mkdir -p "$OUT"
 started=$(date +%s)
 
@@ -58,11 +57,7 @@ run_case() { # name, then the extra `sluice up` flags
     --max-num-seqs "$MAX_NUM_SEQS" --num-gpu-blocks "$BLOCKS" \
     --speedup-ratio "$SPEEDUP" "$@" >"$dir/server.log" 2>&1 &
   server_pid=$!
-  for _ in $(seq 1 120); do
-    curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null 2>&1 && break
-    kill -0 "$server_pid" 2>/dev/null || { echo "sluice up died:"; cat "$dir/server.log"; exit 1; }
-    sleep 0.5
-  done
+  wait_ready "http://127.0.0.1:$PORT" "$server_pid" "$dir/server.log"
   echo "== $name: sluice up $*"
   "$SLUICE_BIN" bench --url "http://127.0.0.1:$PORT" --model sluice-tiny \
     --requests "$REQUESTS" --burst --isl-mean "$ISL" --osl-mean "$OSL" \

@@ -61,10 +61,9 @@ URL="http://127.0.0.1:$PORT"
 OUT=${OUT:-$ROOT/target/bench/queue}
 RESULT=$ROOT/tests/bench/results/queue.md
 
-if [ -z "${SLUICE_BIN:-}" ]; then
-  cargo build --release -p sluice
-  SLUICE_BIN=${CARGO_TARGET_DIR:-$ROOT/target}/release/sluice
-fi
+# shellcheck source=../lib.sh
+. "$ROOT/tests/bench/lib.sh"
+ensure_sluice_bin
 mkdir -p "$OUT"
 started=$(date +%s)
 
@@ -80,24 +79,7 @@ start_server() { # log file, then the `sluice up` flags
   local log=$1; shift
   RUST_LOG=${RUST_LOG:-warn} "$SLUICE_BIN" up --engine mocker --http-port "$PORT" "$@" >"$log" 2>&1 &
   server_pid=$!
-  local ready=""
-  for _ in $(seq 1 120); do
-    if curl -sf "$URL/ready" >/dev/null 2>&1; then ready=1; break; fi
-    kill -0 "$server_pid" 2>/dev/null || { echo "sluice up died:"; cat "$log"; exit 1; }
-    sleep 0.5
-  done
-  [ -n "$ready" ] || { echo "sluice up not ready after 60 s"; cat "$log"; exit 1; }
-  # /ready can answer before the queue has found the router: the first
-  # requests then fail with 503 "no router available for placement". One
-  # one-token request has to succeed before a case starts.
-  for _ in $(seq 1 100); do
-    if curl -sf "$URL/v1/completions" -H 'content-type: application/json' \
-      -d '{"model":"sluice-tiny","prompt":[1,2,3],"max_tokens":1}' >/dev/null 2>&1; then
-      return 0
-    fi
-    sleep 0.2
-  done
-  echo "no request succeeded 20 s after /ready"; cat "$log"; exit 1
+  wait_ready "$URL" "$server_pid" "$log"
 }
 
 stop_server() {
