@@ -231,3 +231,73 @@ impl Disagg {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sluice_engine::{
+        EngineConfig, EngineHandle, MockerBackend, MockerConfig, Request, SamplingParams,
+    };
+
+    fn engine() -> EngineHandle {
+        let backend = MockerBackend::new(MockerConfig {
+            num_blocks: 64,
+            ..MockerConfig::default()
+        })
+        .expect("mocker config");
+        EngineHandle::spawn(
+            Box::new(backend),
+            EngineConfig {
+                num_blocks: Some(64),
+                ..EngineConfig::default()
+            },
+        )
+        .expect("engine")
+    }
+
+    async fn reserve(e: &EngineHandle) -> sluice_engine::RemoteSlot {
+        let req = Request {
+            request_id: "q".into(),
+            prompt: (1..=64).collect(),
+            sampling: SamplingParams::greedy(),
+            priority: 0,
+        };
+        e.reserve_remote(req).await.expect("slot")
+    }
+
+    async fn active_blocks_within(e: &EngineHandle, d: Duration) -> u64 {
+        let mut load = e.load();
+        let _ = tokio::time::timeout(d, load.wait_for(|l| l.active_blocks == 0)).await;
+        load.borrow().active_blocks as u64
+    }
+
+    #[tokio::test]
+    async fn a_slot_rdma_may_still_write_stays_reserved_for_its_hold() {
+        let e = engine();
+        let held = Quarantine {
+            slot: Some(reserve(&e).await),
+            hold: Some(Duration::from_millis(400)),
+        };
+        drop(held);
+        assert!(
+            active_blocks_within(&e, Duration::from_millis(150)).await > 0,
+            "still reserved inside the hold"
+        );
+        assert_eq!(
+            active_blocks_within(&e, Duration::from_secs(5)).await,
+            0,
+            "freed after it"
+        );
+
+        let plain = Quarantine {
+            slot: Some(reserve(&e).await),
+            hold: None,
+        };
+        drop(plain);
+        assert_eq!(
+            active_blocks_within(&e, Duration::from_millis(500)).await,
+            0,
+            "no hold: freed at once"
+        );
+    }
+}
