@@ -182,17 +182,24 @@ pub fn check_layout(
     }
 }
 
+/// The host of an endpoint (`[scheme://]host[:port][/path]`), IPv6
+/// brackets kept (so `host:port` can be rebuilt from it).
+pub(crate) fn endpoint_host(e: &str) -> &str {
+    let e = e.split_once("://").map_or(e, |(_, rest)| rest);
+    let e = e.split('/').next().unwrap_or(e);
+    match e.rsplit_once(':') {
+        Some((h, port)) if port.chars().all(|c| c.is_ascii_digit()) => h,
+        _ => e,
+    }
+}
+
 /// Whether two `host:port` endpoints (optionally with a scheme) name the same
 /// host: equal hosts, or both loopback. Decides whether `shm` is offered.
 pub fn same_host(a: &str, b: &str) -> bool {
     fn host(e: &str) -> &str {
-        let e = e.split_once("://").map_or(e, |(_, rest)| rest);
-        let e = e.split('/').next().unwrap_or(e);
-        let h = match e.rsplit_once(':') {
-            Some((h, port)) if port.chars().all(|c| c.is_ascii_digit()) => h,
-            _ => e,
-        };
-        h.trim_start_matches('[').trim_end_matches(']')
+        endpoint_host(e)
+            .trim_start_matches('[')
+            .trim_end_matches(']')
     }
     fn loopback(h: &str) -> bool {
         h.eq_ignore_ascii_case("localhost")

@@ -121,7 +121,7 @@ pub async fn listen(
 /// `endpoint`'s host when bound to every interface, else the bound IP.
 pub(crate) fn advertised(local: SocketAddr, endpoint: &str) -> String {
     let host = if local.ip().is_unspecified() {
-        host_of(endpoint).to_string()
+        super::endpoint_host(endpoint).to_string()
     } else {
         match local.ip() {
             std::net::IpAddr::V6(ip) => format!("[{ip}]"),
@@ -129,13 +129,6 @@ pub(crate) fn advertised(local: SocketAddr, endpoint: &str) -> String {
         }
     };
     format!("{host}:{}", local.port())
-}
-
-fn host_of(endpoint: &str) -> &str {
-    let e = endpoint
-        .split_once("://")
-        .map_or(endpoint, |(_, rest)| rest);
-    e.rsplit_once(':').map_or(e, |(h, _)| h)
 }
 
 async fn accept_loop(

@@ -494,6 +494,8 @@ fn same_host_compares_hosts_and_treats_loopback_as_one() {
     assert!(same_host("[::1]:1", "127.0.0.1:2"));
     assert!(!same_host("10.0.0.2:1", "10.0.0.3:1"));
     assert!(!same_host("10.0.0.2:1", "127.0.0.1:1"));
+    assert_eq!(endpoint_host("http://[::1]:50051/x"), "[::1]");
+    assert_eq!(endpoint_host("decode-0.svc:7003"), "decode-0.svc");
 }
 
 #[test]
