@@ -380,6 +380,29 @@ async fn wait_overlap(
     bail!("never saw {overlap} blocks on {worker}; last reply {last:?}")
 }
 
+/// Routes until `worker` is the only candidate left, which then holds none
+/// of the prompt.
+async fn wait_sole_candidate(
+    client: &mut RouterClient<tonic::transport::Channel>,
+    hashes: &[u64],
+    tokens: u32,
+    worker: &str,
+) -> Result<()> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = route(client, hashes, tokens).await?;
+        if r.candidates.len() == 1 {
+            assert_eq!(chosen(&r), worker);
+            assert_eq!(r.overlap_blocks, 0);
+            return Ok(());
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("the other worker was never forgotten: {r:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routes_to_the_prefix_holder_resyncs_on_gaps_and_forgets_departed_workers() -> Result<()> {
     let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new("test"));
@@ -445,19 +468,7 @@ async fn routes_to_the_prefix_holder_resyncs_on_gaps_and_forgets_departed_worker
     if let Some(reg) = a.registration.take() {
         reg.deregister().await;
     }
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let r = route(&mut client, &h, tokens).await?;
-        if r.candidates.len() == 1 {
-            assert_eq!(chosen(&r), b.id);
-            assert_eq!(r.overlap_blocks, 0);
-            break;
-        }
-        if tokio::time::Instant::now() > deadline {
-            bail!("a never left: {r:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_sole_candidate(&mut client, &h, tokens, &b.id).await?;
     a.stop.cancel();
     router.stop().await?;
     b.stop.cancel();
@@ -565,19 +576,7 @@ async fn a_worker_whose_streams_end_for_good_is_forgotten_while_still_registered
 
     // a's process dies but its lease has not expired yet.
     a.fake.dead.cancel();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let r = route(&mut client, &h, tokens).await?;
-        if r.candidates.len() == 1 {
-            assert_eq!(chosen(&r), b.id);
-            assert_eq!(r.overlap_blocks, 0);
-            break;
-        }
-        if tokio::time::Instant::now() > deadline {
-            bail!("a was never forgotten: {r:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_sole_candidate(&mut client, &h, tokens, &b.id).await?;
     assert!(a.registration.is_some(), "still registered");
     router.stop().await?;
     a.stop.cancel();
