@@ -64,7 +64,16 @@ impl RouterService {
         span.record("dp_rank", chosen.target.dp_rank);
         span.record("overlap_blocks", overlap);
         span.record("mode", mode);
-        span.record("candidates", candidates_field(d).as_str());
+        let candidates = candidates_field(d);
+        span.record("candidates", candidates.as_str());
+        tracing::debug!(
+            request_id = %req.request_id,
+            worker_id = worker,
+            overlap_blocks = overlap,
+            mode,
+            candidates = %candidates,
+            "placed"
+        );
     }
 }
 

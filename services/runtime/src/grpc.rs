@@ -1,6 +1,7 @@
 //! gRPC plumbing: a server that every service gets health, reflection,
 //! `/metrics`, `/live` and trace extraction from, and client channels that
-//! inject trace context.
+//! inject trace context (and call a server of this process without a socket,
+//! see [`crate::local`]).
 //!
 //! ```ignore
 //! let server = GrpcServer::new()?
@@ -17,16 +18,17 @@ use tonic::body::Body;
 use tonic::server::NamedService;
 use tonic::service::interceptor::InterceptedService;
 use tonic::service::{Routes, RoutesBuilder};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Endpoint;
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 use tower::Service;
 
+use crate::local::MeshChannel;
 use crate::telemetry::{TraceInjector, grpc_server_span};
 use crate::{RuntimeError, Shutdown};
 
 /// A client channel whose requests carry the caller's trace context.
-pub type TracedChannel = InterceptedService<Channel, TraceInjector>;
+pub type TracedChannel = InterceptedService<MeshChannel, TraceInjector>;
 
 /// A gRPC server with the standard extras.
 pub struct GrpcServer {
@@ -96,6 +98,13 @@ impl GrpcServer {
         self.health.clone()
     }
 
+    /// Every route the server answers: the gRPC services and the HTTP routes
+    /// (what [`crate::local`] calls in-process).
+    pub fn router(&self) -> axum::Router {
+        let grpc: Routes = self.routes.clone().routes();
+        grpc.into_axum_router().merge(self.http.clone())
+    }
+
     /// Serves until `shutdown` is cancelled, then reports `NOT_SERVING` and
     /// drains in-flight calls.
     pub async fn serve(
@@ -110,13 +119,7 @@ impl GrpcServer {
                 .await;
         }
         health.set_service_status("", ServingStatus::Serving).await;
-        let mut routes: Routes = self.routes.routes();
-        let http_routes: Routes = self.http.into();
-        routes = Routes::from(
-            routes
-                .into_axum_router()
-                .merge(http_routes.into_axum_router()),
-        );
+        let routes = Routes::from(self.router());
         let names = self.names.clone();
         let signal = async move {
             shutdown.cancelled().await;
@@ -146,8 +149,10 @@ impl GrpcServer {
     }
 }
 
-/// A lazily connecting channel to `endpoint` (`host:port` or a URL) that
-/// injects trace context; the first call connects.
+/// A channel to `endpoint` (`host:port` or a URL) that injects trace
+/// context: straight into the server when one of this process registered
+/// that endpoint, otherwise a lazily connecting gRPC channel (the first call
+/// connects).
 pub fn channel(endpoint: &str) -> Result<TracedChannel, RuntimeError> {
     let uri = if endpoint.contains("://") {
         endpoint.to_string()
@@ -159,5 +164,7 @@ pub fn channel(endpoint: &str) -> Result<TracedChannel, RuntimeError> {
         .connect_timeout(Duration::from_secs(2))
         .http2_keep_alive_interval(Duration::from_secs(10))
         .keep_alive_while_idle(true);
-    Ok(InterceptedService::new(ep.connect_lazy(), TraceInjector))
+    let host_port = endpoint.rsplit("://").next().unwrap_or(endpoint);
+    let mesh = MeshChannel::new(host_port, || ep.connect_lazy());
+    Ok(InterceptedService::new(mesh, TraceInjector))
 }

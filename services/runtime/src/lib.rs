@@ -7,6 +7,7 @@
 //! - [`discovery`]: the [`Discovery`] trait and its `etcd` and `memory` backends.
 //! - [`grpc`]: a gRPC server with health, reflection, `/metrics` and trace
 //!   extraction, and client channels that inject trace context.
+//! - [`local`]: the servers of this process, called without a socket.
 //! - [`shutdown`]: the cancellation token every `serve` takes, and signal handling.
 //! - [`service`]: the shape of a service crate (`Args`, `serve(listener, args, ctx)`)
 //!   and [`ServiceContext::run`], the one lifecycle: register, serve, deregister, drain.
@@ -17,6 +18,7 @@ pub mod config;
 pub mod discovery;
 pub mod error;
 pub mod grpc;
+pub mod local;
 pub mod metrics;
 pub mod service;
 pub mod shutdown;

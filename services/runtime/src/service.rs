@@ -63,6 +63,8 @@ impl ServiceContext {
         listener: TcpListener,
         instance: Instance,
     ) -> Result<(), RuntimeError> {
+        // Callable in-process before anyone can learn the endpoint.
+        let local = crate::local::register(&instance.endpoint, server.router());
         let registration = self
             .discovery
             .register(instance.clone(), self.common.lease_ttl)
@@ -74,11 +76,13 @@ impl ServiceContext {
         let mut serving = std::pin::pin!(serving);
         tokio::select! {
             res = &mut serving => {
+                drop(local);
                 registration.deregister().await;
                 return res?;
             }
             _ = self.shutdown.cancelled() => {}
         }
+        drop(local);
         registration.deregister().await;
         stop_serving.cancel();
         let drain = Duration::from_secs(self.common.drain_timeout);
