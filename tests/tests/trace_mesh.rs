@@ -44,7 +44,7 @@ async fn disaggregated_request_is_one_trace_across_every_hop() -> anyhow::Result
         "completions",                      // frontend root (http.request)
         "queue.admit",                      // frontend → queue
         "sluice.queue.v1.Queue/Admit",      // queue server
-        "sluice.router.v1.Router/Route",    // router server
+        "route",                            // router's placement (on the queue's session)
         "sluice.worker.v1.Worker/Generate", // decode worker server
         "kv.remote_prefill",                // decode worker's remote prefill
         "sluice.worker.v1.Worker/Prefill",  // prefill worker server
@@ -79,11 +79,24 @@ async fn disaggregated_request_is_one_trace_across_every_hop() -> anyhow::Result
     let root = by_name["completions"];
     assert_eq!(attr(root, "priority").as_deref(), Some("2"));
     assert!(attr(root, "worker_id").is_some_and(|w| w.starts_with("decode-")));
-    let route = by_name["sluice.router.v1.Router/Route"];
+    // One `route` span per pool; the decode one chose the serving worker.
+    let route = spans
+        .iter()
+        .find(|s| s.name == "route" && attr(s, "pool").as_deref() == Some("decode"))
+        .expect("a decode placement span");
     assert!(
         spans
             .iter()
-            .any(|s| attr(s, "chosen_worker").is_some() || attr(s, "worker_id").is_some()),
+            .any(|s| s.name == "route" && attr(s, "pool").as_deref() == Some("prefill")),
+        "a prefill placement span"
+    );
+    assert_eq!(
+        attr(route, "worker_id"),
+        attr(root, "worker_id"),
+        "the router's span names the worker it chose: {route:?}"
+    );
+    assert!(
+        attr(route, "candidates").is_some_and(|c| c.contains("prefill=")),
         "{route:?}"
     );
     assert!(attr(by_name["kv.transfer"], "transport").is_some());

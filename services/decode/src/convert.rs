@@ -109,5 +109,6 @@ pub(crate) fn load(rank: u32, l: &engine::LoadStats, prefill_queue: u32) -> pb::
         max_num_seqs: l.max_num_seqs as u32,
         max_num_batched_tokens: l.max_num_batched_tokens as u32,
         prefill_queue,
+        ..Default::default()
     }
 }

@@ -173,6 +173,8 @@ impl Disagg {
             sampling: req.sampling.clone(),
             priority: req.priority,
             destination: Some(descriptor),
+            // The prefill worker the grant named was placed with the request.
+            placed: req.placed,
         });
         let resp = match tokio::time::timeout(self.timeout, call).await {
             Err(_) => {

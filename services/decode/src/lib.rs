@@ -26,7 +26,10 @@ pub use args::{EngineKind, WorkerArgs};
 pub use convert::sampling as wire_sampling;
 pub use error::WorkerError;
 pub use metrics::WorkerMetrics;
-pub use service::{InflightGuard, PrefillHandler, RemotePrefill, Role, WorkerCore, WorkerService};
+pub use service::{
+    InflightGuard, PrefillHandler, RemotePrefill, Role, UnplacedGuard, UnplacedLoad, WorkerCore,
+    WorkerService,
+};
 use sluice_engine::backend::KvBacking;
 
 /// Builds a worker's core: its engine rank(s), metrics and identity.
@@ -58,6 +61,7 @@ pub fn build_core(
         engines,
         metrics,
         remote_prefills: AtomicU32::new(0),
+        unplaced: Arc::default(),
     }))
 }
 

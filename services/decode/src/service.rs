@@ -5,7 +5,7 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use futures::Stream;
@@ -51,6 +51,67 @@ pub struct WorkerCore {
     pub metrics: WorkerMetrics,
     /// Remote prefills in flight from this (decode) worker.
     pub remote_prefills: AtomicU32,
+    /// Requests that came without a router's placement.
+    pub unplaced: Arc<UnplacedLoad>,
+}
+
+/// The requests a worker received without `placed`: no router counts them,
+/// so its load reports add them, estimated as a router estimates its
+/// placements (see `sluice-router`'s `load` module): the prompt tokens not
+/// cached until the first token, the prompt blocks until the end.
+#[derive(Debug, Default)]
+pub struct UnplacedLoad {
+    requests: AtomicU32,
+    prefill_tokens: AtomicU64,
+    blocks: AtomicU64,
+}
+
+impl UnplacedLoad {
+    /// Counts one request until the guard drops.
+    pub fn count(self: &Arc<Self>, prefill_tokens: u64, blocks: u64) -> UnplacedGuard {
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        self.prefill_tokens
+            .fetch_add(prefill_tokens, Ordering::Relaxed);
+        self.blocks.fetch_add(blocks, Ordering::Relaxed);
+        UnplacedGuard {
+            load: Arc::clone(self),
+            prefill_tokens,
+            blocks,
+        }
+    }
+
+    /// (requests, prefill tokens, blocks) now.
+    pub fn figures(&self) -> (u32, u64, u64) {
+        (
+            self.requests.load(Ordering::Relaxed),
+            self.prefill_tokens.load(Ordering::Relaxed),
+            self.blocks.load(Ordering::Relaxed),
+        )
+    }
+}
+
+/// One unplaced request's share of [`UnplacedLoad`].
+#[derive(Debug)]
+pub struct UnplacedGuard {
+    load: Arc<UnplacedLoad>,
+    prefill_tokens: u64,
+    blocks: u64,
+}
+
+impl UnplacedGuard {
+    /// The request produced its first token: its prefill is done.
+    pub fn started(&mut self) {
+        let t = std::mem::take(&mut self.prefill_tokens);
+        self.load.prefill_tokens.fetch_sub(t, Ordering::Relaxed);
+    }
+}
+
+impl Drop for UnplacedGuard {
+    fn drop(&mut self) {
+        self.started();
+        self.load.requests.fetch_sub(1, Ordering::Relaxed);
+        self.load.blocks.fetch_sub(self.blocks, Ordering::Relaxed);
+    }
 }
 
 impl WorkerCore {
@@ -117,6 +178,7 @@ fn response_stream(
     prompt_tokens: usize,
     cached_tokens: usize,
     prefill_worker_id: String,
+    unplaced: Option<UnplacedGuard>,
     span: tracing::Span,
 ) -> BoxStream<pb::GenerateResponse> {
     struct St {
@@ -128,6 +190,8 @@ fn response_stream(
         prompt_tokens: usize,
         cached_tokens: usize,
         started: Instant,
+        /// Dropped with the stream: the request's end.
+        unplaced: Option<UnplacedGuard>,
         span: tracing::Span,
     }
     let st = St {
@@ -139,6 +203,7 @@ fn response_stream(
         prompt_tokens,
         cached_tokens,
         started: Instant::now(),
+        unplaced,
         span,
     };
     Box::pin(futures::stream::unfold(st, |mut st| async move {
@@ -154,6 +219,9 @@ fn response_stream(
         };
         if st.first {
             st.first = false;
+            if let Some(u) = st.unplaced.as_mut() {
+                u.started();
+            }
             st.core
                 .metrics
                 .ttft
@@ -295,6 +363,13 @@ impl pb::worker_server::Worker for WorkerService {
             completion_tokens = tracing::field::Empty,
         );
         let prompt_tokens = engine_req.prompt.len();
+        let unplaced = (!req.placed).then(|| {
+            let bs = engine.kv_layout().block_size.max(1);
+            core.unplaced.count(
+                prompt_tokens.saturating_sub(cached) as u64,
+                prompt_tokens.div_ceil(bs) as u64,
+            )
+        });
         let remote = match &self.remote {
             Some(r) => {
                 r.try_remote(core, &req, &engine_req)
@@ -323,6 +398,7 @@ impl pb::worker_server::Worker for WorkerService {
             prompt_tokens,
             cached,
             prefill_worker,
+            unplaced,
             span,
         )))
     }
@@ -391,11 +467,19 @@ impl pb::worker_server::Worker for WorkerService {
                 loop {
                     let report = {
                         let l = watch.borrow_and_update();
-                        convert::load(
+                        let mut report = convert::load(
                             rank as u32,
                             &l,
                             core.remote_prefills.load(Ordering::Relaxed),
-                        )
+                        );
+                        // Unplaced requests are counted per worker, on rank 0.
+                        if rank == 0 {
+                            let (n, prefill, blocks) = core.unplaced.figures();
+                            report.unplaced_requests = n;
+                            report.unplaced_prefill_tokens = prefill;
+                            report.unplaced_blocks = blocks;
+                        }
+                        report
                     };
                     if tx.send(Ok(report)).await.is_err() {
                         return;

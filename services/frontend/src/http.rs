@@ -82,11 +82,15 @@ async fn authorize(
     }
 }
 
+/// The model is listed only once it is servable: a client that waits for it
+/// here never gets a 503 for its first request.
 async fn models(State(p): State<Arc<Pipeline>>) -> Json<Value> {
-    Json(json!({
-        "object": "list",
-        "data": [{ "id": p.model, "object": "model", "created": p.created, "owned_by": "sluice" }],
-    }))
+    let data = if p.ready() {
+        json!([{ "id": p.model, "object": "model", "created": p.created, "owned_by": "sluice" }])
+    } else {
+        json!([])
+    };
+    Json(json!({ "object": "list", "data": data }))
 }
 
 async fn health(State(p): State<Arc<Pipeline>>) -> Json<Value> {
@@ -96,9 +100,11 @@ async fn health(State(p): State<Arc<Pipeline>>) -> Json<Value> {
 async fn ready(State(p): State<Arc<Pipeline>>) -> Response {
     let workers = p.workers.serving(&p.model).len();
     let queues = p.queues.serving("").len();
+    let routers = p.routers.serving("").len();
+    let ready = p.ready();
     let body =
-        Json(json!({ "ready": workers > 0 && queues > 0, "workers": workers, "queues": queues }));
-    if workers > 0 && queues > 0 {
+        Json(json!({ "ready": ready, "workers": workers, "queues": queues, "routers": routers }));
+    if ready {
         body.into_response()
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, body).into_response()

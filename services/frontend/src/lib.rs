@@ -105,6 +105,7 @@ pub async fn serve(
     let metrics = metrics::Metrics::new().map_err(|e| startup(e.to_string()))?;
     let queues = mesh::Members::follow(&ctx.discovery, "queue", ctx.shutdown.clone()).await?;
     let workers = mesh::Members::follow(&ctx.discovery, "decode", ctx.shutdown.clone()).await?;
+    let routers = mesh::Members::follow(&ctx.discovery, "router", ctx.shutdown.clone()).await?;
     let pipeline = Arc::new(pipeline::Pipeline {
         model: model.name(),
         created: SystemTime::now()
@@ -115,6 +116,7 @@ pub async fn serve(
         template,
         queues,
         workers,
+        routers,
         channels: mesh::Channels::default(),
         metrics: metrics.clone(),
         default_max_tokens: args.default_max_tokens,

@@ -42,6 +42,7 @@ pub(crate) struct Pipeline {
     pub template: ChatTemplate,
     pub queues: Arc<Members>,
     pub workers: Arc<Members>,
+    pub routers: Arc<Members>,
     pub channels: Channels,
     pub metrics: Metrics,
     pub default_max_tokens: u32,
@@ -180,9 +181,16 @@ impl Pipeline {
             .unwrap_or(DEFAULT_BLOCK_SIZE)
     }
 
-    /// Whether a worker for the model is known (`/ready`).
+    /// Whether a request for the model can be admitted, placed and served
+    /// end to end: a worker serving it, a queue and a router are all
+    /// registered (`/ready`, and `/v1/models` lists the model only then).
+    /// Each registers only once it can serve: a worker after loading its
+    /// model, a router after its index holds every known worker, and a
+    /// router answers for a worker still joining by waiting for it.
     pub(crate) fn ready(&self) -> bool {
         !self.workers.serving(&self.model).is_empty()
+            && !self.queues.serving("").is_empty()
+            && !self.routers.serving("").is_empty()
     }
 
     /// Checks the model, renders the template, tokenizes and hashes, once.
@@ -363,6 +371,8 @@ impl Pipeline {
             dp_rank: grant.dp_rank,
             prefill_worker_id: grant.prefill_worker_id.clone(),
             prefill_worker_endpoint: grant.prefill_worker_endpoint.clone(),
+            // The router counts this request's load until its lease ends.
+            placed: true,
         };
         let answer = tokio::time::timeout_at(
             deadline.into(),
@@ -629,10 +639,17 @@ impl Generation {
             let now = Instant::now();
             let m = &self.pipeline.metrics;
             match self.last_token {
-                None => m
-                    .ttft
-                    .with_label_values(&[&self.priority_label])
-                    .observe((now - self.received).as_secs_f64()),
+                None => {
+                    m.ttft
+                        .with_label_values(&[&self.priority_label])
+                        .observe((now - self.received).as_secs_f64());
+                    // The router stops counting the prompt as prefill work.
+                    if let Some(lease) = &self.lease {
+                        let _ = lease.try_send(qpb::AdmitRequest {
+                            msg: Some(qpb::admit_request::Msg::Started(qpb::AdmitStarted {})),
+                        });
+                    }
+                }
                 Some(prev) => {
                     let per = (now - prev).as_secs_f64() / msg.token_ids.len() as f64;
                     m.itl
@@ -691,6 +708,10 @@ impl Generation {
         }
         if let Some(r) = reason {
             self.finished = true;
+            // The lease ends before the client hears of the end, so the
+            // router has stopped counting this request by the time the
+            // client's next one (a conversation's next turn) arrives.
+            close_lease(self.lease.take(), self.lease_responses.take(), None);
             self.pending.push_back(Event::Done {
                 finish_reason: r,
                 usage: self.usage,
@@ -750,24 +771,30 @@ fn worker_failed(s: &tonic::Status) -> bool {
     )
 }
 
-/// Ends a lease cleanly in the background — `done`, half-close, read the
-/// queue's end of stream — and drains `worker`, a stream its worker finished.
+/// Ends a lease cleanly — `done` now, then in the background half-close and
+/// read the queue's end of stream — and drains `worker`, a stream its
+/// worker finished.
 fn close_lease(
     lease: Option<mpsc::Sender<qpb::AdmitRequest>>,
     responses: Option<tonic::Streaming<qpb::AdmitResponse>>,
     worker: Option<tonic::Streaming<wpb::GenerateResponse>>,
 ) {
+    let done = || qpb::AdmitRequest {
+        msg: Some(qpb::admit_request::Msg::Done(qpb::AdmitDone {})),
+    };
+    // Sent at once where there is room: the queue learns of the end before
+    // anything this task does next.
+    let lease = lease.and_then(|l| match l.try_send(done()) {
+        Ok(()) => None,
+        Err(_) => Some(l),
+    });
     let Ok(rt) = tokio::runtime::Handle::try_current() else {
         return;
     };
     rt.spawn(async move {
         let drain = async {
             if let Some(lease) = lease {
-                let _ = lease
-                    .send(qpb::AdmitRequest {
-                        msg: Some(qpb::admit_request::Msg::Done(qpb::AdmitDone {})),
-                    })
-                    .await;
+                let _ = lease.send(done()).await;
             }
             if let Some(mut r) = responses {
                 while let Ok(Some(_)) = r.message().await {}

@@ -99,7 +99,19 @@ impl PrefillHandler for Handler {
             sampling: sluice_decode::wire_sampling(req.sampling.clone()),
             priority: req.priority,
         };
+        // No router counts an unplaced prefill: this worker's reports do.
+        let mut unplaced = (!req.placed).then(|| {
+            let prompt = req.prompt_token_ids.len();
+            let cached = engine.cached_prefix_tokens(&req.prompt_token_ids);
+            core.unplaced.count(
+                prompt.saturating_sub(cached) as u64,
+                prompt.div_ceil(bs.max(1)) as u64,
+            )
+        });
         let out = engine.prefill(engine_req).instrument(span).await?;
+        if let Some(u) = unplaced.as_mut() {
+            u.started();
+        }
         let skip = dest.skip_blocks as usize;
         let src: Vec<u32> = out.blocks.block_ids().iter().skip(skip).copied().collect();
         let dst: Vec<u32> = dest.block_ids.iter().skip(skip).copied().collect();

@@ -28,8 +28,8 @@ pub use config::{Args, Policy, WfqClass, WfqWeights};
 pub use error::QueueError;
 pub use metrics::QueueMetrics;
 pub use queue::{
-    Entry, Grant, HeldStatus, HoldReason, LoadView, Placement, Placer, Queue, QueueStats, Target,
-    Ticket, TicketEvent, TierStats, WorkerLoad, WorkerRole,
+    Entry, Grant, HeldStatus, HoldReason, LoadView, Placed, Placement, PlacementLease, Placer,
+    Queue, QueueStats, Target, Ticket, TicketEvent, TierStats, WorkerLoad, WorkerRole,
 };
 
 /// Discovery component name the queue registers under.
@@ -53,10 +53,20 @@ pub async fn serve(
 
     let tracker = TaskTracker::new();
     let background = ctx.shutdown.child_token();
+    let instance = ctx.instance(COMPONENT, &listener)?;
+    // The queue names itself to the routers by its instance id.
     let routers = match &args.router_endpoint {
-        Some(endpoint) => placement::Routers::fixed(endpoint)?,
+        Some(endpoint) => {
+            placement::Routers::fixed(endpoint, &instance.id, &tracker, background.clone())?
+        }
         None => {
-            placement::Routers::discovered(&ctx.discovery, &tracker, background.clone()).await?
+            placement::Routers::discovered(
+                &ctx.discovery,
+                &instance.id,
+                &tracker,
+                background.clone(),
+            )
+            .await?
         }
     };
     let placer = placement::RouterPlacer::new(routers.clone());
@@ -75,7 +85,6 @@ pub async fn serve(
     let server = GrpcServer::new()?
         .add_service(QueueServer::new(service::QueueService::new(queue)))
         .with_metrics(vec![registry]);
-    let instance = ctx.instance(COMPONENT, &listener)?;
     let served = ctx.run(server, listener, instance).await;
     background.cancel();
     tracker.close();

@@ -1,44 +1,67 @@
-//! The router side of the queue: which router to call ([`Routers`]: a fixed
-//! `--router-endpoint` or every `router` instance in discovery, in turn), the
-//! [`Placer`] that asks it for a placement, and the task that feeds the
-//! router's `WatchLoad` figures into the queue.
+//! The router side of the queue: one `Place` session to every router
+//! replica ([`Routers`]: a fixed `--router-endpoint`, or every `router`
+//! instance in discovery), the [`Placer`] that places a released request on
+//! one of them, the leases that end its placement, and the task that feeds
+//! a router's `WatchLoad` figures into the queue.
+//!
+//! # Every router hears every placement
+//!
+//! A committed route is answered by one router and then sent, as `placed`,
+//! to every other; a lease's start and its end (the request's first token,
+//! its lease dropping) go to all. So replicas count the same load and a
+//! burst spread by one is seen by all. A (re)connected session first sends
+//! every placement this queue still holds, so a restarted router counts
+//! them again; a session that ends leaves its placements to age out at the
+//! router. A session's messages are applied in order: the release of a
+//! request that just ended reaches a router before the placement of the
+//! request that follows it.
 //!
 //! The router never sees held requests: it is called once per release (and,
 //! under `wspt`, for dry-run overlap reads).
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use parking_lot::Mutex;
 use sluice_proto::router::v1 as router_pb;
+use sluice_proto::router::v1::place_request::Msg as PlaceMsg;
 use sluice_proto::router::v1::router_client::RouterClient;
 use sluice_runtime::grpc::{TracedChannel, channel};
 use sluice_runtime::{Discovery, DiscoveryEvent};
-use tokio::sync::Notify;
+use tokio::sync::{Notify, mpsc, oneshot};
+use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::error::QueueError;
-use crate::queue::{Entry, LoadView, Placement, Placer, Queue, Target, WorkerRole};
+use crate::queue::{
+    Entry, LoadView, Placed, Placement, PlacementLease, Placer, Queue, Target, WorkerRole,
+};
 
 /// Discovery component name routers register under.
 pub(crate) const ROUTER_COMPONENT: &str = "router";
 
-/// Pause before re-subscribing to a router's load after a failure.
+/// Pause before re-subscribing to a router's load, or reconnecting a
+/// session, after a failure (doubling up to [`RETRY_MAX`]).
 const RETRY: Duration = Duration::from_millis(500);
+const RETRY_MAX: Duration = Duration::from_secs(5);
 
-/// Longest wait for one `Route` answer. Under a threshold a model's releases
+/// Longest wait for one route answer. Under a threshold a model's releases
 /// wait for the previous placement, so a hung router must not stall them.
 const ROUTE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long placement waits for a router to appear before failing with
 /// `no_router` (start-up order, router restarts).
 const ROUTER_WAIT: Duration = Duration::from_secs(3);
+/// Messages a session may have waiting to be sent. A router that falls this
+/// far behind has its session reset (it is sent every held placement again).
+const SESSION_BACKLOG: usize = 65_536;
 
 type Client = RouterClient<TracedChannel>;
+type Answer = Result<router_pb::RouteResponse, tonic::Status>;
 
-/// The routers to call, round robin.
+/// The router replicas, one `Place` session each.
 #[derive(Debug, Clone)]
 pub(crate) struct Routers {
     inner: Arc<RoutersInner>,
@@ -46,43 +69,143 @@ pub(crate) struct Routers {
 
 #[derive(Debug)]
 struct RoutersInner {
-    /// Instance id → client (a fixed endpoint is keyed by itself).
-    clients: Mutex<BTreeMap<String, Client>>,
+    /// This queue's identity on its sessions.
+    client_id: String,
+    /// Router id → session (a fixed endpoint is keyed by itself).
+    sessions: Mutex<BTreeMap<String, Arc<Session>>>,
     next: AtomicUsize,
     changed: Notify,
+    /// The placements of live leases, by placement id (a request's decode
+    /// and prefill placements share it): what a new session is sent first.
+    held: Mutex<HashMap<u64, Vec<router_pb::Placement>>>,
+    /// Placement and call ids.
+    next_id: AtomicU64,
+    tracker: TaskTracker,
+    shutdown: CancellationToken,
+}
+
+/// One router's session.
+#[derive(Debug)]
+struct Session {
+    router_id: String,
+    client: Client,
+    /// The open stream's sender; `None` while (re)connecting.
+    tx: Mutex<Option<mpsc::Sender<router_pb::PlaceRequest>>>,
+    /// The router answered the session's opening: routes may go here.
+    ready: AtomicBool,
+    pending: Mutex<HashMap<u64, oneshot::Sender<Answer>>>,
+    stop: CancellationToken,
+}
+
+/// Why a call on a session got no answer.
+enum CallError {
+    /// The session is down or broke before answering: another router may.
+    Unavailable,
+    /// The router answered with an error.
+    Status(tonic::Status),
+    /// No answer within [`ROUTE_TIMEOUT`].
+    Timeout,
+}
+
+/// The router took longer than [`ROUTE_TIMEOUT`] to answer.
+#[derive(Debug, thiserror::Error)]
+#[error("the router gave no answer within {0:?}")]
+struct RouteTimeout(Duration);
+
+impl Session {
+    fn send(&self, msg: router_pb::PlaceRequest) {
+        let mut tx = self.tx.lock();
+        let Some(sender) = tx.as_ref() else {
+            return; // reconnecting: the new session is sent what is held
+        };
+        if let Err(mpsc::error::TrySendError::Full(_)) = sender.try_send(msg) {
+            tracing::warn!(router = %self.router_id, "router too far behind; resetting its placement session");
+            // Dropping the sender ends the stream; the reconnect resends
+            // every held placement.
+            *tx = None;
+            self.ready.store(false, Ordering::Release);
+        }
+    }
+
+    async fn call(
+        &self,
+        call_id: u64,
+        request: router_pb::RouteRequest,
+    ) -> Result<router_pb::RouteResponse, CallError> {
+        let (answer_tx, answer_rx) = oneshot::channel();
+        self.pending.lock().insert(call_id, answer_tx);
+        let msg = router_pb::PlaceRequest {
+            msg: Some(PlaceMsg::Route(router_pb::PlaceCall {
+                call_id,
+                request: Some(request),
+                traceparent: sluice_runtime::telemetry::traceparent(),
+            })),
+        };
+        let sent = self
+            .tx
+            .lock()
+            .as_ref()
+            .is_some_and(|tx| tx.try_send(msg).is_ok());
+        if !sent {
+            self.pending.lock().remove(&call_id);
+            return Err(CallError::Unavailable);
+        }
+        match tokio::time::timeout(ROUTE_TIMEOUT, answer_rx).await {
+            Err(_) => {
+                self.pending.lock().remove(&call_id);
+                Err(CallError::Timeout)
+            }
+            Ok(Err(_)) => Err(CallError::Unavailable),
+            Ok(Ok(Ok(r))) => Ok(r),
+            Ok(Ok(Err(status))) => Err(CallError::Status(status)),
+        }
+    }
+
+    /// Fails every call waiting on this session.
+    fn fail_pending(&self) {
+        self.pending.lock().clear();
+    }
 }
 
 impl Routers {
-    fn empty() -> Self {
+    fn empty(client_id: &str, tracker: &TaskTracker, shutdown: CancellationToken) -> Self {
         Self {
             inner: Arc::new(RoutersInner {
-                clients: Mutex::new(BTreeMap::new()),
+                client_id: client_id.to_owned(),
+                sessions: Mutex::new(BTreeMap::new()),
                 next: AtomicUsize::new(0),
                 changed: Notify::new(),
+                held: Mutex::new(HashMap::new()),
+                next_id: AtomicU64::new(1),
+                tracker: tracker.clone(),
+                shutdown,
             }),
         }
     }
 
-    /// Always `endpoint`.
-    pub(crate) fn fixed(endpoint: &str) -> Result<Self, QueueError> {
-        let routers = Self::empty();
+    /// Always `endpoint`; this queue is `client_id` on its session.
+    pub(crate) fn fixed(
+        endpoint: &str,
+        client_id: &str,
+        tracker: &TaskTracker,
+        shutdown: CancellationToken,
+    ) -> Result<Self, QueueError> {
+        let routers = Self::empty(client_id, tracker, shutdown);
         let client = RouterClient::new(channel(endpoint)?);
-        routers
-            .inner
-            .clients
-            .lock()
-            .insert(endpoint.to_owned(), client);
+        RoutersInner::open(&routers.inner, endpoint.to_owned(), client);
         Ok(routers)
     }
 
     /// Every `router` instance in discovery, kept current by a task on
-    /// `tracker` until `shutdown`.
+    /// `tracker` until `shutdown`; this queue is `client_id` on their
+    /// sessions.
     pub(crate) async fn discovered(
         discovery: &Arc<dyn Discovery>,
+        client_id: &str,
         tracker: &TaskTracker,
         shutdown: CancellationToken,
     ) -> Result<Self, QueueError> {
-        let routers = Self::empty();
+        let routers = Self::empty(client_id, tracker, shutdown.clone());
         let mut watch = discovery.watch(ROUTER_COMPONENT).await?;
         let inner = Arc::clone(&routers.inner);
         tracker.spawn(async move {
@@ -95,7 +218,7 @@ impl Routers {
                     Some(DiscoveryEvent::Put(instance)) => match channel(&instance.endpoint) {
                         Ok(ch) => {
                             tracing::info!(id = %instance.id, endpoint = %instance.endpoint, "router found");
-                            inner.clients.lock().insert(instance.id, RouterClient::new(ch));
+                            RoutersInner::open(&inner, instance.id, RouterClient::new(ch));
                         }
                         Err(err) => {
                             tracing::warn!(id = %instance.id, endpoint = %instance.endpoint, error = %err, "unusable router endpoint");
@@ -103,7 +226,9 @@ impl Routers {
                     },
                     Some(DiscoveryEvent::Delete { id, .. }) => {
                         tracing::info!(%id, "router left");
-                        inner.clients.lock().remove(&id);
+                        if let Some(s) = inner.sessions.lock().remove(&id) {
+                            s.stop.cancel();
+                        }
                     }
                     None => {
                         tracing::warn!("discovery watch of routers ended");
@@ -116,36 +241,233 @@ impl Routers {
         Ok(routers)
     }
 
-    /// The next router, waiting up to `wait` for one to appear (a queue
-    /// that starts before the router, or between router restarts, holds a
-    /// request briefly instead of failing it).
-    async fn pick_within(&self, wait: Duration) -> Option<Client> {
-        let deadline = tokio::time::Instant::now() + wait;
+    /// A ready session, round robin, skipping `tried`; waits until
+    /// `deadline` for one to appear (a queue that starts before the router,
+    /// or between router restarts, holds a request briefly instead of
+    /// failing it).
+    async fn pick_within(
+        &self,
+        deadline: tokio::time::Instant,
+        tried: &HashSet<String>,
+    ) -> Option<Arc<Session>> {
         loop {
             // Registered before the check: a router found in between still wakes us.
             let changed = self.inner.changed.notified();
-            if let Some(c) = self.pick() {
-                return Some(c);
+            if let Some(s) = self.pick(tried) {
+                return Some(s);
             }
             if tokio::time::timeout_at(deadline, changed).await.is_err() {
-                return self.pick();
+                return self.pick(tried);
             }
         }
     }
 
-    /// The next router, round robin; None when none is known.
-    fn pick(&self) -> Option<Client> {
-        let clients = self.inner.clients.lock();
-        if clients.is_empty() {
+    /// A ready session, round robin, skipping `tried`.
+    fn pick(&self, tried: &HashSet<String>) -> Option<Arc<Session>> {
+        let sessions = self.inner.sessions.lock();
+        let ready: Vec<&Arc<Session>> = sessions
+            .values()
+            .filter(|s| s.ready.load(Ordering::Acquire) && !tried.contains(&s.router_id))
+            .collect();
+        if ready.is_empty() {
             return None;
         }
-        let i = self.inner.next.fetch_add(1, Ordering::Relaxed) % clients.len();
-        clients.values().nth(i).cloned()
+        let i = self.inner.next.fetch_add(1, Ordering::Relaxed) % ready.len();
+        Some(Arc::clone(ready[i]))
+    }
+
+    fn next_id(&self) -> u64 {
+        self.inner.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+impl RoutersInner {
+    /// Opens (or keeps) the session to router `id`.
+    fn open(inner: &Arc<Self>, id: String, client: Client) {
+        let session = {
+            let mut sessions = inner.sessions.lock();
+            if sessions.contains_key(&id) {
+                return;
+            }
+            let session = Arc::new(Session {
+                router_id: id.clone(),
+                client,
+                tx: Mutex::new(None),
+                ready: AtomicBool::new(false),
+                pending: Mutex::new(HashMap::new()),
+                stop: inner.shutdown.child_token(),
+            });
+            sessions.insert(id, Arc::clone(&session));
+            session
+        };
+        inner.tracker.spawn(run_session(Arc::clone(inner), session));
+    }
+
+    /// Sends `msg` to every session but `except`.
+    fn broadcast(&self, msg: &router_pb::PlaceRequest, except: Option<&str>) {
+        let sessions: Vec<Arc<Session>> = self.sessions.lock().values().cloned().collect();
+        for s in sessions {
+            if except != Some(s.router_id.as_str()) {
+                s.send(msg.clone());
+            }
+        }
+    }
+
+    /// Records a granted request's placements and tells every router but
+    /// `origin` (which made them) about them.
+    fn hold(&self, id: u64, placements: Vec<router_pb::Placement>, origin: &str) {
+        let mut held = self.held.lock();
+        for p in &placements {
+            let msg = router_pb::PlaceRequest {
+                msg: Some(PlaceMsg::Placed(p.clone())),
+            };
+            self.broadcast(&msg, Some(origin));
+        }
+        held.insert(id, placements);
+    }
+
+    /// Tells every router that placement `id`, never held (its request
+    /// failed while being placed), ends: whatever was committed is released.
+    fn abandon(&self, id: u64) {
+        let msg = router_pb::PlaceRequest {
+            msg: Some(PlaceMsg::Update(router_pb::PlacementUpdate {
+                placement_id: id,
+                state: router_pb::PlacementState::Released as i32,
+            })),
+        };
+        self.broadcast(&msg, None);
+    }
+
+    /// Applies a change to a held placement and tells every router.
+    fn update(&self, id: u64, state: router_pb::PlacementState) {
+        let mut held = self.held.lock();
+        match state {
+            router_pb::PlacementState::Released => {
+                if held.remove(&id).is_none() {
+                    return;
+                }
+            }
+            _ => match held.get_mut(&id) {
+                Some(ps) if ps.iter().any(|p| !p.started) => {
+                    for p in ps {
+                        p.started = true;
+                    }
+                }
+                _ => return,
+            },
+        }
+        let msg = router_pb::PlaceRequest {
+            msg: Some(PlaceMsg::Update(router_pb::PlacementUpdate {
+                placement_id: id,
+                state: state as i32,
+            })),
+        };
+        self.broadcast(&msg, None);
+    }
+}
+
+/// Keeps one router's session open until it is stopped: hello, every held
+/// placement, then whatever the queue sends; answers go to their calls.
+async fn run_session(inner: Arc<RoutersInner>, session: Arc<Session>) {
+    let mut backoff = RETRY;
+    while !session.stop.is_cancelled() {
+        let (tx, rx) = mpsc::channel(SESSION_BACKLOG);
+        let hello = router_pb::PlaceRequest {
+            msg: Some(PlaceMsg::Hello(router_pb::PlaceHello {
+                client_id: inner.client_id.clone(),
+            })),
+        };
+        let mut installed = tx.try_send(hello).is_ok();
+        {
+            // Under `held`: a placement is either in this snapshot or sent
+            // on the new stream after it, never both, never neither.
+            let held = inner.held.lock();
+            for p in held.values().flatten() {
+                let msg = router_pb::PlaceRequest {
+                    msg: Some(PlaceMsg::Placed(p.clone())),
+                };
+                installed &= tx.try_send(msg).is_ok();
+            }
+            if installed {
+                *session.tx.lock() = Some(tx);
+            }
+        }
+        if installed {
+            let mut client = session.client.clone();
+            let opened = tokio::select! {
+                () = session.stop.cancelled() => break,
+                r = client.place(ReceiverStream::new(rx)) => r,
+            };
+            match opened {
+                Ok(response) => {
+                    session.ready.store(true, Ordering::Release);
+                    inner.changed.notify_waiters();
+                    tracing::info!(router = %session.router_id, "placement session open");
+                    backoff = RETRY;
+                    let mut answers = response.into_inner();
+                    loop {
+                        let msg = tokio::select! {
+                            () = session.stop.cancelled() => break,
+                            m = answers.message() => m,
+                        };
+                        let Ok(Some(reply)) = msg else { break };
+                        let answer = match reply.result {
+                            Some(router_pb::place_response::Result::Routed(r)) => Ok(r),
+                            Some(router_pb::place_response::Result::Error(e)) => {
+                                Err(tonic::Status::new(e.code.into(), e.message))
+                            }
+                            None => Err(tonic::Status::internal("empty answer")),
+                        };
+                        if let Some(call) = session.pending.lock().remove(&reply.call_id) {
+                            let _ = call.send(answer);
+                        }
+                    }
+                }
+                Err(status) => {
+                    tracing::debug!(router = %session.router_id, code = ?status.code(), message = status.message(), "cannot open a placement session");
+                }
+            }
+        } else {
+            tracing::warn!(router = %session.router_id, "too many held placements for one session backlog");
+        }
+        session.ready.store(false, Ordering::Release);
+        *session.tx.lock() = None;
+        session.fail_pending();
+        inner.changed.notify_waiters();
+        tokio::select! {
+            () = session.stop.cancelled() => break,
+            () = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(RETRY_MAX);
+    }
+    session.ready.store(false, Ordering::Release);
+    *session.tx.lock() = None;
+    session.fail_pending();
+}
+
+/// Ends a request's placements at every router when dropped.
+#[derive(Debug)]
+struct RouterLease {
+    inner: Arc<RoutersInner>,
+    id: u64,
+}
+
+impl PlacementLease for RouterLease {
+    fn started(&self) {
+        self.inner
+            .update(self.id, router_pb::PlacementState::Started);
+    }
+}
+
+impl Drop for RouterLease {
+    fn drop(&mut self) {
+        self.inner
+            .update(self.id, router_pb::PlacementState::Released);
     }
 }
 
 /// Places released requests with the router: a decode (or aggregated) worker,
-/// then a prefill worker when the model has a prefill pool.
+/// and a prefill worker when the model has a prefill pool.
 #[derive(Debug, Clone)]
 pub(crate) struct RouterPlacer {
     routers: Routers,
@@ -180,18 +502,12 @@ impl RouterPlacer {
         *self.prefill_models.lock() = models;
     }
 
-    async fn route(
-        &self,
+    fn request(
         entry: &Entry,
         pool: router_pb::Pool,
-        commit: bool,
-    ) -> Result<router_pb::RouteResponse, QueueError> {
-        let mut client = self
-            .routers
-            .pick_within(ROUTER_WAIT)
-            .await
-            .ok_or(QueueError::NoRouter)?;
-        let request = router_pb::RouteRequest {
+        placement_id: Option<u64>,
+    ) -> router_pb::RouteRequest {
+        router_pb::RouteRequest {
             request_id: entry.request_id.clone(),
             model: entry.model.clone(),
             pool: pool as i32,
@@ -199,30 +515,68 @@ impl RouterPlacer {
             block_hashes: entry.block_hashes.to_vec(),
             block_size: entry.block_size,
             priority: entry.priority,
-            commit,
+            commit: placement_id.is_some(),
             // Exclusions name decode workers (the ones that failed this request).
             exclude_worker_ids: if pool == router_pb::Pool::Decode {
                 entry.exclude_worker_ids.to_vec()
             } else {
                 Vec::new()
             },
-        };
-        let answer = tokio::time::timeout(ROUTE_TIMEOUT, client.route(request))
-            .await
-            .map_err(QueueError::placement)?;
-        match answer {
-            Ok(response) => Ok(response.into_inner()),
-            Err(status) => Err(match status.code() {
-                tonic::Code::Unavailable
-                | tonic::Code::NotFound
-                | tonic::Code::FailedPrecondition => {
-                    tracing::debug!(model = %entry.model, ?pool, message = status.message(), "router has no worker");
-                    QueueError::NoWorkers {
-                        model: entry.model.clone(),
+            placement_id: placement_id.unwrap_or(0),
+        }
+    }
+
+    /// Asks one router for every pool in `pools` (pipelined on its session);
+    /// a router whose session breaks before answering is replaced by
+    /// another once. Returns the router that answered and its answers.
+    async fn route(
+        &self,
+        entry: &Entry,
+        pools: &[router_pb::Pool],
+        placement_id: Option<u64>,
+    ) -> Result<(String, Vec<router_pb::RouteResponse>), QueueError> {
+        let deadline = tokio::time::Instant::now() + ROUTER_WAIT;
+        let mut tried = HashSet::new();
+        loop {
+            let session = self
+                .routers
+                .pick_within(deadline, &tried)
+                .await
+                .ok_or(QueueError::NoRouter)?;
+            let calls = pools.iter().map(|&pool| {
+                let id = self.routers.next_id();
+                session.call(id, Self::request(entry, pool, placement_id))
+            });
+            let answers = futures::future::join_all(calls).await;
+            let mut out = Vec::with_capacity(answers.len());
+            let mut retry = false;
+            for (pool, answer) in pools.iter().zip(answers) {
+                match answer {
+                    Ok(r) => out.push(r),
+                    Err(CallError::Unavailable) => retry = true,
+                    Err(CallError::Timeout) => {
+                        return Err(QueueError::placement(RouteTimeout(ROUTE_TIMEOUT)));
+                    }
+                    Err(CallError::Status(status)) => {
+                        return Err(match status.code() {
+                            tonic::Code::Unavailable
+                            | tonic::Code::NotFound
+                            | tonic::Code::FailedPrecondition => {
+                                tracing::debug!(model = %entry.model, ?pool, message = status.message(), "router has no worker");
+                                QueueError::NoWorkers {
+                                    model: entry.model.clone(),
+                                }
+                            }
+                            _ => QueueError::placement(status),
+                        });
                     }
                 }
-                _ => QueueError::placement(status),
-            }),
+            }
+            if !retry {
+                return Ok((session.router_id.clone(), out));
+            }
+            tracing::debug!(router = %session.router_id, "placement session broke before answering; trying another router");
+            tried.insert(session.router_id.clone());
         }
     }
 }
@@ -248,24 +602,52 @@ fn overlap_tokens(entry: &Entry, response: &router_pb::RouteResponse) -> u32 {
 }
 
 impl Placer for RouterPlacer {
-    async fn place(&self, entry: &Entry) -> Result<Placement, QueueError> {
-        let decode = self.route(entry, router_pb::Pool::Decode, true).await?;
-        let prefill = if self.has_prefill_pool(&entry.model) {
-            let response = self.route(entry, router_pb::Pool::Prefill, true).await?;
-            Some(target_of(&response)?)
-        } else {
-            None
+    async fn place(&self, entry: &Entry) -> Result<Placed, QueueError> {
+        let mut pools = vec![router_pb::Pool::Decode];
+        if self.has_prefill_pool(&entry.model) {
+            pools.push(router_pb::Pool::Prefill);
+        }
+        let id = self.routers.next_id();
+        let (origin, answers) = match self.route(entry, &pools, Some(id)).await {
+            Ok(r) => r,
+            Err(e) => {
+                // One pool may have been placed before another failed.
+                self.routers.inner.abandon(id);
+                return Err(e);
+            }
         };
-        Ok(Placement {
-            worker: target_of(&decode)?,
-            prefill,
-            overlap_tokens: overlap_tokens(entry, &decode),
+        let placements: Vec<router_pb::Placement> =
+            answers.iter().filter_map(|a| a.placement.clone()).collect();
+        // Counted at `origin` from its answer: held from now on, so the
+        // lease (or a failure below) releases it everywhere.
+        self.routers.inner.hold(id, placements, &origin);
+        let lease = RouterLease {
+            inner: Arc::clone(&self.routers.inner),
+            id,
+        };
+        let decode = answers
+            .first()
+            .ok_or_else(|| QueueError::placement(MissingTarget))?;
+        let prefill = match answers.get(1) {
+            Some(a) => Some(target_of(a)?),
+            None => None,
+        };
+        Ok(Placed {
+            placement: Placement {
+                worker: target_of(decode)?,
+                prefill,
+                overlap_tokens: overlap_tokens(entry, decode),
+            },
+            lease: Some(Box::new(lease)),
         })
     }
 
     async fn overlap(&self, entry: &Entry) -> Result<u32, QueueError> {
-        let response = self.route(entry, router_pb::Pool::Decode, false).await?;
-        Ok(overlap_tokens(entry, &response))
+        let (_, answers) = self.route(entry, &[router_pb::Pool::Decode], None).await?;
+        let answer = answers
+            .first()
+            .ok_or_else(|| QueueError::placement(MissingTarget))?;
+        Ok(overlap_tokens(entry, answer))
     }
 }
 
@@ -280,7 +662,8 @@ pub(crate) async fn watch_load(
 ) {
     let mut warned = false;
     while !shutdown.is_cancelled() {
-        if let Some(mut client) = routers.pick() {
+        if let Some(session) = routers.pick(&HashSet::new()) {
+            let mut client = session.client.clone();
             let request = router_pb::WatchLoadRequest {
                 model: String::new(),
             };

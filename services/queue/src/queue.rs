@@ -239,10 +239,37 @@ pub struct LoadView {
     pub workers: Vec<WorkerLoad>,
 }
 
+/// A placement's life at the router, held by the queue for as long as the
+/// request's lease lasts: dropping it tells the router the request ended
+/// (its load stops counting).
+pub trait PlacementLease: Send + Sync + std::fmt::Debug {
+    /// The request produced its first token: its prefill work is done.
+    fn started(&self);
+}
+
+/// A placement and the lease that ends it.
+#[derive(Debug)]
+pub struct Placed {
+    /// Where the request runs.
+    pub placement: Placement,
+    /// Dropped when the request's lease ends; `None`: nothing to release.
+    pub lease: Option<Box<dyn PlacementLease>>,
+}
+
+impl From<Placement> for Placed {
+    fn from(placement: Placement) -> Self {
+        Self {
+            placement,
+            lease: None,
+        }
+    }
+}
+
 /// Chooses a worker for a released request (the service asks the router).
 pub trait Placer: Send + Sync + 'static {
-    /// Places the request; the placement counts as load from now on.
-    fn place(&self, entry: &Entry) -> impl Future<Output = Result<Placement, QueueError>> + Send;
+    /// Places the request; the placement counts as load from now on, until
+    /// the returned lease drops.
+    fn place(&self, entry: &Entry) -> impl Future<Output = Result<Placed, QueueError>> + Send;
 
     /// Re-reads the prompt tokens cached on the best worker, without placing.
     fn overlap(&self, entry: &Entry) -> impl Future<Output = Result<u32, QueueError>> + Send;
@@ -348,6 +375,7 @@ impl Queue {
                 tx,
                 last_refresh: None,
                 sent: None,
+                lease: None,
             },
         );
         st.unread.push(seq);
@@ -495,6 +523,15 @@ impl Ticket {
         }
     }
 
+    /// Tells the router, through the placement's lease, that the granted
+    /// request produced its first token. No-op before the grant.
+    pub fn started(&self) {
+        let st = self.shared.state.lock();
+        if let Some(lease) = st.slots.get(&self.seq).and_then(|s| s.lease.as_ref()) {
+            lease.started();
+        }
+    }
+
     /// The latest held status, if the request has been held.
     pub fn held(&self) -> Option<HeldStatus> {
         match &*self.rx.borrow() {
@@ -538,6 +575,9 @@ struct Slot {
     /// When the overlap was last read (None: never; `wspt` only).
     last_refresh: Option<Instant>,
     sent: Option<HeldStatus>,
+    /// The granted placement's lease: the slot's removal (the lease ended)
+    /// drops it, which tells the router.
+    lease: Option<Box<dyn PlacementLease>>,
 }
 
 #[derive(Debug, Default)]
@@ -565,7 +605,7 @@ enum Outcome {
     Placed {
         seq: u64,
         model: String,
-        result: Result<Placement, QueueError>,
+        result: Result<Placed, QueueError>,
     },
     Refreshed {
         seq: u64,
@@ -817,7 +857,7 @@ impl State {
                     return;
                 };
                 match result {
-                    Ok(placement) => {
+                    Ok(Placed { placement, lease }) => {
                         queue.active += 1;
                         self.active += 1;
                         let entry = slot.entry.clone();
@@ -840,6 +880,7 @@ impl State {
                         );
                         if let Some(slot) = self.slots.get_mut(&seq) {
                             slot.phase = Phase::Active;
+                            slot.lease = lease;
                             slot.tx
                                 .send_replace(TicketState::Granted(Grant { placement, waited }));
                         }

@@ -3,7 +3,8 @@
 //! `Admit` is the request's lease. The ticket moves into the response stream
 //! and drops with it: the client sending `done`, closing its side, or the
 //! connection dropping ends the stream and so releases the slot (or cancels
-//! a request still held).
+//! a request still held) and ends the placement at the router. `started`
+//! after the grant tells the router the request's prefill is done.
 
 use std::pin::Pin;
 
@@ -62,6 +63,9 @@ impl Lease {
                         }
                         .into()));
                     }
+                    Ok(Some(pb::AdmitRequest {
+                        msg: Some(InMsg::Started(_)),
+                    })) => self.ticket.started(),
                     Ok(Some(pb::AdmitRequest { msg: None })) => continue,
                     Ok(Some(_)) | Ok(None) | Err(_) => return None,
                 }

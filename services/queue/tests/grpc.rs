@@ -22,20 +22,18 @@ use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream, WatchStream};
 use tonic::{Code, Request, Response, Status, Streaming};
 
-/// Routes everything to `w0` (and `p0` in the prefill pool), recording calls.
+/// Routes everything to `w0` (and `p0` in the prefill pool), recording
+/// calls, and what its placement sessions tell it.
 #[derive(Clone)]
 struct TestRouter {
     routes: Arc<Mutex<Vec<(String, i32, bool)>>>,
+    /// `hello:CLIENT`, `placed:ID`, `started:ID`, `released:ID`, in order.
+    events: Arc<Mutex<Vec<String>>>,
     load: watch::Receiver<router_pb::LoadView>,
 }
 
-#[tonic::async_trait]
-impl Router for TestRouter {
-    async fn route(
-        &self,
-        request: Request<router_pb::RouteRequest>,
-    ) -> Result<Response<router_pb::RouteResponse>, Status> {
-        let req = request.into_inner();
+impl TestRouter {
+    fn answer(&self, req: router_pb::RouteRequest) -> router_pb::RouteResponse {
         self.routes
             .lock()
             .push((req.request_id.clone(), req.pool, req.commit));
@@ -44,16 +42,85 @@ impl Router for TestRouter {
         } else {
             "w0"
         };
-        Ok(Response::new(router_pb::RouteResponse {
-            target: Some(router_pb::Target {
-                worker_id: worker.into(),
-                dp_rank: 0,
-                endpoint: format!("{worker}.local:1"),
-            }),
+        let target = router_pb::Target {
+            worker_id: worker.into(),
+            dp_rank: 0,
+            endpoint: format!("{worker}.local:1"),
+        };
+        router_pb::RouteResponse {
+            target: Some(target.clone()),
             overlap_blocks: u32::try_from(req.block_hashes.len()).unwrap_or(0),
             mode: "test".into(),
             candidates: Vec::new(),
-        }))
+            placement: req.commit.then(|| router_pb::Placement {
+                placement_id: req.placement_id,
+                pool: req.pool,
+                target: Some(target),
+                prefill_tokens: u64::from(req.prompt_tokens),
+                blocks: req.prompt_tokens.div_ceil(req.block_size.max(1)),
+                block_hashes: req.block_hashes.clone(),
+                started: false,
+            }),
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl Router for TestRouter {
+    async fn route(
+        &self,
+        request: Request<router_pb::RouteRequest>,
+    ) -> Result<Response<router_pb::RouteResponse>, Status> {
+        Ok(Response::new(self.answer(request.into_inner())))
+    }
+
+    type PlaceStream =
+        Pin<Box<dyn Stream<Item = Result<router_pb::PlaceResponse, Status>> + Send + 'static>>;
+
+    async fn place(
+        &self,
+        request: Request<Streaming<router_pb::PlaceRequest>>,
+    ) -> Result<Response<Self::PlaceStream>, Status> {
+        use router_pb::place_request::Msg;
+        let mut inbound = request.into_inner();
+        let (tx, rx) = mpsc::channel(64);
+        let router = self.clone();
+        tokio::spawn(async move {
+            while let Ok(Some(m)) = inbound.message().await {
+                match m.msg {
+                    Some(Msg::Hello(h)) => {
+                        router.events.lock().push(format!("hello:{}", h.client_id))
+                    }
+                    Some(Msg::Route(call)) => {
+                        let answer = router.answer(call.request.unwrap_or_default());
+                        let reply = router_pb::PlaceResponse {
+                            call_id: call.call_id,
+                            result: Some(router_pb::place_response::Result::Routed(answer)),
+                        };
+                        if tx.send(Ok(reply)).await.is_err() {
+                            return;
+                        }
+                    }
+                    Some(Msg::Placed(p)) => router
+                        .events
+                        .lock()
+                        .push(format!("placed:{}", p.placement_id)),
+                    Some(Msg::Update(u)) => {
+                        let what = if u.state == router_pb::PlacementState::Started as i32 {
+                            "started"
+                        } else {
+                            "released"
+                        };
+                        router
+                            .events
+                            .lock()
+                            .push(format!("{what}:{}", u.placement_id));
+                    }
+                    None => {}
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
     type WatchLoadStream =
@@ -91,6 +158,7 @@ struct Mesh {
     queue: QueueClient<tonic::transport::Channel>,
     addr: SocketAddr,
     routes: Arc<Mutex<Vec<(String, i32, bool)>>>,
+    events: Events,
     load: watch::Sender<router_pb::LoadView>,
     shutdown: Shutdown,
     served: tokio::task::JoinHandle<Result<(), sluice_queue::QueueError>>,
@@ -98,6 +166,7 @@ struct Mesh {
 }
 
 type Routes = Arc<Mutex<Vec<(String, i32, bool)>>>;
+type Events = Arc<Mutex<Vec<String>>>;
 
 /// A test router holding `initial` load, served and registered in `discovery`.
 async fn start_router(
@@ -106,12 +175,15 @@ async fn start_router(
 ) -> anyhow::Result<(
     watch::Sender<router_pb::LoadView>,
     Routes,
+    Events,
     Option<Registration>,
 )> {
     let (load, load_rx) = watch::channel(initial);
     let routes = Arc::new(Mutex::new(Vec::new()));
+    let events = Arc::new(Mutex::new(Vec::new()));
     let router = TestRouter {
         routes: Arc::clone(&routes),
+        events: Arc::clone(&events),
         load: load_rx,
     };
     let router_listener = TcpListener::bind("127.0.0.1:0").await?;
@@ -124,7 +196,7 @@ async fn start_router(
     let registration = discovery
         .register(Instance::new("router", router_addr.to_string()), 5)
         .await?;
-    Ok((load, routes, Some(registration)))
+    Ok((load, routes, events, Some(registration)))
 }
 
 impl Mesh {
@@ -132,8 +204,8 @@ impl Mesh {
     /// queue started with `flags`.
     async fn start(flags: &[&str], initial: router_pb::LoadView) -> anyhow::Result<Self> {
         let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new("default"));
-        let (load, routes, registration) = start_router(&discovery, initial).await?;
-        Self::start_queue(discovery, flags, load, routes, registration).await
+        let (load, routes, events, registration) = start_router(&discovery, initial).await?;
+        Self::start_queue(discovery, flags, load, routes, events, registration).await
     }
 
     /// The queue started with `flags` over `discovery`.
@@ -142,6 +214,7 @@ impl Mesh {
         flags: &[&str],
         load: watch::Sender<router_pb::LoadView>,
         routes: Routes,
+        events: Events,
         registration: Option<Registration>,
     ) -> anyhow::Result<Self> {
         #[derive(Parser)]
@@ -162,6 +235,7 @@ impl Mesh {
             queue,
             addr,
             routes,
+            events,
             load,
             shutdown,
             served,
@@ -316,6 +390,27 @@ async fn grant_then_done_releases_the_slot_for_the_held_request() -> anyhow::Res
 
     drop(b_tx); // closing the client side releases too
     mesh.eventually(|s| s.active == 0 && s.pending == 0).await?;
+    // Each lease's end reached the router as the release of its placement.
+    for _ in 0..300 {
+        if mesh
+            .events
+            .lock()
+            .iter()
+            .filter(|e| e.starts_with("released:"))
+            .count()
+            == 2
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let released = mesh
+        .events
+        .lock()
+        .iter()
+        .filter(|e| e.starts_with("released:"))
+        .count();
+    assert_eq!(released, 2, "{:?}", mesh.events.lock());
     let routes = mesh.routes.lock().clone();
     assert_eq!(
         routes,
@@ -488,11 +583,18 @@ async fn a_request_placed_before_any_router_is_known_waits_for_one() -> anyhow::
     // The queue starts first (as in any start-up order); the router comes later.
     let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new("default"));
     let (load, _) = watch::channel(router_pb::LoadView::default());
-    let mesh =
-        Mesh::start_queue(Arc::clone(&discovery), &[], load, Routes::default(), None).await?;
+    let mesh = Mesh::start_queue(
+        Arc::clone(&discovery),
+        &[],
+        load,
+        Routes::default(),
+        Events::default(),
+        None,
+    )
+    .await?;
     let (_tx, mut stream) = mesh.admit(open("early", 0)).await?;
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let (_load, routes, _registration) =
+    let (_load, routes, _events, _registration) =
         start_router(&discovery, view(vec![worker("w0", "aggregated", 0)])).await?;
     let pb::admit_response::Msg::Grant(grant) = next_msg(&mut stream).await? else {
         anyhow::bail!("not granted once a router appeared");
@@ -503,5 +605,83 @@ async fn a_request_placed_before_any_router_is_known_waits_for_one() -> anyhow::
         1,
         "placed by the router that came later"
     );
+    mesh.stop().await
+}
+
+fn started() -> pb::AdmitRequest {
+    pb::AdmitRequest {
+        msg: Some(pb::admit_request::Msg::Started(pb::AdmitStarted {})),
+    }
+}
+
+/// Waits until `events` holds `want` (the sessions run asynchronously).
+async fn wait_events(events: &Events, want: &[&str]) -> anyhow::Result<()> {
+    for _ in 0..300 {
+        let got = events.lock().clone();
+        if want.iter().all(|w| got.iter().any(|g| g == w)) {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    anyhow::bail!("wanted {want:?}, router heard {:?}", events.lock())
+}
+
+#[tokio::test]
+async fn every_router_hears_each_placement_its_start_and_its_end() -> anyhow::Result<()> {
+    let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new("default"));
+    let idle = view(vec![worker("w0", "aggregated", 0)]);
+    let (load, routes_a, events_a, reg_a) = start_router(&discovery, idle.clone()).await?;
+    let (_load_b, routes_b, events_b, _reg_b) = start_router(&discovery, idle).await?;
+    let mesh = Mesh::start_queue(
+        Arc::clone(&discovery),
+        &[],
+        load,
+        Arc::clone(&routes_a),
+        Arc::clone(&events_a),
+        reg_a,
+    )
+    .await?;
+    // Both sessions open (hello) before anything is placed.
+    let queue_id = discovery.list("queue").await?.first().map(|i| i.id.clone());
+    let hello = format!("hello:{}", queue_id.context("queue registered")?);
+    wait_events(&events_a, &[&hello]).await?;
+    wait_events(&events_b, &[&hello]).await?;
+
+    let (tx, mut stream) = mesh.admit(open("r", 0)).await?;
+    let pb::admit_response::Msg::Grant(_) = next_msg(&mut stream).await? else {
+        anyhow::bail!("not granted");
+    };
+    // One router placed it; the other heard it as `placed`, same id.
+    let (placer, other) = if routes_a.lock().is_empty() {
+        (&events_b, &events_a)
+    } else {
+        (&events_a, &events_b)
+    };
+    assert_eq!(routes_a.lock().len() + routes_b.lock().len(), 1);
+    let mut id = None;
+    for _ in 0..300 {
+        id = other
+            .lock()
+            .iter()
+            .find_map(|e| e.strip_prefix("placed:").map(str::to_owned));
+        if id.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let id = id.context("the other router never heard the placement")?;
+    assert!(
+        !placer.lock().iter().any(|e| e.starts_with("placed:")),
+        "the placing router counts its own answer"
+    );
+
+    tx.send(started()).await?;
+    let started_ev = format!("started:{id}");
+    wait_events(&events_a, &[&started_ev]).await?;
+    wait_events(&events_b, &[&started_ev]).await?;
+    tx.send(done()).await?;
+    let released = format!("released:{id}");
+    wait_events(&events_a, &[&released]).await?;
+    wait_events(&events_b, &[&released]).await?;
     mesh.stop().await
 }

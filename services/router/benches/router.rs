@@ -14,13 +14,14 @@
 //! Timing is per call with `Instant::now()`, single thread, on whatever else
 //! the machine is doing: treat absolute figures as this machine's.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use sluice_router::{
-    KvEvent, KvEventKind, KvIndexer, LoadReport, MemberInfo, PoolConfig, PoolKind, RouteInput,
-    Target, WorkerPool,
+    Commit, KvEvent, KvEventKind, KvIndexer, LoadReport, MemberInfo, PlacementKey, PlacementState,
+    PoolConfig, PoolKind, RouteInput, Target, WorkerPool,
 };
 use sluice_tokens::block_hash::chain_hash;
 
@@ -167,7 +168,8 @@ fn run(workers: usize, entries: usize, queries: usize, seed: u64) -> Row {
     let (lookup_p50, lookup_p99) = (percentile(&lat, 0.5), percentile(&lat, 0.99));
 
     // Full route decisions (lookup + load + cost over every worker + commit),
-    // with every worker reporting every 64 decisions so placements are covered.
+    // with every worker reporting every 64 decisions and 64 requests live
+    // (each placement released 64 decisions later).
     let mut now = Instant::now();
     let tokens = (PROMPT_BLOCKS as u32 + 4) * BLOCK;
     let mut lat = Vec::with_capacity(queries);
@@ -187,19 +189,29 @@ fn run(workers: usize, entries: usize, queries: usize, seed: u64) -> Row {
                 );
             }
         }
+        let key = |id: usize| PlacementKey {
+            client: Arc::from("bench"),
+            id: id as u64,
+        };
         let input = RouteInput {
             request_id: "bench",
             model: "m",
             prompt_tokens: tokens,
             block_hashes: q,
             block_size: BLOCK,
-            commit: true,
+            commit: Commit::Held {
+                key: key(i),
+                session: 1,
+            },
             exclude: &[],
         };
         let t = Instant::now();
         let d = pool.route(&input, now);
         lat.push(t.elapsed());
         std::hint::black_box(d.is_ok());
+        if i >= 64 {
+            pool.update(&key(i - 64), PlacementState::Released);
+        }
     }
     let route_time = started.elapsed().as_secs_f64();
     lat.sort_unstable();

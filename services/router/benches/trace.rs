@@ -27,8 +27,8 @@ use sluice_engine::{
     SamplingParams, SchedulerConfig,
 };
 use sluice_router::{
-    KvEvent, KvEventKind, LoadReport, MemberInfo, PoolConfig, PoolKind, RouteInput, RouterMode,
-    Target, WorkerPool,
+    Commit, KvEvent, KvEventKind, LoadReport, MemberInfo, PlacementKey, PlacementState, PoolConfig,
+    PoolKind, RouteInput, RouterMode, Target, WorkerPool,
 };
 use sluice_tokens::sequence_block_hashes;
 
@@ -218,6 +218,7 @@ fn follow(
                     pending_prefill_tokens: l.pending_prefill_tokens as u64,
                     max_num_seqs: l.max_num_seqs as u32,
                     max_num_batched_tokens: l.max_num_batched_tokens as u32,
+                    ..LoadReport::default()
                 },
                 Instant::now(),
             );
@@ -235,7 +236,6 @@ async fn replay(mode: Mode, reqs: &[TraceRequest]) -> Vec<Outcome> {
         PoolKind::Decode,
         PoolConfig {
             mode: router_mode,
-            load_cover: Duration::from_millis(5),
             ..PoolConfig::default()
         },
         7,
@@ -260,13 +260,21 @@ async fn replay(mode: Mode, reqs: &[TraceRequest]) -> Vec<Outcome> {
         let tokens = tokens_of(&r.hash_ids);
         let hashes = sequence_block_hashes(&tokens, BLOCK);
         let request_id = format!("r{n}");
+        // Counted from placement to the request's end, as the queue's lease does.
+        let key = PlacementKey {
+            client: Arc::from("replay"),
+            id: n as u64,
+        };
         let input = RouteInput {
             request_id: &request_id,
             model: "",
             prompt_tokens: tokens.len() as u32,
             block_hashes: &hashes,
             block_size: BLOCK as u32,
-            commit: true,
+            commit: Commit::Held {
+                key: key.clone(),
+                session: 1,
+            },
             exclude: &[],
         };
         let decision = match mode {
@@ -299,17 +307,20 @@ async fn replay(mode: Mode, reqs: &[TraceRequest]) -> Vec<Outcome> {
             })
             .expect("generate");
         let sent = Instant::now();
+        let pool = Arc::clone(&pool);
         tasks.push(tokio::spawn(async move {
             let mut ttft = None;
             let mut cached = 0;
             while let Some(out) = stream.recv().await {
                 if ttft.is_none() && !out.token_ids.is_empty() {
                     ttft = Some(sent.elapsed());
+                    pool.update(&key, PlacementState::Started);
                 }
                 if let Some(f) = out.finished {
                     cached = f.usage.cached_tokens;
                 }
             }
+            pool.update(&key, PlacementState::Released);
             Outcome {
                 prompt_tokens,
                 cached_tokens: cached,

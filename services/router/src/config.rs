@@ -37,11 +37,10 @@ pub struct Args {
     #[arg(long, env = "SLUICE_APPROX_TTL_SECS", default_value_t = 120)]
     pub approx_ttl_secs: u64,
 
-    /// A worker load report received this many ms after a placement covers it.
-    #[arg(long, env = "SLUICE_LOAD_COVER_MS", default_value_t = 50)]
-    pub load_cover_ms: u64,
-
-    /// Seconds a placement counts as load when no report covers it.
+    /// Seconds an orphaned placement still counts as load: one whose client
+    /// (a queue) went away without releasing it, or one made by a unary
+    /// `Route` call, which nobody releases. Placements on a `Place` session
+    /// count until their client releases them, however long they run.
     #[arg(long, env = "SLUICE_PLACEMENT_MAX_AGE_SECS", default_value_t = 10)]
     pub placement_max_age_secs: u64,
 
@@ -77,7 +76,6 @@ impl Default for Args {
             overlap_credit: 0.0,
             active_request_weight: 0.0,
             approx_ttl_secs: 120,
-            load_cover_ms: 50,
             placement_max_age_secs: 10,
             load_min_interval_ms: 20,
             load_max_interval_ms: 1000,
@@ -138,7 +136,6 @@ impl Args {
                 temperature: self.router_temperature,
             },
             approx_ttl: Duration::from_secs(self.approx_ttl_secs),
-            load_cover: Duration::from_millis(self.load_cover_ms),
             placement_max_age: Duration::from_secs(self.placement_max_age_secs),
         }
     }

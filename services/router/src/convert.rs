@@ -7,7 +7,9 @@ use sluice_proto::worker::v1 as wpb;
 use crate::error::RouterError;
 use crate::indexer::{KvEvent, KvEventKind, Target};
 use crate::load::LoadReport;
-use crate::pool::{Candidate, Decision, MemberLoad, PoolKind, RouteInput};
+use crate::pool::{
+    Candidate, Commit, Decision, MemberLoad, PlacementRecord, PlacementState, PoolKind, RouteInput,
+};
 
 /// The pool a request asks for; unspecified means the decode pool.
 pub(crate) fn pool_kind(pool: i32) -> Result<PoolKind, RouterError> {
@@ -20,8 +22,12 @@ pub(crate) fn pool_kind(pool: i32) -> Result<PoolKind, RouterError> {
     }
 }
 
-/// Checks a request and borrows it as a [`RouteInput`].
-pub(crate) fn route_input(req: &pb::RouteRequest) -> Result<RouteInput<'_>, RouterError> {
+/// Checks a request and borrows it as a [`RouteInput`] committed as `commit`
+/// says (the caller decides from `req.commit` and where the call came from).
+pub(crate) fn route_input(
+    req: &pb::RouteRequest,
+    commit: Commit,
+) -> Result<RouteInput<'_>, RouterError> {
     if req.block_size == 0 {
         return Err(RouterError::InvalidArgument(
             "block_size must be positive (the workers' KV block size in tokens)".into(),
@@ -42,9 +48,70 @@ pub(crate) fn route_input(req: &pb::RouteRequest) -> Result<RouteInput<'_>, Rout
         prompt_tokens: req.prompt_tokens,
         block_hashes: &req.block_hashes,
         block_size: req.block_size,
-        commit: req.commit,
+        commit,
         exclude: &req.exclude_worker_ids,
     })
+}
+
+fn pool_of(kind: PoolKind) -> pb::Pool {
+    match kind {
+        PoolKind::Decode => pb::Pool::Decode,
+        PoolKind::Prefill => pb::Pool::Prefill,
+    }
+}
+
+/// A placement on the wire.
+pub(crate) fn placement(kind: PoolKind, p: &PlacementRecord, endpoint: &str) -> pb::Placement {
+    pb::Placement {
+        placement_id: p.id,
+        pool: pool_of(kind) as i32,
+        target: Some(target(&p.target, endpoint)),
+        prefill_tokens: p.prefill_tokens,
+        block_hashes: p.block_hashes.to_vec(),
+        blocks: u32::try_from(p.blocks).unwrap_or(u32::MAX),
+        started: p.started,
+    }
+}
+
+/// A placement a client sends (a replica's or one it still holds).
+pub(crate) fn placement_record(
+    p: &pb::Placement,
+) -> Result<(PoolKind, PlacementRecord), RouterError> {
+    let kind = pool_kind(p.pool)?;
+    let t = p
+        .target
+        .as_ref()
+        .ok_or_else(|| RouterError::InvalidArgument("placement: target is required".into()))?;
+    if u64::try_from(p.block_hashes.len()).unwrap_or(u64::MAX) > u64::from(p.blocks) {
+        return Err(RouterError::InvalidArgument(format!(
+            "placement {}: {} block hashes but only {} blocks",
+            p.placement_id,
+            p.block_hashes.len(),
+            p.blocks
+        )));
+    }
+    Ok((
+        kind,
+        PlacementRecord {
+            id: p.placement_id,
+            target: Target::new(t.worker_id.as_str(), t.dp_rank),
+            prefill_tokens: p.prefill_tokens,
+            block_hashes: p.block_hashes.as_slice().into(),
+            blocks: u64::from(p.blocks),
+            started: p.started,
+        },
+    ))
+}
+
+/// A placement update's state.
+pub(crate) fn placement_state(state: i32) -> Result<PlacementState, RouterError> {
+    match pb::PlacementState::try_from(state) {
+        Ok(pb::PlacementState::Started) => Ok(PlacementState::Started),
+        Ok(pb::PlacementState::Released) => Ok(PlacementState::Released),
+        _ => Err(RouterError::InvalidArgument(format!(
+            "placement state {state} is not one of STARTED (1), RELEASED (2)"
+        ))),
+    }
 }
 
 fn target(t: &Target, endpoint: &str) -> pb::Target {
@@ -66,14 +133,18 @@ fn candidate(c: &Candidate) -> pb::Candidate {
     }
 }
 
-/// The reply for a decision.
-pub(crate) fn route_response(d: &Decision) -> pb::RouteResponse {
+/// The reply for a decision in `kind`'s pool.
+pub(crate) fn route_response(kind: PoolKind, d: &Decision) -> pb::RouteResponse {
     let chosen = d.target();
     pb::RouteResponse {
         target: Some(target(&chosen.target, &chosen.endpoint)),
         overlap_blocks: chosen.terms.overlap_blocks,
         mode: d.mode.as_str().to_owned(),
         candidates: d.candidates.iter().map(candidate).collect(),
+        placement: d
+            .placement
+            .as_ref()
+            .map(|p| placement(kind, p, &chosen.endpoint)),
     }
 }
 
@@ -90,6 +161,8 @@ pub(crate) fn worker_load(m: &MemberLoad) -> pb::WorkerLoad {
         max_num_batched_tokens: m.load.report.max_num_batched_tokens,
         max_num_seqs: m.load.report.max_num_seqs,
         total_blocks: m.load.report.total_blocks,
+        placements: m.load.placements,
+        unplaced_requests: m.load.report.unplaced_requests,
     }
 }
 
@@ -119,6 +192,9 @@ pub(crate) fn load_report(r: &wpb::LoadReport) -> LoadReport {
         pending_prefill_tokens: r.pending_prefill_tokens,
         max_num_seqs: r.max_num_seqs,
         max_num_batched_tokens: r.max_num_batched_tokens,
+        unplaced_requests: r.unplaced_requests,
+        unplaced_prefill_tokens: r.unplaced_prefill_tokens,
+        unplaced_blocks: r.unplaced_blocks,
     }
 }
 
@@ -134,17 +210,17 @@ mod tests {
             ..Default::default()
         };
         assert!(matches!(
-            route_input(&req),
+            route_input(&req, Commit::DryRun),
             Err(RouterError::InvalidArgument(_))
         ));
         req.block_size = 16;
         req.block_hashes = vec![1, 2, 3];
         assert!(matches!(
-            route_input(&req),
+            route_input(&req, Commit::DryRun),
             Err(RouterError::InvalidArgument(_))
         ));
         req.block_hashes = vec![1, 2];
-        assert!(route_input(&req).is_ok());
+        assert!(route_input(&req, Commit::DryRun).is_ok());
     }
 
     #[test]

@@ -42,8 +42,8 @@ pub use indexer::{
 pub use load::{EffectiveLoad, LoadReport};
 pub use metrics::RouterMetrics;
 pub use pool::{
-    Candidate, Decision, MemberInfo, MemberLoad, PoolConfig, PoolKind, Pools, RouteInput,
-    WorkerPool,
+    Candidate, Commit, Decision, MemberInfo, MemberLoad, PlacementKey, PlacementRecord,
+    PlacementState, PoolConfig, PoolKind, Pools, RouteInput, WorkerPool,
 };
 pub use selector::{CostInput, CostParams, CostTerms, RouterMode};
 pub use service::RouterService;
@@ -53,6 +53,8 @@ pub const COMPONENT: &str = "router";
 
 /// How often the index memory gauge is refreshed.
 const MEMORY_GAUGE_PERIOD: Duration = Duration::from_secs(10);
+/// How often orphaned placements are aged out (and the pool gauges refreshed).
+const EXPIRY_PERIOD: Duration = Duration::from_secs(1);
 
 /// Serves the router on `listener` until `ctx.shutdown` is cancelled.
 ///
@@ -98,14 +100,28 @@ pub async fn serve(
         let metrics = metrics.clone();
         let token = background.clone();
         tracker.spawn(async move {
-            let mut tick = tokio::time::interval(MEMORY_GAUGE_PERIOD);
+            let mut memory = tokio::time::interval(MEMORY_GAUGE_PERIOD);
+            let mut expiry = tokio::time::interval(EXPIRY_PERIOD);
             loop {
                 tokio::select! {
                     _ = token.cancelled() => return,
-                    _ = tick.tick() => {
+                    _ = memory.tick() => {
                         for p in pools.all() {
-                            metrics.observe_pool(p);
                             metrics.observe_memory(p);
+                        }
+                    }
+                    _ = expiry.tick() => {
+                        let now = std::time::Instant::now();
+                        for p in pools.all() {
+                            let expired = p.expire(now);
+                            if expired > 0 {
+                                metrics
+                                    .placement_ends
+                                    .with_label_values(&["expired"])
+                                    .inc_by(expired as u64);
+                                pools.load_changed();
+                            }
+                            metrics.observe_pool(p);
                         }
                     }
                 }
@@ -113,7 +129,8 @@ pub async fn serve(
         });
     }
 
-    let svc = RouterService::new(Arc::clone(&pools), metrics.clone(), background.clone());
+    let svc = RouterService::new(Arc::clone(&pools), metrics.clone(), background.clone())
+        .with_joining(gate);
     let server = GrpcServer::new()?
         .add_service(RouterServer::new(svc))
         .with_metrics(vec![metrics.registry().clone()]);

@@ -1,25 +1,25 @@
-//! One target's load as the router sees it: the worker's last load report
-//! plus the router's own placements that report does not yet cover.
+//! One target's load as the router sees it: the placements it counts on that
+//! worker (every live request placed there, by any router replica, from
+//! the moment of placement until the request ends) plus the requests the
+//! worker itself reports as unplaced (no router placed them).
 //!
-//! A placement counts as active load from the moment it is made until a load
-//! report received at least `cover` after it arrives (by then the worker has
-//! the request and counts it itself), or until it is older than `max_age`
-//! (a worker that never reports must not pin load forever). This is what
-//! keeps a burst of identical prompts from all landing on one idle worker
-//! before its first report. The pending list is bounded.
+//! A placement's figures are the router's estimate at placement time: its
+//! prompt tokens not cached on the worker count as prefill work until the
+//! request produces its first token; its prompt blocks count as decode
+//! blocks until it ends, a block shared by several live requests (one
+//! conversation's turns, one system prompt) once. The worker's report adds
+//! only the requests it received without `placed`, estimated the same way,
+//! so no request is ever counted twice and none lingers after it ends.
 
-use std::collections::VecDeque;
-use std::time::{Duration, Instant};
-
-/// Pending placements kept per target at most; the oldest go first.
-pub(crate) const MAX_PENDING: usize = 4096;
+use std::collections::HashMap;
+use std::time::Instant;
 
 /// The figures of one worker load report the router uses.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LoadReport {
-    /// Sequences running.
+    /// Sequences running (placed or not).
     pub running: u32,
-    /// Sequences waiting for admission.
+    /// Sequences waiting for admission (placed or not).
     pub waiting: u32,
     /// KV blocks in use by active sequences.
     pub active_blocks: u64,
@@ -31,78 +31,100 @@ pub struct LoadReport {
     pub max_num_seqs: u32,
     /// The worker's `max_num_batched_tokens`.
     pub max_num_batched_tokens: u32,
+    /// Requests no router placed.
+    pub unplaced_requests: u32,
+    /// Their prompt tokens not cached, until their first token.
+    pub unplaced_prefill_tokens: u64,
+    /// Their prompt blocks.
+    pub unplaced_blocks: u64,
 }
 
-/// A target's effective load: report plus uncovered placements.
+/// A target's effective load: placements plus the unplaced report.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct EffectiveLoad {
-    /// Prefill tokens admitted or placed but not yet computed.
+    /// Prefill tokens placed (or admitted unplaced) not yet computed.
     pub active_prefill_tokens: u64,
-    /// Decode blocks in use or placed.
+    /// Decode blocks of live requests.
     pub active_decode_blocks: u64,
-    /// Running + waiting + placed requests.
+    /// Live requests.
     pub active_requests: u32,
-    /// Placements not yet covered by a report.
-    pub pending_placements: u32,
+    /// Live placements among them.
+    pub placements: u32,
     /// The last report, if any.
     pub report: LoadReport,
 }
 
-#[derive(Debug, Clone, Copy)]
-struct Placement {
-    at: Instant,
-    prefill_tokens: u64,
-    blocks: u64,
+/// What one placement adds to its target while it lives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Shape {
+    /// Prompt tokens not cached on the target.
+    pub(crate) prefill_tokens: u64,
+    /// Chained hashes of the prompt's full blocks.
+    pub(crate) hashes: std::sync::Arc<[u64]>,
+    /// Every prompt block, the partial last one included.
+    pub(crate) blocks: u64,
 }
 
-/// Last report and uncovered placements of one target.
+impl Shape {
+    /// Blocks beyond the hashed ones (the partial last block): never shared.
+    fn unshared_blocks(&self) -> u64 {
+        self.blocks.saturating_sub(self.hashes.len() as u64)
+    }
+}
+
+/// Last report and live placements of one target.
 #[derive(Debug, Default)]
 pub(crate) struct TargetLoad {
     report: LoadReport,
     reported_at: Option<Instant>,
-    pending: VecDeque<Placement>,
-    /// Sums over `pending`, kept in step so reading the load is O(1).
-    pending_tokens: u64,
-    pending_blocks: u64,
+    placements: u32,
+    /// Prefill tokens of placements not yet started.
+    prefill_tokens: u64,
+    /// Live placements per block hash: a block counts once however many
+    /// placements share it.
+    block_refs: HashMap<u64, u32>,
+    unshared_blocks: u64,
 }
 
 impl TargetLoad {
-    /// Records a placement made at `now`.
-    pub(crate) fn place(&mut self, now: Instant, prefill_tokens: u64, blocks: u64) {
-        if self.pending.len() >= MAX_PENDING {
-            self.pop();
+    /// Counts a placement from now on (`started`: its prefill is done).
+    pub(crate) fn add(&mut self, shape: &Shape, started: bool) {
+        self.placements += 1;
+        if !started {
+            self.prefill_tokens += shape.prefill_tokens;
         }
-        self.pending_tokens += prefill_tokens;
-        self.pending_blocks += blocks;
-        self.pending.push_back(Placement {
-            at: now,
-            prefill_tokens,
-            blocks,
-        });
+        for &h in shape.hashes.iter() {
+            *self.block_refs.entry(h).or_insert(0) += 1;
+        }
+        self.unshared_blocks += shape.unshared_blocks();
     }
 
-    /// Records a worker report received at `now`; it covers placements made
-    /// at least `cover` earlier.
-    pub(crate) fn report(&mut self, report: LoadReport, now: Instant, cover: Duration) {
+    /// The placement produced its first token: its prefill work is done.
+    pub(crate) fn start(&mut self, shape: &Shape) {
+        self.prefill_tokens = self.prefill_tokens.saturating_sub(shape.prefill_tokens);
+    }
+
+    /// The placement ended (`started`: its prefill was already taken off).
+    pub(crate) fn remove(&mut self, shape: &Shape, started: bool) {
+        self.placements = self.placements.saturating_sub(1);
+        if !started {
+            self.start(shape);
+        }
+        for h in shape.hashes.iter() {
+            if let Some(n) = self.block_refs.get_mut(h) {
+                *n -= 1;
+                if *n == 0 {
+                    self.block_refs.remove(h);
+                }
+            }
+        }
+        self.unshared_blocks = self.unshared_blocks.saturating_sub(shape.unshared_blocks());
+    }
+
+    /// Records a worker report received at `now`.
+    pub(crate) fn report(&mut self, report: LoadReport, now: Instant) {
         self.report = report;
         self.reported_at = Some(now);
-        while self.pending.front().is_some_and(|p| p.at + cover <= now) {
-            self.pop();
-        }
-    }
-
-    /// Drops placements older than `max_age`.
-    pub(crate) fn expire(&mut self, now: Instant, max_age: Duration) {
-        while self.pending.front().is_some_and(|p| p.at + max_age <= now) {
-            self.pop();
-        }
-    }
-
-    fn pop(&mut self) {
-        if let Some(p) = self.pending.pop_front() {
-            self.pending_tokens -= p.prefill_tokens;
-            self.pending_blocks -= p.blocks;
-        }
     }
 
     /// When the last report arrived.
@@ -110,15 +132,16 @@ impl TargetLoad {
         self.reported_at
     }
 
-    /// The report plus uncovered placements.
+    /// Placements plus the unplaced part of the report.
     pub(crate) fn effective(&self) -> EffectiveLoad {
-        let (tokens, blocks) = (self.pending_tokens, self.pending_blocks);
-        let pending = self.pending.len() as u32;
+        let r = &self.report;
         EffectiveLoad {
-            active_prefill_tokens: self.report.pending_prefill_tokens + tokens,
-            active_decode_blocks: self.report.active_blocks + blocks,
-            active_requests: self.report.running + self.report.waiting + pending,
-            pending_placements: pending,
+            active_prefill_tokens: self.prefill_tokens + r.unplaced_prefill_tokens,
+            active_decode_blocks: self.block_refs.len() as u64
+                + self.unshared_blocks
+                + r.unplaced_blocks,
+            active_requests: self.placements + r.unplaced_requests,
+            placements: self.placements,
             report: self.report,
         }
     }
@@ -128,66 +151,70 @@ impl TargetLoad {
 mod tests {
     use super::*;
 
-    const COVER: Duration = Duration::from_millis(50);
+    fn shape(prefill_tokens: u64, hashes: &[u64], blocks: u64) -> Shape {
+        Shape {
+            prefill_tokens,
+            hashes: hashes.into(),
+            blocks,
+        }
+    }
 
     #[test]
-    fn placements_add_to_the_reported_load() {
-        let t0 = Instant::now();
+    fn a_placement_counts_until_it_is_removed_and_its_prefill_until_it_starts() {
         let mut l = TargetLoad::default();
+        let s = shape(100, &[1, 2, 3], 4);
+        l.add(&s, false);
+        let e = l.effective();
+        assert_eq!(
+            (
+                e.active_prefill_tokens,
+                e.active_decode_blocks,
+                e.active_requests
+            ),
+            (100, 4, 1)
+        );
+        l.start(&s);
+        assert_eq!(l.effective().active_prefill_tokens, 0);
+        assert_eq!(l.effective().active_decode_blocks, 4);
+        l.remove(&s, true);
+        assert_eq!(l.effective(), EffectiveLoad::default());
+    }
+
+    #[test]
+    fn blocks_shared_by_live_placements_count_once() {
+        let mut l = TargetLoad::default();
+        let turn1 = shape(64, &[1, 2, 3], 4);
+        let turn2 = shape(16, &[1, 2, 3, 4, 5], 6);
+        l.add(&turn1, false);
+        l.add(&turn2, false);
+        // Hashes 1..=5 once, plus one partial block each.
+        assert_eq!(l.effective().active_decode_blocks, 7);
+        assert_eq!(l.effective().active_prefill_tokens, 80);
+        l.remove(&turn1, false);
+        assert_eq!(l.effective().active_decode_blocks, 6);
+        assert_eq!(l.effective().active_prefill_tokens, 16);
+    }
+
+    #[test]
+    fn the_report_adds_only_its_unplaced_requests() {
+        let mut l = TargetLoad::default();
+        l.add(&shape(10, &[7], 1), false);
         l.report(
             LoadReport {
-                running: 2,
-                active_blocks: 10,
-                pending_prefill_tokens: 100,
+                running: 3,
+                active_blocks: 50,
+                pending_prefill_tokens: 40,
+                unplaced_requests: 2,
+                unplaced_prefill_tokens: 30,
+                unplaced_blocks: 20,
                 ..Default::default()
             },
-            t0,
-            COVER,
+            Instant::now(),
         );
-        l.place(t0, 64, 4);
         let e = l.effective();
-        assert_eq!(e.active_prefill_tokens, 164);
-        assert_eq!(e.active_decode_blocks, 14);
         assert_eq!(e.active_requests, 3);
-        assert_eq!(e.pending_placements, 1);
-    }
-
-    #[test]
-    fn a_report_covers_only_placements_older_than_the_cover_delay() {
-        let t0 = Instant::now();
-        let mut l = TargetLoad::default();
-        l.place(t0, 64, 4);
-        l.place(t0 + Duration::from_millis(40), 64, 4);
-        l.report(LoadReport::default(), t0 + Duration::from_millis(60), COVER);
-        assert_eq!(l.effective().pending_placements, 1);
-        l.report(
-            LoadReport::default(),
-            t0 + Duration::from_millis(100),
-            COVER,
-        );
-        assert_eq!(l.effective().pending_placements, 0);
-    }
-
-    #[test]
-    fn placements_expire_without_reports() {
-        let t0 = Instant::now();
-        let mut l = TargetLoad::default();
-        l.place(t0, 64, 4);
-        l.expire(t0 + Duration::from_secs(1), Duration::from_secs(5));
-        assert_eq!(l.effective().pending_placements, 1);
-        l.expire(t0 + Duration::from_secs(5), Duration::from_secs(5));
-        assert_eq!(l.effective().pending_placements, 0);
-    }
-
-    #[test]
-    fn pending_list_is_bounded() {
-        let t0 = Instant::now();
-        let mut l = TargetLoad::default();
-        for _ in 0..MAX_PENDING + 10 {
-            l.place(t0, 1, 1);
-        }
-        let e = l.effective();
-        assert_eq!(e.pending_placements as usize, MAX_PENDING);
-        assert_eq!(e.active_prefill_tokens as usize, MAX_PENDING);
+        assert_eq!(e.active_prefill_tokens, 40);
+        assert_eq!(e.active_decode_blocks, 21);
+        assert_eq!(e.placements, 1);
     }
 }

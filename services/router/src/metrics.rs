@@ -36,6 +36,11 @@ pub struct RouterMetrics {
     pub(crate) resyncs: IntCounterVec,
     /// Workers forgotten, by pool and reason (`lease`, `unreachable`).
     pub(crate) departures: IntCounterVec,
+    /// Placements that stopped counting, by reason (`released` by their
+    /// client, `expired` orphans).
+    pub(crate) placement_ends: IntCounterVec,
+    /// Placements counted now (orphans included), by pool.
+    pub(crate) live_placements: IntGaugeVec,
 }
 
 impl RouterMetrics {
@@ -121,6 +126,22 @@ impl RouterMetrics {
             ),
             &["pool", "reason"],
         )?;
+        let placement_ends = IntCounterVec::new(
+            Opts::new(
+                "sluice_router_placement_ends_total",
+                "Placements that stopped counting as load, by reason (released by their client, expired orphans).",
+            ),
+            &["reason"],
+        )?;
+        let live_placements = IntGaugeVec::new(
+            Opts::new(
+                "sluice_router_live_placements",
+                "Placements counted as load now (orphans included).",
+            ),
+            &["pool"],
+        )?;
+        registry.register(Box::new(placement_ends.clone()))?;
+        registry.register(Box::new(live_placements.clone()))?;
         registry.register(Box::new(placements.clone()))?;
         registry.register(Box::new(overlap_blocks.clone()))?;
         registry.register(Box::new(hit_rate.clone()))?;
@@ -147,6 +168,8 @@ impl RouterMetrics {
             event_lag,
             resyncs,
             departures,
+            placement_ends,
+            live_placements,
         })
     }
 
@@ -168,6 +191,9 @@ impl RouterMetrics {
         self.workers
             .with_label_values(&[name])
             .set(pool.members().len() as i64);
+        self.live_placements
+            .with_label_values(&[name])
+            .set(pool.placement_count() as i64);
     }
 
     /// Refreshes the memory estimate of a pool's index (walks the index).

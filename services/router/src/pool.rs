@@ -7,8 +7,19 @@
 //! from the index without any pool-wide lock, then takes the pool's small
 //! choice mutex to read loads, choose and record the placement atomically,
 //! so two concurrent requests never both see a target as idle.
+//!
+//! # Placements
+//!
+//! A committed placement counts as load on its target (see `load`) until
+//! its client says the request ended ([`WorkerPool::update`]). Placements
+//! are keyed by their client's identity and the id the client names them by
+//! ([`PlacementKey`]), so the same placement heard twice (its own router's
+//! answer and a replica's copy, or a reconnecting client's resend) counts
+//! once. A placement whose client's session ended, or that nobody can
+//! release (a unary `Route` commit), is an orphan: it counts for
+//! `placement_max_age`, then goes.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -19,7 +30,7 @@ use rand::rngs::StdRng;
 use crate::approx::ApproxIndex;
 use crate::error::RouterError;
 use crate::indexer::{KvIndexer, OverlapScores, Target, TargetHandle, TargetId};
-use crate::load::{EffectiveLoad, LoadReport, TargetLoad};
+use crate::load::{EffectiveLoad, LoadReport, Shape, TargetLoad};
 use crate::selector::{self, CostInput, CostParams, CostTerms, RouterMode};
 
 /// Which pool a request asks for.
@@ -56,9 +67,8 @@ pub struct PoolConfig {
     pub cost: CostParams,
     /// How long `approx` mode predicts a placed prompt stays cached.
     pub approx_ttl: Duration,
-    /// A load report received this long after a placement covers it.
-    pub load_cover: Duration,
-    /// A placement no report covered stops counting after this long.
+    /// How long an orphaned placement (its client gone, or placed by a unary
+    /// `Route`) still counts as load.
     pub placement_max_age: Duration,
 }
 
@@ -68,10 +78,72 @@ impl Default for PoolConfig {
             mode: RouterMode::Kv,
             cost: CostParams::default(),
             approx_ttl: Duration::from_secs(120),
-            load_cover: Duration::from_millis(50),
             placement_max_age: Duration::from_secs(10),
         }
     }
+}
+
+/// Names one placement: the client that holds it and its id there.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct PlacementKey {
+    /// The client's identity (`PlaceHello.client_id`; "" for unary `Route`).
+    pub client: Arc<str>,
+    /// The id the client names the placement by.
+    pub id: u64,
+}
+
+/// Whether and how a route counts as load.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Commit {
+    /// A dry run: nothing is counted.
+    DryRun,
+    /// Counted until nobody can release it: an orphan from the start
+    /// (counts for `placement_max_age`).
+    Unreleasable,
+    /// Counted until the client releases `key` (or its session `session`
+    /// ends and the placement ages out).
+    Held {
+        /// The placement's name.
+        key: PlacementKey,
+        /// The client's session the placement belongs to.
+        session: u64,
+    },
+}
+
+/// What a committed placement counts as load.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlacementRecord {
+    /// The id the client names it by.
+    pub id: u64,
+    /// Where it runs.
+    pub target: Target,
+    /// Prompt tokens not cached on the target (prefill work until started).
+    pub prefill_tokens: u64,
+    /// Chained hashes of the prompt's full blocks.
+    pub block_hashes: Arc<[u64]>,
+    /// Every prompt block, the partial last one included.
+    pub blocks: u64,
+    /// The request produced its first token.
+    pub started: bool,
+}
+
+impl PlacementRecord {
+    fn shape(&self) -> Shape {
+        Shape {
+            prefill_tokens: self.prefill_tokens,
+            hashes: Arc::clone(&self.block_hashes),
+            blocks: self.blocks,
+        }
+    }
+}
+
+/// A change in a placement's life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PlacementState {
+    /// The first token: its prefill work is done.
+    Started,
+    /// The request ended.
+    Released,
 }
 
 /// A member's identity and address.
@@ -94,11 +166,14 @@ struct Member {
     approx_id: TargetId,
     kv_handle: Option<TargetHandle>,
     approx_handle: Option<TargetHandle>,
-    load: Mutex<TargetLoad>,
+    /// Shared with the placements counted on it (they update it when they
+    /// start or end) and with the member that replaces this one when its
+    /// address changes.
+    load: Arc<Mutex<TargetLoad>>,
 }
 
 /// One request's placement question.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct RouteInput<'a> {
     /// Recorded on the span.
     pub request_id: &'a str,
@@ -110,8 +185,8 @@ pub struct RouteInput<'a> {
     pub block_hashes: &'a [u64],
     /// Tokens per block.
     pub block_size: u32,
-    /// Count the placement as active load (false = dry run).
-    pub commit: bool,
+    /// Whether and how the placement counts as load.
+    pub commit: Commit,
     /// Worker ids not to place on (a migrating request's failed workers).
     pub exclude: &'a [String],
 }
@@ -136,6 +211,8 @@ pub struct Decision {
     pub candidates: Vec<Candidate>,
     /// The mode that chose.
     pub mode: RouterMode,
+    /// What the placement counts as load (committed placements only).
+    pub placement: Option<PlacementRecord>,
 }
 
 impl Decision {
@@ -150,13 +227,73 @@ impl Decision {
 pub struct MemberLoad {
     /// Identity and address.
     pub info: MemberInfo,
-    /// Report plus uncovered placements.
+    /// Placements plus the unplaced report.
     pub load: EffectiveLoad,
+}
+
+/// A placement being counted.
+struct Counted {
+    target: Target,
+    /// The load it is counted on (its member's at placement time).
+    load: Arc<Mutex<TargetLoad>>,
+    shape: Shape,
+    started: bool,
+    session: u64,
+    orphaned_at: Option<Instant>,
 }
 
 struct ChoiceState {
     round_robin: usize,
     rng: StdRng,
+    placements: HashMap<PlacementKey, Counted>,
+    /// Orphaned placements in the order they became orphans.
+    orphans: VecDeque<(Instant, PlacementKey)>,
+    /// Ids of unreleasable placements.
+    next_unreleasable: u64,
+}
+
+impl ChoiceState {
+    fn count(&mut self, key: PlacementKey, counted: Counted) {
+        counted.load.lock().add(&counted.shape, counted.started);
+        if let Some(at) = counted.orphaned_at {
+            self.orphans.push_back((at, key.clone()));
+        }
+        if let Some(old) = self.placements.insert(key, counted) {
+            old.load.lock().remove(&old.shape, old.started);
+        }
+    }
+
+    fn release(&mut self, key: &PlacementKey) -> bool {
+        match self.placements.remove(key) {
+            Some(c) => {
+                c.load.lock().remove(&c.shape, c.started);
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn expire(&mut self, now: Instant, max_age: Duration) -> usize {
+        let mut n = 0;
+        while let Some((at, _)) = self.orphans.front() {
+            if *at + max_age > now {
+                break;
+            }
+            let Some((at, key)) = self.orphans.pop_front() else {
+                break;
+            };
+            // Released (or re-counted) since it became an orphan: skip.
+            if self
+                .placements
+                .get(&key)
+                .is_some_and(|c| c.orphaned_at == Some(at))
+            {
+                self.release(&key);
+                n += 1;
+            }
+        }
+        n
+    }
 }
 
 /// A pool of workers and its placement state.
@@ -200,6 +337,9 @@ impl WorkerPool {
             choice: Mutex::new(ChoiceState {
                 round_robin: 0,
                 rng,
+                placements: HashMap::new(),
+                orphans: VecDeque::new(),
+                next_unreleasable: 0,
             }),
         }
     }
@@ -231,9 +371,10 @@ impl WorkerPool {
         let kv_id = self.indexer.register(info.target.clone());
         let kv_handle = self.indexer.handle(kv_id);
         let (approx_id, approx_handle) = self.approx.register(info.target.clone());
+        // A changed address keeps the load its placements are counted on.
         let load = members
             .get(&info.target)
-            .map(|m| std::mem::take(&mut *m.load.lock()))
+            .map(|m| Arc::clone(&m.load))
             .unwrap_or_default();
         members.insert(
             info.target.clone(),
@@ -244,16 +385,21 @@ impl WorkerPool {
                 approx_id,
                 kv_handle,
                 approx_handle,
-                load: Mutex::new(load),
+                load,
             }),
         );
         kv_id
     }
 
-    /// Removes a member and forgets all its blocks at once; returns how many
-    /// indexed blocks it held, or `None` if it was not a member.
+    /// Removes a member and forgets all its blocks and placements at once;
+    /// returns how many indexed blocks it held, or `None` if it was not a
+    /// member.
     pub fn remove_member(&self, target: &Target) -> Option<usize> {
         let member = self.members.write().remove(target)?;
+        self.choice
+            .lock()
+            .placements
+            .retain(|_, c| c.target != *target);
         self.approx.remove_target(member.approx_id);
         Some(self.indexer.remove_target(member.kv_id))
     }
@@ -277,8 +423,98 @@ impl WorkerPool {
         let Some(member) = self.members.read().get(target).cloned() else {
             return false;
         };
-        member.load.lock().report(report, now, self.cfg.load_cover);
+        member.load.lock().report(report, now);
         true
+    }
+
+    /// Counts a placement another router made (or a client still holds)
+    /// under `key` for `session`, from now on. False when its target is not
+    /// a member (it is not counted).
+    pub fn record_placement(
+        &self,
+        key: PlacementKey,
+        session: u64,
+        record: &PlacementRecord,
+        now: Instant,
+    ) -> bool {
+        let Some(member) = self.members.read().get(&record.target).cloned() else {
+            return false;
+        };
+        if self.cfg.mode == RouterMode::Approx {
+            self.approx
+                .record(member.approx_id, &record.block_hashes, now);
+        }
+        self.choice.lock().count(
+            key,
+            Counted {
+                target: record.target.clone(),
+                load: Arc::clone(&member.load),
+                shape: record.shape(),
+                started: record.started,
+                session,
+                orphaned_at: None,
+            },
+        );
+        true
+    }
+
+    /// Applies a change in a placement's life; false if it is not counted
+    /// here.
+    pub fn update(&self, key: &PlacementKey, state: PlacementState) -> bool {
+        let mut choice = self.choice.lock();
+        match state {
+            PlacementState::Released => choice.release(key),
+            PlacementState::Started => match choice.placements.get_mut(key) {
+                Some(c) if !c.started => {
+                    c.started = true;
+                    c.load.lock().start(&c.shape);
+                    true
+                }
+                Some(_) => true,
+                None => false,
+            },
+        }
+    }
+
+    /// Forgets every placement of `client` (a client opening a new session
+    /// sends again the ones it still holds).
+    pub fn forget_client(&self, client: &str) {
+        let mut choice = self.choice.lock();
+        let keys: Vec<PlacementKey> = choice
+            .placements
+            .keys()
+            .filter(|k| &*k.client == client)
+            .cloned()
+            .collect();
+        for k in keys {
+            choice.release(&k);
+        }
+    }
+
+    /// The session `session` of `client` ended: its placements become
+    /// orphans (they count for `placement_max_age` more).
+    pub fn orphan_session(&self, client: &str, session: u64, now: Instant) {
+        let mut choice = self.choice.lock();
+        let mut orphaned = Vec::new();
+        for (k, c) in choice.placements.iter_mut() {
+            if &*k.client == client && c.session == session && c.orphaned_at.is_none() {
+                c.orphaned_at = Some(now);
+                orphaned.push(k.clone());
+            }
+        }
+        choice
+            .orphans
+            .extend(orphaned.into_iter().map(|k| (now, k)));
+    }
+
+    /// Drops orphans older than `placement_max_age`; returns how many.
+    pub fn expire(&self, now: Instant) -> usize {
+        self.choice.lock().expire(now, self.cfg.placement_max_age)
+    }
+
+    /// Placements counted, orphans included.
+    pub fn placement_count(&self) -> usize {
+        self.choice.lock().placements.len()
     }
 
     /// When a member last reported.
@@ -289,16 +525,13 @@ impl WorkerPool {
 
     /// Every member's effective load.
     pub fn load_view(&self, now: Instant) -> Vec<MemberLoad> {
+        self.expire(now);
         self.members
             .read()
             .values()
-            .map(|m| {
-                let mut load = m.load.lock();
-                load.expire(now, self.cfg.placement_max_age);
-                MemberLoad {
-                    info: m.info.clone(),
-                    load: load.effective(),
-                }
+            .map(|m| MemberLoad {
+                info: m.info.clone(),
+                load: m.load.lock().effective(),
             })
             .collect()
     }
@@ -365,6 +598,7 @@ impl WorkerPool {
         let total_entries = index.entry_count().max(1) as f64;
 
         let mut choice = self.choice.lock();
+        choice.expire(now, self.cfg.placement_max_age);
         let mut terms = Vec::with_capacity(candidates.len());
         let mut costs = Vec::with_capacity(candidates.len());
         let mut shares = Vec::with_capacity(candidates.len());
@@ -373,11 +607,7 @@ impl WorkerPool {
                 Some(f) => f(&m.info.target),
                 None => scores.get(id_of(m)),
             };
-            let load = {
-                let mut l = m.load.lock();
-                l.expire(now, self.cfg.placement_max_age);
-                l.effective()
-            };
+            let load = m.load.lock().effective();
             let input_for = |overlap_blocks| CostInput {
                 overlap_blocks,
                 active_prefill_tokens: load.active_prefill_tokens,
@@ -427,17 +657,51 @@ impl WorkerPool {
             }
         };
 
-        if input.commit {
-            let m = &candidates[chosen];
-            let overlap = terms[chosen].overlap_blocks;
-            let uncached =
-                selector::uncached_tokens(input.prompt_tokens, overlap, input.block_size);
-            let blocks = u64::from(input.prompt_tokens).div_ceil(u64::from(input.block_size));
-            m.load.lock().place(now, uncached, blocks);
-            if approx {
-                self.approx.record(m.approx_id, input.block_hashes, now);
+        let placement = match &input.commit {
+            Commit::DryRun => None,
+            commit => {
+                let m = &candidates[chosen];
+                let overlap = terms[chosen].overlap_blocks;
+                let (key, session, orphaned_at) = match commit {
+                    Commit::Held { key, session } => (key.clone(), *session, None),
+                    _ => {
+                        choice.next_unreleasable += 1;
+                        let key = PlacementKey {
+                            client: Arc::from(""),
+                            id: choice.next_unreleasable,
+                        };
+                        (key, 0, Some(now))
+                    }
+                };
+                let record = PlacementRecord {
+                    id: key.id,
+                    target: m.info.target.clone(),
+                    prefill_tokens: selector::uncached_tokens(
+                        input.prompt_tokens,
+                        overlap,
+                        input.block_size,
+                    ),
+                    block_hashes: input.block_hashes.into(),
+                    blocks: u64::from(input.prompt_tokens).div_ceil(u64::from(input.block_size)),
+                    started: false,
+                };
+                choice.count(
+                    key,
+                    Counted {
+                        target: record.target.clone(),
+                        load: Arc::clone(&m.load),
+                        shape: record.shape(),
+                        started: false,
+                        session,
+                        orphaned_at,
+                    },
+                );
+                if approx {
+                    self.approx.record(m.approx_id, input.block_hashes, now);
+                }
+                Some(record)
             }
-        }
+        };
         drop(choice);
 
         Ok(Decision {
@@ -452,6 +716,7 @@ impl WorkerPool {
                 })
                 .collect(),
             mode,
+            placement,
         })
     }
 }
@@ -485,6 +750,29 @@ impl Pools {
     /// Both pools, decode first.
     pub fn all(&self) -> [&WorkerPool; 2] {
         [&self.decode, &self.prefill]
+    }
+
+    /// Applies a change in a placement's life in both pools (a client's
+    /// decode and prefill placements share its id); false if neither
+    /// counts it.
+    pub fn update(&self, key: &PlacementKey, state: PlacementState) -> bool {
+        let decode = self.decode.update(key, state);
+        let prefill = self.prefill.update(key, state);
+        decode || prefill
+    }
+
+    /// Forgets every placement of `client` in both pools.
+    pub fn forget_client(&self, client: &str) {
+        for p in self.all() {
+            p.forget_client(client);
+        }
+    }
+
+    /// Orphans the placements of `client`'s session `session`.
+    pub fn orphan_session(&self, client: &str, session: u64, now: Instant) {
+        for p in self.all() {
+            p.orphan_session(client, session, now);
+        }
     }
 
     /// Tells `WatchLoad` streams that a load or the membership changed.
@@ -547,9 +835,34 @@ mod tests {
             prompt_tokens,
             block_hashes: hashes,
             block_size: BS,
-            commit: true,
+            commit: Commit::Unreleasable,
             exclude: &[],
         }
+    }
+
+    fn key(id: u64) -> PlacementKey {
+        PlacementKey {
+            client: Arc::from("queue-a"),
+            id,
+        }
+    }
+
+    fn held<'a>(hashes: &'a [u64], prompt_tokens: u32, id: u64) -> RouteInput<'a> {
+        RouteInput {
+            commit: Commit::Held {
+                key: key(id),
+                session: 1,
+            },
+            ..input(hashes, prompt_tokens)
+        }
+    }
+
+    fn load_of(p: &WorkerPool, t: &Target) -> EffectiveLoad {
+        p.load_view(Instant::now())
+            .into_iter()
+            .find(|m| m.info.target == *t)
+            .expect("member")
+            .load
     }
 
     fn store(p: &WorkerPool, i: usize, seq: u64, hashes: &[u64]) {
@@ -686,38 +999,109 @@ mod tests {
         let now = Instant::now();
         let h = sequence_block_hashes(&tokens(4, 256), BS as usize);
         let mut dry = input(&h, 256);
-        dry.commit = false;
-        p.route(&dry, now).expect("route");
+        dry.commit = Commit::DryRun;
+        let d = p.route(&dry, now).expect("route");
+        assert!(d.placement.is_none());
+        assert!(p.load_view(now).iter().all(|m| m.load.placements == 0));
+    }
+
+    #[test]
+    fn a_placement_counts_from_placement_to_release_whatever_the_reports_say() {
+        let p = pool(RouterMode::Kv, 2);
+        let now = Instant::now();
+        let h = sequence_block_hashes(&tokens(5, 256), BS as usize);
+        let d = p.route(&held(&h, 256, 1), now).expect("route");
+        let t = d.target().target.clone();
+        let placed = d.placement.expect("committed");
+        assert_eq!((placed.prefill_tokens, placed.blocks), (256, 16));
+        assert_eq!(load_of(&p, &t).active_prefill_tokens, 256);
+        // Reports say nothing about placed requests: they change nothing.
+        p.record_load(&t, LoadReport::default(), now + Duration::from_millis(500));
+        assert_eq!(load_of(&p, &t).placements, 1);
+        assert!(p.update(&key(1), PlacementState::Started));
+        let l = load_of(&p, &t);
+        assert_eq!((l.active_prefill_tokens, l.active_decode_blocks), (0, 16));
+        assert!(p.update(&key(1), PlacementState::Released));
+        assert_eq!(load_of(&p, &t).active_requests, 0);
+        assert_eq!(load_of(&p, &t).active_decode_blocks, 0);
         assert!(
-            p.load_view(now)
-                .iter()
-                .all(|m| m.load.pending_placements == 0)
+            !p.update(&key(1), PlacementState::Released),
+            "released once"
         );
     }
 
     #[test]
-    fn a_report_after_the_cover_delay_replaces_placements() {
+    fn the_worker_holding_a_prefix_wins_right_after_its_request_ended() {
+        // A conversation's next turn, sent the moment the previous answer
+        // ended: the previous turn's load must be gone, so the cached
+        // prefix decides (issue #14's back-to-back misses).
+        let p = pool(RouterMode::Kv, 4);
+        let now = Instant::now();
+        idle(&p, 4, now);
+        let turn1 = tokens(9, 850);
+        let h1 = sequence_block_hashes(&turn1, BS as usize);
+        let d = p.route(&held(&h1, 850, 1), now).expect("route");
+        let holder = d.target().target.clone();
+        let i = (0..4).find(|&i| target(i) == holder).expect("member");
+        store(&p, i, 1, &h1);
+        p.update(&key(1), PlacementState::Started);
+        p.update(&key(1), PlacementState::Released);
+        let mut turn2 = turn1.clone();
+        turn2.extend(tokens(10, 40));
+        let h2 = sequence_block_hashes(&turn2, BS as usize);
+        for id in 2..10 {
+            let d = p.route(&held(&h2, 890, id), now).expect("route");
+            assert_eq!(d.target().target, holder, "turn {id}");
+            p.update(&key(id), PlacementState::Released);
+        }
+    }
+
+    #[test]
+    fn a_placement_heard_twice_counts_once_and_a_replica_copy_counts_like_the_original() {
+        let a = pool(RouterMode::Kv, 2);
+        let b = pool(RouterMode::Kv, 2);
+        let now = Instant::now();
+        let h = sequence_block_hashes(&tokens(6, 128), BS as usize);
+        let d = a.route(&held(&h, 128, 7), now).expect("route");
+        let record = d.placement.expect("committed");
+        let t = record.target.clone();
+        assert!(b.record_placement(key(7), 1, &record, now));
+        assert!(b.record_placement(key(7), 1, &record, now));
+        assert_eq!(load_of(&a, &t), load_of(&b, &t));
+        assert_eq!(load_of(&b, &t).placements, 1);
+        b.update(&key(7), PlacementState::Released);
+        assert_eq!(load_of(&b, &t).placements, 0);
+    }
+
+    #[test]
+    fn orphans_count_for_the_max_age_then_go() {
+        let p = pool(RouterMode::Kv, 1);
+        let now = Instant::now();
+        let h = sequence_block_hashes(&tokens(7, 64), BS as usize);
+        p.route(&held(&h, 64, 1), now).expect("route");
+        p.route(&input(&h, 64), now).expect("route");
+        assert_eq!(p.placement_count(), 2);
+        let max_age = p.config().placement_max_age;
+        assert_eq!(p.expire(now + max_age), 1, "the unreleasable one ages out");
+        p.orphan_session("queue-a", 1, now + max_age);
+        assert_eq!(p.expire(now + max_age + Duration::from_millis(1)), 0);
+        assert_eq!(p.expire(now + max_age * 2), 1);
+        assert_eq!(p.placement_count(), 0);
+        assert_eq!(load_of(&p, &target(0)).active_decode_blocks, 0);
+    }
+
+    #[test]
+    fn a_clients_new_session_replaces_its_placements_and_a_departed_worker_takes_its_own() {
         let p = pool(RouterMode::Kv, 2);
         let now = Instant::now();
-        let h = sequence_block_hashes(&tokens(5, 256), BS as usize);
-        let d = p.route(&input(&h, 256), now).expect("route");
-        let t = d.target().target.clone();
-        let view = |p: &WorkerPool, at| {
-            p.load_view(at)
-                .into_iter()
-                .find(|m| m.info.target == t)
-                .expect("member")
-                .load
-        };
-        assert_eq!(view(&p, now).active_prefill_tokens, 256);
-        p.record_load(&t, LoadReport::default(), now + Duration::from_millis(10));
-        assert_eq!(
-            view(&p, now).pending_placements,
-            1,
-            "report too early to cover"
-        );
-        p.record_load(&t, LoadReport::default(), now + Duration::from_millis(60));
-        assert_eq!(view(&p, now).pending_placements, 0);
+        let h = sequence_block_hashes(&tokens(8, 64), BS as usize);
+        let d = p.route(&held(&h, 64, 1), now).expect("route");
+        p.forget_client("queue-a");
+        assert_eq!(p.placement_count(), 0);
+        let record = d.placement.expect("committed");
+        p.record_placement(key(1), 2, &record, now);
+        p.remove_member(&record.target);
+        assert_eq!(p.placement_count(), 0);
     }
 
     #[test]
@@ -741,15 +1125,22 @@ mod tests {
             .map(|s| sequence_block_hashes(&tokens(10 + s, 1024), BS as usize))
             .collect();
         let mut first = Vec::new();
+        let mut id = 0;
+        // Each request ends before the next (released), as a client's
+        // requests one after another do.
+        let mut place = |h: &[u64], now| {
+            id += 1;
+            let d = p.route(&held(h, 1024, id), now).expect("route");
+            p.update(&key(id), PlacementState::Released);
+            d
+        };
         for h in &prompts {
-            idle(&p, 4, now);
-            first.push(chosen(&p.route(&input(h, 1024), now).expect("route")).to_owned());
+            first.push(chosen(&place(h, now)).to_owned());
             now += Duration::from_secs(1);
         }
         for round in 0..3 {
             for (i, h) in prompts.iter().enumerate() {
-                idle(&p, 4, now);
-                let d = p.route(&input(h, 1024), now).expect("route");
+                let d = place(h, now);
                 assert_eq!(chosen(&d), first[i], "round {round} prompt {i}");
                 assert_eq!(d.target().terms.overlap_blocks, 64);
                 now += Duration::from_secs(1);

@@ -1,24 +1,44 @@
 //! The tonic `Router` service: convert, ask the pool, record why, map errors.
 //!
-//! `Route` records the choice and every candidate's cost terms on its span
-//! (fields `worker_id`, `dp_rank`, `overlap_blocks`, `mode`, `candidates`),
-//! so a trace shows why a worker was chosen. `WatchLoad` sends one view on
-//! subscribe and one whenever a worker reports or membership changes
-//! (coalesced: a slow reader gets the latest view, never a backlog).
+//! Every placement (`Route`, or a call on a `Place` session) records the
+//! choice and every candidate's cost terms on its `route` span (fields
+//! `worker_id`, `dp_rank`, `overlap_blocks`, `mode`, `candidates`), so a
+//! trace shows why a worker was chosen. A `Place` session applies its
+//! client's messages in order, so a release sent before a route is counted
+//! before it. `WatchLoad` sends one view on subscribe and then at most one
+//! per [`WATCH_MIN_INTERVAL`] while loads change (coalesced: a slow reader
+//! gets the latest view, never a backlog).
 
 use std::fmt::Write as _;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Instant;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use futures::Stream;
 use sluice_proto::router::v1 as pb;
+use sluice_proto::router::v1::place_request::Msg as PlaceMsg;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
-use tonic::{Request, Response, Status};
+use tonic::{Request, Response, Status, Streaming};
+use tracing::Span;
 
 use crate::convert;
+use crate::error::RouterError;
 use crate::metrics::RouterMetrics;
-use crate::pool::{Decision, Pools};
+use crate::pool::{Commit, Decision, PlacementKey, PlacementState, Pools};
+use crate::workers::SyncGate;
+
+/// Least time between two `WatchLoad` views to one subscriber.
+pub const WATCH_MIN_INTERVAL: Duration = Duration::from_millis(5);
+
+/// Answers a `Place` session may have waiting for its client to read.
+const PLACE_BACKLOG: usize = 1024;
+
+/// How long a placement that finds no worker waits for one still joining
+/// (registered, its first snapshot in flight) before answering "no worker".
+const JOIN_WAIT: Duration = Duration::from_secs(3);
 
 /// The `Router` gRPC service.
 #[derive(Debug, Clone)]
@@ -26,23 +46,182 @@ pub struct RouterService {
     pools: Arc<Pools>,
     metrics: RouterMetrics,
     shutdown: CancellationToken,
+    sessions: Arc<AtomicU64>,
+    joining: Option<Arc<SyncGate>>,
+}
+
+/// The `route` span of one placement, child of the caller's trace.
+fn route_span(req: &pb::RouteRequest) -> Span {
+    tracing::info_span!(
+        "route",
+        request_id = %req.request_id,
+        model = %req.model,
+        pool = tracing::field::Empty,
+        priority = req.priority,
+        prompt_tokens = req.prompt_tokens,
+        prompt_blocks = req.block_hashes.len(),
+        commit = req.commit,
+        worker_id = tracing::field::Empty,
+        dp_rank = tracing::field::Empty,
+        overlap_blocks = tracing::field::Empty,
+        mode = tracing::field::Empty,
+        candidates = tracing::field::Empty,
+    )
 }
 
 impl RouterService {
-    /// A service over `pools`; `WatchLoad` streams end when `shutdown` fires.
+    /// A service over `pools`; `WatchLoad` streams and `Place` sessions end
+    /// when `shutdown` fires.
     pub fn new(pools: Arc<Pools>, metrics: RouterMetrics, shutdown: CancellationToken) -> Self {
         Self {
             pools,
             metrics,
             shutdown,
+            sessions: Arc::new(AtomicU64::new(0)),
+            joining: None,
         }
     }
 
-    fn record(&self, pool: &str, req: &pb::RouteRequest, d: &Decision) {
+    /// Placements that find no worker wait for one of `gate`'s joining ones.
+    pub(crate) fn with_joining(mut self, gate: Arc<SyncGate>) -> Self {
+        self.joining = Some(gate);
+        self
+    }
+
+    /// [`RouterService::route_in`], waiting up to [`JOIN_WAIT`] while it
+    /// finds no worker and some are still joining (start-up: a client that
+    /// sees a worker registered must not get "no worker").
+    async fn route_joined(
+        &self,
+        req: &pb::RouteRequest,
+        commit: Commit,
+        span: &Span,
+    ) -> Result<pb::RouteResponse, RouterError> {
+        let deadline = tokio::time::Instant::now() + JOIN_WAIT;
+        loop {
+            let result = self.route_in(req, commit.clone(), span);
+            let joining = self.joining.as_ref().map_or(0, |g| g.joining());
+            match result {
+                Err(RouterError::NoWorkers { .. })
+                    if joining > 0 && tokio::time::Instant::now() < deadline =>
+                {
+                    if let Some(g) = &self.joining {
+                        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+                        g.wait_fewer(joining, left).await;
+                    }
+                }
+                r => return r,
+            }
+        }
+    }
+
+    /// Places one request, inside `span`.
+    fn route_in(
+        &self,
+        req: &pb::RouteRequest,
+        commit: Commit,
+        span: &Span,
+    ) -> Result<pb::RouteResponse, RouterError> {
+        let _entered = span.enter();
+        let kind = convert::pool_kind(req.pool)?;
+        span.record("pool", kind.component());
+        let input = convert::route_input(req, commit)?;
+        let started = Instant::now();
+        let decision = self.pools.get(kind).route(&input, started)?;
+        self.metrics
+            .decision_seconds
+            .observe(started.elapsed().as_secs_f64());
+        self.record(kind.component(), req, &decision, span);
+        if decision.placement.is_some() {
+            self.pools.load_changed();
+        }
+        Ok(convert::route_response(kind, &decision))
+    }
+
+    /// Applies one message of `client`'s session `session`; a call's answer
+    /// goes to `out`.
+    async fn session_message(
+        &self,
+        client: &Arc<str>,
+        session: u64,
+        msg: PlaceMsg,
+        out: &mpsc::Sender<Result<pb::PlaceResponse, Status>>,
+    ) -> Result<(), RouterError> {
+        let key = |id| PlacementKey {
+            client: Arc::clone(client),
+            id,
+        };
+        match msg {
+            PlaceMsg::Hello(_) => Err(RouterError::InvalidArgument(
+                "hello: sent twice on one session".into(),
+            )),
+            PlaceMsg::Route(call) => {
+                let Some(req) = call.request else {
+                    return Err(RouterError::InvalidArgument(
+                        "route: request is required".into(),
+                    ));
+                };
+                let commit = if req.commit {
+                    Commit::Held {
+                        key: key(req.placement_id),
+                        session,
+                    }
+                } else {
+                    Commit::DryRun
+                };
+                let span = route_span(&req);
+                sluice_runtime::telemetry::set_parent_from_traceparent(&call.traceparent, &span);
+                let result = match self.route_joined(&req, commit, &span).await {
+                    Ok(routed) => pb::place_response::Result::Routed(routed),
+                    Err(e) => {
+                        let status = Status::from(e);
+                        pb::place_response::Result::Error(pb::PlaceError {
+                            code: status.code() as i32,
+                            message: status.message().to_owned(),
+                        })
+                    }
+                };
+                let reply = pb::PlaceResponse {
+                    call_id: call.call_id,
+                    result: Some(result),
+                };
+                // The client stopped reading: the session is over anyway.
+                let _ = out.send(Ok(reply)).await;
+                Ok(())
+            }
+            PlaceMsg::Placed(p) => {
+                let (kind, record) = convert::placement_record(&p)?;
+                if self.pools.get(kind).record_placement(
+                    key(record.id),
+                    session,
+                    &record,
+                    Instant::now(),
+                ) {
+                    self.pools.load_changed();
+                }
+                Ok(())
+            }
+            PlaceMsg::Update(u) => {
+                let state = convert::placement_state(u.state)?;
+                if self.pools.update(&key(u.placement_id), state) {
+                    if state == PlacementState::Released {
+                        self.metrics
+                            .placement_ends
+                            .with_label_values(&["released"])
+                            .inc();
+                    }
+                    self.pools.load_changed();
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn record(&self, pool: &str, req: &pb::RouteRequest, d: &Decision, span: &Span) {
         let chosen = d.target();
         let mode = d.mode.as_str();
         let worker = chosen.target.worker_id.as_ref();
-        if req.commit {
+        if d.placement.is_some() {
             self.metrics
                 .placements
                 .with_label_values(&[pool, worker, mode])
@@ -59,7 +238,6 @@ impl RouterService {
                 .with_label_values(&[pool])
                 .observe(f64::from(overlap) / req.block_hashes.len() as f64);
         }
-        let span = tracing::Span::current();
         span.record("worker_id", worker);
         span.record("dp_rank", chosen.target.dp_rank);
         span.record("overlap_blocks", overlap);
@@ -100,42 +278,71 @@ fn candidates_field(d: &Decision) -> String {
 }
 
 type LoadStream = Pin<Box<dyn Stream<Item = Result<pb::LoadView, Status>> + Send>>;
+type PlaceStream = Pin<Box<dyn Stream<Item = Result<pb::PlaceResponse, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl pb::router_server::Router for RouterService {
-    #[tracing::instrument(
-        name = "route",
-        skip_all,
-        fields(
-            request_id = %request.get_ref().request_id,
-            model = %request.get_ref().model,
-            pool = tracing::field::Empty,
-            priority = request.get_ref().priority,
-            prompt_tokens = request.get_ref().prompt_tokens,
-            prompt_blocks = request.get_ref().block_hashes.len(),
-            commit = request.get_ref().commit,
-            worker_id = tracing::field::Empty,
-            dp_rank = tracing::field::Empty,
-            overlap_blocks = tracing::field::Empty,
-            mode = tracing::field::Empty,
-            candidates = tracing::field::Empty,
-        )
-    )]
     async fn route(
         &self,
         request: Request<pb::RouteRequest>,
     ) -> Result<Response<pb::RouteResponse>, Status> {
         let req = request.into_inner();
-        let kind = convert::pool_kind(req.pool)?;
-        tracing::Span::current().record("pool", kind.component());
-        let input = convert::route_input(&req)?;
-        let started = Instant::now();
-        let decision = self.pools.get(kind).route(&input, started)?;
-        self.metrics
-            .decision_seconds
-            .observe(started.elapsed().as_secs_f64());
-        self.record(kind.component(), &req, &decision);
-        Ok(Response::new(convert::route_response(&decision)))
+        let commit = if req.commit {
+            Commit::Unreleasable
+        } else {
+            Commit::DryRun
+        };
+        let span = route_span(&req);
+        Ok(Response::new(self.route_joined(&req, commit, &span).await?))
+    }
+
+    type PlaceStream = PlaceStream;
+
+    async fn place(
+        &self,
+        request: Request<Streaming<pb::PlaceRequest>>,
+    ) -> Result<Response<Self::PlaceStream>, Status> {
+        let mut inbound = request.into_inner();
+        let client: Arc<str> = match inbound.message().await? {
+            Some(pb::PlaceRequest {
+                msg: Some(PlaceMsg::Hello(h)),
+            }) if !h.client_id.is_empty() => h.client_id.into(),
+            _ => {
+                return Err(RouterError::InvalidArgument(
+                    "the first message of a Place session must be `hello` with a client_id".into(),
+                )
+                .into());
+            }
+        };
+        let session = self.sessions.fetch_add(1, Ordering::Relaxed) + 1;
+        // What the client still holds follows; nothing of it is counted twice.
+        self.pools.forget_client(&client);
+        tracing::info!(%client, session, "placement session opened");
+        let (tx, rx) = mpsc::channel(PLACE_BACKLOG);
+        let svc = self.clone();
+        tokio::spawn(async move {
+            loop {
+                let msg = tokio::select! {
+                    () = svc.shutdown.cancelled() => break,
+                    m = inbound.message() => m,
+                };
+                match msg {
+                    Ok(Some(pb::PlaceRequest { msg: Some(m) })) => {
+                        if let Err(e) = svc.session_message(&client, session, m, &tx).await {
+                            tracing::warn!(%client, error = %e, "bad message on a placement session; closing it");
+                            let _ = tx.send(Err(e.into())).await;
+                            break;
+                        }
+                    }
+                    Ok(Some(pb::PlaceRequest { msg: None })) => {}
+                    Ok(None) | Err(_) => break,
+                }
+            }
+            svc.pools.orphan_session(&client, session, Instant::now());
+            svc.pools.load_changed();
+            tracing::info!(%client, session, "placement session closed; its placements age out");
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
     type WatchLoadStream = LoadStream;
@@ -157,6 +364,9 @@ impl pb::router_server::Router for RouterService {
                         _ = shutdown.cancelled() => return None,
                         changed = rx.changed() => changed.ok()?,
                     }
+                    // Coalesce a burst of changes into one view.
+                    tokio::time::sleep(WATCH_MIN_INTERVAL).await;
+                    rx.mark_unchanged();
                 } else {
                     rx.mark_unchanged();
                 }

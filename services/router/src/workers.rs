@@ -14,7 +14,8 @@
 //! once and is placed on load alone (and the router's own predictions).
 //!
 //! [`SyncGate`] lets `serve` wait until every worker known at start has been
-//! snapshotted (or given up on) before the router reports ready.
+//! snapshotted (or given up on) before the router reports ready, and lets a
+//! placement that finds no worker wait for one still joining.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -76,6 +77,17 @@ impl SyncGate {
         if p.remove(t) {
             self.count.send_replace(p.len());
         }
+    }
+
+    /// Targets whose first snapshot is outstanding: workers joining.
+    pub(crate) fn joining(&self) -> usize {
+        *self.count.borrow()
+    }
+
+    /// Waits until fewer workers are joining than `than`, or `timeout`.
+    pub(crate) async fn wait_fewer(&self, than: usize, timeout: Duration) {
+        let mut rx = self.count.subscribe();
+        let _ = tokio::time::timeout(timeout, rx.wait_for(|n| *n < than)).await;
     }
 
     /// Waits until no first snapshot is outstanding or `timeout` passes;
@@ -233,6 +245,8 @@ fn spawn_instance(ctx: &Ctx, inst: &Instance, token: CancellationToken) -> Resul
     let client = WorkerClient::new(channel);
     tracing::info!(worker = %inst.id, endpoint = %inst.endpoint, pool = %ctx.kind, ranks = dp_size(inst), "worker joined");
     for rank in 0..dp_size(inst) {
+        // Joining until its first snapshot: placement waits for it.
+        ctx.gate.expect(Target::new(inst.id.as_str(), rank));
         ctx.tracker.spawn(rank_task(
             ctx.clone(),
             member_info(inst, rank),

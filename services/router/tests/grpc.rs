@@ -281,7 +281,6 @@ async fn start_router(discovery: &Arc<dyn Discovery>, mode: RouterMode) -> Resul
     let stop = Shutdown::new();
     let args = Args {
         router_mode: mode,
-        load_cover_ms: 0,
         ..Args::default()
     };
     let ctx = ServiceContext::new(Arc::clone(discovery), stop.clone());
@@ -443,7 +442,8 @@ async fn routes_to_the_prefix_holder_resyncs_on_gaps_and_forgets_departed_worker
         "resync took a snapshot"
     );
 
-    // Equal overlap spreads by load: both hold h3, b reports heavy load.
+    // Equal overlap spreads by load: both hold h3, b reports heavy load
+    // from requests no router placed.
     let (h3, tokens3) = prompt(3, 4);
     a.fake.store(&h3);
     b.fake.store(&h3);
@@ -459,6 +459,8 @@ async fn routes_to_the_prefix_holder_resyncs_on_gaps_and_forgets_departed_worker
     b.fake.report(wpb::LoadReport {
         active_blocks: 500,
         running: 8,
+        unplaced_requests: 8,
+        unplaced_blocks: 500,
         ..Default::default()
     });
     a.fake.report(wpb::LoadReport::default());
@@ -527,6 +529,9 @@ async fn watch_load_sends_a_view_then_one_per_report_and_bad_requests_are_invali
         running: 3,
         active_blocks: 42,
         pending_prefill_tokens: 7,
+        unplaced_requests: 3,
+        unplaced_blocks: 42,
+        unplaced_prefill_tokens: 7,
         ..Default::default()
     });
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
@@ -538,6 +543,7 @@ async fn watch_load_sends_a_view_then_one_per_report_and_bad_requests_are_invali
         if v.workers.first().is_some_and(|l| l.running == 3) {
             assert_eq!(v.workers[0].active_decode_blocks, 42);
             assert_eq!(v.workers[0].active_prefill_tokens, 7);
+            assert_eq!(v.workers[0].unplaced_requests, 3);
             assert_eq!(v.workers[0].role, "decode");
             break;
         }
@@ -607,11 +613,8 @@ async fn approx_mode_routes_repeats_of_a_prompt_to_the_same_worker() -> Result<(
         first.push(chosen(&r).to_owned());
     }
     for round in 0..3 {
-        // Workers report idle: earlier placements are covered.
-        for w in &workers {
-            w.fake.report(wpb::LoadReport::default());
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        // Earlier placements still count (a unary commit ages out), but a
+        // repeat shares all of its blocks with them, so they cost it nothing.
         for (i, (h, t)) in prompts.iter().enumerate() {
             let r = client.route(route_req(h, *t, true)).await?.into_inner();
             assert_eq!(chosen(&r), first[i], "round {round}, prompt {i}");

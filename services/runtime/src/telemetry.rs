@@ -165,6 +165,32 @@ pub fn extract_http(headers: &http::HeaderMap, span: &Span) {
     }
 }
 
+/// The current span's context as a W3C `traceparent` value ("" when there
+/// is none), for messages on a long-lived stream, which carry no headers
+/// of their own.
+pub fn traceparent() -> String {
+    let mut headers = http::HeaderMap::new();
+    inject_http(&mut headers);
+    headers
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned()
+}
+
+/// Makes `span` a child of a `traceparent` value from [`traceparent`]; an
+/// empty or malformed value leaves it a root.
+pub fn set_parent_from_traceparent(traceparent: &str, span: &Span) {
+    if traceparent.is_empty() {
+        return;
+    }
+    let mut headers = http::HeaderMap::new();
+    if let Ok(v) = http::HeaderValue::from_str(traceparent) {
+        headers.insert("traceparent", v);
+        extract_http(&headers, span);
+    }
+}
+
 /// The trace id of `span` as 32 hex digits, or `None` when it has none.
 pub fn trace_id(span: &Span) -> Option<String> {
     use opentelemetry::trace::TraceContextExt;
@@ -208,6 +234,7 @@ const QUIET_PATHS: &[&str] = &[
     "/sluice.worker.v1.Worker/KvSnapshot",
     "/sluice.worker.v1.Worker/SubscribeKvEvents",
     "/sluice.router.v1.Router/WatchLoad",
+    "/sluice.router.v1.Router/Place",
 ];
 
 /// The server span for one request (gRPC or HTTP on a gRPC port), child of

@@ -39,6 +39,27 @@ struct TestPlacer {
     fresh_overlap: Arc<Mutex<HashMap<String, u32>>>,
     fail: bool,
     delay: Option<Duration>,
+    /// What the placements' leases were told: `started:ID`, `released:ID`.
+    lease_events: Arc<Mutex<Vec<String>>>,
+}
+
+/// Logs what the queue tells a placement's lease.
+#[derive(Debug)]
+struct TestLease {
+    id: String,
+    events: Arc<Mutex<Vec<String>>>,
+}
+
+impl PlacementLease for TestLease {
+    fn started(&self) {
+        self.events.lock().push(format!("started:{}", self.id));
+    }
+}
+
+impl Drop for TestLease {
+    fn drop(&mut self) {
+        self.events.lock().push(format!("released:{}", self.id));
+    }
 }
 
 impl TestPlacer {
@@ -48,7 +69,7 @@ impl TestPlacer {
 }
 
 impl Placer for TestPlacer {
-    async fn place(&self, entry: &Entry) -> Result<Placement, QueueError> {
+    async fn place(&self, entry: &Entry) -> Result<Placed, QueueError> {
         if let Some(delay) = self.delay {
             tokio::time::sleep(delay).await;
         }
@@ -58,10 +79,16 @@ impl Placer for TestPlacer {
                 model: entry.model.clone(),
             });
         }
-        Ok(Placement {
-            worker: target("w0"),
-            prefill: None,
-            overlap_tokens: entry.overlap_tokens,
+        Ok(Placed {
+            placement: Placement {
+                worker: target("w0"),
+                prefill: None,
+                overlap_tokens: entry.overlap_tokens,
+            },
+            lease: Some(Box::new(TestLease {
+                id: entry.request_id.clone(),
+                events: Arc::clone(&self.lease_events),
+            })),
         })
     }
 
@@ -193,6 +220,34 @@ async fn release_order(mut cfg: Args, entries: Vec<Entry>) -> Vec<String> {
 
 fn at(base: Instant, ms: u64) -> Instant {
     base + Duration::from_millis(ms)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_grants_lease_hears_the_start_and_ends_with_the_ticket() {
+    let h = Harness::start(config(Policy::Fcfs));
+    let mut ticket = h.admit(entry("r1", 0, 0, 10, Instant::now()));
+    ticket.started(); // before the grant: nothing to tell
+    ticket.granted().await.expect("granted");
+    assert!(h.placer.lease_events.lock().is_empty());
+    ticket.started();
+    assert_eq!(*h.placer.lease_events.lock(), ["started:r1"]);
+    drop(ticket);
+    assert_eq!(*h.placer.lease_events.lock(), ["started:r1", "released:r1"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_placement_that_comes_back_for_a_cancelled_request_is_released_at_once() {
+    let placer = TestPlacer {
+        delay: Some(Duration::from_millis(50)),
+        ..TestPlacer::default()
+    };
+    let h = Harness::with_placer(config(Policy::Fcfs), placer);
+    let ticket = h.admit(entry("gone", 0, 0, 10, Instant::now()));
+    settle().await;
+    drop(ticket); // cancelled while the placement is in flight
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(h.placer.placed(), ["gone"]);
+    assert_eq!(*h.placer.lease_events.lock(), ["released:gone"]);
 }
 
 #[tokio::test(start_paused = true)]
