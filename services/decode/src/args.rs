@@ -53,7 +53,9 @@ pub struct WorkerArgs {
     #[arg(long, env = "SLUICE_MAX_NUM_BATCHED_TOKENS", default_value_t = 2048)]
     pub max_num_batched_tokens: usize,
 
-    /// Longest sequence (prompt + output); default: the model's limit.
+    /// Longest sequence (prompt + output); default: the model's limit. The
+    /// mocker, which computes no positions, may go past that limit (to
+    /// simulate a long-context deployment of a small model's config).
     #[arg(long, env = "SLUICE_MAX_MODEL_LEN")]
     pub max_model_len: Option<usize>,
 
@@ -250,10 +252,14 @@ impl WorkerArgs {
                 eos.push(id);
             }
         }
+        let positions = match self.engine {
+            EngineKind::Mocker => usize::MAX,
+            _ => model.max_position_embeddings,
+        };
         let max_model_len = self
             .max_model_len
             .unwrap_or(model.max_position_embeddings)
-            .min(model.max_position_embeddings)
+            .min(positions)
             .min(self.num_gpu_blocks * self.block_size);
         let mut backend: Box<dyn sluice_engine::backend::Backend> = match self.engine {
             EngineKind::Cpu => Box::new(CpuBackend::from_dir(
