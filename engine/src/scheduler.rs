@@ -19,7 +19,7 @@ mod sequence;
 
 use std::collections::{BTreeMap, HashMap};
 
-pub use sequence::{FinishReason, Finished, Request, StepOutput, Usage};
+pub use sequence::{FinishReason, Finished, Preemption, Request, StepOutput, Usage};
 use sequence::{Sequence, Status};
 
 use crate::backend::{ForwardBatch, ForwardOutput, SeqChunk};
@@ -85,6 +85,8 @@ pub struct LoadStats {
     pub steps: u64,
     /// Preemptions so far.
     pub preemptions: u64,
+    /// Tokens computed again after a preemption so far (see [`Preemption`]).
+    pub recomputed_tokens: u64,
     /// Steps where balance scheduling held admission back.
     pub balance_held_steps: u64,
 }
@@ -117,6 +119,7 @@ pub struct Scheduler {
     peer_running_max: usize,
     steps: u64,
     preemptions: u64,
+    recomputed_tokens: u64,
     balance_held_steps: u64,
 }
 
@@ -136,6 +139,7 @@ impl Scheduler {
             peer_running_max: 0,
             steps: 0,
             preemptions: 0,
+            recomputed_tokens: 0,
             balance_held_steps: 0,
         }
     }
@@ -262,6 +266,7 @@ impl Scheduler {
             )));
         }
         seq.num_computed = seq.prompt_len;
+        seq.computed_high = seq.prompt_len;
         seq.prefill_end = seq.prompt_len;
         self.kv
             .cache_full_blocks(id, seq.hashes.hashes(), seq.num_computed);
@@ -272,6 +277,7 @@ impl Scheduler {
             token: first_token,
             logprobs,
             finished: None,
+            preemption: seq.preemption,
         };
         if let Some(reason) = reason {
             out.finished = Some(Finished {
@@ -357,6 +363,7 @@ impl Scheduler {
             max_num_batched_tokens: self.cfg.max_num_batched_tokens,
             steps: self.steps,
             preemptions: self.preemptions,
+            recomputed_tokens: self.recomputed_tokens,
             balance_held_steps: self.balance_held_steps,
         }
     }
@@ -557,7 +564,7 @@ impl Scheduler {
             let Some(seq) = self.seqs.get_mut(&s.seq_id) else {
                 continue; // aborted since `schedule`: its row is skipped
             };
-            seq.num_computed += s.num_new_tokens;
+            self.recomputed_tokens += seq.commit_computed(s.num_new_tokens) as u64;
             self.kv
                 .cache_full_blocks(s.seq_id, seq.hashes.hashes(), seq.num_computed);
             if !s.needs_logits {
@@ -587,6 +594,7 @@ impl Scheduler {
                 token,
                 logprobs,
                 finished,
+                preemption: seq.preemption,
             });
             if finished.is_some() {
                 self.finish(s.seq_id);
@@ -730,6 +738,7 @@ impl Scheduler {
         seq.num_computed = 0;
         seq.prefill_end = seq.tokens.len();
         seq.status = Status::Waiting;
+        seq.preemption.count += 1;
         if let Some(a) = arrival {
             seq.arrival = a;
         }

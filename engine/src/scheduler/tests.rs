@@ -439,3 +439,32 @@ fn abort_between_schedule_and_update_keeps_rows_aligned() {
     assert_eq!((outs.len(), outs[0].seq_id, outs[0].token), (1, 2, 22));
     s.check_invariants().expect("invariants");
 }
+
+#[test]
+fn tokens_computed_again_after_a_preemption_are_counted() {
+    // Without prefix caching a sequence preempted for blocks recomputes
+    // everything it had computed: 8 prompt tokens.
+    let kv = KvCache::new(5, BS, false, Arc::new(KvEventLog::new(64)));
+    let mut s = Scheduler::new(cfg(8, 100, SchedulingPolicy::Fcfs), kv, vec![0]);
+    s.add(1, req_with(8, 6, 0, 100)).expect("valid");
+    s.add(2, req_with(8, 6, 0, 200)).expect("valid");
+    step(&mut s);
+    let (st, _) = step(&mut s);
+    assert_eq!(st.preempted, vec![2]);
+    let outs = run_to_completion(&mut s);
+    let f = finished(&outs, 2).expect("done");
+    assert_eq!(
+        f.usage.preemption,
+        Preemption {
+            count: 1,
+            recomputed_tokens: 8
+        }
+    );
+    let last = outs.iter().rfind(|o| o.seq_id == 2).expect("outputs");
+    assert_eq!(last.preemption, f.usage.preemption);
+    assert_eq!(
+        finished(&outs, 1).expect("done").usage.preemption,
+        Preemption::default()
+    );
+    assert_eq!((s.load().preemptions, s.load().recomputed_tokens), (1, 8));
+}
