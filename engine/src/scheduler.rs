@@ -822,7 +822,9 @@ impl Scheduler {
     /// Gives the blocks of one parked sequence back to the pool: the waiting
     /// sequence holding blocks that is admitted last (never `except`). Its
     /// full blocks stay cached; it recomputes from the cache when admitted.
-    /// Returns whether one was released.
+    /// Returns whether one was released. (A backend with a host-memory tier
+    /// would copy the blocks out here and back on admission instead of
+    /// recomputing; none has one yet.)
     fn release_parked(&mut self, except: Option<SeqId>) -> bool {
         let Some(w) = self
             .waiting
