@@ -18,8 +18,9 @@ pub enum SchedulingPolicy {
     /// Arrival order; under KV pressure the latest admitted is preempted.
     #[default]
     Fcfs,
-    /// Higher `priority` first, FCFS within a priority; under KV pressure the
-    /// lowest-priority running sequence (latest arrival among equals) is preempted.
+    /// Higher `priority` first, FCFS within a priority; under pressure the
+    /// cheapest sufficient running sequence of the lowest priority is
+    /// preempted, keeping its computed KV (see [`crate::scheduler`]).
     Priority,
 }
 

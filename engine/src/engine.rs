@@ -27,7 +27,7 @@ use crate::config::EngineConfig;
 use crate::error::EngineError;
 use crate::kv::{KvCache, KvEventLog, KvSnapshot, KvSubscription, SeqId, SnapshotRequired};
 use crate::sampler::PositionLogprobs;
-use crate::scheduler::{Finished, LoadStats, Request, Scheduler};
+use crate::scheduler::{Finished, LoadStats, Preemption, Request, Scheduler};
 
 /// What one engine step produced for one request. The last output of a
 /// stream has `finished` set (its `token_ids` may be empty on abort/error).
@@ -37,6 +37,10 @@ pub struct Output {
     /// One entry per token when the request asked for logprobs.
     pub logprobs: Vec<PositionLogprobs>,
     pub finished: Option<Finished>,
+    /// The request's preemptions and recomputed tokens so far (they grow
+    /// only while it waits or recomputes, so a consumer can count them as
+    /// they happen; the finishing output carries the totals).
+    pub preemption: Preemption,
 }
 
 /// Commands from handles and guards to the engine thread.

@@ -23,4 +23,4 @@ pub use error::EngineError;
 pub use kv::{KvEvent, KvEventRecord, KvSnapshot, KvSubscription, SnapshotRequired};
 pub use model::{Model, ModelConfig};
 pub use sampler::{PositionLogprobs, SamplingParams, TokenLogprob};
-pub use scheduler::{FinishReason, Finished, LoadStats, Request, Usage};
+pub use scheduler::{FinishReason, Finished, LoadStats, Preemption, Request, Usage};

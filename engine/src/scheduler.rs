@@ -5,21 +5,44 @@
 //!
 //! Policies: `Fcfs` (arrival order; under KV pressure the latest admitted
 //! running sequence is preempted) and `Priority` (higher priority first, FCFS
-//! within; under KV pressure the lowest-priority running sequence, latest
-//! arrival among equals, is preempted; a waiting request may also preempt a
-//! strictly lower-priority running one when blocks or — flag
-//! `preempt_on_seq_limit` — `max_num_seqs` are the limit). A preempted
-//! sequence loses its blocks and is recomputed later, reusing whatever prefix
-//! is still cached. Abort at any point frees every block.
+//! within; a waiting request may preempt a strictly lower-priority running
+//! one when blocks or — flag `preempt_on_seq_limit` — `max_num_seqs` are the
+//! limit).
+//!
+//! Preemption keeps the victim's work:
+//! - A victim preempted for a *slot* (`max_num_seqs`) keeps its blocks while
+//!   it waits ("parked"): its full blocks stay in the prefix cache under
+//!   their chained hashes, shareable by others, and its resume computes only
+//!   its next token. The KV stays where the backend keeps it (host or device
+//!   memory alike), so no backend has to copy anything.
+//! - Parked blocks are the first to go under memory pressure: before any
+//!   running sequence is preempted, the least important parked sequence (last
+//!   in admission order) gives its blocks back to the pool, where its full
+//!   blocks stay cached and evictable like any freed prefix.
+//! - A victim preempted for *blocks* gives them back the same way. Either
+//!   way a resume takes its cached blocks like any prefix hit and recomputes
+//!   at most its last partial block, unless pressure evicted more.
+//! - The victim is the cheapest sufficient one among the running sequences of
+//!   the lowest priority: one that frees enough blocks (when blocks are the
+//!   need) and would recompute the fewest tokens if its blocks went back to
+//!   the cache, latest arrival among equals. A sequence that finishes within
+//!   the next step is never preempted while another candidate exists: it
+//!   frees its slot and blocks a step later anyway. A preempted sequence keeps
+//!   its original arrival (flag `keep_preempted_order`, on by default), so it
+//!   resumes ahead of later arrivals of its priority.
+//!
+//! Abort at any point frees every block. Tokens computed again after a
+//! preemption are counted per sequence ([`Preemption`]) and in [`LoadStats`].
 //!
 //! The scheduler owns the [`KvCache`] bookkeeping and the sequences' samplers;
 //! it never touches KV memory (the backend does) and never blocks.
 
 mod sequence;
 
+use std::cmp::Reverse;
 use std::collections::{BTreeMap, HashMap};
 
-pub use sequence::{FinishReason, Finished, Request, StepOutput, Usage};
+pub use sequence::{FinishReason, Finished, Preemption, Request, StepOutput, Usage};
 use sequence::{Sequence, Status};
 
 use crate::backend::{ForwardBatch, ForwardOutput, SeqChunk};
@@ -45,7 +68,8 @@ pub struct ScheduledStep {
     pub seqs: Vec<ScheduledSeq>,
     /// What the backend computes.
     pub batch: ForwardBatch,
-    /// Sequences preempted this step (back to waiting, blocks freed).
+    /// Sequences preempted this step (back to waiting; parked or with their
+    /// blocks given back to the pool).
     pub preempted: Vec<SeqId>,
     /// Sequences moved from waiting to running this step, in admission order.
     pub admitted: Vec<SeqId>,
@@ -85,6 +109,8 @@ pub struct LoadStats {
     pub steps: u64,
     /// Preemptions so far.
     pub preemptions: u64,
+    /// Tokens computed again after a preemption so far (see [`Preemption`]).
+    pub recomputed_tokens: u64,
     /// Steps where balance scheduling held admission back.
     pub balance_held_steps: u64,
 }
@@ -117,6 +143,7 @@ pub struct Scheduler {
     peer_running_max: usize,
     steps: u64,
     preemptions: u64,
+    recomputed_tokens: u64,
     balance_held_steps: u64,
 }
 
@@ -136,6 +163,7 @@ impl Scheduler {
             peer_running_max: 0,
             steps: 0,
             preemptions: 0,
+            recomputed_tokens: 0,
             balance_held_steps: 0,
         }
     }
@@ -228,9 +256,11 @@ impl Scheduler {
         let arrival = self.bump_arrival();
         let mut seq = Sequence::new(req, self.kv.block_size(), arrival, false);
         let hits = self.kv.acquire_prefix(id, seq.hashes.hashes());
-        if let Err(e) = self.kv.allocate(id, seq.prompt_len) {
-            self.kv.free(id);
-            return Err(e);
+        while let Err(e) = self.kv.allocate(id, seq.prompt_len) {
+            if !self.release_parked(None) {
+                self.kv.free(id);
+                return Err(e);
+            }
         }
         let cached_tokens = (hits * self.kv.block_size()).min(seq.prompt_len);
         seq.status = Status::Reserved;
@@ -262,6 +292,7 @@ impl Scheduler {
             )));
         }
         seq.num_computed = seq.prompt_len;
+        seq.computed_high = seq.prompt_len;
         seq.prefill_end = seq.prompt_len;
         self.kv
             .cache_full_blocks(id, seq.hashes.hashes(), seq.num_computed);
@@ -272,6 +303,7 @@ impl Scheduler {
             token: first_token,
             logprobs,
             finished: None,
+            preemption: seq.preemption,
         };
         if let Some(reason) = reason {
             out.finished = Some(Finished {
@@ -357,6 +389,7 @@ impl Scheduler {
             max_num_batched_tokens: self.cfg.max_num_batched_tokens,
             steps: self.steps,
             preemptions: self.preemptions,
+            recomputed_tokens: self.recomputed_tokens,
             balance_held_steps: self.balance_held_steps,
         }
     }
@@ -372,6 +405,7 @@ impl Scheduler {
         let mut step = ScheduledStep::default();
 
         // Running sequences first, in admission order.
+        let mut deferred = false;
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let id = self.running[i];
@@ -389,15 +423,23 @@ impl Scheduler {
                     i += 1;
                     break;
                 }
-                if self.release_waiting_blocks(None) {
+                if self.release_parked(None) {
                     continue;
                 }
-                let victim = self
-                    .pick_victim(None)
-                    .expect("the current sequence is running");
+                let deficit = self.deficit(id, target);
+                let Some(victim) = self.pick_victim(Room::ForRunning {
+                    requester: id,
+                    deficit,
+                }) else {
+                    // Every sequence that would give way finishes this step
+                    // and frees its blocks: this one waits a step instead.
+                    deferred = true;
+                    i += 1;
+                    break;
+                };
                 let victim_pos = self.running.iter().position(|&r| r == victim).unwrap_or(i);
                 budget += unschedule(&mut sched, victim);
-                self.preempt(victim);
+                self.preempt(victim, false);
                 step.preempted.push(victim);
                 if victim == id {
                     break;
@@ -416,7 +458,7 @@ impl Scheduler {
             self.balance_held_steps += 1;
         }
         let priority = self.cfg.policy == SchedulingPolicy::Priority;
-        let admit = step.preempted.is_empty() && balance_ok;
+        let admit = step.preempted.is_empty() && !deferred && balance_ok;
         // A waiting sequence whose cached prefix this step took references
         // on; released if it is not admitted after all.
         let mut acquired_for: Option<SeqId> = None;
@@ -431,10 +473,11 @@ impl Scheduler {
             if self.running.len() >= self.cfg.max_num_seqs {
                 if priority
                     && self.cfg.preempt_on_seq_limit
-                    && let Some(v) = self.pick_victim(Some(prio))
+                    && let Some(v) = self.pick_victim(Room::Slot { for_priority: prio })
                 {
                     budget += unschedule(&mut sched, v);
-                    self.preempt(v);
+                    // Only the slot is needed: the victim parks its blocks.
+                    self.preempt(v, true);
                     step.preempted.push(v);
                     continue;
                 }
@@ -469,18 +512,22 @@ impl Scheduler {
                 acquired_for = None;
                 continue;
             }
-            // Blocks held by other waiting sequences (remote-prefilled ones
-            // queued to decode) go back first: they recompute from the cache.
-            if fits_whole && self.release_waiting_blocks(Some(id)) {
+            // Blocks parked by other waiting sequences (preempted ones,
+            // remote-prefilled ones queued to decode) go back first, least
+            // important first: their full blocks stay in the cache.
+            if fits_whole && self.release_parked(Some(id)) {
                 continue;
             }
             if fits_whole
                 && priority
-                && let Some(v) = self.pick_victim(Some(prio))
                 && self.preemption_could_fit(id, target, prio)
+                && let Some(v) = self.pick_victim(Room::ForWaiting {
+                    for_priority: prio,
+                    deficit: self.deficit(id, target),
+                })
             {
                 budget += unschedule(&mut sched, v);
-                self.preempt(v);
+                self.preempt(v, false);
                 step.preempted.push(v);
                 continue;
             }
@@ -557,7 +604,7 @@ impl Scheduler {
             let Some(seq) = self.seqs.get_mut(&s.seq_id) else {
                 continue; // aborted since `schedule`: its row is skipped
             };
-            seq.num_computed += s.num_new_tokens;
+            self.recomputed_tokens += seq.commit_computed(s.num_new_tokens) as u64;
             self.kv
                 .cache_full_blocks(s.seq_id, seq.hashes.hashes(), seq.num_computed);
             if !s.needs_logits {
@@ -587,6 +634,7 @@ impl Scheduler {
                 token,
                 logprobs,
                 finished,
+                preemption: seq.preemption,
             });
             if finished.is_some() {
                 self.finish(s.seq_id);
@@ -630,6 +678,23 @@ impl Scheduler {
                 return Err(format!("waiting {id} has the wrong state or key"));
             }
         }
+        let bs = self.kv.block_size();
+        for id in self.running.iter().chain(self.waiting.values()) {
+            let seq = &self.seqs[id];
+            let held = self.kv.block_table(*id).len() * bs;
+            // A parked (or remote-committed) waiting sequence keeps what it
+            // computed; one without blocks starts over from the cache.
+            if seq.num_computed > held
+                || (seq.status == Status::Waiting
+                    && !self.kv.has_table(*id)
+                    && seq.num_computed != 0)
+            {
+                return Err(format!(
+                    "{id}: {} tokens computed, blocks for {held}",
+                    seq.num_computed
+                ));
+            }
+        }
         let listed = self.running.len() + self.waiting.len();
         let active = self
             .seqs
@@ -667,38 +732,115 @@ impl Scheduler {
         }
     }
 
-    /// The running sequence to preempt: FCFS takes the latest admitted;
-    /// priority takes the lowest priority, latest arrival among equals, and
-    /// only below `below` when given.
-    fn pick_victim(&self, below: Option<i32>) -> Option<SeqId> {
-        match self.cfg.policy {
-            SchedulingPolicy::Fcfs => self.running.last().copied(),
-            SchedulingPolicy::Priority => self
-                .running
-                .iter()
-                .map(|id| (id, &self.seqs[id]))
-                .filter(|(_, s)| below.is_none_or(|p| s.priority < p))
-                .min_by_key(|(_, s)| (s.priority, std::cmp::Reverse(s.arrival)))
-                .map(|(&id, _)| id),
+    /// The running sequence to preempt for `room`, or `None` when none should
+    /// give way (see the module docs for the rule).
+    fn pick_victim(&self, room: Room) -> Option<SeqId> {
+        let by_priority = self.cfg.policy == SchedulingPolicy::Priority;
+        let (below, requester, deficit) = match room {
+            Room::Slot { for_priority } => (Some(for_priority), None, None),
+            Room::ForRunning { requester, deficit } => (None, Some(requester), Some(deficit)),
+            Room::ForWaiting {
+                for_priority,
+                deficit,
+            } => (Some(for_priority), None, Some(deficit)),
+        };
+        // In admission order; FCFS treats every sequence as one priority.
+        let level = |s: &Sequence| if by_priority { s.priority } else { 0 };
+        let eligible: Vec<(SeqId, &Sequence)> = self
+            .running
+            .iter()
+            .map(|&id| (id, &self.seqs[&id]))
+            .filter(|(_, s)| !by_priority || below.is_none_or(|p| s.priority < p))
+            .collect();
+        let lowest = eligible.iter().map(|(_, s)| level(s)).min()?;
+        let at_lowest = eligible.into_iter().filter(|(_, s)| level(s) == lowest);
+        // One that finishes within the next step frees its slot and blocks
+        // then anyway: it gives way only to its own need.
+        let candidates: Vec<(SeqId, &Sequence)> = at_lowest
+            .filter(|&(id, s)| Some(id) == requester || !self.finishes_next_step(s))
+            .collect();
+        if candidates.is_empty() {
+            // All of them finish next step: the slot, the waiting sequence
+            // or the running requester (above them, or it would be among
+            // them) waits a step instead.
+            return None;
         }
+        if !by_priority {
+            return candidates.last().map(|&(id, _)| id);
+        }
+        // Blocks the victim would give back; the requester itself needs none
+        // once preempted.
+        let freed = |id: SeqId| {
+            if Some(id) == requester {
+                usize::MAX
+            } else {
+                self.kv.exclusive_blocks(id)
+            }
+        };
+        let sufficient = candidates
+            .iter()
+            .filter(|&&(id, _)| deficit.is_none_or(|d| freed(id) >= d))
+            .min_by_key(|&&(id, s)| (self.recompute_cost(id, s), Reverse(s.arrival)));
+        let victim = match sufficient {
+            Some(&(id, _)) => id,
+            // None frees enough alone: the one that frees the most.
+            None => candidates
+                .iter()
+                .max_by_key(|&&(id, s)| (freed(id), Reverse(self.recompute_cost(id, s)), s.arrival))
+                .map(|&(id, _)| id)?,
+        };
+        Some(victim)
     }
 
-    /// Frees the blocks of every waiting sequence but `except` (they will
-    /// recompute, mostly from the prefix cache). Returns whether any were held.
-    fn release_waiting_blocks(&mut self, except: Option<SeqId>) -> bool {
-        let holders: Vec<SeqId> = self
+    /// Tokens `seq` would compute again if its blocks went back to the pool
+    /// now and nothing were evicted: its computed tokens past the full blocks
+    /// the prefix cache holds for it (all of them without prefix caching).
+    fn recompute_cost(&self, id: SeqId, seq: &Sequence) -> usize {
+        let kept = self.kv.cached_blocks_of(id) * self.kv.block_size();
+        seq.num_computed.saturating_sub(kept)
+    }
+
+    /// Whether `seq` produces its last token in the next step: what it has
+    /// left to compute fits one step and the token it then gets ends it.
+    fn finishes_next_step(&self, seq: &Sequence) -> bool {
+        let pending = seq.tokens.len() - seq.num_computed;
+        let last = seq
+            .sampling
+            .max_tokens
+            .is_some_and(|m| seq.num_generated() + 1 >= m)
+            || seq.tokens.len() + 1 >= self.max_len;
+        pending <= self.cfg.max_num_batched_tokens && last
+    }
+
+    /// Blocks `id` lacks to reach `target` tokens beyond those free.
+    fn deficit(&self, id: SeqId, target: usize) -> usize {
+        self.kv
+            .blocks_needed(id, target)
+            .saturating_sub(self.kv.num_free())
+    }
+
+    /// Gives the blocks of one parked sequence back to the pool: the waiting
+    /// sequence holding blocks that is admitted last (never `except`). Its
+    /// full blocks stay cached; it recomputes from the cache when admitted.
+    /// Returns whether one was released. (A backend with a host-memory tier
+    /// would copy the blocks out here and back on admission instead of
+    /// recomputing; none has one yet.)
+    fn release_parked(&mut self, except: Option<SeqId>) -> bool {
+        let Some(w) = self
             .waiting
             .values()
+            .rev()
             .copied()
-            .filter(|&w| Some(w) != except && !self.kv.block_table(w).is_empty())
-            .collect();
-        for &w in &holders {
-            self.kv.free(w);
-            let seq = self.seqs.get_mut(&w).expect("waiting ids are known");
-            seq.num_computed = 0;
-            seq.prefill_end = seq.tokens.len();
-        }
-        !holders.is_empty()
+            .find(|&w| Some(w) != except && self.kv.has_table(w))
+        else {
+            return false;
+        };
+        self.kv.free(w);
+        let seq = self.seqs.get_mut(&w).expect("waiting ids are known");
+        seq.num_computed = 0;
+        seq.prefill_end = seq.tokens.len();
+        tracing::debug!(seq = w, "parked blocks released");
+        true
     }
 
     /// Whether preempting every running sequence below `prio` could free
@@ -709,14 +851,19 @@ impl Scheduler {
             .running
             .iter()
             .filter(|r| self.seqs[r].priority < prio)
-            .map(|r| self.kv.block_table(*r).len())
+            .map(|r| self.kv.exclusive_blocks(*r))
             .sum();
         needed <= self.kv.num_free() + reclaimable
     }
 
-    fn preempt(&mut self, id: SeqId) {
+    /// Moves running `id` back to waiting. With `keep_blocks` it parks its
+    /// blocks and computed tokens; otherwise they go back to the pool (full
+    /// blocks stay cached) and it recomputes from the cache when admitted.
+    fn preempt(&mut self, id: SeqId, keep_blocks: bool) {
         self.running.retain(|&r| r != id);
-        self.kv.free(id);
+        if !keep_blocks {
+            self.kv.free(id);
+        }
         let renew = self.cfg.policy == SchedulingPolicy::Priority && !self.cfg.keep_preempted_order;
         let arrival = if renew {
             Some(self.bump_arrival())
@@ -727,17 +874,34 @@ impl Scheduler {
             .seqs
             .get_mut(&id)
             .expect("preempted sequence is running");
-        seq.num_computed = 0;
-        seq.prefill_end = seq.tokens.len();
+        if !keep_blocks {
+            seq.num_computed = 0;
+            seq.prefill_end = seq.tokens.len();
+        }
         seq.status = Status::Waiting;
+        seq.preemption.count += 1;
         if let Some(a) = arrival {
             seq.arrival = a;
         }
         let key = self.key(&self.seqs[&id]);
         self.waiting.insert(key, id);
         self.preemptions += 1;
-        tracing::debug!(seq = id, "preempted");
+        tracing::debug!(seq = id, keep_blocks, "preempted");
     }
+}
+
+/// What a preemption must make room for.
+#[derive(Debug, Clone, Copy)]
+enum Room {
+    /// A slot (`max_num_seqs`) for a waiting sequence of `for_priority`:
+    /// only strictly lower priorities give way.
+    Slot { for_priority: i32 },
+    /// `deficit` more free blocks for running `requester`: the lowest
+    /// running priority gives way, the requester included.
+    ForRunning { requester: SeqId, deficit: usize },
+    /// `deficit` more free blocks for a waiting sequence of `for_priority`:
+    /// only strictly lower priorities give way.
+    ForWaiting { for_priority: i32, deficit: usize },
 }
 
 /// Removes `id` from this step's schedule, returning the tokens it had.

@@ -2,6 +2,13 @@
 //! priorities, prefill-only holds, remote reservations and KV pressure; every
 //! step must keep the pool's invariants, the token budget and `max_num_seqs`,
 //! admit in policy order, and everything must drain without leaking a block.
+//!
+//! A shadow of the KV memory checks what the backend would read: each slot
+//! a step writes records the hash of the sequence prefix it holds, and every
+//! chunk's earlier positions must hold its own sequence's prefix — across
+//! preemption (parked or released blocks), prefix sharing, eviction and
+//! remote prefill. Tokens computed twice are counted and must match the
+//! sequence's reported recompute.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -119,6 +126,14 @@ fn prompt(family: u8, len: usize) -> Vec<u32> {
         .collect()
 }
 
+/// Chains a prefix's hash with its next token (any well-mixed function will do).
+fn prefix_hash(h: u64, token: u32) -> u64 {
+    (h ^ u64::from(token))
+        .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+        .rotate_left(29)
+        ^ 0x94d0_49bb_1331_11eb
+}
+
 /// The fake backend: next token from the last one and its position.
 fn next_token(last: u32, pos: usize) -> u32 {
     ((u64::from(last) * 31 + pos as u64 * 7) % 23) as u32
@@ -126,6 +141,15 @@ fn next_token(last: u32, pos: usize) -> u32 {
 
 struct Harness {
     s: Scheduler,
+    /// Every sequence's tokens so far (prompt, then outputs).
+    tokens: HashMap<SeqId, Vec<u32>>,
+    /// (block, slot) → hash of the sequence prefix whose K/V it holds.
+    shadow: HashMap<(u32, usize), u64>,
+    /// Per sequence: most positions computed, and positions computed again.
+    computed_high: HashMap<SeqId, usize>,
+    recomputed: HashMap<SeqId, usize>,
+    /// Reserved slot → its blocks, for the remote prefill's writes.
+    reserved_blocks: HashMap<SeqId, Vec<u32>>,
     cfg: SchedulerConfig,
     block_size: usize,
     /// Admission key per sequence (policy order; lower is admitted first).
@@ -154,6 +178,11 @@ impl Harness {
         let kv = KvCache::new(st.num_blocks, st.block_size, st.caching, events.clone());
         Self {
             s: Scheduler::new(cfg.clone(), kv, vec![EOS]),
+            tokens: HashMap::new(),
+            shadow: HashMap::new(),
+            computed_high: HashMap::new(),
+            recomputed: HashMap::new(),
+            reserved_blocks: HashMap::new(),
             cfg,
             block_size: st.block_size,
             keys: HashMap::new(),
@@ -197,6 +226,7 @@ impl Harness {
                 self.next_id += 1;
                 let req = Self::request(prompt(family, len), max_tokens, priority, ignore_eos);
                 let too_long = len >= self.s.max_len();
+                self.tokens.insert(id, req.prompt.clone());
                 match self.s.add(id, req) {
                     Ok(()) => {
                         prop_assert!(!too_long);
@@ -209,6 +239,7 @@ impl Harness {
             Op::PrefillOnly { family, len } => {
                 let id = self.next_id;
                 self.next_id += 1;
+                self.tokens.insert(id, prompt(family, len));
                 if self
                     .s
                     .add_prefill_only(id, Self::request(prompt(family, len), 1, 0, false))
@@ -224,17 +255,30 @@ impl Harness {
                 self.next_id += 1;
                 let p = prompt(family, len);
                 let last = *p.last().expect("len >= 1");
+                self.tokens.insert(id, p.clone());
                 if let Ok(r) = self.s.reserve_remote(id, Self::request(p, 8, 0, false)) {
                     prop_assert_eq!(r.block_ids.len(), len.div_ceil(self.block_size));
                     prop_assert!(r.skip_blocks * self.block_size <= len);
+                    // The cached blocks it skips must already hold the prompt.
+                    let t = self.tokens[&id].clone();
+                    self.check_reads(id, &t, &r.block_ids, r.skip_blocks * self.block_size)?;
+                    self.reserved_blocks.insert(id, r.block_ids.clone());
                     self.reserved.push((id, next_token(last, len - 1) as usize));
                 }
             }
             Op::Commit { pick } => {
                 if !self.reserved.is_empty() {
                     let (id, first) = self.reserved.remove(pick % self.reserved.len());
+                    // The remote prefill wrote the prompt into the slot.
+                    let blocks = self.reserved_blocks.remove(&id).unwrap_or_default();
+                    let t = self.tokens[&id].clone();
+                    self.write(&t, &blocks, 0, t.len());
+                    self.computed_high.insert(id, t.len());
                     let out = self.s.commit_remote(id, first as u32, None);
                     prop_assert!(out.is_ok());
+                    if let Ok(o) = out {
+                        self.tokens.entry(id).or_default().push(o.token);
+                    }
                     let key = self.key(id, 0);
                     self.keys.insert(id, key);
                 }
@@ -295,6 +339,23 @@ impl Harness {
                 );
             }
         }
+        // What the backend reads and writes: every chunk continues its own
+        // sequence over K/V that holds its own prefix.
+        for (s, c) in st.seqs.iter().zip(&st.batch.seqs) {
+            let t = self.tokens[&s.seq_id].clone();
+            let end = c.start_pos + c.tokens.len();
+            prop_assert_eq!(&c.tokens[..], &t[c.start_pos..end], "seq {}", s.seq_id);
+            self.check_reads(s.seq_id, &t, &c.block_table, c.start_pos)?;
+        }
+        for (s, c) in st.seqs.iter().zip(&st.batch.seqs) {
+            let t = self.tokens[&s.seq_id].clone();
+            let end = c.start_pos + c.tokens.len();
+            self.write(&t, &c.block_table, c.start_pos, end);
+            let high = self.computed_high.entry(s.seq_id).or_default();
+            let again = (*high).min(end).saturating_sub(c.start_pos);
+            *high = (*high).max(end);
+            *self.recomputed.entry(s.seq_id).or_default() += again;
+        }
         let tokens: Vec<u32> = st
             .batch
             .seqs
@@ -305,11 +366,56 @@ impl Harness {
                 next_token(last, c.start_pos + c.tokens.len() - 1)
             })
             .collect();
-        self.s
+        let outs = self
+            .s
             .update(&st, ForwardOutput::Tokens(tokens))
             .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        for o in outs {
+            self.tokens.entry(o.seq_id).or_default().push(o.token);
+            let counted = self.recomputed.get(&o.seq_id).copied().unwrap_or(0);
+            prop_assert_eq!(o.preemption.recomputed_tokens, counted, "seq {}", o.seq_id);
+            if let Some(f) = o.finished {
+                prop_assert_eq!(f.usage.preemption, o.preemption);
+            }
+        }
         self.s.check_invariants().map_err(TestCaseError::fail)?;
         Ok(())
+    }
+
+    /// Positions `0..upto` of `id`'s table must hold `tokens`' prefixes.
+    fn check_reads(
+        &self,
+        id: SeqId,
+        tokens: &[u32],
+        table: &[u32],
+        upto: usize,
+    ) -> Result<(), TestCaseError> {
+        let mut h = 0u64;
+        for (p, &t) in tokens.iter().enumerate().take(upto) {
+            h = prefix_hash(h, t);
+            let slot = (table[p / self.block_size], p % self.block_size);
+            prop_assert_eq!(
+                self.shadow.get(&slot),
+                Some(&h),
+                "seq {} reads position {} from block {} holding another prefix",
+                id,
+                p,
+                slot.0
+            );
+        }
+        Ok(())
+    }
+
+    /// Records that positions `from..to` of `tokens` were written into `table`.
+    fn write(&mut self, tokens: &[u32], table: &[u32], from: usize, to: usize) {
+        let mut h = 0u64;
+        for (p, &t) in tokens.iter().enumerate().take(to) {
+            h = prefix_hash(h, t);
+            if p >= from {
+                self.shadow
+                    .insert((table[p / self.block_size], p % self.block_size), h);
+            }
+        }
     }
 
     fn drain(&mut self) -> Result<(), TestCaseError> {

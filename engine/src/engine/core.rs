@@ -181,6 +181,7 @@ impl EngineCore {
                         token_ids: vec![],
                         logprobs: vec![],
                         finished: Some(fin),
+                        preemption: Default::default(),
                     });
                 }
             },
@@ -246,6 +247,7 @@ impl EngineCore {
                             token_ids: vec![],
                             logprobs: vec![],
                             finished: Some(fin),
+                            preemption: Default::default(),
                         });
                     }
                 }
@@ -288,6 +290,7 @@ impl EngineCore {
                 token_ids: vec![out.token],
                 logprobs: out.logprobs.into_iter().collect(),
                 finished: out.finished,
+                preemption: out.preemption,
             };
             let gone = tx.send(msg).is_err();
             if out.finished.is_some() {
@@ -318,6 +321,7 @@ impl EngineCore {
                 token_ids: vec![],
                 logprobs: vec![],
                 finished: Some(finished),
+                preemption: finished.usage.preemption,
             });
         }
         if let Some(reply) = self.prefills.remove(&id) {
@@ -362,6 +366,7 @@ impl EngineCore {
                 token_ids: vec![],
                 logprobs: vec![],
                 finished: Some(fin),
+                preemption: usage.preemption,
             });
         }
         for (id, reply) in std::mem::take(&mut self.prefills) {

@@ -134,6 +134,22 @@ impl KvCache {
         self.tables.get(&seq).map_or(&[], |t| t.ids.as_slice())
     }
 
+    /// Blocks of `seq` no other sequence references: what freeing it gives
+    /// back to the pool.
+    pub fn exclusive_blocks(&self, seq: SeqId) -> usize {
+        self.block_table(seq)
+            .iter()
+            .filter(|&&id| self.blocks[id as usize].ref_count == 1)
+            .count()
+    }
+
+    /// Leading blocks of `seq` held in the prefix cache (registered by it or
+    /// taken from it): what survives of its work when it is freed, until
+    /// evicted. 0 without prefix caching.
+    pub fn cached_blocks_of(&self, seq: SeqId) -> usize {
+        self.tables.get(&seq).map_or(0, |t| t.num_cached)
+    }
+
     /// Extra blocks `seq` needs so its table covers `num_tokens` tokens.
     pub fn blocks_needed(&self, seq: SeqId, num_tokens: usize) -> usize {
         self.blocks_for(num_tokens)
@@ -426,6 +442,23 @@ mod tests {
                 block_hashes: hashes.clone()
             }]
         );
+    }
+
+    #[test]
+    fn exclusive_and_cached_blocks_say_what_freeing_gives_back_and_keeps() {
+        let mut c = cache(8);
+        let hashes = sequence_block_hashes(&(0..10).collect::<Vec<u32>>(), 4);
+        c.allocate(1, 10).expect("fits");
+        c.cache_full_blocks(1, &hashes, 10);
+        assert_eq!((c.exclusive_blocks(1), c.cached_blocks_of(1)), (3, 2));
+        assert_eq!(c.acquire_prefix(2, &hashes), 2);
+        assert_eq!(c.exclusive_blocks(1), 1, "two are shared with seq 2");
+        assert_eq!((c.exclusive_blocks(2), c.cached_blocks_of(2)), (0, 2));
+        c.free(1);
+        assert_eq!(c.exclusive_blocks(2), 2);
+        c.free(2);
+        assert_eq!((c.exclusive_blocks(2), c.cached_blocks_of(2)), (0, 0));
+        c.check_invariants().expect("invariants");
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! One request's life inside the scheduler: its tokens, how many of them are
-//! in the KV cache, its sampler, and the request-facing types (request,
-//! finish reason, usage) the engine hands back.
+//! in the KV cache (and the most that ever were, so work done twice after a
+//! preemption is counted), its sampler, and the request-facing types
+//! (request, finish reason, usage, preemption cost) the engine hands back.
 
 use sluice_tokens::BlockHashes;
 
@@ -30,6 +31,17 @@ pub enum FinishReason {
     Error,
 }
 
+/// What preemption has cost one request so far.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Preemption {
+    /// Times the sequence was preempted.
+    pub count: usize,
+    /// Tokens whose K/V the sequence had computed once, lost, and computed
+    /// again (after a preemption, or after its blocks were taken back while
+    /// it waited).
+    pub recomputed_tokens: usize,
+}
+
 /// Token accounting for one request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Usage {
@@ -37,6 +49,7 @@ pub struct Usage {
     pub completion_tokens: usize,
     /// Prompt tokens served from the prefix cache at first admission.
     pub cached_tokens: usize,
+    pub preemption: Preemption,
 }
 
 /// The end of a sequence.
@@ -54,6 +67,8 @@ pub struct StepOutput {
     pub logprobs: Option<PositionLogprobs>,
     /// Set when this token ends the sequence.
     pub finished: Option<Finished>,
+    /// The sequence's preemptions and recomputed tokens up to this token.
+    pub preemption: Preemption,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,6 +88,9 @@ pub(crate) struct Sequence {
     pub(crate) hashes: BlockHashes,
     /// Tokens whose K/V are in the cache.
     pub(crate) num_computed: usize,
+    /// The most tokens ever computed (or taken from the cache): computing
+    /// below it again is recompute.
+    pub(crate) computed_high: usize,
     /// Tokens to (re)compute before the sequence decodes (for pending-prefill load).
     pub(crate) prefill_end: usize,
     pub(crate) sampling: SamplingParams,
@@ -84,6 +102,7 @@ pub(crate) struct Sequence {
     pub(crate) status: Status,
     /// Prefill only: keep the blocks when the first token is out.
     pub(crate) hold_on_finish: bool,
+    pub(crate) preemption: Preemption,
 }
 
 impl Sequence {
@@ -97,6 +116,7 @@ impl Sequence {
             prompt_len,
             hashes,
             num_computed: 0,
+            computed_high: 0,
             prefill_end: prompt_len,
             sampling: req.sampling,
             priority: req.priority,
@@ -104,6 +124,7 @@ impl Sequence {
             cached_tokens: None,
             status: Status::Waiting,
             hold_on_finish,
+            preemption: Preemption::default(),
         }
     }
 
@@ -121,7 +142,22 @@ impl Sequence {
             prompt_tokens: self.prompt_len,
             completion_tokens: self.num_generated(),
             cached_tokens: self.cached_tokens.unwrap_or(0),
+            preemption: self.preemption,
         }
+    }
+
+    /// Commits `n` newly computed tokens; returns how many of them had been
+    /// computed before (recompute).
+    pub(crate) fn commit_computed(&mut self, n: usize) -> usize {
+        let start = self.num_computed;
+        self.num_computed += n;
+        let again = self
+            .computed_high
+            .min(self.num_computed)
+            .saturating_sub(start);
+        self.computed_high = self.computed_high.max(self.num_computed);
+        self.preemption.recomputed_tokens += again;
+        again
     }
 
     /// Prompt (or recompute) tokens still to be computed before decoding.

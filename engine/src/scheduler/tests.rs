@@ -1,7 +1,11 @@
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::*;
-use crate::kv::KvEventLog;
+use crate::backend::Backend;
+use crate::backend::cpu::CpuBackend;
+use crate::backend::mocker::{MockerBackend, MockerConfig, decode_ms, prefill_ms};
+use crate::kv::{KvEvent, KvEventLog};
 use crate::sampler::SamplingParams;
 
 const BS: usize = 4;
@@ -438,4 +442,474 @@ fn abort_between_schedule_and_update_keeps_rows_aligned() {
         .expect("rows match");
     assert_eq!((outs.len(), outs[0].seq_id, outs[0].token), (1, 2, 22));
     s.check_invariants().expect("invariants");
+}
+
+/// Runs `s` until `id` is admitted again (or finishes), returning the step
+/// that (re)admitted it.
+fn step_until_admitted(s: &mut Scheduler, id: SeqId) -> ScheduledStep {
+    for _ in 0..1_000 {
+        let (st, _) = step(s);
+        if st.admitted.contains(&id) {
+            return st;
+        }
+    }
+    panic!("sequence {id} was never admitted again");
+}
+
+fn chunk_of(st: &ScheduledStep, id: SeqId) -> (usize, usize) {
+    let i = st
+        .seqs
+        .iter()
+        .position(|x| x.seq_id == id)
+        .expect("scheduled");
+    (st.batch.seqs[i].start_pos, st.seqs[i].num_new_tokens)
+}
+
+#[test]
+fn seq_limit_victim_parks_its_blocks_and_resumes_with_only_its_next_token() {
+    let mut s = sched(cfg(1, 100, SchedulingPolicy::Priority), 64);
+    s.add(1, req_with(10, 20, 0, 100)).expect("valid");
+    for _ in 0..4 {
+        step(&mut s); // prefill, then 3 decodes: 14 tokens, 13 computed
+    }
+    let table = s.block_table(1).to_vec();
+    s.add(2, req_with(4, 2, 5, 200)).expect("valid");
+    let (st, _) = step(&mut s);
+    assert_eq!(
+        (st.preempted.clone(), st.admitted.clone()),
+        (vec![1], vec![2])
+    );
+    assert_eq!(s.block_table(1), &table[..], "the victim keeps its blocks");
+    let st = step_until_admitted(&mut s, 1);
+    assert_eq!(chunk_of(&st, 1), (13, 1), "only the next token is computed");
+    let outs = run_to_completion(&mut s);
+    let f = finished(&outs, 1).expect("done");
+    assert_eq!(f.usage.completion_tokens, 20);
+    assert_eq!(
+        f.usage.preemption,
+        Preemption {
+            count: 1,
+            recomputed_tokens: 0
+        }
+    );
+    assert_eq!(s.kv().num_used(), 0);
+}
+
+#[test]
+fn kv_victim_recomputes_at_most_its_partial_block_when_nothing_was_evicted() {
+    // 6 blocks of 4. Seq 1 (priority 0) computes 10 tokens (2 full blocks
+    // and 2 tokens of a third); seq 2 (priority 5) needs 4 blocks with 3 free.
+    let mut c = cfg(4, 100, SchedulingPolicy::Priority);
+    c.max_model_len = 24;
+    let mut s = sched(c, 6);
+    s.add(1, req_with(9, 8, 0, 100)).expect("valid");
+    step(&mut s);
+    step(&mut s);
+    s.add(2, req_with(16, 1, 5, 200)).expect("valid");
+    let (st, _) = step(&mut s);
+    assert_eq!(
+        (st.preempted.clone(), st.admitted.clone()),
+        (vec![1], vec![2])
+    );
+    assert!(s.block_table(1).is_empty(), "blocks went back to the pool");
+    assert_eq!(
+        s.kv()
+            .cached_prefix_len(&sluice_tokens::sequence_block_hashes(
+                &req_with(9, 0, 0, 100).prompt,
+                BS
+            )),
+        2,
+        "its full blocks stay cached"
+    );
+    let st = step_until_admitted(&mut s, 1);
+    let (start, n) = chunk_of(&st, 1);
+    assert_eq!((start, n), (8, 3), "2 recomputed tokens and the next one");
+    let outs = run_to_completion(&mut s);
+    let f = finished(&outs, 1).expect("done");
+    assert_eq!(f.usage.completion_tokens, 8);
+    assert_eq!(f.usage.preemption.recomputed_tokens, 2);
+    assert!(f.usage.preemption.recomputed_tokens < BS);
+    assert_eq!(s.load().recomputed_tokens, 2);
+    assert_eq!(s.kv().num_used(), 0);
+}
+
+#[test]
+fn parked_blocks_go_back_before_a_running_sequence_is_preempted() {
+    // Seq 1 is parked by seq 2 at the slot limit; seq 2 then needs one block
+    // more than are free: seq 1's parked blocks are released (its partial
+    // block serves seq 2, its full ones stay cached), nobody running is
+    // preempted.
+    let mut c = cfg(1, 100, SchedulingPolicy::Priority);
+    c.max_model_len = 40;
+    let mut s = sched(c, 10);
+    s.add(1, req_with(12, 20, 0, 100)).expect("valid"); // 3 blocks, 4 with its first decode
+    step(&mut s);
+    step(&mut s);
+    s.add(2, req_with(14, 12, 5, 200)).expect("valid"); // 4 blocks, 7 by its end
+    let (st, _) = step(&mut s);
+    assert_eq!(st.preempted, vec![1]);
+    assert!(!s.block_table(1).is_empty());
+    let mut preempted = Vec::new();
+    while s.contains(2) {
+        preempted.extend(step(&mut s).0.preempted);
+    }
+    assert!(preempted.is_empty(), "no running sequence was preempted");
+    let outs = run_to_completion(&mut s);
+    let f = finished(&outs, 1).expect("done");
+    assert_eq!(f.usage.completion_tokens, 20);
+    assert_eq!(f.usage.preemption.count, 1);
+    assert!(f.usage.preemption.recomputed_tokens < BS);
+    assert_eq!(s.kv().num_used(), 0);
+}
+
+#[test]
+fn evicted_victim_recomputes_what_it_lost_and_completes() {
+    // Seq 1's blocks go back under pressure, then seq 2 and 3 take every
+    // block of the pool: seq 1 resumes from scratch.
+    let mut c = cfg(4, 100, SchedulingPolicy::Priority);
+    c.max_model_len = 32;
+    let mut s = sched(c, 8);
+    s.add(1, req_with(12, 10, 0, 100)).expect("valid");
+    step(&mut s);
+    step(&mut s); // 13 computed
+    s.add(2, req_with(24, 1, 5, 200)).expect("valid"); // 6 blocks
+    s.add(3, req_with(6, 8, 4, 300)).expect("valid"); // 2 blocks, 4 by its end
+    let outs = run_to_completion(&mut s);
+    let f = finished(&outs, 1).expect("done");
+    assert_eq!(f.reason, FinishReason::Length);
+    assert_eq!(f.usage.completion_tokens, 10);
+    assert!(f.usage.preemption.count >= 1);
+    assert!(
+        f.usage.preemption.recomputed_tokens >= 12,
+        "its cached blocks were evicted: {:?}",
+        f.usage.preemption
+    );
+    assert_eq!(s.kv().num_used(), 0);
+}
+
+#[test]
+fn victim_is_the_cheapest_not_the_latest_arrival() {
+    // Three priority-0 sequences of 8, 6 and 7 prompt tokens: after their
+    // prefill seq 1's tokens fill whole cached blocks (nothing to recompute),
+    // seq 2 and 3 would recompute 2 and 3.
+    let mut s = sched(cfg(3, 100, SchedulingPolicy::Priority), 64);
+    s.add(1, req_with(8, 20, 0, 100)).expect("valid");
+    s.add(2, req_with(6, 20, 0, 200)).expect("valid");
+    s.add(3, req_with(7, 20, 0, 300)).expect("valid");
+    step(&mut s);
+    s.add(4, req_with(4, 2, 5, 400)).expect("valid");
+    let (st, _) = step(&mut s);
+    assert_eq!(st.preempted, vec![1]);
+}
+
+#[test]
+fn victim_must_free_enough_blocks_to_be_chosen() {
+    // Seq 1 (priority 0) shares its two full blocks with seq 3 (priority 9):
+    // preempting it frees one block. Seq 2 (priority 0) would recompute more
+    // but frees two, which seq 4 needs.
+    let mut s = sched(cfg(4, 100, SchedulingPolicy::Priority), 6);
+    s.add(1, req_with(9, 20, 0, 100)).expect("valid");
+    s.add(2, req_with(6, 20, 0, 200)).expect("valid");
+    step(&mut s);
+    s.add(3, req_with(9, 20, 9, 100)).expect("valid");
+    let (st, _) = step(&mut s);
+    assert_eq!(st.admitted, vec![3]);
+    assert_eq!(s.kv().num_free(), 0);
+    assert_eq!(s.kv().exclusive_blocks(1), 1);
+    s.add(4, req_with(8, 2, 5, 400)).expect("valid");
+    let (st, _) = step(&mut s);
+    assert_eq!(st.preempted, vec![2]);
+    assert_eq!(st.admitted, vec![4]);
+}
+
+#[test]
+fn sequence_finishing_next_step_is_not_preempted() {
+    // Seq 2 (latest, cheapest) produces its last token next step: seq 1
+    // gives way instead.
+    let mut s = sched(cfg(2, 100, SchedulingPolicy::Priority), 64);
+    s.add(1, req_with(6, 20, 0, 100)).expect("valid");
+    s.add(2, req_with(8, 2, 0, 200)).expect("valid");
+    step(&mut s);
+    s.add(3, req_with(4, 2, 5, 300)).expect("valid");
+    let (st, _) = step(&mut s);
+    assert_eq!(st.preempted, vec![1]);
+
+    // With only a finishing one running, the newcomer waits one step.
+    let mut s = sched(cfg(1, 100, SchedulingPolicy::Priority), 64);
+    s.add(1, req_with(8, 2, 0, 100)).expect("valid");
+    step(&mut s);
+    s.add(2, req_with(4, 2, 5, 200)).expect("valid");
+    let (st, outs) = step(&mut s);
+    assert!(st.preempted.is_empty() && st.admitted.is_empty());
+    assert!(finished(&outs, 1).is_some());
+    let (st, _) = step(&mut s);
+    assert_eq!(st.admitted, vec![2]);
+}
+
+#[test]
+fn preempted_generated_blocks_are_stored_under_their_chain() {
+    // Seq 1's decoded tokens fill a block before it is preempted for blocks;
+    // that block was published with its parent and serves the resume.
+    let mut c = cfg(4, 100, SchedulingPolicy::Priority);
+    c.max_model_len = 24;
+    let mut s = sched(c, 6);
+    s.add(1, req_with(4, 10, 0, 100)).expect("valid");
+    for _ in 0..6 {
+        step(&mut s); // 4 prompt + 5 decoded tokens computed: 2 full blocks
+    }
+    let events = s
+        .kv()
+        .events()
+        .subscribe(0)
+        .expect("ring")
+        .backlog
+        .into_iter()
+        .map(|r| r.event)
+        .collect::<Vec<_>>();
+    let prompt = req_with(4, 0, 0, 100).prompt;
+    let h0 = sluice_tokens::sequence_block_hashes(&prompt, BS)[0];
+    let stored_second = events.iter().find_map(|e| match e {
+        KvEvent::Stored {
+            parent_hash: Some(p),
+            block_hashes,
+        } if *p == h0 => Some(block_hashes[0]),
+        _ => None,
+    });
+    let h1 = stored_second.expect("the decoded block was stored under its parent");
+    s.add(2, req_with(16, 1, 5, 200)).expect("valid");
+    let (st, _) = step(&mut s);
+    assert_eq!(st.preempted, vec![1]);
+    assert_eq!(s.kv().cached_prefix_len(&[h0, h1]), 2);
+    let st = step_until_admitted(&mut s, 1);
+    assert_eq!(chunk_of(&st, 1).0, 8, "both blocks came from the cache");
+    run_to_completion(&mut s);
+    assert_eq!(s.kv().num_used(), 0);
+}
+
+#[test]
+fn tokens_computed_again_after_a_preemption_are_counted() {
+    // Without prefix caching a sequence preempted for blocks recomputes
+    // everything it had computed: 8 prompt tokens.
+    let kv = KvCache::new(5, BS, false, Arc::new(KvEventLog::new(64)));
+    let mut s = Scheduler::new(cfg(8, 100, SchedulingPolicy::Fcfs), kv, vec![0]);
+    s.add(1, req_with(8, 6, 0, 100)).expect("valid");
+    s.add(2, req_with(8, 6, 0, 200)).expect("valid");
+    step(&mut s);
+    let (st, _) = step(&mut s);
+    assert_eq!(st.preempted, vec![2]);
+    let outs = run_to_completion(&mut s);
+    let f = finished(&outs, 2).expect("done");
+    assert_eq!(
+        f.usage.preemption,
+        Preemption {
+            count: 1,
+            recomputed_tokens: 8
+        }
+    );
+    let last = outs.iter().rfind(|o| o.seq_id == 2).expect("outputs");
+    assert_eq!(last.preemption, f.usage.preemption);
+    assert_eq!(
+        finished(&outs, 1).expect("done").usage.preemption,
+        Preemption::default()
+    );
+    assert_eq!((s.load().preemptions, s.load().recomputed_tokens), (1, 8));
+}
+
+/// The Llama fixture of `tests/parity.rs` (2 layers, vocab 256, random
+/// weights) on the CPU backend, with `num_blocks` blocks of `BS` tokens.
+fn cpu_model(num_blocks: usize) -> CpuBackend {
+    let dir =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/parity/llama_untied");
+    CpuBackend::from_dir(&dir, num_blocks, BS).expect("the fixture model loads")
+}
+
+/// A greedy request on the fixture model that ignores EOS, so every run
+/// produces `max_tokens` tokens.
+fn cpu_req(prompt_len: usize, max_tokens: usize, priority: i32, base: u32) -> Request {
+    let mut r = req_with(prompt_len, max_tokens, priority, base);
+    r.sampling.ignore_eos = true;
+    r
+}
+
+/// Steps `s` on the real model until `stop` holds (or nothing is left),
+/// appending every sequence's tokens to `out`.
+fn run_cpu(
+    s: &mut Scheduler,
+    model: &mut CpuBackend,
+    out: &mut HashMap<SeqId, Vec<u32>>,
+    stop: impl Fn(&Scheduler) -> bool,
+) {
+    for _ in 0..2_000 {
+        if !s.has_unfinished() || stop(s) {
+            return;
+        }
+        let st = s.schedule();
+        let logits = model.forward(&st.batch).expect("forward");
+        for o in s.update(&st, logits).expect("rows match") {
+            out.entry(o.seq_id).or_default().push(o.token);
+        }
+        s.check_invariants().expect("invariants");
+    }
+    panic!("the model run did not finish");
+}
+
+/// Each request alone on an idle engine: the tokens a preempted run must reproduce.
+fn cpu_reference(reqs: &[Request]) -> Vec<Vec<u32>> {
+    reqs.iter()
+        .map(|r| {
+            let mut s = sched(cfg(1, 100, SchedulingPolicy::Fcfs), 64);
+            let mut model = cpu_model(64);
+            let mut out = HashMap::new();
+            s.add(1, r.clone()).expect("valid");
+            run_cpu(&mut s, &mut model, &mut out, |_| false);
+            out.remove(&1).expect("tokens")
+        })
+        .collect()
+}
+
+/// Runs `reqs` (ids 1, 2, …) on the real model: request `i` is added once
+/// `start[i]` steps have run. Returns every request's tokens and usage.
+fn cpu_preempted_run(
+    c: SchedulerConfig,
+    num_blocks: usize,
+    reqs: &[Request],
+    start: &[usize],
+) -> (Vec<Vec<u32>>, Vec<Usage>) {
+    let mut s = sched(c, num_blocks);
+    let mut model = cpu_model(num_blocks);
+    let mut out: HashMap<SeqId, Vec<u32>> = HashMap::new();
+    let mut usage = HashMap::new();
+    let mut steps = 0;
+    for (i, r) in reqs.iter().enumerate() {
+        while steps < start[i] {
+            let st = s.schedule();
+            let logits = model.forward(&st.batch).expect("forward");
+            for o in s.update(&st, logits).expect("rows match") {
+                out.entry(o.seq_id).or_default().push(o.token);
+                if let Some(f) = o.finished {
+                    usage.insert(o.seq_id, f.usage);
+                }
+            }
+            s.check_invariants().expect("invariants");
+            steps += 1;
+        }
+        s.add(i as SeqId + 1, r.clone()).expect("valid");
+    }
+    while s.has_unfinished() {
+        let st = s.schedule();
+        let logits = model.forward(&st.batch).expect("forward");
+        for o in s.update(&st, logits).expect("rows match") {
+            out.entry(o.seq_id).or_default().push(o.token);
+            if let Some(f) = o.finished {
+                usage.insert(o.seq_id, f.usage);
+            }
+        }
+        s.check_invariants().expect("invariants");
+    }
+    assert_eq!(s.kv().num_used(), 0);
+    (1..=reqs.len() as SeqId)
+        .map(|id| (out.remove(&id).expect("tokens"), usage[&id]))
+        .unzip()
+}
+
+/// One preemption scenario on the real model.
+struct CpuCase {
+    what: &'static str,
+    cfg: SchedulerConfig,
+    num_blocks: usize,
+    reqs: Vec<Request>,
+    /// Steps run before each request is added.
+    start: Vec<usize>,
+    /// What the first request's usage must show.
+    check: fn(&Usage) -> bool,
+}
+
+#[test]
+fn preempted_sequences_generate_the_unpreempted_tokens_on_the_cpu_model() {
+    let prio = |n: usize, budget: usize, m: usize| {
+        let mut c = cfg(n, budget, SchedulingPolicy::Priority);
+        c.max_model_len = m;
+        c
+    };
+    let cases = [
+        CpuCase {
+            what: "parked at the slot limit while decoding",
+            cfg: prio(1, 100, 1024),
+            num_blocks: 64,
+            reqs: vec![cpu_req(10, 24, 0, 10), cpu_req(7, 6, 5, 40)],
+            start: vec![0, 5],
+            check: |u| u.preemption.count == 1 && u.preemption.recomputed_tokens == 0,
+        },
+        CpuCase {
+            what: "parked at the slot limit mid-prefill (chunks of 4)",
+            cfg: prio(1, 4, 1024),
+            num_blocks: 64,
+            reqs: vec![cpu_req(14, 10, 0, 10), cpu_req(5, 4, 5, 40)],
+            start: vec![0, 2],
+            check: |u| u.preemption.count == 1 && u.preemption.recomputed_tokens == 0,
+        },
+        CpuCase {
+            what: "blocks given back, resumed from the prefix cache",
+            cfg: prio(4, 100, 24),
+            num_blocks: 6,
+            reqs: vec![cpu_req(9, 8, 0, 10), cpu_req(16, 1, 5, 40)],
+            start: vec![0, 2],
+            check: |u| u.preemption.count == 1 && u.preemption.recomputed_tokens == 2,
+        },
+        CpuCase {
+            what: "blocks given back, then evicted by others",
+            cfg: prio(4, 100, 32),
+            num_blocks: 8,
+            reqs: vec![
+                cpu_req(12, 10, 0, 10),
+                cpu_req(24, 1, 5, 40),
+                cpu_req(6, 8, 4, 80),
+            ],
+            start: vec![0, 2, 2],
+            check: |u| u.preemption.count >= 1 && u.preemption.recomputed_tokens >= 12,
+        },
+    ];
+    for c in cases {
+        let want = cpu_reference(&c.reqs);
+        let (got, usage) = cpu_preempted_run(c.cfg, c.num_blocks, &c.reqs, &c.start);
+        assert_eq!(got, want, "{}", c.what);
+        assert!((c.check)(&usage[0]), "{}: {:?}", c.what, usage[0]);
+    }
+}
+
+#[test]
+fn mocker_charges_a_resume_only_for_the_tokens_it_computes() {
+    let mocker = MockerBackend::new(MockerConfig {
+        block_size: BS,
+        ..MockerConfig::default()
+    })
+    .expect("valid");
+    let ms = |st: &ScheduledStep| mocker.step_duration(&st.batch).as_secs_f64() * 1000.0;
+
+    // Parked at the slot limit: the resume is one decode row.
+    let mut s = sched(cfg(1, 100, SchedulingPolicy::Priority), 64);
+    s.add(1, req_with(10, 20, 0, 100)).expect("valid");
+    for _ in 0..4 {
+        step(&mut s);
+    }
+    s.add(2, req_with(4, 1, 5, 200)).expect("valid");
+    step(&mut s);
+    let st = step_until_admitted(&mut s, 1);
+    assert_eq!(st.seqs.len(), 1);
+    let a = st.batch.active_kv_tokens as f64 / st.batch.total_kv_tokens as f64;
+    assert!((ms(&st) - decode_ms(a)).abs() < 1e-5, "{} ms", ms(&st));
+
+    // Given back under pressure: the resume prefills its 3 uncached tokens,
+    // not its 11.
+    let mut c = cfg(4, 100, SchedulingPolicy::Priority);
+    c.max_model_len = 24;
+    let mut s = sched(c, 6);
+    s.add(1, req_with(9, 8, 0, 100)).expect("valid");
+    step(&mut s);
+    step(&mut s);
+    s.add(2, req_with(16, 1, 5, 200)).expect("valid");
+    step(&mut s);
+    let st = step_until_admitted(&mut s, 1);
+    assert_eq!(st.seqs.len(), 1);
+    assert!((ms(&st) - prefill_ms(3)).abs() < 1e-5, "{} ms", ms(&st));
 }

@@ -1,5 +1,6 @@
 //! Worker metrics: requests by finish reason, tokens, time to first token,
-//! remote prefill outcomes, and each rank's scheduler load.
+//! remote prefill outcomes, preemptions by request priority and the tokens
+//! they made the engine compute again, and each rank's scheduler load.
 
 use prometheus::{
     GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
@@ -23,6 +24,12 @@ pub struct WorkerMetrics {
     /// and preemptions (both cumulative, as the engine counts them).
     pub balance_held_steps: IntGaugeVec,
     pub preemptions: IntGaugeVec,
+    /// Preemptions of this worker's requests, by the request's priority;
+    /// counted as the request's stream learns of them (its next token or
+    /// its end), so a request dropped while preempted leaves its last one out.
+    pub preemptions_total: IntCounterVec,
+    /// Tokens computed again after a preemption (K/V computed once, lost, recomputed).
+    pub recomputed_tokens: IntCounter,
 }
 
 impl WorkerMetrics {
@@ -78,6 +85,19 @@ impl WorkerMetrics {
             "sluice_worker_preemptions",
             "Preemptions so far, by engine rank",
         )?;
+        let preemptions_total = IntCounterVec::new(
+            Opts::new(
+                "sluice_worker_preemptions_total",
+                "Preemptions of requests, by request priority",
+            ),
+            &["priority"],
+        )?;
+        let recomputed_tokens = IntCounter::new(
+            "sluice_worker_recomputed_tokens_total",
+            "Tokens computed again after a preemption",
+        )?;
+        registry.register(Box::new(preemptions_total.clone()))?;
+        registry.register(Box::new(recomputed_tokens.clone()))?;
         for m in [&running, &waiting, &balance_held_steps, &preemptions] {
             registry.register(Box::new(m.clone()))?;
         }
@@ -97,11 +117,33 @@ impl WorkerMetrics {
             kv_usage,
             balance_held_steps,
             preemptions,
+            preemptions_total,
+            recomputed_tokens,
         })
     }
 }
 
 impl WorkerMetrics {
+    /// Adds what preemption cost one request since `seen` (its previous
+    /// report) to the counters.
+    pub fn record_preemption(
+        &self,
+        priority: &str,
+        seen: sluice_engine::Preemption,
+        now: sluice_engine::Preemption,
+    ) {
+        let count = now.count.saturating_sub(seen.count) as u64;
+        if count > 0 {
+            self.preemptions_total
+                .with_label_values(&[priority])
+                .inc_by(count);
+        }
+        let recomputed = now.recomputed_tokens.saturating_sub(seen.recomputed_tokens) as u64;
+        if recomputed > 0 {
+            self.recomputed_tokens.inc_by(recomputed);
+        }
+    }
+
     /// Records one rank's load report.
     pub fn record_load(&self, rank: usize, l: &LoadStats) {
         let r = rank.to_string();

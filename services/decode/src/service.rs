@@ -179,6 +179,7 @@ fn response_stream(
     cached_tokens: usize,
     prefill_worker_id: String,
     unplaced: Option<UnplacedGuard>,
+    priority: i32,
     span: tracing::Span,
 ) -> BoxStream<pb::GenerateResponse> {
     struct St {
@@ -192,6 +193,10 @@ fn response_stream(
         started: Instant,
         /// Dropped with the stream: the request's end.
         unplaced: Option<UnplacedGuard>,
+        /// The request's priority, as the preemption counter's label.
+        priority: String,
+        /// Preemption cost already counted.
+        preemption: sluice_engine::Preemption,
         span: tracing::Span,
     }
     let st = St {
@@ -204,6 +209,8 @@ fn response_stream(
         cached_tokens,
         started: Instant::now(),
         unplaced,
+        priority: priority.to_string(),
+        preemption: Default::default(),
         span,
     };
     Box::pin(futures::stream::unfold(st, |mut st| async move {
@@ -211,6 +218,14 @@ fn response_stream(
             return None;
         }
         let out = st.stream.recv().await?;
+        let p = out.preemption;
+        if p.count > st.preemption.count || p.recomputed_tokens > st.preemption.recomputed_tokens {
+            st.core
+                .metrics
+                .record_preemption(&st.priority, st.preemption, p);
+            st.preemption = p;
+            record_preemption(&st.span, p);
+        }
         let mut msg = pb::GenerateResponse {
             token_ids: out.token_ids,
             logprobs: out.logprobs.iter().map(convert::logprobs).collect(),
@@ -253,9 +268,16 @@ fn response_stream(
                 .inc_by(f.usage.completion_tokens as u64);
             st.span
                 .record("completion_tokens", f.usage.completion_tokens);
+            record_preemption(&st.span, st.preemption);
         }
         Some((Ok(msg), st))
     }))
+}
+
+/// Puts a request's preemption cost on its `worker.generate` span.
+fn record_preemption(span: &tracing::Span, p: sluice_engine::Preemption) {
+    span.record("preemptions", p.count);
+    span.record("recomputed_tokens", p.recomputed_tokens);
 }
 
 fn finish_label(r: sluice_engine::FinishReason) -> &'static str {
@@ -361,6 +383,8 @@ impl pb::worker_server::Worker for WorkerService {
             cached_tokens = cached,
             prefill = tracing::field::Empty,
             completion_tokens = tracing::field::Empty,
+            preemptions = tracing::field::Empty,
+            recomputed_tokens = tracing::field::Empty,
         );
         let prompt_tokens = engine_req.prompt.len();
         let unplaced = (!req.placed).then(|| {
@@ -399,6 +423,7 @@ impl pb::worker_server::Worker for WorkerService {
             cached,
             prefill_worker,
             unplaced,
+            req.priority,
             span,
         )))
     }

@@ -18,7 +18,8 @@
 #    with and without the engine's priority preemption.
 #    Goal: <= 2x idle with preemption.
 #
-# Writes tests/bench/results/queue.md (with tests/bench/queue/conclusions.md,
+# Writes tests/bench/results/queue.md (with the before/after section of
+# preempt.sh kept from the file it replaces, and tests/bench/queue/conclusions.md,
 # the hand-written reading of the committed run, appended); exits 1 when a request failed or the
 # priority cases show no gradient (the tables are still written). Goals that
 # are missed are reported in the tables, not turned into a failure.
@@ -283,6 +284,13 @@ if only != "burst":
 w("Raw results (results.json, requests.jsonl, server logs per case) are written under")
 w("\`target/bench/queue/\` by the script and not committed.")
 text = "\n".join(lines) + "\n"
+
+# The before/after section preempt.sh writes stays (it is its own run).
+import re
+old = open(result).read() if os.path.exists(result) else ""
+kept = re.search(r"<!-- preempt\.sh: begin.*?<!-- preempt\.sh: end -->\n", old, re.S)
+if kept:
+    text += "\n" + kept.group(0)
 
 notes = "$ROOT/tests/bench/queue/conclusions.md"
 if os.path.exists(notes):
