@@ -1,0 +1,405 @@
+// Sluice's cuda backend kernels, compiled at run time with NVRTC.
+//
+// bf16 values travel as raw `unsigned short` (no cuda_bf16.h: nothing to
+// include, the same source compiles wherever NVRTC does). Activations that
+// feed a GEMM are bf16; the residual stream, GEMM outputs, norm weights,
+// biases and RoPE tables are f32. The KV cache is bf16, one slab per layer
+// and kind, `[num_blocks, block_size, num_kv_heads, head_dim]`, the CPU
+// backend's layout.
+//
+// The attention kernel is specialised per model: the host defines
+// SLUICE_HEAD_DIM and SLUICE_GROUP (query heads per kv head) when compiling.
+
+typedef unsigned short bf16_t;
+typedef unsigned int u32;
+
+#ifndef SLUICE_HEAD_DIM
+#define SLUICE_HEAD_DIM 128
+#endif
+#ifndef SLUICE_GROUP
+#define SLUICE_GROUP 1
+#endif
+
+// Threads of one attention block: also the positions scored per tile.
+#define ATTN_THREADS 128
+#define ATTN_WARPS (ATTN_THREADS / 32)
+
+#define NEG_INF (-__int_as_float(0x7f800000))
+
+__device__ __forceinline__ float bf16_to_f32(bf16_t v) {
+    return __uint_as_float(((u32)v) << 16);
+}
+
+// Round to nearest even, NaN kept quiet: what `half::bf16::from_f32` does.
+__device__ __forceinline__ bf16_t f32_to_bf16(float f) {
+    u32 bits = __float_as_uint(f);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) {
+        return (bf16_t)((bits >> 16) | 0x40u);
+    }
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (bf16_t)(bits >> 16);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) {
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    }
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) {
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    }
+    return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every
+// thread gets the total. Once per kernel: it owns its shared scratch.
+__device__ __forceinline__ float block_sum(float v) {
+    __shared__ float partial[32];
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) {
+        partial[warp] = v;
+    }
+    __syncthreads();
+    const int warps = blockDim.x >> 5;
+    float total = 0.0f;
+    for (int w = 0; w < warps; ++w) {
+        total += partial[w];
+    }
+    return total;
+}
+
+// x[t, :] = embed[tokens[t], :] (bf16 rows to the f32 residual stream).
+// Grid: one block per token.
+extern "C" __global__ void embed_gather(
+    float* __restrict__ x,
+    const bf16_t* __restrict__ embed,
+    const u32* __restrict__ tokens,
+    int hidden)
+{
+    const size_t t = blockIdx.x;
+    const bf16_t* row = embed + (size_t)tokens[t] * hidden;
+    float* out = x + t * hidden;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        out[i] = bf16_to_f32(row[i]);
+    }
+}
+
+// out[r, :] = bf16(w * x[src, :] / rms(x[src, :])), src = rows ? rows[r] : r.
+// Grid: one block per output row.
+extern "C" __global__ void rms_norm(
+    bf16_t* __restrict__ out,
+    const float* __restrict__ x,
+    const float* __restrict__ weight,
+    const u32* __restrict__ rows,
+    int hidden,
+    float eps)
+{
+    const size_t r = blockIdx.x;
+    const size_t src = rows ? (size_t)rows[r] : r;
+    const float* xr = x + src * hidden;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        const float v = xr[i];
+        ss += v * v;
+    }
+    ss = block_sum(ss);
+    const float inv = 1.0f / sqrtf(ss / (float)hidden + eps);
+    bf16_t* o = out + r * hidden;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        o[i] = f32_to_bf16(weight[i] * (xr[i] * inv));
+    }
+}
+
+// One token's fused q/k/v row (f32, `[q | k | v]`): adds the bias (when
+// given), rotates q and k (HF rotate-half: dimension i pairs with
+// i + head_dim/2) with the token's cos/sin row, leaves q in place and stores
+// k and v as bf16 in the token's KV slot. Grid: one block per token.
+extern "C" __global__ void qkv_rope_store(
+    float* __restrict__ qkv,
+    const float* __restrict__ bias,
+    const float* __restrict__ cos_table,
+    const float* __restrict__ sin_table,
+    const u32* __restrict__ slots,
+    bf16_t* __restrict__ k_cache,
+    bf16_t* __restrict__ v_cache,
+    int num_heads,
+    int num_kv_heads,
+    int head_dim)
+{
+    const size_t t = blockIdx.x;
+    const int half = head_dim / 2;
+    const int q_dim = num_heads * head_dim;
+    const int kv_dim = num_kv_heads * head_dim;
+    float* row = qkv + t * (size_t)(q_dim + 2 * kv_dim);
+    const float* c = cos_table + t * half;
+    const float* s = sin_table + t * half;
+    const size_t slot = (size_t)slots[t] * kv_dim;
+    const int pairs = (num_heads + num_kv_heads) * half;
+    for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+        const int head = p / half;
+        const int i = p - head * half;
+        const int a = head * head_dim + i;
+        const int b = a + half;
+        float u = row[a];
+        float v = row[b];
+        if (bias) {
+            u += bias[a];
+            v += bias[b];
+        }
+        const float cs = c[i];
+        const float sn = s[i];
+        const float x1 = u * cs - v * sn;
+        const float x2 = v * cs + u * sn;
+        if (head < num_heads) {
+            row[a] = x1;
+            row[b] = x2;
+        } else {
+            const size_t k = slot + (size_t)(a - q_dim);
+            k_cache[k] = f32_to_bf16(x1);
+            k_cache[k + half] = f32_to_bf16(x2);
+        }
+    }
+    for (int e = threadIdx.x; e < kv_dim; e += blockDim.x) {
+        float v = row[q_dim + kv_dim + e];
+        if (bias) {
+            v += bias[q_dim + kv_dim + e];
+        }
+        v_cache[slot + e] = f32_to_bf16(v);
+    }
+}
+
+#define HD SLUICE_HEAD_DIM
+#define GROUP SLUICE_GROUP
+// (query head, dimension) accumulators each thread owns.
+#define ATTN_PAIRS ((GROUP * HD + ATTN_THREADS - 1) / ATTN_THREADS)
+
+// Paged causal attention, GQA. Block (t, kvh) computes the GROUP query heads
+// of token t that share kv head kvh over positions 0..=pos[t] of t's
+// sequence, read through its block table: ATTN_THREADS positions per tile
+// (one thread scores one position for every head of the group), an online
+// softmax per head across tiles, then each thread accumulates its own
+// (head, dimension) outputs over the tile's V rows. Writes bf16 outputs
+// `[tokens, num_heads * HD]` (heads of a group side by side).
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) paged_attention(
+    bf16_t* __restrict__ out,
+    const float* __restrict__ qkv,
+    const bf16_t* __restrict__ k_cache,
+    const bf16_t* __restrict__ v_cache,
+    const u32* __restrict__ block_tables,
+    const u32* __restrict__ token_seq,
+    const u32* __restrict__ token_pos,
+    int max_blocks,
+    int qkv_dim,
+    int num_kv_heads,
+    int block_size,
+    float scale)
+{
+    __shared__ float q_s[GROUP][HD];
+    __shared__ float p_s[GROUP][ATTN_THREADS];
+    __shared__ u32 slot_s[ATTN_THREADS];
+    __shared__ float m_s[GROUP];
+    __shared__ float l_s[GROUP];
+    __shared__ float corr_s[GROUP];
+
+    const size_t t = blockIdx.x;
+    const int kvh = blockIdx.y;
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+
+    const float* q = qkv + t * qkv_dim + (size_t)kvh * GROUP * HD;
+    for (int i = tid; i < GROUP * HD; i += ATTN_THREADS) {
+        q_s[i / HD][i % HD] = q[i] * scale;
+    }
+    for (int g = tid; g < GROUP; g += ATTN_THREADS) {
+        m_s[g] = NEG_INF;
+        l_s[g] = 0.0f;
+    }
+    const u32* table = block_tables + (size_t)token_seq[t] * max_blocks;
+    const int context = (int)token_pos[t] + 1;
+    const size_t row_stride = (size_t)num_kv_heads * HD;
+    const size_t head_offset = (size_t)kvh * HD;
+
+    float acc[ATTN_PAIRS];
+#pragma unroll
+    for (int k = 0; k < ATTN_PAIRS; ++k) {
+        acc[k] = 0.0f;
+    }
+    __syncthreads();
+
+    for (int tile = 0; tile < context; tile += ATTN_THREADS) {
+        // Scores: this thread's position against every head of the group.
+        const int p = tile + tid;
+        float s[GROUP];
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+            s[g] = NEG_INF;
+        }
+        if (p < context) {
+            const u32 slot = table[p / block_size] * (u32)block_size + (u32)(p % block_size);
+            slot_s[tid] = slot;
+            const uint4* k = (const uint4*)(k_cache + slot * row_stride + head_offset);
+#pragma unroll
+            for (int g = 0; g < GROUP; ++g) {
+                s[g] = 0.0f;
+            }
+#pragma unroll 4
+            for (int c = 0; c < HD / 8; ++c) {
+                const uint4 w = k[c];
+                const float kf[8] = {
+                    __uint_as_float(w.x << 16), __uint_as_float(w.x & 0xffff0000u),
+                    __uint_as_float(w.y << 16), __uint_as_float(w.y & 0xffff0000u),
+                    __uint_as_float(w.z << 16), __uint_as_float(w.z & 0xffff0000u),
+                    __uint_as_float(w.w << 16), __uint_as_float(w.w & 0xffff0000u),
+                };
+#pragma unroll
+                for (int g = 0; g < GROUP; ++g) {
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) {
+                        s[g] += q_s[g][c * 8 + e] * kf[e];
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+            p_s[g][tid] = s[g];
+        }
+        __syncthreads();
+
+        // Online softmax, one warp per head: new max, weights, running sum.
+        for (int g = warp; g < GROUP; g += ATTN_WARPS) {
+            float mx = NEG_INF;
+            for (int j = lane; j < ATTN_THREADS; j += 32) {
+                mx = fmaxf(mx, p_s[g][j]);
+            }
+            mx = warp_max(mx);
+            const float m_old = m_s[g];
+            const float m_new = fmaxf(m_old, mx);
+            float sum = 0.0f;
+            for (int j = lane; j < ATTN_THREADS; j += 32) {
+                const float e = expf(p_s[g][j] - m_new);
+                p_s[g][j] = e;
+                sum += e;
+            }
+            sum = warp_sum(sum);
+            __syncwarp();
+            if (lane == 0) {
+                const float corr = expf(m_old - m_new);
+                corr_s[g] = corr;
+                l_s[g] = l_s[g] * corr + sum;
+                m_s[g] = m_new;
+            }
+        }
+        __syncthreads();
+
+        // Weighted V rows into this thread's (head, dimension) accumulators.
+        const int valid = min(ATTN_THREADS, context - tile);
+#pragma unroll
+        for (int k = 0; k < ATTN_PAIRS; ++k) {
+            const int pair = tid + k * ATTN_THREADS;
+            if (pair < GROUP * HD) {
+                const int g = pair / HD;
+                const int d = pair % HD;
+                float a = acc[k] * corr_s[g];
+                const bf16_t* v = v_cache + head_offset + d;
+#pragma unroll 8
+                for (int j = 0; j < valid; ++j) {
+                    a += p_s[g][j] * bf16_to_f32(v[(size_t)slot_s[j] * row_stride]);
+                }
+                acc[k] = a;
+            }
+        }
+        __syncthreads();
+    }
+
+    bf16_t* o = out + t * (size_t)num_kv_heads * GROUP * HD + (size_t)kvh * GROUP * HD;
+#pragma unroll
+    for (int k = 0; k < ATTN_PAIRS; ++k) {
+        const int pair = tid + k * ATTN_THREADS;
+        if (pair < GROUP * HD) {
+            o[pair] = f32_to_bf16(acc[k] / l_s[pair / HD]);
+        }
+    }
+}
+
+// out[t, j] = bf16(silu(gate) * up), gate_up rows `[gate | up]` (f32), each
+// plus its bias when given. Grid-stride over tokens * inter.
+extern "C" __global__ void swiglu(
+    bf16_t* __restrict__ out,
+    const float* __restrict__ gate_up,
+    const float* __restrict__ bias,
+    int inter,
+    int tokens)
+{
+    const size_t total = (size_t)tokens * inter;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const size_t t = i / inter;
+        const int j = (int)(i - t * inter);
+        const float* row = gate_up + t * 2 * (size_t)inter;
+        float g = row[j];
+        float u = row[inter + j];
+        if (bias) {
+            g += bias[j];
+            u += bias[inter + j];
+        }
+        out[i] = f32_to_bf16(g / (1.0f + expf(-g)) * u);
+    }
+}
+
+// x[i] += bias[i % width] over `total` elements (the residual after a
+// projection with a bias). Grid-stride.
+extern "C" __global__ void add_bias(
+    float* __restrict__ x,
+    const float* __restrict__ bias,
+    int width,
+    unsigned long long total)
+{
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (size_t)gridDim.x * blockDim.x) {
+        x[i] += bias[i % width];
+    }
+}
+
+// A block's serialised form (f32, its `num_slabs` chunks in slab order, the
+// KV transfer layout) from the bf16 cache. Grid-stride.
+extern "C" __global__ void kv_pack(
+    float* __restrict__ dst,
+    const bf16_t* __restrict__ cache,
+    u32 block,
+    u32 num_blocks,
+    int num_slabs,
+    int chunk)
+{
+    const size_t total = (size_t)num_slabs * chunk;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const size_t slab = i / chunk;
+        const size_t e = i - slab * chunk;
+        dst[i] = bf16_to_f32(cache[(slab * num_blocks + block) * chunk + e]);
+    }
+}
+
+// The inverse of kv_pack: a serialised f32 block into the bf16 cache.
+extern "C" __global__ void kv_unpack(
+    bf16_t* __restrict__ cache,
+    const float* __restrict__ src,
+    u32 block,
+    u32 num_blocks,
+    int num_slabs,
+    int chunk)
+{
+    const size_t total = (size_t)num_slabs * chunk;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const size_t slab = i / chunk;
+        const size_t e = i - slab * chunk;
+        cache[(slab * num_blocks + block) * chunk + e] = f32_to_bf16(src[i]);
+    }
+}

@@ -1,0 +1,371 @@
+//! One step's host-side plan for the cuda backend: what gets uploaded
+//! (token ids, positions, KV slots, packed block tables, the rows that need
+//! logits, RoPE tables) and the launch geometry of every kernel.
+//!
+//! Pure host code, compiled and tested without the `cuda` feature. It owns
+//! the packing the kernels read (offsets into one `u32` buffer and one `f32`
+//! buffer, so a step is two host-to-device copies); it never touches device
+//! memory and never decides block ids (the block pool does).
+
+use std::ops::Range;
+
+use crate::backend::ForwardBatch;
+use crate::backend::cpu::kernels::Rope;
+
+/// Threads of an attention block (`ATTN_THREADS` in `kernels.cu`).
+pub const ATTN_THREADS: u32 = 128;
+/// Threads of the grid-stride element-wise kernels.
+pub const ELEMENTWISE_THREADS: u32 = 256;
+/// The largest `group · head_dim` the attention kernel holds (its shared
+/// query tile and per-thread accumulators are sized from it).
+pub const MAX_GROUP_HEAD_DIM: usize = 2048;
+/// Static shared memory a block may use on every supported GPU.
+pub const MAX_STATIC_SHARED: usize = 48 * 1024;
+
+/// One kernel launch's shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Launch {
+    pub grid: (u32, u32, u32),
+    pub block: u32,
+}
+
+/// Threads for a row-wise kernel over `width` elements (RMSNorm, embedding
+/// gather, RoPE): a warp multiple, about four elements per thread, 32..=1024.
+pub fn row_threads(width: usize) -> u32 {
+    let want = width.div_ceil(4).div_ceil(32) * 32;
+    want.clamp(32, 1024) as u32
+}
+
+/// One block per row.
+pub fn per_row(rows: usize, width: usize) -> Launch {
+    Launch {
+        grid: (rows as u32, 1, 1),
+        block: row_threads(width),
+    }
+}
+
+/// A grid-stride kernel over `total` elements, at most `max_blocks` blocks
+/// (a few waves of the device's SMs; more only adds scheduling).
+pub fn grid_stride(total: usize, max_blocks: u32) -> Launch {
+    let blocks = total
+        .div_ceil(ELEMENTWISE_THREADS as usize)
+        .clamp(1, max_blocks.max(1) as usize);
+    Launch {
+        grid: (blocks as u32, 1, 1),
+        block: ELEMENTWISE_THREADS,
+    }
+}
+
+/// Attention: one block per (token, kv head).
+pub fn attention(tokens: usize, num_kv_heads: usize) -> Launch {
+    Launch {
+        grid: (tokens as u32, num_kv_heads as u32, 1),
+        block: ATTN_THREADS,
+    }
+}
+
+/// Static shared memory of the attention kernel for this geometry: the
+/// group's queries, one tile of weights per head, the tile's slots, and
+/// three floats of softmax state per head.
+pub fn attention_shared_bytes(head_dim: usize, group: usize) -> usize {
+    4 * (group * head_dim + group * ATTN_THREADS as usize + ATTN_THREADS as usize + 3 * group)
+}
+
+/// Why the attention kernel cannot run a model's heads, if it cannot.
+pub fn attention_unsupported(head_dim: usize, group: usize) -> Option<String> {
+    if head_dim == 0 || !head_dim.is_multiple_of(8) {
+        return Some(format!(
+            "head_dim {head_dim} must be a positive multiple of 8 (K rows are read 16 bytes at a time)"
+        ));
+    }
+    if group == 0 || group * head_dim > MAX_GROUP_HEAD_DIM {
+        return Some(format!(
+            "{group} query heads per kv head of dimension {head_dim} exceed the attention kernel's {MAX_GROUP_HEAD_DIM} (heads · head_dim)"
+        ));
+    }
+    let shared = attention_shared_bytes(head_dim, group);
+    if shared > MAX_STATIC_SHARED {
+        return Some(format!(
+            "the attention kernel would need {shared} bytes of shared memory (at most {MAX_STATIC_SHARED})"
+        ));
+    }
+    None
+}
+
+/// Where each array lies in [`StepPlan::meta`] (element ranges).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MetaLayout {
+    pub tokens: Range<usize>,
+    /// Index of each token's sequence in the batch (its block-table row).
+    pub token_seq: Range<usize>,
+    /// Absolute position of each token.
+    pub token_pos: Range<usize>,
+    /// KV slot of each token: `block · block_size + pos % block_size`.
+    pub slots: Range<usize>,
+    /// Token index whose logits each output row holds.
+    pub logit_rows: Range<usize>,
+    /// `[num_seqs, max_blocks]` block tables, rows padded with zeros.
+    pub block_tables: Range<usize>,
+}
+
+/// Everything one step uploads, packed.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepPlan {
+    pub num_tokens: usize,
+    pub num_seqs: usize,
+    /// Width of a block-table row: the most blocks any sequence needs.
+    pub max_blocks: usize,
+    /// Rows of logits the step returns.
+    pub num_logit_rows: usize,
+    /// `u32` arrays, see [`StepPlan::layout`].
+    pub meta: Vec<u32>,
+    /// `[cos | sin]`, each `[num_tokens, head_dim / 2]`.
+    pub rope: Vec<f32>,
+    half: usize,
+}
+
+impl StepPlan {
+    /// Plans `batch` (already validated: tables cover every position) for
+    /// KV blocks of `block_size` tokens and heads of `head_dim`. RoPE
+    /// tables come from `rope` per sequence chunk, exactly as the CPU
+    /// backend computes them (every scaling, dynamic NTK included).
+    #[cfg(test)]
+    pub(crate) fn build(
+        batch: &ForwardBatch,
+        block_size: usize,
+        head_dim: usize,
+        rope: &Rope,
+    ) -> Self {
+        let mut plan = Self::default();
+        plan.fill(batch, block_size, head_dim, rope);
+        plan
+    }
+
+    /// [`StepPlan::build`] into this plan's buffers (kept across steps).
+    #[cfg_attr(
+        not(any(feature = "cuda", test)),
+        expect(
+            dead_code,
+            reason = "the cuda backend (feature `cuda`) plans its steps with it"
+        )
+    )]
+    pub(crate) fn fill(
+        &mut self,
+        batch: &ForwardBatch,
+        block_size: usize,
+        head_dim: usize,
+        rope: &Rope,
+    ) {
+        let half = head_dim / 2;
+        let n: usize = batch.seqs.iter().map(|s| s.tokens.len()).sum();
+        let num_seqs = batch.seqs.len();
+        let max_blocks = batch
+            .seqs
+            .iter()
+            .map(|s| (s.start_pos + s.tokens.len()).div_ceil(block_size))
+            .max()
+            .unwrap_or(0);
+        let logit_rows = batch.seqs.iter().filter(|s| s.needs_logits).count();
+        self.num_tokens = n;
+        self.num_seqs = num_seqs;
+        self.max_blocks = max_blocks;
+        self.num_logit_rows = logit_rows;
+        self.half = half;
+        let layout = self.layout();
+        self.meta.clear();
+        self.meta.resize(layout.block_tables.end, 0);
+        self.rope.clear();
+        self.rope.resize(2 * n * half, 0.0);
+        let (cos, sin) = self.rope.split_at_mut(n * half);
+        let mut t = 0;
+        let mut row = 0;
+        for (i, seq) in batch.seqs.iter().enumerate() {
+            let len = seq.tokens.len();
+            let table = &seq.block_table[..(seq.start_pos + len).div_ceil(block_size)];
+            let dst = layout.block_tables.start + i * max_blocks;
+            self.meta[dst..dst + table.len()].copy_from_slice(table);
+            for (j, &tok) in seq.tokens.iter().enumerate() {
+                let pos = seq.start_pos + j;
+                self.meta[layout.tokens.start + t + j] = tok;
+                self.meta[layout.token_seq.start + t + j] = i as u32;
+                self.meta[layout.token_pos.start + t + j] = pos as u32;
+                self.meta[layout.slots.start + t + j] =
+                    table[pos / block_size] * block_size as u32 + (pos % block_size) as u32;
+            }
+            rope.fill(
+                seq.start_pos..seq.start_pos + len,
+                &mut cos[t * half..(t + len) * half],
+                &mut sin[t * half..(t + len) * half],
+            );
+            t += len;
+            if seq.needs_logits {
+                self.meta[layout.logit_rows.start + row] = (t - 1) as u32;
+                row += 1;
+            }
+        }
+    }
+
+    /// Where each array lies in [`StepPlan::meta`].
+    pub fn layout(&self) -> MetaLayout {
+        let n = self.num_tokens;
+        let tokens = 0..n;
+        let token_seq = n..2 * n;
+        let token_pos = 2 * n..3 * n;
+        let slots = 3 * n..4 * n;
+        let logit_rows = 4 * n..4 * n + self.num_logit_rows;
+        let block_tables = logit_rows.end..logit_rows.end + self.num_seqs * self.max_blocks;
+        MetaLayout {
+            tokens,
+            token_seq,
+            token_pos,
+            slots,
+            logit_rows,
+            block_tables,
+        }
+    }
+
+    /// The cos table's range in [`StepPlan::rope`].
+    pub fn cos(&self) -> Range<usize> {
+        0..self.num_tokens * self.half
+    }
+
+    /// The sin table's range in [`StepPlan::rope`].
+    pub fn sin(&self) -> Range<usize> {
+        self.num_tokens * self.half..2 * self.num_tokens * self.half
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::SeqChunk;
+    use crate::model::test_support::tiny_config;
+
+    fn batch() -> ForwardBatch {
+        ForwardBatch {
+            seqs: vec![
+                // A prefill chunk crossing a block boundary, no logits.
+                SeqChunk {
+                    tokens: vec![5, 6, 7],
+                    start_pos: 2,
+                    block_table: vec![9, 4],
+                    needs_logits: false,
+                },
+                // A decode token in its third block.
+                SeqChunk {
+                    tokens: vec![11],
+                    start_pos: 8,
+                    block_table: vec![1, 2, 7, 8],
+                    needs_logits: true,
+                },
+                // A whole prompt, last chunk.
+                SeqChunk {
+                    tokens: vec![3, 4],
+                    start_pos: 0,
+                    block_table: vec![6],
+                    needs_logits: true,
+                },
+            ],
+            ..ForwardBatch::default()
+        }
+    }
+
+    #[test]
+    fn tokens_positions_and_slots_follow_the_block_tables() {
+        let config = tiny_config(true);
+        let plan = StepPlan::build(&batch(), 4, config.head_dim, &Rope::new(&config));
+        let l = plan.layout();
+        assert_eq!(plan.num_tokens, 6);
+        assert_eq!(&plan.meta[l.tokens], &[5, 6, 7, 11, 3, 4]);
+        assert_eq!(&plan.meta[l.token_seq], &[0, 0, 0, 1, 2, 2]);
+        assert_eq!(&plan.meta[l.token_pos], &[2, 3, 4, 8, 0, 1]);
+        // Positions 2, 3 in block 9, position 4 in block 4; position 8 is
+        // slot 0 of the sequence's third block (7).
+        assert_eq!(
+            &plan.meta[l.slots],
+            &[9 * 4 + 2, 9 * 4 + 3, 4 * 4, 7 * 4, 6 * 4, 6 * 4 + 1]
+        );
+        // Logits for the decode token (index 3) and the prompt's last (5).
+        assert_eq!(&plan.meta[l.logit_rows], &[3, 5]);
+    }
+
+    #[test]
+    fn block_tables_are_packed_to_the_widest_needed_and_padded() {
+        let config = tiny_config(true);
+        let plan = StepPlan::build(&batch(), 4, config.head_dim, &Rope::new(&config));
+        // Sequence 1 covers 9 positions: 3 blocks of 4 (its fourth is not
+        // needed yet and is left out).
+        assert_eq!(plan.max_blocks, 3);
+        let l = plan.layout();
+        assert_eq!(
+            &plan.meta[l.block_tables.clone()],
+            &[9, 4, 0, 1, 2, 7, 6, 0, 0]
+        );
+        assert_eq!(l.block_tables.end, plan.meta.len());
+    }
+
+    #[test]
+    fn rope_tables_match_the_cpu_backend_per_token() {
+        let config = tiny_config(true);
+        let rope = Rope::new(&config);
+        let plan = StepPlan::build(&batch(), 4, config.head_dim, &rope);
+        let half = config.head_dim / 2;
+        let (cos, sin) = (&plan.rope[plan.cos()], &plan.rope[plan.sin()]);
+        assert_eq!(cos.len(), 6 * half);
+        // Token 3 is position 8 of its sequence.
+        let (mut c, mut s) = (vec![0.0; half], vec![0.0; half]);
+        rope.fill(8..9, &mut c, &mut s);
+        assert_eq!(&cos[3 * half..4 * half], c.as_slice());
+        assert_eq!(&sin[3 * half..4 * half], s.as_slice());
+        // Position 0 does not rotate.
+        assert!(cos[4 * half..5 * half].iter().all(|&x| x == 1.0));
+        assert!(sin[4 * half..5 * half].iter().all(|&x| x == 0.0));
+    }
+
+    #[test]
+    fn an_empty_batch_plans_nothing() {
+        let config = tiny_config(true);
+        let plan = StepPlan::build(
+            &ForwardBatch::default(),
+            4,
+            config.head_dim,
+            &Rope::new(&config),
+        );
+        assert_eq!((plan.num_tokens, plan.max_blocks), (0, 0));
+        assert!(plan.meta.is_empty() && plan.rope.is_empty());
+    }
+
+    #[test]
+    fn launch_geometry() {
+        assert_eq!(row_threads(1), 32);
+        assert_eq!(row_threads(256), 64);
+        assert_eq!(row_threads(4096), 1024);
+        assert_eq!(row_threads(100_000), 1024);
+        assert_eq!(per_row(7, 768).grid, (7, 1, 1));
+        assert_eq!(per_row(7, 768).block, 192);
+        let g = grid_stride(1000, 264);
+        assert_eq!((g.grid.0, g.block), (4, 256));
+        assert_eq!(grid_stride(10_000_000, 264).grid.0, 264);
+        assert_eq!(grid_stride(0, 264).grid.0, 1);
+        assert_eq!(attention(5, 8).grid, (5, 8, 1));
+        assert_eq!(attention(5, 8).block, ATTN_THREADS);
+    }
+
+    #[test]
+    fn attention_limits_name_the_reason() {
+        assert_eq!(attention_unsupported(128, 8), None);
+        assert_eq!(attention_unsupported(32, 2), None);
+        assert_eq!(attention_unsupported(256, 8), None);
+        assert!(
+            attention_unsupported(100, 1)
+                .expect("not /8")
+                .contains("multiple of 8")
+        );
+        assert!(
+            attention_unsupported(128, 32)
+                .expect("too wide")
+                .contains("2048")
+        );
+        assert!(attention_shared_bytes(256, 8) <= MAX_STATIC_SHARED);
+    }
+}
