@@ -444,8 +444,32 @@ const TIMED_STEPS: usize = 32;
 /// Context every sequence holds while decoding.
 const BENCH_CONTEXT: usize = 256;
 
-fn bench_model(dir: &Path, name: &str, batches: &[usize]) {
-    let model = Model::load(dir).expect("load");
+/// TinyLlama-1.1B's shape (GQA 32/4, head_dim 64), random weights: large
+/// enough that a decode step is bound by reading the weights.
+fn llama_1b() -> ModelConfig {
+    ModelConfig {
+        architecture: sluice_engine::model::Architecture::Llama,
+        hidden_size: 2048,
+        intermediate_size: 5632,
+        num_hidden_layers: 22,
+        num_attention_heads: 32,
+        num_key_value_heads: 4,
+        head_dim: 64,
+        rms_norm_eps: 1e-5,
+        rope_theta: 10_000.0,
+        rope_scaling: None,
+        tie_word_embeddings: false,
+        vocab_size: 32_000,
+        max_position_embeddings: 2048,
+        qkv_bias: false,
+        o_bias: false,
+        mlp_bias: false,
+        bos_token_id: Some(1),
+        eos_token_ids: vec![2],
+    }
+}
+
+fn bench_model(model: Model, name: &str, batches: &[usize]) {
     let vocab = model.config.vocab_size;
     let max_batch = batches.iter().copied().max().unwrap_or(1);
     let per_seq = (BENCH_CONTEXT + TIMED_STEPS + 1).div_ceil(BLOCK_SIZE);
@@ -532,5 +556,12 @@ fn decode_tokens_per_second_beside_the_bandwidth_roofline() {
         return;
     }
     let dir = model_dir(BuiltinSize::Small);
-    bench_model(dir.path(), "sluice-small (~100M, bf16)", &[1, 8, 32, 128]);
+    let small = Model::load(dir.path()).expect("load");
+    bench_model(small, "sluice-small (~100M)", &[1, 8, 32, 128]);
+    let large = Model::random(llama_1b(), 7).expect("random 1.1B model");
+    bench_model(
+        large,
+        "TinyLlama-1.1B shape (random weights)",
+        &[1, 8, 32, 128],
+    );
 }

@@ -24,8 +24,8 @@ use sluice_engine::backend::cuda::source::{KERNELS, KernelConfig, PROGRAM_NAME, 
 /// Architectures CI assembles for: A100-class and H100-class.
 const ARCHS: [u32; 2] = [80, 90];
 /// (head_dim, query heads per kv head): the built-in `tiny` and `small`
-/// (~100M) models, Qwen2-0.5B, Llama-3-8B, Llama-3-70B.
-const GEOMETRIES: [(usize, usize); 5] = [(32, 2), (64, 3), (64, 7), (128, 4), (128, 8)];
+/// (~100M) models, Qwen2-0.5B, TinyLlama-1.1B, Llama-3-8B, Llama-3-70B.
+const GEOMETRIES: [(usize, usize); 6] = [(32, 2), (64, 3), (64, 7), (64, 8), (128, 4), (128, 8)];
 /// Spilled bytes (stores + loads) a kernel may have: none.
 const MAX_SPILL_BYTES: u64 = 0;
 
