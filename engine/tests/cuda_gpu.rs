@@ -332,6 +332,47 @@ fn kv_blocks_round_trip_through_the_cpu_layout() {
     assert!(err < LOGITS_TOLERANCE, "decode after a transfer: {err:e}");
 }
 
+#[test]
+#[ignore = "needs an NVIDIA GPU: SLUICE_TEST_CUDA=1 make test-cuda"]
+fn graph_replayed_decode_steps_equal_eager_ones() {
+    if !enabled() {
+        return;
+    }
+    let dir = model_dir(BuiltinSize::Tiny);
+    let model = Model::load(dir.path()).expect("load");
+    let vocab = model.config.vocab_size;
+    let mut eager = CudaBackend::new(model.clone(), NUM_BLOCKS, BLOCK_SIZE, 0).expect("gpu");
+    eager.set_graphs(false);
+    let mut graphed = CudaBackend::new(model, NUM_BLOCKS, BLOCK_SIZE, 0).expect("gpu");
+    graphed.set_graphs(true);
+    let mut pool = Pool::new();
+    let mut seqs: Vec<Seq> = (0..2).map(|_| Seq { len: 0, table: Vec::new() }).collect();
+    let prefill = ForwardBatch {
+        seqs: (0..2)
+            .map(|i| pool.chunk(&mut seqs[i], &prompt(20 + 9 * i, i as u32, vocab), true))
+            .collect(),
+        ..Default::default()
+    };
+    let (v, e) = logits(eager.forward(&prefill).expect("eager"));
+    let (_, g) = logits(graphed.forward(&prefill).expect("graphed"));
+    assert_eq!(e, g, "prefill runs eagerly on both");
+    let mut next: Vec<u32> = e.chunks_exact(v).map(argmax).collect();
+    // Enough steps to grow past a table width and recapture.
+    for step in 0..40 {
+        let batch = ForwardBatch {
+            seqs: (0..2)
+                .map(|i| pool.chunk(&mut seqs[i], &next[i..i + 1], true))
+                .collect(),
+            ..Default::default()
+        };
+        let (_, e) = logits(eager.forward(&batch).expect("eager"));
+        let (_, g) = logits(graphed.forward(&batch).expect("graphed"));
+        assert_eq!(e, g, "decode step {step}: a replayed graph computes what eager launches do");
+        next = e.chunks_exact(v).map(argmax).collect();
+    }
+    assert!(graphed.graphs_enabled(), "capturing worked on this device");
+}
+
 fn engine(dir: &Path, num_blocks: usize, policy: SchedulingPolicy, prefix: bool) -> EngineHandle {
     let config = ModelConfig::from_dir(dir).expect("config");
     let backend = CudaBackend::from_dir(dir, num_blocks, BLOCK_SIZE, 0).expect("gpu backend");

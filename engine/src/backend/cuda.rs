@@ -18,6 +18,11 @@
 //! - RoPE tables come from the CPU backend's own [`Rope`] per chunk (every
 //!   scaling it supports, dynamic NTK included) and travel with the step's
 //!   metadata: one upload of `u32`s, one of `f32`s ([`plan::StepPlan`]);
+//! - plain decode steps (one token per sequence) are captured once per
+//!   batch size and block-table width as CUDA graphs and replayed: a small
+//!   model's step is otherwise bound by ~10 launches per layer, not by
+//!   reading its weights (`SLUICE_CUDA_GRAPHS=0` turns this off; a failed
+//!   capture turns it off with a warning);
 //! - logits only for the sequences that need them, copied back in f32
 //!   through pinned memory and sampled by the engine's sampler (the seam
 //!   returns logits: sampling parameters, penalties and logprobs stay in
@@ -61,9 +66,11 @@ pub use imp::CudaBackend;
 #[cfg(feature = "cuda")]
 mod imp {
     use std::cell::RefCell;
+    use std::collections::HashMap;
     use std::path::Path;
 
-    use cudarc::driver::{CudaSlice, PinnedHostSlice};
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    use cudarc::driver::{CudaGraph, CudaSlice, PinnedHostSlice};
 
     use super::device::{Arg, Device, driver};
     use super::plan::{self, StepPlan};
@@ -132,7 +139,8 @@ mod imp {
             Ok(s)
         }
 
-        /// Room for `tokens` tokens, `rows` logits rows and the uploads.
+        /// Room for `tokens` tokens, `rows` logits rows and the uploads;
+        /// true when a buffer moved.
         fn ensure(
             &mut self,
             device: &Device,
@@ -141,7 +149,8 @@ mod imp {
             rows: usize,
             meta: usize,
             rope: usize,
-        ) -> Result<(), EngineError> {
+        ) -> Result<bool, EngineError> {
+            let before = (self.tokens, self.rows, self.meta.len(), self.rope.len());
             if tokens > self.tokens {
                 let n = tokens.next_power_of_two();
                 let q_dim = c.num_attention_heads * c.head_dim;
@@ -165,7 +174,7 @@ mod imp {
             if rope > self.rope.len() {
                 self.rope = alloc(device, rope.next_power_of_two())?;
             }
-            Ok(())
+            Ok(before != (self.tokens, self.rows, self.meta.len(), self.rope.len()))
         }
     }
 
@@ -213,6 +222,49 @@ mod imp {
         scratch: Scratch,
         plan: StepPlan,
         staging: RefCell<Staging>,
+        /// Captured decode steps by (sequences, block-table width); `None`
+        /// when graphs are off (`SLUICE_CUDA_GRAPHS=0`, or a capture failed).
+        graphs: Option<HashMap<(usize, usize), Graph>>,
+    }
+
+    /// Decode-step graphs kept at most (a batch size and a table width each).
+    const MAX_GRAPHS: usize = 64;
+
+    /// A captured decode step.
+    struct Graph(CudaGraph);
+
+    impl std::fmt::Debug for Graph {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("Graph")
+        }
+    }
+
+    // SAFETY: a graph is only touched through `&mut CudaBackend` (launch,
+    // drop), so by one thread at a time, which is what CUDA requires of
+    // graph objects; the backend moves to the engine thread once.
+    unsafe impl Send for Graph {}
+
+    /// Device addresses (and sizes) of one planned step.
+    #[derive(Debug, Clone, Copy)]
+    struct StepAddrs {
+        n: usize,
+        r: usize,
+        max_blocks: usize,
+        tokens: u64,
+        token_seq: u64,
+        token_pos: u64,
+        slots: u64,
+        logit_rows: u64,
+        tables: u64,
+        cos: u64,
+        sin: u64,
+        x: u64,
+        h: u64,
+        qkv: u64,
+        attn: u64,
+        gate_up: u64,
+        act: u64,
+        logits: u64,
     }
 
     impl CudaBackend {
@@ -313,6 +365,8 @@ mod imp {
                 scratch,
                 plan: StepPlan::default(),
                 staging: RefCell::new(staging),
+                graphs: (std::env::var("SLUICE_CUDA_GRAPHS").as_deref() != Ok("0"))
+                    .then(HashMap::new),
             })
         }
 
@@ -324,6 +378,18 @@ mod imp {
         /// The device, as `name (sm_XY)`.
         pub fn device_description(&self) -> &str {
             &self.device.description
+        }
+
+        /// Turns capturing and replaying decode steps as CUDA graphs on or
+        /// off (on by default unless `SLUICE_CUDA_GRAPHS=0`).
+        pub fn set_graphs(&mut self, on: bool) {
+            self.graphs = on.then(HashMap::new);
+        }
+
+        /// Whether decode steps run as CUDA graphs (false after a failed
+        /// capture turned them off).
+        pub fn graphs_enabled(&self) -> bool {
+            self.graphs.is_some()
         }
 
         /// Bytes of the weights on the device.
@@ -391,18 +457,35 @@ mod imp {
             Ok(())
         }
 
-        /// Enqueues the whole step and returns its logits rows.
+        /// Runs the step and returns its logits rows: uploads the plan,
+        /// enqueues every kernel (or replays the decode step's CUDA graph),
+        /// copies the logits back.
         fn run(&mut self, batch: &ForwardBatch) -> Result<Vec<f32>, EngineError> {
-            let c = self.weights.config.clone();
-            let (hidden, head_dim, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
-            let (nh, nkv, vocab) = (c.num_attention_heads, c.num_key_value_heads, c.vocab_size);
-            let (q_dim, qkv_dim) = (nh * head_dim, c.qkv_dim());
+            let c = &self.weights.config;
+            let decode = self.graphs.is_some() && plan::is_decode_step(batch);
             let bs = self.layout.block_size;
-            self.plan.fill(batch, bs, head_dim, &self.weights.rope);
+            let width = if decode {
+                let needed = batch
+                    .seqs
+                    .iter()
+                    .map(|s| (s.start_pos + s.tokens.len()).div_ceil(bs))
+                    .max()
+                    .unwrap_or(0);
+                plan::graph_width(needed)
+            } else {
+                0
+            };
+            self.plan
+                .fill(batch, bs, c.head_dim, &self.weights.rope, width);
             let p = &self.plan;
             let (n, r) = (p.num_tokens, p.num_logit_rows);
-            self.scratch
-                .ensure(&self.device, &c, n, r, p.meta.len(), p.rope.len())?;
+            let moved = self
+                .scratch
+                .ensure(&self.device, c, n, r, p.meta.len(), p.rope.len())?;
+            if moved && let Some(graphs) = &mut self.graphs {
+                // Captured steps point into the buffers that just moved.
+                graphs.clear();
+            }
             let d = &self.device;
             let s = &mut self.scratch;
             d.stream
@@ -411,25 +494,131 @@ mod imp {
             d.stream
                 .memcpy_htod(p.rope.as_slice(), &mut s.rope)
                 .map_err(driver("uploading RoPE tables"))?;
+            let a = self.addrs();
+            if decode {
+                self.replay_or_capture(&a)?;
+            } else {
+                self.enqueue(&a)?;
+            }
+            let d = &self.device;
+            let s = &mut self.scratch;
+            if r == 0 {
+                d.sync("running a step")?;
+                return Ok(Vec::new());
+            }
+            let vocab = self.weights.config.vocab_size;
+            d.stream
+                .memcpy_dtoh(&s.logits.slice(..r * vocab), &mut s.logits_host)
+                .map_err(driver("copying logits"))?;
+            d.sync("running a step")?;
+            let host = s.logits_host.as_slice().map_err(driver("reading logits"))?;
+            Ok(host[..r * vocab].to_vec())
+        }
 
+        /// The device addresses the current plan's step uses.
+        fn addrs(&self) -> StepAddrs {
+            let (d, s, p) = (&self.device, &self.scratch, &self.plan);
             let l = p.layout();
             let meta = |range: &std::ops::Range<usize>| d.addr(&s.meta, range.start);
-            let (tokens, token_seq, token_pos) =
-                (meta(&l.tokens), meta(&l.token_seq), meta(&l.token_pos));
-            let (slots, logit_rows, tables) =
-                (meta(&l.slots), meta(&l.logit_rows), meta(&l.block_tables));
-            let (cos, sin) = (
-                d.addr(&s.rope, p.cos().start),
-                d.addr(&s.rope, p.sin().start),
-            );
-            let (x, h, qkv) = (d.addr(&s.x, 0), d.addr(&s.h, 0), d.addr(&s.qkv, 0));
-            let (attn, gate_up, act) =
-                (d.addr(&s.attn, 0), d.addr(&s.gate_up, 0), d.addr(&s.act, 0));
+            StepAddrs {
+                n: p.num_tokens,
+                r: p.num_logit_rows,
+                max_blocks: p.max_blocks,
+                tokens: meta(&l.tokens),
+                token_seq: meta(&l.token_seq),
+                token_pos: meta(&l.token_pos),
+                slots: meta(&l.slots),
+                logit_rows: meta(&l.logit_rows),
+                tables: meta(&l.block_tables),
+                cos: d.addr(&s.rope, p.cos().start),
+                sin: d.addr(&s.rope, p.sin().start),
+                x: d.addr(&s.x, 0),
+                h: d.addr(&s.h, 0),
+                qkv: d.addr(&s.qkv, 0),
+                attn: d.addr(&s.attn, 0),
+                gate_up: d.addr(&s.gate_up, 0),
+                act: d.addr(&s.act, 0),
+                logits: d.addr(&s.logits, 0),
+            }
+        }
+
+        /// Replays the captured graph of a decode step of this shape, or
+        /// captures one (and launches it). A failed capture turns graphs off
+        /// for this backend and runs the step eagerly: slower, never wrong.
+        fn replay_or_capture(&mut self, a: &StepAddrs) -> Result<(), EngineError> {
+            let key = (a.n, a.max_blocks);
+            if let Some(g) = self.graphs.as_ref().and_then(|m| m.get(&key)) {
+                return g.0.launch().map_err(driver("replaying a decode step"));
+            }
+            let stream = &self.device.stream;
+            let captured = stream
+                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .map_err(driver("beginning a capture"))
+                .and_then(|()| {
+                    let enqueued = self.enqueue(a);
+                    let graph = stream
+                        .end_capture(CUgraphInstantiate_flags(0))
+                        .map_err(driver("capturing a decode step"));
+                    enqueued?;
+                    graph?.ok_or_else(|| {
+                        EngineError::StepFailed("capturing a decode step gave no graph".into())
+                    })
+                });
+            match captured {
+                Ok(graph) => {
+                    graph.launch().map_err(driver("launching a decode step"))?;
+                    if let Some(graphs) = &mut self.graphs {
+                        if graphs.len() >= MAX_GRAPHS {
+                            graphs.clear();
+                        }
+                        graphs.insert(key, Graph(graph));
+                    }
+                    Ok(())
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot capture decode steps as CUDA graphs; running them eagerly");
+                    self.graphs = None;
+                    // Errors a failed capture left recorded on the context.
+                    let _ = self.device.ctx.check_err();
+                    self.enqueue(a)
+                }
+            }
+        }
+
+        /// Enqueues the whole forward pass of the planned step (up to the
+        /// logits GEMM) on the stream.
+        fn enqueue(&self, a: &StepAddrs) -> Result<(), EngineError> {
+            let c = &self.weights.config;
+            let (hidden, head_dim, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
+            let (nh, nkv, vocab) = (c.num_attention_heads, c.num_key_value_heads, c.vocab_size);
+            let (q_dim, qkv_dim) = (nh * head_dim, c.qkv_dim());
+            let bs = self.layout.block_size;
+            let d = &self.device;
             let k = &d.kernels;
             let w = &self.weights;
             let opt = |b: &Option<CudaSlice<f32>>| b.as_ref().map_or(0, |b| d.addr(b, 0));
             let eps = c.rms_norm_eps;
             let scale = 1.0 / (head_dim as f32).sqrt();
+            let StepAddrs {
+                n,
+                r,
+                max_blocks,
+                tokens,
+                token_seq,
+                token_pos,
+                slots,
+                logit_rows,
+                tables,
+                cos,
+                sin,
+                x,
+                h,
+                qkv,
+                attn,
+                gate_up,
+                act,
+                ..
+            } = *a;
 
             d.launch(
                 &k.embed_gather,
@@ -498,7 +687,7 @@ mod imp {
                         Arg::Ptr(tables),
                         Arg::Ptr(token_seq),
                         Arg::Ptr(token_pos),
-                        Arg::I32(p.max_blocks as i32),
+                        Arg::I32(max_blocks as i32),
                         Arg::I32(qkv_dim as i32),
                         Arg::I32(nkv as i32),
                         Arg::I32(bs as i32),
@@ -563,8 +752,7 @@ mod imp {
                 }
             }
             if r == 0 {
-                d.sync("running a step")?;
-                return Ok(Vec::new());
+                return Ok(());
             }
             // Final norm of the rows that need logits, then lm_head.
             d.launch(
@@ -579,15 +767,9 @@ mod imp {
                     Arg::F32(eps),
                 ],
             )?;
-            let logits = d.addr(&s.logits, 0);
             // SAFETY: h holds r normalised rows, lm_head is [vocab, hidden], logits [r, vocab] f32.
-            unsafe { d.linear(logits, h, d.addr(w.lm_head(), 0), r, hidden, vocab, false) }?;
-            d.stream
-                .memcpy_dtoh(&s.logits.slice(..r * vocab), &mut s.logits_host)
-                .map_err(driver("copying logits"))?;
-            d.sync("running a step")?;
-            let host = s.logits_host.as_slice().map_err(driver("reading logits"))?;
-            Ok(host[..r * vocab].to_vec())
+            unsafe { d.linear(a.logits, h, d.addr(w.lm_head(), 0), r, hidden, vocab, false) }?;
+            Ok(())
         }
 
         /// The arguments of `kv_pack`/`kv_unpack` for block `id`.

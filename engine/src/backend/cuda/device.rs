@@ -70,7 +70,13 @@ pub(crate) struct Device {
     pub(crate) max_blocks: u32,
     /// `name (sm_XY)`, for logs.
     pub(crate) description: String,
+    /// cuBLAS's workspace, set on the handle: a GEMM captured in a CUDA
+    /// graph must not allocate.
+    _workspace: CudaSlice<u8>,
 }
+
+/// Bytes of the cuBLAS workspace (what cuBLAS's own default is on Hopper).
+const CUBLAS_WORKSPACE: usize = 32 << 20;
 
 impl Device {
     /// Opens device `ordinal` (modulo the visible devices) and compiles the
@@ -108,6 +114,27 @@ impl Device {
             what: "creating a handle".into(),
             source,
         })?;
+        let workspace = stream
+            .alloc_zeros::<u8>(CUBLAS_WORKSPACE)
+            .map_err(driver("allocating the cuBLAS workspace"))?;
+        {
+            let (ptr, _sync) = workspace.device_ptr(&stream);
+            // SAFETY: a live handle and a device buffer of this size that
+            // outlives it (both are fields of this device; the handle is
+            // dropped first).
+            unsafe {
+                blas_sys::cublasSetWorkspace_v2(
+                    *blas.handle(),
+                    ptr as *mut c_void,
+                    CUBLAS_WORKSPACE,
+                )
+            }
+            .result()
+            .map_err(|source| EngineError::Cublas {
+                what: "setting the workspace".into(),
+                source,
+            })?;
+        }
         let options = kernels.nvrtc_options(&format!("sm_{major}{minor}"));
         let (cubin, log) = nvrtc::compile(SOURCE, PROGRAM_NAME, &options, Output::Cubin)?;
         if !log.trim().is_empty() {
@@ -137,6 +164,7 @@ impl Device {
             kernels,
             max_blocks: (sms.max(1) as u32).saturating_mul(4),
             description,
+            _workspace: workspace,
         })
     }
 

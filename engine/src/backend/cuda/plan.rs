@@ -92,6 +92,23 @@ pub fn attention_unsupported(head_dim: usize, group: usize) -> Option<String> {
     None
 }
 
+/// Block-table width of a captured decode step for sequences needing
+/// `blocks` blocks: a power of two (at least 4), so a graph captured for a
+/// batch size serves while its sequences grow to twice the blocks.
+pub fn graph_width(blocks: usize) -> usize {
+    blocks.next_power_of_two().max(4)
+}
+
+/// Whether a step is plain decoding (one token per sequence, every one
+/// needing logits): the steps the cuda backend captures as CUDA graphs.
+pub fn is_decode_step(batch: &ForwardBatch) -> bool {
+    !batch.seqs.is_empty()
+        && batch
+            .seqs
+            .iter()
+            .all(|s| s.tokens.len() == 1 && s.needs_logits)
+}
+
 /// Where each array lies in [`StepPlan::meta`] (element ranges).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MetaLayout {
@@ -137,11 +154,13 @@ impl StepPlan {
         rope: &Rope,
     ) -> Self {
         let mut plan = Self::default();
-        plan.fill(batch, block_size, head_dim, rope);
+        plan.fill(batch, block_size, head_dim, rope, 0);
         plan
     }
 
-    /// [`StepPlan::build`] into this plan's buffers (kept across steps).
+    /// [`StepPlan::build`] into this plan's buffers (kept across steps),
+    /// block-table rows at least `min_width` wide (a captured decode step's
+    /// fixed stride, see [`graph_width`]).
     #[cfg_attr(
         not(any(feature = "cuda", test)),
         expect(
@@ -155,6 +174,7 @@ impl StepPlan {
         block_size: usize,
         head_dim: usize,
         rope: &Rope,
+        min_width: usize,
     ) {
         let half = head_dim / 2;
         let n: usize = batch.seqs.iter().map(|s| s.tokens.len()).sum();
@@ -164,7 +184,8 @@ impl StepPlan {
             .iter()
             .map(|s| (s.start_pos + s.tokens.len()).div_ceil(block_size))
             .max()
-            .unwrap_or(0);
+            .unwrap_or(0)
+            .max(min_width);
         let logit_rows = batch.seqs.iter().filter(|s| s.needs_logits).count();
         self.num_tokens = n;
         self.num_seqs = num_seqs;
@@ -333,6 +354,40 @@ mod tests {
         );
         assert_eq!((plan.num_tokens, plan.max_blocks), (0, 0));
         assert!(plan.meta.is_empty() && plan.rope.is_empty());
+    }
+
+    #[test]
+    fn a_wider_table_stride_pads_every_row() {
+        let config = tiny_config(true);
+        let mut plan = StepPlan::default();
+        plan.fill(
+            &batch(),
+            4,
+            config.head_dim,
+            &Rope::new(&config),
+            graph_width(3),
+        );
+        assert_eq!(plan.max_blocks, 4);
+        let l = plan.layout();
+        assert_eq!(
+            &plan.meta[l.block_tables],
+            &[9, 4, 0, 0, 1, 2, 7, 0, 6, 0, 0, 0]
+        );
+        assert_eq!(graph_width(1), 4);
+        assert_eq!(graph_width(5), 8);
+        assert_eq!(graph_width(16), 16);
+    }
+
+    #[test]
+    fn only_single_token_steps_with_logits_are_decode_steps() {
+        assert!(!is_decode_step(&batch()));
+        let mut decode = batch();
+        decode.seqs.remove(0);
+        decode.seqs[1].tokens.truncate(1);
+        assert!(is_decode_step(&decode));
+        decode.seqs[0].needs_logits = false;
+        assert!(!is_decode_step(&decode));
+        assert!(!is_decode_step(&ForwardBatch::default()));
     }
 
     #[test]
