@@ -346,7 +346,12 @@ fn graph_replayed_decode_steps_equal_eager_ones() {
     let mut graphed = CudaBackend::new(model, NUM_BLOCKS, BLOCK_SIZE, 0).expect("gpu");
     graphed.set_graphs(true);
     let mut pool = Pool::new();
-    let mut seqs: Vec<Seq> = (0..2).map(|_| Seq { len: 0, table: Vec::new() }).collect();
+    let mut seqs: Vec<Seq> = (0..2)
+        .map(|_| Seq {
+            len: 0,
+            table: Vec::new(),
+        })
+        .collect();
     let prefill = ForwardBatch {
         seqs: (0..2)
             .map(|i| pool.chunk(&mut seqs[i], &prompt(20 + 9 * i, i as u32, vocab), true))
@@ -367,7 +372,10 @@ fn graph_replayed_decode_steps_equal_eager_ones() {
         };
         let (_, e) = logits(eager.forward(&batch).expect("eager"));
         let (_, g) = logits(graphed.forward(&batch).expect("graphed"));
-        assert_eq!(e, g, "decode step {step}: a replayed graph computes what eager launches do");
+        assert_eq!(
+            e, g,
+            "decode step {step}: a replayed graph computes what eager launches do"
+        );
         next = e.chunks_exact(v).map(argmax).collect();
     }
     assert!(graphed.graphs_enabled(), "capturing worked on this device");

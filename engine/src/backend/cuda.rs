@@ -315,9 +315,13 @@ mod imp {
             };
             let chunk = block_size * c.num_key_value_heads * c.head_dim;
             let slabs = 2 * c.num_hidden_layers;
-            if i32::try_from(slabs * chunk).is_err() || u32::try_from(num_blocks).is_err() {
+            // Kernels index KV slots (`block · block_size + offset`) as u32
+            // and a block's elements as i32.
+            if i32::try_from(slabs * chunk).is_err()
+                || u32::try_from(num_blocks * block_size).is_err()
+            {
                 return Err(EngineError::InvalidConfig(format!(
-                    "a KV block of {} bytes is too large for the cuda backend",
+                    "{num_blocks} KV blocks of {block_size} tokens ({} bytes each) exceed the cuda backend's 32-bit slot and block indices",
                     layout.block_bytes()
                 )));
             }
