@@ -41,9 +41,19 @@ fn cuda_backend(
     block_size: usize,
     rank: usize,
 ) -> Result<Box<dyn sluice_engine::backend::Backend>, WorkerError> {
-    Ok(Box::new(
-        sluice_engine::backend::cuda::CudaBackend::from_dir(dir, num_blocks, block_size, rank)?,
-    ))
+    use sluice_engine::EngineError;
+    match sluice_engine::backend::cuda::CudaBackend::from_dir(dir, num_blocks, block_size, rank) {
+        Ok(b) => Ok(Box::new(b)),
+        // A host that cannot run the engine at all: one line naming what is
+        // missing, against the flag that asked for it.
+        Err(e @ (EngineError::CudaLibraryMissing { .. } | EngineError::NoCudaDevice { .. })) => {
+            Err(WorkerError::InvalidArgument {
+                field: "--engine",
+                message: e.to_string(),
+            })
+        }
+        Err(e) => Err(e.into()),
+    }
 }
 
 #[cfg(not(feature = "cuda"))]
