@@ -19,13 +19,24 @@ use std::process::Command;
 
 use sluice_engine::backend::cuda::libraries;
 use sluice_engine::backend::cuda::nvrtc::{self, Output};
+use sluice_engine::backend::cuda::plan::attention_shared_bytes;
 use sluice_engine::backend::cuda::source::{KERNELS, KernelConfig, PROGRAM_NAME, SOURCE};
 
 /// Architectures CI assembles for: A100-class and H100-class.
 const ARCHS: [u32; 2] = [80, 90];
 /// (head_dim, query heads per kv head): the built-in `tiny` and `small`
-/// (~100M) models, Qwen2-0.5B, TinyLlama-1.1B, Llama-3-8B, Llama-3-70B.
-const GEOMETRIES: [(usize, usize); 6] = [(32, 2), (64, 3), (64, 7), (64, 8), (128, 4), (128, 8)];
+/// (~100M) models, Qwen2-0.5B, TinyLlama-1.1B, Llama-3-8B, Llama-3-70B,
+/// the widest head the kernel takes, and the largest group.
+const GEOMETRIES: [(usize, usize); 8] = [
+    (32, 2),
+    (64, 3),
+    (64, 7),
+    (64, 8),
+    (128, 4),
+    (128, 8),
+    (256, 8),
+    (128, 16),
+];
 /// Spilled bytes (stores + loads) a kernel may have: none.
 const MAX_SPILL_BYTES: u64 = 0;
 
@@ -166,6 +177,15 @@ fn every_kernel_compiles_with_nvrtc_and_assembles_with_ptxas_without_spills() {
                     u.spill_loads,
                     u.shared
                 );
+                if name == "paged_attention"
+                    && u.shared != attention_shared_bytes(head_dim, group) as u64
+                {
+                    failures.push(format!(
+                        "paged_attention ({head_dim}/{group}, sm_{arch}) uses {} bytes of shared memory; plan::attention_shared_bytes says {}",
+                        u.shared,
+                        attention_shared_bytes(head_dim, group)
+                    ));
+                }
                 if u.spill_stores + u.spill_loads > MAX_SPILL_BYTES {
                     failures.push(format!(
                         "{name} (head_dim {head_dim}, group {group}, sm_{arch}) spills {} + {} bytes",

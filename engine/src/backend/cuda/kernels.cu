@@ -175,16 +175,44 @@ extern "C" __global__ void qkv_rope_store(
 
 #define HD SLUICE_HEAD_DIM
 #define GROUP SLUICE_GROUP
-// (query head, dimension) accumulators each thread owns.
-#define ATTN_PAIRS ((GROUP * HD + ATTN_THREADS - 1) / ATTN_THREADS)
+// V rows are read 8 bf16 (16 bytes) per thread: TPR threads cover a row,
+// ROWS rows are in flight per block at once.
+#define VEC 8
+#define TPR (HD / VEC)
+#define ROWS (ATTN_THREADS / TPR)
+// Two V rows per thread in flight where registers allow (ptxas spills the
+// smallest geometry when unrolled).
+#define V_UNROLL ((HD >= 64) ? 2 : 1)
+static_assert(HD % VEC == 0 && TPR <= 32 && 32 % TPR == 0,
+              "head_dim must be 8, 16, 32, 64, 128 or 256");
+// Shared floats: the group's queries and one tile of weights per head while
+// scoring; the per-warp partial outputs once the tiles are done.
+#define ATTN_SCORE_FLOATS (GROUP * HD + GROUP * ATTN_THREADS)
+#define ATTN_REDUCE_FLOATS (ATTN_WARPS * GROUP * HD)
+#define ATTN_SHARED_FLOATS \
+    (ATTN_SCORE_FLOATS > ATTN_REDUCE_FLOATS ? ATTN_SCORE_FLOATS : ATTN_REDUCE_FLOATS)
+
+__device__ __forceinline__ void unpack8(const uint4 w, float* f) {
+    f[0] = __uint_as_float(w.x << 16);
+    f[1] = __uint_as_float(w.x & 0xffff0000u);
+    f[2] = __uint_as_float(w.y << 16);
+    f[3] = __uint_as_float(w.y & 0xffff0000u);
+    f[4] = __uint_as_float(w.z << 16);
+    f[5] = __uint_as_float(w.z & 0xffff0000u);
+    f[6] = __uint_as_float(w.w << 16);
+    f[7] = __uint_as_float(w.w & 0xffff0000u);
+}
 
 // Paged causal attention, GQA. Block (t, kvh) computes the GROUP query heads
 // of token t that share kv head kvh over positions 0..=pos[t] of t's
-// sequence, read through its block table: ATTN_THREADS positions per tile
-// (one thread scores one position for every head of the group), an online
-// softmax per head across tiles, then each thread accumulates its own
-// (head, dimension) outputs over the tile's V rows. Writes bf16 outputs
-// `[tokens, num_heads * HD]` (heads of a group side by side).
+// sequence, read through its block table, ATTN_THREADS positions per tile:
+// one thread scores one position against every head of the group (K rows
+// in 16-byte loads), an online softmax per head rescales the running
+// outputs, then ROWS V rows at a time are read in 16-byte pieces, each
+// thread accumulating its 8 dimensions of every head over its rows. The
+// partial sums of the threads sharing dimensions are added at the end
+// (shuffles within a warp, shared memory across warps). Writes bf16
+// outputs `[tokens, num_heads * HD]` (heads of a group side by side).
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) paged_attention(
     bf16_t* __restrict__ out,
     const float* __restrict__ qkv,
@@ -199,22 +227,25 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) paged_attention(
     int block_size,
     float scale)
 {
-    __shared__ float q_s[GROUP][HD];
-    __shared__ float p_s[GROUP][ATTN_THREADS];
+    __shared__ float shared[ATTN_SHARED_FLOATS];
     __shared__ u32 slot_s[ATTN_THREADS];
     __shared__ float m_s[GROUP];
     __shared__ float l_s[GROUP];
     __shared__ float corr_s[GROUP];
+    float* q_s = shared;                   // [GROUP][HD]
+    float* p_s = shared + GROUP * HD;      // [GROUP][ATTN_THREADS]
 
     const size_t t = blockIdx.x;
     const int kvh = blockIdx.y;
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
+    const int chunk = tid % TPR;           // this thread's 8 V dimensions
+    const int row_lane = tid / TPR;        // which of the ROWS rows in flight
 
     const float* q = qkv + t * qkv_dim + (size_t)kvh * GROUP * HD;
     for (int i = tid; i < GROUP * HD; i += ATTN_THREADS) {
-        q_s[i / HD][i % HD] = q[i] * scale;
+        q_s[i] = q[i] * scale;
     }
     for (int g = tid; g < GROUP; g += ATTN_THREADS) {
         m_s[g] = NEG_INF;
@@ -224,11 +255,15 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) paged_attention(
     const int context = (int)token_pos[t] + 1;
     const size_t row_stride = (size_t)num_kv_heads * HD;
     const size_t head_offset = (size_t)kvh * HD;
+    const bf16_t* v_base = v_cache + head_offset + chunk * VEC;
 
-    float acc[ATTN_PAIRS];
+    float acc[GROUP][VEC];
 #pragma unroll
-    for (int k = 0; k < ATTN_PAIRS; ++k) {
-        acc[k] = 0.0f;
+    for (int g = 0; g < GROUP; ++g) {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+            acc[g][e] = 0.0f;
+        }
     }
     __syncthreads();
 
@@ -248,43 +283,39 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) paged_attention(
             for (int g = 0; g < GROUP; ++g) {
                 s[g] = 0.0f;
             }
-#pragma unroll 4
-            for (int c = 0; c < HD / 8; ++c) {
-                const uint4 w = k[c];
-                const float kf[8] = {
-                    __uint_as_float(w.x << 16), __uint_as_float(w.x & 0xffff0000u),
-                    __uint_as_float(w.y << 16), __uint_as_float(w.y & 0xffff0000u),
-                    __uint_as_float(w.z << 16), __uint_as_float(w.z & 0xffff0000u),
-                    __uint_as_float(w.w << 16), __uint_as_float(w.w & 0xffff0000u),
-                };
+#pragma unroll
+            for (int c = 0; c < TPR; ++c) {
+                float kf[VEC];
+                unpack8(k[c], kf);
 #pragma unroll
                 for (int g = 0; g < GROUP; ++g) {
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) {
-                        s[g] += q_s[g][c * 8 + e] * kf[e];
+                    for (int e = 0; e < VEC; ++e) {
+                        s[g] += q_s[g * HD + c * VEC + e] * kf[e];
                     }
                 }
             }
         }
 #pragma unroll
         for (int g = 0; g < GROUP; ++g) {
-            p_s[g][tid] = s[g];
+            p_s[g * ATTN_THREADS + tid] = s[g];
         }
         __syncthreads();
 
         // Online softmax, one warp per head: new max, weights, running sum.
         for (int g = warp; g < GROUP; g += ATTN_WARPS) {
+            float* pg = p_s + g * ATTN_THREADS;
             float mx = NEG_INF;
             for (int j = lane; j < ATTN_THREADS; j += 32) {
-                mx = fmaxf(mx, p_s[g][j]);
+                mx = fmaxf(mx, pg[j]);
             }
             mx = warp_max(mx);
             const float m_old = m_s[g];
             const float m_new = fmaxf(m_old, mx);
             float sum = 0.0f;
             for (int j = lane; j < ATTN_THREADS; j += 32) {
-                const float e = expf(p_s[g][j] - m_new);
-                p_s[g][j] = e;
+                const float e = expf(pg[j] - m_new);
+                pg[j] = e;
                 sum += e;
             }
             sum = warp_sum(sum);
@@ -298,33 +329,67 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) paged_attention(
         }
         __syncthreads();
 
-        // Weighted V rows into this thread's (head, dimension) accumulators.
-        const int valid = min(ATTN_THREADS, context - tile);
+        // Weighted V rows into this thread's partial outputs.
 #pragma unroll
-        for (int k = 0; k < ATTN_PAIRS; ++k) {
-            const int pair = tid + k * ATTN_THREADS;
-            if (pair < GROUP * HD) {
-                const int g = pair / HD;
-                const int d = pair % HD;
-                float a = acc[k] * corr_s[g];
-                const bf16_t* v = v_cache + head_offset + d;
-#pragma unroll 8
-                for (int j = 0; j < valid; ++j) {
-                    a += p_s[g][j] * bf16_to_f32(v[(size_t)slot_s[j] * row_stride]);
+        for (int g = 0; g < GROUP; ++g) {
+            const float corr = corr_s[g];
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+                acc[g][e] *= corr;
+            }
+        }
+        const int valid = min(ATTN_THREADS, context - tile);
+        if (row_lane < ROWS) {
+#pragma unroll V_UNROLL
+            for (int j = row_lane; j < valid; j += ROWS) {
+                float vf[VEC];
+                unpack8(*(const uint4*)(v_base + (size_t)slot_s[j] * row_stride), vf);
+#pragma unroll
+                for (int g = 0; g < GROUP; ++g) {
+                    const float w = p_s[g * ATTN_THREADS + j];
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) {
+                        acc[g][e] += w * vf[e];
+                    }
                 }
-                acc[k] = a;
             }
         }
         __syncthreads();
     }
 
-    bf16_t* o = out + t * (size_t)num_kv_heads * GROUP * HD + (size_t)kvh * GROUP * HD;
+    // Add up the partial outputs of the threads sharing dimensions: the
+    // rows of a warp by shuffles, then the warps through shared memory
+    // (the score buffers are free now).
 #pragma unroll
-    for (int k = 0; k < ATTN_PAIRS; ++k) {
-        const int pair = tid + k * ATTN_THREADS;
-        if (pair < GROUP * HD) {
-            o[pair] = f32_to_bf16(acc[k] / l_s[pair / HD]);
+    for (int g = 0; g < GROUP; ++g) {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+            float v = acc[g][e];
+            for (int off = TPR; off < 32; off <<= 1) {
+                v += __shfl_xor_sync(0xffffffffu, v, off);
+            }
+            acc[g][e] = v;
         }
+    }
+    float* red = shared;                   // [ATTN_WARPS][GROUP][HD]
+    if (lane < TPR) {
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+                red[(warp * GROUP + g) * HD + chunk * VEC + e] = acc[g][e];
+            }
+        }
+    }
+    __syncthreads();
+    bf16_t* o = out + t * (size_t)num_kv_heads * GROUP * HD + (size_t)kvh * GROUP * HD;
+    for (int i = tid; i < GROUP * HD; i += ATTN_THREADS) {
+        float sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < ATTN_WARPS; ++w) {
+            sum += red[w * GROUP * HD + i];
+        }
+        o[i] = f32_to_bf16(sum / l_s[i / HD]);
     }
 }
 

@@ -64,18 +64,27 @@ pub fn attention(tokens: usize, num_kv_heads: usize) -> Launch {
     }
 }
 
-/// Static shared memory of the attention kernel for this geometry: the
-/// group's queries, one tile of weights per head, the tile's slots, and
-/// three floats of softmax state per head.
+/// Warps of an attention block.
+const ATTN_WARPS: usize = ATTN_THREADS as usize / 32;
+
+/// Static shared memory of the attention kernel for this geometry: one
+/// buffer holding the group's queries and a tile of weights per head while
+/// scoring, then the warps' partial outputs; the tile's slots; three floats
+/// of softmax state per head.
 pub fn attention_shared_bytes(head_dim: usize, group: usize) -> usize {
-    4 * (group * head_dim + group * ATTN_THREADS as usize + ATTN_THREADS as usize + 3 * group)
+    let scoring = group * head_dim + group * ATTN_THREADS as usize;
+    let reducing = ATTN_WARPS * group * head_dim;
+    4 * (scoring.max(reducing) + ATTN_THREADS as usize + 3 * group)
 }
 
 /// Why the attention kernel cannot run a model's heads, if it cannot.
 pub fn attention_unsupported(head_dim: usize, group: usize) -> Option<String> {
-    if head_dim == 0 || !head_dim.is_multiple_of(8) {
+    // V rows are read 8 values per thread by head_dim / 8 threads, which
+    // must tile a warp.
+    let per_row = head_dim / 8;
+    if !head_dim.is_multiple_of(8) || !per_row.is_power_of_two() || per_row > 32 {
         return Some(format!(
-            "head_dim {head_dim} must be a positive multiple of 8 (K rows are read 16 bytes at a time)"
+            "head_dim {head_dim} is not one the attention kernel runs (8, 16, 32, 64, 128 or 256)"
         ));
     }
     if group == 0 || group * head_dim > MAX_GROUP_HEAD_DIM {
@@ -414,13 +423,22 @@ mod tests {
         assert!(
             attention_unsupported(100, 1)
                 .expect("not /8")
-                .contains("multiple of 8")
+                .contains("head_dim 100")
         );
+        assert!(
+            attention_unsupported(96, 1).is_some(),
+            "12 threads do not tile a warp"
+        );
+        assert_eq!(attention_unsupported(128, 16), None);
         assert!(
             attention_unsupported(128, 32)
                 .expect("too wide")
                 .contains("2048")
         );
         assert!(attention_shared_bytes(256, 8) <= MAX_STATIC_SHARED);
+        // What ptxas reports for the kernel (static shared memory).
+        assert_eq!(attention_shared_bytes(32, 2), 1816);
+        assert_eq!(attention_shared_bytes(128, 8), 16992);
+        assert_eq!(attention_shared_bytes(128, 16), 33472);
     }
 }
