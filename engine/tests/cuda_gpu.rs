@@ -258,6 +258,50 @@ fn run_parity(size: BuiltinSize) {
     let mut cpu = CpuBackend::new(bf16_rounded(&model), NUM_BLOCKS, BLOCK_SIZE).expect("cpu");
     let mut gpu = CudaBackend::new(model, NUM_BLOCKS, BLOCK_SIZE, 0).expect("gpu backend");
     parity(&mut cpu, &mut gpu, vocab, LOGITS_TOLERANCE);
+    long_context(&mut cpu, &mut gpu, vocab, LOGITS_TOLERANCE);
+}
+
+/// One sequence with a 700-token context: its decode steps cut attention
+/// into splits (one block per kv head would otherwise walk the whole
+/// context) and combine them; each step must still match the CPU.
+fn long_context(cpu: &mut dyn Backend, gpu: &mut dyn Backend, vocab: usize, tolerance: f32) {
+    let mut pool = Pool::new();
+    let mut seq = Seq {
+        len: 0,
+        table: Vec::new(),
+    };
+    let p = prompt(700, 11, vocab);
+    let mut next = 0;
+    for (i, chunk) in p.chunks(256).enumerate() {
+        let last = (i + 1) * 256 >= p.len();
+        let batch = ForwardBatch {
+            seqs: vec![pool.chunk(&mut seq, chunk, last)],
+            ..Default::default()
+        };
+        let (v, c) = logits(cpu.forward(&batch).expect("cpu"));
+        let (_, g) = logits(gpu.forward(&batch).expect("gpu"));
+        if last {
+            let err = rel_err(&g, &c);
+            assert!(err < tolerance, "700-token prefill: {err:e}");
+            next = argmax(&c[..v]);
+        }
+    }
+    for step in 0..8 {
+        let batch = ForwardBatch {
+            seqs: vec![pool.chunk(&mut seq, &[next], true)],
+            ..Default::default()
+        };
+        let (v, c) = logits(cpu.forward(&batch).expect("cpu"));
+        let (_, g) = logits(gpu.forward(&batch).expect("gpu"));
+        let err = rel_err(&g, &c);
+        assert!(err < tolerance, "long-context decode step {step}: {err:e}");
+        assert_eq!(
+            argmax(&g[..v]),
+            argmax(&c[..v]),
+            "long-context decode step {step}"
+        );
+        next = argmax(&c[..v]);
+    }
 }
 
 #[test]

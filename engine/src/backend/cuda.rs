@@ -14,7 +14,9 @@
 //! - NVRTC kernels (`cuda/kernels.cu`, compiled for the device's
 //!   architecture at start-up): embedding gather, RMSNorm, bias + RoPE + KV
 //!   store, paged GQA attention over the block tables (prefill chunks and
-//!   decode alike), SwiGLU, bias adds, KV block pack/unpack;
+//!   decode alike; a few tokens with long contexts are split along the
+//!   context and combined, so batch-1 decoding fills the GPU), SwiGLU,
+//!   bias adds, KV block pack/unpack;
 //! - RoPE tables come from the CPU backend's own [`Rope`] per chunk (every
 //!   scaling it supports, dynamic NTK included) and travel with the step's
 //!   metadata: one upload of `u32`s, one of `f32`s ([`plan::StepPlan`]);
@@ -100,6 +102,10 @@ mod imp {
         logits_host: PinnedHostSlice<f32>,
         meta: CudaSlice<u32>,
         rope: CudaSlice<f32>,
+        /// A split attention's partial sums `[tokens, heads, splits, head_dim]`.
+        part_acc: CudaSlice<f32>,
+        /// Its softmax state `[tokens, heads, splits, (max, sum)]`.
+        part_ml: CudaSlice<f32>,
     }
 
     fn alloc<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
@@ -134,13 +140,20 @@ mod imp {
                 logits_host: pinned(device, 1)?,
                 meta: alloc(device, 1)?,
                 rope: alloc(device, 1)?,
+                part_acc: alloc(device, 1)?,
+                part_ml: alloc(device, 1)?,
             };
-            s.ensure(device, c, 16, 16, 1024, 1024)?;
+            s.ensure(device, c, 16, 16, 1024, 1024, 1)?;
             Ok(s)
         }
 
-        /// Room for `tokens` tokens, `rows` logits rows and the uploads;
-        /// true when a buffer moved.
+        /// Room for `tokens` tokens, `rows` logits rows, the uploads and
+        /// `splits` attention splits per (token, head); true when a buffer
+        /// moved.
+        #[expect(
+            clippy::too_many_arguments,
+            reason = "one size per kind of buffer a step needs"
+        )]
         fn ensure(
             &mut self,
             device: &Device,
@@ -149,8 +162,15 @@ mod imp {
             rows: usize,
             meta: usize,
             rope: usize,
+            splits: usize,
         ) -> Result<bool, EngineError> {
-            let before = (self.tokens, self.rows, self.meta.len(), self.rope.len());
+            let before = (
+                self.tokens,
+                self.rows,
+                self.meta.len(),
+                self.rope.len(),
+                self.part_acc.len(),
+            );
             if tokens > self.tokens {
                 let n = tokens.next_power_of_two();
                 let q_dim = c.num_attention_heads * c.head_dim;
@@ -174,7 +194,22 @@ mod imp {
             if rope > self.rope.len() {
                 self.rope = alloc(device, rope.next_power_of_two())?;
             }
-            Ok(before != (self.tokens, self.rows, self.meta.len(), self.rope.len()))
+            if splits > 1 {
+                let heads = tokens * c.num_attention_heads * splits;
+                if heads * c.head_dim > self.part_acc.len() {
+                    let heads = heads.next_power_of_two();
+                    self.part_acc = alloc(device, heads * c.head_dim)?;
+                    self.part_ml = alloc(device, heads * 2)?;
+                }
+            }
+            Ok(before
+                != (
+                    self.tokens,
+                    self.rows,
+                    self.meta.len(),
+                    self.rope.len(),
+                    self.part_acc.len(),
+                ))
         }
     }
 
@@ -265,6 +300,9 @@ mod imp {
         gate_up: u64,
         act: u64,
         logits: u64,
+        split: plan::AttentionSplit,
+        part_acc: u64,
+        part_ml: u64,
     }
 
     impl CudaBackend {
@@ -483,9 +521,28 @@ mod imp {
                 .fill(batch, bs, c.head_dim, &self.weights.rope, width);
             let p = &self.plan;
             let (n, r) = (p.num_tokens, p.num_logit_rows);
-            let moved = self
-                .scratch
-                .ensure(&self.device, c, n, r, p.meta.len(), p.rope.len())?;
+            // A captured step serves every context up to its table width.
+            let max_context = if decode {
+                p.max_blocks * bs
+            } else {
+                batch
+                    .seqs
+                    .iter()
+                    .map(|s| s.start_pos + s.tokens.len())
+                    .max()
+                    .unwrap_or(0)
+            };
+            let split =
+                plan::attention_split(n, c.num_key_value_heads, max_context, self.device.sms);
+            let moved = self.scratch.ensure(
+                &self.device,
+                c,
+                n,
+                r,
+                p.meta.len(),
+                p.rope.len(),
+                split.splits as usize,
+            )?;
             if moved && let Some(graphs) = &mut self.graphs {
                 // Captured steps point into the buffers that just moved.
                 graphs.clear();
@@ -498,7 +555,7 @@ mod imp {
             d.stream
                 .memcpy_htod(p.rope.as_slice(), &mut s.rope)
                 .map_err(driver("uploading RoPE tables"))?;
-            let a = self.addrs();
+            let a = self.addrs(split);
             if decode {
                 self.replay_or_capture(&a)?;
             } else {
@@ -520,7 +577,7 @@ mod imp {
         }
 
         /// The device addresses the current plan's step uses.
-        fn addrs(&self) -> StepAddrs {
+        fn addrs(&self, split: plan::AttentionSplit) -> StepAddrs {
             let (d, s, p) = (&self.device, &self.scratch, &self.plan);
             let l = p.layout();
             let meta = |range: &std::ops::Range<usize>| d.addr(&s.meta, range.start);
@@ -543,6 +600,9 @@ mod imp {
                 gate_up: d.addr(&s.gate_up, 0),
                 act: d.addr(&s.act, 0),
                 logits: d.addr(&s.logits, 0),
+                split,
+                part_acc: d.addr(&s.part_acc, 0),
+                part_ml: d.addr(&s.part_ml, 0),
             }
         }
 
@@ -621,6 +681,9 @@ mod imp {
                 attn,
                 gate_up,
                 act,
+                split,
+                part_acc,
+                part_ml,
                 ..
             } = *a;
 
@@ -682,7 +745,7 @@ mod imp {
                 )?;
                 d.launch(
                     &k.paged_attention,
-                    plan::attention(n, nkv),
+                    plan::attention(n, nkv, split),
                     &[
                         Arg::Ptr(attn),
                         Arg::Ptr(qkv),
@@ -696,8 +759,24 @@ mod imp {
                         Arg::I32(nkv as i32),
                         Arg::I32(bs as i32),
                         Arg::F32(scale),
+                        Arg::I32(split.part_len as i32),
+                        Arg::Ptr(part_acc),
+                        Arg::Ptr(part_ml),
                     ],
                 )?;
+                if split.splits > 1 {
+                    d.launch(
+                        &k.attention_combine,
+                        plan::attention_combine(n, nkv),
+                        &[
+                            Arg::Ptr(attn),
+                            Arg::Ptr(part_acc),
+                            Arg::Ptr(part_ml),
+                            Arg::I32(nkv as i32),
+                            Arg::I32(split.splits as i32),
+                        ],
+                    )?;
+                }
                 // SAFETY: attn is [n, q_dim] bf16, o is [hidden, q_dim], x is [n, hidden] f32.
                 unsafe { d.linear(x, attn, d.addr(&layer.o.weight, 0), n, q_dim, hidden, true) }?;
                 if let Some(b) = &layer.o.bias {

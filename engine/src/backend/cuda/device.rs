@@ -53,6 +53,7 @@ pub(crate) struct Kernels {
     pub(crate) rms_norm: CudaFunction,
     pub(crate) qkv_rope_store: CudaFunction,
     pub(crate) paged_attention: CudaFunction,
+    pub(crate) attention_combine: CudaFunction,
     pub(crate) swiglu: CudaFunction,
     pub(crate) add_bias: CudaFunction,
     pub(crate) kv_pack: CudaFunction,
@@ -68,6 +69,8 @@ pub(crate) struct Device {
     pub(crate) kernels: Kernels,
     /// Blocks of a grid-stride launch: a few waves of the device's SMs.
     pub(crate) max_blocks: u32,
+    /// Streaming multiprocessors.
+    pub(crate) sms: u32,
     /// `name (sm_XY)`, for logs.
     pub(crate) description: String,
     /// cuBLAS's workspace, set on the handle: a GEMM captured in a CUDA
@@ -149,6 +152,7 @@ impl Device {
             rms_norm: f("rms_norm")?,
             qkv_rope_store: f("qkv_rope_store")?,
             paged_attention: f("paged_attention")?,
+            attention_combine: f("attention_combine")?,
             swiglu: f("swiglu")?,
             add_bias: f("add_bias")?,
             kv_pack: f("kv_pack")?,
@@ -163,6 +167,7 @@ impl Device {
             blas,
             kernels,
             max_blocks: (sms.max(1) as u32).saturating_mul(4),
+            sms: sms.max(1) as u32,
             description,
             _workspace: workspace,
         })

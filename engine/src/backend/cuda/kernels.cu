@@ -213,7 +213,9 @@ __device__ __forceinline__ void unpack8(const uint4 w, float* f) {
 // partial sums of the threads sharing dimensions are added at the end
 // (shuffles within a warp, shared memory across warps). Writes bf16
 // outputs `[tokens, num_heads * HD]` (heads of a group side by side).
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS) paged_attention(
+// (Minimum one block per SM in the launch bounds: without it ptxas may cap
+// registers at 128 and spill the accumulators of a group of 8.)
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS, 1) paged_attention(
     bf16_t* __restrict__ out,
     const float* __restrict__ qkv,
     const bf16_t* __restrict__ k_cache,
@@ -225,7 +227,10 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) paged_attention(
     int qkv_dim,
     int num_kv_heads,
     int block_size,
-    float scale)
+    float scale,
+    int part_len,
+    float* __restrict__ part_acc,
+    float* __restrict__ part_ml)
 {
     __shared__ float shared[ATTN_SHARED_FLOATS];
     __shared__ u32 slot_s[ATTN_THREADS];
@@ -253,6 +258,10 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) paged_attention(
     }
     const u32* table = block_tables + (size_t)token_seq[t] * max_blocks;
     const int context = (int)token_pos[t] + 1;
+    // This block's share of the context: split blockIdx.z of gridDim.z.
+    const int split = blockIdx.z;
+    const int begin = split * part_len;
+    const int end = min(context, begin + part_len);
     const size_t row_stride = (size_t)num_kv_heads * HD;
     const size_t head_offset = (size_t)kvh * HD;
     const bf16_t* v_base = v_cache + head_offset + chunk * VEC;
@@ -267,7 +276,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) paged_attention(
     }
     __syncthreads();
 
-    for (int tile = 0; tile < context; tile += ATTN_THREADS) {
+    for (int tile = begin; tile < end; tile += ATTN_THREADS) {
         // Scores: this thread's position against every head of the group.
         const int p = tile + tid;
         float s[GROUP];
@@ -275,7 +284,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) paged_attention(
         for (int g = 0; g < GROUP; ++g) {
             s[g] = NEG_INF;
         }
-        if (p < context) {
+        if (p < end) {
             const u32 slot = table[p / block_size] * (u32)block_size + (u32)(p % block_size);
             slot_s[tid] = slot;
             const uint4* k = (const uint4*)(k_cache + slot * row_stride + head_offset);
@@ -338,7 +347,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) paged_attention(
                 acc[g][e] *= corr;
             }
         }
-        const int valid = min(ATTN_THREADS, context - tile);
+        const int valid = min(ATTN_THREADS, end - tile);
         if (row_lane < ROWS) {
 #pragma unroll V_UNROLL
             for (int j = row_lane; j < valid; j += ROWS) {
@@ -382,7 +391,28 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) paged_attention(
         }
     }
     __syncthreads();
-    bf16_t* o = out + t * (size_t)num_kv_heads * GROUP * HD + (size_t)kvh * GROUP * HD;
+    const size_t head_base = t * (size_t)num_kv_heads + kvh;
+    if (gridDim.z > 1) {
+        // One split of several: unnormalised sums and the softmax state,
+        // combined by attention_combine. An empty split (past this token's
+        // context) leaves m = -inf and l = 0, which weigh nothing there.
+        const size_t part = head_base * gridDim.z + split;
+        float* pa = part_acc + part * GROUP * HD;
+        for (int i = tid; i < GROUP * HD; i += ATTN_THREADS) {
+            float sum = 0.0f;
+#pragma unroll
+            for (int w = 0; w < ATTN_WARPS; ++w) {
+                sum += red[w * GROUP * HD + i];
+            }
+            pa[i] = sum;
+        }
+        for (int g = tid; g < GROUP; g += ATTN_THREADS) {
+            part_ml[(part * GROUP + g) * 2] = m_s[g];
+            part_ml[(part * GROUP + g) * 2 + 1] = l_s[g];
+        }
+        return;
+    }
+    bf16_t* o = out + head_base * GROUP * HD;
     for (int i = tid; i < GROUP * HD; i += ATTN_THREADS) {
         float sum = 0.0f;
 #pragma unroll
@@ -390,6 +420,37 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) paged_attention(
             sum += red[w * GROUP * HD + i];
         }
         o[i] = f32_to_bf16(sum / l_s[i / HD]);
+    }
+}
+
+// The splits of a split attention (paged_attention with gridDim.z > 1)
+// into the bf16 outputs: per head, each split's sums rescaled to the
+// largest max, divided by the rescaled total weight. Grid: (tokens, kv heads).
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attention_combine(
+    bf16_t* __restrict__ out,
+    const float* __restrict__ part_acc,
+    const float* __restrict__ part_ml,
+    int num_kv_heads,
+    int splits)
+{
+    const size_t head_base = (size_t)blockIdx.x * num_kv_heads + blockIdx.y;
+    const size_t first = head_base * splits;
+    bf16_t* o = out + head_base * GROUP * HD;
+    for (int i = threadIdx.x; i < GROUP * HD; i += ATTN_THREADS) {
+        const int g = i / HD;
+        float m = NEG_INF;
+        for (int s = 0; s < splits; ++s) {
+            m = fmaxf(m, part_ml[((first + s) * GROUP + g) * 2]);
+        }
+        float sum = 0.0f;
+        float weight = 0.0f;
+        for (int s = 0; s < splits; ++s) {
+            const size_t part = first + s;
+            const float scale = expf(part_ml[(part * GROUP + g) * 2] - m);
+            weight += part_ml[(part * GROUP + g) * 2 + 1] * scale;
+            sum += part_acc[part * GROUP * HD + i] * scale;
+        }
+        o[i] = f32_to_bf16(sum / weight);
     }
 }
 

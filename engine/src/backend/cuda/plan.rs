@@ -56,11 +56,55 @@ pub fn grid_stride(total: usize, max_blocks: u32) -> Launch {
     }
 }
 
-/// Attention: one block per (token, kv head).
-pub fn attention(tokens: usize, num_kv_heads: usize) -> Launch {
+/// Attention: one block per (token, kv head, split of the context).
+pub fn attention(tokens: usize, num_kv_heads: usize, split: AttentionSplit) -> Launch {
+    Launch {
+        grid: (tokens as u32, num_kv_heads as u32, split.splits),
+        block: ATTN_THREADS,
+    }
+}
+
+/// Combining a split attention's partial results: one block per (token,
+/// kv head).
+pub fn attention_combine(tokens: usize, num_kv_heads: usize) -> Launch {
     Launch {
         grid: (tokens as u32, num_kv_heads as u32, 1),
         block: ATTN_THREADS,
+    }
+}
+
+/// Most splits one (token, kv head)'s context is cut into.
+pub const MAX_SPLITS: usize = 32;
+
+/// How a step's attention is cut along the context.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionSplit {
+    /// Blocks per (token, kv head); 1: no partial results to combine.
+    pub splits: u32,
+    /// Positions per split (a multiple of the attention tile).
+    pub part_len: u32,
+}
+
+/// Splits for a step of `tokens` tokens whose longest context is
+/// `max_context`, on a device with `sms` SMs: a few tokens with long
+/// contexts (batch-1 decoding) would otherwise occupy one SM per kv head
+/// and walk their whole context alone, so the context is cut until the
+/// grid covers about two waves of SMs, never below one tile per split.
+pub fn attention_split(
+    tokens: usize,
+    num_kv_heads: usize,
+    max_context: usize,
+    sms: u32,
+) -> AttentionSplit {
+    let tile = ATTN_THREADS as usize;
+    let tiles = max_context.div_ceil(tile).max(1);
+    let blocks = (tokens * num_kv_heads).max(1);
+    let wanted = (2 * sms.max(1) as usize).div_ceil(blocks);
+    let splits = wanted.clamp(1, tiles.min(MAX_SPLITS));
+    let part_tiles = tiles.div_ceil(splits);
+    AttentionSplit {
+        splits: tiles.div_ceil(part_tiles) as u32,
+        part_len: (part_tiles * tile) as u32,
     }
 }
 
@@ -411,8 +455,43 @@ mod tests {
         assert_eq!((g.grid.0, g.block), (4, 256));
         assert_eq!(grid_stride(10_000_000, 264).grid.0, 264);
         assert_eq!(grid_stride(0, 264).grid.0, 1);
-        assert_eq!(attention(5, 8).grid, (5, 8, 1));
-        assert_eq!(attention(5, 8).block, ATTN_THREADS);
+        let one = AttentionSplit {
+            splits: 1,
+            part_len: 128,
+        };
+        assert_eq!(attention(5, 8, one).grid, (5, 8, 1));
+        assert_eq!(attention(5, 8, one).block, ATTN_THREADS);
+        assert_eq!(attention_combine(5, 8).grid, (5, 8, 1));
+    }
+
+    #[test]
+    fn long_contexts_of_few_tokens_are_split_and_busy_grids_are_not() {
+        // Batch-1 decode, 4 kv heads, 132 SMs, 4096 positions: 32 tiles
+        // cut into 32 splits of one tile (4 · 32 blocks ≈ a wave).
+        let s = attention_split(1, 4, 4096, 132);
+        assert_eq!((s.splits, s.part_len), (32, 128));
+        // Short context: never more splits than tiles.
+        assert_eq!(attention_split(1, 4, 200, 132).splits, 2);
+        assert_eq!(attention_split(1, 8, 1, 132).splits, 1);
+        // Enough blocks already (a prefill chunk, a big batch): one split.
+        assert_eq!(attention_split(512, 8, 4096, 132).splits, 1);
+        assert_eq!(attention_split(128, 4, 300, 132).splits, 1);
+        // Every position is in a split, the last one non-empty.
+        for (tokens, ctx) in [(1, 1000), (3, 777), (16, 5000), (1, 128 * 40)] {
+            let s = attention_split(tokens, 4, ctx, 108);
+            assert_eq!(s.part_len % ATTN_THREADS, 0);
+            assert!(s.splits as usize <= MAX_SPLITS);
+            assert!(
+                (s.splits * s.part_len) as usize >= ctx,
+                "{s:?} covers {ctx}"
+            );
+            assert!(
+                (s.splits - 1) * s.part_len < ctx as u32,
+                "{s:?}: no empty split at {ctx}"
+            );
+        }
+        let g = attention(3, 4, attention_split(3, 4, 1000, 132));
+        assert_eq!(g.grid, (3, 4, 8));
     }
 
     #[test]

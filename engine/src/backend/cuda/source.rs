@@ -20,11 +20,12 @@ pub const SOURCE: &str = include_str!("kernels.cu");
 pub const PROGRAM_NAME: &str = "sluice_kernels.cu";
 
 /// The entry points of [`SOURCE`], each `extern "C"`.
-pub const KERNELS: [&str; 8] = [
+pub const KERNELS: [&str; 9] = [
     "embed_gather",
     "rms_norm",
     "qkv_rope_store",
     "paged_attention",
+    "attention_combine",
     "swiglu",
     "add_bias",
     "kv_pack",
