@@ -78,6 +78,10 @@ pub(crate) struct Device {
     _workspace: CudaSlice<u8>,
 }
 
+/// The oldest driver API the backend runs on (`cuDriverGetVersion`'s form):
+/// CUDA 13.0, what cudarc is built for and what its NVRTC targets.
+const MIN_DRIVER_CUDA: i32 = 13000;
+
 /// Bytes of the cuBLAS workspace (what cuBLAS's own default is on Hopper).
 const CUBLAS_WORKSPACE: usize = 32 << 20;
 
@@ -96,6 +100,19 @@ impl Device {
             return Err(EngineError::NoCudaDevice {
                 visible: std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "unset".into()),
             });
+        }
+        let mut version = 0;
+        // SAFETY: a valid out-pointer; the driver library is loaded (checked).
+        unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) }
+            .result()
+            .map_err(driver("reading the driver version"))?;
+        if version < MIN_DRIVER_CUDA {
+            // Kernels compiled by CUDA 13's NVRTC do not load on older drivers.
+            return Err(EngineError::InvalidConfig(format!(
+                "the NVIDIA driver supports CUDA {}.{}; the cuda engine needs CUDA 13 (driver 580 or newer)",
+                version / 1000,
+                version % 1000 / 10
+            )));
         }
         let ctx =
             CudaContext::new(ordinal % count as usize).map_err(driver("opening the device"))?;
