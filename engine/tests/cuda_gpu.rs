@@ -320,6 +320,72 @@ fn small_100m_model_logits_and_greedy_tokens_match_the_cpu_backend() {
     }
 }
 
+/// transformers' reference logits (`tests/fixtures/parity`, the CPU parity
+/// test's): untied and tied Llama, Llama 3 and linear RoPE scaling, Qwen2's
+/// q/k/v biases with one kv head, and dynamic NTK RoPE past
+/// `max_position_embeddings` (whose chunk tables are computed per step, not
+/// read from the per-position table).
+#[test]
+#[ignore = "needs an NVIDIA GPU: SLUICE_TEST_CUDA=1 make test-cuda"]
+fn hf_fixtures_match_transformers_within_bf16() {
+    if !enabled() {
+        return;
+    }
+    #[derive(serde::Deserialize)]
+    struct Reference {
+        cases: std::collections::HashMap<String, Case>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Case {
+        cache_consistent: bool,
+        prompt: Vec<u32>,
+        prefill_logits: Vec<f32>,
+        decode: Vec<Step>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Step {
+        token: u32,
+        logits: Vec<f32>,
+    }
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/parity");
+    let text = std::fs::read_to_string(dir.join("reference.json")).expect("reference.json");
+    let reference: Reference = serde_json::from_str(&text).expect("valid reference");
+    for (name, case) in &reference.cases {
+        let mut gpu =
+            CudaBackend::from_dir(&dir.join(name), NUM_BLOCKS, 4, 0).expect("gpu backend");
+        let mut table: Vec<u32> = Vec::new();
+        let mut len = 0;
+        let mut chunk = |tokens: &[u32]| {
+            let start_pos = len;
+            len += tokens.len();
+            while table.len() * 4 < len {
+                table.push((table.len() as u32 * 7 + 3) % NUM_BLOCKS as u32);
+            }
+            ForwardBatch {
+                seqs: vec![SeqChunk {
+                    tokens: tokens.to_vec(),
+                    start_pos,
+                    block_table: table.clone(),
+                    needs_logits: true,
+                }],
+                ..Default::default()
+            }
+        };
+        let (_, g) = logits(gpu.forward(&chunk(&case.prompt)).expect("prefill"));
+        let err = rel_err(&g, &case.prefill_logits);
+        println!("{name}: prefill {err:e}");
+        assert!(err < LOGITS_TOLERANCE, "{name} prefill: {err:e}");
+        if !case.cache_consistent {
+            continue;
+        }
+        for (i, step) in case.decode.iter().enumerate() {
+            let (_, g) = logits(gpu.forward(&chunk(&[step.token])).expect("decode"));
+            let err = rel_err(&g, &step.logits);
+            assert!(err < LOGITS_TOLERANCE, "{name} decode {i}: {err:e}");
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU: SLUICE_TEST_CUDA=1 make test-cuda"]
 fn kv_blocks_round_trip_through_the_cpu_layout() {

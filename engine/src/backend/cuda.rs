@@ -17,9 +17,11 @@
 //!   decode alike; a few tokens with long contexts are split along the
 //!   context and combined, so batch-1 decoding fills the GPU), SwiGLU,
 //!   bias adds, KV block pack/unpack;
-//! - RoPE tables come from the CPU backend's own [`Rope`] per chunk (every
-//!   scaling it supports, dynamic NTK included) and travel with the step's
-//!   metadata: one upload of `u32`s, one of `f32`s ([`plan::StepPlan`]);
+//! - RoPE tables come from the CPU backend's own [`Rope`] (every scaling it
+//!   supports): computed once for every position the model takes and read
+//!   by position, or per chunk for a chunk past them (dynamic NTK past
+//!   `max_position_embeddings`), uploaded with the step's metadata
+//!   ([`plan::StepPlan`]);
 //! - plain decode steps (one token per sequence) are captured once per
 //!   batch size and block-table width as CUDA graphs and replayed: a small
 //!   model's step is otherwise bound by ~10 launches per layer, not by
@@ -213,6 +215,12 @@ mod imp {
         }
     }
 
+    /// Positions the per-position RoPE table holds.
+    fn c_positions(c: &ModelConfig) -> usize {
+        c.max_position_embeddings
+            .clamp(1, plan::MAX_ROPE_CACHE_POSITIONS)
+    }
+
     /// `x[i] += bias[i % width]` over `total` elements.
     fn add_bias(
         d: &Device,
@@ -257,9 +265,14 @@ mod imp {
         scratch: Scratch,
         plan: StepPlan,
         staging: RefCell<Staging>,
-        /// Captured decode steps by (sequences, block-table width); `None`
-        /// when graphs are off (`SLUICE_CUDA_GRAPHS=0`, or a capture failed).
-        graphs: Option<HashMap<(usize, usize), Graph>>,
+        /// Captured decode steps by (sequences, block-table width, RoPE
+        /// from the per-position table); `None` when graphs are off
+        /// (`SLUICE_CUDA_GRAPHS=0`, or a capture failed).
+        graphs: Option<HashMap<(usize, usize, bool), Graph>>,
+        /// cos/sin of every position below `rope_positions`:
+        /// `[cos | sin]`, each `[rope_positions, head_dim / 2]`.
+        rope_cache: CudaSlice<f32>,
+        rope_positions: usize,
     }
 
     /// Decode-step graphs kept at most (a batch size and a table width each).
@@ -282,6 +295,9 @@ mod imp {
     /// Device addresses (and sizes) of one planned step.
     #[derive(Debug, Clone, Copy)]
     struct StepAddrs {
+        /// RoPE from the per-position table (`rope_rows` = positions).
+        cached_rope: bool,
+        rope_rows: u64,
         n: usize,
         r: usize,
         max_blocks: usize,
@@ -370,14 +386,27 @@ mod imp {
                 .mem_get_info()
                 .map_err(driver("reading free device memory"))?;
             let weights = DeviceWeights::upload(model, &device)?;
-            if kv_bytes > free.saturating_sub(weights.bytes) {
+            // RoPE of every position the model takes, computed once by the
+            // CPU backend's Rope: a step then uploads no tables.
+            let rope_positions = c_positions(&weights.config);
+            let half = weights.config.head_dim / 2;
+            let mut tables = vec![0f32; 2 * rope_positions * half];
+            let (cos, sin) = tables.split_at_mut(rope_positions * half);
+            weights.rope.fill(0..rope_positions, cos, sin);
+            let rope_cache = device
+                .stream
+                .clone_htod(&tables)
+                .map_err(driver("uploading RoPE tables"))?;
+            drop(tables);
+            let resident = weights.bytes + 4 * rope_cache.len();
+            if kv_bytes > free.saturating_sub(resident) {
                 return Err(EngineError::InvalidConfig(format!(
-                    "{num_blocks} KV blocks need {} MiB of device memory; {} has {} MiB free of {} MiB after {} MiB of weights (lower --num-gpu-blocks)",
+                    "{num_blocks} KV blocks need {} MiB of device memory; {} has {} MiB free of {} MiB after {} MiB of weights and tables (lower --num-gpu-blocks)",
                     kv_bytes >> 20,
                     device.description,
-                    free.saturating_sub(weights.bytes) >> 20,
+                    free.saturating_sub(resident) >> 20,
                     total >> 20,
-                    weights.bytes >> 20
+                    resident >> 20
                 )));
             }
             let kv = device
@@ -409,6 +438,8 @@ mod imp {
                 staging: RefCell::new(staging),
                 graphs: (std::env::var("SLUICE_CUDA_GRAPHS").as_deref() != Ok("0"))
                     .then(HashMap::new),
+                rope_cache,
+                rope_positions,
             })
         }
 
@@ -517,8 +548,14 @@ mod imp {
             } else {
                 0
             };
-            self.plan
-                .fill(batch, bs, c.head_dim, &self.weights.rope, width);
+            let cached_rope = plan::rope_cache_covers(batch, self.rope_positions);
+            self.plan.fill(
+                batch,
+                bs,
+                c.head_dim,
+                (!cached_rope).then_some(&self.weights.rope),
+                width,
+            );
             let p = &self.plan;
             let (n, r) = (p.num_tokens, p.num_logit_rows);
             // A captured step serves every context up to its table width.
@@ -552,10 +589,12 @@ mod imp {
             d.stream
                 .memcpy_htod(p.meta.as_slice(), &mut s.meta)
                 .map_err(driver("uploading step metadata"))?;
-            d.stream
-                .memcpy_htod(p.rope.as_slice(), &mut s.rope)
-                .map_err(driver("uploading RoPE tables"))?;
-            let a = self.addrs(split);
+            if !p.rope.is_empty() {
+                d.stream
+                    .memcpy_htod(p.rope.as_slice(), &mut s.rope)
+                    .map_err(driver("uploading RoPE tables"))?;
+            }
+            let a = self.addrs(split, cached_rope);
             if decode {
                 self.replay_or_capture(&a)?;
             } else {
@@ -577,11 +616,27 @@ mod imp {
         }
 
         /// The device addresses the current plan's step uses.
-        fn addrs(&self, split: plan::AttentionSplit) -> StepAddrs {
+        fn addrs(&self, split: plan::AttentionSplit, cached_rope: bool) -> StepAddrs {
             let (d, s, p) = (&self.device, &self.scratch, &self.plan);
             let l = p.layout();
             let meta = |range: &std::ops::Range<usize>| d.addr(&s.meta, range.start);
+            let half = self.weights.config.head_dim / 2;
+            let (cos, sin, rope_rows) = if cached_rope {
+                (
+                    d.addr(&self.rope_cache, 0),
+                    d.addr(&self.rope_cache, self.rope_positions * half),
+                    meta(&l.token_pos),
+                )
+            } else {
+                (
+                    d.addr(&s.rope, p.cos().start),
+                    d.addr(&s.rope, p.sin().start),
+                    0,
+                )
+            };
             StepAddrs {
+                cached_rope,
+                rope_rows,
                 n: p.num_tokens,
                 r: p.num_logit_rows,
                 max_blocks: p.max_blocks,
@@ -591,8 +646,8 @@ mod imp {
                 slots: meta(&l.slots),
                 logit_rows: meta(&l.logit_rows),
                 tables: meta(&l.block_tables),
-                cos: d.addr(&s.rope, p.cos().start),
-                sin: d.addr(&s.rope, p.sin().start),
+                cos,
+                sin,
                 x: d.addr(&s.x, 0),
                 h: d.addr(&s.h, 0),
                 qkv: d.addr(&s.qkv, 0),
@@ -610,7 +665,7 @@ mod imp {
         /// captures one (and launches it). A failed capture turns graphs off
         /// for this backend and runs the step eagerly: slower, never wrong.
         fn replay_or_capture(&mut self, a: &StepAddrs) -> Result<(), EngineError> {
-            let key = (a.n, a.max_blocks);
+            let key = (a.n, a.max_blocks, a.cached_rope);
             if let Some(g) = self.graphs.as_ref().and_then(|m| m.get(&key)) {
                 return g.0.launch().map_err(driver("replaying a decode step"));
             }
@@ -675,6 +730,7 @@ mod imp {
                 tables,
                 cos,
                 sin,
+                rope_rows,
                 x,
                 h,
                 qkv,
@@ -735,6 +791,7 @@ mod imp {
                         Arg::Ptr(opt(&layer.qkv.bias)),
                         Arg::Ptr(cos),
                         Arg::Ptr(sin),
+                        Arg::Ptr(rope_rows),
                         Arg::Ptr(slots),
                         Arg::Ptr(k_slab),
                         Arg::Ptr(v_slab),

@@ -117,13 +117,16 @@ extern "C" __global__ void rms_norm(
 
 // One token's fused q/k/v row (f32, `[q | k | v]`): adds the bias (when
 // given), rotates q and k (HF rotate-half: dimension i pairs with
-// i + head_dim/2) with the token's cos/sin row, leaves q in place and stores
-// k and v as bf16 in the token's KV slot. Grid: one block per token.
+// i + head_dim/2) with its cos/sin row, leaves q in place and stores k and
+// v as bf16 in the token's KV slot. The tables' row is rope_rows[t] when
+// given (the token's position in a per-position table), else t (a table
+// built for this step). Grid: one block per token.
 extern "C" __global__ void qkv_rope_store(
     float* __restrict__ qkv,
     const float* __restrict__ bias,
     const float* __restrict__ cos_table,
     const float* __restrict__ sin_table,
+    const u32* __restrict__ rope_rows,
     const u32* __restrict__ slots,
     bf16_t* __restrict__ k_cache,
     bf16_t* __restrict__ v_cache,
@@ -136,8 +139,9 @@ extern "C" __global__ void qkv_rope_store(
     const int q_dim = num_heads * head_dim;
     const int kv_dim = num_kv_heads * head_dim;
     float* row = qkv + t * (size_t)(q_dim + 2 * kv_dim);
-    const float* c = cos_table + t * half;
-    const float* s = sin_table + t * half;
+    const size_t rope_row = rope_rows ? (size_t)rope_rows[t] : t;
+    const float* c = cos_table + rope_row * half;
+    const float* s = sin_table + rope_row * half;
     const size_t slot = (size_t)slots[t] * kv_dim;
     const int pairs = (num_heads + num_kv_heads) * half;
     for (int p = threadIdx.x; p < pairs; p += blockDim.x) {

@@ -152,6 +152,22 @@ pub fn graph_width(blocks: usize) -> usize {
     blocks.next_power_of_two().max(4)
 }
 
+/// Positions a per-position RoPE table holds at most (the model's
+/// `max_position_embeddings` otherwise): 2^18 positions of head_dim 128 are
+/// 128 MiB of f32.
+pub const MAX_ROPE_CACHE_POSITIONS: usize = 1 << 18;
+
+/// Whether a per-position RoPE table of `len` positions serves `batch`:
+/// every chunk ends within it. The table holds what [`Rope`] computes for
+/// positions `0..len`; below `max_position_embeddings` that is every
+/// chunk's own table (dynamic NTK changes the base only past it).
+pub fn rope_cache_covers(batch: &ForwardBatch, len: usize) -> bool {
+    batch
+        .seqs
+        .iter()
+        .all(|s| s.start_pos + s.tokens.len() <= len)
+}
+
 /// Whether a step is plain decoding (one token per sequence, every one
 /// needing logits): the steps the cuda backend captures as CUDA graphs.
 pub fn is_decode_step(batch: &ForwardBatch) -> bool {
@@ -207,13 +223,14 @@ impl StepPlan {
         rope: &Rope,
     ) -> Self {
         let mut plan = Self::default();
-        plan.fill(batch, block_size, head_dim, rope, 0);
+        plan.fill(batch, block_size, head_dim, Some(rope), 0);
         plan
     }
 
     /// [`StepPlan::build`] into this plan's buffers (kept across steps),
     /// block-table rows at least `min_width` wide (a captured decode step's
-    /// fixed stride, see [`graph_width`]).
+    /// fixed stride, see [`graph_width`]); no RoPE tables when `rope` is
+    /// `None` (the kernels read a per-position table, [`rope_cache_covers`]).
     #[cfg_attr(
         not(any(feature = "cuda", test)),
         expect(
@@ -226,7 +243,7 @@ impl StepPlan {
         batch: &ForwardBatch,
         block_size: usize,
         head_dim: usize,
-        rope: &Rope,
+        rope: Option<&Rope>,
         min_width: usize,
     ) {
         let half = head_dim / 2;
@@ -248,9 +265,10 @@ impl StepPlan {
         let layout = self.layout();
         self.meta.clear();
         self.meta.resize(layout.block_tables.end, 0);
+        let tables = if rope.is_some() { n * half } else { 0 };
         self.rope.clear();
-        self.rope.resize(2 * n * half, 0.0);
-        let (cos, sin) = self.rope.split_at_mut(n * half);
+        self.rope.resize(2 * tables, 0.0);
+        let (cos, sin) = self.rope.split_at_mut(tables);
         let mut t = 0;
         let mut row = 0;
         for (i, seq) in batch.seqs.iter().enumerate() {
@@ -266,11 +284,13 @@ impl StepPlan {
                 self.meta[layout.slots.start + t + j] =
                     table[pos / block_size] * block_size as u32 + (pos % block_size) as u32;
             }
-            rope.fill(
-                seq.start_pos..seq.start_pos + len,
-                &mut cos[t * half..(t + len) * half],
-                &mut sin[t * half..(t + len) * half],
-            );
+            if let Some(rope) = rope {
+                rope.fill(
+                    seq.start_pos..seq.start_pos + len,
+                    &mut cos[t * half..(t + len) * half],
+                    &mut sin[t * half..(t + len) * half],
+                );
+            }
             t += len;
             if seq.needs_logits {
                 self.meta[layout.logit_rows.start + row] = (t - 1) as u32;
@@ -298,14 +318,14 @@ impl StepPlan {
         }
     }
 
-    /// The cos table's range in [`StepPlan::rope`].
+    /// The cos table's range in [`StepPlan::rope`] (empty without tables).
     pub fn cos(&self) -> Range<usize> {
-        0..self.num_tokens * self.half
+        0..self.rope.len() / 2
     }
 
-    /// The sin table's range in [`StepPlan::rope`].
+    /// The sin table's range in [`StepPlan::rope`] (empty without tables).
     pub fn sin(&self) -> Range<usize> {
-        self.num_tokens * self.half..2 * self.num_tokens * self.half
+        self.rope.len() / 2..self.rope.len()
     }
 }
 
@@ -397,6 +417,33 @@ mod tests {
     }
 
     #[test]
+    fn without_tables_the_plan_carries_no_rope_and_the_cache_covers_short_chunks() {
+        let config = tiny_config(true);
+        let mut plan = StepPlan::default();
+        plan.fill(&batch(), 4, config.head_dim, None, 0);
+        assert!(plan.rope.is_empty() && plan.cos().is_empty() && plan.sin().is_empty());
+        assert_eq!(plan.num_tokens, 6, "metadata as with tables");
+        // The longest chunk ends at position 9 (8 + 1 token).
+        assert!(rope_cache_covers(&batch(), 9));
+        assert!(!rope_cache_covers(&batch(), 8));
+        // A per-position table equals the per-chunk ones (the kernels index
+        // it by position).
+        let rope = Rope::new(&config);
+        let half = config.head_dim / 2;
+        let (mut c, mut s) = (vec![0.0; 10 * half], vec![0.0; 10 * half]);
+        rope.fill(0..10, &mut c, &mut s);
+        let with = StepPlan::build(&batch(), 4, config.head_dim, &rope);
+        let pos = with.layout().token_pos;
+        for (t, &p) in with.meta[pos].iter().enumerate() {
+            let p = p as usize;
+            assert_eq!(
+                &with.rope[t * half..(t + 1) * half],
+                &c[p * half..(p + 1) * half]
+            );
+        }
+    }
+
+    #[test]
     fn an_empty_batch_plans_nothing() {
         let config = tiny_config(true);
         let plan = StepPlan::build(
@@ -417,7 +464,7 @@ mod tests {
             &batch(),
             4,
             config.head_dim,
-            &Rope::new(&config),
+            Some(&Rope::new(&config)),
             graph_width(3),
         );
         assert_eq!(plan.max_blocks, 4);
