@@ -12,7 +12,8 @@ TEST_THREADS ?= 2
 CUDA_WHEEL = $(firstword $(wildcard $(CURDIR)/$(VENV)/lib/python3*/site-packages/nvidia/cu13))
 NVRTC_LIB = $(CUDA_WHEEL)/lib/libnvrtc.so.13
 PTXAS = $(CUDA_WHEEL)/bin/ptxas
-CUDA_TOOLS = SLUICE_NVRTC_LIB=$(NVRTC_LIB) SLUICE_PTXAS=$(PTXAS) LD_LIBRARY_PATH=$(CUDA_WHEEL)/lib$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}
+# (empty without the wheels: a GPU host's own toolkit is used then)
+CUDA_TOOLS = $(if $(CUDA_WHEEL),SLUICE_NVRTC_LIB=$(NVRTC_LIB) SLUICE_PTXAS=$(PTXAS) LD_LIBRARY_PATH=$(CUDA_WHEEL)/lib$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH})
 
 .PHONY: help deps deps-system deps-python build run test test-rust test-cuda-kernels test-cuda test-python test-deploy bench bench-priority bench-queue bench-frontend lint fmt clean
 
