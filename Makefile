@@ -7,8 +7,15 @@ APT_PACKAGES := etcd-server protobuf-compiler libibverbs-dev
 # Tests run with a couple of threads: the integration tests start real
 # processes and the machine has 2 cores.
 TEST_THREADS ?= 2
+# NVRTC and ptxas from the venv's nvidia wheels (engine/tests/cuda/requirements.txt):
+# the cuda backend's kernels are compiled and assembled in CI without a GPU.
+CUDA_WHEEL = $(firstword $(wildcard $(CURDIR)/$(VENV)/lib/python3*/site-packages/nvidia/cu13))
+NVRTC_LIB = $(CUDA_WHEEL)/lib/libnvrtc.so.13
+PTXAS = $(CUDA_WHEEL)/bin/ptxas
+# (empty without the wheels: a GPU host's own toolkit is used then)
+CUDA_TOOLS = $(if $(CUDA_WHEEL),SLUICE_NVRTC_LIB=$(NVRTC_LIB) SLUICE_PTXAS=$(PTXAS) LD_LIBRARY_PATH=$(CUDA_WHEEL)/lib$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH})
 
-.PHONY: help deps deps-system deps-python build run test test-rust test-python test-deploy bench bench-priority bench-queue bench-frontend lint fmt clean
+.PHONY: help deps deps-system deps-python build run test test-rust test-cuda-kernels test-cuda test-python test-deploy bench bench-priority bench-queue bench-frontend lint fmt clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -22,10 +29,10 @@ deps-system: ## apt packages: etcd-server (tests), protobuf-compiler (build), li
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
 	fi
 
-deps-python: ## the venv with the clients the tests use (openai, grpcio-tools, pytest)
+deps-python: ## the venv with the clients the tests use (openai, grpcio-tools, pytest) and NVRTC + ptxas for the cuda kernels
 	@[ -x $(PY) ] || python3 -m venv $(VENV)
 	@$(PY) -m pip install -q --upgrade pip >/dev/null
-	@$(PY) -m pip install -q -r tests/python/requirements.txt -r tests/deploy/requirements.txt
+	@$(PY) -m pip install -q -r tests/python/requirements.txt -r tests/deploy/requirements.txt -r engine/tests/cuda/requirements.txt
 
 build: ## build every crate (debug)
 	$(CARGO) build --workspace --all-targets
@@ -33,12 +40,21 @@ build: ## build every crate (debug)
 run: deps-system ## set up and run everything: `sluice up` with the built-in model on :8000
 	$(CARGO) run --release -p sluice -- up $(ARGS)
 
-test: test-rust test-python test-deploy ## run every test (Rust, Python clients, deploy manifests)
+test: test-rust test-cuda-kernels test-python test-deploy ## run every test (Rust, cuda kernels without a GPU, Python clients, deploy manifests)
 
 test-rust: ## cargo tests, unit and integration; the rdma KV transport must keep compiling and its verbs layouts must match verbs.h
 	$(CARGO) test --workspace -- --test-threads=$(TEST_THREADS)
 	$(CARGO) test -p sluice-decode --features rdma --lib transfer::rdma
 	$(CARGO) build -p sluice --features rdma
+
+test-cuda-kernels: ## the cuda backend without a GPU: host-side unit tests, every kernel through NVRTC and ptxas (sm_80, sm_90; registers and spills), the binary with --features cuda
+	@if [ ! -f "$(NVRTC_LIB)" ] || [ ! -x "$(PTXAS)" ]; then echo "no NVRTC/ptxas wheels in $(VENV): run 'make deps' first"; exit 1; fi
+	$(CARGO) test -p sluice-engine --features cuda --lib backend::cuda
+	$(CUDA_TOOLS) $(CARGO) test -p sluice-engine --features cuda --test cuda_kernels -- --nocapture
+	$(CARGO) build -p sluice --features cuda
+
+test-cuda: ## on a GPU host: parity with the CPU backend, prefix cache, preemption, decode tokens/s vs the bandwidth roofline
+	SLUICE_TEST_CUDA=1 $(CUDA_TOOLS) $(CARGO) test --release -p sluice-engine --features cuda --test cuda_gpu -- --ignored --test-threads=1 --nocapture
 
 test-python: ## tests that use other people's clients (openai, grpcio) from the venv
 	@if [ ! -x $(PY) ]; then echo "no $(VENV): run 'make deps' first"; exit 1; fi
@@ -66,6 +82,7 @@ bench-frontend: ## req/s and added latency at near-zero compute -> tests/bench/r
 lint: ## fmt check, clippy -D warnings, buf lint
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	$(CARGO) clippy --workspace --all-targets --features sluice/cuda -- -D warnings
 	cd proto && npx --yes @bufbuild/buf lint
 
 fmt: ## format the code

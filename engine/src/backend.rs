@@ -8,6 +8,7 @@
 
 pub mod arena;
 pub mod cpu;
+pub mod cuda;
 pub mod mocker;
 
 use std::sync::Arc;
@@ -66,6 +67,45 @@ impl KvBlockLayout {
     pub fn block_bytes(&self) -> usize {
         2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.elem_bytes
     }
+}
+
+/// Checks a batch against a model's vocabulary and a KV pool of
+/// `num_blocks` blocks of `block_size` tokens before any backend computes it:
+/// every sequence has tokens, every token is in the vocabulary, every block
+/// table covers its positions with blocks of the pool.
+pub(crate) fn validate_batch(
+    batch: &ForwardBatch,
+    vocab_size: usize,
+    block_size: usize,
+    num_blocks: usize,
+) -> Result<(), EngineError> {
+    for (i, seq) in batch.seqs.iter().enumerate() {
+        if seq.tokens.is_empty() {
+            return Err(EngineError::InvalidRequest(format!(
+                "sequence {i} of the batch has no tokens"
+            )));
+        }
+        if let Some(t) = seq.tokens.iter().find(|t| **t as usize >= vocab_size) {
+            return Err(EngineError::InvalidRequest(format!(
+                "token id {t} is outside the vocabulary ({vocab_size})"
+            )));
+        }
+        let end = seq.start_pos + seq.tokens.len();
+        let needed = end.div_ceil(block_size);
+        if seq.block_table.len() < needed {
+            return Err(EngineError::InvalidRequest(format!(
+                "sequence {i} covers {end} positions but its block table holds {} blocks of {block_size}",
+                seq.block_table.len()
+            )));
+        }
+        if let Some(&id) = seq.block_table[..needed]
+            .iter()
+            .find(|id| **id as usize >= num_blocks)
+        {
+            return Err(EngineError::BlockOutOfRange { id, num_blocks });
+        }
+    }
+    Ok(())
 }
 
 /// A compute backend.

@@ -45,4 +45,33 @@ pub enum EngineError {
     BlockNotReserved { seq: u64, id: u32 },
     #[error("the backend failed this request's step: {0}")]
     StepFailed(String),
+    #[error("the cuda engine needs {library}, which could not be loaded: {hint}")]
+    CudaLibraryMissing {
+        library: &'static str,
+        hint: &'static str,
+    },
+    #[error("the cuda engine found no CUDA device (CUDA_VISIBLE_DEVICES={visible})")]
+    NoCudaDevice { visible: String },
+    #[cfg(feature = "cuda")]
+    #[error("CUDA driver: {what}")]
+    CudaDriver {
+        what: String,
+        #[source]
+        source: cudarc::driver::DriverError,
+    },
+    #[cfg(feature = "cuda")]
+    #[error("cuBLAS: {what}")]
+    Cublas {
+        what: String,
+        #[source]
+        source: cudarc::cublas::result::CublasError,
+    },
+    #[cfg(feature = "cuda")]
+    #[error("NVRTC could not compile the cuda kernels ({options}):\n{log}")]
+    KernelCompile {
+        options: String,
+        log: String,
+        #[source]
+        source: cudarc::nvrtc::result::NvrtcError,
+    },
 }

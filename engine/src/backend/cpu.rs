@@ -11,14 +11,16 @@
 //! It never allocates or frees block ids: the block pool does.
 
 mod attention;
-mod kernels;
+pub(crate) mod kernels;
 mod matmul;
 mod paged_kv;
 
 use std::path::Path;
 use std::sync::Arc;
 
-use crate::backend::{Backend, ForwardBatch, ForwardOutput, KvArena, KvBacking, KvBlockLayout};
+use crate::backend::{
+    Backend, ForwardBatch, ForwardOutput, KvArena, KvBacking, KvBlockLayout, validate_batch,
+};
 use crate::error::EngineError;
 use crate::model::{LayerWeights, Linear, Model, ModelConfig, ModelWeights};
 
@@ -233,42 +235,12 @@ impl CpuBackend {
 
     /// Checks the batch against the model and the KV pool before computing.
     fn validate(&self, batch: &ForwardBatch) -> Result<(), EngineError> {
-        let bs = self.kv.layout.block_size;
-        for (i, seq) in batch.seqs.iter().enumerate() {
-            if seq.tokens.is_empty() {
-                return Err(EngineError::InvalidRequest(format!(
-                    "sequence {i} of the batch has no tokens"
-                )));
-            }
-            if let Some(t) = seq
-                .tokens
-                .iter()
-                .find(|t| **t as usize >= self.weights.config.vocab_size)
-            {
-                return Err(EngineError::InvalidRequest(format!(
-                    "token id {t} is outside the vocabulary ({})",
-                    self.weights.config.vocab_size
-                )));
-            }
-            let end = seq.start_pos + seq.tokens.len();
-            let needed = end.div_ceil(bs);
-            if seq.block_table.len() < needed {
-                return Err(EngineError::InvalidRequest(format!(
-                    "sequence {i} covers {end} positions but its block table holds {} blocks of {bs}",
-                    seq.block_table.len()
-                )));
-            }
-            if let Some(&id) = seq.block_table[..needed]
-                .iter()
-                .find(|id| **id as usize >= self.kv.num_blocks)
-            {
-                return Err(EngineError::BlockOutOfRange {
-                    id,
-                    num_blocks: self.kv.num_blocks,
-                });
-            }
-        }
-        Ok(())
+        validate_batch(
+            batch,
+            self.weights.config.vocab_size,
+            self.kv.layout.block_size,
+            self.kv.num_blocks,
+        )
     }
 
     fn run(&mut self, batch: &ForwardBatch) -> Vec<f32> {

@@ -27,6 +27,46 @@ pub enum EngineKind {
     /// The real scheduler and KV cache with compute replaced by Dynamo's
     /// timing model; needs only config.json and the tokenizer.
     Mocker,
+    /// The real transformer on an NVIDIA GPU (builds with the cargo
+    /// feature `cuda`; needs the driver, NVRTC and cuBLAS of CUDA 13).
+    Cuda,
+}
+
+/// A cuda backend on the GPU of data-parallel `rank` (ranks spread over the
+/// visible devices).
+#[cfg(feature = "cuda")]
+fn cuda_backend(
+    dir: &Path,
+    num_blocks: usize,
+    block_size: usize,
+    rank: usize,
+) -> Result<Box<dyn sluice_engine::backend::Backend>, WorkerError> {
+    use sluice_engine::EngineError;
+    match sluice_engine::backend::cuda::CudaBackend::from_dir(dir, num_blocks, block_size, rank) {
+        Ok(b) => Ok(Box::new(b)),
+        // A host that cannot run the engine at all: one line naming what is
+        // missing, against the flag that asked for it.
+        Err(e @ (EngineError::CudaLibraryMissing { .. } | EngineError::NoCudaDevice { .. })) => {
+            Err(WorkerError::InvalidArgument {
+                field: "--engine",
+                message: e.to_string(),
+            })
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_backend(
+    _dir: &Path,
+    _num_blocks: usize,
+    _block_size: usize,
+    _rank: usize,
+) -> Result<Box<dyn sluice_engine::backend::Backend>, WorkerError> {
+    Err(WorkerError::InvalidArgument {
+        field: "--engine",
+        message: "this build has no cuda engine: rebuild with `cargo build --features cuda`".into(),
+    })
 }
 
 /// Engine and worker flags.
@@ -267,6 +307,12 @@ impl WorkerArgs {
                 self.num_gpu_blocks,
                 self.block_size,
             )?),
+            EngineKind::Cuda => cuda_backend(
+                dir,
+                self.num_gpu_blocks,
+                self.block_size,
+                balance_group.as_ref().map_or(0, |(_, rank)| *rank),
+            )?,
             EngineKind::Mocker => Box::new(MockerBackend::new(MockerConfig {
                 vocab_size: model.vocab_size,
                 num_layers: model.num_hidden_layers,
