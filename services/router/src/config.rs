@@ -25,6 +25,10 @@ pub struct Args {
     #[arg(long, env = "SLUICE_PREFILL_LOAD_SCALE", default_value_t = 1.0)]
     pub prefill_load_scale: f64,
 
+    /// Weight of a candidate's active decode blocks in the cost (1 = Dynamo's cost).
+    #[arg(long, env = "SLUICE_DECODE_LOAD_SCALE", default_value_t = 1.0)]
+    pub decode_load_scale: f64,
+
     /// Extra prefill blocks credited per cached prompt block (0 = Dynamo's cost).
     #[arg(long, env = "SLUICE_OVERLAP_CREDIT", default_value_t = 0.0)]
     pub overlap_credit: f64,
@@ -73,6 +77,7 @@ impl Default for Args {
             router_mode: RouterMode::Kv,
             router_temperature: 0.0,
             prefill_load_scale: 1.0,
+            decode_load_scale: 1.0,
             overlap_credit: 0.0,
             active_request_weight: 0.0,
             approx_ttl_secs: 120,
@@ -99,6 +104,7 @@ impl Args {
         };
         finite_non_negative("--router-temperature", self.router_temperature)?;
         finite_non_negative("--prefill-load-scale", self.prefill_load_scale)?;
+        finite_non_negative("--decode-load-scale", self.decode_load_scale)?;
         finite_non_negative("--overlap-credit", self.overlap_credit)?;
         finite_non_negative("--active-request-weight", self.active_request_weight)?;
         if self.approx_ttl_secs == 0 {
@@ -131,6 +137,7 @@ impl Args {
             mode: self.router_mode,
             cost: CostParams {
                 prefill_load_scale: self.prefill_load_scale,
+                decode_load_scale: self.decode_load_scale,
                 overlap_credit: self.overlap_credit,
                 active_request_weight: self.active_request_weight,
                 temperature: self.router_temperature,

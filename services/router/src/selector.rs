@@ -5,12 +5,12 @@
 //! ```text
 //! prefill_blocks = (active prefill tokens + uncached prompt tokens) / block_size
 //! prefill_cost   = prefill_load_scale × max(0, prefill_blocks − overlap_credit × overlap_blocks)
-//! decode_cost    = active decode blocks
+//! decode_cost    = decode_load_scale × active decode blocks
 //! total          = prefill_cost + decode_cost + active_request_weight × active_requests
 //! ```
 //!
-//! With the defaults (`prefill_load_scale` 1, `overlap_credit` 0,
-//! `active_request_weight` 0) this is exactly Dynamo's
+//! With `prefill_load_scale` 1, `decode_load_scale` 1, `overlap_credit` 0
+//! and `active_request_weight` 0 this is exactly Dynamo's
 //! `overlap_score_weight × prefill_blocks + decode_blocks`; `overlap_credit`
 //! adds an extra reward for cached blocks beyond the prefill they save.
 //!
@@ -61,6 +61,8 @@ impl std::fmt::Display for RouterMode {
 pub struct CostParams {
     /// Multiplies prefill blocks (Dynamo's `overlap_score_weight`).
     pub prefill_load_scale: f64,
+    /// Multiplies active decode blocks.
+    pub decode_load_scale: f64,
     /// Extra prefill blocks credited per cached block.
     pub overlap_credit: f64,
     /// Cost per active request.
@@ -73,6 +75,7 @@ impl Default for CostParams {
     fn default() -> Self {
         Self {
             prefill_load_scale: 1.0,
+            decode_load_scale: 1.0,
             overlap_credit: 0.0,
             active_request_weight: 0.0,
             temperature: 0.0,
@@ -100,7 +103,7 @@ pub struct CostTerms {
     pub overlap_blocks: u32,
     /// `prefill_load_scale × max(0, prefill_blocks − overlap_credit × overlap)`.
     pub prefill_cost: f64,
-    /// Active decode blocks.
+    /// `decode_load_scale × active decode blocks`.
     pub decode_cost: f64,
     /// The sum the choice minimises.
     pub total_cost: f64,
@@ -126,7 +129,7 @@ pub fn cost(
     let credited =
         (prefill_blocks - params.overlap_credit * f64::from(input.overlap_blocks)).max(0.0);
     let prefill_cost = params.prefill_load_scale * credited;
-    let decode_cost = input.active_decode_blocks as f64;
+    let decode_cost = params.decode_load_scale * input.active_decode_blocks as f64;
     let total_cost = prefill_cost
         + decode_cost
         + params.active_request_weight * f64::from(input.active_requests);
@@ -230,6 +233,7 @@ mod tests {
     fn overlap_credit_and_request_weight_apply_and_prefill_never_goes_negative() {
         let p = CostParams {
             prefill_load_scale: 2.0,
+            decode_load_scale: 1.0,
             overlap_credit: 1.0,
             active_request_weight: 0.5,
             temperature: 0.0,
