@@ -29,10 +29,16 @@ deps-system: ## apt packages: etcd-server (tests), protobuf-compiler (build), li
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
 	fi
 
-deps-python: ## the venv with the clients the tests use (openai, grpcio-tools, pytest) and NVRTC + ptxas for the cuda kernels
+PY_REQUIREMENTS := tests/python/requirements.txt tests/deploy/requirements.txt engine/tests/cuda/requirements.txt
+
+deps-python: $(VENV)/.installed ## the venv with the clients the tests use (openai, grpcio-tools, pytest) and NVRTC + ptxas for the cuda kernels
+
+# Reinstalled only when a requirements file changes.
+$(VENV)/.installed: $(PY_REQUIREMENTS)
 	@[ -x $(PY) ] || python3 -m venv $(VENV)
 	@$(PY) -m pip install -q --upgrade pip >/dev/null
-	@$(PY) -m pip install -q -r tests/python/requirements.txt -r tests/deploy/requirements.txt -r engine/tests/cuda/requirements.txt
+	@$(PY) -m pip install -q $(foreach r,$(PY_REQUIREMENTS),-r $(r))
+	@touch $@
 
 build: ## build every crate (debug)
 	$(CARGO) build --workspace --all-targets
@@ -40,7 +46,7 @@ build: ## build every crate (debug)
 run: deps-system ## set up and run everything: `sluice up` with the built-in model on :8000
 	$(CARGO) run --release -p sluice -- up $(ARGS)
 
-test: test-rust test-cuda-kernels test-python test-deploy ## run every test (Rust, cuda kernels without a GPU, Python clients, deploy manifests)
+test: deps test-rust test-cuda-kernels test-python test-deploy ## set up what is missing, then run every test (Rust, cuda kernels without a GPU, Python clients, deploy manifests)
 
 test-rust: ## cargo tests, unit and integration; the rdma KV transport must keep compiling and its verbs layouts must match verbs.h
 	$(CARGO) test --workspace -- --test-threads=$(TEST_THREADS)

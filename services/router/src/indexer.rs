@@ -29,7 +29,7 @@
 //! when one target holds the block) plus a control byte, and each target
 //! keeps its own 9-byte set entry per block for removal: about 40–80 bytes
 //! per (target, block) pair at hashbrown's load factors (measured in
-//! `benches/results.md`; [`KvIndexer::stats`] reports it live).
+//! `tests/bench/results/router_components.md`; [`KvIndexer::stats`] reports it live).
 //!
 //! # Invariants
 //!
