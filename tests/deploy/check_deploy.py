@@ -39,8 +39,9 @@ K8S_VERSIONS = ["1.29.0", "1.37.0"]
 ROLES = ["frontend", "queue", "router", "decode", "prefill"]
 MODEL_ROLES = {"frontend", "decode", "prefill"}
 WORKER_ROLES = {"decode", "prefill"}
-# SLUICE_* variables read outside clap (telemetry).
-NON_FLAG_ENV = {"SLUICE_LOG_FORMAT"}
+# SLUICE_* variables read outside clap (none today: SLUICE_LOG_FORMAT is
+# the global --log-format flag).
+NON_FLAG_ENV: set[str] = set()
 # Whether decode/prefill workers must request nvidia.com/gpu, per
 # kustomization directory name; directories not listed are not checked.
 EXPECT_GPU = {"base": False, "gpu": True, "cpu": False, "mocker": False}

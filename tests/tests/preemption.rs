@@ -44,7 +44,8 @@ async fn a_preempted_request_shows_in_worker_metrics_and_its_span() -> anyhow::R
     let telemetry = init(&TelemetryConfig {
         service_name: "sluice-test".into(),
         otlp_endpoint: Some(format!("http://{otlp}")),
-        json_logs: false,
+        log_format: sluice_runtime::telemetry::LogFormat::Text,
+        ansi: false,
     })?;
 
     let mut opts = MeshOptions::default();

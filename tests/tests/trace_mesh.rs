@@ -19,7 +19,8 @@ async fn disaggregated_request_is_one_trace_across_every_hop() -> anyhow::Result
     let telemetry = init(&TelemetryConfig {
         service_name: "sluice-test".into(),
         otlp_endpoint: Some(format!("http://{otlp}")),
-        json_logs: false,
+        log_format: sluice_runtime::telemetry::LogFormat::Text,
+        ansi: false,
     })?;
 
     let mut opts = MeshOptions {

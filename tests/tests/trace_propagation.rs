@@ -17,7 +17,8 @@ async fn client_and_server_spans_share_one_trace() -> anyhow::Result<()> {
     let telemetry = init(&TelemetryConfig {
         service_name: "trace-test".into(),
         otlp_endpoint: Some(format!("http://{otlp_addr}")),
-        json_logs: false,
+        log_format: sluice_runtime::telemetry::LogFormat::Text,
+        ansi: false,
     })?;
 
     // A real Sluice gRPC server (health service) and a traced client.

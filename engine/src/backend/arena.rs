@@ -354,27 +354,19 @@ impl KvArena {
         Ok(unsafe { &*(self.map.as_mut_ptr().add(off) as *const [AtomicU64; CONTROL_WORDS]) })
     }
 
-    /// Slab `slab` (`2·layer + kv`) as f32 elements.
-    ///
-    /// # Safety
-    /// Only for `elem_bytes == 4` layouts. The caller must not create
-    /// overlapping `&mut` views, and may touch only blocks it owns (the
-    /// engine: blocks of running sequences, never reserved ones).
-    #[allow(clippy::mut_from_ref)]
-    pub(crate) unsafe fn slab_f32(&self, slab: usize) -> &mut [f32] {
+    /// Start of slab `slab` (`2·layer + kv`) as f32 elements: a raw
+    /// pointer, because transports write reserved blocks of the same slab
+    /// while the engine computes in others, so no reference may span it.
+    /// Only for `elem_bytes == 4` layouts; 4-byte aligned (page-aligned
+    /// data, chunk sizes multiples of 4).
+    pub(crate) fn slab_ptr_f32(&self, slab: usize) -> *mut f32 {
         debug_assert_eq!(self.geometry.layout.elem_bytes, 4);
-        let g = &self.geometry;
-        let elems = g.num_blocks * g.chunk_bytes() / 4;
-        // SAFETY: the slab lies in the mapping, 4-byte aligned (page-aligned
-        // data, chunk sizes multiples of 4); exclusivity is the caller's.
+        // SAFETY (of the offset): the slab lies in the mapping.
         unsafe {
-            std::slice::from_raw_parts_mut(
-                self.map
-                    .as_mut_ptr()
-                    .add(g.chunk_offset(slab, 0))
-                    .cast::<f32>(),
-                elems,
-            )
+            self.map
+                .as_mut_ptr()
+                .add(self.geometry.chunk_offset(slab, 0))
+                .cast::<f32>()
         }
     }
 
@@ -413,7 +405,11 @@ impl KvArena {
     }
 
     /// Serialises block `id` into `out` (`block_bytes()` long).
-    pub fn read_block(&self, id: u32, out: &mut [u8]) -> Result<(), EngineError> {
+    ///
+    /// # Safety
+    /// As for [`KvArena::block_parts`]: nobody may write block `id`
+    /// meanwhile (the caller owns it, or the transfer writing it is done).
+    pub unsafe fn read_block(&self, id: u32, out: &mut [u8]) -> Result<(), EngineError> {
         self.geometry.check_block(id)?;
         self.check_len(out.len())?;
         let chunk = self.geometry.chunk_bytes();
@@ -544,18 +540,20 @@ mod tests {
             // SAFETY: the test owns every block.
             unsafe { a.write_block(2, &data) }.expect("write");
             let mut back = vec![0u8; data.len()];
-            a.read_block(2, &mut back).expect("read");
+            // SAFETY: this test is the only user of the arena.
+            unsafe { a.read_block(2, &mut back) }.expect("read");
             assert_eq!(back, data);
-            a.read_block(1, &mut back).expect("read");
+            // SAFETY: as above.
+            unsafe { a.read_block(1, &mut back) }.expect("read");
             assert!(back.iter().all(|b| *b == 0));
             // Slab order: layer 0 K (slab 0), layer 0 V (slab 1), …; within a
             // slab, block 2's part follows blocks 0 and 1.
             let n = 3 * 2 * 4;
-            // SAFETY: no other view exists.
+            // SAFETY: in the mapping; no other view exists.
             unsafe {
-                assert_eq!(a.slab_f32(0)[2 * n], 1000.0);
-                assert_eq!(a.slab_f32(1)[2 * n], 1000.0 + n as f32);
-                assert_eq!(a.slab_f32(2)[2 * n], 1000.0 + (2 * n) as f32);
+                assert_eq!(*a.slab_ptr_f32(0).add(2 * n), 1000.0);
+                assert_eq!(*a.slab_ptr_f32(1).add(2 * n), 1000.0 + n as f32);
+                assert_eq!(*a.slab_ptr_f32(2).add(2 * n), 1000.0 + (2 * n) as f32);
             }
         }
     }
@@ -565,7 +563,8 @@ mod tests {
         let a = KvArena::new(layout(), 4, &KvBacking::Private).expect("arena");
         let mut buf = vec![0u8; layout().block_bytes()];
         assert!(matches!(
-            a.read_block(4, &mut buf),
+            // SAFETY: this test is the only user of the arena.
+            unsafe { a.read_block(4, &mut buf) },
             Err(EngineError::BlockOutOfRange {
                 id: 4,
                 num_blocks: 4
@@ -605,7 +604,8 @@ mod tests {
             };
         }
         let mut back = vec![0u8; data.len()];
-        a.read_block(3, &mut back).expect("read");
+        // SAFETY: this test is the only user of the arena.
+        unsafe { a.read_block(3, &mut back) }.expect("read");
         assert_eq!(back, data);
         drop(a);
         assert!(!path.exists(), "the file goes with the arena");

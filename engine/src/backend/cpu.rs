@@ -27,7 +27,7 @@ use crate::model::{LayerWeights, Linear, Model, ModelConfig, ModelWeights};
 use attention::{AttnShape, MAX_GROUP, TokenPos, paged_attention};
 use kernels::{Rope, add_bias, apply_rope, rms_norm, swiglu};
 use matmul::{matmul, transpose};
-use paged_kv::{PagedKv, slot_offset};
+use paged_kv::PagedKv;
 
 /// One decoder layer, laid out for compute: weights input-major
 /// (`[in, out]`, see [`matmul`]).
@@ -303,7 +303,7 @@ impl CpuBackend {
             if let Some(b) = &layer.qkv_bias {
                 add_bias(qkv, b);
             }
-            let (k_slab, v_slab) = self.kv.slabs_mut(l);
+            let (mut k_slab, mut v_slab) = self.kv.slabs_mut(l);
             for (t, tp) in s.tokens.iter().enumerate() {
                 let row = &mut qkv[t * qkv_dim..(t + 1) * qkv_dim];
                 let (cs, sn) = (
@@ -311,11 +311,15 @@ impl CpuBackend {
                     &sin[t * half..(t + 1) * half],
                 );
                 apply_rope(&mut row[..q_dim + kv_dim], head_dim, cs, sn);
-                let slot = slot_offset(&layout, tables[tp.seq], tp.pos);
-                k_slab[slot..slot + kv_dim].copy_from_slice(&row[q_dim..q_dim + kv_dim]);
-                v_slab[slot..slot + kv_dim].copy_from_slice(&row[q_dim + kv_dim..]);
+                let block = tables[tp.seq][tp.pos / layout.block_size];
+                let slot = (tp.pos % layout.block_size) * kv_dim;
+                k_slab.block_mut(block)[slot..slot + kv_dim]
+                    .copy_from_slice(&row[q_dim..q_dim + kv_dim]);
+                v_slab.block_mut(block)[slot..slot + kv_dim]
+                    .copy_from_slice(&row[q_dim + kv_dim..]);
             }
-            paged_attention(attn, qkv, k_slab, v_slab, &s.tokens, &tables, shape);
+            let (k_view, v_view) = (k_slab.view(), v_slab.view());
+            paged_attention(attn, qkv, k_view, v_view, &s.tokens, &tables, shape);
             matmul(x, attn, &layer.o, n, q_dim, hidden, true);
             if let Some(b) = &layer.o_bias {
                 add_bias(x, b);

@@ -274,7 +274,8 @@ impl Backend for MockerBackend {
                 Some(data) => out.copy_from_slice(data),
                 None => out.fill(0),
             },
-            Memory::Arena(a) => a.read_block(id, out)?,
+            // SAFETY: the engine thread owns the blocks it serialises.
+            Memory::Arena(a) => unsafe { a.read_block(id, out) }?,
         }
         Ok(())
     }

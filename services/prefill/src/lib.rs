@@ -19,7 +19,9 @@ use sluice_runtime::{ModelArgs, ServiceContext};
 use tokio::net::TcpListener;
 use tracing::Instrument;
 
-/// Faults a test can inject into the sending side (any transport).
+/// Faults a test can inject into the sending side (any transport). Only
+/// with the `fault-injection` feature, which only the test crates enable.
+#[cfg(feature = "fault-injection")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fault {
     /// Flip a byte of every block after computing its checksum (on `shm`,
@@ -36,6 +38,7 @@ pub enum Fault {
 #[derive(Debug, Default)]
 pub struct Prefiller {
     /// Only tests set this.
+    #[cfg(feature = "fault-injection")]
     pub fault: Option<Fault>,
 }
 
@@ -46,8 +49,19 @@ const DEFAULT_TRANSFER_TIMEOUT: Duration = Duration::from_secs(10);
 /// worker accepts.
 #[derive(Debug)]
 struct Handler {
+    #[cfg(feature = "fault-injection")]
     fault: Option<Fault>,
     senders: Senders,
+}
+
+impl Handler {
+    /// Whether a test asked for a fault (never without the feature).
+    fn faulty(&self) -> bool {
+        #[cfg(feature = "fault-injection")]
+        return self.fault.is_some();
+        #[cfg(not(feature = "fault-injection"))]
+        false
+    }
 }
 
 #[tonic::async_trait]
@@ -128,7 +142,7 @@ impl PrefillHandler for Handler {
         let send = async {
             // Straight from this engine's KV memory into the destination
             // when the transport can (shm); faults need blocks in hand.
-            if self.fault.is_none()
+            if !self.faulty()
                 && let Some(arena) = engine.kv_arena()
             {
                 let pairs: Vec<(u32, u32)> = src.iter().copied().zip(dst.iter().copied()).collect();
@@ -142,29 +156,31 @@ impl PrefillHandler for Handler {
             let data = engine.read_blocks(src).await?;
             tracing::Span::current().record("bytes", data.iter().map(Vec::len).sum::<usize>());
             let checked = sender.needs_checksums(region);
+            #[cfg_attr(not(feature = "fault-injection"), allow(unused_mut))]
             let mut blocks: Vec<Block> = dst
                 .into_iter()
                 .zip(data)
                 .map(|(id, d)| Block::for_region(id, d, checked))
                 .collect();
+            #[cfg(feature = "fault-injection")]
             match self.fault {
-                Some(Fault::DropBlocks) => Ok(0),
+                Some(Fault::DropBlocks) => return Ok(0),
                 Some(Fault::CorruptBlocks) => {
                     for b in &mut blocks {
                         if let Some(x) = b.data.first_mut() {
                             *x ^= 0xff;
                         }
                     }
-                    sender.write(region, &dest.transfer_id, blocks).await
                 }
                 Some(Fault::StallMidTransfer) => {
                     let rest = blocks.split_off(blocks.len() / 2);
                     let first = sender.write(region, &dest.transfer_id, blocks).await?;
                     tokio::time::sleep(timeout).await;
-                    Ok(first + sender.write(region, &dest.transfer_id, rest).await?)
+                    return Ok(first + sender.write(region, &dest.transfer_id, rest).await?);
                 }
-                None => sender.write(region, &dest.transfer_id, blocks).await,
+                None => {}
             }
+            sender.write(region, &dest.transfer_id, blocks).await
         };
         let written = tokio::time::timeout(timeout, send.instrument(send_span))
             .await
@@ -221,7 +237,10 @@ pub async fn serve_with(
 ) -> Result<(), WorkerError> {
     let id = sluice_runtime::discovery::instance_id("prefill");
     let core = sluice_decode::build_core(&args, &model, Role::Prefill, id)?;
+    #[cfg(not(feature = "fault-injection"))]
+    let Prefiller {} = prefiller;
     let handler = Handler {
+        #[cfg(feature = "fault-injection")]
         fault: prefiller.fault,
         senders: Senders::new(&args.kv_transports),
     };

@@ -24,6 +24,16 @@ use crate::RuntimeError;
 /// hundred-odd internal spans, the exporter's own traffic included.
 const OTEL_FILTER: &str = "info,h2=off,hyper=off,hyper_util=off,tonic=off,tower=off,opentelemetry=off,opentelemetry_sdk=off";
 
+/// How log lines are written (`--log-format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines; coloured only when standard output is a terminal.
+    #[default]
+    Text,
+    /// One JSON object per line, for log collectors.
+    Json,
+}
+
 /// How to set up telemetry for one process.
 #[derive(Debug, Clone)]
 pub struct TelemetryConfig {
@@ -31,19 +41,25 @@ pub struct TelemetryConfig {
     pub service_name: String,
     /// OTLP/gRPC endpoint (e.g. `http://127.0.0.1:4317`); `None` = no export.
     pub otlp_endpoint: Option<String>,
-    /// Log as JSON lines instead of human-readable text.
-    pub json_logs: bool,
+    /// Text or JSON lines.
+    pub log_format: LogFormat,
+    /// ANSI colours in text logs: only for a terminal, and never with
+    /// `NO_COLOR` set, so a log written to a file or a pipe stays plain.
+    pub ansi: bool,
 }
 
 impl TelemetryConfig {
-    /// Reads `OTEL_EXPORTER_OTLP_ENDPOINT`, `OTEL_SERVICE_NAME` and `SLUICE_LOG_FORMAT=json`.
-    pub fn from_env(default_service_name: &str) -> Self {
+    /// Reads `OTEL_EXPORTER_OTLP_ENDPOINT`, `OTEL_SERVICE_NAME` and
+    /// `NO_COLOR`; colours only when standard output is a terminal.
+    pub fn from_env(default_service_name: &str, log_format: LogFormat) -> Self {
+        use std::io::IsTerminal;
         let non_empty = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
         Self {
             service_name: non_empty("OTEL_SERVICE_NAME")
                 .unwrap_or_else(|| default_service_name.to_string()),
             otlp_endpoint: non_empty("OTEL_EXPORTER_OTLP_ENDPOINT"),
-            json_logs: non_empty("SLUICE_LOG_FORMAT").is_some_and(|v| v == "json"),
+            log_format,
+            ansi: std::io::stdout().is_terminal() && non_empty("NO_COLOR").is_none(),
         }
     }
 }
@@ -99,16 +115,17 @@ pub fn init(cfg: &TelemetryConfig) -> Result<Telemetry, RuntimeError> {
     opentelemetry::global::set_tracer_provider(provider.clone());
 
     let log_filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let fmt = if cfg.json_logs {
-        tracing_subscriber::fmt::layer()
+    let fmt = match cfg.log_format {
+        LogFormat::Json => tracing_subscriber::fmt::layer()
             .json()
+            .with_ansi(false)
             .with_filter(log_filter)
-            .boxed()
-    } else {
-        tracing_subscriber::fmt::layer()
+            .boxed(),
+        LogFormat::Text => tracing_subscriber::fmt::layer()
             .with_target(true)
+            .with_ansi(cfg.ansi)
             .with_filter(log_filter)
-            .boxed()
+            .boxed(),
     };
     let otel = tracing_opentelemetry::layer()
         .with_tracer(tracer)

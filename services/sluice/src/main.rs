@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use sluice_runtime::discovery;
-use sluice_runtime::telemetry::{TelemetryConfig, init};
+use sluice_runtime::telemetry::{LogFormat, TelemetryConfig, init};
 use sluice_runtime::{CommonArgs, ModelArgs, ServiceContext};
 
 /// Sluice: a distributed LLM-serving mesh.
@@ -18,6 +18,9 @@ use sluice_runtime::{CommonArgs, ModelArgs, ServiceContext};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Log lines as text (coloured only on a terminal) or JSON.
+    #[arg(long, global = true, env = "SLUICE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
 }
 
 #[derive(Debug, Subcommand)]
@@ -111,7 +114,7 @@ fn main() -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    runtime.block_on(run(cli.command))
+    runtime.block_on(run(cli.command, cli.log_format))
 }
 
 /// Binds `--listen` and builds the service context (discovery, shutdown).
@@ -137,7 +140,7 @@ async fn listen(
     ))
 }
 
-async fn run(command: Command) -> anyhow::Result<()> {
+async fn run(command: Command, log_format: LogFormat) -> anyhow::Result<()> {
     let role = match &command {
         Command::Up(_) => "sluice",
         Command::Frontend { .. } => "sluice-frontend",
@@ -148,7 +151,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
         Command::Model { .. } => "sluice",
         Command::Bench(_) => "sluice-bench",
     };
-    let telemetry = init(&TelemetryConfig::from_env(role))?;
+    let telemetry = init(&TelemetryConfig::from_env(role, log_format))?;
     let shutdown = sluice_runtime::shutdown::on_signal();
     let result = match command {
         Command::Up(args) => up::run(*args, shutdown.clone()).await,

@@ -1,148 +1,200 @@
 #!/usr/bin/env bash
-# Frontend overhead: requests/s and added latency through
-# frontend -> queue -> router -> mocker worker at near-zero compute.
+# The mesh's own cost per request at near-zero compute, through the services
+# a user runs, with a client someone else wrote (wrk).
 #
-# `sluice up --engine mocker --speedup-ratio 1e6` makes every modelled engine
-# step cost ~nothing, so what is left is the mesh itself: HTTP parsing,
-# templating/tokenizing, the queue's Admit lease, the router's pick, the
-# worker's Generate stream, detokenization and SSE. For each router mode
-# (round-robin, kv) one server is started, warmed up, and driven by
-# `sluice bench` (streaming /v1/completions, 8-token outputs with
-# ignore_eos) as a closed loop of C clients for each C in CONCURRENCIES.
-# "Added latency" is the e2e latency at C=1.
+# Two meshes, each with one mocker worker whose modelled engine steps cost
+# ~nothing (`--speedup-ratio 1e6`), so what is left is the mesh itself:
+#   up     `sluice up`: frontend, queue, router and worker in one process,
+#          calling each other without sockets
+#   procs  the same services as separate processes on loopback, found
+#          through a real etcd, talking gRPC
+# For each router mode and each concurrency C, wrk drives streaming chat
+# completions (about 17 prompt tokens, OSL output tokens, ignore_eos) as a
+# closed loop of C connections for DUR seconds, after a warm-up; the CPU
+# time of every mesh process over the run gives CPU ms per request. At C=1,
+# `sluice bench` adds TTFT and e2e p50/p99 (streaming, client-side clocks).
 #
-# The load generator runs on the same machine as the server and takes its
-# share of the CPUs; the script reports the CPU seconds of both (from
-# /proc/PID/stat and /usr/bin/time) so the split is visible.
+# Same sitting: with DYNAMO_BENCH set to NVIDIA Dynamo's overhead script
+# (it runs Dynamo 1.6.1's frontend and mocker with the same wrk request),
+# it runs first and its summary table is copied in beside ours.
 #
-# Writes tests/bench/results/frontend.md (unless RESULT= is set to another
-# path) and raw results under OUT.
+# Writes tests/bench/results/frontend.md (RESULT=- prints only) and raw
+# results under OUT. Needs `wrk` (apt-get install wrk) and, for procs,
+# `etcd` (make deps installs it).
 #
 # Environment (defaults in brackets):
-#   SLUICE_BIN      a built release `sluice` binary [builds target/release/sluice]
-#   MODES ["round-robin kv"]  router modes
-#   CONCURRENCIES ["1 16 64"]
-#   REQUESTS [10000]  requests per case at C>1; C=1 runs REQUESTS_C1 [2000]
-#   WARMUP [1000]   requests at C=16 before measuring, per server
-#   ISL [32] OSL [8] WORKERS [2] SPEEDUP [1e6]
-#   PORT [18493]    HTTP port for `sluice up`
-#   SERVER_LOG [info]  RUST_LOG of the server (what a default `sluice up` logs)
-#   OUT             raw results [target/bench/frontend]
+#   SLUICE_BIN   a built release `sluice` [builds target/release/sluice]
+#   MESHES ["up procs"]  MODES ["round-robin kv"]  CONCS ["1 16 64 256"]
+#   DUR [10] seconds per point   WARMUP [3] seconds at C=16 per server
+#   OSL [8]  PORT [18493]  OUT [target/bench/frontend]
+#   DYNAMO_BENCH  path of Dynamo's bench_overhead.sh (optional)
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)
 cd "$ROOT"
+MESHES=${MESHES:-"up procs"}
 MODES=${MODES:-"round-robin kv"}
-CONCURRENCIES=${CONCURRENCIES:-"1 16 64"}
-REQUESTS=${REQUESTS:-10000}
-REQUESTS_C1=${REQUESTS_C1:-2000}
-WARMUP=${WARMUP:-1000}
-ISL=${ISL:-32}
+CONCS=${CONCS:-"1 16 64 256"}
+DUR=${DUR:-10}
+WARMUP=${WARMUP:-3}
 OSL=${OSL:-8}
-WORKERS=${WORKERS:-2}
-SPEEDUP=${SPEEDUP:-1e6}
 PORT=${PORT:-18493}
-SERVER_LOG=${SERVER_LOG:-info}
 OUT=${OUT:-$ROOT/target/bench/frontend}
 RESULT=${RESULT:-$ROOT/tests/bench/results/frontend.md}
+HERE=$ROOT/tests/bench/frontend
 TCK=$(getconf CLK_TCK)
+command -v wrk >/dev/null || { echo "wrk is required: apt-get install wrk" >&2; exit 1; }
 
 # shellcheck source=../lib.sh
 . "$ROOT/tests/bench/lib.sh"
 ensure_sluice_bin
-mkdir -p "$OUT"
-rm -f "$OUT/cases.tsv"
+rm -rf "$OUT"; mkdir -p "$OUT"
+MODEL=$OUT/sluice-tiny
+"$SLUICE_BIN" model init --out "$MODEL" >/dev/null
 
-server_pid=""
-cleanup() { if [ -n "$server_pid" ]; then kill "$server_pid" 2>/dev/null || true; wait "$server_pid" 2>/dev/null || true; fi; }
+if [ -n "${DYNAMO_BENCH:-}" ]; then
+  echo "== Dynamo (same sitting): $DYNAMO_BENCH"
+  CONCS="$CONCS" DUR=$DUR OSL=$OSL AIPERF_CONCS="" NOSTREAM_CONCS="" MODES="$MODES" SUMMARY_DIR=$OUT/dynamo \
+    bash "$DYNAMO_BENCH" >"$OUT/dynamo.log" 2>&1 || echo "Dynamo's bench failed; see $OUT/dynamo.log"
+fi
+
+pids=()       # name=pid of every process of the running mesh
+cleanup() {
+  for np in "${pids[@]}"; do kill "${np#*=}" 2>/dev/null || true; done
+  for np in "${pids[@]}"; do wait "${np#*=}" 2>/dev/null || true; done
+  pids=()
+}
 trap cleanup EXIT
 
-cpu_ticks() { # utime+stime of a process, in clock ticks
-  awk '{ print $14 + $15 }' "/proc/$1/stat"
+cpu_ticks() { awk '{ print $14 + $15 }' "/proc/$1/stat" 2>/dev/null || echo 0; }
+
+start_up() { # mode
+  "$SLUICE_BIN" up --model "$MODEL" --engine mocker --speedup-ratio 1e6 --workers 1 \
+    --max-num-seqs 4096 --router-mode "$1" --http-port "$PORT" >"$2/up.log" 2>&1 &
+  pids=("up=$!")
 }
 
-bench() { # out-dir, concurrency, requests; prints "user sys wall" of the client
-  local dir=$1 c=$2 n=$3
-  mkdir -p "$dir"
-  /usr/bin/time -f "%U %S %e" -o "$dir/client_time" \
-    "$SLUICE_BIN" bench --url "http://127.0.0.1:$PORT" --model sluice-tiny \
-    --requests "$n" --burst --concurrency "$c" --isl-mean "$ISL" --osl-mean "$OSL" \
-    --seed 1 --timeout-secs 300 --request-timeout-secs 30 --no-progress \
-    --out "$dir" >"$dir/table.md"
+start_procs() { # mode, dir
+  local mode=$1 dir=$2 cport pport url
+  cport=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+  pport=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+  url=http://127.0.0.1:$cport
+  etcd --name bench --data-dir "$dir/etcd" --listen-client-urls "$url" --advertise-client-urls "$url" \
+    --listen-peer-urls "http://127.0.0.1:$pport" --initial-advertise-peer-urls "http://127.0.0.1:$pport" \
+    --initial-cluster "bench=http://127.0.0.1:$pport" >"$dir/etcd.log" 2>&1 &
+  pids=("etcd=$!")
+  for _ in $(seq 50); do curl -sf "$url/health" >/dev/null && break; sleep 0.1; done
+  local common=(--etcd "$url" --namespace bench --listen 127.0.0.1:0)
+  "$SLUICE_BIN" router "${common[@]}" --router-mode "$mode" >"$dir/router.log" 2>&1 &
+  pids+=("router=$!")
+  "$SLUICE_BIN" queue "${common[@]}" >"$dir/queue.log" 2>&1 &
+  pids+=("queue=$!")
+  "$SLUICE_BIN" decode "${common[@]}" --model "$MODEL" --engine mocker --speedup-ratio 1e6 \
+    --max-num-seqs 4096 >"$dir/decode.log" 2>&1 &
+  pids+=("decode=$!")
+  "$SLUICE_BIN" frontend --etcd "$url" --namespace bench --listen "127.0.0.1:$PORT" \
+    --model "$MODEL" >"$dir/frontend.log" 2>&1 &
+  pids+=("frontend=$!")
 }
 
-for mode in $MODES; do
-  sdir=$OUT/$mode
-  if curl -s -o /dev/null "http://127.0.0.1:$PORT/"; then
-    echo "port $PORT is already taken by another server; set PORT" >&2; exit 1
-  fi
-  rm -rf "$sdir"; mkdir -p "$sdir"
-  RUST_LOG=$SERVER_LOG "$SLUICE_BIN" up --engine mocker --http-port "$PORT" \
-    --workers "$WORKERS" --router-mode "$mode" --speedup-ratio "$SPEEDUP" \
-    >"$sdir/server.log" 2>&1 &
-  server_pid=$!
-  wait_ready "http://127.0.0.1:$PORT" "$server_pid" "$sdir/server.log"
-  echo "== $mode: warm-up ($WARMUP requests at C=16)"
-  bench "$sdir/warmup" 16 "$WARMUP"
-  for c in $CONCURRENCIES; do
-    n=$REQUESTS; [ "$c" = 1 ] && n=$REQUESTS_C1
-    dir=$sdir/c$c
-    before=$(cpu_ticks "$server_pid")
-    bench "$dir" "$c" "$n"
-    after=$(cpu_ticks "$server_pid")
-    read -r cu cs wall <"$dir/client_time"
-    server_cpu=$(awk -v a="$after" -v b="$before" -v t="$TCK" 'BEGIN { printf "%.2f", (a - b) / t }')
-    printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$mode" "$c" "$n" "$server_cpu" \
-      "$(awk -v u="$cu" -v s="$cs" 'BEGIN { printf "%.2f", u + s }')" "$wall" >>"$OUT/cases.tsv"
-    echo "== $mode C=$c: server ${server_cpu} CPU-s, client $cu+$cs CPU-s, ${wall} s wall"
-    grep -E '^\| (all|tier)' "$dir/table.md" | head -2 || true
+wait_listed() { # dir
+  for _ in $(seq 300); do
+    curl -sf "http://127.0.0.1:$PORT/v1/models" | grep -q sluice-tiny && return 0
+    sleep 0.2
   done
-  kill "$server_pid"; wait "$server_pid" 2>/dev/null || true; server_pid=""
+  echo "mesh never ready; logs in $1" >&2; exit 1
+}
+
+wrk_run() { # conc, seconds
+  WRK_MODEL=sluice-tiny WRK_MAX_TOKENS=$OSL wrk -t1 -c"$1" -d"$2s" --latency -s "$HERE/wrk_chat.lua" \
+    "http://127.0.0.1:$PORT/v1/chat/completions" | sed -n 's/^WRKJSON //p'
+}
+
+: >"$OUT/points.jsonl"
+for mesh in $MESHES; do
+  for mode in $MODES; do
+    dir=$OUT/$mesh-$mode; mkdir -p "$dir"
+    "start_$mesh" "$mode" "$dir"
+    wait_listed "$dir"
+    wrk_run 16 "$WARMUP" >/dev/null
+    for c in $CONCS; do
+      declare -A before=()
+      for np in "${pids[@]}"; do before[${np%%=*}]=$(cpu_ticks "${np#*=}"); done
+      line=$(wrk_run "$c" "$DUR")
+      cpu="{"
+      for np in "${pids[@]}"; do
+        name=${np%%=*}; after=$(cpu_ticks "${np#*=}")
+        cpu+="\"$name\": $(( after - before[$name] )),"
+      done
+      cpu="${cpu%,}}"
+      echo "{\"mesh\":\"$mesh\",\"mode\":\"$mode\",\"c\":$c,\"wrk\":$line,\"ticks\":$cpu}" >>"$OUT/points.jsonl"
+      echo "== $mesh $mode C=$c: $line"
+    done
+    # TTFT and e2e at C=1 with a streaming client that reads each chunk.
+    "$SLUICE_BIN" bench --url "http://127.0.0.1:$PORT" --model sluice-tiny --endpoint chat \
+      --requests 2000 --burst --concurrency 1 --isl-mean 17 --osl-mean "$OSL" --seed 1 \
+      --timeout-secs 120 --no-progress --out "$dir/c1" >/dev/null
+    cleanup
+  done
 done
 
-python3 - "$OUT" "$RESULT" <<EOF
-import json, sys, datetime, subprocess
-out, result = sys.argv[1], sys.argv[2]
-rows = [l.rstrip("\n").split("\t") for l in open(f"{out}/cases.tsv")]
+python3 - "$OUT" "$RESULT" "$TCK" "$MESHES" "$MODES" "$CONCS" "$DUR" "$OSL" <<'EOF'
+import json, sys, datetime, subprocess, os, glob
+out, result, tck, meshes, modes, concs, dur, osl = sys.argv[1:9]
+tck = int(tck)
+points = [json.loads(l) for l in open(f"{out}/points.jsonl")]
 commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-cpus = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()
-lines = []
-w = lines.append
-w("# Frontend overhead at near-zero compute")
+now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+L = []
+w = L.append
+w("# The mesh's own cost per request (near-zero compute)")
 w("")
-w("Tables written by \`tests/bench/frontend/run.sh\`; only the notes after the marker at the end are by hand (the script keeps them).")
+w(f"Written by `tests/bench/frontend/run.sh` ({now}, commit {commit}, {os.cpu_count()} CPUs shared with the client):")
+w(f'`MESHES="{meshes}" MODES="{modes}" CONCS="{concs}" DUR={dur} OSL={osl} tests/bench/frontend/run.sh`.')
 w("")
-w(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {commit}, {cpus} CPUs (shared with the load generator).")
-w(f"\`sluice up --engine mocker --workers $WORKERS --speedup-ratio $SPEEDUP --router-mode MODE\` (RUST_LOG=$SERVER_LOG),")
-w(f"driven by \`sluice bench --burst --concurrency C --isl-mean $ISL --osl-mean $OSL\`: streaming \`/v1/completions\`,")
-w(f"prompts of $ISL token ids, $OSL output tokens each (ignore_eos), a closed loop of C clients;")
-w(f"$WARMUP warm-up requests per server first. e2e/TTFT are client-side wall clock (HTTP request to last SSE byte).")
-w("CPU columns are CPU-seconds per 1,000 requests of the server process (frontend, queue, router, workers)")
-w("and of the load generator; the load generator runs on the same CPUs.")
+w("One mocker worker at `--speedup-ratio 1e6`; `up` = `sluice up` (one process), `procs` = router, queue,")
+w("decode worker and frontend as separate processes with etcd on loopback. wrk: streaming chat, ~17 prompt")
+w(f"tokens, {osl} output tokens (ignore_eos), a closed loop of C connections for {dur} s after a warm-up;")
+w("latency is wrk's (request to last byte). CPU ms per request: the mesh's processes' CPU time over the run")
+w("(etcd included for procs) divided by the requests served; the client's own CPU is not counted.")
 w("")
-w("| router | C | requests | failed | req/s | e2e p50 ms | e2e p99 ms | TTFT p50 ms | TTFT p99 ms | server CPU-s/1k | client CPU-s/1k | client CPU share |")
-w("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-for mode, c, n, scpu, ccpu, wall in rows:
-    r = json.load(open(f"{out}/{mode}/c{c}/results.json"))["overall"]
-    done = r["completed"]
-    k = max(done, 1) / 1000
-    e2e, ttft = r["e2e_ms"] or {}, r["ttft_ms"] or {}
-    share = float(ccpu) / (float(scpu) + float(ccpu)) if float(scpu) + float(ccpu) > 0 else 0
-    w(f"| {mode} | {c} | {n} | {r['failed']} | {r['request_throughput']:.0f} | {e2e.get('p50', float('nan')):.2f} | "
-      f"{e2e.get('p99', float('nan')):.2f} | {ttft.get('p50', float('nan')):.2f} | {ttft.get('p99', float('nan')):.2f} | "
-      f"{float(scpu) / k:.2f} | {float(ccpu) / k:.2f} | {share:.0%} |")
+w("| mesh | router | C | req/s | p50 ms | p99 ms | errors | CPU ms/req | per process |")
+w("|---|---|---:|---:|---:|---:|---:|---:|---|")
+for p in points:
+    r = p["wrk"]; n = max(1, r["requests"])
+    per = {k: v / tck * 1000 / n for k, v in p["ticks"].items()}
+    total = sum(per.values())
+    detail = ", ".join(f"{k} {v:.2f}" for k, v in per.items()) if len(per) > 1 else ""
+    w(f"| {p['mesh']} | {p['mode']} | {p['c']} | {r['rps']:.0f} | {r['lat_p50_ms']:.2f} | {r['lat_p99_ms']:.2f} | {r['errors']} | {total:.2f} | {detail} |")
 w("")
-w("Raw results (results.json, requests.jsonl, server.log per case) are under \`target/bench/frontend/\`, not committed.")
+w("At C=1, `sluice bench --endpoint chat --concurrency 1` (2,000 streaming requests):")
+w("")
+w("| mesh | router | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | e2e p99 ms |")
+w("|---|---|---:|---:|---:|---:|")
+for mesh in meshes.split():
+    for mode in modes.split():
+        f = f"{out}/{mesh}-{mode}/c1/results.json"
+        if not os.path.exists(f):
+            continue
+        o = json.load(open(f))["overall"]
+        t, e = o.get("ttft_ms") or {}, o.get("e2e_ms") or {}
+        w(f"| {mesh} | {mode} | {t.get('p50', float('nan')):.2f} | {t.get('p99', float('nan')):.2f} | {e.get('p50', float('nan')):.2f} | {e.get('p99', float('nan')):.2f} |")
+dyn = sorted(glob.glob(f"{out}/dynamo/overhead_SUMMARY_*.md"))
+if dyn:
+    w("")
+    w("NVIDIA Dynamo 1.6.1 (frontend + mocker, same wrk request), run first in this sitting:")
+    w("")
+    L.extend(l.rstrip("\n") for l in open(dyn[-1]) if l.startswith("|"))
 MARK = "<!-- notes: kept by run.sh -->"
 notes = ""
-try:
+if os.path.exists(result):
     old = open(result).read()
     if MARK in old:
         notes = old[old.index(MARK) + len(MARK):]
-except FileNotFoundError:
-    pass
 w("")
 w(MARK)
-open(result, "w").write("\n".join(lines) + (notes if notes else "\n"))
-print("\n".join(lines))
+text = "\n".join(L) + (notes if notes else "\n")
+print(text)
+if result != "-":
+    open(result, "w").write(text)
 EOF

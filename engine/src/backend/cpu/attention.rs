@@ -10,6 +10,7 @@
 use rayon::prelude::*;
 
 use super::kernels::{axpy, dot_rows, fast_exp};
+use super::paged_kv::Slab;
 
 /// Query heads per kv head handled by one task without allocating.
 pub(crate) const MAX_GROUP: usize = 64;
@@ -37,12 +38,13 @@ pub(crate) struct TokenPos {
 /// Writes `[tokens, num_heads * head_dim]` attention outputs into `out`.
 ///
 /// `qkv` rows start with the (rotated) queries; `k_slab`/`v_slab` are one
-/// layer's `[num_blocks, block_size, num_kv_heads, head_dim]` slabs.
+/// layer's `[num_blocks, block_size, num_kv_heads, head_dim]` slabs, read a
+/// block at a time.
 pub(crate) fn paged_attention(
     out: &mut [f32],
     qkv: &[f32],
-    k_slab: &[f32],
-    v_slab: &[f32],
+    k_slab: Slab<'_>,
+    v_slab: Slab<'_>,
     tokens: &[TokenPos],
     tables: &[&[u32]],
     shape: AttnShape,
@@ -85,8 +87,8 @@ struct Task<'a> {
     out: &'a mut [f32],
     /// `[group, head_dim]` rotated queries.
     q: &'a [f32],
-    k_slab: &'a [f32],
-    v_slab: &'a [f32],
+    k_slab: Slab<'a>,
+    v_slab: Slab<'a>,
     table: &'a [u32],
     /// Positions attended to: `0..context`.
     context: usize,
@@ -156,7 +158,8 @@ fn attend(task: Task<'_>) {
     out.fill(0.0);
     for (b, &block) in table.iter().enumerate().take(context.div_ceil(block_size)) {
         let in_block = block_size.min(context - b * block_size);
-        let block_start = block as usize * block_size * token_stride + kv_head * head_dim;
+        let (kb, vb) = (k_slab.block(block), v_slab.block(block));
+        let block_start = kv_head * head_dim;
         let mut first = 0;
         while first < in_block {
             let count = SCORE_CHUNK.min(in_block - first);
@@ -164,7 +167,7 @@ fn attend(task: Task<'_>) {
             for h in 0..group {
                 let qh = &q[h * head_dim..(h + 1) * head_dim];
                 let scores = &mut scores[..count];
-                dot_rows(scores, qh, &k_slab[rows..], token_stride);
+                dot_rows(scores, qh, &kb[rows..], token_stride);
                 let mut new_max = max[h];
                 for s in scores.iter_mut() {
                     *s *= scale;
@@ -185,7 +188,7 @@ fn attend(task: Task<'_>) {
                 for (j, &w) in scores.iter().enumerate() {
                     sum[h] += w;
                     let r = rows + j * token_stride;
-                    axpy(oh, w, &v_slab[r..r + head_dim]);
+                    axpy(oh, w, &vb[r..r + head_dim]);
                 }
             }
             first += count;

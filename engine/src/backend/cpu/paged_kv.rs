@@ -11,17 +11,11 @@
 //! head_dim]` row-major little-endian f32. Total
 //! `2 · num_layers · block_size · num_kv_heads · head_dim · 4` bytes.
 
+use std::marker::PhantomData;
 use std::sync::Arc;
 
 use crate::backend::{KvArena, KvBacking, KvBlockLayout};
 use crate::error::EngineError;
-
-/// Offset in a slab of the token at `pos`, for a sequence's `block_table`.
-#[inline]
-pub(crate) fn slot_offset(layout: &KvBlockLayout, block_table: &[u32], pos: usize) -> usize {
-    let bs = layout.block_size;
-    (block_table[pos / bs] as usize * bs + pos % bs) * layout.num_kv_heads * layout.head_dim
-}
 
 /// K and V slabs of every layer, in a [`KvArena`].
 #[derive(Debug)]
@@ -44,21 +38,22 @@ impl PagedKv {
         })
     }
 
-    /// Layer `l`'s K and V slabs.
-    ///
-    /// The engine thread is the only one that computes: it touches the
-    /// blocks of running sequences only, and transports write only reserved
-    /// blocks (see [`KvArena`]), so these views never see a write they race.
-    pub(crate) fn slabs_mut(&mut self, l: usize) -> (&mut [f32], &mut [f32]) {
-        // SAFETY: f32 layout (the CPU backend's); two distinct slabs; `&mut
-        // self` keeps other views of this backend away; concurrent transport
-        // writes touch only reserved blocks this step does not read.
-        unsafe { (self.arena.slab_f32(2 * l), self.arena.slab_f32(2 * l + 1)) }
+    /// Layer `l`'s K and V slabs, lent a block at a time.
+    pub(crate) fn slabs_mut(&mut self, l: usize) -> (SlabMut<'_>, SlabMut<'_>) {
+        let slab = |s: usize| SlabMut {
+            base: self.arena.slab_ptr_f32(s),
+            num_blocks: self.num_blocks,
+            block_elems: self.layout.block_size * self.layout.num_kv_heads * self.layout.head_dim,
+            _kv: PhantomData,
+        };
+        (slab(2 * l), slab(2 * l + 1))
     }
 
     /// Serialises block `id` into `out` (layout in the module docs).
     pub(crate) fn read_block(&self, id: u32, out: &mut [u8]) -> Result<(), EngineError> {
-        self.arena.read_block(id, out)
+        // SAFETY: called on the engine thread for a block the engine owns
+        // (a sequence's, or a finished prefill's it holds for a sender).
+        unsafe { self.arena.read_block(id, out) }
     }
 
     /// Overwrites block `id` from `data` (layout in the module docs).
@@ -68,18 +63,70 @@ impl PagedKv {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+/// One layer's K or V slab (`[num_blocks, block_size, num_kv_heads,
+/// head_dim]` f32), lent one block at a time.
+///
+/// Transports write the reserved blocks of the same slab while the engine
+/// computes (see [`KvArena`]), so no reference ever spans the slab: a
+/// borrow covers one block, and the engine borrows only blocks it owns —
+/// those of the running sequences, never a reserved one. `&mut PagedKv`
+/// keeps every other engine-side view away while this one lives.
+#[derive(Debug)]
+pub(crate) struct SlabMut<'a> {
+    base: *mut f32,
+    num_blocks: usize,
+    block_elems: usize,
+    _kv: PhantomData<&'a mut PagedKv>,
+}
 
-    fn layout() -> KvBlockLayout {
-        crate::backend::arena::tiny_layout()
+impl SlabMut<'_> {
+    /// Block `id`, to write. Panics when `id` is not a block of the slab.
+    pub(crate) fn block_mut(&mut self, id: u32) -> &mut [f32] {
+        let id = id as usize;
+        assert!(id < self.num_blocks, "block {id} of {}", self.num_blocks);
+        // SAFETY: in the slab (checked); `&mut self` makes it the only
+        // engine-side view; the engine owns the block (type docs).
+        unsafe {
+            std::slice::from_raw_parts_mut(self.base.add(id * self.block_elems), self.block_elems)
+        }
     }
 
-    #[test]
-    fn slot_offset_follows_the_block_table() {
-        let table = [3, 0];
-        assert_eq!(slot_offset(&layout(), &table, 0), 3 * 3 * 8);
-        assert_eq!(slot_offset(&layout(), &table, 4), 8);
+    /// A read-only view to share across the attention threads.
+    pub(crate) fn view(&self) -> Slab<'_> {
+        Slab {
+            base: self.base,
+            num_blocks: self.num_blocks,
+            block_elems: self.block_elems,
+            _kv: PhantomData,
+        }
+    }
+}
+
+/// A read-only [`SlabMut`], lent one block at a time.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Slab<'a> {
+    base: *const f32,
+    num_blocks: usize,
+    block_elems: usize,
+    _kv: PhantomData<&'a PagedKv>,
+}
+
+// SAFETY: a view of memory the engine owns block by block (see
+// `SlabMut`); the attention threads only read blocks of running sequences,
+// which nothing writes while the view lives.
+unsafe impl Send for Slab<'_> {}
+// SAFETY: as above.
+unsafe impl Sync for Slab<'_> {}
+
+impl<'a> Slab<'a> {
+    /// Block `id`. Panics when `id` is not a block of the slab.
+    pub(crate) fn block(&self, id: u32) -> &'a [f32] {
+        let id = id as usize;
+        assert!(id < self.num_blocks, "block {id} of {}", self.num_blocks);
+        // SAFETY: in the slab (checked); only reads, of a block nobody
+        // writes while the view lives (type docs).
+        unsafe {
+            std::slice::from_raw_parts(self.base.add(id * self.block_elems), self.block_elems)
+        }
     }
 }

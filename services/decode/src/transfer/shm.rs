@@ -196,17 +196,35 @@ impl Drop for Armed {
         for c in &controls {
             let _ = c[TAG].compare_exchange(self.tag, 0, Ordering::SeqCst, Ordering::SeqCst);
         }
-        let deadline = Instant::now() + REVOKE_WAIT;
-        for (c, id) in controls.iter().zip(&self.ids) {
-            while c[STATE].load(Ordering::SeqCst) >= WRITING {
-                if Instant::now() > deadline {
-                    // A sender that died mid-copy leaves its mark for ever;
-                    // one still alive this long after is stuck all the same.
-                    tracing::warn!(transfer = %self.transfer, block = id, "a KV shm writer is still inside a revoked block");
-                    break;
+        // The blocks may be reused once this returns, so a writer still
+        // inside one must leave first. Usually none is: no wait at all.
+        let writing =
+            |c: &&[AtomicU64; arena::CONTROL_WORDS]| c[STATE].load(Ordering::SeqCst) >= WRITING;
+        if !controls.iter().any(writing) {
+            return;
+        }
+        let wait = || {
+            let deadline = Instant::now() + REVOKE_WAIT;
+            for (c, id) in controls.iter().zip(&self.ids) {
+                while writing(c) {
+                    if Instant::now() > deadline {
+                        // A sender that died mid-copy leaves its mark for
+                        // ever; one still alive this long after is stuck
+                        // all the same.
+                        tracing::warn!(transfer = %self.transfer, block = id, "a KV shm writer is still inside a revoked block");
+                        return;
+                    }
+                    std::thread::sleep(Duration::from_micros(50));
                 }
-                std::thread::yield_now();
             }
+        };
+        // Off the async runtime's worker: `block_in_place` hands this
+        // thread's other tasks to another worker while it waits.
+        match tokio::runtime::Handle::try_current() {
+            Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+                tokio::task::block_in_place(wait)
+            }
+            _ => wait(),
         }
     }
 }
