@@ -215,7 +215,10 @@ async fn etcd_pause_keeps_members_in_view_until_they_register_again() -> anyhow:
     // A watch without a grace period sees the same pause as a departure.
     let strict = EtcdDiscovery::connect(&etcd.url(), "t").await?;
     let mut strict_w = strict.watch("decode").await?;
-    assert_eq!(next_event(&mut strict_w).await, DiscoveryEvent::Put(a.clone()));
+    assert_eq!(
+        next_event(&mut strict_w).await,
+        DiscoveryEvent::Put(a.clone())
+    );
 
     // Every lease (TTL 1 s) expires while etcd is stopped.
     etcd.pause()?;
@@ -230,7 +233,10 @@ async fn etcd_pause_keeps_members_in_view_until_they_register_again() -> anyhow:
             id: a.id.clone()
         }
     );
-    assert_eq!(next_event(&mut strict_w).await, DiscoveryEvent::Put(a.clone()));
+    assert_eq!(
+        next_event(&mut strict_w).await,
+        DiscoveryEvent::Put(a.clone())
+    );
     // The forgiving watch saw nothing: the member re-registered in time.
     assert_eq!(quiet_for(&mut w, Duration::from_secs(3)).await, None);
     assert_eq!(d.list("decode").await?, vec![a.clone()]);
@@ -238,8 +244,7 @@ async fn etcd_pause_keeps_members_in_view_until_they_register_again() -> anyhow:
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn etcd_departure_is_seen_at_once_and_a_lost_member_after_the_grace() -> anyhow::Result<()>
-{
+async fn etcd_departure_is_seen_at_once_and_a_lost_member_after_the_grace() -> anyhow::Result<()> {
     let etcd = EtcdServer::start().await?;
     let grace = Duration::from_secs(3);
     let d = EtcdDiscovery::connect(&etcd.url(), "t")
@@ -279,6 +284,10 @@ async fn etcd_departure_is_seen_at_once_and_a_lost_member_after_the_grace() -> a
             id: b.id.clone()
         }
     );
-    assert!(lost.elapsed() >= grace, "dropped after {:?}", lost.elapsed());
+    assert!(
+        lost.elapsed() >= grace,
+        "dropped after {:?}",
+        lost.elapsed()
+    );
     Ok(())
 }

@@ -133,3 +133,40 @@ impl Channels {
         Ok(c)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn members(ids: &[&str]) -> Members {
+        let m = Members::default();
+        for id in ids {
+            let mut i = Instance::new("queue", format!("{id}:1"));
+            i.id = (*id).to_string();
+            m.instances.write().insert(i.id.clone(), i);
+        }
+        m
+    }
+
+    fn picks(m: &Members, tried: &[String], n: usize) -> Vec<String> {
+        let mut out: Vec<String> = (0..n).filter_map(|_| m.pick(tried).map(|i| i.id)).collect();
+        out.sort();
+        out.dedup();
+        out
+    }
+
+    #[test]
+    fn pick_skips_tried_members_and_passes_over_suspects_while_others_remain() {
+        let m = members(&["a", "b", "c"]);
+        assert_eq!(picks(&m, &[], 6), ["a", "b", "c"]);
+        assert_eq!(picks(&m, &["a".into(), "c".into()], 4), ["b"]);
+        assert!(m.pick(&["a".into(), "b".into(), "c".into()]).is_none());
+
+        m.suspect("a");
+        assert_eq!(picks(&m, &[], 6), ["b", "c"]);
+        // Only suspects left untried: one of them is better than none.
+        assert_eq!(picks(&m, &["b".into(), "c".into()], 2), ["a"]);
+        m.cleared("a");
+        assert_eq!(picks(&m, &[], 6), ["a", "b", "c"]);
+    }
+}

@@ -449,10 +449,7 @@ impl Pipeline {
                 Err(QueueFailure::Queue(e)) => {
                     tracing::warn!(queue = %queue.id, endpoint = %queue.endpoint, error = %e, "queue failed the admission; trying another");
                     self.queues.suspect(&queue.id);
-                    self.metrics
-                        .failovers
-                        .with_label_values(&["queue"])
-                        .inc();
+                    self.metrics.failovers.with_label_values(&["queue"]).inc();
                     tried.push(queue.id);
                     last = Some(e);
                 }

@@ -148,9 +148,9 @@ impl From<QueueError> for tonic::Status {
 fn status_of(err: QueueError) -> tonic::Status {
     use tonic::Status;
     match &err {
-        QueueError::QueueFull { .. }
-        | QueueError::TenantFull { .. }
-        | QueueError::Shed { .. } => Status::resource_exhausted(err.to_string()),
+        QueueError::QueueFull { .. } | QueueError::TenantFull { .. } | QueueError::Shed { .. } => {
+            Status::resource_exhausted(err.to_string())
+        }
         QueueError::DeadlineExceeded { .. } => Status::deadline_exceeded(err.to_string()),
         QueueError::NoWorkers { .. } | QueueError::NoRouter | QueueError::Draining => {
             Status::unavailable(err.to_string())
@@ -224,7 +224,10 @@ mod tests {
         let status = tonic::Status::from(QueueError::Draining);
         assert_eq!(status.code(), Code::Unavailable);
         assert_eq!(
-            status.metadata().get(REASON_HEADER).and_then(|v| v.to_str().ok()),
+            status
+                .metadata()
+                .get(REASON_HEADER)
+                .and_then(|v| v.to_str().ok()),
             Some("draining")
         );
     }

@@ -46,12 +46,7 @@ impl Drop for Proc {
     }
 }
 
-fn spawn(
-    name: &str,
-    args: &[&str],
-    etcd: &str,
-    log_dir: &std::path::Path,
-) -> anyhow::Result<Proc> {
+fn spawn(name: &str, args: &[&str], etcd: &str, log_dir: &std::path::Path) -> anyhow::Result<Proc> {
     let log = std::fs::File::create(log_dir.join(format!("{name}.log")))?;
     let child = Command::new(env!("CARGO_BIN_EXE_sluice"))
         .args(args)
@@ -166,7 +161,9 @@ impl Cluster {
             queues,
             _others: others,
         };
-        cluster.wait_members(2, 2, 2, Duration::from_secs(60)).await?;
+        cluster
+            .wait_members(2, 2, 2, Duration::from_secs(60))
+            .await?;
         // Every queue has a placement session with every router.
         for _ in 0..8 {
             cluster.complete().await?;
@@ -399,7 +396,11 @@ async fn one_of_two_queues_killed_under_load_fails_no_request() -> anyhow::Resul
     kill_one_under_load(&mut cluster, "queue").await?;
     let (_, page) = get(&cluster.http, "/metrics").await?;
     assert!(
-        metric(&page, "sluice_frontend_failovers_total", "service=\"queue\"") > 0.0,
+        metric(
+            &page,
+            "sluice_frontend_failovers_total",
+            "service=\"queue\""
+        ) > 0.0,
         "no admission moved to the surviving queue: {page}"
     );
     Ok(())
@@ -417,6 +418,20 @@ async fn one_of_two_routers_killed_under_load_fails_no_request() -> anyhow::Resu
     assert!(
         metric(&page, "sluice_router_placements_total", "") > before,
         "the surviving router placed nothing"
+    );
+
+    // With no router at all, a request fails for that reason, not for
+    // want of workers.
+    cluster.routers[1].1.kill()?;
+    let (status, body) = complete(&cluster.http).await?;
+    assert_eq!(status, 503, "{body}");
+    let error: Value = serde_json::from_str(&body)?;
+    assert_eq!(error["error"]["code"], "unavailable", "{body}");
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("router is unavailable")),
+        "{body}"
     );
     Ok(())
 }
