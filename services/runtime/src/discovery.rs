@@ -300,9 +300,9 @@ pub(crate) async fn settle(
                         component: component.clone(),
                         id,
                     });
-                } else if !lost.contains_key(&id) {
-                    tracing::info!(%component, %id, ?grace, "member's lease lost; keeping it while it registers again");
-                    lost.insert(id, tokio::time::Instant::now() + grace);
+                } else if let std::collections::hash_map::Entry::Vacant(e) = lost.entry(id) {
+                    tracing::info!(%component, id = %e.key(), ?grace, "member's lease lost; keeping it while it registers again");
+                    e.insert(tokio::time::Instant::now() + grace);
                 }
             }
         }
