@@ -110,6 +110,32 @@ impl EtcdServer {
         }
     }
 
+    /// Stops etcd with SIGSTOP: it holds its connections and answers
+    /// nothing until [`Self::resume`]; leases expire meanwhile.
+    pub fn pause(&self) -> anyhow::Result<()> {
+        self.signal("-STOP")
+    }
+
+    /// Lets a paused etcd go on (SIGCONT).
+    pub fn resume(&self) -> anyhow::Result<()> {
+        self.signal("-CONT")
+    }
+
+    fn signal(&self, sig: &str) -> anyhow::Result<()> {
+        let Some(c) = self.child.as_ref() else {
+            bail!("etcd is not running");
+        };
+        let status = Command::new("kill")
+            .arg(sig)
+            .arg(c.id().to_string())
+            .status()
+            .context("running kill")?;
+        if !status.success() {
+            bail!("kill {sig} {} failed: {status}", c.id());
+        }
+        Ok(())
+    }
+
     /// Starts etcd again on the same ports with the same data.
     pub async fn restart(&mut self) -> anyhow::Result<()> {
         self.kill();

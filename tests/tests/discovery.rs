@@ -195,3 +195,99 @@ async fn etcd_malformed_entry_is_skipped_not_fatal() -> anyhow::Result<()> {
     assert_eq!(next_event(&mut w).await, DiscoveryEvent::Put(later));
     Ok(())
 }
+
+/// No event within `d`.
+async fn quiet_for(w: &mut Watch, d: Duration) -> Option<DiscoveryEvent> {
+    tokio::time::timeout(d, w.next()).await.ok().flatten()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_pause_keeps_members_in_view_until_they_register_again() -> anyhow::Result<()> {
+    let etcd = EtcdServer::start().await?;
+    let grace = Duration::from_secs(8);
+    let d = EtcdDiscovery::connect(&etcd.url(), "t")
+        .await?
+        .with_grace(grace);
+    let a = Instance::new("decode", "127.0.0.1:1212");
+    let _reg = d.register(a.clone(), 1).await?;
+    let mut w = d.watch("decode").await?;
+    assert_eq!(next_event(&mut w).await, DiscoveryEvent::Put(a.clone()));
+    // A watch without a grace period sees the same pause as a departure.
+    let strict = EtcdDiscovery::connect(&etcd.url(), "t").await?;
+    let mut strict_w = strict.watch("decode").await?;
+    assert_eq!(
+        next_event(&mut strict_w).await,
+        DiscoveryEvent::Put(a.clone())
+    );
+
+    // Every lease (TTL 1 s) expires while etcd is stopped.
+    etcd.pause()?;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    etcd.resume()?;
+
+    // The strict watch proves the lease was lost (and the entry came back).
+    assert_eq!(
+        next_event(&mut strict_w).await,
+        DiscoveryEvent::Delete {
+            component: "decode".into(),
+            id: a.id.clone()
+        }
+    );
+    assert_eq!(
+        next_event(&mut strict_w).await,
+        DiscoveryEvent::Put(a.clone())
+    );
+    // The forgiving watch saw nothing: the member re-registered in time.
+    assert_eq!(quiet_for(&mut w, Duration::from_secs(3)).await, None);
+    assert_eq!(d.list("decode").await?, vec![a.clone()]);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_departure_is_seen_at_once_and_a_lost_member_after_the_grace() -> anyhow::Result<()> {
+    let etcd = EtcdServer::start().await?;
+    let grace = Duration::from_secs(3);
+    let d = EtcdDiscovery::connect(&etcd.url(), "t")
+        .await?
+        .with_grace(grace);
+    let mut w = d.watch("decode").await?;
+
+    // Deregistering marks the entry as leaving: no grace period.
+    let a = Instance::new("decode", "127.0.0.1:1313");
+    let reg = d.register(a.clone(), 2).await?;
+    assert_eq!(next_event(&mut w).await, DiscoveryEvent::Put(a.clone()));
+    let asked = Instant::now();
+    reg.deregister().await;
+    assert_eq!(
+        next_event(&mut w).await,
+        DiscoveryEvent::Delete {
+            component: "decode".into(),
+            id: a.id.clone()
+        }
+    );
+    assert!(asked.elapsed() < grace, "{:?}", asked.elapsed());
+
+    // A member whose lease is gone for good (its key deleted under it, as
+    // an expiry does) is dropped once the grace period has passed.
+    let b = Instance::new("decode", "127.0.0.1:1414");
+    let _reg_b = d.register(b.clone(), 30).await?;
+    assert_eq!(next_event(&mut w).await, DiscoveryEvent::Put(b.clone()));
+    let mut raw = etcd_client::Client::connect([etcd.url()], None).await?;
+    let key = instance_key("t", "decode", &b.id);
+    let lease = raw.get(key.as_str(), None).await?.kvs()[0].lease();
+    let lost = Instant::now();
+    raw.lease_revoke(lease).await?;
+    assert_eq!(
+        next_event(&mut w).await,
+        DiscoveryEvent::Delete {
+            component: "decode".into(),
+            id: b.id.clone()
+        }
+    );
+    assert!(
+        lost.elapsed() >= grace,
+        "dropped after {:?}",
+        lost.elapsed()
+    );
+    Ok(())
+}

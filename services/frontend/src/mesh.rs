@@ -1,9 +1,14 @@
 //! The frontend's view of the mesh: which queues and workers exist (from
 //! discovery), and one reusable traced channel per endpoint.
+//!
+//! A member a call just found dead (it may stay listed until its lease
+//! expires and the grace period passes) is suspected for a while: picks
+//! prefer the others.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 use parking_lot::RwLock;
 use sluice_runtime::grpc::{TracedChannel, channel};
@@ -11,11 +16,16 @@ use sluice_runtime::{Discovery, DiscoveryEvent, Instance, Shutdown};
 
 use crate::error::FrontendError;
 
+/// How long a member that failed a call is passed over while others remain.
+const SUSPECT_FOR: Duration = Duration::from_secs(5);
+
 /// Live membership of one component, kept current by a discovery watch.
 #[derive(Debug, Default)]
 pub(crate) struct Members {
     instances: RwLock<BTreeMap<String, Instance>>,
     next: AtomicUsize,
+    /// Members that failed a call, until when they are passed over.
+    suspects: RwLock<HashMap<String, Instant>>,
 }
 
 impl Members {
@@ -75,14 +85,39 @@ impl Members {
             .find_map(|i| i.metadata.get(key)?.parse().ok())
     }
 
-    /// One instance's endpoint, round-robin.
-    pub(crate) fn pick(&self) -> Option<String> {
+    /// One instance not in `tried`, round-robin, passing over suspects
+    /// while any other is left.
+    pub(crate) fn pick(&self, tried: &[String]) -> Option<Instance> {
+        let now = Instant::now();
+        let suspects = self.suspects.read();
         let all = self.instances.read();
-        if all.is_empty() {
+        let untried: Vec<&Instance> = all.values().filter(|i| !tried.contains(&i.id)).collect();
+        let healthy: Vec<&Instance> = untried
+            .iter()
+            .copied()
+            .filter(|i| suspects.get(&i.id).is_none_or(|until| *until <= now))
+            .collect();
+        let from = if healthy.is_empty() { untried } else { healthy };
+        if from.is_empty() {
             return None;
         }
-        let n = self.next.fetch_add(1, Ordering::Relaxed) % all.len();
-        all.values().nth(n).map(|i| i.endpoint.clone())
+        let n = self.next.fetch_add(1, Ordering::Relaxed) % from.len();
+        from.get(n).map(|i| (*i).clone())
+    }
+
+    /// `id` failed a call: pass it over for a while.
+    pub(crate) fn suspect(&self, id: &str) {
+        let now = Instant::now();
+        let mut suspects = self.suspects.write();
+        suspects.retain(|_, until| *until > now);
+        suspects.insert(id.to_string(), now + SUSPECT_FOR);
+    }
+
+    /// `id` answered: no longer suspected.
+    pub(crate) fn cleared(&self, id: &str) {
+        if self.suspects.read().contains_key(id) {
+            self.suspects.write().remove(id);
+        }
     }
 }
 
@@ -104,5 +139,42 @@ impl Channels {
             .write()
             .insert(endpoint.to_string(), c.clone());
         Ok(c)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn members(ids: &[&str]) -> Members {
+        let m = Members::default();
+        for id in ids {
+            let mut i = Instance::new("queue", format!("{id}:1"));
+            i.id = (*id).to_string();
+            m.instances.write().insert(i.id.clone(), i);
+        }
+        m
+    }
+
+    fn picks(m: &Members, tried: &[String], n: usize) -> Vec<String> {
+        let mut out: Vec<String> = (0..n).filter_map(|_| m.pick(tried).map(|i| i.id)).collect();
+        out.sort();
+        out.dedup();
+        out
+    }
+
+    #[test]
+    fn pick_skips_tried_members_and_passes_over_suspects_while_others_remain() {
+        let m = members(&["a", "b", "c"]);
+        assert_eq!(picks(&m, &[], 6), ["a", "b", "c"]);
+        assert_eq!(picks(&m, &["a".into(), "c".into()], 4), ["b"]);
+        assert!(m.pick(&["a".into(), "b".into(), "c".into()]).is_none());
+
+        m.suspect("a");
+        assert_eq!(picks(&m, &[], 6), ["b", "c"]);
+        // Only suspects left untried: one of them is better than none.
+        assert_eq!(picks(&m, &["b".into(), "c".into()], 2), ["a"]);
+        m.cleared("a");
+        assert_eq!(picks(&m, &[], 6), ["a", "b", "c"]);
     }
 }

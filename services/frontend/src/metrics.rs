@@ -14,6 +14,7 @@ pub(crate) struct Metrics {
     pub requests: IntCounterVec,
     pub inflight: IntGauge,
     pub migrations: IntCounterVec,
+    pub failovers: IntCounterVec,
 }
 
 const LATENCY_BUCKETS: &[f64] = &[
@@ -66,7 +67,15 @@ impl Metrics {
         registry.register(Box::new(queue_wait.clone()))?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(inflight.clone()))?;
+        let failovers = IntCounterVec::new(
+            Opts::new(
+                "sluice_frontend_failovers_total",
+                "Calls that failed at one replica of a service and were tried at another, by service",
+            ),
+            &["service"],
+        )?;
         registry.register(Box::new(migrations.clone()))?;
+        registry.register(Box::new(failovers.clone()))?;
         Ok(Self {
             registry,
             ttft,
@@ -76,6 +85,7 @@ impl Metrics {
             requests,
             inflight,
             migrations,
+            failovers,
         })
     }
 }

@@ -162,6 +162,29 @@ impl From<sluice_tokens::TokensError> for Failure {
     }
 }
 
+/// Metadata key on the queue's errors naming why (`QueueError::reason`).
+const REASON_HEADER: &str = "sluice-reason";
+
+/// The lease's request side, the queue's answers and the grant.
+type Admitted = (
+    mpsc::Sender<qpb::AdmitRequest>,
+    tonic::Streaming<qpb::AdmitResponse>,
+    qpb::Grant,
+);
+
+/// Why admission at one queue failed: the queue failed (another may admit
+/// the request), or it answered (no other would answer differently).
+enum QueueFailure {
+    Queue(FrontendError),
+    Answer(FrontendError),
+}
+
+impl From<FrontendError> for QueueFailure {
+    fn from(e: FrontendError) -> Self {
+        QueueFailure::Answer(e)
+    }
+}
+
 /// A placed request: its lease, the worker's stream and the grant.
 struct Opened {
     lease_tx: mpsc::Sender<qpb::AdmitRequest>,
@@ -396,28 +419,54 @@ impl Pipeline {
         })
     }
 
-    async fn admit(
-        &self,
-        p: &Prepared,
-        exclude: &[String],
-    ) -> Result<
-        (
-            mpsc::Sender<qpb::AdmitRequest>,
-            tonic::Streaming<qpb::AdmitResponse>,
-            qpb::Grant,
-        ),
-        FrontendError,
-    > {
-        if !self.ready() {
+    /// An admission lease and its grant from one of the queues: a queue
+    /// that fails (unreachable, reset, draining, its placement failed) is
+    /// passed over for another, each tried once; nothing was sent to a
+    /// worker yet, so trying again is safe.
+    async fn admit(&self, p: &Prepared, exclude: &[String]) -> Result<Admitted, FrontendError> {
+        if self.workers.count(&self.model) == 0 {
             return Err(FrontendError::NoWorkers {
                 model: self.model.clone(),
             });
         }
-        let queue = self.queues.pick().ok_or(FrontendError::Unavailable {
+        if self.routers.count("") == 0 {
+            return Err(FrontendError::Unavailable {
+                component: "router",
+                message: "no router instance is registered".into(),
+            });
+        }
+        let mut tried = Vec::new();
+        let mut last = None;
+        while let Some(queue) = self.queues.pick(&tried) {
+            match self.admit_at(&queue, p, exclude).await {
+                Ok(admitted) => {
+                    self.queues.cleared(&queue.id);
+                    return Ok(admitted);
+                }
+                Err(QueueFailure::Answer(e)) => return Err(e),
+                Err(QueueFailure::Queue(e)) => {
+                    tracing::warn!(queue = %queue.id, endpoint = %queue.endpoint, error = %e, "queue failed the admission; trying another");
+                    self.queues.suspect(&queue.id);
+                    self.metrics.failovers.with_label_values(&["queue"]).inc();
+                    tried.push(queue.id);
+                    last = Some(e);
+                }
+            }
+        }
+        Err(last.unwrap_or(FrontendError::Unavailable {
             component: "queue",
             message: "no queue instance is registered".into(),
-        })?;
-        let mut client = qpb::queue_client::QueueClient::new(self.channels.get(&queue)?);
+        }))
+    }
+
+    /// Admission at `queue`.
+    async fn admit_at(
+        &self,
+        queue: &sluice_runtime::Instance,
+        p: &Prepared,
+        exclude: &[String],
+    ) -> Result<Admitted, QueueFailure> {
+        let mut client = qpb::queue_client::QueueClient::new(self.channels.get(&queue.endpoint)?);
         let (tx, rx) = mpsc::channel(2);
         let remaining = p
             .params
@@ -452,7 +501,7 @@ impl Pipeline {
         let mut responses = client
             .admit(ReceiverStream::new(rx))
             .await
-            .map_err(|s| FrontendError::from_status("queue", s, &self.model))?
+            .map_err(|s| self.queue_failure(s))?
             .into_inner();
         loop {
             match responses.message().await {
@@ -468,13 +517,50 @@ impl Pipeline {
                 }
                 Ok(Some(_)) => continue,
                 Ok(None) => {
-                    return Err(FrontendError::Unavailable {
+                    return Err(QueueFailure::Queue(FrontendError::Unavailable {
                         component: "queue",
                         message: "the queue closed the lease without a grant".into(),
-                    });
+                    }));
                 }
-                Err(s) => return Err(FrontendError::from_status("queue", s, &self.model)),
+                Err(s) => return Err(self.queue_failure(s)),
             }
+        }
+    }
+
+    /// Whether a queue's error means the queue failed, so another one may
+    /// admit the request: the queue itself names the reason on every
+    /// answer (`sluice-reason`); an error without one came from the
+    /// transport (refused, reset, gone mid-stream).
+    fn queue_failure(&self, s: tonic::Status) -> QueueFailure {
+        use tonic::Code;
+        let reason = s
+            .metadata()
+            .get(REASON_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        let queue_failed = match reason.as_deref() {
+            // The queue is going away, or could not reach a router or get
+            // an answer from one: another queue may.
+            Some("draining" | "no_router" | "placement") => true,
+            Some(_) => false,
+            None => worker_failed(&s),
+        };
+        let error = if reason.as_deref() == Some("no_router") {
+            FrontendError::Unavailable {
+                component: "router",
+                message: s.message().to_string(),
+            }
+        } else if reason.as_deref() == Some("no_workers") || s.code() == Code::NotFound {
+            FrontendError::NoWorkers {
+                model: self.model.clone(),
+            }
+        } else {
+            FrontendError::from_status("queue", s, &self.model)
+        };
+        if queue_failed {
+            QueueFailure::Queue(error)
+        } else {
+            QueueFailure::Answer(error)
         }
     }
 

@@ -127,26 +127,42 @@ impl QueueError {
     }
 }
 
+/// Metadata key naming [`QueueError::reason`] on every status the queue
+/// answers with, so a caller can tell the queue's answers from a transport
+/// failure (and fail over to another queue only for the latter, draining,
+/// or a failed placement).
+pub(crate) const REASON_HEADER: &str = "sluice-reason";
+
 impl From<QueueError> for tonic::Status {
     fn from(err: QueueError) -> Self {
-        use tonic::Status;
-        match &err {
-            QueueError::QueueFull { .. }
-            | QueueError::TenantFull { .. }
-            | QueueError::Shed { .. } => Status::resource_exhausted(err.to_string()),
-            QueueError::DeadlineExceeded { .. } => Status::deadline_exceeded(err.to_string()),
-            QueueError::NoWorkers { .. } | QueueError::NoRouter | QueueError::Draining => {
-                Status::unavailable(err.to_string())
-            }
-            QueueError::Placement { source } => {
-                tracing::warn!(error = %source, "placement failed");
-                Status::unavailable(format!("placement failed: {source}"))
-            }
-            QueueError::InvalidArgument { .. } => Status::invalid_argument(err.to_string()),
-            QueueError::InvalidFlag { .. } | QueueError::Runtime(_) | QueueError::Metrics(_) => {
-                tracing::error!(error = %err, cause = ?std::error::Error::source(&err), "internal error");
-                Status::internal("internal error in the queue")
-            }
+        let reason = err.reason();
+        let mut status = status_of(err);
+        status.metadata_mut().insert(
+            REASON_HEADER,
+            tonic::metadata::MetadataValue::from_static(reason),
+        );
+        status
+    }
+}
+
+fn status_of(err: QueueError) -> tonic::Status {
+    use tonic::Status;
+    match &err {
+        QueueError::QueueFull { .. } | QueueError::TenantFull { .. } | QueueError::Shed { .. } => {
+            Status::resource_exhausted(err.to_string())
+        }
+        QueueError::DeadlineExceeded { .. } => Status::deadline_exceeded(err.to_string()),
+        QueueError::NoWorkers { .. } | QueueError::NoRouter | QueueError::Draining => {
+            Status::unavailable(err.to_string())
+        }
+        QueueError::Placement { source } => {
+            tracing::warn!(error = %source, "placement failed");
+            Status::unavailable(format!("placement failed: {source}"))
+        }
+        QueueError::InvalidArgument { .. } => Status::invalid_argument(err.to_string()),
+        QueueError::InvalidFlag { .. } | QueueError::Runtime(_) | QueueError::Metrics(_) => {
+            tracing::error!(error = %err, cause = ?std::error::Error::source(&err), "internal error");
+            Status::internal("internal error in the queue")
         }
     }
 }
@@ -207,5 +223,12 @@ mod tests {
         assert_eq!(status.code(), Code::Unavailable);
         let status = tonic::Status::from(QueueError::Draining);
         assert_eq!(status.code(), Code::Unavailable);
+        assert_eq!(
+            status
+                .metadata()
+                .get(REASON_HEADER)
+                .and_then(|v| v.to_str().ok()),
+            Some("draining")
+        );
     }
 }

@@ -69,7 +69,7 @@ pub async fn serve(
             .await?
         }
     };
-    let placer = placement::RouterPlacer::new(routers.clone());
+    let placer = placement::RouterPlacer::new(routers.clone(), &registry)?;
     tracker.spawn(placement::watch_load(
         queue.clone(),
         routers,

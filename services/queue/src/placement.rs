@@ -18,6 +18,18 @@
 //!
 //! The router never sees held requests: it is called once per release (and,
 //! under `wspt`, for dry-run overlap reads).
+//!
+//! # A router that fails is replaced
+//!
+//! A placement goes to one ready session, round robin. When that router's
+//! session breaks before it answers (the router died or restarted) or it
+//! gives no answer within [`ROUTE_TIMEOUT`] (hung, paused), the placement is
+//! asked of another router under the same placement id — what the first
+//! may have committed is released by its session's end or by the
+//! placement's release, which every router hears — until every ready
+//! router was tried (`sluice_queue_failovers_total{service="router"}`
+//! counts each move). A dead router's session stays down, and is skipped,
+//! until it answers again.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
@@ -25,6 +37,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use parking_lot::Mutex;
+use prometheus::{IntCounterVec, Opts, Registry};
 use sluice_proto::router::v1 as router_pb;
 use sluice_proto::router::v1::place_request::Msg as PlaceMsg;
 use sluice_proto::router::v1::router_client::RouterClient;
@@ -48,8 +61,10 @@ pub(crate) const ROUTER_COMPONENT: &str = "router";
 const RETRY: Duration = Duration::from_millis(500);
 const RETRY_MAX: Duration = Duration::from_secs(5);
 
-/// Longest wait for one route answer. Under a threshold a model's releases
-/// wait for the previous placement, so a hung router must not stall them.
+/// Longest wait for one route answer before another router is asked. Under
+/// a threshold a model's releases wait for the previous placement, so a
+/// hung router must not stall them. Longer than the router's own wait for
+/// a joining worker.
 const ROUTE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long placement waits for a router to appear before failing with
 /// `no_router` (start-up order, router restarts).
@@ -106,6 +121,8 @@ enum CallError {
     /// No answer within [`ROUTE_TIMEOUT`].
     Timeout,
 }
+
+const TIMED_OUT: &str = "it gave no answer in time";
 
 /// The router took longer than [`ROUTE_TIMEOUT`] to answer.
 #[derive(Debug, thiserror::Error)]
@@ -473,14 +490,26 @@ pub(crate) struct RouterPlacer {
     routers: Routers,
     /// Models with prefill workers, from the latest load view ("" = any).
     prefill_models: Arc<Mutex<HashSet<String>>>,
+    /// Placements asked again of another router, by failed service.
+    failovers: IntCounterVec,
 }
 
 impl RouterPlacer {
-    pub(crate) fn new(routers: Routers) -> Self {
-        Self {
+    /// Places on `routers`; its failover counter goes into `registry`.
+    pub(crate) fn new(routers: Routers, registry: &Registry) -> Result<Self, QueueError> {
+        let failovers = IntCounterVec::new(
+            Opts::new(
+                "sluice_queue_failovers_total",
+                "Placements a router failed (broke, no answer in time) that were asked of another router, by service",
+            ),
+            &["service"],
+        )?;
+        registry.register(Box::new(failovers.clone()))?;
+        Ok(Self {
             routers,
             prefill_models: Arc::default(),
-        }
+            failovers,
+        })
     }
 
     fn has_prefill_pool(&self, model: &str) -> bool {
@@ -527,8 +556,9 @@ impl RouterPlacer {
     }
 
     /// Asks one router for every pool in `pools` (pipelined on its session);
-    /// a router whose session breaks before answering is replaced by
-    /// another once. Returns the router that answered and its answers.
+    /// a router whose session breaks before answering, or that does not
+    /// answer in time, is replaced by another, each tried once. Returns the
+    /// router that answered and its answers.
     async fn route(
         &self,
         entry: &Entry,
@@ -549,14 +579,14 @@ impl RouterPlacer {
             });
             let answers = futures::future::join_all(calls).await;
             let mut out = Vec::with_capacity(answers.len());
-            let mut retry = false;
+            let mut retry = None;
             for (pool, answer) in pools.iter().zip(answers) {
                 match answer {
                     Ok(r) => out.push(r),
-                    Err(CallError::Unavailable) => retry = true,
-                    Err(CallError::Timeout) => {
-                        return Err(QueueError::placement(RouteTimeout(ROUTE_TIMEOUT)));
+                    Err(CallError::Unavailable) => {
+                        retry.get_or_insert("its session broke before answering");
                     }
+                    Err(CallError::Timeout) => retry = Some(TIMED_OUT),
                     Err(CallError::Status(status)) => {
                         return Err(match status.code() {
                             tonic::Code::Unavailable
@@ -572,11 +602,19 @@ impl RouterPlacer {
                     }
                 }
             }
-            if !retry {
+            let Some(why) = retry else {
                 return Ok((session.router_id.clone(), out));
-            }
-            tracing::debug!(router = %session.router_id, "placement session broke before answering; trying another router");
+            };
             tried.insert(session.router_id.clone());
+            if self.routers.pick(&tried).is_some() {
+                self.failovers.with_label_values(&["router"]).inc();
+                tracing::warn!(router = %session.router_id, request_id = %entry.request_id, reason = why, "router failed a placement; asking another");
+            } else if why == TIMED_OUT {
+                return Err(QueueError::placement(RouteTimeout(ROUTE_TIMEOUT)));
+            } else {
+                // Another router may appear before the deadline.
+                tracing::debug!(router = %session.router_id, reason = why, "router failed a placement; waiting for another");
+            }
         }
     }
 }

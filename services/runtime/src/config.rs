@@ -32,6 +32,13 @@ pub struct CommonArgs {
     /// Seconds to drain in-flight requests on shutdown before cancelling them.
     #[arg(long, env = "SLUICE_DRAIN_TIMEOUT", default_value_t = 10)]
     pub drain_timeout: u64,
+
+    /// Seconds a peer whose discovery lease was lost (not deregistered) stays
+    /// in this service's view, waiting for it to register again: an etcd
+    /// pause or partition expires every lease at once, and its owners
+    /// re-register within a second or two. 0: drop it at once.
+    #[arg(long, env = "SLUICE_DISCOVERY_GRACE", default_value_t = 10)]
+    pub discovery_grace: u64,
 }
 
 impl CommonArgs {
@@ -52,6 +59,11 @@ impl CommonArgs {
         Ok(())
     }
 
+    /// [`Self::discovery_grace`] as a duration.
+    pub fn grace(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(self.discovery_grace)
+    }
+
     /// The address to register: `--advertise`, else the bound address.
     pub fn advertise_addr(&self, bound: SocketAddr) -> String {
         self.advertise.clone().unwrap_or_else(|| bound.to_string())
@@ -67,6 +79,7 @@ impl Default for CommonArgs {
             advertise: None,
             lease_ttl: 5,
             drain_timeout: 10,
+            discovery_grace: 10,
         }
     }
 }

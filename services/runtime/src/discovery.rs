@@ -6,6 +6,18 @@
 //! [`DiscoveryEvent::Delete`]. Two backends serve one trait: `etcd` for a
 //! distributed mesh, `memory` for everything in one process (`sluice up`).
 //! A malformed entry is logged and skipped, never a panic.
+//!
+//! # Leaving and losing a lease are told apart
+//!
+//! An owner that deregisters marks its entry as leaving ([`LEAVING`]) before
+//! it removes it: watchers drop it at once. An entry that disappears without
+//! that mark lost its lease — its owner crashed, or etcd paused or was cut
+//! off long enough for every lease to expire while their owners are fine.
+//! A watch keeps such a member in its view for a grace period
+//! (`--discovery-grace`) and forgets it only if it has not registered again
+//! (same id, same entry) by then; a re-registration within the grace period
+//! reaches no watcher at all. A crashed member is meanwhile found dead by
+//! its callers, who fail over (see each service).
 
 mod etcd;
 mod memory;
@@ -13,6 +25,9 @@ mod memory;
 use std::collections::BTreeMap;
 use std::fmt::Debug;
 use std::sync::Arc;
+
+use std::collections::HashMap;
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
@@ -177,9 +192,125 @@ pub async fn from_args(
 ) -> Result<Arc<dyn Discovery>, RuntimeError> {
     match &args.etcd {
         Some(url) => Ok(Arc::new(
-            EtcdDiscovery::connect(url, &args.namespace).await?,
+            EtcdDiscovery::connect(url, &args.namespace)
+                .await?
+                .with_grace(args.grace()),
         )),
         None => Ok(fallback.unwrap_or_else(|| Arc::new(MemoryDiscovery::new(&args.namespace)))),
+    }
+}
+
+/// Metadata key an owner sets on its entry just before removing it: the
+/// member is leaving (not lost), so watchers drop it without a grace period.
+pub const LEAVING: &str = "sluice.leaving";
+
+impl Instance {
+    /// Whether the entry is marked as leaving ([`LEAVING`]).
+    pub fn is_leaving(&self) -> bool {
+        self.metadata.contains_key(LEAVING)
+    }
+}
+
+/// What a backend's watch saw, before the grace period is applied.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Seen {
+    /// An entry was written.
+    Put(Instance),
+    /// The owner removed its entry (or marked it leaving).
+    Left(String),
+    /// The entry disappeared without being marked: its lease was lost.
+    Lost(String),
+}
+
+/// Turns what a backend saw into the events a [`Watch`] yields: identical
+/// re-writes are dropped, a member that left is deleted at once, and a
+/// member whose lease was lost is deleted only if it has not been written
+/// again within `grace`. Runs until `raw` ends, `out` closes or `stop`.
+pub(crate) async fn settle(
+    component: String,
+    mut raw: mpsc::Receiver<Seen>,
+    out: mpsc::Sender<DiscoveryEvent>,
+    grace: Duration,
+    stop: CancellationToken,
+) {
+    let mut shown: HashMap<String, Instance> = HashMap::new();
+    // Members whose lease was lost, and when they are given up.
+    let mut lost: HashMap<String, tokio::time::Instant> = HashMap::new();
+    loop {
+        let next_expiry = lost.values().min().copied();
+        let expire = async {
+            match next_expiry {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
+        let seen = tokio::select! {
+            () = stop.cancelled() => return,
+            () = expire => None,
+            seen = raw.recv() => match seen {
+                Some(s) => Some(s),
+                None => return,
+            },
+        };
+        let mut events = Vec::new();
+        match seen {
+            None => {
+                let now = tokio::time::Instant::now();
+                let expired: Vec<String> = lost
+                    .iter()
+                    .filter(|(_, at)| **at <= now)
+                    .map(|(id, _)| id.clone())
+                    .collect();
+                for id in expired {
+                    lost.remove(&id);
+                    if shown.remove(&id).is_some() {
+                        tracing::warn!(%component, %id, ?grace, "member did not register again within the grace period; dropping it");
+                        events.push(DiscoveryEvent::Delete {
+                            component: component.clone(),
+                            id,
+                        });
+                    }
+                }
+            }
+            Some(Seen::Put(i)) => {
+                if lost.remove(&i.id).is_some() {
+                    tracing::info!(%component, id = %i.id, "member registered again within the grace period");
+                }
+                if shown.get(&i.id) != Some(&i) {
+                    shown.insert(i.id.clone(), i.clone());
+                    events.push(DiscoveryEvent::Put(i));
+                }
+            }
+            Some(Seen::Left(id)) => {
+                lost.remove(&id);
+                if shown.remove(&id).is_some() {
+                    events.push(DiscoveryEvent::Delete {
+                        component: component.clone(),
+                        id,
+                    });
+                }
+            }
+            Some(Seen::Lost(id)) => {
+                if !shown.contains_key(&id) {
+                    continue;
+                }
+                if grace.is_zero() {
+                    shown.remove(&id);
+                    events.push(DiscoveryEvent::Delete {
+                        component: component.clone(),
+                        id,
+                    });
+                } else if let std::collections::hash_map::Entry::Vacant(e) = lost.entry(id) {
+                    tracing::info!(%component, id = %e.key(), ?grace, "member's lease lost; keeping it while it registers again");
+                    e.insert(tokio::time::Instant::now() + grace);
+                }
+            }
+        }
+        for e in events {
+            if out.send(e).await.is_err() {
+                return;
+            }
+        }
     }
 }
 

@@ -1,7 +1,8 @@
 //! The mesh as separate `sluice` processes with a real etcd-server on
 //! loopback: a request is served end to end, then a decode worker is killed
 //! with SIGKILL: requests placed on it before its lease expires are placed
-//! again, and the router stops placing on it within the lease TTL; and a
+//! again, and the router stops placing on it within the lease TTL and the
+//! discovery grace period; and a
 //! stream whose worker is killed mid-generation goes on on the other one.
 
 use std::process::{Child, Command, Stdio};
@@ -13,6 +14,8 @@ use sluice_tests::free_port;
 use sluice_tests::http::{get, post_json};
 
 const TTL_SECS: u64 = 2;
+/// How long a member whose lease expired stays listed (`--discovery-grace`).
+const GRACE_SECS: u64 = 1;
 
 struct Proc {
     child: Child,
@@ -41,6 +44,8 @@ fn spawn(
             "proc-test",
             "--lease-ttl",
             &TTL_SECS.to_string(),
+            "--discovery-grace",
+            &GRACE_SECS.to_string(),
             "--drain-timeout",
             "2",
         ])
@@ -171,7 +176,8 @@ async fn separate_processes_serve_and_a_killed_worker_stops_receiving_requests()
         "{moved} of 6 requests were placed on the dead worker first ({:?} after the kill)",
         killed.elapsed()
     );
-    tokio::time::sleep(Duration::from_secs(TTL_SECS) + Duration::from_millis(1500)).await;
+    tokio::time::sleep(Duration::from_secs(TTL_SECS + GRACE_SECS) + Duration::from_millis(1500))
+        .await;
 
     // From now on every request is served, and by the survivor.
     let mut survivors = std::collections::BTreeSet::new();

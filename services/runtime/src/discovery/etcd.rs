@@ -1,7 +1,9 @@
 //! Discovery over etcd: each instance is a key under a lease that a
 //! background task keeps alive; watches resume from the last seen revision
 //! after a disconnect and re-list (emitting only differences) when that
-//! revision has been compacted away.
+//! revision has been compacted away. An owner marks its entry as leaving
+//! before revoking its lease, so watchers can tell a departure from a lost
+//! lease, which they forgive for the grace period (see [`super`]).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -11,8 +13,8 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    Discovery, DiscoveryEvent, Instance, Registration, Watch, component_prefix, instance_key,
-    parse_entry,
+    Discovery, DiscoveryEvent, Instance, LEAVING, Registration, Seen, Watch, component_prefix,
+    instance_key, parse_entry, settle,
 };
 use crate::RuntimeError;
 
@@ -24,6 +26,7 @@ pub struct EtcdDiscovery {
     client: Client,
     endpoint: String,
     namespace: String,
+    grace: Duration,
 }
 
 impl std::fmt::Debug for EtcdDiscovery {
@@ -31,12 +34,14 @@ impl std::fmt::Debug for EtcdDiscovery {
         f.debug_struct("EtcdDiscovery")
             .field("endpoint", &self.endpoint)
             .field("namespace", &self.namespace)
+            .field("grace", &self.grace)
             .finish()
     }
 }
 
 impl EtcdDiscovery {
-    /// Connects to `endpoint` (e.g. `http://127.0.0.1:2379`).
+    /// Connects to `endpoint` (e.g. `http://127.0.0.1:2379`). Watches drop a
+    /// member whose lease was lost at once; see [`Self::with_grace`].
     pub async fn connect(endpoint: &str, namespace: &str) -> Result<Self, RuntimeError> {
         let client =
             Client::connect([endpoint], None)
@@ -49,7 +54,15 @@ impl EtcdDiscovery {
             client,
             endpoint: endpoint.into(),
             namespace: namespace.into(),
+            grace: Duration::ZERO,
         })
+    }
+
+    /// Watches keep a member whose lease was lost (rather than revoked by
+    /// its owner) for `grace`, waiting for it to register again.
+    pub fn with_grace(mut self, grace: Duration) -> Self {
+        self.grace = grace;
+        self
     }
 
     fn err(&self, source: etcd_client::Error) -> RuntimeError {
@@ -122,7 +135,9 @@ impl EtcdDiscovery {
         let mut out = BTreeMap::new();
         for kv in resp.kvs() {
             let key = String::from_utf8_lossy(kv.key()).into_owned();
-            if let Some(i) = parse_entry(&key, kv.value()) {
+            if let Some(i) = parse_entry(&key, kv.value())
+                && !i.is_leaving()
+            {
                 out.insert(id_from_key(&key).to_string(), i);
             }
         }
@@ -132,6 +147,22 @@ impl EtcdDiscovery {
 
 fn id_from_key(key: &str) -> &str {
     key.rsplit('/').next().unwrap_or(key)
+}
+
+/// What turns `old` into `new` for one watch: entries gone from `new` count
+/// as lost leases (a departure marked in between was not seen).
+fn diff_seen(old: &BTreeMap<String, Instance>, new: &BTreeMap<String, Instance>) -> Vec<Seen> {
+    let mut out: Vec<Seen> = old
+        .keys()
+        .filter(|id| !new.contains_key(*id))
+        .map(|id| Seen::Lost(id.clone()))
+        .collect();
+    for (id, i) in new {
+        if old.get(id) != Some(i) {
+            out.push(Seen::Put(i.clone()));
+        }
+    }
+    out
 }
 
 /// The events that turn `old` into `new` for one component.
@@ -176,7 +207,9 @@ impl Discovery for EtcdDiscovery {
         let (done_tx, done_rx) = oneshot::channel();
         let this = self.clone();
         let token = stop.clone();
+        let registered = instance.clone();
         tokio::spawn(async move {
+            let instance = registered;
             loop {
                 if this.keep_alive(lease, ttl, &token).await {
                     break;
@@ -198,6 +231,19 @@ impl Discovery for EtcdDiscovery {
                 }
             }
             let mut c = this.client.clone();
+            // Marked first, so watchers drop it at once instead of waiting
+            // for it to come back as they do for a lost lease.
+            let mut leaving = instance.clone();
+            leaving.metadata.insert(LEAVING.into(), "1".into());
+            match serde_json::to_string(&leaving) {
+                Ok(v) => {
+                    let opts = PutOptions::new().with_lease(lease);
+                    if let Err(e) = c.put(key.as_str(), v, Some(opts)).await {
+                        tracing::debug!(error = %e, %key, "marking the entry as leaving");
+                    }
+                }
+                Err(e) => tracing::debug!(error = %e, %key, "marking the entry as leaving"),
+            }
             if let Err(e) = c.lease_revoke(lease).await {
                 tracing::debug!(error = %e, %key, "revoking lease; it will expire");
             }
@@ -212,12 +258,20 @@ impl Discovery for EtcdDiscovery {
 
     async fn watch(&self, component: &str) -> Result<Watch, RuntimeError> {
         let (mut known, mut rev) = self.list_map(component).await?;
-        let (tx, rx) = mpsc::channel(256);
+        let (tx, raw) = mpsc::channel(256);
         for i in known.values() {
-            let _ = tx.try_send(DiscoveryEvent::Put(i.clone()));
+            let _ = tx.try_send(Seen::Put(i.clone()));
         }
+        let (out, rx) = mpsc::channel(256);
         let stop = CancellationToken::new();
         let token = stop.clone();
+        tokio::spawn(settle(
+            component.to_string(),
+            raw,
+            out,
+            self.grace,
+            stop.clone(),
+        ));
         let this = self.clone();
         let component = component.to_string();
         tokio::spawn(async move {
@@ -230,7 +284,7 @@ impl Discovery for EtcdDiscovery {
                 if relist {
                     match this.list_map(&component).await {
                         Ok((now, r)) => {
-                            for e in diff(&component, &known, &now) {
+                            for e in diff_seen(&known, &now) {
                                 if tx.send(e).await.is_err() {
                                     return;
                                 }
@@ -288,9 +342,15 @@ impl Discovery for EtcdDiscovery {
                         let id = id_from_key(&key).to_string();
                         let out = match ev.event_type() {
                             EventType::Put => match parse_entry(&key, kv.value()) {
+                                Some(i) if i.is_leaving() => {
+                                    if known.remove(&id).is_none() {
+                                        continue;
+                                    }
+                                    Seen::Left(id)
+                                }
                                 Some(i) => {
                                     known.insert(id, i.clone());
-                                    DiscoveryEvent::Put(i)
+                                    Seen::Put(i)
                                 }
                                 None => continue,
                             },
@@ -298,10 +358,7 @@ impl Discovery for EtcdDiscovery {
                                 if known.remove(&id).is_none() {
                                     continue;
                                 }
-                                DiscoveryEvent::Delete {
-                                    component: component.clone(),
-                                    id,
-                                }
+                                Seen::Lost(id)
                             }
                         };
                         if tx.send(out).await.is_err() {

@@ -1,0 +1,437 @@
+//! No single point of failure, with separate `sluice` processes and a real
+//! etcd-server on loopback: two routers, two queues, two decode workers
+//! (the mocker engine) and a frontend. Under a steady load of concurrent
+//! requests, each fault below must fail no request:
+//!
+//! - etcd stopped (SIGSTOP) for 10 s, long enough for every lease to
+//!   expire, then continued: every member stays in every peer's view until
+//!   it registers again, and the routers keep their workers' indexes;
+//! - one of the two queues killed (SIGKILL): the frontend admits at the
+//!   other one;
+//! - one of the two routers killed (SIGKILL): the queues place with the
+//!   other one.
+
+use std::process::{Child, Command};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use sluice_tests::etcd::EtcdServer;
+use sluice_tests::free_port;
+use sluice_tests::http::{get, post_json};
+
+const TTL_SECS: u64 = 2;
+const GRACE_SECS: u64 = 5;
+/// Concurrent clients, each sending one request after another.
+const CLIENTS: usize = 6;
+
+struct Proc {
+    child: Child,
+}
+
+impl Proc {
+    /// SIGKILL: no deregistration, no drain.
+    fn kill(&mut self) -> anyhow::Result<()> {
+        self.child.kill()?;
+        let _ = self.child.wait();
+        Ok(())
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn spawn(name: &str, args: &[&str], etcd: &str, log_dir: &std::path::Path) -> anyhow::Result<Proc> {
+    let log = std::fs::File::create(log_dir.join(format!("{name}.log")))?;
+    let child = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(args)
+        .args([
+            "--etcd",
+            etcd,
+            "--namespace",
+            "failover-test",
+            "--lease-ttl",
+            &TTL_SECS.to_string(),
+            "--discovery-grace",
+            &GRACE_SECS.to_string(),
+            "--drain-timeout",
+            "2",
+        ])
+        .env("RUST_LOG", "info")
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .spawn()?;
+    Ok(Proc { child })
+}
+
+/// Sum of every sample of `name` in a Prometheus text page whose labels
+/// contain `labels`.
+fn metric(page: &str, name: &str, labels: &str) -> f64 {
+    page.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+        })
+        .filter(|l| l.contains(labels))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+struct Cluster {
+    etcd: EtcdServer,
+    dir: tempfile::TempDir,
+    http: String,
+    /// `127.0.0.1:<port>` of each router and queue (gRPC and `/metrics`).
+    routers: Vec<(String, Proc)>,
+    queues: Vec<(String, Proc)>,
+    _others: Vec<Proc>,
+}
+
+impl Cluster {
+    async fn start() -> anyhow::Result<Self> {
+        let etcd = EtcdServer::start().await?;
+        let dir = tempfile::tempdir()?;
+        let model = dir.path().join("sluice-tiny");
+        let status = Command::new(env!("CARGO_BIN_EXE_sluice"))
+            .args(["model", "init", "--out"])
+            .arg(&model)
+            .status()?;
+        anyhow::ensure!(status.success(), "sluice model init failed");
+        let model = model.to_string_lossy().into_owned();
+        let url = etcd.url();
+        let mut routers = Vec::new();
+        let mut queues = Vec::new();
+        for i in 0..2 {
+            let addr = format!("127.0.0.1:{}", free_port()?);
+            let p = spawn(
+                &format!("router-{i}"),
+                &["router", "--listen", &addr],
+                &url,
+                dir.path(),
+            )?;
+            routers.push((addr, p));
+        }
+        for i in 0..2 {
+            let addr = format!("127.0.0.1:{}", free_port()?);
+            let p = spawn(
+                &format!("queue-{i}"),
+                &["queue", "--listen", &addr],
+                &url,
+                dir.path(),
+            )?;
+            queues.push((addr, p));
+        }
+        let mut others = Vec::new();
+        for i in 0..2 {
+            others.push(spawn(
+                &format!("decode-{i}"),
+                &[
+                    "decode",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--model",
+                    &model,
+                    "--engine",
+                    "mocker",
+                    "--num-gpu-blocks",
+                    "512",
+                ],
+                &url,
+                dir.path(),
+            )?);
+        }
+        let http = format!("127.0.0.1:{}", free_port()?);
+        others.push(spawn(
+            "frontend",
+            &["frontend", "--listen", &http, "--model", &model],
+            &url,
+            dir.path(),
+        )?);
+        let cluster = Self {
+            etcd,
+            dir,
+            http,
+            routers,
+            queues,
+            _others: others,
+        };
+        cluster
+            .wait_members(2, 2, 2, Duration::from_secs(60))
+            .await?;
+        // Every queue has a placement session with every router.
+        for _ in 0..8 {
+            cluster.complete().await?;
+        }
+        Ok(cluster)
+    }
+
+    /// Waits until the frontend lists this many of each member.
+    async fn wait_members(
+        &self,
+        workers: u64,
+        queues: u64,
+        routers: u64,
+        within: Duration,
+    ) -> anyhow::Result<()> {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Ok((200, body)) = get(&self.http, "/ready").await {
+                let v: Value = serde_json::from_str(&body)?;
+                if v["workers"] == workers && v["queues"] == queues && v["routers"] == routers {
+                    return Ok(());
+                }
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "the frontend did not list {workers} workers, {queues} queues and {routers} routers within {within:?}; logs in {}",
+                self.dir.path().display()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    async fn complete(&self) -> anyhow::Result<()> {
+        let (status, body) = complete(&self.http).await?;
+        anyhow::ensure!(status == 200, "{status}: {body}");
+        Ok(())
+    }
+
+    async fn metrics(addr: &str) -> anyhow::Result<String> {
+        let (status, page) = get(addr, "/metrics").await?;
+        anyhow::ensure!(status == 200, "GET {addr}/metrics: {status}");
+        Ok(page)
+    }
+
+    fn logs(&self) -> String {
+        self.dir.path().display().to_string()
+    }
+}
+
+async fn complete(http: &str) -> anyhow::Result<(u16, String)> {
+    let body = json!({"model": "sluice-tiny", "prompt": "The river runs to the sea",
+                      "max_tokens": 12, "temperature": 0});
+    post_json(http, "/v1/completions", &body).await
+}
+
+/// Requests sent by [`CLIENTS`] clients until stopped.
+struct Load {
+    stop: Arc<AtomicBool>,
+    clients: Vec<tokio::task::JoinHandle<Vec<(u16, String)>>>,
+}
+
+impl Load {
+    fn start(http: &str) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let clients = (0..CLIENTS)
+            .map(|_| {
+                let (http, stop) = (http.to_string(), Arc::clone(&stop));
+                tokio::spawn(async move {
+                    let mut out = Vec::new();
+                    // Bounded: a stop that never comes ends the loop too.
+                    for _ in 0..5_000 {
+                        if stop.load(Ordering::Relaxed) {
+                            break;
+                        }
+                        out.push(match complete(&http).await {
+                            Ok(r) => r,
+                            Err(e) => (0, format!("client error: {e}")),
+                        });
+                    }
+                    out
+                })
+            })
+            .collect();
+        Self { stop, clients }
+    }
+
+    /// Stops the clients; every answer, and the failed ones.
+    async fn finish(self) -> anyhow::Result<(usize, Vec<(u16, String)>)> {
+        self.stop.store(true, Ordering::Relaxed);
+        let mut total = 0;
+        let mut failed = Vec::new();
+        for c in self.clients {
+            let answers = tokio::time::timeout(Duration::from_secs(60), c).await??;
+            total += answers.len();
+            failed.extend(answers.into_iter().filter(|(s, _)| *s != 200));
+        }
+        Ok((total, failed))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_paused_for_10_s_under_load_fails_no_request() -> anyhow::Result<()> {
+    let cluster = Cluster::start().await?;
+    let load = Load::start(&cluster.http);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    // Far longer than every lease: all of them expire when etcd goes on.
+    cluster.etcd.pause()?;
+    let paused = Instant::now();
+    let mut lowest = (u64::MAX, u64::MAX, u64::MAX);
+    while paused.elapsed() < Duration::from_secs(10) {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    cluster.etcd.resume()?;
+    // Through the expiry of every lease and the re-registrations that
+    // follow, the frontend lists every member.
+    let resumed = Instant::now();
+    while resumed.elapsed() < Duration::from_secs(GRACE_SECS + 2) {
+        if let Ok((200, body)) = get(&cluster.http, "/ready").await {
+            let v: Value = serde_json::from_str(&body)?;
+            let n = |k: &str| v[k].as_u64().unwrap_or(0);
+            lowest = (
+                lowest.0.min(n("workers")),
+                lowest.1.min(n("queues")),
+                lowest.2.min(n("routers")),
+            );
+        } else {
+            lowest = (0, 0, 0);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (total, failed) = load.finish().await?;
+    eprintln!("{total} requests across the pause; members listed at least {lowest:?}");
+    assert!(
+        failed.is_empty(),
+        "{} of {total} requests failed: {:?}; logs in {}",
+        failed.len(),
+        &failed[..failed.len().min(5)],
+        cluster.logs()
+    );
+    assert!(total >= 50, "too little load to tell: {total} requests");
+    assert_eq!(lowest, (2, 2, 2), "a member left the frontend's view");
+
+    // The leases really were lost (each service registered again), and no
+    // router dropped a worker (and its index) for it.
+    for (i, (addr, _)) in cluster.routers.iter().enumerate() {
+        let page = Cluster::metrics(addr).await?;
+        assert_eq!(
+            metric(&page, "sluice_router_departures_total", ""),
+            0.0,
+            "router {i} dropped a worker"
+        );
+        assert_eq!(
+            metric(&page, "sluice_router_resyncs_total", "reason=\"initial\""),
+            2.0,
+            "router {i} rebuilt a worker's index"
+        );
+    }
+    let log = std::fs::read_to_string(cluster.dir.path().join("decode-0.log"))?;
+    assert!(
+        log.contains("re-registered in etcd"),
+        "the pause did not expire decode-0's lease: {}",
+        log.lines()
+            .filter(|l| l.contains("etcd"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    Ok(())
+}
+
+/// Kills the first of the two replicas of `service` (`queue` or `router`)
+/// under load: no request may fail. Returns the survivor's metrics.
+async fn kill_one_under_load(cluster: &mut Cluster, service: &str) -> anyhow::Result<String> {
+    // Both replicas take part before the kill.
+    let (name, replicas) = match service {
+        "queue" => ("sluice_queue_grants_total", &cluster.queues),
+        _ => ("sluice_router_placements_total", &cluster.routers),
+    };
+    for (addr, _) in replicas {
+        let page = Cluster::metrics(addr).await?;
+        assert!(
+            metric(&page, name, "") > 0.0,
+            "{service} at {addr} took no part before the kill"
+        );
+    }
+    let load = Load::start(&cluster.http);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    match service {
+        "queue" => cluster.queues[0].1.kill()?,
+        _ => cluster.routers[0].1.kill()?,
+    }
+    let killed = Instant::now();
+    // Through the dead replica's listing (its lease, then the grace
+    // period) and after it is gone.
+    let (queues, routers) = if service == "queue" { (1, 2) } else { (2, 1) };
+    cluster
+        .wait_members(
+            2,
+            queues,
+            routers,
+            Duration::from_secs(TTL_SECS + GRACE_SECS + 10),
+        )
+        .await?;
+    let gone = killed.elapsed();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (total, failed) = load.finish().await?;
+    eprintln!("{total} requests; the killed {service} left the view after {gone:?}");
+    assert!(
+        failed.is_empty(),
+        "{} of {total} requests failed after killing a {service}: {:?}; logs in {}",
+        failed.len(),
+        &failed[..failed.len().min(5)],
+        cluster.logs()
+    );
+    assert!(total >= 50, "too little load to tell: {total} requests");
+    // The survivor serves on its own.
+    for _ in 0..4 {
+        cluster.complete().await?;
+    }
+    let survivor = match service {
+        "queue" => &cluster.queues[1].0,
+        _ => &cluster.routers[1].0,
+    };
+    Cluster::metrics(survivor).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_of_two_queues_killed_under_load_fails_no_request() -> anyhow::Result<()> {
+    let mut cluster = Cluster::start().await?;
+    kill_one_under_load(&mut cluster, "queue").await?;
+    let (_, page) = get(&cluster.http, "/metrics").await?;
+    assert!(
+        metric(
+            &page,
+            "sluice_frontend_failovers_total",
+            "service=\"queue\""
+        ) > 0.0,
+        "no admission moved to the surviving queue: {page}"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_of_two_routers_killed_under_load_fails_no_request() -> anyhow::Result<()> {
+    let mut cluster = Cluster::start().await?;
+    let before = metric(
+        &Cluster::metrics(&cluster.routers[1].0).await?,
+        "sluice_router_placements_total",
+        "",
+    );
+    let page = kill_one_under_load(&mut cluster, "router").await?;
+    assert!(
+        metric(&page, "sluice_router_placements_total", "") > before,
+        "the surviving router placed nothing"
+    );
+
+    // With no router at all, a request fails for that reason, not for
+    // want of workers.
+    cluster.routers[1].1.kill()?;
+    let (status, body) = complete(&cluster.http).await?;
+    assert_eq!(status, 503, "{body}");
+    let error: Value = serde_json::from_str(&body)?;
+    assert_eq!(error["error"]["code"], "unavailable", "{body}");
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("router is unavailable")),
+        "{body}"
+    );
+    Ok(())
+}
