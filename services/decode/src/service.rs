@@ -172,6 +172,10 @@ type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
 /// Adapts an engine stream to the wire: the first message carries the usage
 /// known at admission (cached prompt tokens), the last the final usage.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "main restructures this into one struct; kept as is on this branch"
+)]
 fn response_stream(
     core: Arc<WorkerCore>,
     stream: GenerateStream,
@@ -370,8 +374,8 @@ impl pb::worker_server::Worker for WorkerService {
             .into());
         }
         core.check_model(&req.model)?;
-        let engine_req = convert::request(&req)?;
         let engine = core.engine(req.dp_rank)?;
+        let engine_req = convert::request(&req, engine)?;
         let cached = engine.cached_prefix_tokens(&engine_req.prompt);
         let span = tracing::info_span!(
             "worker.generate",

@@ -1,9 +1,12 @@
 //! Flags every service takes. Flatten [`CommonArgs`] into a service's `Config`
-//! with `#[command(flatten)]`; each flag also reads `SLUICE_<FLAG>`.
+//! with `#[command(flatten)]`; each flag also reads `SLUICE_<FLAG>`. The
+//! security flags (TLS, mesh token, connection limits) are part of it:
+//! see [`crate::security`].
 
 use std::net::SocketAddr;
 
 use crate::RuntimeError;
+use crate::security::SecurityArgs;
 
 /// Discovery and addressing flags shared by all services.
 #[derive(Debug, Clone, clap::Args)]
@@ -32,6 +35,10 @@ pub struct CommonArgs {
     /// Seconds to drain in-flight requests on shutdown before cancelling them.
     #[arg(long, env = "SLUICE_DRAIN_TIMEOUT", default_value_t = 10)]
     pub drain_timeout: u64,
+
+    /// TLS, mesh authentication and connection limits.
+    #[command(flatten)]
+    pub security: SecurityArgs,
 }
 
 impl CommonArgs {
@@ -67,6 +74,7 @@ impl Default for CommonArgs {
             advertise: None,
             lease_ttl: 5,
             drain_timeout: 10,
+            security: SecurityArgs::default(),
         }
     }
 }

@@ -5,12 +5,13 @@ mod bench;
 mod up;
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use sluice_runtime::discovery;
 use sluice_runtime::telemetry::{TelemetryConfig, init};
-use sluice_runtime::{CommonArgs, ModelArgs, ServiceContext};
+use sluice_runtime::{CommonArgs, ModelArgs, Security, ServiceContext};
 
 /// Sluice: a distributed LLM-serving mesh.
 #[derive(Debug, Parser)]
@@ -120,6 +121,7 @@ async fn listen(
     shutdown: &sluice_runtime::Shutdown,
 ) -> anyhow::Result<(tokio::net::TcpListener, ServiceContext)> {
     common.validate()?;
+    let security = Arc::new(Security::from_args(&common.security)?);
     let listener = tokio::net::TcpListener::bind(common.listen)
         .await
         .with_context(|| format!("binding --listen {}", common.listen))?;
@@ -129,11 +131,7 @@ async fn listen(
     }
     Ok((
         listener,
-        ServiceContext {
-            common,
-            discovery,
-            shutdown: shutdown.clone(),
-        },
+        ServiceContext::with_common(common, discovery, shutdown.clone(), security),
     ))
 }
 

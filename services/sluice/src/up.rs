@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use sluice_runtime::discovery::{self, MemoryDiscovery};
-use sluice_runtime::{CommonArgs, Discovery, ModelArgs, ServiceContext, Shutdown};
+use sluice_runtime::{CommonArgs, Discovery, ModelArgs, Security, ServiceContext, Shutdown};
 use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 
@@ -112,10 +112,14 @@ pub(crate) async fn run(mut args: UpArgs, shutdown: Shutdown) -> anyhow::Result<
         Some(Arc::new(MemoryDiscovery::new(&args.common.namespace))),
     )
     .await?;
-    let ctx = |s: &Shutdown| ServiceContext {
-        common: args.common.clone(),
-        discovery: Arc::clone(&discovery),
-        shutdown: s.child_token(),
+    let security = Arc::new(Security::from_args(&args.common.security)?);
+    let ctx = |s: &Shutdown| {
+        ServiceContext::with_common(
+            args.common.clone(),
+            Arc::clone(&discovery),
+            s.child_token(),
+            Arc::clone(&security),
+        )
     };
 
     let http = TcpListener::bind((args.http_host.as_str(), args.http_port))
