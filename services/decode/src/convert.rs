@@ -64,6 +64,7 @@ pub(crate) fn request(
     )?;
     limits::check_id("prefill_worker_id", &r.prefill_worker_id)?;
     limits::check_id("prefill_worker_endpoint", &r.prefill_worker_endpoint)?;
+    limits::check_priority("priority", r.priority, "priority", 0)?;
     Ok(engine::Request {
         request_id: r.request_id.clone(),
         prompt: r.prompt_token_ids.clone(),

@@ -63,6 +63,15 @@ fn params(req: pb::GenerateRequest) -> Result<GenerateParams, FrontendError> {
     limits::check_id("request_id", &req.request_id).map_err(limit_error)?;
     limits::check_id("tenant", &req.tenant).map_err(limit_error)?;
     limits::check_id("model", &req.model).map_err(limit_error)?;
+    if let Some(h) = &req.hints {
+        limits::check_priority(
+            "hints.priority",
+            h.priority,
+            "hints.strict_priority",
+            h.strict_priority,
+        )
+        .map_err(limit_error)?;
+    }
     let stop = std::mem::take(&mut sampling.stop);
     Ok(GenerateParams {
         request_id: if req.request_id.is_empty() {

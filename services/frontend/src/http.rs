@@ -205,9 +205,20 @@ async fn serve(
     sluice_runtime::telemetry::extract_http(&headers, &span);
     let result = async {
         let (mut params, mode) = parsed?;
-        if let Some(prio) = header_priority(&headers)? {
-            params.hints.priority = prio;
-        }
+        let priority_field = match header_priority(&headers)? {
+            Some(prio) => {
+                params.hints.priority = prio;
+                PRIORITY_HEADER
+            }
+            None => PRIORITY_PATH,
+        };
+        sluice_runtime::limits::check_priority(
+            priority_field,
+            params.hints.priority,
+            "nvext.agent_hints.strict_priority",
+            params.hints.strict_priority,
+        )
+        .map_err(crate::openai::limit_error)?;
         let span = tracing::Span::current();
         span.record("request_id", params.request_id.as_str());
         span.record("priority", params.hints.priority);

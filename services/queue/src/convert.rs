@@ -38,6 +38,13 @@ pub(crate) fn entry_from_open(open: pb::AdmitOpen, now: Instant) -> Result<Entry
         "open.request_id",
     )?;
     limit(limits::check_id("model", &open.model), "open.model")?;
+    limits::check_priority(
+        "open.priority",
+        open.priority,
+        "open.strict_priority",
+        open.strict_priority,
+    )
+    .map_err(|e| invalid(e.field, e.message))?;
     limit(limits::check_id("tenant", &open.tenant), "open.tenant")?;
     limit(
         limits::check_excluded("exclude_worker_ids", &open.exclude_worker_ids),

@@ -25,6 +25,12 @@ pub const MAX_ID_BYTES: usize = 256;
 /// Workers a migrating request may exclude, at most.
 pub const MAX_EXCLUDED_WORKERS: usize = 64;
 
+/// Lowest and highest request priority (higher = more important).
+pub const MIN_PRIORITY: i32 = -1000;
+pub const MAX_PRIORITY: i32 = 1000;
+/// Highest strict priority tier.
+pub const MAX_STRICT_PRIORITY: u32 = 1000;
+
 /// A field that breaks a rule, and what to do instead.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{field}: {message}")]
@@ -131,6 +137,33 @@ pub fn check_prompt_len(field: &'static str, len: usize, max_len: usize) -> Resu
             field,
             format!(
                 "the prompt has {len} tokens; the model holds at most {max_len} per request, output included"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks a priority and a strict tier against [`MIN_PRIORITY`] ..=
+/// [`MAX_PRIORITY`] and [`MAX_STRICT_PRIORITY`].
+pub fn check_priority(
+    field: &'static str,
+    priority: i32,
+    strict_field: &'static str,
+    strict: u32,
+) -> Result<(), Invalid> {
+    if !(MIN_PRIORITY..=MAX_PRIORITY).contains(&priority) {
+        return Err(invalid(
+            field,
+            format!(
+                "priority {priority} is out of range: use {MIN_PRIORITY} to {MAX_PRIORITY} (higher = more important)"
+            ),
+        ));
+    }
+    if strict > MAX_STRICT_PRIORITY {
+        return Err(invalid(
+            strict_field,
+            format!(
+                "strict priority tier {strict} is out of range: use 0 to {MAX_STRICT_PRIORITY}"
             ),
         ));
     }
@@ -244,5 +277,15 @@ mod tests {
         assert!(check_prompt_len("prompt", 9, 10).is_ok());
         assert!(check_prompt_len("prompt", 10, 10).is_err());
         assert!(check_prompt_len("prompt", 0, 10).is_err());
+        assert!(check_priority("p", 3, "s", 1).is_ok());
+        assert!(check_priority("p", MIN_PRIORITY, "s", MAX_STRICT_PRIORITY).is_ok());
+        assert_eq!(
+            check_priority("p", i32::MAX, "s", 0).map_err(|e| e.field),
+            Err("p")
+        );
+        assert_eq!(
+            check_priority("p", 0, "s", u32::MAX).map_err(|e| e.field),
+            Err("s")
+        );
     }
 }

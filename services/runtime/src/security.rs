@@ -143,10 +143,66 @@ impl Default for ConnectionLimits {
     }
 }
 
+/// A secret compared without leaking it through timing: only its SHA-256
+/// digest is kept, and a presented value is digested and compared in full,
+/// so the time taken depends on neither where the bytes differ nor the
+/// secret's length (only on the presented value's own length).
+#[derive(Clone)]
+pub struct Secret {
+    digest: [u8; 32],
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(..)")
+    }
+}
+
+impl Secret {
+    /// Keeps `value`'s digest.
+    pub fn new(value: &[u8]) -> Self {
+        Self {
+            digest: digest(value),
+        }
+    }
+
+    /// Whether `presented` is the secret.
+    pub fn matches(&self, presented: &[u8]) -> bool {
+        let d = digest(presented);
+        self.digest
+            .iter()
+            .zip(d.iter())
+            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+            == 0
+    }
+
+    /// Whether `presented` is any of `secrets`; every one is compared, so
+    /// the time does not tell which matched.
+    pub fn any_matches(secrets: &[Secret], presented: &[u8]) -> bool {
+        let d = digest(presented);
+        secrets.iter().fold(false, |ok, s| {
+            ok | (s
+                .digest
+                .iter()
+                .zip(d.iter())
+                .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+                == 0)
+        })
+    }
+}
+
+fn digest(value: &[u8]) -> [u8; 32] {
+    let d = ring::digest::digest(&ring::digest::SHA256, value);
+    let mut out = [0u8; 32];
+    out.copy_from_slice(d.as_ref());
+    out
+}
+
 /// The shared mesh token.
 #[derive(Clone)]
 struct MeshToken {
     value: HeaderValue,
+    secret: Secret,
 }
 
 impl std::fmt::Debug for MeshToken {
@@ -175,15 +231,15 @@ impl MeshToken {
                 path.display()
             ))
         })?;
-        Ok(Self { value })
+        Ok(Self {
+            secret: Secret::new(value.as_bytes()),
+            value,
+        })
     }
 
-    /// Whether `presented` is this token; the time taken depends on the
-    /// lengths only, not on where the bytes differ.
+    /// Whether `presented` is this token (see [`Secret`]).
     fn matches(&self, presented: Option<&HeaderValue>) -> bool {
-        let Some(p) = presented else { return false };
-        let (a, b) = (self.value.as_bytes(), p.as_bytes());
-        a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+        presented.is_some_and(|p| self.secret.matches(p.as_bytes()))
     }
 }
 
