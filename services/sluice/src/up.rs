@@ -197,9 +197,21 @@ pub(crate) async fn run(mut args: UpArgs, shutdown: Shutdown) -> anyhow::Result<
             String::new()
         }
     );
-    println!("  OpenAI API   http://{http_addr}/v1   (try: curl http://{http_addr}/v1/models)");
-    println!("  gRPC         {http_addr}  (sluice.inference.v1.Inference, reflection on)");
-    println!("  metrics      http://{http_addr}/metrics    ready: http://{http_addr}/ready");
+    let (scheme, curl) = match &args.common.security.tls_ca {
+        _ if !security.serves_tls() => ("http", String::new()),
+        Some(ca) => ("https", format!("--cacert {} ", ca.display())),
+        None => ("https", "--cacert <your CA> ".to_owned()),
+    };
+    println!(
+        "  OpenAI API   {scheme}://{http_addr}/v1   (try: curl {curl}{scheme}://{http_addr}/v1/models)"
+    );
+    println!(
+        "  gRPC         {http_addr}  (sluice.inference.v1.Inference, reflection on{})",
+        if security.serves_tls() { ", TLS" } else { "" }
+    );
+    println!(
+        "  metrics      {scheme}://{http_addr}/metrics    ready: {scheme}://{http_addr}/ready"
+    );
     println!("  Ctrl-C to stop");
 
     let mut first_error = None;
