@@ -418,7 +418,17 @@ mod tests {
         assert_eq!(a.path(), "/v1/completions");
         let c = endpoint_uri("http://h:1/v1", Endpoint::Chat).expect("uri");
         assert_eq!(c.path(), "/v1/chat/completions");
-        assert!(endpoint_uri("https://h", Endpoint::Chat).is_err());
+        assert_eq!(
+            endpoint_uri("https://h:8443", Endpoint::Chat)
+                .expect("uri")
+                .scheme_str(),
+            Some("https")
+        );
+        assert!(endpoint_uri("ftp://h", Endpoint::Chat).is_err());
+        // https without a CA to verify the server with is refused up front.
+        let err = Target::new("https://h:1", "m".into(), Endpoint::Chat, None, 100, None)
+            .expect_err("https needs --ca");
+        assert!(err.to_string().contains("--ca"), "{err}");
     }
 
     #[test]
@@ -429,6 +439,7 @@ mod tests {
             Endpoint::Completions,
             None,
             100,
+            None,
         )
         .expect("target");
         let p = Planned {
