@@ -40,7 +40,7 @@ fn seed() -> u64 {
     std::env::var("SLUICE_FUZZ_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(0x5eed_16)
+        .unwrap_or(0x5eed_0016)
 }
 
 async fn mesh() -> anyhow::Result<Mesh> {
@@ -384,7 +384,6 @@ fn sampling(rng: &mut StdRng) -> Option<common::SamplingParams> {
             .then(|| *pick(rng, &[0.0, 1.1, 11.0, f32::NAN])),
         top_logprobs: *pick(rng, &[0, 0, 1, 5, 20, 21, u32::MAX]),
         logprobs: rng.random_bool(0.2),
-        ..Default::default()
     })
 }
 
