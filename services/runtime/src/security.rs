@@ -84,6 +84,17 @@ pub struct SecurityArgs {
     #[arg(long, env = "SLUICE_MESH_TOKEN_FILE")]
     pub mesh_token_file: Option<PathBuf>,
 
+    /// The mesh token itself, for platforms that hand secrets over as
+    /// environment (a Kubernetes Secret through `envFrom`); prefer
+    /// `--mesh-token-file` on a command line, where others can read it.
+    #[arg(
+        long,
+        env = "SLUICE_MESH_TOKEN",
+        hide_env_values = true,
+        conflicts_with = "mesh_token_file"
+    )]
+    pub mesh_token: Option<Redacted>,
+
     /// Serve internal APIs on a non-loopback address with neither
     /// `--tls-ca` nor `--mesh-token-file`: anyone who can reach the port can
     /// then generate, admit and route. Only for trusted networks.
@@ -106,6 +117,23 @@ pub struct SecurityArgs {
     pub header_read_timeout: u64,
 }
 
+/// A secret flag value that `Debug` never shows.
+#[derive(Clone)]
+pub struct Redacted(pub String);
+
+impl std::fmt::Debug for Redacted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+impl std::str::FromStr for Redacted {
+    type Err = std::convert::Infallible;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(Self(s.to_owned()))
+    }
+}
+
 impl Default for SecurityArgs {
     fn default() -> Self {
         Self {
@@ -113,6 +141,7 @@ impl Default for SecurityArgs {
             tls_key: None,
             tls_ca: None,
             mesh_token_file: None,
+            mesh_token: None,
             insecure: false,
             max_connections: 4096,
             idle_timeout: 60,
@@ -307,9 +336,13 @@ impl Security {
                 ));
             }
         };
-        let token = match &args.mesh_token_file {
-            None => None,
-            Some(path) => {
+        let token = match (&args.mesh_token_file, &args.mesh_token) {
+            (None, None) => None,
+            (None, Some(token)) => Some(MeshToken::parse(
+                &token.0,
+                std::path::Path::new("--mesh-token"),
+            )?),
+            (Some(path), _) => {
                 let text =
                     std::fs::read_to_string(path).map_err(|e| RuntimeError::InvalidFlag {
                         flag: "--mesh-token-file",
