@@ -15,7 +15,7 @@ PTXAS = $(CUDA_WHEEL)/bin/ptxas
 # (empty without the wheels: a GPU host's own toolkit is used then)
 CUDA_TOOLS = $(if $(CUDA_WHEEL),SLUICE_NVRTC_LIB=$(NVRTC_LIB) SLUICE_PTXAS=$(PTXAS) LD_LIBRARY_PATH=$(CUDA_WHEEL)/lib$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH})
 
-.PHONY: help deps deps-system deps-python build run test test-rust test-cuda-kernels test-cuda test-python test-deploy bench bench-priority bench-queue bench-frontend lint fmt clean
+.PHONY: certs help deps deps-system deps-python build run test test-rust test-cuda-kernels test-cuda test-python test-deploy bench bench-priority bench-queue bench-frontend lint fmt clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -39,6 +39,11 @@ $(VENV)/.installed: $(PY_REQUIREMENTS)
 	@$(PY) -m pip install -q --upgrade pip >/dev/null
 	@$(PY) -m pip install -q $(foreach r,$(PY_REQUIREMENTS),-r $(r))
 	@touch $@
+
+CERTS ?= certs
+CERT_HOSTS ?= localhost,127.0.0.1,::1
+certs: ## a test CA and one mesh certificate in $(CERTS)/ (ca.pem, mesh.pem, mesh-key.pem) for --tls-cert/--tls-key/--tls-ca
+	$(CARGO) run -q -p sluice -- certs --out $(CERTS) --hosts $(CERT_HOSTS)
 
 build: ## build every crate (debug)
 	$(CARGO) build --workspace --all-targets

@@ -79,31 +79,44 @@ pub(crate) fn validate_batch(
     block_size: usize,
     num_blocks: usize,
 ) -> Result<(), EngineError> {
-    for (i, seq) in batch.seqs.iter().enumerate() {
-        if seq.tokens.is_empty() {
-            return Err(EngineError::InvalidRequest(format!(
-                "sequence {i} of the batch has no tokens"
-            )));
-        }
-        if let Some(t) = seq.tokens.iter().find(|t| **t as usize >= vocab_size) {
-            return Err(EngineError::InvalidRequest(format!(
-                "token id {t} is outside the vocabulary ({vocab_size})"
-            )));
-        }
-        let end = seq.start_pos + seq.tokens.len();
-        let needed = end.div_ceil(block_size);
-        if seq.block_table.len() < needed {
-            return Err(EngineError::InvalidRequest(format!(
-                "sequence {i} covers {end} positions but its block table holds {} blocks of {block_size}",
-                seq.block_table.len()
-            )));
-        }
-        if let Some(&id) = seq.block_table[..needed]
-            .iter()
-            .find(|id| **id as usize >= num_blocks)
-        {
-            return Err(EngineError::BlockOutOfRange { id, num_blocks });
-        }
+    batch
+        .seqs
+        .iter()
+        .enumerate()
+        .try_for_each(|(i, seq)| validate_seq(i, seq, vocab_size, block_size, num_blocks))
+}
+
+/// [`validate_batch`] for the `i`-th sequence of a batch alone.
+pub(crate) fn validate_seq(
+    i: usize,
+    seq: &SeqChunk,
+    vocab_size: usize,
+    block_size: usize,
+    num_blocks: usize,
+) -> Result<(), EngineError> {
+    if seq.tokens.is_empty() {
+        return Err(EngineError::InvalidRequest(format!(
+            "sequence {i} of the batch has no tokens"
+        )));
+    }
+    if let Some(t) = seq.tokens.iter().find(|t| **t as usize >= vocab_size) {
+        return Err(EngineError::InvalidRequest(format!(
+            "token id {t} is outside the vocabulary ({vocab_size})"
+        )));
+    }
+    let end = seq.start_pos + seq.tokens.len();
+    let needed = end.div_ceil(block_size);
+    if seq.block_table.len() < needed {
+        return Err(EngineError::InvalidRequest(format!(
+            "sequence {i} covers {end} positions but its block table holds {} blocks of {block_size}",
+            seq.block_table.len()
+        )));
+    }
+    if let Some(&id) = seq.block_table[..needed]
+        .iter()
+        .find(|id| **id as usize >= num_blocks)
+    {
+        return Err(EngineError::BlockOutOfRange { id, num_blocks });
     }
     Ok(())
 }

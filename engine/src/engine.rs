@@ -257,6 +257,7 @@ struct Shared {
     num_blocks: usize,
     kv_arena: Option<Arc<KvArena>>,
     max_len: usize,
+    vocab_size: usize,
     backend_name: &'static str,
     thread: parking_lot::Mutex<Option<std::thread::JoinHandle<()>>>,
 }
@@ -297,6 +298,7 @@ impl EngineHandle {
         let (load_tx, load_rx) = watch::channel(sched.load());
         let (tx, rx) = std_mpsc::channel();
         let backend_name = backend.name();
+        let vocab_size = backend.vocab_size();
         let kv_arena = backend.kv_arena();
         let core = core::EngineCore::new(backend, sched, tx.clone(), load_tx, cfg.balance_group);
         let thread = std::thread::Builder::new()
@@ -313,6 +315,7 @@ impl EngineHandle {
                 num_blocks,
                 kv_arena,
                 max_len,
+                vocab_size,
                 backend_name,
                 thread: parking_lot::Mutex::new(Some(thread)),
             }),
@@ -383,6 +386,13 @@ impl EngineHandle {
         first_token: u32,
         logprobs: Option<PositionLogprobs>,
     ) -> Result<GenerateStream, EngineError> {
+        if first_token as usize >= self.shared.vocab_size {
+            // Dropping the slot releases it.
+            return Err(EngineError::InvalidRequest(format!(
+                "first token id {first_token} is outside the vocabulary ({})",
+                self.shared.vocab_size
+            )));
+        }
         let (tx, rx) = mpsc::unbounded_channel();
         self.send(Command::Commit {
             id: slot.id,
@@ -443,6 +453,11 @@ impl EngineHandle {
         self.shared.max_len
     }
 
+    /// Tokens in the model's vocabulary: every token id is below it.
+    pub fn vocab_size(&self) -> usize {
+        self.shared.vocab_size
+    }
+
     /// The backend's name ("cpu", "mocker", …).
     pub fn backend_name(&self) -> &'static str {
         self.shared.backend_name
@@ -460,6 +475,12 @@ impl EngineHandle {
     fn check(&self, req: &Request) -> Result<(), EngineError> {
         if req.prompt.is_empty() {
             return Err(EngineError::InvalidRequest("prompt is empty".into()));
+        }
+        let vocab = self.shared.vocab_size;
+        if let Some(t) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(EngineError::InvalidRequest(format!(
+                "token id {t} is outside the vocabulary ({vocab})"
+            )));
         }
         if req.prompt.len() >= self.shared.max_len {
             return Err(EngineError::InvalidRequest(format!(

@@ -216,7 +216,8 @@ const BUDGET: usize = 1024;
 
 fn lockstep_rank(group: &Arc<BalanceGroup>, rank: usize, balance: bool) -> EngineHandle {
     let m = MockerConfig {
-        vocab_size: 64,
+        // Holds every id `prompt` makes: the engine refuses ids outside it.
+        vocab_size: 16_384,
         block_size: BS,
         num_blocks: 512,
         timing: MockerTiming::Polynomial,

@@ -14,7 +14,7 @@ const BS: usize = 4;
 
 fn mocker_cfg(num_blocks: usize) -> MockerConfig {
     MockerConfig {
-        vocab_size: 64,
+        vocab_size: 1024,
         block_size: BS,
         num_blocks,
         timing: MockerTiming::Instant,
@@ -566,4 +566,81 @@ async fn lockstep_ranks_step_together_and_a_stopped_rank_leaves() {
         .await;
     assert_eq!(tokens.len(), 5);
     assert!(started.elapsed() < Duration::from_secs(5));
+}
+
+/// The mocker, failing every step that computes a prompt holding `poison`.
+struct Poisoned {
+    inner: MockerBackend,
+    poison: u32,
+}
+
+impl sluice_engine::backend::Backend for Poisoned {
+    fn forward(
+        &mut self,
+        batch: &sluice_engine::backend::ForwardBatch,
+    ) -> Result<sluice_engine::backend::ForwardOutput, EngineError> {
+        if batch
+            .seqs
+            .iter()
+            .any(|s| s.start_pos == 0 && s.tokens.contains(&self.poison))
+        {
+            return Err(EngineError::StepFailed("poisoned".into()));
+        }
+        self.inner.forward(batch)
+    }
+    fn kv_layout(&self) -> sluice_engine::backend::KvBlockLayout {
+        self.inner.kv_layout()
+    }
+    fn num_blocks(&self) -> usize {
+        self.inner.num_blocks()
+    }
+    fn read_block(&self, id: u32, out: &mut [u8]) -> Result<(), EngineError> {
+        self.inner.read_block(id, out)
+    }
+    fn write_block(&mut self, id: u32, data: &[u8]) -> Result<(), EngineError> {
+        self.inner.write_block(id, data)
+    }
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn name(&self) -> &'static str {
+        "poisoned"
+    }
+}
+
+#[tokio::test]
+async fn a_sequence_that_fails_its_step_fails_alone_and_the_batch_goes_on() {
+    let backend = Poisoned {
+        inner: MockerBackend::new(mocker_cfg(256)).expect("valid mocker"),
+        poison: 63,
+    };
+    let e = EngineHandle::spawn(Box::new(backend), engine_cfg()).expect("engine starts");
+    // Six healthy streams, then one whose prompt the backend fails on,
+    // batched with them.
+    let healthy: Vec<_> = (0..6)
+        .map(|i| {
+            let prompt: Vec<u32> = (1..=8).map(|t| t + i).collect();
+            e.generate(req(prompt, 20)).expect("valid")
+        })
+        .collect();
+    let poison = e.generate(req(vec![5, 63, 7], 20)).expect("valid ids");
+    let (tokens, finish) = poison.collect().await;
+    assert!(tokens.is_empty());
+    assert_eq!(finish.map(|f| f.reason), Some(FinishReason::Error));
+    for s in healthy {
+        let (tokens, finish) = s.collect().await;
+        assert_eq!(finish.map(|f| f.reason), Some(FinishReason::Length));
+        assert_eq!(tokens.len(), 20);
+    }
+    wait_idle(&e).await;
+}
+
+#[tokio::test]
+async fn token_ids_outside_the_vocabulary_are_refused_before_they_reach_a_step() {
+    let e = spawn(64);
+    let err = e
+        .generate(req(vec![1, u32::MAX], 4))
+        .expect_err("outside the vocabulary");
+    assert!(matches!(err, EngineError::InvalidRequest(_)), "{err}");
+    assert_eq!(e.vocab_size(), 1024);
 }

@@ -10,11 +10,11 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch};
 
 use super::{AbortOnDrop, Command, HeldBlocks, Output, PrefillOutput, RemoteSlot};
-use crate::backend::Backend;
+use crate::backend::{Backend, ForwardBatch, ForwardOutput, validate_seq};
 use crate::config::BalanceGroup;
 use crate::error::EngineError;
 use crate::kv::SeqId;
-use crate::scheduler::{FinishReason, Finished, LoadStats, Scheduler, StepOutput};
+use crate::scheduler::{FinishReason, Finished, LoadStats, ScheduledStep, Scheduler, StepOutput};
 
 /// How long a stalled engine (work queued, nothing schedulable: blocks held
 /// elsewhere, or balance holding admission) waits before trying again.
@@ -132,17 +132,41 @@ impl EngineCore {
     }
 
     /// Runs one step; false if nothing could be scheduled.
+    ///
+    /// One sequence's fault ends that sequence only: a chunk no backend
+    /// can compute (a token outside the vocabulary, a block table that does
+    /// not cover its positions) is failed before the step, and when the
+    /// backend fails a batch of several, each sequence is computed alone to
+    /// find the ones it fails on; the rest of the batch goes on. Only a
+    /// failure of every sequence fails them all.
     fn step(&mut self) -> bool {
         if !self.sched.has_unfinished() {
             return true;
         }
-        let step = self.sched.schedule();
+        let mut step = self.sched.schedule();
         if step.is_empty() {
             return false;
         }
+        let layout = self.backend.kv_layout();
+        let (vocab, blocks) = (self.backend.vocab_size(), self.backend.num_blocks());
+        let invalid: Vec<(usize, EngineError)> = step
+            .batch
+            .seqs
+            .iter()
+            .enumerate()
+            .filter_map(|(i, seq)| {
+                validate_seq(i, seq, vocab, layout.block_size, blocks)
+                    .err()
+                    .map(|e| (i, e))
+            })
+            .collect();
+        self.fail_alone(&mut step, invalid);
+        if step.is_empty() {
+            self.publish_load();
+            return true;
+        }
         let result = self
-            .backend
-            .forward(&step.batch)
+            .forward_isolating(&mut step)
             .and_then(|out| self.sched.update(&step, out));
         // Load first, so whoever sees an output also sees the state after it.
         self.publish_load();
@@ -162,6 +186,58 @@ impl EngineCore {
             }
         }
         true
+    }
+
+    /// Runs the backend on `step`; if it fails on a batch of several
+    /// sequences, computes each alone (a step's K/V writes are idempotent:
+    /// the same tokens at the same positions), fails those it still fails
+    /// on, drops them from `step` and returns the others' output in batch
+    /// order. Fails like the backend when every sequence fails.
+    fn forward_isolating(
+        &mut self,
+        step: &mut ScheduledStep,
+    ) -> Result<ForwardOutput, EngineError> {
+        let err = match self.backend.forward(&step.batch) {
+            Ok(out) => return Ok(out),
+            Err(e) if step.seqs.len() > 1 => e,
+            Err(e) => return Err(e),
+        };
+        tracing::warn!(error = %err, seqs = step.seqs.len(), backend = self.backend.name(), "engine step failed; computing its sequences one by one to find the cause");
+        let mut outputs = Vec::with_capacity(step.seqs.len());
+        let mut failed = Vec::new();
+        for (i, seq) in step.batch.seqs.iter().enumerate() {
+            let alone = ForwardBatch {
+                seqs: vec![seq.clone()],
+                active_kv_tokens: step.batch.active_kv_tokens,
+                total_kv_tokens: step.batch.total_kv_tokens,
+            };
+            match self.backend.forward(&alone) {
+                Ok(out) => outputs.push(out),
+                Err(e) => failed.push((i, e)),
+            }
+        }
+        if outputs.is_empty() {
+            return Err(err);
+        }
+        self.fail_alone(step, failed);
+        merge_outputs(outputs)
+    }
+
+    /// Ends each `(batch index, error)` sequence of `step` with an error,
+    /// frees it and removes it from the step.
+    fn fail_alone(&mut self, step: &mut ScheduledStep, failed: Vec<(usize, EngineError)>) {
+        for (i, e) in failed.into_iter().rev() {
+            let id = step.seqs.remove(i).seq_id;
+            step.batch.seqs.remove(i);
+            tracing::warn!(seq = id, error = %e, "one sequence failed its step; the rest of the batch goes on");
+            if let Some(usage) = self.sched.abort(id) {
+                let finished = Finished {
+                    reason: FinishReason::Error,
+                    usage,
+                };
+                self.finish_with(id, finished, &e);
+            }
+        }
     }
 
     fn handle(&mut self, cmd: Command) {
@@ -385,5 +461,33 @@ impl EngineCore {
 
     fn publish_load(&self) {
         self.load_tx.send_replace(self.sched.load());
+    }
+}
+
+/// The outputs of sequences computed one by one, as one step's output in
+/// their order.
+fn merge_outputs(outputs: Vec<ForwardOutput>) -> Result<ForwardOutput, EngineError> {
+    let mut tokens: Option<Vec<u32>> = None;
+    let mut logits: Option<(usize, Vec<f32>)> = None;
+    for out in outputs {
+        match out {
+            ForwardOutput::Tokens(t) => tokens.get_or_insert_with(Vec::new).extend(t),
+            ForwardOutput::Logits { vocab_size, data } => {
+                let (v, all) = logits.get_or_insert_with(|| (vocab_size, Vec::new()));
+                if *v != vocab_size && !data.is_empty() {
+                    return Err(EngineError::StepFailed(
+                        "the backend returned rows of different widths for one step".into(),
+                    ));
+                }
+                all.extend(data);
+            }
+        }
+    }
+    match (tokens, logits) {
+        (Some(t), None) => Ok(ForwardOutput::Tokens(t)),
+        (None, Some((vocab_size, data))) => Ok(ForwardOutput::Logits { vocab_size, data }),
+        _ => Err(EngineError::StepFailed(
+            "the backend returned outputs of different kinds for one step".into(),
+        )),
     }
 }

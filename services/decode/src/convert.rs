@@ -4,6 +4,7 @@
 use sluice_engine as engine;
 use sluice_proto::common::v1 as common;
 use sluice_proto::worker::v1 as pb;
+use sluice_runtime::limits;
 
 use crate::error::WorkerError;
 
@@ -25,14 +26,45 @@ pub fn sampling(s: Option<common::SamplingParams>) -> engine::SamplingParams {
     }
 }
 
-/// An engine request from a worker `Generate` call.
-pub(crate) fn request(r: &pb::GenerateRequest) -> Result<engine::Request, WorkerError> {
-    if r.prompt_token_ids.is_empty() {
-        return Err(WorkerError::InvalidArgument {
-            field: "prompt_token_ids",
-            message: "must not be empty".into(),
-        });
+/// Checks a prompt and its sampling parameters for `engine` with the rules
+/// every boundary applies ([`sluice_runtime::limits`]): token ids in the
+/// vocabulary, a prompt that fits the model with room for output, the
+/// sampling limits, bounded ids. `Generate` and `Prefill` both call it
+/// before anything reaches the engine.
+pub fn check_input(
+    engine: &engine::EngineHandle,
+    request_id: &str,
+    prompt: &[u32],
+    sampling: Option<&common::SamplingParams>,
+) -> Result<(), WorkerError> {
+    limits::check_id("request_id", request_id)?;
+    limits::check_prompt_len("prompt_token_ids", prompt.len(), engine.max_len())?;
+    limits::check_token_ids("prompt_token_ids", prompt, engine.vocab_size())?;
+    if let Some(s) = sampling {
+        limits::check_sampling(s)?;
+        limits::check_token_ids(
+            "sampling.stop_token_ids",
+            &s.stop_token_ids,
+            engine.vocab_size(),
+        )?;
     }
+    Ok(())
+}
+
+/// An engine request from a worker `Generate` call for `engine`, checked.
+pub(crate) fn request(
+    r: &pb::GenerateRequest,
+    engine: &engine::EngineHandle,
+) -> Result<engine::Request, WorkerError> {
+    check_input(
+        engine,
+        &r.request_id,
+        &r.prompt_token_ids,
+        r.sampling.as_ref(),
+    )?;
+    limits::check_id("prefill_worker_id", &r.prefill_worker_id)?;
+    limits::check_id("prefill_worker_endpoint", &r.prefill_worker_endpoint)?;
+    limits::check_priority("priority", r.priority, "priority", 0)?;
     Ok(engine::Request {
         request_id: r.request_id.clone(),
         prompt: r.prompt_token_ids.clone(),

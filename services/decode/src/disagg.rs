@@ -4,18 +4,80 @@
 //! granted), and fall back to local prefill on any failure or timeout on that
 //! path. The request always completes; the fallback is counted in
 //! `sluice_worker_remote_prefill_total{outcome}` and logged.
+//!
+//! The worker dials only prefill workers discovery lists ([`PrefillWorkers`]):
+//! the request names one by id, and its endpoint comes from discovery, never
+//! from the request, so a `Generate` cannot make this worker connect
+//! anywhere else.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use parking_lot::RwLock;
 use sluice_engine::GenerateStream;
 use sluice_proto::kv::v1 as kvpb;
 use sluice_proto::worker::v1 as pb;
 use tracing::Instrument;
 
+use sluice_runtime::{Discovery, DiscoveryEvent, Security, Shutdown};
+
+use crate::error::WorkerError;
 use crate::service::{InflightGuard, RemotePrefill, WorkerCore};
 use crate::transfer::{Receiver, layout_to_pb, same_host};
+
+/// The prefill workers discovery lists, id → endpoint: the only prefill
+/// endpoints this worker ever dials.
+#[derive(Debug, Default)]
+pub struct PrefillWorkers {
+    by_id: RwLock<HashMap<String, String>>,
+}
+
+impl PrefillWorkers {
+    /// Follows the `prefill` component in `discovery` until `shutdown`.
+    pub async fn follow(
+        discovery: &Arc<dyn Discovery>,
+        shutdown: Shutdown,
+    ) -> Result<Arc<Self>, WorkerError> {
+        let mut watch = discovery
+            .watch("prefill")
+            .await
+            .map_err(|e| WorkerError::Startup(format!("watching prefill workers: {e}")))?;
+        let workers = Arc::new(Self::default());
+        let w = Arc::clone(&workers);
+        tokio::spawn(async move {
+            loop {
+                let ev = tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    ev = watch.next() => ev,
+                };
+                match ev {
+                    Some(DiscoveryEvent::Put(i)) => {
+                        w.by_id.write().insert(i.id, i.endpoint);
+                    }
+                    Some(DiscoveryEvent::Delete { id, .. }) => {
+                        w.by_id.write().remove(&id);
+                    }
+                    None => return,
+                }
+            }
+        });
+        Ok(workers)
+    }
+
+    /// A set of known workers (tests).
+    pub fn from_known(known: impl IntoIterator<Item = (String, String)>) -> Self {
+        Self {
+            by_id: RwLock::new(known.into_iter().collect()),
+        }
+    }
+
+    /// The endpoint discovery gives for prefill worker `id`.
+    pub fn endpoint(&self, id: &str) -> Option<String> {
+        self.by_id.read().get(id).cloned()
+    }
+}
 
 /// How long past the remote-prefill timeout the blocks of a failed transfer
 /// that may have gone over `rdma` stay reserved: a posted RDMA write cannot
@@ -53,6 +115,10 @@ pub struct Disagg {
     /// This worker's own address (decides whether a prefill worker is on
     /// this host, where `shm` applies).
     pub endpoint: String,
+    /// The prefill workers it may dial.
+    pub prefill_workers: Arc<PrefillWorkers>,
+    /// TLS and mesh token for the `Prefill` call.
+    pub security: Arc<Security>,
 }
 
 impl Disagg {
@@ -81,9 +147,21 @@ impl RemotePrefill for Disagg {
         req: &pb::GenerateRequest,
         engine_req: &sluice_engine::Request,
     ) -> Option<(GenerateStream, String)> {
-        if req.prefill_worker_endpoint.is_empty() {
+        if req.prefill_worker_id.is_empty() && req.prefill_worker_endpoint.is_empty() {
             return None;
         }
+        // Only a prefill worker discovery lists, at the endpoint discovery
+        // gives: never an address the request names.
+        let Some(prefill_endpoint) = self.prefill_workers.endpoint(&req.prefill_worker_id) else {
+            return self.fallback(
+                core,
+                "unknown_prefill_worker",
+                &format!(
+                    "prefill worker {:?} is not in discovery; not dialling {:?}",
+                    req.prefill_worker_id, req.prefill_worker_endpoint
+                ),
+            );
+        };
         let engine = core.engine(req.dp_rank).ok()?;
         let uncached = engine_req
             .prompt
@@ -106,7 +184,7 @@ impl RemotePrefill for Disagg {
             uncached,
             transport = tracing::field::Empty,
         );
-        self.remote(core, req, engine_req, engine, &span)
+        self.remote(core, req, &prefill_endpoint, engine_req, engine, &span)
             .instrument(span.clone())
             .await
     }
@@ -117,6 +195,7 @@ impl Disagg {
         &self,
         core: &Arc<WorkerCore>,
         req: &pb::GenerateRequest,
+        prefill_endpoint: &str,
         engine_req: &sluice_engine::Request,
         engine: &sluice_engine::EngineHandle,
         span: &tracing::Span,
@@ -137,7 +216,7 @@ impl Disagg {
             engine.clone(),
             slot_id,
             writable.clone(),
-            same_host(&self.endpoint, &req.prefill_worker_endpoint),
+            same_host(&self.endpoint, prefill_endpoint),
         ) {
             Ok(e) => e,
             Err(e) => return self.fallback(core, "register_failed", &e.to_string()),
@@ -161,7 +240,7 @@ impl Disagg {
             skip_blocks: skip as u32,
             timeout_ms: self.timeout.as_millis().min(u128::from(u32::MAX)) as u32,
         };
-        let channel = match sluice_runtime::grpc::channel(&req.prefill_worker_endpoint) {
+        let channel = match self.security.channel(prefill_endpoint) {
             Ok(c) => c,
             Err(e) => return self.fallback(core, "bad_endpoint", &e.to_string()),
         };

@@ -27,6 +27,15 @@ pub enum WorkerError {
     Startup(String),
 }
 
+impl From<sluice_runtime::limits::Invalid> for WorkerError {
+    fn from(e: sluice_runtime::limits::Invalid) -> Self {
+        WorkerError::InvalidArgument {
+            field: e.field,
+            message: e.message,
+        }
+    }
+}
+
 impl From<WorkerError> for tonic::Status {
     fn from(e: WorkerError) -> Self {
         use tonic::Code;

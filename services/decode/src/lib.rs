@@ -23,7 +23,7 @@ use sluice_runtime::{ModelArgs, ServiceContext};
 use tokio::net::TcpListener;
 
 pub use args::{EngineKind, WorkerArgs};
-pub use convert::sampling as wire_sampling;
+pub use convert::{check_input, sampling as wire_sampling};
 pub use error::WorkerError;
 pub use metrics::WorkerMetrics;
 pub use service::{
@@ -93,6 +93,9 @@ pub async fn run_worker(
         .with_meta("total_blocks", engine.num_blocks())
         .with_meta("max_num_seqs", args.max_num_seqs)
         .with_meta("max_num_batched_tokens", args.max_num_batched_tokens)
+        // The longest request (prompt and output) it holds: the frontend
+        // refuses longer prompts before they travel.
+        .with_meta("max_model_len", engine.max_len())
         .with_meta("kv_transports", {
             let kinds = match &kv_receiver {
                 Some(r) => r.kinds(),
@@ -158,12 +161,16 @@ pub async fn serve(
         ctx.shutdown.child_token(),
     )
     .await?;
+    let prefill_workers =
+        disagg::PrefillWorkers::follow(&ctx.discovery, ctx.shutdown.child_token()).await?;
     let remote = disagg::Disagg {
         max_local_prefill_length: args.max_local_prefill_length,
         max_prefill_queue_size: args.max_prefill_queue_size,
         timeout: std::time::Duration::from_millis(args.remote_prefill_timeout_ms),
         receiver: Arc::clone(&receiver),
         endpoint,
+        prefill_workers,
+        security: Arc::clone(&ctx.security),
     };
     let service = WorkerService {
         core,

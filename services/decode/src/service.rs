@@ -385,8 +385,8 @@ impl pb::worker_server::Worker for WorkerService {
             .into());
         }
         core.check_model(&req.model)?;
-        let engine_req = convert::request(&req)?;
         let engine = core.engine(req.dp_rank)?;
+        let engine_req = convert::request(&req, engine)?;
         let cached = engine.cached_prefix_tokens(&engine_req.prompt);
         let span = tracing::info_span!(
             "worker.generate",

@@ -296,14 +296,17 @@ pub struct Senders {
 }
 
 impl Senders {
-    /// Senders for the transports of `wanted` this build and machine can run.
-    pub fn new(wanted: &[TransportKind]) -> Self {
+    /// Senders for the transports of `wanted` this build and machine can
+    /// run; gRPC ones call with `security`.
+    pub fn new(wanted: &[TransportKind], security: &Arc<sluice_runtime::Security>) -> Self {
         let mut senders: Vec<Arc<dyn KvSender>> = Vec::new();
         for kind in available(wanted) {
             match kind {
                 TransportKind::Shm => senders.push(Arc::new(shm::ShmSender::default())),
                 TransportKind::Tcp => senders.push(Arc::new(tcp::TcpSender::default())),
-                TransportKind::Grpc => senders.push(Arc::new(GrpcSender::default())),
+                TransportKind::Grpc => {
+                    senders.push(Arc::new(GrpcSender::new(Arc::clone(security))))
+                }
                 #[cfg(feature = "rdma")]
                 TransportKind::Rdma => match rdma::RdmaSender::new() {
                     Ok(r) => senders.push(Arc::new(r)),

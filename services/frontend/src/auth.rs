@@ -6,12 +6,15 @@
 
 use std::path::Path;
 
+use sluice_runtime::security::Secret;
+
 use crate::error::FrontendError;
 
-/// The accepted keys.
+/// The accepted keys, as digests (see [`Secret`]: comparing leaks neither
+/// where a wrong key differs nor how long the keys are).
 #[derive(Debug, Clone)]
 pub(crate) struct ApiKeys {
-    keys: Vec<Vec<u8>>,
+    keys: Vec<Secret>,
 }
 
 impl ApiKeys {
@@ -36,36 +39,38 @@ impl ApiKeys {
     }
 
     fn parse(text: &str) -> Option<Self> {
-        let keys: Vec<Vec<u8>> = text
+        let keys: Vec<Secret> = text
             .lines()
             .map(str::trim)
             .filter(|l| !l.is_empty() && !l.starts_with('#'))
-            .map(|l| l.as_bytes().to_vec())
+            .map(|l| Secret::new(l.as_bytes()))
             .collect();
         (!keys.is_empty()).then_some(Self { keys })
     }
 
-    /// Checks an `Authorization` header value.
+    /// Checks an `Authorization` header value: the scheme `Bearer` in any
+    /// case (RFC 9110 makes auth schemes case-insensitive), then the key.
     pub(crate) fn check(&self, authorization: Option<&[u8]>) -> Result<(), FrontendError> {
         let Some(value) = authorization else {
             return Err(FrontendError::Unauthorized {
                 message: "missing API key: send `Authorization: Bearer <key>`".into(),
             });
         };
-        let Some(key) = value
-            .strip_prefix(b"Bearer ")
-            .or_else(|| value.strip_prefix(b"bearer "))
-        else {
-            return Err(FrontendError::Unauthorized {
-                message: "the Authorization header must be `Bearer <key>`".into(),
-            });
+        let value = value.trim_ascii();
+        let key = match value.split_at_checked(6) {
+            Some((scheme, rest))
+                if scheme.eq_ignore_ascii_case(b"bearer")
+                    && rest.first().is_some_and(|b| *b == b' ' || *b == b'\t') =>
+            {
+                rest.trim_ascii()
+            }
+            _ => {
+                return Err(FrontendError::Unauthorized {
+                    message: "the Authorization header must be `Bearer <key>`".into(),
+                });
+            }
         };
-        // Every key is compared in full, whichever matches.
-        let ok = self
-            .keys
-            .iter()
-            .fold(false, |ok, k| ok | constant_time_eq(k, key.trim_ascii()));
-        if ok {
+        if Secret::any_matches(&self.keys, key) {
             Ok(())
         } else {
             Err(FrontendError::Unauthorized {
@@ -73,12 +78,6 @@ impl ApiKeys {
             })
         }
     }
-}
-
-/// Equality whose time depends on the lengths only, not on where the
-/// bytes first differ.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 #[cfg(test)]
@@ -101,5 +100,24 @@ mod tests {
         assert!(msg(Some(b"sk-one")).contains("Bearer"));
         assert!(msg(Some(b"Bearer sk-on")).contains("invalid API key"));
         assert!(msg(Some(b"Bearer sk-one2")).contains("invalid API key"));
+        assert!(msg(Some(b"Bearersk-one")).contains("Bearer"));
+        assert!(msg(Some(b"Basic sk-one")).contains("Bearer"));
+    }
+
+    #[test]
+    fn the_scheme_is_case_insensitive() {
+        let keys = ApiKeys::parse("sk-one").expect("keys");
+        for h in [
+            &b"Bearer sk-one"[..],
+            b"bearer sk-one",
+            b"BEARER sk-one",
+            b"bEaReR   sk-one",
+        ] {
+            assert!(
+                keys.check(Some(h)).is_ok(),
+                "{}",
+                String::from_utf8_lossy(h)
+            );
+        }
     }
 }

@@ -15,6 +15,16 @@ pub enum FrontendError {
         message: String,
         param: Option<String>,
     },
+    /// The prompt does not fit the model's context (checked in bytes before
+    /// tokenization and in tokens after).
+    #[error("{message}")]
+    PromptTooLong {
+        param: &'static str,
+        message: String,
+    },
+    /// The HTTP body is over `--max-body-bytes`.
+    #[error("the request body is larger than {limit} bytes")]
+    PayloadTooLarge { limit: usize },
     /// No or a wrong API key (`--api-key-file`).
     #[error("{message}")]
     Unauthorized { message: String },
@@ -83,6 +93,8 @@ impl FrontendError {
         match self {
             Self::InvalidRequest { .. } => StatusCode::BAD_REQUEST,
             Self::Tokens(_) => StatusCode::BAD_REQUEST,
+            Self::PromptTooLong { .. } => StatusCode::BAD_REQUEST,
+            Self::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
             Self::UnknownModel { .. } => StatusCode::NOT_FOUND,
             Self::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
@@ -98,6 +110,8 @@ impl FrontendError {
             Self::InvalidRequest { .. } | Self::Tokens(_) => {
                 ("invalid_request_error", "invalid_request")
             }
+            Self::PromptTooLong { .. } => ("invalid_request_error", "context_length_exceeded"),
+            Self::PayloadTooLarge { .. } => ("invalid_request_error", "request_too_large"),
             Self::Unauthorized { .. } => ("invalid_request_error", "invalid_api_key"),
             Self::UnknownModel { .. } => ("invalid_request_error", "model_not_found"),
             Self::Overloaded { .. } => ("rate_limit_error", "queue_full"),
@@ -122,6 +136,7 @@ impl FrontendError {
         let (ty, code) = self.kind();
         let param = match self {
             Self::InvalidRequest { param, .. } => param.clone(),
+            Self::PromptTooLong { param, .. } => Some((*param).into()),
             Self::UnknownModel { .. } => Some("model".into()),
             _ => None,
         };
@@ -150,9 +165,10 @@ impl From<FrontendError> for tonic::Status {
     fn from(e: FrontendError) -> Self {
         use tonic::Code;
         let code = match &e {
-            FrontendError::InvalidRequest { .. } | FrontendError::Tokens(_) => {
-                Code::InvalidArgument
-            }
+            FrontendError::InvalidRequest { .. }
+            | FrontendError::Tokens(_)
+            | FrontendError::PromptTooLong { .. } => Code::InvalidArgument,
+            FrontendError::PayloadTooLarge { .. } => Code::ResourceExhausted,
             FrontendError::Unauthorized { .. } => Code::Unauthenticated,
             FrontendError::UnknownModel { .. } => Code::NotFound,
             FrontendError::Overloaded { .. } => Code::ResourceExhausted,

@@ -7,12 +7,13 @@ use std::time::{Duration, Instant};
 use futures::Stream;
 use sluice_proto::common::v1 as common;
 use sluice_proto::inference::v1 as pb;
+use sluice_runtime::limits;
 use sluice_tokens::ChatMessage;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
 use crate::error::FrontendError;
-use crate::openai::{GenerateParams, Prompt};
+use crate::openai::{GenerateParams, Prompt, check_role, limit_error};
 use crate::pipeline::{Event, Pipeline};
 
 /// The tonic service.
@@ -32,15 +33,23 @@ impl InferenceService {
     }
 }
 
+/// The request as the pipeline serves it, checked with the HTTP API's rules
+/// (roles, stop strings, sampling limits, logprob counts, id lengths).
 fn params(req: pb::GenerateRequest) -> Result<GenerateParams, FrontendError> {
     let prompt = match req.input {
         Some(pb::generate_request::Input::Text(t)) if !t.is_empty() => Prompt::Text(t),
-        Some(pb::generate_request::Input::Chat(c)) if !c.messages.is_empty() => Prompt::Chat(
-            c.messages
+        Some(pb::generate_request::Input::Chat(c)) if !c.messages.is_empty() => {
+            let messages = c
+                .messages
                 .into_iter()
-                .map(|m| ChatMessage::new(m.role, m.content))
-                .collect(),
-        ),
+                .enumerate()
+                .map(|(i, m)| {
+                    check_role(&m.role, i)?;
+                    Ok(ChatMessage::new(m.role, m.content))
+                })
+                .collect::<Result<Vec<_>, FrontendError>>()?;
+            Prompt::Chat(messages)
+        }
         Some(pb::generate_request::Input::Tokens(t)) if !t.ids.is_empty() => Prompt::Tokens(t.ids),
         _ => {
             return Err(FrontendError::invalid(
@@ -50,21 +59,18 @@ fn params(req: pb::GenerateRequest) -> Result<GenerateParams, FrontendError> {
         }
     };
     let mut sampling = req.sampling.unwrap_or_default();
-    if let Some(t) = sampling.temperature
-        && !(0.0..=2.0).contains(&t)
-    {
-        return Err(FrontendError::invalid(
-            "sampling.temperature",
-            "temperature must be between 0 and 2",
-        ));
-    }
-    if let Some(p) = sampling.top_p
-        && !(p > 0.0 && p <= 1.0)
-    {
-        return Err(FrontendError::invalid(
-            "sampling.top_p",
-            "top_p must be in (0, 1]",
-        ));
+    limits::check_sampling(&sampling).map_err(|e| limit_error(prefixed(e)))?;
+    limits::check_id("request_id", &req.request_id).map_err(limit_error)?;
+    limits::check_id("tenant", &req.tenant).map_err(limit_error)?;
+    limits::check_id("model", &req.model).map_err(limit_error)?;
+    if let Some(h) = &req.hints {
+        limits::check_priority(
+            "hints.priority",
+            h.priority,
+            "hints.strict_priority",
+            h.strict_priority,
+        )
+        .map_err(limit_error)?;
     }
     let stop = std::mem::take(&mut sampling.stop);
     Ok(GenerateParams {
@@ -81,6 +87,21 @@ fn params(req: pb::GenerateRequest) -> Result<GenerateParams, FrontendError> {
         tenant: req.tenant,
         timeout: (req.timeout_ms > 0).then(|| Duration::from_millis(u64::from(req.timeout_ms))),
     })
+}
+
+/// A sampling rule's field as the gRPC API names it (`sampling.top_p`).
+fn prefixed(e: limits::Invalid) -> limits::Invalid {
+    let field = match e.field {
+        "temperature" => "sampling.temperature",
+        "top_p" => "sampling.top_p",
+        "repetition_penalty" => "sampling.repetition_penalty",
+        "top_logprobs" => "sampling.top_logprobs",
+        "min_tokens" => "sampling.min_tokens",
+        "stop" => "sampling.stop",
+        "stop_token_ids" => "sampling.stop_token_ids",
+        other => other,
+    };
+    limits::Invalid { field, ..e }
 }
 
 type GenerateStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
@@ -100,7 +121,7 @@ impl pb::inference_server::Inference for InferenceService {
         let p = Arc::clone(&self.pipeline);
         let request_id = params.request_id.clone();
         let generation = async {
-            let prepared = p.prepare(params, received)?;
+            let prepared = p.prepare(params, received).await?;
             p.start(prepared).await
         }
         .instrument(span)

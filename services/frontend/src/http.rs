@@ -26,13 +26,13 @@ use crate::pipeline::{Event, Generation, Pipeline, Serving, TokenLogprob};
 /// Header that overrides the body's priority.
 pub(crate) const PRIORITY_HEADER: &str = "x-sluice-priority";
 
-/// Largest request body accepted.
-const MAX_BODY_BYTES: usize = 32 * 1024 * 1024;
-
-/// The HTTP routes, with request ids, CORS, compression and a body limit.
+/// The HTTP routes, with request ids, CORS, compression and the body limit
+/// (`--max-body-bytes`, the one in force: a larger body is a 413 in the
+/// OpenAI error shape).
 pub(crate) fn router(pipeline: Arc<Pipeline>) -> Router {
     use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
     let x_request_id = http::HeaderName::from_static("x-request-id");
+    let body_limit = pipeline.max_body_bytes;
     let api = Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
@@ -48,9 +48,7 @@ pub(crate) fn router(pipeline: Arc<Pipeline>) -> Router {
         .with_state(pipeline)
         .layer(tower_http::compression::CompressionLayer::new())
         .layer(tower_http::cors::CorsLayer::permissive())
-        .layer(tower_http::limit::RequestBodyLimitLayer::new(
-            MAX_BODY_BYTES,
-        ))
+        .layer(axum::extract::DefaultBodyLimit::max(body_limit))
         .layer(PropagateRequestIdLayer::new(x_request_id.clone()))
         .layer(SetRequestIdLayer::new(x_request_id, MakeRequestUuid))
 }
@@ -131,6 +129,20 @@ fn header_priority(headers: &HeaderMap) -> Result<Option<i32>, FrontendError> {
     }
 }
 
+/// The body, or the error its reading ended in: over the limit is a 413.
+fn body_bytes(
+    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
+    limit: usize,
+) -> Result<Bytes, FrontendError> {
+    body.map_err(|rejection| {
+        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            FrontendError::PayloadTooLarge { limit }
+        } else {
+            FrontendError::invalid("body", format!("cannot read the body: {rejection}"))
+        }
+    })
+}
+
 fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, FrontendError> {
     let value: Value = serde_json::from_slice(body)
         .map_err(|e| FrontendError::invalid("body", format!("the body is not valid JSON: {e}")))?;
@@ -153,17 +165,23 @@ impl Api {
     }
 }
 
-async fn chat(State(p): State<Arc<Pipeline>>, headers: HeaderMap, body: Bytes) -> Response {
+type Body = Result<Bytes, axum::extract::rejection::BytesRejection>;
+
+async fn chat(State(p): State<Arc<Pipeline>>, headers: HeaderMap, body: Body) -> Response {
     let received = Instant::now();
     let id = request_id(&headers, "chatcmpl");
-    let parsed = parse::<ChatRequest>(&body).and_then(|r| r.into_params(id));
+    let parsed = body_bytes(body, p.max_body_bytes)
+        .and_then(|b| parse::<ChatRequest>(&b))
+        .and_then(|r| r.into_params(id));
     serve(p, Api::Chat, headers, parsed, received).await
 }
 
-async fn completions(State(p): State<Arc<Pipeline>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn completions(State(p): State<Arc<Pipeline>>, headers: HeaderMap, body: Body) -> Response {
     let received = Instant::now();
     let id = request_id(&headers, "cmpl");
-    let parsed = parse::<CompletionRequest>(&body).and_then(|r| r.into_params(id));
+    let parsed = body_bytes(body, p.max_body_bytes)
+        .and_then(|b| parse::<CompletionRequest>(&b))
+        .and_then(|r| r.into_params(id));
     serve(p, Api::Completion, headers, parsed, received).await
 }
 
@@ -187,14 +205,25 @@ async fn serve(
     sluice_runtime::telemetry::extract_http(&headers, &span);
     let result = async {
         let (mut params, mode) = parsed?;
-        if let Some(prio) = header_priority(&headers)? {
-            params.hints.priority = prio;
-        }
+        let priority_field = match header_priority(&headers)? {
+            Some(prio) => {
+                params.hints.priority = prio;
+                PRIORITY_HEADER
+            }
+            None => PRIORITY_PATH,
+        };
+        sluice_runtime::limits::check_priority(
+            priority_field,
+            params.hints.priority,
+            "nvext.agent_hints.strict_priority",
+            params.hints.strict_priority,
+        )
+        .map_err(crate::openai::limit_error)?;
         let span = tracing::Span::current();
         span.record("request_id", params.request_id.as_str());
         span.record("priority", params.hints.priority);
         span.record("strict_priority", params.hints.strict_priority);
-        let prepared = p.prepare(params, received)?;
+        let prepared = p.prepare(params, received).await?;
         span.record("prompt_tokens", prepared.prompt_ids.len());
         let id = prepared.params.request_id.clone();
         let generation = p.start(prepared).await?;
@@ -219,11 +248,13 @@ async fn serve(
         created: unix_now(),
     };
     if mode.stream {
-        p.metrics
-            .requests
-            .with_label_values(&[api.endpoint(), "200"])
-            .inc();
-        let stream = sse_stream(out, generation, mode, p.clone());
+        // Counted when the stream ends, by how it ends (see `Outcome`).
+        let outcome = Outcome {
+            pipeline: Arc::clone(&p),
+            endpoint: api.endpoint(),
+            recorded: false,
+        };
+        let stream = sse_stream(out, generation, mode, outcome);
         let mut resp = Sse::new(stream).into_response();
         resp.headers_mut()
             .insert("x-accel-buffering", http::HeaderValue::from_static("no"));
@@ -353,11 +384,39 @@ impl Output {
     }
 }
 
+/// A streamed request's line in `sluice_frontend_requests_total`, written
+/// when the stream ends: `200` when it finished, the error's status when it
+/// failed, `499` when the client left first.
+struct Outcome {
+    pipeline: Arc<Pipeline>,
+    endpoint: &'static str,
+    recorded: bool,
+}
+
+impl Outcome {
+    fn record(&mut self, code: &str) {
+        if !self.recorded {
+            self.recorded = true;
+            self.pipeline
+                .metrics
+                .requests
+                .with_label_values(&[self.endpoint, code])
+                .inc();
+        }
+    }
+}
+
+impl Drop for Outcome {
+    fn drop(&mut self) {
+        self.record("499");
+    }
+}
+
 fn sse_stream(
     out: Output,
     generation: Generation,
     mode: StreamMode,
-    _p: Arc<Pipeline>,
+    outcome: Outcome,
 ) -> impl Stream<Item = Result<SseEvent, Infallible>> {
     struct St {
         out: Output,
@@ -367,6 +426,7 @@ fn sse_stream(
         offset: usize,
         done: bool,
         queued: Vec<SseEvent>,
+        outcome: Outcome,
     }
     let st = St {
         out,
@@ -376,6 +436,7 @@ fn sse_stream(
         offset: 0,
         done: false,
         queued: Vec::new(),
+        outcome,
     };
     futures::stream::unfold(st, |mut st| async move {
         loop {
@@ -407,6 +468,7 @@ fn sse_stream(
                     serving,
                 })) => {
                     st.done = true;
+                    st.outcome.record("200");
                     // Sent in reverse (popped from the end): final chunk, usage chunk, [DONE].
                     st.queued.push(SseEvent::default().data("[DONE]"));
                     if st.mode.include_usage {
@@ -426,6 +488,7 @@ fn sse_stream(
                 }
                 Some(Err(e)) => {
                     st.done = true;
+                    st.outcome.record(e.status().as_str());
                     st.queued.push(SseEvent::default().data("[DONE]"));
                     st.queued
                         .push(SseEvent::default().data(e.body().to_string()));

@@ -16,6 +16,7 @@ mod mesh;
 mod metrics;
 mod openai;
 mod pipeline;
+mod prompt;
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -51,6 +52,17 @@ pub struct Args {
     /// (probes and `/metrics` stay open). Unset: no authentication.
     #[arg(long, env = "SLUICE_API_KEY_FILE")]
     pub api_key_file: Option<std::path::PathBuf>,
+
+    /// Largest HTTP request body, in bytes; a larger one is a 413 (an
+    /// OpenAI-shaped error) before it is read.
+    #[arg(long, env = "SLUICE_MAX_BODY_BYTES", default_value_t = 4 * 1024 * 1024)]
+    pub max_body_bytes: usize,
+
+    /// Prompts tokenized at once, on a pool off the async runtime (a long
+    /// prompt never delays other requests' I/O); others wait their turn.
+    /// Default: the machine's cores.
+    #[arg(long, env = "SLUICE_TOKENIZE_CONCURRENCY")]
+    pub tokenize_concurrency: Option<usize>,
 }
 
 impl Default for Args {
@@ -60,6 +72,8 @@ impl Default for Args {
             request_timeout: 600,
             migration_limit: 3,
             api_key_file: None,
+            max_body_bytes: 4 * 1024 * 1024,
+            tokenize_concurrency: None,
         }
     }
 }
@@ -77,6 +91,18 @@ impl Args {
             return Err(FrontendError::invalid(
                 "--request-timeout",
                 "must be at least 1 second",
+            ));
+        }
+        if self.max_body_bytes < 1024 {
+            return Err(FrontendError::invalid(
+                "--max-body-bytes",
+                "must be at least 1024",
+            ));
+        }
+        if self.tokenize_concurrency == Some(0) {
+            return Err(FrontendError::invalid(
+                "--tokenize-concurrency",
+                "must be at least 1",
             ));
         }
         Ok(())
@@ -102,6 +128,12 @@ pub async fn serve(
         .transpose()?;
     let tokenizer = Tokenizer::from_dir(dir)?;
     let template = ChatTemplate::from_dir(dir)?;
+    let limits = prompt::PromptLimits::new(dir, &tokenizer);
+    let tokenize_concurrency = args.tokenize_concurrency.unwrap_or_else(|| {
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(2)
+    });
     let metrics = metrics::Metrics::new().map_err(|e| startup(e.to_string()))?;
     let queues = mesh::Members::follow(&ctx.discovery, "queue", ctx.shutdown.clone()).await?;
     let workers = mesh::Members::follow(&ctx.discovery, "decode", ctx.shutdown.clone()).await?;
@@ -117,12 +149,15 @@ pub async fn serve(
         queues,
         workers,
         routers,
-        channels: mesh::Channels::default(),
+        channels: mesh::Channels::new(Arc::clone(&ctx.security)),
         metrics: metrics.clone(),
         default_max_tokens: args.default_max_tokens,
         request_timeout: Duration::from_secs(args.request_timeout),
         migration_limit: args.migration_limit,
         api_keys,
+        prompt_limits: limits,
+        tokenize_slots: Arc::new(tokio::sync::Semaphore::new(tokenize_concurrency)),
+        max_body_bytes: args.max_body_bytes,
     });
     let server = GrpcServer::new()
         .map_err(|e| startup(e.to_string()))?

@@ -11,8 +11,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::RwLock;
-use sluice_runtime::grpc::{TracedChannel, channel};
-use sluice_runtime::{Discovery, DiscoveryEvent, Instance, Shutdown};
+use sluice_runtime::grpc::TracedChannel;
+use sluice_runtime::{Discovery, DiscoveryEvent, Instance, Security, Shutdown};
 
 use crate::error::FrontendError;
 
@@ -76,6 +76,16 @@ impl Members {
             .count()
     }
 
+    /// Every value of metadata `key` among instances serving `model`.
+    pub(crate) fn metas<T: std::str::FromStr>(&self, model: &str, key: &str) -> Vec<T> {
+        self.instances
+            .read()
+            .values()
+            .filter(|i| model.is_empty() || i.model == model)
+            .filter_map(|i| i.metadata.get(key)?.parse().ok())
+            .collect()
+    }
+
     /// The first value of metadata `key` among instances serving `model`.
     pub(crate) fn meta<T: std::str::FromStr>(&self, model: &str, key: &str) -> Option<T> {
         self.instances
@@ -121,20 +131,32 @@ impl Members {
     }
 }
 
-/// One lazily connected channel per endpoint, reused across requests.
+/// One lazily connected channel per endpoint, reused across requests, with
+/// the service's TLS and mesh token.
 #[derive(Debug, Default)]
 pub(crate) struct Channels {
     by_endpoint: RwLock<HashMap<String, TracedChannel>>,
+    security: Arc<Security>,
 }
 
 impl Channels {
+    pub(crate) fn new(security: Arc<Security>) -> Self {
+        Self {
+            by_endpoint: RwLock::default(),
+            security,
+        }
+    }
+
     pub(crate) fn get(&self, endpoint: &str) -> Result<TracedChannel, FrontendError> {
         if let Some(c) = self.by_endpoint.read().get(endpoint) {
             return Ok(c.clone());
         }
-        let c = channel(endpoint).map_err(|e| FrontendError::Internal {
-            detail: format!("channel to {endpoint}: {e}"),
-        })?;
+        let c = self
+            .security
+            .channel(endpoint)
+            .map_err(|e| FrontendError::Internal {
+                detail: format!("channel to {endpoint}: {e}"),
+            })?;
         self.by_endpoint
             .write()
             .insert(endpoint.to_string(), c.clone());

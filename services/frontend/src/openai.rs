@@ -8,6 +8,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use serde_json::Value;
 use sluice_proto::common::v1 as common;
+use sluice_runtime::limits;
 use sluice_tokens::ChatMessage;
 
 use crate::error::FrontendError;
@@ -287,16 +288,25 @@ fn stop_list(stop: Option<Stop>) -> Result<Vec<String>, FrontendError> {
         Some(Stop::One(s)) => vec![s],
         Some(Stop::Many(v)) => v,
     };
-    if v.len() > 16 {
-        return Err(FrontendError::invalid("stop", "at most 16 stop strings"));
-    }
-    if v.iter().any(String::is_empty) {
-        return Err(FrontendError::invalid(
-            "stop",
-            "stop strings must not be empty",
-        ));
-    }
+    limits::check_stop_strings(&v).map_err(limit_error)?;
     Ok(v)
+}
+
+/// A rule of [`sluice_runtime::limits`] broken, as a 400 naming the field.
+pub(crate) fn limit_error(e: limits::Invalid) -> FrontendError {
+    FrontendError::invalid(e.field, e.message)
+}
+
+/// The roles a chat message may have.
+pub(crate) fn check_role(role: &str, i: usize) -> Result<(), FrontendError> {
+    if matches!(role, "system" | "user" | "assistant" | "tool" | "developer") {
+        Ok(())
+    } else {
+        Err(FrontendError::invalid(
+            format!("messages[{i}].role"),
+            format!("unknown role `{role}` (system, user, assistant, tool or developer)"),
+        ))
+    }
 }
 
 struct Common {
@@ -385,7 +395,7 @@ fn sampling(c: &Common) -> Result<common::SamplingParams, FrontendError> {
                 .map_err(|_| FrontendError::invalid("seed", "seed must be non-negative"))?,
         ),
     };
-    Ok(common::SamplingParams {
+    let params = common::SamplingParams {
         max_tokens: c.max_tokens.unwrap_or(0),
         min_tokens: c.min_tokens.unwrap_or(0),
         temperature: c.temperature,
@@ -398,7 +408,18 @@ fn sampling(c: &Common) -> Result<common::SamplingParams, FrontendError> {
         repetition_penalty: c.repetition_penalty,
         top_logprobs: c.top_logprobs,
         logprobs: c.logprobs,
-    })
+    };
+    // The rules every boundary applies (the checks above name the API's
+    // own fields; these keep HTTP, gRPC and the workers in step).
+    limits::check_sampling(&params).map_err(limit_error)?;
+    Ok(params)
+}
+
+/// The `user` field (the tenant), bounded like every id.
+fn tenant(user: Option<String>) -> Result<String, FrontendError> {
+    let user = user.unwrap_or_default();
+    limits::check_id("user", &user).map_err(limit_error)?;
+    Ok(user)
 }
 
 fn hints(nvext: &Option<Nvext>) -> common::PriorityHints {
@@ -430,15 +451,7 @@ fn message_text(m: ChatMessageIn, i: usize) -> Result<ChatMessage, FrontendError
             out
         }
     };
-    if !matches!(
-        m.role.as_str(),
-        "system" | "user" | "assistant" | "tool" | "developer"
-    ) {
-        return Err(FrontendError::invalid(
-            format!("messages[{i}].role"),
-            format!("unknown role `{}`", m.role),
-        ));
-    }
+    check_role(&m.role, i)?;
     let _ = m.name;
     Ok(ChatMessage::new(m.role, content))
 }
@@ -505,7 +518,7 @@ impl ChatRequest {
                 sampling,
                 stop: stop_list(self.stop)?,
                 hints: hints(&self.nvext),
-                tenant: self.user.unwrap_or_default(),
+                tenant: tenant(self.user)?,
                 timeout: None,
             },
             mode,
@@ -582,7 +595,7 @@ impl CompletionRequest {
                 sampling,
                 stop: stop_list(self.stop)?,
                 hints: hints(&self.nvext),
-                tenant: self.user.unwrap_or_default(),
+                tenant: tenant(self.user)?,
                 timeout: None,
             },
             mode,

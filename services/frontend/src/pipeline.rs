@@ -51,6 +51,12 @@ pub(crate) struct Pipeline {
     pub migration_limit: u32,
     /// `--api-key-file`'s keys; `None`: open.
     pub api_keys: Option<crate::auth::ApiKeys>,
+    /// The model's context, for the prompt's size checks.
+    pub prompt_limits: crate::prompt::PromptLimits,
+    /// Prompts tokenized at once (`--tokenize-concurrency`).
+    pub tokenize_slots: Arc<tokio::sync::Semaphore>,
+    /// `--max-body-bytes`.
+    pub max_body_bytes: usize,
 }
 
 impl Pipeline {
@@ -214,8 +220,17 @@ impl Pipeline {
             && self.routers.count("") > 0
     }
 
-    /// Checks the model, renders the template, tokenizes and hashes, once.
-    pub(crate) fn prepare(
+    /// The context a prompt must fit, output included (see
+    /// [`crate::prompt::PromptLimits::context`]).
+    fn context_len(&self) -> Option<usize> {
+        self.prompt_limits
+            .context(self.workers.metas::<usize>(&self.model, "max_model_len"))
+    }
+
+    /// Checks the model and the prompt's size, renders the template,
+    /// tokenizes (on the tokenization pool, off the async runtime) and
+    /// hashes, once.
+    pub(crate) async fn prepare(
         &self,
         mut params: GenerateParams,
         received: Instant,
@@ -226,34 +241,53 @@ impl Pipeline {
                 served: self.model.clone(),
             });
         }
-        let _span = tracing::info_span!("tokenize").entered();
-        let prompt_ids = match &params.prompt {
-            Prompt::Text(t) => self.tokenizer.encode(t, true)?,
-            Prompt::Chat(messages) => {
-                let text = self
-                    .template
-                    .render(messages.as_slice(), true)
-                    .map_err(|e| {
-                        FrontendError::invalid("messages", format!("chat template: {e}"))
-                    })?;
-                self.tokenizer.encode(&text, false)?
-            }
-            Prompt::Tokens(ids) => {
-                let vocab = self.tokenizer.vocab_size() as u32;
-                if let Some(bad) = ids.iter().find(|&&t| t >= vocab) {
-                    return Err(FrontendError::invalid(
-                        "prompt",
-                        format!("token id {bad} is outside the vocabulary (size {vocab})"),
-                    ));
-                }
-                ids.clone()
-            }
+        sluice_runtime::limits::check_token_ids(
+            "sampling.stop_token_ids",
+            &params.sampling.stop_token_ids,
+            self.tokenizer.vocab_size(),
+        )
+        .map_err(|e| FrontendError::invalid(e.field, e.message))?;
+        let context = self.context_len();
+        let (param, bytes) = match &params.prompt {
+            Prompt::Text(t) => ("prompt", t.len()),
+            Prompt::Chat(m) => (
+                "messages",
+                m.iter().map(|m| m.role.len() + m.content.len()).sum(),
+            ),
+            Prompt::Tokens(_) => ("prompt", 0),
         };
+        if let Some(context) = context
+            && bytes > self.prompt_limits.max_bytes(context)
+        {
+            return Err(FrontendError::PromptTooLong {
+                param,
+                message: format!(
+                    "the prompt is {bytes} bytes, more than a context of {context} tokens can hold \
+                     (at most {} bytes); shorten it",
+                    self.prompt_limits.max_bytes(context)
+                ),
+            });
+        }
+        let prompt_ids = self
+            .tokenize(&params.prompt)
+            .instrument(tracing::info_span!("tokenize"))
+            .await?;
         if prompt_ids.is_empty() {
             return Err(FrontendError::invalid(
                 "prompt",
                 "the prompt tokenizes to nothing",
             ));
+        }
+        if let Some(context) = context
+            && prompt_ids.len() >= context
+        {
+            return Err(FrontendError::PromptTooLong {
+                param,
+                message: format!(
+                    "the prompt is {} tokens; this model's context is {context} tokens, output included; shorten it",
+                    prompt_ids.len()
+                ),
+            });
         }
         if params.sampling.max_tokens == 0 {
             params.sampling.max_tokens = self.default_max_tokens;
@@ -270,6 +304,48 @@ impl Pipeline {
             block_size,
             received,
         })
+    }
+
+    /// The prompt's token ids. Templating and tokenizing run on the blocking
+    /// pool, at most `--tokenize-concurrency` at once, so a long prompt
+    /// costs its own request time, never the runtime's.
+    async fn tokenize(&self, prompt: &Prompt) -> Result<Vec<u32>, FrontendError> {
+        if let Prompt::Tokens(ids) = prompt {
+            let vocab = self.tokenizer.vocab_size();
+            sluice_runtime::limits::check_token_ids("prompt", ids, vocab)
+                .map_err(|e| FrontendError::invalid(e.field, e.message))?;
+            return Ok(ids.clone());
+        }
+        let _slot = self
+            .tokenize_slots
+            .acquire()
+            .await
+            .map_err(|_| FrontendError::Internal {
+                detail: "the tokenization pool is closed".into(),
+            })?;
+        let (tokenizer, template, prompt) = (
+            self.tokenizer.clone(),
+            self.template.clone(),
+            prompt.clone(),
+        );
+        let span = tracing::Span::current();
+        tokio::task::spawn_blocking(move || {
+            let _entered = span.enter();
+            match prompt {
+                Prompt::Text(t) => Ok(tokenizer.encode(&t, true)?),
+                Prompt::Chat(messages) => {
+                    let text = template.render(messages.as_slice(), true).map_err(|e| {
+                        FrontendError::invalid("messages", format!("chat template: {e}"))
+                    })?;
+                    Ok(tokenizer.encode(&text, false)?)
+                }
+                Prompt::Tokens(ids) => Ok(ids),
+            }
+        })
+        .await
+        .map_err(|e| FrontendError::Internal {
+            detail: format!("tokenization task: {e}"),
+        })?
     }
 
     /// Takes the admission lease and opens the worker stream. Errors before
@@ -772,10 +848,13 @@ impl Generation {
                 common::FinishReason::Length => Some("length"),
                 common::FinishReason::Abort => Some("abort"),
                 common::FinishReason::Error => {
-                    return Err(FrontendError::Internal {
-                        detail: "the worker reported an error".into(),
-                    }
-                    .into());
+                    // The worker failed this sequence (its batch went on):
+                    // like a worker failure, the request moves elsewhere.
+                    let error = FrontendError::Unavailable {
+                        component: "worker",
+                        message: "the worker failed the request mid-stream".into(),
+                    };
+                    return Err(Failure::of_worker(&self.serving.worker_id, true, error));
                 }
             };
             if reason.is_some() {

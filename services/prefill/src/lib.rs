@@ -79,6 +79,12 @@ impl PrefillHandler for Handler {
                 message: "missing transfer descriptor".into(),
             })?;
         let engine = core.engine(0)?;
+        sluice_decode::check_input(
+            engine,
+            &req.request_id,
+            &req.prompt_token_ids,
+            req.sampling.as_ref(),
+        )?;
         check_layout(dest.layout.as_ref(), &engine.kv_layout())?;
         let bs = engine.kv_layout().block_size;
         let prompt_blocks = req.prompt_token_ids.len().div_ceil(bs);
@@ -242,7 +248,7 @@ pub async fn serve_with(
     let handler = Handler {
         #[cfg(feature = "fault-injection")]
         fault: prefiller.fault,
-        senders: Senders::new(&args.kv_transports),
+        senders: Senders::new(&args.kv_transports, &ctx.security),
     };
     let service = WorkerService {
         core,

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use sluice_proto::queue::v1 as pb;
 use sluice_proto::router::v1 as router_pb;
+use sluice_runtime::limits;
 use tokio::time::Instant;
 
 use crate::config::Args;
@@ -29,6 +30,26 @@ pub(crate) fn entry_from_open(open: pb::AdmitOpen, now: Instant) -> Result<Entry
     if open.request_id.is_empty() {
         return Err(invalid("open.request_id", "must not be empty"));
     }
+    let limit = |r: Result<(), sluice_runtime::limits::Invalid>, field: &'static str| {
+        r.map_err(|e| invalid(field, e.message))
+    };
+    limit(
+        limits::check_id("request_id", &open.request_id),
+        "open.request_id",
+    )?;
+    limit(limits::check_id("model", &open.model), "open.model")?;
+    limits::check_priority(
+        "open.priority",
+        open.priority,
+        "open.strict_priority",
+        open.strict_priority,
+    )
+    .map_err(|e| invalid(e.field, e.message))?;
+    limit(limits::check_id("tenant", &open.tenant), "open.tenant")?;
+    limit(
+        limits::check_excluded("exclude_worker_ids", &open.exclude_worker_ids),
+        "open.exclude_worker_ids",
+    )?;
     if !open.block_hashes.is_empty() {
         if open.block_size == 0 {
             return Err(invalid(

@@ -17,6 +17,8 @@ mod placement;
 mod queue;
 mod service;
 
+use std::sync::Arc;
+
 use prometheus::Registry;
 use sluice_proto::queue::v1::queue_server::QueueServer;
 use sluice_runtime::ServiceContext;
@@ -56,15 +58,20 @@ pub async fn serve(
     let instance = ctx.instance(COMPONENT, &listener)?;
     // The queue names itself to the routers by its instance id.
     let routers = match &args.router_endpoint {
-        Some(endpoint) => {
-            placement::Routers::fixed(endpoint, &instance.id, &tracker, background.clone())?
-        }
+        Some(endpoint) => placement::Routers::fixed(
+            endpoint,
+            &instance.id,
+            &tracker,
+            background.clone(),
+            Arc::clone(&ctx.security),
+        )?,
         None => {
             placement::Routers::discovered(
                 &ctx.discovery,
                 &instance.id,
                 &tracker,
                 background.clone(),
+                Arc::clone(&ctx.security),
             )
             .await?
         }

@@ -41,8 +41,8 @@ use prometheus::{IntCounterVec, Opts, Registry};
 use sluice_proto::router::v1 as router_pb;
 use sluice_proto::router::v1::place_request::Msg as PlaceMsg;
 use sluice_proto::router::v1::router_client::RouterClient;
-use sluice_runtime::grpc::{TracedChannel, channel};
-use sluice_runtime::{Discovery, DiscoveryEvent};
+use sluice_runtime::grpc::TracedChannel;
+use sluice_runtime::{Discovery, DiscoveryEvent, Security};
 use tokio::sync::{Notify, mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
@@ -97,6 +97,8 @@ struct RoutersInner {
     next_id: AtomicU64,
     tracker: TaskTracker,
     shutdown: CancellationToken,
+    /// TLS and mesh token for the router channels.
+    security: Arc<Security>,
 }
 
 /// One router's session.
@@ -185,7 +187,12 @@ impl Session {
 }
 
 impl Routers {
-    fn empty(client_id: &str, tracker: &TaskTracker, shutdown: CancellationToken) -> Self {
+    fn empty(
+        client_id: &str,
+        tracker: &TaskTracker,
+        shutdown: CancellationToken,
+        security: Arc<Security>,
+    ) -> Self {
         Self {
             inner: Arc::new(RoutersInner {
                 client_id: client_id.to_owned(),
@@ -196,6 +203,7 @@ impl Routers {
                 next_id: AtomicU64::new(1),
                 tracker: tracker.clone(),
                 shutdown,
+                security,
             }),
         }
     }
@@ -206,9 +214,10 @@ impl Routers {
         client_id: &str,
         tracker: &TaskTracker,
         shutdown: CancellationToken,
+        security: Arc<Security>,
     ) -> Result<Self, QueueError> {
-        let routers = Self::empty(client_id, tracker, shutdown);
-        let client = RouterClient::new(channel(endpoint)?);
+        let routers = Self::empty(client_id, tracker, shutdown, security);
+        let client = RouterClient::new(routers.inner.security.channel(endpoint)?);
         RoutersInner::open(&routers.inner, endpoint.to_owned(), client);
         Ok(routers)
     }
@@ -221,8 +230,9 @@ impl Routers {
         client_id: &str,
         tracker: &TaskTracker,
         shutdown: CancellationToken,
+        security: Arc<Security>,
     ) -> Result<Self, QueueError> {
-        let routers = Self::empty(client_id, tracker, shutdown.clone());
+        let routers = Self::empty(client_id, tracker, shutdown.clone(), security);
         let mut watch = discovery.watch(ROUTER_COMPONENT).await?;
         let inner = Arc::clone(&routers.inner);
         tracker.spawn(async move {
@@ -232,7 +242,7 @@ impl Routers {
                     event = watch.next() => event,
                 };
                 match event {
-                    Some(DiscoveryEvent::Put(instance)) => match channel(&instance.endpoint) {
+                    Some(DiscoveryEvent::Put(instance)) => match inner.security.channel(&instance.endpoint) {
                         Ok(ch) => {
                             tracing::info!(id = %instance.id, endpoint = %instance.endpoint, "router found");
                             RoutersInner::open(&inner, instance.id, RouterClient::new(ch));

@@ -3,6 +3,7 @@
 
 use sluice_proto::router::v1 as pb;
 use sluice_proto::worker::v1 as wpb;
+use sluice_runtime::limits;
 
 use crate::error::RouterError;
 use crate::indexer::{KvEvent, KvEventKind, Target};
@@ -33,6 +34,10 @@ pub(crate) fn route_input(
             "block_size must be positive (the workers' KV block size in tokens)".into(),
         ));
     }
+    limits::check_id("request_id", &req.request_id)
+        .and_then(|()| limits::check_id("model", &req.model))
+        .and_then(|()| limits::check_excluded("exclude_worker_ids", &req.exclude_worker_ids))
+        .map_err(|e| RouterError::InvalidArgument(e.to_string()))?;
     let full_blocks = req.prompt_tokens / req.block_size;
     if req.block_hashes.len() as u64 > u64::from(full_blocks) {
         return Err(RouterError::InvalidArgument(format!(

@@ -85,6 +85,7 @@ pub async fn serve(
         metrics.clone(),
         &tracker,
         background.clone(),
+        Arc::clone(&ctx.security),
     )
     .await?;
     let outstanding = gate.wait(Duration::from_secs(args.sync_timeout_secs)).await;

@@ -26,7 +26,7 @@ use sluice_proto::worker::v1 as wpb;
 use sluice_proto::worker::v1::worker_client::WorkerClient;
 use sluice_runtime::discovery::Watch;
 use sluice_runtime::grpc::TracedChannel;
-use sluice_runtime::{Discovery, DiscoveryEvent, Instance};
+use sluice_runtime::{Discovery, DiscoveryEvent, Instance, Security};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -108,6 +108,8 @@ struct Ctx {
     metrics: RouterMetrics,
     gate: Arc<SyncGate>,
     tracker: TaskTracker,
+    /// TLS and mesh token for the worker channels.
+    security: Arc<Security>,
 }
 
 impl Ctx {
@@ -125,6 +127,7 @@ pub(crate) async fn start(
     metrics: RouterMetrics,
     tracker: &TaskTracker,
     token: CancellationToken,
+    security: Arc<Security>,
 ) -> Result<Arc<SyncGate>, RouterError> {
     let gate = Arc::new(SyncGate::new());
     for kind in [PoolKind::Decode, PoolKind::Prefill] {
@@ -148,6 +151,7 @@ pub(crate) async fn start(
             metrics: metrics.clone(),
             gate: Arc::clone(&gate),
             tracker: tracker.clone(),
+            security: Arc::clone(&security),
         };
         tracker.spawn(watch_component(watch, ctx, token.clone()));
     }
@@ -240,7 +244,9 @@ fn forget(ctx: &Ctx, inst: &Instance, reason: &str) {
 }
 
 fn spawn_instance(ctx: &Ctx, inst: &Instance, token: CancellationToken) -> Result<(), RouterError> {
-    let channel = sluice_runtime::grpc::channel(&inst.endpoint)
+    let channel = ctx
+        .security
+        .channel(&inst.endpoint)
         .map_err(|e| RouterError::Runtime(Box::new(e)))?;
     let client = WorkerClient::new(channel);
     tracing::info!(worker = %inst.id, endpoint = %inst.endpoint, pool = %ctx.kind, ranks = dp_size(inst), "worker joined");

@@ -1,9 +1,12 @@
 //! Flags every service takes. Flatten [`CommonArgs`] into a service's `Config`
-//! with `#[command(flatten)]`; each flag also reads `SLUICE_<FLAG>`.
+//! with `#[command(flatten)]`; each flag also reads `SLUICE_<FLAG>`. The
+//! security flags (TLS, mesh token, connection limits) are part of it:
+//! see [`crate::security`].
 
 use std::net::SocketAddr;
 
 use crate::RuntimeError;
+use crate::security::SecurityArgs;
 
 /// Discovery and addressing flags shared by all services.
 #[derive(Debug, Clone, clap::Args)]
@@ -39,6 +42,9 @@ pub struct CommonArgs {
     /// re-register within a second or two. 0: drop it at once.
     #[arg(long, env = "SLUICE_DISCOVERY_GRACE", default_value_t = 10)]
     pub discovery_grace: u64,
+    /// TLS, mesh authentication and connection limits.
+    #[command(flatten)]
+    pub security: SecurityArgs,
 }
 
 impl CommonArgs {
@@ -80,6 +86,7 @@ impl Default for CommonArgs {
             lease_ttl: 5,
             drain_timeout: 10,
             discovery_grace: 10,
+            security: SecurityArgs::default(),
         }
     }
 }

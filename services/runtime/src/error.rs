@@ -29,4 +29,15 @@ pub enum RuntimeError {
     Task(#[from] tokio::task::JoinError),
     #[error("reflection setup")]
     Reflection(#[from] tonic_reflection::server::Error),
+    #[error("TLS")]
+    Tls(#[from] crate::security::TlsError),
+    #[error(
+        "refusing to serve internal APIs ({services}) on {addr} without authentication: \
+         set --tls-ca (mutual TLS) or --mesh-token-file, listen on a loopback address, \
+         or pass --insecure on a network you trust"
+    )]
+    Exposed {
+        addr: std::net::SocketAddr,
+        services: String,
+    },
 }

@@ -1,7 +1,9 @@
 //! gRPC plumbing: a server that every service gets health, reflection,
-//! `/metrics`, `/live` and trace extraction from, and client channels that
-//! inject trace context (and call a server of this process without a socket,
-//! see [`crate::local`]).
+//! `/metrics`, `/live`, trace extraction, the mesh's membership check on
+//! internal APIs and the listener edge (TLS, connection limits, timeouts:
+//! [`crate::edge`]) from, and client channels that inject trace context
+//! (and call a server of this process without a socket, see
+//! [`crate::local`]; secured ones come from [`Security::channel`]).
 //!
 //! ```ignore
 //! let server = GrpcServer::new()?
@@ -11,20 +13,23 @@
 //! ```
 
 use std::convert::Infallible;
-use std::time::Duration;
+use std::net::SocketAddr;
+use std::sync::Arc;
 
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
 use tokio::net::TcpListener;
 use tonic::body::Body;
 use tonic::server::NamedService;
 use tonic::service::interceptor::InterceptedService;
 use tonic::service::{Routes, RoutesBuilder};
-use tonic::transport::Endpoint;
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 use tower::Service;
 
 use crate::local::MeshChannel;
-use crate::telemetry::{TraceInjector, grpc_server_span};
+use crate::security::{MESH_TOKEN_HEADER, Security, is_internal_path};
+use crate::telemetry::TraceInjector;
 use crate::{RuntimeError, Shutdown};
 
 /// A client channel whose requests carry the caller's trace context.
@@ -37,6 +42,7 @@ pub struct GrpcServer {
     names: Vec<&'static str>,
     http: axum::Router,
     registries: Vec<prometheus::Registry>,
+    security: Arc<Security>,
 }
 
 impl GrpcServer {
@@ -63,6 +69,43 @@ impl GrpcServer {
             names: Vec::new(),
             http: axum::Router::new(),
             registries: Vec::new(),
+            security: Arc::new(Security::open()),
+        })
+    }
+
+    /// Serves with `security`: TLS, the membership check on internal APIs
+    /// and the connection limits ([`crate::ServiceContext::run`] sets the
+    /// process's own; the default is [`Security::open`]).
+    pub fn with_security(mut self, security: Arc<Security>) -> Self {
+        self.security = security;
+        self
+    }
+
+    /// Refuses to expose internal APIs on `addr` when nothing can tell a
+    /// mesh member from a stranger (no `--tls-ca`, no `--mesh-token-file`)
+    /// and `addr` is not loopback, unless `--insecure` says so.
+    pub fn check_exposure(&self, addr: SocketAddr) -> Result<(), RuntimeError> {
+        let internal: Vec<&str> = self
+            .names
+            .iter()
+            .copied()
+            .filter(|n| is_internal_path(&format!("/{n}/")))
+            .collect();
+        if internal.is_empty() || self.security.authenticates_members() || addr.ip().is_loopback() {
+            return Ok(());
+        }
+        if self.security.insecure() {
+            tracing::error!(
+                %addr,
+                services = ?internal,
+                "--insecure: serving internal APIs on a non-loopback address WITHOUT authentication; \
+                 anyone who can reach this port can generate, admit and route. Use --tls-ca or --mesh-token-file."
+            );
+            return Ok(());
+        }
+        Err(RuntimeError::Exposed {
+            addr,
+            services: internal.join(", "),
         })
     }
 
@@ -107,10 +150,19 @@ impl GrpcServer {
     }
 
     /// Every route the server answers: the gRPC services and the HTTP routes
-    /// (what [`crate::local`] calls in-process).
+    /// (what [`crate::local`] calls in-process), behind the membership check
+    /// on internal APIs when members can be authenticated.
     pub fn router(&self) -> axum::Router {
         let grpc: Routes = self.routes.clone().routes();
-        grpc.into_axum_router().merge(self.http.clone())
+        let router = grpc.into_axum_router().merge(self.http.clone());
+        if self.security.authenticates_members() {
+            router.layer(axum::middleware::from_fn_with_state(
+                Arc::clone(&self.security),
+                require_member,
+            ))
+        } else {
+            router
+        }
     }
 
     /// Serves until `shutdown` is cancelled, then reports `NOT_SERVING` and
@@ -120,6 +172,7 @@ impl GrpcServer {
         listener: TcpListener,
         shutdown: Shutdown,
     ) -> Result<(), RuntimeError> {
+        self.check_exposure(listener.local_addr()?)?;
         let health = self.health.clone();
         for name in &self.names {
             health
@@ -127,7 +180,7 @@ impl GrpcServer {
                 .await;
         }
         health.set_service_status("", ServingStatus::Serving).await;
-        let routes = Routes::from(self.router());
+        let app = self.router();
         let names = self.names.clone();
         let signal = async move {
             shutdown.cancelled().await;
@@ -140,39 +193,38 @@ impl GrpcServer {
                 .set_service_status("", ServingStatus::NotServing)
                 .await;
         };
-        // `tcp_nodelay` on the builder is ignored for a given listener: set it
-        // on the incoming stream, or every small message (grants, tokens, SSE
-        // chunks) waits ~40 ms for Nagle against the peer's delayed ACK.
-        let incoming =
-            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-        tonic::transport::Server::builder()
-            .accept_http1(true)
-            .tcp_nodelay(true)
-            .http2_keepalive_interval(Some(Duration::from_secs(10)))
-            .trace_fn(grpc_server_span)
-            .add_routes(routes)
-            .serve_with_incoming_shutdown(incoming, signal)
-            .await?;
-        Ok(())
+        crate::edge::serve(listener, app, self.security, signal).await
     }
 }
 
+/// Answers `UNAUTHENTICATED` to a caller of an internal API that is not a
+/// mesh member (see [`crate::security`]); everything else passes.
+async fn require_member(
+    State(security): State<Arc<Security>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let path = request.uri().path();
+    if is_internal_path(path) && !security.is_member(&request) {
+        tracing::warn!(
+            path,
+            peer = ?request.extensions().get::<crate::security::PeerInfo>().map(|p| p.addr),
+            "refused an internal call from outside the mesh"
+        );
+        let status = tonic::Status::unauthenticated(format!(
+            "{path} is an internal API of the Sluice mesh: callers must present a client \
+             certificate signed by the mesh CA or send the mesh token in `{MESH_TOKEN_HEADER}`"
+        ));
+        return status.into_http::<axum::body::Body>().into_response();
+    }
+    next.run(request).await
+}
+
 /// A channel to `endpoint` (`host:port` or a URL) that injects trace
-/// context: straight into the server when one of this process registered
-/// that endpoint, otherwise a lazily connecting gRPC channel (the first call
-/// connects).
+/// context, without TLS or mesh token: straight into the server when one of
+/// this process registered that endpoint, otherwise a lazily connecting
+/// gRPC channel (the first call connects). Services call the mesh through
+/// [`Security::channel`] instead.
 pub fn channel(endpoint: &str) -> Result<TracedChannel, RuntimeError> {
-    let uri = if endpoint.contains("://") {
-        endpoint.to_string()
-    } else {
-        format!("http://{endpoint}")
-    };
-    let ep = Endpoint::from_shared(uri)?
-        .tcp_nodelay(true)
-        .connect_timeout(Duration::from_secs(2))
-        .http2_keep_alive_interval(Duration::from_secs(10))
-        .keep_alive_while_idle(true);
-    let host_port = endpoint.rsplit("://").next().unwrap_or(endpoint);
-    let mesh = MeshChannel::new(host_port, || ep.connect_lazy());
-    Ok(InterceptedService::new(mesh, TraceInjector))
+    Security::open().channel(endpoint)
 }

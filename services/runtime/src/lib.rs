@@ -5,8 +5,13 @@
 //! - [`telemetry`]: logs, OTLP export when `OTEL_EXPORTER_OTLP_ENDPOINT` is
 //!   set, and W3C trace-context propagation over HTTP headers and gRPC metadata.
 //! - [`discovery`]: the [`Discovery`] trait and its `etcd` and `memory` backends.
-//! - [`grpc`]: a gRPC server with health, reflection, `/metrics` and trace
-//!   extraction, and client channels that inject trace context.
+//! - [`grpc`]: a gRPC server with health, reflection, `/metrics`, trace
+//!   extraction and the membership check on internal APIs, and client
+//!   channels that inject trace context.
+//! - [`security`]: TLS and mutual TLS from files, the mesh token, who is a
+//!   mesh member, connection limits; `edge` (private) is the listener that
+//!   enforces them.
+//! - [`limits`]: the input rules every boundary applies to shared messages.
 //! - [`local`]: the servers of this process, called without a socket.
 //! - [`shutdown`]: the cancellation token every `serve` takes, and signal handling.
 //! - [`service`]: the shape of a service crate (`Args`, `serve(listener, args, ctx)`)
@@ -16,10 +21,13 @@
 
 pub mod config;
 pub mod discovery;
+mod edge;
 pub mod error;
 pub mod grpc;
+pub mod limits;
 pub mod local;
 pub mod metrics;
+pub mod security;
 pub mod service;
 pub mod shutdown;
 pub mod telemetry;
@@ -27,5 +35,6 @@ pub mod telemetry;
 pub use config::{CommonArgs, ModelArgs};
 pub use discovery::{Discovery, DiscoveryEvent, Instance, Registration};
 pub use error::RuntimeError;
+pub use security::{Security, SecurityArgs};
 pub use service::ServiceContext;
 pub use shutdown::Shutdown;

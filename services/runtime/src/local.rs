@@ -14,6 +14,11 @@
 //!
 //! A server that stops is removed at once; a channel already holding it
 //! answers `UNAVAILABLE` from then on, as a closed connection would.
+//!
+//! Authentication: an in-process call passes the same membership check as a
+//! networked one (the server's routes include it), and is a mesh member by
+//! construction — the channel marks it, and nothing outside this process
+//! can reach this path. It carries the mesh token too, when there is one.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -92,6 +97,8 @@ fn lookup(endpoint: &str) -> Option<LocalServer> {
 #[derive(Clone)]
 pub struct MeshChannel {
     inner: Inner,
+    /// The mesh token, sent on every call.
+    token: Option<http::HeaderValue>,
 }
 
 #[derive(Clone)]
@@ -117,7 +124,13 @@ impl MeshChannel {
             Some(server) => Inner::Local(server),
             None => Inner::Remote(remote()),
         };
-        Self { inner }
+        Self { inner, token: None }
+    }
+
+    /// Sends `token` as the mesh token on every call.
+    pub(crate) fn with_token(mut self, token: Option<http::HeaderValue>) -> Self {
+        self.token = token;
+        self
     }
 
     /// Whether calls stay in this process.
@@ -138,7 +151,11 @@ impl Service<http::Request<Body>> for MeshChannel {
         }
     }
 
-    fn call(&mut self, req: http::Request<Body>) -> Self::Future {
+    fn call(&mut self, mut req: http::Request<Body>) -> Self::Future {
+        if let Some(token) = &self.token {
+            req.headers_mut()
+                .insert(crate::security::MESH_TOKEN_HEADER, token.clone());
+        }
         match &mut self.inner {
             Inner::Remote(c) => {
                 let fut = c.call(req);
@@ -149,7 +166,9 @@ impl Service<http::Request<Body>> for MeshChannel {
                     let status = tonic::Status::unavailable("the service has stopped");
                     return Box::pin(async move { Err(Box::new(status) as BoxError) });
                 }
-                // The span tonic's `trace_fn` gives a networked call.
+                // A member by construction (see the module docs).
+                req.extensions_mut().insert(crate::security::LocalCall);
+                // The span the listener gives a networked call.
                 let span = grpc_server_span(&req);
                 let router = server.router.clone();
                 Box::pin(

@@ -21,8 +21,8 @@ use std::time::Duration;
 
 use tokio::net::TcpListener;
 
-use crate::grpc::GrpcServer;
-use crate::{CommonArgs, Discovery, Instance, RuntimeError, Shutdown};
+use crate::grpc::{GrpcServer, TracedChannel};
+use crate::{CommonArgs, Discovery, Instance, RuntimeError, Security, Shutdown};
 
 /// What every service's `serve` gets besides its own flags.
 #[derive(Debug, Clone)]
@@ -33,16 +33,42 @@ pub struct ServiceContext {
     pub discovery: Arc<dyn Discovery>,
     /// Cancelled when the process shuts down.
     pub shutdown: Shutdown,
+    /// TLS, mesh token and connection limits, loaded from `common.security`;
+    /// servers and clients of this service use it.
+    pub security: Arc<Security>,
 }
 
 impl ServiceContext {
-    /// A context with default common flags (tests, `sluice up`).
+    /// A context with default common flags and no TLS or mesh token (tests).
     pub fn new(discovery: Arc<dyn Discovery>, shutdown: Shutdown) -> Self {
         Self {
             common: CommonArgs::default(),
             discovery,
             shutdown,
+            security: Arc::new(Security::open()),
         }
+    }
+
+    /// A context for `common`'s flags, with `security` loaded from them
+    /// (several services of one process share one, see `sluice up`).
+    pub fn with_common(
+        common: CommonArgs,
+        discovery: Arc<dyn Discovery>,
+        shutdown: Shutdown,
+        security: Arc<Security>,
+    ) -> Self {
+        Self {
+            common,
+            discovery,
+            shutdown,
+            security,
+        }
+    }
+
+    /// A channel to a mesh endpoint with this service's TLS and token (see
+    /// [`Security::channel`]).
+    pub fn channel(&self, endpoint: &str) -> Result<TracedChannel, RuntimeError> {
+        self.security.channel(endpoint)
     }
 
     /// The instance description for `component` bound at `listener`'s address.
@@ -63,6 +89,8 @@ impl ServiceContext {
         listener: TcpListener,
         instance: Instance,
     ) -> Result<(), RuntimeError> {
+        let server = server.with_security(Arc::clone(&self.security));
+        server.check_exposure(listener.local_addr()?)?;
         // Callable in-process before anyone can learn the endpoint.
         let local = crate::local::register(&instance.endpoint, server.router());
         let _metrics = crate::metrics::register_process(server.registries());

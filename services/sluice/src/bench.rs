@@ -18,6 +18,7 @@ mod client;
 mod plot;
 mod report;
 mod stats;
+mod tls;
 mod trace;
 mod workload;
 
@@ -63,9 +64,15 @@ pub(crate) enum BenchError {
 /// Flags of `sluice bench`.
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct BenchArgs {
-    /// Server base URL (`http://host:port`, with or without `/v1`).
+    /// Server base URL (`http://host:port` or `https://host:port`, with or
+    /// without `/v1`).
     #[arg(long, default_value = "http://127.0.0.1:8000")]
     url: String,
+
+    /// PEM CA certificate to verify an `https://` server against (e.g. the
+    /// `ca.pem` of `sluice certs`).
+    #[arg(long, env = "SLUICE_BENCH_CA")]
+    ca: Option<PathBuf>,
 
     /// Model name sent in every request.
     #[arg(long, default_value = "sluice-tiny")]
@@ -296,6 +303,7 @@ pub(crate) async fn run(args: BenchArgs, stop: sluice_runtime::Shutdown) -> anyh
         args.endpoint,
         args.api_key.clone(),
         args.vocab_size,
+        args.ca.as_deref(),
     )?;
     let last = plan.last().map_or(0.0, |p| p.at.as_secs_f64());
     eprintln!(
@@ -558,7 +566,8 @@ mod tests {
     #[tokio::test]
     async fn run_measures_streams_and_counts_errors_and_timeouts() {
         let url = fake_server().await;
-        let target = Target::new(&url, "m".into(), Endpoint::Chat, None, 100).expect("target");
+        let target =
+            Target::new(&url, "m".into(), Endpoint::Chat, None, 100, None).expect("target");
         let plan = vec![
             planned(0, 0, 0),
             planned(1, 1, 0),
@@ -601,7 +610,7 @@ mod tests {
     async fn a_signal_ends_the_run_and_reports_what_finished() {
         let url = fake_server().await;
         let target =
-            Target::new(&url, "m".into(), Endpoint::Completions, None, 100).expect("target");
+            Target::new(&url, "m".into(), Endpoint::Completions, None, 100, None).expect("target");
         // One answered at once, one scheduled long after the signal.
         let plan = vec![planned(0, 0, 0), planned(1, 0, 60_000)];
         let run = Run {
@@ -629,7 +638,7 @@ mod tests {
     async fn concurrency_caps_requests_in_flight() {
         let url = fake_server().await;
         let target =
-            Target::new(&url, "m".into(), Endpoint::Completions, None, 100).expect("target");
+            Target::new(&url, "m".into(), Endpoint::Completions, None, 100, None).expect("target");
         let plan: Vec<Planned> = (0..4).map(|i| planned(i, 0, 0)).collect();
         let run = Run {
             concurrency: 1,

@@ -10,12 +10,13 @@ mod up;
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use sluice_runtime::discovery;
 use sluice_runtime::telemetry::{LogFormat, TelemetryConfig, init};
-use sluice_runtime::{CommonArgs, ModelArgs, ServiceContext};
+use sluice_runtime::{CommonArgs, ModelArgs, Security, ServiceContext};
 
 /// Sluice: a distributed LLM-serving mesh.
 #[derive(Debug, Parser)]
@@ -76,6 +77,22 @@ enum Command {
     /// Load-test an OpenAI-compatible server: trace replay or synthetic load,
     /// TTFT/ITL/e2e and throughput per priority tier.
     Bench(Box<bench::BenchArgs>),
+    /// Write a private CA and a certificate it signed, for trying TLS and
+    /// mutual TLS out (`--tls-cert/--tls-key/--tls-ca`); production meshes
+    /// bring their own PKI.
+    Certs {
+        /// Directory to write `ca.pem`, `ca-key.pem`, `<name>.pem` and
+        /// `<name>-key.pem` into (created if missing; keys mode 0600).
+        #[arg(long, default_value = "certs")]
+        out: PathBuf,
+        /// Base name of the certificate's files.
+        #[arg(long, default_value = "mesh")]
+        name: String,
+        /// Host names and IP addresses the certificate is valid for (it
+        /// serves and calls: server and client authentication).
+        #[arg(long, value_delimiter = ',', default_value = "localhost,127.0.0.1,::1")]
+        hosts: Vec<String>,
+    },
     /// Model files.
     Model {
         #[command(subcommand)]
@@ -116,6 +133,27 @@ fn main() -> anyhow::Result<()> {
         );
         return Ok(());
     }
+    if let Command::Certs { out, name, hosts } = &cli.command {
+        let hosts: Vec<&str> = hosts.iter().map(String::as_str).collect();
+        let ca = sluice_runtime::security::certs::TestCa::new("sluice mesh CA")
+            .context("generating the CA")?;
+        let files = ca
+            .write(out, name, &hosts)
+            .with_context(|| format!("writing {}", out.display()))?;
+        println!(
+            "CA: {} (key {})\ncertificate for {}: {} (key {})\n\
+             serve with:  --tls-cert {} --tls-key {} --tls-ca {}",
+            files.ca.display(),
+            files.ca_key.display(),
+            hosts.join(", "),
+            files.cert.display(),
+            files.key.display(),
+            files.cert.display(),
+            files.key.display(),
+            files.ca.display(),
+        );
+        return Ok(());
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
@@ -128,6 +166,7 @@ async fn listen(
     shutdown: &sluice_runtime::Shutdown,
 ) -> anyhow::Result<(tokio::net::TcpListener, ServiceContext)> {
     common.validate()?;
+    let security = Arc::new(Security::from_args(&common.security)?);
     let listener = tokio::net::TcpListener::bind(common.listen)
         .await
         .with_context(|| format!("binding --listen {}", common.listen))?;
@@ -137,11 +176,7 @@ async fn listen(
     }
     Ok((
         listener,
-        ServiceContext {
-            common,
-            discovery,
-            shutdown: shutdown.clone(),
-        },
+        ServiceContext::with_common(common, discovery, shutdown.clone(), security),
     ))
 }
 
@@ -153,7 +188,7 @@ async fn run(command: Command, log_format: LogFormat) -> anyhow::Result<()> {
         Command::Router { .. } => "sluice-router",
         Command::Prefill { .. } => "sluice-prefill",
         Command::Decode { .. } => "sluice-decode",
-        Command::Model { .. } => "sluice",
+        Command::Model { .. } | Command::Certs { .. } => "sluice",
         Command::Bench(_) => "sluice-bench",
     };
     let telemetry = init(&TelemetryConfig::from_env(role, log_format))?;
@@ -198,7 +233,7 @@ async fn run(command: Command, log_format: LogFormat) -> anyhow::Result<()> {
                 .await
                 .map_err(Into::into)
         }
-        Command::Model { .. } => Ok(()),
+        Command::Model { .. } | Command::Certs { .. } => Ok(()),
         Command::Bench(args) => bench::run(*args, shutdown.clone()).await,
     };
     telemetry.shutdown().await;

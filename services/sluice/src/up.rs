@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use sluice_runtime::discovery::{self, MemoryDiscovery};
-use sluice_runtime::{CommonArgs, Discovery, ModelArgs, ServiceContext, Shutdown};
+use sluice_runtime::{CommonArgs, Discovery, ModelArgs, Security, ServiceContext, Shutdown};
 use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 
@@ -114,10 +114,14 @@ pub(crate) async fn run(mut args: UpArgs, shutdown: Shutdown) -> anyhow::Result<
         Some(Arc::new(MemoryDiscovery::new(&args.common.namespace))),
     )
     .await?;
-    let ctx = |s: &Shutdown| ServiceContext {
-        common: args.common.clone(),
-        discovery: Arc::clone(&discovery),
-        shutdown: s.child_token(),
+    let security = Arc::new(Security::from_args(&args.common.security)?);
+    let ctx = |s: &Shutdown| {
+        ServiceContext::with_common(
+            args.common.clone(),
+            Arc::clone(&discovery),
+            s.child_token(),
+            Arc::clone(&security),
+        )
     };
 
     let http = TcpListener::bind((args.http_host.as_str(), args.http_port))
@@ -195,10 +199,20 @@ pub(crate) async fn run(mut args: UpArgs, shutdown: Shutdown) -> anyhow::Result<
             String::new()
         }
     );
-    println!("  OpenAI API   http://{http_addr}/v1   (try: curl http://{http_addr}/v1/models)");
-    println!("  gRPC         {http_addr}  (sluice.inference.v1.Inference, reflection on)");
+    let (scheme, curl) = match &args.common.security.tls_ca {
+        _ if !security.serves_tls() => ("http", String::new()),
+        Some(ca) => ("https", format!("--cacert {} ", ca.display())),
+        None => ("https", "--cacert <your CA> ".to_owned()),
+    };
     println!(
-        "  metrics      http://{http_addr}/metrics (every service)    ready: http://{http_addr}/ready"
+        "  OpenAI API   {scheme}://{http_addr}/v1   (try: curl {curl}{scheme}://{http_addr}/v1/models)"
+    );
+    println!(
+        "  gRPC         {http_addr}  (sluice.inference.v1.Inference, reflection on{})",
+        if security.serves_tls() { ", TLS" } else { "" }
+    );
+    println!(
+        "  metrics      {scheme}://{http_addr}/metrics (every service)    ready: {scheme}://{http_addr}/ready"
     );
     println!("  Ctrl-C to stop");
 

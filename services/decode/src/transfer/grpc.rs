@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 use sluice_proto::kv::v1 as pb;
+use sluice_runtime::Security;
 use sluice_runtime::grpc::TracedChannel;
 use tonic::{Request, Response, Status};
 
@@ -55,21 +56,33 @@ impl pb::kv_transfer_server::KvTransfer for KvTransferService {
 }
 
 /// Sends over `KvTransfer.WriteBlocks`, one kept channel per receiver
-/// (HTTP/2 multiplexes concurrent transfers on it).
+/// (HTTP/2 multiplexes concurrent transfers on it), with the worker's TLS
+/// and mesh token (`KvTransfer` is an internal API).
 #[derive(Debug, Default)]
 pub struct GrpcSender {
     channels: Mutex<HashMap<String, TracedChannel>>,
+    security: Arc<Security>,
 }
 
 /// Channels kept per sender.
 const MAX_CHANNELS: usize = 64;
 
 impl GrpcSender {
+    /// A sender whose channels use `security`.
+    pub fn new(security: Arc<Security>) -> Self {
+        Self {
+            channels: Mutex::default(),
+            security,
+        }
+    }
+
     fn channel(&self, endpoint: &str) -> Result<TracedChannel, WorkerError> {
         if let Some(c) = self.channels.lock().get(endpoint) {
             return Ok(c.clone());
         }
-        let c = sluice_runtime::grpc::channel(endpoint)
+        let c = self
+            .security
+            .channel(endpoint)
             .map_err(|e| WorkerError::Transfer(e.to_string()))?;
         let mut channels = self.channels.lock();
         if channels.len() >= MAX_CHANNELS {

@@ -460,17 +460,17 @@ fn negotiation_picks_the_receivers_first_choice_the_sender_supports() {
         region(pb::Transport::Tcp, "127.0.0.1:9"),
         region(pb::Transport::Grpc, "127.0.0.1:8"),
     ];
-    let all = Senders::new(&TransportKind::ALL);
+    let all = Senders::new(&TransportKind::ALL, &Arc::default());
     // The shm file is not on this host: the next choice, tcp.
     let (s, r) = all.choose(&offered).expect("a transport in common");
     assert_eq!(
         (s.kind(), r.address.as_str()),
         (TransportKind::Tcp, "127.0.0.1:9")
     );
-    let grpc_only = Senders::new(&[TransportKind::Grpc]);
+    let grpc_only = Senders::new(&[TransportKind::Grpc], &Arc::default());
     let (s, _) = grpc_only.choose(&offered).expect("grpc in common");
     assert_eq!(s.kind(), TransportKind::Grpc);
-    let shm_only = Senders::new(&[TransportKind::Shm]);
+    let shm_only = Senders::new(&[TransportKind::Shm], &Arc::default());
     assert!(shm_only.choose(&offered).is_none());
     assert!(all.choose(&[]).is_none());
 }

@@ -1,6 +1,7 @@
 //! One streamed request against an OpenAI-compatible server, timed.
 //!
-//! HTTP/1.1 through hyper-util's pooled client (plain `http://` only). The
+//! HTTP/1.1 through hyper-util's pooled client, `http://` or `https://`
+//! (verified against `--ca`, see [`super::tls`]). The
 //! body is `/v1/completions` with the prompt as token ids (or
 //! `/v1/chat/completions` with a text prompt), `stream: true`,
 //! `stream_options.include_usage`, `max_tokens` = `min_tokens` = the planned
@@ -94,7 +95,7 @@ impl RequestRecord {
 /// The target: a pooled HTTP/1.1 client and the request URI.
 #[derive(Debug, Clone)]
 pub(crate) struct Target {
-    client: Client<HttpConnector, Full<Bytes>>,
+    client: Client<super::tls::Connector, Full<Bytes>>,
     uri: http::Uri,
     model: String,
     endpoint: Endpoint,
@@ -102,17 +103,15 @@ pub(crate) struct Target {
     vocab: u32,
 }
 
-/// The request URI for `base` (`http://host:port`, with or without `/v1`).
+/// The request URI for `base` (`http(s)://host:port`, with or without `/v1`).
 pub(crate) fn endpoint_uri(base: &str, endpoint: Endpoint) -> Result<http::Uri, BenchError> {
     let bad = |reason: String| BenchError::Flag {
         flag: "--url",
         reason,
     };
     let base = base.trim().trim_end_matches('/');
-    if !base.starts_with("http://") {
-        return Err(bad(format!(
-            "{base:?}: only plain http:// URLs are supported"
-        )));
+    if !(base.starts_with("http://") || base.starts_with("https://")) {
+        return Err(bad(format!("{base:?}: use an http:// or https:// URL")));
     }
     let base = base.strip_suffix("/v1").unwrap_or(base);
     let path = match endpoint {
@@ -131,8 +130,31 @@ impl Target {
         endpoint: Endpoint,
         api_key: Option<String>,
         vocab: u32,
+        ca: Option<&std::path::Path>,
     ) -> Result<Self, BenchError> {
         let uri = endpoint_uri(url, endpoint)?;
+        let tls = match ca {
+            Some(path) => Some(
+                sluice_runtime::security::client_config_trusting(path).map_err(|e| {
+                    BenchError::Flag {
+                        flag: "--ca",
+                        reason: format!(
+                            "{e}: {}",
+                            std::error::Error::source(&e)
+                                .map(ToString::to_string)
+                                .unwrap_or_default()
+                        ),
+                    }
+                })?,
+            ),
+            None if uri.scheme_str() == Some("https") => {
+                return Err(BenchError::Flag {
+                    flag: "--ca",
+                    reason: "an https:// URL needs --ca FILE: the CA certificate that signed the server's".into(),
+                });
+            }
+            None => None,
+        };
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(Duration::from_secs(10)));
@@ -140,7 +162,7 @@ impl Target {
         // usual 30 s idle/header timeout, so a reused one is never half-closed.
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(10))
-            .build(connector);
+            .build(super::tls::Connector::new(connector, tls));
         Ok(Self {
             client,
             uri,
@@ -396,7 +418,17 @@ mod tests {
         assert_eq!(a.path(), "/v1/completions");
         let c = endpoint_uri("http://h:1/v1", Endpoint::Chat).expect("uri");
         assert_eq!(c.path(), "/v1/chat/completions");
-        assert!(endpoint_uri("https://h", Endpoint::Chat).is_err());
+        assert_eq!(
+            endpoint_uri("https://h:8443", Endpoint::Chat)
+                .expect("uri")
+                .scheme_str(),
+            Some("https")
+        );
+        assert!(endpoint_uri("ftp://h", Endpoint::Chat).is_err());
+        // https without a CA to verify the server with is refused up front.
+        let err = Target::new("https://h:1", "m".into(), Endpoint::Chat, None, 100, None)
+            .expect_err("https needs --ca");
+        assert!(err.to_string().contains("--ca"), "{err}");
     }
 
     #[test]
@@ -407,6 +439,7 @@ mod tests {
             Endpoint::Completions,
             None,
             100,
+            None,
         )
         .expect("target");
         let p = Planned {

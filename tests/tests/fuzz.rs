@@ -1,0 +1,807 @@
+//! Property tests of the boundaries (issue 16): generated inputs, valid,
+//! nearly valid and hostile, driven through the whole mesh in one process
+//! (the mocker engine, sped up).
+//!
+//! - ≥ 10⁵ HTTP bodies through the frontend's in-process router (no socket:
+//!   `sluice_runtime::local`), streamed answers read to the end: no panic,
+//!   no 5xx, no error chunk of a server error, no hang.
+//! - ≥ 10⁴ generated messages through each gRPC service's handlers
+//!   (`Inference`, `Worker`, `Queue`, `Router`, `KvTransfer`): no panic,
+//!   no `INTERNAL` / `UNKNOWN` / `DATA_LOSS`, no hang.
+//!
+//! Generation is seeded (`SLUICE_FUZZ_SEED`, default fixed) so a failure
+//! reproduces; the failing input is printed.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::StreamExt;
+use http_body_util::{BodyExt, Full};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde_json::{Value, json};
+use sluice_proto::common::v1 as common;
+use sluice_proto::inference::v1 as ipb;
+use sluice_proto::kv::v1 as kpb;
+use sluice_proto::queue::v1 as qpb;
+use sluice_proto::router::v1 as rpb;
+use sluice_proto::worker::v1 as wpb;
+use sluice_tests::mesh::{Mesh, MeshOptions};
+use tonic::Code;
+use tower::ServiceExt;
+
+const HTTP_BODIES: usize = 100_000;
+const GRPC_MESSAGES: usize = 10_000;
+const IN_FLIGHT: usize = 16;
+/// One input's time limit: generated requests ask for few tokens.
+const EACH: Duration = Duration::from_secs(30);
+
+fn seed() -> u64 {
+    std::env::var("SLUICE_FUZZ_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0x5eed_0016)
+}
+
+async fn mesh() -> anyhow::Result<Mesh> {
+    let mut opts = MeshOptions::default();
+    opts.worker.engine = sluice_decode::EngineKind::Mocker;
+    opts.worker.speedup_ratio = 1000.0;
+    opts.frontend.default_max_tokens = 4;
+    Mesh::start(opts).await
+}
+
+// ---------------------------------------------------------------- values
+
+fn pick<'a, T>(rng: &mut StdRng, xs: &'a [T]) -> &'a T {
+    &xs[rng.random_range(0..xs.len())]
+}
+
+/// A string: short words, unicode, control characters, long runs.
+fn string(rng: &mut StdRng) -> String {
+    match rng.random_range(0..8) {
+        0 => String::new(),
+        1 => "x".repeat(rng.random_range(1..5000)),
+        2 => (0..rng.random_range(1..20))
+            .map(|_| char::from_u32(rng.random_range(0..0x11_0000)).unwrap_or('\u{fffd}'))
+            .collect(),
+        3 => "\u{0}\n\r\t\"\\".into(),
+        4 => pick(rng, &["system", "user", "assistant", "tool", "wizard", ""]).to_string(),
+        _ => pick(
+            rng,
+            &[
+                "The river runs",
+                "hello",
+                "a b c",
+                "<|im_start|>",
+                "STOP",
+                "🦀",
+            ],
+        )
+        .to_string(),
+    }
+}
+
+/// A number: small, boundary, huge, negative, fractional, non-integer.
+fn number(rng: &mut StdRng) -> Value {
+    match rng.random_range(0..10) {
+        0 => json!(0),
+        1 => json!(-1),
+        2 => json!(u32::MAX),
+        3 => json!(u64::MAX),
+        4 => json!(i64::MIN),
+        5 => json!(rng.random::<f64>() * 4.0 - 1.0),
+        6 => json!(1e300),
+        7 => json!(i32::MAX),
+        _ => json!(rng.random_range(1..8)),
+    }
+}
+
+/// Any JSON value, nested up to `depth`.
+fn any(rng: &mut StdRng, depth: u32) -> Value {
+    match rng.random_range(0..if depth == 0 { 5 } else { 7 }) {
+        0 => Value::Null,
+        1 => json!(rng.random_bool(0.5)),
+        2 => number(rng),
+        3 | 4 => json!(string(rng)),
+        5 => Value::Array(
+            (0..rng.random_range(0..6))
+                .map(|_| any(rng, depth - 1))
+                .collect(),
+        ),
+        _ => Value::Object(
+            (0..rng.random_range(0..5))
+                .map(|_| (string(rng), any(rng, depth - 1)))
+                .collect(),
+        ),
+    }
+}
+
+/// A field's value: usually plausible, sometimes anything.
+fn field(rng: &mut StdRng, plausible: impl FnOnce(&mut StdRng) -> Value) -> Value {
+    if rng.random_bool(0.8) {
+        plausible(rng)
+    } else {
+        any(rng, 2)
+    }
+}
+
+fn token_ids(rng: &mut StdRng) -> Vec<u32> {
+    let n = pick(rng, &[0usize, 1, 3, 8, 40, 300, 3000]);
+    (0..*n)
+        .map(|_| {
+            if rng.random_bool(0.02) {
+                pick(rng, &[u32::MAX, 1 << 20, 70_000]).to_owned()
+            } else {
+                rng.random_range(1..500)
+            }
+        })
+        .collect()
+}
+
+// ---------------------------------------------------------------- HTTP
+
+/// A request body for `chat` or `completions`: a valid request with some
+/// fields changed, left out or added.
+fn body(rng: &mut StdRng, chat: bool) -> Vec<u8> {
+    match rng.random_range(0..20) {
+        0 => {
+            return (0..rng.random_range(0..200))
+                .map(|_| rng.random())
+                .collect();
+        }
+        1 => return any(rng, 4).to_string().into_bytes(),
+        2 => return b"{\"model\": \"sluice-tiny\", \"messages\": [".to_vec(),
+        _ => {}
+    }
+    let mut o = serde_json::Map::new();
+    let mut maybe = |rng: &mut StdRng, key: &str, p: f64, v: &dyn Fn(&mut StdRng) -> Value| {
+        if rng.random_bool(p) {
+            let value = field(rng, v);
+            o.insert(key.to_owned(), value);
+        }
+    };
+    maybe(rng, "model", 0.97, &|r| {
+        json!(if r.random_bool(0.9) {
+            "sluice-tiny".to_owned()
+        } else {
+            string(r)
+        })
+    });
+    if chat {
+        maybe(rng, "messages", 0.97, &|r| {
+            Value::Array(
+                (0..r.random_range(0..4))
+                    .map(|_| {
+                        let role = if r.random_bool(0.9) {
+                            pick(r, &["user", "system", "assistant"]).to_string()
+                        } else {
+                            string(r)
+                        };
+                        let content = if r.random_bool(0.85) {
+                            json!(string(r))
+                        } else {
+                            json!([{"type": pick(r, &["text", "image_url"]), "text": string(r)}])
+                        };
+                        json!({"role": role, "content": content})
+                    })
+                    .collect(),
+            )
+        });
+    } else {
+        maybe(rng, "prompt", 0.97, &|r| {
+            if r.random_bool(0.5) {
+                json!(string(r))
+            } else {
+                json!(token_ids(r))
+            }
+        });
+    }
+    maybe(rng, "max_tokens", 0.6, &|r| {
+        if r.random_bool(0.85) {
+            json!(r.random_range(1..5))
+        } else {
+            number(r)
+        }
+    });
+    maybe(rng, "min_tokens", 0.1, &number);
+    maybe(rng, "temperature", 0.3, &number);
+    maybe(rng, "top_p", 0.2, &number);
+    maybe(rng, "top_k", 0.1, &number);
+    maybe(rng, "seed", 0.1, &number);
+    maybe(rng, "n", 0.05, &number);
+    maybe(rng, "repetition_penalty", 0.05, &number);
+    maybe(rng, "frequency_penalty", 0.05, &number);
+    maybe(rng, "presence_penalty", 0.05, &number);
+    maybe(rng, "ignore_eos", 0.1, &|r| json!(r.random_bool(0.5)));
+    maybe(rng, "stream", 0.4, &|r| json!(r.random_bool(0.7)));
+    maybe(
+        rng,
+        "stream_options",
+        0.2,
+        &|r| json!({"include_usage": r.random_bool(0.5)}),
+    );
+    maybe(rng, "stop", 0.2, &|r| {
+        if r.random_bool(0.5) {
+            json!(string(r))
+        } else {
+            json!(
+                (0..r.random_range(0..20))
+                    .map(|_| string(r))
+                    .collect::<Vec<_>>()
+            )
+        }
+    });
+    maybe(rng, "stop_token_ids", 0.05, &|r| json!(token_ids(r)));
+    maybe(rng, "logprobs", 0.15, &|r| {
+        if chat {
+            json!(r.random_bool(0.5))
+        } else {
+            number(r)
+        }
+    });
+    maybe(rng, "top_logprobs", 0.1, &number);
+    maybe(rng, "user", 0.1, &|r| json!(string(r)));
+    maybe(
+        rng,
+        "nvext",
+        0.2,
+        &|r| json!({"agent_hints": {"priority": number(r), "strict_priority": number(r), "osl": number(r)}}),
+    );
+    maybe(rng, "priority", 0.02, &number);
+    maybe(rng, &string(&mut StdRng::seed_from_u64(0)), 0.02, &|r| {
+        any(r, 1)
+    });
+    Value::Object(o).to_string().into_bytes()
+}
+
+/// A whole request: mostly the two generation routes, sometimes others.
+fn http_request(rng: &mut StdRng) -> (http::Method, &'static str, Vec<(String, String)>, Vec<u8>) {
+    let route = rng.random_range(0..100);
+    let (method, path) = match route {
+        0..=47 => (http::Method::POST, "/v1/chat/completions"),
+        48..=95 => (http::Method::POST, "/v1/completions"),
+        96 => (http::Method::GET, "/v1/models"),
+        97 => (http::Method::GET, "/health"),
+        98 => (http::Method::GET, "/v1/chat/completions"),
+        _ => (http::Method::POST, "/v1/nope"),
+    };
+    let body = body(rng, path.contains("chat"));
+    let mut headers = vec![("content-type".to_owned(), "application/json".to_owned())];
+    if rng.random_bool(0.05) {
+        headers.push((
+            "x-sluice-priority".to_owned(),
+            pick(rng, &["1", "-5", "99999999999", "high", "2147483647"]).to_string(),
+        ));
+    }
+    if rng.random_bool(0.02) {
+        headers.push((
+            "x-request-id".to_owned(),
+            "r".repeat(rng.random_range(1..600)),
+        ));
+    }
+    if rng.random_bool(0.03) {
+        headers[0].1 =
+            pick(rng, &["text/plain", "", "application/json; charset=latin1"]).to_string();
+    }
+    (method, path, headers, body)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generated_http_bodies_never_panic_or_get_a_5xx() -> anyhow::Result<()> {
+    let mesh = mesh().await?;
+    let channel = sluice_runtime::grpc::channel(&mesh.http)?;
+    let seed = seed();
+    let ok = std::sync::atomic::AtomicUsize::new(0);
+    let ok = &ok;
+    let failures = futures::stream::iter(0..HTTP_BODIES)
+        .map(|i| {
+            let channel = channel.clone();
+            async move {
+                let mut rng = StdRng::seed_from_u64(seed ^ (i as u64).wrapping_mul(0x9e37_79b9));
+                let (method, path, headers, body) = http_request(&mut rng);
+                let shown = String::from_utf8_lossy(&body[..body.len().min(600)]).into_owned();
+                let mut req = http::Request::builder().method(method).uri(path);
+                for (k, v) in &headers {
+                    if let Ok(v) = http::HeaderValue::from_str(v) {
+                        req = req.header(k.as_str(), v);
+                    }
+                }
+                let req = match req.body(tonic::body::Body::new(Full::new(Bytes::from(body)))) {
+                    Ok(r) => r,
+                    Err(e) => return Some(format!("#{i}: building the request: {e}")),
+                };
+                let answer = tokio::time::timeout(EACH, async {
+                    let resp = channel.oneshot(req).await.map_err(|e| e.to_string())?;
+                    let status = resp.status();
+                    let body = resp
+                        .into_body()
+                        .collect()
+                        .await
+                        .map_err(|e| format!("reading the body: {e}"))?
+                        .to_bytes();
+                    Ok::<_, String>((status, body))
+                })
+                .await;
+                let (status, body) = match answer {
+                    Err(_) => return Some(format!("#{i} {path}: no answer in {EACH:?}: {shown}")),
+                    Ok(Err(e)) => return Some(format!("#{i} {path}: {e}: {shown}")),
+                    Ok(Ok(a)) => a,
+                };
+                let text = String::from_utf8_lossy(&body);
+                if status.is_server_error() || text.contains("\"server_error\"") {
+                    return Some(format!(
+                        "#{i} {path}: {status} {text}\n  for {headers:?} {shown}"
+                    ));
+                }
+                if status.is_success() {
+                    ok.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                None
+            }
+        })
+        .buffer_unordered(IN_FLIGHT)
+        .filter_map(|f| async move { f })
+        .take(5)
+        .collect::<Vec<_>>()
+        .await;
+    assert!(failures.is_empty(), "seed {seed}:\n{}", failures.join("\n"));
+    let ok = ok.load(std::sync::atomic::Ordering::Relaxed);
+    eprintln!("{ok} of {HTTP_BODIES} generated requests were served (2xx)");
+    assert!(
+        ok > HTTP_BODIES / 100,
+        "the generator hardly reaches generation: {ok} served"
+    );
+    // Still serving.
+    mesh.complete_tokens(&[5, 6, 7], 2).await?;
+    mesh.stop().await
+}
+
+// ---------------------------------------------------------------- gRPC
+
+fn sampling(rng: &mut StdRng) -> Option<common::SamplingParams> {
+    rng.random_bool(0.9).then(|| common::SamplingParams {
+        max_tokens: *pick(rng, &[0, 1, 2, 4, 4, 4, u32::MAX]),
+        min_tokens: *pick(rng, &[0, 0, 0, 1, 5, u32::MAX]),
+        temperature: rng
+            .random_bool(0.3)
+            .then(|| *pick(rng, &[0.0, 0.7, 2.0, 3.0, -1.0, f32::NAN, f32::INFINITY])),
+        top_p: rng
+            .random_bool(0.2)
+            .then(|| *pick(rng, &[0.0, 0.5, 1.0, 1.5, f32::NAN])),
+        top_k: *pick(rng, &[0, 0, 0, 1, 50, u32::MAX]),
+        seed: rng.random_bool(0.2).then(|| rng.random()),
+        stop: (0..*pick(rng, &[0, 0, 1, 3, 20, 10_000]))
+            .map(|_| string(rng))
+            .collect(),
+        stop_token_ids: token_ids(rng)
+            .into_iter()
+            .take(*pick(rng, &[0, 2, 100]))
+            .collect(),
+        ignore_eos: rng.random_bool(0.3),
+        repetition_penalty: rng
+            .random_bool(0.1)
+            .then(|| *pick(rng, &[0.0, 1.1, 11.0, f32::NAN])),
+        top_logprobs: *pick(rng, &[0, 0, 1, 5, 20, 21, u32::MAX]),
+        logprobs: rng.random_bool(0.2),
+    })
+}
+
+fn hints(rng: &mut StdRng) -> Option<common::PriorityHints> {
+    rng.random_bool(0.5).then(|| common::PriorityHints {
+        priority: *pick(rng, &[0, 1, 3, -3, 1000, 1001, i32::MAX, i32::MIN]),
+        strict_priority: *pick(rng, &[0, 1, 1000, u32::MAX]),
+        osl: rng.random(),
+    })
+}
+
+fn model(rng: &mut StdRng) -> String {
+    if rng.random_bool(0.9) {
+        "sluice-tiny".into()
+    } else {
+        string(rng)
+    }
+}
+
+fn worker_generate(rng: &mut StdRng, endpoint: &str) -> wpb::GenerateRequest {
+    wpb::GenerateRequest {
+        request_id: if rng.random_bool(0.95) {
+            format!("f{}", rng.random::<u32>())
+        } else {
+            string(rng)
+        },
+        model: model(rng),
+        prompt_token_ids: token_ids(rng),
+        sampling: sampling(rng),
+        priority: *pick(rng, &[0, 2, -7, i32::MAX]),
+        dp_rank: *pick(rng, &[0, 0, 0, 1, u32::MAX]),
+        prefill_worker_id: if rng.random_bool(0.1) {
+            string(rng)
+        } else {
+            String::new()
+        },
+        prefill_worker_endpoint: if rng.random_bool(0.1) {
+            pick(
+                rng,
+                &[endpoint, "127.0.0.1:1", "not an endpoint", "http://[::1"],
+            )
+            .to_string()
+        } else {
+            String::new()
+        },
+        placed: rng.random_bool(0.5),
+    }
+}
+
+/// A bad status: the server failed rather than refusing the input.
+fn bad(s: &tonic::Status) -> bool {
+    matches!(s.code(), Code::Internal | Code::Unknown | Code::DataLoss)
+}
+
+/// Reads a server stream for a while (long-lived ones are dropped).
+async fn sample_stream<T>(
+    s: Result<tonic::Response<tonic::Streaming<T>>, tonic::Status>,
+    until_end: bool,
+) -> Result<(), tonic::Status> {
+    let mut s = s?.into_inner();
+    let read = async {
+        while s.message().await?.is_some() {
+            if !until_end {
+                break;
+            }
+        }
+        Ok::<_, tonic::Status>(())
+    };
+    match tokio::time::timeout(
+        Duration::from_millis(if until_end { 25_000 } else { 200 }),
+        read,
+    )
+    .await
+    {
+        Ok(r) => r,
+        Err(_) if !until_end => Ok(()),
+        Err(_) => Err(tonic::Status::deadline_exceeded("the stream did not end")),
+    }
+}
+
+/// Sends `count` generated messages through `call`; the first failures,
+/// and one more if none was served at all (the generator must reach the
+/// handlers, not only the checks in front of them).
+async fn drive<F, Fut>(name: &str, count: usize, call: F) -> Vec<String>
+where
+    F: Fn(StdRng) -> Fut,
+    Fut: Future<Output = Result<(), (tonic::Status, String)>>,
+{
+    let seed = seed();
+    let served = std::sync::atomic::AtomicUsize::new(0);
+    let served = &served;
+    let mut failures: Vec<String> = futures::stream::iter(0..count)
+        .map(|i| {
+            let rng = StdRng::seed_from_u64(seed ^ (i as u64 + 1).wrapping_mul(0x2545_f491));
+            let fut = call(rng);
+            async move {
+                match tokio::time::timeout(EACH, fut).await {
+                    Err(_) => Some(format!("{name} #{i}: no answer in {EACH:?}")),
+                    Ok(Err((status, input)))
+                        if bad(&status) || status.code() == Code::DeadlineExceeded =>
+                    {
+                        Some(format!("{name} #{i}: {status:?}\n  for {input}"))
+                    }
+                    Ok(Ok(())) => {
+                        served.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        None
+                    }
+                    Ok(_) => None,
+                }
+            }
+        })
+        .buffer_unordered(IN_FLIGHT)
+        .filter_map(|f| async move { f })
+        .take(5)
+        .collect()
+        .await;
+    let served = served.load(std::sync::atomic::Ordering::Relaxed);
+    eprintln!("{name}: {served} of {count} generated inputs served");
+    if served == 0 {
+        failures.push(format!(
+            "{name}: none of {count} generated inputs was served"
+        ));
+    }
+    failures
+}
+
+fn shown<T: std::fmt::Debug>(m: &T) -> String {
+    let s = format!("{m:?}");
+    s.chars().take(800).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generated_grpc_messages_never_panic_or_get_internal() -> anyhow::Result<()> {
+    let mesh = mesh().await?;
+    let ch = sluice_runtime::grpc::channel;
+    let decode = mesh.endpoints("decode").await?.remove(0);
+    let queue = mesh.endpoints("queue").await?.remove(0);
+    let router = mesh.endpoints("router").await?.remove(0);
+    let mut failures = Vec::new();
+
+    let inference = ipb::inference_client::InferenceClient::new(ch(&mesh.http)?);
+    failures.extend(
+        drive("Inference.Generate", GRPC_MESSAGES, |mut rng| {
+            let mut c = inference.clone();
+            async move {
+                let input = match rng.random_range(0..5) {
+                    0 => None,
+                    1 => Some(ipb::generate_request::Input::Text(string(&mut rng))),
+                    2 => Some(ipb::generate_request::Input::Tokens(ipb::TokenIds {
+                        ids: token_ids(&mut rng),
+                    })),
+                    _ => Some(ipb::generate_request::Input::Chat(ipb::ChatMessages {
+                        messages: (0..rng.random_range(0..4))
+                            .map(|_| ipb::ChatMessage {
+                                role: if rng.random_bool(0.8) {
+                                    "user".into()
+                                } else {
+                                    string(&mut rng)
+                                },
+                                content: string(&mut rng),
+                            })
+                            .collect(),
+                    })),
+                };
+                let req = ipb::GenerateRequest {
+                    request_id: if rng.random_bool(0.9) {
+                        String::new()
+                    } else {
+                        string(&mut rng)
+                    },
+                    model: model(&mut rng),
+                    input,
+                    sampling: sampling(&mut rng),
+                    hints: hints(&mut rng),
+                    tenant: if rng.random_bool(0.9) {
+                        String::new()
+                    } else {
+                        string(&mut rng)
+                    },
+                    ..Default::default()
+                };
+                let input = shown(&req);
+                sample_stream(c.generate(req).await, true)
+                    .await
+                    .map_err(|s| (s, input))
+            }
+        })
+        .await,
+    );
+
+    let worker = wpb::worker_client::WorkerClient::new(ch(&decode)?);
+    failures.extend(
+        drive("Worker", GRPC_MESSAGES, |mut rng| {
+            let mut c = worker.clone();
+            let decode = decode.clone();
+            async move {
+                match rng.random_range(0..10) {
+                    0..=5 => {
+                        let req = worker_generate(&mut rng, &decode);
+                        let input = shown(&req);
+                        sample_stream(c.generate(req).await, true)
+                            .await
+                            .map_err(|s| (s, input))
+                    }
+                    6 => {
+                        let req = wpb::PrefillRequest {
+                            request_id: string(&mut rng),
+                            model: model(&mut rng),
+                            prompt_token_ids: token_ids(&mut rng),
+                            sampling: sampling(&mut rng),
+                            priority: rng.random(),
+                            destination: rng.random_bool(0.5).then(|| kpb::TransferDescriptor {
+                                transfer_id: string(&mut rng),
+                                block_ids: token_ids(&mut rng),
+                                ..Default::default()
+                            }),
+                            placed: rng.random(),
+                        };
+                        let input = shown(&req);
+                        c.prefill(req).await.map(drop).map_err(|s| (s, input))
+                    }
+                    7 => {
+                        let req = wpb::KvSnapshotRequest {
+                            dp_rank: *pick(&mut rng, &[0, 1, u32::MAX]),
+                        };
+                        let input = shown(&req);
+                        c.kv_snapshot(req).await.map(drop).map_err(|s| (s, input))
+                    }
+                    8 => {
+                        let req = wpb::SubscribeKvEventsRequest {
+                            from_seq: *pick(&mut rng, &[0, 1, u64::MAX, 1 << 40]),
+                            dp_rank: *pick(&mut rng, &[0, 1, u32::MAX]),
+                        };
+                        let input = shown(&req);
+                        sample_stream(c.subscribe_kv_events(req).await, false)
+                            .await
+                            .map_err(|s| (s, input))
+                    }
+                    _ => {
+                        let req = wpb::LoadRequest {
+                            min_interval_ms: *pick(&mut rng, &[0, 1, 100, u32::MAX]),
+                            max_interval_ms: *pick(&mut rng, &[0, 1, 100, u32::MAX]),
+                        };
+                        let input = shown(&req);
+                        sample_stream(c.load(req).await, false)
+                            .await
+                            .map_err(|s| (s, input))
+                    }
+                }
+            }
+        })
+        .await,
+    );
+
+    let kv = kpb::kv_transfer_client::KvTransferClient::new(ch(&decode)?);
+    failures.extend(
+        drive("KvTransfer.WriteBlocks", GRPC_MESSAGES, |mut rng| {
+            let mut c = kv.clone();
+            async move {
+                let chunks: Vec<kpb::BlockChunk> = (0..rng.random_range(0..4))
+                    .map(|_| kpb::BlockChunk {
+                        transfer_id: string(&mut rng),
+                        block_id: *pick(&mut rng, &[0, 1, u32::MAX]),
+                        data: (0..*pick(&mut rng, &[0usize, 16, 4096]))
+                            .map(|_| rng.random())
+                            .collect(),
+                        checksum: rng.random(),
+                    })
+                    .collect();
+                let input = shown(&chunks);
+                match c.write_blocks(futures::stream::iter(chunks)).await {
+                    Err(s) if s.code() == Code::Unimplemented => Ok(()),
+                    r => r.map(drop).map_err(|s| (s, input)),
+                }
+            }
+        })
+        .await,
+    );
+
+    let queue_c = qpb::queue_client::QueueClient::new(ch(&queue)?);
+    failures.extend(
+        drive("Queue", GRPC_MESSAGES, |mut rng| {
+            let mut c = queue_c.clone();
+            async move {
+                if rng.random_bool(0.1) {
+                    return c
+                        .stats(qpb::StatsRequest {})
+                        .await
+                        .map(drop)
+                        .map_err(|s| (s, "Stats".into()));
+                }
+                let msgs: Vec<qpb::AdmitRequest> = (0..rng.random_range(0..4))
+                    .map(|_| {
+                        let msg = match rng.random_range(0..6) {
+                            0 => None,
+                            1 => Some(qpb::admit_request::Msg::Done(qpb::AdmitDone {})),
+                            2 => Some(qpb::admit_request::Msg::Started(qpb::AdmitStarted {})),
+                            _ => {
+                                let block_size = *pick(&mut rng, &[0, 16, 16, u32::MAX]);
+                                Some(qpb::admit_request::Msg::Open(qpb::AdmitOpen {
+                                    request_id: if rng.random_bool(0.9) {
+                                        format!("q{}", rng.random::<u32>())
+                                    } else {
+                                        string(&mut rng)
+                                    },
+                                    model: model(&mut rng),
+                                    priority: *pick(&mut rng, &[0, 3, -3, i32::MAX, i32::MIN]),
+                                    strict_priority: *pick(&mut rng, &[0, 1, u32::MAX]),
+                                    tenant: if rng.random_bool(0.8) {
+                                        String::new()
+                                    } else {
+                                        string(&mut rng)
+                                    },
+                                    prompt_tokens: *pick(&mut rng, &[0, 5, 64, u32::MAX]),
+                                    block_hashes: (0..*pick(&mut rng, &[0usize, 1, 4, 5000]))
+                                        .map(|_| rng.random())
+                                        .collect(),
+                                    block_size,
+                                    deadline_ms: *pick(&mut rng, &[0, 1, 50, u32::MAX]),
+                                    expected_output_tokens: rng.random(),
+                                    exclude_worker_ids: (0..*pick(&mut rng, &[0usize, 1, 100]))
+                                        .map(|_| string(&mut rng))
+                                        .collect(),
+                                }))
+                            }
+                        };
+                        qpb::AdmitRequest { msg }
+                    })
+                    .collect();
+                let input = shown(&msgs);
+                sample_stream(c.admit(futures::stream::iter(msgs)).await, false)
+                    .await
+                    .map_err(|s| (s, input))
+            }
+        })
+        .await,
+    );
+
+    let router_c = rpb::router_client::RouterClient::new(ch(&router)?);
+    let route = |rng: &mut StdRng| rpb::RouteRequest {
+        request_id: string(rng),
+        model: model(rng),
+        pool: rng.random_range(-1..4),
+        prompt_tokens: *pick(rng, &[0, 5, 64, u32::MAX]),
+        block_hashes: (0..*pick(rng, &[0usize, 1, 4, 5000]))
+            .map(|_| rng.random())
+            .collect(),
+        block_size: *pick(rng, &[0, 16, 16, u32::MAX]),
+        priority: rng.random(),
+        commit: rng.random_bool(0.3),
+        exclude_worker_ids: (0..*pick(rng, &[0usize, 1, 100]))
+            .map(|_| string(rng))
+            .collect(),
+        placement_id: rng.random(),
+    };
+    failures.extend(
+        drive("Router", GRPC_MESSAGES, |mut rng| {
+            let mut c = router_c.clone();
+            async move {
+                match rng.random_range(0..10) {
+                    0..=4 => {
+                        let req = route(&mut rng);
+                        let input = shown(&req);
+                        c.route(req).await.map(drop).map_err(|s| (s, input))
+                    }
+                    5 => {
+                        let req = rpb::WatchLoadRequest {
+                            model: model(&mut rng),
+                        };
+                        let input = shown(&req);
+                        sample_stream(c.watch_load(req).await, false)
+                            .await
+                            .map_err(|s| (s, input))
+                    }
+                    _ => {
+                        let msgs: Vec<rpb::PlaceRequest> = (0..rng.random_range(0..5))
+                            .map(|_| {
+                                let msg = match rng.random_range(0..5) {
+                                    0 => None,
+                                    1 => Some(rpb::place_request::Msg::Hello(rpb::PlaceHello {
+                                        client_id: string(&mut rng),
+                                    })),
+                                    2 => Some(rpb::place_request::Msg::Update(
+                                        rpb::PlacementUpdate {
+                                            placement_id: rng.random(),
+                                            state: rng.random_range(-1..4),
+                                        },
+                                    )),
+                                    3 => Some(rpb::place_request::Msg::Placed(rpb::Placement {
+                                        placement_id: rng.random(),
+                                        ..Default::default()
+                                    })),
+                                    _ => Some(rpb::place_request::Msg::Route(rpb::PlaceCall {
+                                        call_id: rng.random(),
+                                        request: rng.random_bool(0.9).then(|| route(&mut rng)),
+                                        traceparent: string(&mut rng),
+                                    })),
+                                };
+                                rpb::PlaceRequest { msg }
+                            })
+                            .collect();
+                        let input = shown(&msgs);
+                        sample_stream(c.place(futures::stream::iter(msgs)).await, false)
+                            .await
+                            .map_err(|s| (s, input))
+                    }
+                }
+            }
+        })
+        .await,
+    );
+
+    assert!(
+        failures.is_empty(),
+        "seed {}:\n{}",
+        seed(),
+        failures.join("\n")
+    );
+    mesh.complete_tokens(&[5, 6, 7], 2).await?;
+    mesh.stop().await
+}
