@@ -187,10 +187,9 @@ impl Cluster {
                     return Ok(());
                 }
             }
-            anyhow::ensure!(
+            assert!(
                 Instant::now() < deadline,
-                "the frontend did not list {workers} workers, {queues} queues and {routers} routers within {within:?}; logs in {}",
-                self.dir.path().display()
+                "the frontend did not list {workers} workers, {queues} queues and {routers} routers within {within:?}"
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -198,7 +197,7 @@ impl Cluster {
 
     async fn complete(&self) -> anyhow::Result<()> {
         let (status, body) = complete(&self.http).await?;
-        anyhow::ensure!(status == 200, "{status}: {body}");
+        assert_eq!(status, 200, "{body}");
         Ok(())
     }
 
@@ -207,9 +206,28 @@ impl Cluster {
         anyhow::ensure!(status == 200, "GET {addr}/metrics: {status}");
         Ok(page)
     }
+}
 
-    fn logs(&self) -> String {
-        self.dir.path().display().to_string()
+impl Drop for Cluster {
+    /// A failed test shows the end of every service's log (the directory
+    /// goes with the test).
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        let Ok(entries) = std::fs::read_dir(self.dir.path()) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if path.extension().is_some_and(|e| e == "log")
+                && let Ok(log) = std::fs::read_to_string(&path)
+            {
+                let lines: Vec<&str> = log.lines().collect();
+                let tail = &lines[lines.len().saturating_sub(15)..];
+                eprintln!("--- {} ---\n{}", path.display(), tail.join("\n"));
+            }
+        }
     }
 }
 
@@ -299,10 +317,9 @@ async fn etcd_paused_for_10_s_under_load_fails_no_request() -> anyhow::Result<()
     eprintln!("{total} requests across the pause; members listed at least {lowest:?}");
     assert!(
         failed.is_empty(),
-        "{} of {total} requests failed: {:?}; logs in {}",
+        "{} of {total} requests failed: {:?}",
         failed.len(),
         &failed[..failed.len().min(5)],
-        cluster.logs()
     );
     assert!(total >= 50, "too little load to tell: {total} requests");
     assert_eq!(lowest, (2, 2, 2), "a member left the frontend's view");
@@ -373,10 +390,9 @@ async fn kill_one_under_load(cluster: &mut Cluster, service: &str) -> anyhow::Re
     eprintln!("{total} requests; the killed {service} left the view after {gone:?}");
     assert!(
         failed.is_empty(),
-        "{} of {total} requests failed after killing a {service}: {:?}; logs in {}",
+        "{} of {total} requests failed after killing a {service}: {:?}",
         failed.len(),
         &failed[..failed.len().min(5)],
-        cluster.logs()
     );
     assert!(total >= 50, "too little load to tell: {total} requests");
     // The survivor serves on its own.
