@@ -24,7 +24,13 @@ pub(crate) struct GenerateParams {
     pub sampling: common::SamplingParams,
     pub stop: Vec<String>,
     pub hints: common::PriorityHints,
+    /// OpenAI's end-user id; names the tenant only without API keys.
+    pub user: Option<String>,
+    /// The tenant the request is queued as (see `auth::resolve_tenant`);
+    /// before resolution, the one the request claims, if any.
     pub tenant: String,
+    /// The tenant's fair-share weight from the API key file; 0 = none.
+    pub tenant_weight: u32,
     pub timeout: Option<Duration>,
 }
 
@@ -505,7 +511,9 @@ impl ChatRequest {
                 sampling,
                 stop: stop_list(self.stop)?,
                 hints: hints(&self.nvext),
-                tenant: self.user.unwrap_or_default(),
+                user: self.user,
+                tenant: String::new(),
+                tenant_weight: 0,
                 timeout: None,
             },
             mode,
@@ -582,7 +590,9 @@ impl CompletionRequest {
                 sampling,
                 stop: stop_list(self.stop)?,
                 hints: hints(&self.nvext),
-                tenant: self.user.unwrap_or_default(),
+                user: self.user,
+                tenant: String::new(),
+                tenant_weight: 0,
                 timeout: None,
             },
             mode,

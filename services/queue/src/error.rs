@@ -35,6 +35,16 @@ pub enum QueueError {
         /// The per-tenant limit.
         limit: usize,
     },
+    /// The tenant is over one of its quotas (`--tenant-limits`).
+    #[error("tenant {tenant:?} is over {quota}; retry after {} s", retry_after.as_secs())]
+    QuotaExceeded {
+        /// The tenant.
+        tenant: String,
+        /// The limit it is over.
+        quota: Quota,
+        /// When this replica's share allows a request again.
+        retry_after: Duration,
+    },
     /// A low-priority request found only the share reserved for protected
     /// priorities left.
     #[error(
@@ -101,12 +111,83 @@ pub enum QueueError {
     },
 }
 
+/// Which of a tenant's quotas refused a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Quota {
+    /// Tokens per minute.
+    Tokens {
+        /// The tenant's limit.
+        per_minute: u64,
+        /// This replica's share of it.
+        share: u64,
+        /// Queue replicas sharing it.
+        replicas: u32,
+    },
+    /// Requests pending or running at once.
+    Requests {
+        /// The tenant's limit.
+        limit: u32,
+        /// This replica's share of it.
+        share: u32,
+        /// Queue replicas sharing it.
+        replicas: u32,
+    },
+}
+
+impl Quota {
+    /// The wire name (`sluice-quota` metadata) and OpenAI error type.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Tokens { .. } => "tokens",
+            Self::Requests { .. } => "requests",
+        }
+    }
+}
+
+impl std::fmt::Display for Quota {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (share, replicas) = match self {
+            Self::Tokens {
+                per_minute,
+                share,
+                replicas,
+            } => {
+                write!(f, "its limit of {per_minute} tokens per minute")?;
+                (*share, *replicas)
+            }
+            Self::Requests {
+                limit,
+                share,
+                replicas,
+            } => {
+                write!(f, "its limit of {limit} concurrent requests")?;
+                (u64::from(*share), *replicas)
+            }
+        };
+        if replicas > 1 {
+            write!(
+                f,
+                " (this queue replica enforces its share {share} of {replicas} replicas)"
+            )?;
+        }
+        Ok(())
+    }
+}
+
 impl QueueError {
     /// The rejection reason used as a metrics label.
     pub fn reason(&self) -> &'static str {
         match self {
             Self::QueueFull { .. } => "queue_full",
             Self::TenantFull { .. } => "tenant_full",
+            Self::QuotaExceeded {
+                quota: Quota::Tokens { .. },
+                ..
+            } => "quota_tokens",
+            Self::QuotaExceeded {
+                quota: Quota::Requests { .. },
+                ..
+            } => "quota_requests",
             Self::Shed { .. } => "shed",
             Self::DeadlineExceeded { .. } => "deadline",
             Self::NoWorkers { .. } => "no_workers",
@@ -134,6 +215,19 @@ impl From<QueueError> for tonic::Status {
             QueueError::QueueFull { .. }
             | QueueError::TenantFull { .. }
             | QueueError::Shed { .. } => Status::resource_exhausted(err.to_string()),
+            QueueError::QuotaExceeded {
+                quota, retry_after, ..
+            } => {
+                let mut status = Status::resource_exhausted(err.to_string());
+                let secs = retry_after.as_secs().max(1);
+                let meta = status.metadata_mut();
+                meta.insert("retry-after", tonic::metadata::MetadataValue::from(secs));
+                meta.insert(
+                    "sluice-quota",
+                    tonic::metadata::MetadataValue::from_static(quota.kind()),
+                );
+                status
+            }
             QueueError::DeadlineExceeded { .. } => Status::deadline_exceeded(err.to_string()),
             QueueError::NoWorkers { .. } | QueueError::NoRouter | QueueError::Draining => {
                 Status::unavailable(err.to_string())
@@ -189,6 +283,32 @@ mod tests {
         for err in [full, shed, tenant] {
             assert_eq!(tonic::Status::from(err).code(), Code::ResourceExhausted);
         }
+    }
+
+    #[test]
+    fn a_quota_refusal_carries_retry_after_and_the_quota_in_metadata() {
+        let err = QueueError::QuotaExceeded {
+            tenant: "acme".into(),
+            quota: Quota::Tokens {
+                per_minute: 1200,
+                share: 600,
+                replicas: 2,
+            },
+            retry_after: Duration::from_secs(7),
+        };
+        assert_eq!(err.reason(), "quota_tokens");
+        let status = tonic::Status::from(err);
+        assert_eq!(status.code(), Code::ResourceExhausted);
+        let meta = |k| status.metadata().get(k).and_then(|v| v.to_str().ok());
+        assert_eq!(meta("retry-after"), Some("7"));
+        assert_eq!(meta("sluice-quota"), Some("tokens"));
+        assert!(
+            status
+                .message()
+                .contains("\"acme\" is over its limit of 1200 tokens per minute (this queue replica enforces its share 600 of 2 replicas); retry after 7 s"),
+            "{}",
+            status.message()
+        );
     }
 
     #[test]

@@ -16,6 +16,7 @@ mod metrics;
 mod placement;
 mod queue;
 mod service;
+mod tenants;
 
 use prometheus::Registry;
 use sluice_proto::queue::v1::queue_server::QueueServer;
@@ -24,13 +25,14 @@ use sluice_runtime::grpc::GrpcServer;
 use tokio::net::TcpListener;
 use tokio_util::task::TaskTracker;
 
-pub use config::{Args, Policy, WfqClass, WfqWeights};
-pub use error::QueueError;
+pub use config::{Args, Policy, WfqClass, WfqCost, WfqWeights};
+pub use error::{Quota, QueueError};
 pub use metrics::QueueMetrics;
 pub use queue::{
     Entry, Grant, HeldStatus, HoldReason, LoadView, Placed, Placement, PlacementLease, Placer,
     Queue, QueueStats, Target, Ticket, TicketEvent, TierStats, WorkerLoad, WorkerRole,
 };
+pub use tenants::{DEFAULT_TENANT, Limits, Replicas, TenantLimits};
 
 /// Discovery component name the queue registers under.
 pub const COMPONENT: &str = "queue";
@@ -81,6 +83,14 @@ pub async fn serve(
         let token = background.clone();
         async move { queue.run(placer, token).await }
     });
+    if args.tenant_limits.as_ref().is_some_and(|l| l.has_quotas()) {
+        tracker.spawn(tenants::follow_replicas(
+            queue.clone(),
+            std::sync::Arc::clone(&ctx.discovery),
+            instance.id.clone(),
+            background.clone(),
+        ));
+    }
 
     let server = GrpcServer::new()?
         .add_service(QueueServer::new(service::QueueService::new(queue)))

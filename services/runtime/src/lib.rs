@@ -9,6 +9,7 @@
 //!   extraction, and client channels that inject trace context.
 //! - [`local`]: the servers of this process, called without a socket.
 //! - [`shutdown`]: the cancellation token every `serve` takes, and signal handling.
+//! - [`tenant_labels`]: per-tenant metric labels of bounded cardinality (top N + `other`).
 //! - [`service`]: the shape of a service crate (`Args`, `serve(listener, args, ctx)`)
 //!   and [`ServiceContext::run`], the one lifecycle: register, serve, deregister, drain.
 //!
@@ -23,6 +24,7 @@ pub mod metrics;
 pub mod service;
 pub mod shutdown;
 pub mod telemetry;
+pub mod tenant_labels;
 
 pub use config::{CommonArgs, ModelArgs};
 pub use discovery::{Discovery, DiscoveryEvent, Instance, Registration};
