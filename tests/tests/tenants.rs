@@ -20,11 +20,7 @@ fn parse(body: &str) -> Value {
     serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {body}"))
 }
 
-async fn post(
-    mesh: &Mesh,
-    body: &Value,
-    headers: &[(&str, &str)],
-) -> anyhow::Result<(u16, Value)> {
+async fn post(mesh: &Mesh, body: &Value, headers: &[(&str, &str)]) -> anyhow::Result<(u16, Value)> {
     let (status, text) = request(
         &mesh.http,
         "POST",
@@ -87,10 +83,21 @@ async fn api_keys_name_the_tenant_and_user_or_the_header_cannot_change_it() -> a
     assert_eq!(status, 200);
 
     // A bare key is a tenant of its own, named without the key.
-    let (status, resp) = post(&mesh, &completion(3), &[("Authorization", "Bearer sk-solo")]).await?;
+    let (status, resp) = post(
+        &mesh,
+        &completion(3),
+        &[("Authorization", "Bearer sk-solo")],
+    )
+    .await?;
     assert_eq!(status, 200, "{resp}");
-    let solo = resp["nvext"]["tenant"].as_str().unwrap_or_default().to_owned();
-    assert!(solo.starts_with("key-") && !solo.contains("sk-solo"), "{solo}");
+    let solo = resp["nvext"]["tenant"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(
+        solo.starts_with("key-") && !solo.contains("sk-solo"),
+        "{solo}"
+    );
 
     // gRPC: the `tenant` field may not name another tenant either.
     let mut client =
@@ -136,9 +143,7 @@ async fn api_keys_name_the_tenant_and_user_or_the_header_cannot_change_it() -> a
     let output = queue
         .lines()
         .find(|l| {
-            l.starts_with(
-                r#"sluice_queue_tenant_served_tokens_total{kind="output",tenant="acme"}"#,
-            )
+            l.starts_with(r#"sluice_queue_tenant_served_tokens_total{kind="output",tenant="acme"}"#)
         })
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse::<f64>().ok());
@@ -180,7 +185,6 @@ async fn quotas_refuse_with_429_retry_after_and_an_error_naming_the_limit() -> a
     // 4 prompt tokens and 120 output tokens: 24 more than the minute's 100.
     let (status, resp) = post(&mesh, &completion(120), &acme).await?;
     assert_eq!(status, 200, "{resp}");
-    eprintln!("DEBUG {resp}\n{}", queue_metrics(&mesh).await?.lines().filter(|l| l.contains("tenant")).collect::<Vec<_>>().join("\n"));
     let (status, head, mut reader) = open(
         &mesh.http,
         "POST",
@@ -252,7 +256,9 @@ async fn quotas_refuse_with_429_retry_after_and_an_error_naming_the_limit() -> a
     assert!(admitted, "the slot came back");
     let queue = queue_metrics(&mesh).await?;
     assert!(
-        queue.contains(r#"sluice_queue_tenant_rejections_total{reason="quota_tokens",tenant="acme"} 1"#),
+        queue.contains(
+            r#"sluice_queue_tenant_rejections_total{reason="quota_tokens",tenant="acme"} 1"#
+        ),
         "{queue}"
     );
     mesh.stop().await

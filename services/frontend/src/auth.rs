@@ -140,7 +140,9 @@ impl ApiKeys {
             });
         }
         if keys.is_empty() {
-            return Err("holds no key (one per line, `KEY [TENANT [WEIGHT]]`; # starts a comment)".into());
+            return Err(
+                "holds no key (one per line, `KEY [TENANT [WEIGHT]]`; # starts a comment)".into(),
+            );
         }
         Ok(Self { seed, keys })
     }
@@ -200,7 +202,9 @@ fn check_tenant_name(name: &str) -> Result<(), String> {
         ));
     }
     if name.chars().any(char::is_control) {
-        return Err(format!("tenant {name:?} must not contain control characters"));
+        return Err(format!(
+            "tenant {name:?} must not contain control characters"
+        ));
     }
     Ok(())
 }
@@ -257,10 +261,9 @@ mod tests {
 
     #[test]
     fn keys_name_their_tenant_and_weight_and_a_bare_key_is_its_own_tenant() {
-        let keys = ApiKeys::parse(
-            "# ops team\nsk-one acme 3\n\n  sk-two   acme  \nsk-three\nsk-four\n",
-        )
-        .expect("keys");
+        let keys =
+            ApiKeys::parse("# ops team\nsk-one acme 3\n\n  sk-two   acme  \nsk-three\nsk-four\n")
+                .expect("keys");
         let one = identity(&keys, b"Bearer sk-one");
         assert_eq!((&*one.tenant, one.weight), ("acme", 3));
         let two = identity(&keys, b"Bearer sk-two");
@@ -269,7 +272,10 @@ mod tests {
         let four = identity(&keys, b"Bearer sk-four");
         assert!(three.tenant.starts_with("key-") && three.tenant.len() == 12);
         assert_ne!(three.tenant, four.tenant, "each bare key is a tenant");
-        assert!(!three.tenant.contains("sk-three"), "the key is not its name");
+        assert!(
+            !three.tenant.contains("sk-three"),
+            "the key is not its name"
+        );
         assert_eq!(
             identity(&keys, b"Bearer sk-three"),
             three,
@@ -327,7 +333,11 @@ mod tests {
         let short = digest(1, b"a");
         let long = digest(1, &[b'a'; 4096]);
         assert_eq!(short.len(), long.len());
-        assert_ne!(digest(1, b"sk-one"), digest(2, b"sk-one"), "the seed keys it");
+        assert_ne!(
+            digest(1, b"sk-one"),
+            digest(2, b"sk-one"),
+            "the seed keys it"
+        );
         let a = ApiKeys::parse("sk-one").expect("keys");
         let b = ApiKeys::parse("sk-one").expect("keys");
         assert_ne!(a.seed, b.seed, "a seed per key set");

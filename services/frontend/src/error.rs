@@ -240,9 +240,10 @@ mod tests {
             "tenant \"acme\" is over its limit of 600 tokens per minute; retry after 9 s",
         );
         status.metadata_mut().insert("retry-after", 9u32.into());
-        status
-            .metadata_mut()
-            .insert("sluice-quota", tonic::metadata::MetadataValue::from_static("tokens"));
+        status.metadata_mut().insert(
+            "sluice-quota",
+            tonic::metadata::MetadataValue::from_static("tokens"),
+        );
         let err = FrontendError::from_status("queue", status, "m");
         assert_eq!(err.status(), StatusCode::TOO_MANY_REQUESTS);
         let body = err.body();
@@ -271,7 +272,19 @@ mod tests {
             retry_after_secs: 3,
         });
         assert_eq!(status.code(), tonic::Code::ResourceExhausted);
-        assert_eq!(status.metadata().get("retry-after").map(|v| v.to_str().ok()), Some(Some("3")));
-        assert_eq!(status.metadata().get("sluice-quota").map(|v| v.to_str().ok()), Some(Some("requests")));
+        assert_eq!(
+            status
+                .metadata()
+                .get("retry-after")
+                .map(|v| v.to_str().ok()),
+            Some(Some("3"))
+        );
+        assert_eq!(
+            status
+                .metadata()
+                .get("sluice-quota")
+                .map(|v| v.to_str().ok()),
+            Some(Some("requests"))
+        );
     }
 }

@@ -370,7 +370,10 @@ mod tests {
         assert_eq!(cfg.queue_policy, Policy::Fair);
         let limits = cfg.tenant_limits.as_ref().expect("parsed");
         assert_eq!(limits.get("acme").and_then(|l| l.weight), Some(3));
-        assert!(cfg.summary().contains("tenant_limits=1 tenants (1 with quotas)"));
+        assert!(
+            cfg.summary()
+                .contains("tenant_limits=1 tenants (1 with quotas)")
+        );
         assert_eq!(parse(&["--wfq-cost", "tokens"]).wfq_cost, WfqCost::Tokens);
 
         std::fs::write(&file, "acme tpm=x\n").expect("write");

@@ -26,7 +26,7 @@ use tokio::net::TcpListener;
 use tokio_util::task::TaskTracker;
 
 pub use config::{Args, Policy, WfqClass, WfqCost, WfqWeights};
-pub use error::{Quota, QueueError};
+pub use error::{QueueError, Quota};
 pub use metrics::QueueMetrics;
 pub use queue::{
     Entry, Grant, HeldStatus, HoldReason, LoadView, Placed, Placement, PlacementLease, Placer,

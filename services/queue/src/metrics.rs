@@ -178,7 +178,9 @@ impl QueueMetrics {
         }
         let _ = self.tenant_wait.remove_label_values(&[tenant]);
         for reason in REASONS {
-            let _ = self.tenant_rejections.remove_label_values(&[tenant, reason]);
+            let _ = self
+                .tenant_rejections
+                .remove_label_values(&[tenant, reason]);
         }
     }
 
@@ -300,9 +302,11 @@ mod tests {
         m.rejected("small", "quota_tokens");
         m.granted(0, "t0", 0.1);
         let text = render(&registry);
-        assert!(text.contains(
-            r#"sluice_queue_tenant_served_tokens_total{kind="prompt",tenant="t3"} 100"#
-        ));
+        assert!(
+            text.contains(
+                r#"sluice_queue_tenant_served_tokens_total{kind="prompt",tenant="t3"} 100"#
+            )
+        );
         assert!(text.contains(
             r#"sluice_queue_tenant_served_tokens_total{kind="output",tenant="other"} 5"#
         ));

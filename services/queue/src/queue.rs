@@ -914,7 +914,9 @@ impl State {
                         // Re-key: under wspt the overlap moves the request.
                         queue.order.remove(cfg, epoch, seq, &slot.entry);
                         slot.entry.overlap_tokens = overlap.min(slot.entry.prompt_tokens);
-                        queue.order.insert(cfg, epoch, seq, &slot.entry, slot.weight);
+                        queue
+                            .order
+                            .insert(cfg, epoch, seq, &slot.entry, slot.weight);
                     }
                     Err(err) => {
                         tracing::debug!(request_id = %slot.entry.request_id, error = %err, "overlap refresh failed; keeping the old estimate");
@@ -1290,7 +1292,10 @@ fn band_and_class(cfg: &Args, entry: &Entry) -> (BandKey, String) {
             };
             (band, tenant.to_owned())
         }
-        _ => ((Reverse(entry.strict_tier), Reverse(0)), wfq_class(cfg, entry)),
+        _ => (
+            (Reverse(entry.strict_tier), Reverse(0)),
+            wfq_class(cfg, entry),
+        ),
     }
 }
 

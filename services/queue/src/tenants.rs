@@ -55,7 +55,7 @@ use sluice_runtime::{Discovery, DiscoveryEvent};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::error::{Quota, QueueError};
+use crate::error::{QueueError, Quota};
 use crate::queue::Queue;
 
 /// The tenant name of `*` lines.
@@ -87,8 +87,7 @@ impl TenantLimits {
     pub fn from_path(path: &Path) -> Result<Self, String> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-        text.parse()
-            .map_err(|e| format!("{}: {e}", path.display()))
+        text.parse().map_err(|e| format!("{}: {e}", path.display()))
     }
 
     /// The limits of `tenant` ("" is the default tenant).
@@ -138,8 +137,9 @@ impl std::str::FromStr for TenantLimits {
                     .filter(|&v| v >= 1)
                     .ok_or_else(|| at(format!("{key}={value:?} must be an integer ≥ 1")))?;
                 let small = || {
-                    u32::try_from(number)
-                        .map_err(|_| at(format!("{key}={value} is too large (at most {})", u32::MAX)))
+                    u32::try_from(number).map_err(|_| {
+                        at(format!("{key}={value} is too large (at most {})", u32::MAX))
+                    })
                 };
                 match key {
                     "weight" => limits.weight = Some(small()?),
@@ -240,8 +240,7 @@ pub(crate) async fn follow_replicas(
         }
         let replicas = Replicas {
             count: u32::try_from(ids.len()).unwrap_or(u32::MAX),
-            rank: u32::try_from(ids.iter().position(|id| *id == me).unwrap_or(0))
-                .unwrap_or(0),
+            rank: u32::try_from(ids.iter().position(|id| *id == me).unwrap_or(0)).unwrap_or(0),
         };
         if last != Some(replicas) {
             tracing::info!(
@@ -466,7 +465,11 @@ mod tests {
                 concurrency: Some(64)
             })
         );
-        assert_eq!(l.get("free").and_then(|x| x.concurrency), None, "no inheritance");
+        assert_eq!(
+            l.get("free").and_then(|x| x.concurrency),
+            None,
+            "no inheritance"
+        );
         assert_eq!(l.get("other").and_then(|x| x.concurrency), Some(8));
         assert!(l.has_quotas());
         assert!(!limits("acme weight=2").has_quotas());
@@ -500,7 +503,8 @@ mod tests {
         let mut q = Quotas::new(limits("a tpm=600"));
         let now = Instant::now();
         q.admit("a", 500, now).expect("first fits");
-        q.admit("a", 500, now).expect("above zero: admitted into debt");
+        q.admit("a", 500, now)
+            .expect("above zero: admitted into debt");
         q.charge("a", 100.0, now); // output tokens: level 600 - 1100 = -500
         let err = q.admit("a", 1, now).expect_err("in debt");
         // 10 tokens/s: 501 tokens take 51 s.
@@ -551,7 +555,9 @@ mod tests {
         q.set_replicas(Replicas { count: 2, rank: 0 });
         let now = Instant::now();
         q.admit("a", 600, now).expect("half the budget: 600");
-        let err = q.admit("a", 1, now).expect_err("this replica's share is spent");
+        let err = q
+            .admit("a", 1, now)
+            .expect_err("this replica's share is spent");
         assert!(err.to_string().contains("share 600 of 2 replicas"), "{err}");
         q.release("a", now);
         q.charge("a", -600.0, now);

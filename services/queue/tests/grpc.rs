@@ -545,7 +545,8 @@ async fn a_tenant_over_its_token_quota_is_refused_with_retry_after_metadata() ->
     let retry: u64 = meta("retry-after").context("retry-after")?.parse()?;
     assert!((6..=7).contains(&retry), "retry-after {retry}");
     assert!(
-        err.message().contains("tenant \"acme\" is over its limit of 120 tokens per minute"),
+        err.message()
+            .contains("tenant \"acme\" is over its limit of 120 tokens per minute"),
         "{}",
         err.message()
     );

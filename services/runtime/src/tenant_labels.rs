@@ -176,9 +176,6 @@ mod tests {
         assert_eq!(labels.labelled(), ["t0"]);
         // A newcomer beats t0's decayed volume after a few DECAYs.
         let later = start + DECAY * 3;
-        assert_eq!(
-            labels.record_at("heavy", 5.0, later),
-            Some("t0".to_owned())
-        );
+        assert_eq!(labels.record_at("heavy", 5.0, later), Some("t0".to_owned()));
     }
 }

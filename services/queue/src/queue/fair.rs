@@ -148,7 +148,8 @@ impl Band {
         let counter = old + work / c.weight;
         if let Some(head) = head {
             self.ready.remove(&(TotalF64(old), head, Arc::clone(&name)));
-            self.ready.insert((TotalF64(counter), head, Arc::clone(&name)));
+            self.ready
+                .insert((TotalF64(counter), head, Arc::clone(&name)));
         }
         if let Some(c) = self.classes.get_mut(&name) {
             c.counter = counter;

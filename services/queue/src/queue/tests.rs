@@ -378,7 +378,10 @@ async fn wfq_bounds_the_lowest_class_wait_where_strict_starves_it() {
             .expect("released");
         assert!(pos < k * 4 + 2, "lo-{k} released at {pos}: {order:?}");
     }
-    assert_eq!(&order[..6], ["hi-0", "lo-0", "hi-1", "hi-2", "hi-3", "lo-1"]);
+    assert_eq!(
+        &order[..6],
+        ["hi-0", "lo-0", "hi-1", "hi-2", "hi-3", "lo-1"]
+    );
     let his: Vec<_> = order.iter().filter(|id| id.starts_with("hi")).collect();
     let expected: Vec<String> = (0..20).map(|i| format!("hi-{i}")).collect();
     assert_eq!(
@@ -949,11 +952,7 @@ async fn serve_one_at_a_time(
 
 /// Work (prompt + output tokens) served to each of `tenants` over the
 /// releases in `order` while every one of them still had requests held.
-fn shares_while_backlogged(
-    order: &[String],
-    tenants: &[&str],
-    work: fn(&str) -> u32,
-) -> Vec<f64> {
+fn shares_while_backlogged(order: &[String], tenants: &[&str], work: fn(&str) -> u32) -> Vec<f64> {
     let last = |t: &str| order.iter().rposition(|id| id.starts_with(t)).unwrap_or(0);
     let end = tenants.iter().map(|t| last(t)).min().unwrap_or(0);
     let served: Vec<f64> = tenants
@@ -977,7 +976,13 @@ fn tenant_entries(heavy: usize, light: usize, priority: i32) -> Vec<Entry> {
     for i in 0..heavy.max(light) {
         for (tenant, count, prompt) in [("heavy", heavy, 800), ("light", light, 100)] {
             if i < count {
-                let mut e = entry(&format!("{tenant}-{i}"), priority, 0, prompt, at(t, i as u64));
+                let mut e = entry(
+                    &format!("{tenant}-{i}"),
+                    priority,
+                    0,
+                    prompt,
+                    at(t, i as u64),
+                );
                 e.tenant = tenant.into();
                 entries.push(e);
             }
@@ -1005,7 +1010,10 @@ async fn fair_shares_tokens_between_backlogged_tenants_by_weight() {
     )
     .await;
     let shares = shares_while_backlogged(&order, &["heavy", "light"], work_tokens);
-    assert!((shares[0] - 0.5).abs() < 0.05, "1:1 shares {shares:?}: {order:?}");
+    assert!(
+        (shares[0] - 0.5).abs() < 0.05,
+        "1:1 shares {shares:?}: {order:?}"
+    );
 
     // Weights 3:1 from --tenant-limits.
     let mut cfg = config(Policy::Fair);
@@ -1124,7 +1132,10 @@ async fn quotas_refuse_with_retry_after_and_refund_what_never_ran() {
     drop(first);
 
     let b1 = h.admit(tenant_entry("b1", "b", 1));
-    let err = h.queue.admit(tenant_entry("b2", "b", 1)).expect_err("one at a time");
+    let err = h
+        .queue
+        .admit(tenant_entry("b2", "b", 1))
+        .expect_err("one at a time");
     assert_eq!(err.reason(), "quota_requests");
     drop(b1);
     assert!(h.queue.admit(tenant_entry("b3", "b", 1)).is_ok());
