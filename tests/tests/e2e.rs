@@ -342,11 +342,11 @@ async fn data_parallel_ranks_of_one_worker_all_serve() -> anyhow::Result<()> {
     );
     let (_, metrics) = get(&mesh.endpoints("decode").await?[0], "/metrics").await?;
     assert!(
-        metrics.contains("sluice_worker_running_sequences{rank=\"1\"}"),
+        metrics.contains("sluice_worker_running_sequences{rank=\"1\","),
         "{metrics}"
     );
     assert!(
-        metrics.contains("sluice_worker_balance_held_steps{rank=\"0\"}"),
+        metrics.contains("sluice_worker_balance_held_steps{rank=\"0\","),
         "{metrics}"
     );
     mesh.stop().await

@@ -19,10 +19,22 @@ fn completion(prompt: &str, max_tokens: u32, priority: i32) -> Value {
 }
 
 /// The value of the sample `series` (name with labels) in `metrics`.
+/// The value of `series` (`name{label="v",…}`): the line of that metric
+/// whose labels include every one given (a worker's series also carry its
+/// `worker_id`).
 fn sample(metrics: &str, series: &str) -> Option<f64> {
+    let (want_name, want_labels) = match series.split_once('{') {
+        Some((n, l)) => (n, l.trim_end_matches('}')),
+        None => (series, ""),
+    };
     metrics.lines().find_map(|l| {
-        let (name, value) = l.rsplit_once(' ')?;
-        (name == series).then(|| value.parse().ok())?
+        let (key, value) = l.rsplit_once(' ')?;
+        let (name, labels) = match key.split_once('{') {
+            Some((n, l)) => (n, l.trim_end_matches('}')),
+            None => (key, ""),
+        };
+        let has = |pair: &str| pair.is_empty() || labels.split(',').any(|p| p == pair);
+        (name == want_name && want_labels.split(',').all(has)).then(|| value.parse().ok())?
     })
 }
 

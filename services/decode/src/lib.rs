@@ -53,7 +53,7 @@ pub fn build_core(
         KvBacking::Private
     };
     let engines = args.start_engines(dir, &backing)?;
-    let metrics = WorkerMetrics::new().map_err(|e| WorkerError::Startup(e.to_string()))?;
+    let metrics = WorkerMetrics::new(&id).map_err(|e| WorkerError::Startup(e.to_string()))?;
     Ok(Arc::new(WorkerCore {
         id,
         model: model.name(),

@@ -33,8 +33,12 @@ pub struct WorkerMetrics {
 }
 
 impl WorkerMetrics {
-    pub fn new() -> Result<Self, prometheus::Error> {
-        let registry = Registry::new();
+    /// The metrics of worker `worker_id`: every series carries it as a
+    /// constant label, so several workers of one process (`sluice up`)
+    /// render side by side on one `/metrics`.
+    pub fn new(worker_id: &str) -> Result<Self, prometheus::Error> {
+        let labels = [("worker_id".to_owned(), worker_id.to_owned())].into();
+        let registry = Registry::new_custom(None, Some(labels))?;
         let requests = IntCounterVec::new(
             Opts::new(
                 "sluice_worker_requests_total",

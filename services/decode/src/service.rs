@@ -170,18 +170,33 @@ pub struct WorkerService {
 
 type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
+/// What a generation's wire stream reports besides the engine's tokens.
+struct Admitted {
+    prompt_tokens: usize,
+    /// Prompt tokens found cached at admission.
+    cached_tokens: usize,
+    /// The prefill worker, when prefill ran remotely.
+    prefill_worker_id: String,
+    /// The request's share of the worker's unplaced load, if no router placed it.
+    unplaced: Option<UnplacedGuard>,
+    priority: i32,
+}
+
 /// Adapts an engine stream to the wire: the first message carries the usage
 /// known at admission (cached prompt tokens), the last the final usage.
 fn response_stream(
     core: Arc<WorkerCore>,
     stream: GenerateStream,
-    prompt_tokens: usize,
-    cached_tokens: usize,
-    prefill_worker_id: String,
-    unplaced: Option<UnplacedGuard>,
-    priority: i32,
+    admitted: Admitted,
     span: tracing::Span,
 ) -> BoxStream<pb::GenerateResponse> {
+    let Admitted {
+        prompt_tokens,
+        cached_tokens,
+        prefill_worker_id,
+        unplaced,
+        priority,
+    } = admitted;
     struct St {
         core: Arc<WorkerCore>,
         stream: GenerateStream,
@@ -419,11 +434,13 @@ impl pb::worker_server::Worker for WorkerService {
         Ok(Response::new(response_stream(
             Arc::clone(core),
             stream,
-            prompt_tokens,
-            cached,
-            prefill_worker,
-            unplaced,
-            req.priority,
+            Admitted {
+                prompt_tokens,
+                cached_tokens: cached,
+                prefill_worker_id: prefill_worker,
+                unplaced,
+                priority: req.priority,
+            },
             span,
         )))
     }

@@ -104,13 +104,13 @@ async fn models(State(p): State<Arc<Pipeline>>) -> Json<Value> {
 }
 
 async fn health(State(p): State<Arc<Pipeline>>) -> Json<Value> {
-    Json(json!({ "status": "ok", "model": p.model, "workers": p.workers.serving(&p.model).len() }))
+    Json(json!({ "status": "ok", "model": p.model, "workers": p.workers.count(&p.model) }))
 }
 
 async fn ready(State(p): State<Arc<Pipeline>>) -> Response {
-    let workers = p.workers.serving(&p.model).len();
-    let queues = p.queues.serving("").len();
-    let routers = p.routers.serving("").len();
+    let workers = p.workers.count(&p.model);
+    let queues = p.queues.count("");
+    let routers = p.routers.count("");
     let ready = p.ready();
     let body =
         Json(json!({ "ready": ready, "workers": workers, "queues": queues, "routers": routers }));

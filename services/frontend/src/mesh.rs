@@ -57,24 +57,32 @@ impl Members {
         Ok(members)
     }
 
-    /// Instances serving `model` (all, when `model` is empty).
-    pub(crate) fn serving(&self, model: &str) -> Vec<Instance> {
+    /// How many instances serve `model` (all, when `model` is empty).
+    pub(crate) fn count(&self, model: &str) -> usize {
         self.instances
             .read()
             .values()
             .filter(|i| model.is_empty() || i.model == model)
-            .cloned()
-            .collect()
+            .count()
     }
 
-    /// One instance, round-robin.
-    pub(crate) fn pick(&self) -> Option<Instance> {
+    /// The first value of metadata `key` among instances serving `model`.
+    pub(crate) fn meta<T: std::str::FromStr>(&self, model: &str, key: &str) -> Option<T> {
+        self.instances
+            .read()
+            .values()
+            .filter(|i| model.is_empty() || i.model == model)
+            .find_map(|i| i.metadata.get(key)?.parse().ok())
+    }
+
+    /// One instance's endpoint, round-robin.
+    pub(crate) fn pick(&self) -> Option<String> {
         let all = self.instances.read();
         if all.is_empty() {
             return None;
         }
         let n = self.next.fetch_add(1, Ordering::Relaxed) % all.len();
-        all.values().nth(n).cloned()
+        all.values().nth(n).map(|i| i.endpoint.clone())
     }
 }
 

@@ -203,9 +203,7 @@ impl Pipeline {
     /// The block size the workers for this model use.
     fn block_size(&self) -> usize {
         self.workers
-            .serving(&self.model)
-            .iter()
-            .find_map(|i| i.metadata.get("block_size").and_then(|b| b.parse().ok()))
+            .meta(&self.model, "block_size")
             .unwrap_or(DEFAULT_BLOCK_SIZE)
     }
 
@@ -216,9 +214,9 @@ impl Pipeline {
     /// model, a router after its index holds every known worker, and a
     /// router answers for a worker still joining by waiting for it.
     pub(crate) fn ready(&self) -> bool {
-        !self.workers.serving(&self.model).is_empty()
-            && !self.queues.serving("").is_empty()
-            && !self.routers.serving("").is_empty()
+        self.workers.count(&self.model) > 0
+            && self.queues.count("") > 0
+            && self.routers.count("") > 0
     }
 
     /// Checks the model, renders the template, tokenizes and hashes, once.
@@ -451,7 +449,7 @@ impl Pipeline {
             component: "queue",
             message: "no queue instance is registered".into(),
         })?;
-        let mut client = qpb::queue_client::QueueClient::new(self.channels.get(&queue.endpoint)?);
+        let mut client = qpb::queue_client::QueueClient::new(self.channels.get(&queue)?);
         let (tx, rx) = mpsc::channel(2);
         let remaining = p
             .params

@@ -25,9 +25,20 @@ pub struct Args {
     #[arg(long, env = "SLUICE_PREFILL_LOAD_SCALE", default_value_t = 1.0)]
     pub prefill_load_scale: f64,
 
+    /// Weight of a candidate's active decode blocks in the cost (1 = Dynamo's cost).
+    /// Decode blocks delay a new prompt's prefill far less than queued
+    /// prefill does, hence the default below 1.
+    #[arg(long, env = "SLUICE_DECODE_LOAD_SCALE", default_value_t = 0.25)]
+    pub decode_load_scale: f64,
+
     /// Extra prefill blocks credited per cached prompt block (0 = Dynamo's cost).
-    #[arg(long, env = "SLUICE_OVERLAP_CREDIT", default_value_t = 0.0)]
+    #[arg(long, env = "SLUICE_OVERLAP_CREDIT", default_value_t = 8.0)]
     pub overlap_credit: f64,
+
+    /// A worker with more than this many times the mean active requests
+    /// (plus one) is not chosen, whatever it holds cached; 0 = no bound.
+    #[arg(long, env = "SLUICE_BALANCE_BOUND", default_value_t = 2.0)]
+    pub balance_bound: f64,
 
     /// Cost per active request on a worker.
     #[arg(long, env = "SLUICE_ACTIVE_REQUEST_WEIGHT", default_value_t = 0.0)]
@@ -73,8 +84,10 @@ impl Default for Args {
             router_mode: RouterMode::Kv,
             router_temperature: 0.0,
             prefill_load_scale: 1.0,
-            overlap_credit: 0.0,
+            decode_load_scale: 0.25,
+            overlap_credit: 8.0,
             active_request_weight: 0.0,
+            balance_bound: 2.0,
             approx_ttl_secs: 120,
             placement_max_age_secs: 10,
             load_min_interval_ms: 20,
@@ -99,8 +112,10 @@ impl Args {
         };
         finite_non_negative("--router-temperature", self.router_temperature)?;
         finite_non_negative("--prefill-load-scale", self.prefill_load_scale)?;
+        finite_non_negative("--decode-load-scale", self.decode_load_scale)?;
         finite_non_negative("--overlap-credit", self.overlap_credit)?;
         finite_non_negative("--active-request-weight", self.active_request_weight)?;
+        finite_non_negative("--balance-bound", self.balance_bound)?;
         if self.approx_ttl_secs == 0 {
             return Err(RouterError::Config(
                 "--approx-ttl-secs must be at least 1".into(),
@@ -131,8 +146,10 @@ impl Args {
             mode: self.router_mode,
             cost: CostParams {
                 prefill_load_scale: self.prefill_load_scale,
+                decode_load_scale: self.decode_load_scale,
                 overlap_credit: self.overlap_credit,
                 active_request_weight: self.active_request_weight,
+                balance_bound: self.balance_bound,
                 temperature: self.router_temperature,
             },
             approx_ttl: Duration::from_secs(self.approx_ttl_secs),

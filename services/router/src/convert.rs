@@ -130,6 +130,7 @@ fn candidate(c: &Candidate) -> pb::Candidate {
         decode_cost: c.terms.decode_cost,
         total_cost: c.terms.total_cost,
         active_requests: c.terms.active_requests,
+        over_bound: c.terms.over_bound,
     }
 }
 

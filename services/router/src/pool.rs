@@ -643,8 +643,14 @@ impl WorkerPool {
 
         let chosen = match mode {
             RouterMode::Kv | RouterMode::Approx | RouterMode::LeastLoaded => {
+                selector::apply_balance_bound(&mut terms, self.cfg.cost.balance_bound);
+                // Only candidates within the bound (the least loaded always is).
+                let eligible: Vec<usize> =
+                    (0..terms.len()).filter(|&i| !terms[i].over_bound).collect();
+                let costs: Vec<f64> = eligible.iter().map(|&i| costs[i]).collect();
+                let shares: Vec<f64> = eligible.iter().map(|&i| shares[i]).collect();
                 let ChoiceState { rng, .. } = &mut *choice;
-                selector::choose(&costs, &shares, self.cfg.cost.temperature, rng)
+                eligible[selector::choose(&costs, &shares, self.cfg.cost.temperature, rng)]
             }
             RouterMode::RoundRobin => {
                 let i = choice.round_robin % candidates.len();

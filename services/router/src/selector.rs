@@ -4,19 +4,30 @@
 //!
 //! ```text
 //! prefill_blocks = (active prefill tokens + uncached prompt tokens) / block_size
-//! prefill_cost   = prefill_load_scale × max(0, prefill_blocks − overlap_credit × overlap_blocks)
-//! decode_cost    = active decode blocks
+//! prefill_cost   = prefill_load_scale × (prefill_blocks − overlap_credit × overlap_blocks)
+//! decode_cost    = decode_load_scale × active decode blocks
 //! total          = prefill_cost + decode_cost + active_request_weight × active_requests
 //! ```
 //!
-//! With the defaults (`prefill_load_scale` 1, `overlap_credit` 0,
-//! `active_request_weight` 0) this is exactly Dynamo's
-//! `overlap_score_weight × prefill_blocks + decode_blocks`; `overlap_credit`
-//! adds an extra reward for cached blocks beyond the prefill they save.
+//! With `prefill_load_scale` 1, `decode_load_scale` 1, `overlap_credit` 0
+//! and `active_request_weight` 0 this is exactly Dynamo's
+//! `overlap_score_weight × prefill_blocks + decode_blocks`. `overlap_credit`
+//! adds an extra reward for cached blocks beyond the prefill they save: a
+//! miss adds its uncached blocks to the mesh's work for good (and scatters a
+//! conversation's prefix over workers), while a queue ahead of this request
+//! delays only it; with credit c, a worker holding k more blocks of the
+//! prompt wins unless its queued prefill is more than (1 + c)·k blocks
+//! longer. The credit is not clamped, so a larger overlap always counts (a
+//! candidate's prefill cost may be negative).
 //!
 //! Choice: temperature 0 takes the lowest cost; ties go to the candidate
 //! holding the smaller share of the index (spreading cache), then at random.
 //! Temperature > 0 samples a softmax over costs min-max normalised to [0, 1].
+//!
+//! Balance bound: with `balance_bound` B > 0, only candidates whose active
+//! requests are at most `B × mean + 1` (the mean over every candidate) may
+//! be chosen, so however strongly a cached prefix pulls, no worker carries
+//! more than about B times its share of the live requests.
 //! Owns no state: the pool supplies loads, overlaps and the random source.
 
 use rand::Rng;
@@ -61,10 +72,15 @@ impl std::fmt::Display for RouterMode {
 pub struct CostParams {
     /// Multiplies prefill blocks (Dynamo's `overlap_score_weight`).
     pub prefill_load_scale: f64,
+    /// Multiplies active decode blocks.
+    pub decode_load_scale: f64,
     /// Extra prefill blocks credited per cached block.
     pub overlap_credit: f64,
     /// Cost per active request.
     pub active_request_weight: f64,
+    /// Candidates above this many times the mean active requests (plus one)
+    /// are not chosen; 0 = no bound.
+    pub balance_bound: f64,
     /// 0 = lowest cost; > 0 = softmax sampling.
     pub temperature: f64,
 }
@@ -73,8 +89,10 @@ impl Default for CostParams {
     fn default() -> Self {
         Self {
             prefill_load_scale: 1.0,
+            decode_load_scale: 1.0,
             overlap_credit: 0.0,
             active_request_weight: 0.0,
+            balance_bound: 0.0,
             temperature: 0.0,
         }
     }
@@ -98,14 +116,16 @@ pub struct CostInput {
 pub struct CostTerms {
     /// Prompt blocks cached on the candidate.
     pub overlap_blocks: u32,
-    /// `prefill_load_scale × max(0, prefill_blocks − overlap_credit × overlap)`.
+    /// `prefill_load_scale × (prefill_blocks − overlap_credit × overlap)`.
     pub prefill_cost: f64,
-    /// Active decode blocks.
+    /// `decode_load_scale × active decode blocks`.
     pub decode_cost: f64,
     /// The sum the choice minimises.
     pub total_cost: f64,
     /// Active requests.
     pub active_requests: u32,
+    /// Above the balance bound: not eligible for this request.
+    pub over_bound: bool,
 }
 
 /// Prompt tokens not served from `overlap_blocks` cached blocks.
@@ -123,10 +143,9 @@ pub fn cost(
     let bs = f64::from(block_size.max(1));
     let uncached = uncached_tokens(prompt_tokens, input.overlap_blocks, block_size);
     let prefill_blocks = (input.active_prefill_tokens + uncached) as f64 / bs;
-    let credited =
-        (prefill_blocks - params.overlap_credit * f64::from(input.overlap_blocks)).max(0.0);
+    let credited = prefill_blocks - params.overlap_credit * f64::from(input.overlap_blocks);
     let prefill_cost = params.prefill_load_scale * credited;
-    let decode_cost = input.active_decode_blocks as f64;
+    let decode_cost = params.decode_load_scale * input.active_decode_blocks as f64;
     let total_cost = prefill_cost
         + decode_cost
         + params.active_request_weight * f64::from(input.active_requests);
@@ -136,6 +155,24 @@ pub fn cost(
         decode_cost,
         total_cost,
         active_requests: input.active_requests,
+        over_bound: false,
+    }
+}
+
+/// Marks the candidates above the balance bound (see the module docs);
+/// none when `bound` is 0.
+pub fn apply_balance_bound(terms: &mut [CostTerms], bound: f64) {
+    if bound <= 0.0 || terms.is_empty() {
+        return;
+    }
+    let mean = terms
+        .iter()
+        .map(|t| f64::from(t.active_requests))
+        .sum::<f64>()
+        / terms.len() as f64;
+    let limit = bound * mean + 1.0;
+    for t in terms.iter_mut() {
+        t.over_bound = f64::from(t.active_requests) > limit;
     }
 }
 
@@ -227,11 +264,13 @@ mod tests {
     }
 
     #[test]
-    fn overlap_credit_and_request_weight_apply_and_prefill_never_goes_negative() {
+    fn overlap_credit_and_request_weight_apply_and_a_larger_overlap_always_counts() {
         let p = CostParams {
             prefill_load_scale: 2.0,
+            decode_load_scale: 1.0,
             overlap_credit: 1.0,
             active_request_weight: 0.5,
+            balance_bound: 0.0,
             temperature: 0.0,
         };
         let c = cost(
@@ -245,8 +284,20 @@ mod tests {
             100,
             16,
         );
-        assert_eq!(c.prefill_cost, 0.0);
-        assert_eq!(c.total_cost, 1.0 + 2.0);
+        // 2 × ((100 − 96) / 16 − 1 × 6) = −11.5: below what any smaller
+        // overlap costs, however short the queues.
+        assert_eq!(c.prefill_cost, -11.5);
+        assert_eq!(c.total_cost, -11.5 + 1.0 + 2.0);
+        let less = cost(
+            &p,
+            &CostInput {
+                overlap_blocks: 5,
+                ..CostInput::default()
+            },
+            100,
+            16,
+        );
+        assert!(less.prefill_cost > c.prefill_cost);
     }
 
     #[test]
@@ -278,6 +329,27 @@ mod tests {
         assert!(
             seen[0] > seen[1] && seen[1] > seen[2] && seen[2] > 0,
             "{seen:?}"
+        );
+    }
+
+    #[test]
+    fn the_balance_bound_marks_only_workers_far_above_the_mean() {
+        let mut terms: Vec<CostTerms> = [0u32, 2, 3, 11]
+            .iter()
+            .map(|&a| CostTerms {
+                active_requests: a,
+                ..CostTerms::default()
+            })
+            .collect();
+        apply_balance_bound(&mut terms, 1.5);
+        // mean 4: limit 1.5 × 4 + 1 = 7.
+        let over: Vec<bool> = terms.iter().map(|t| t.over_bound).collect();
+        assert_eq!(over, [false, false, false, true]);
+        apply_balance_bound(&mut terms, 0.0);
+        assert_eq!(
+            terms.iter().filter(|t| t.over_bound).count(),
+            1,
+            "0 leaves marks alone"
         );
     }
 

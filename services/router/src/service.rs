@@ -264,14 +264,19 @@ fn candidates_field(d: &Decision) -> String {
         }
         let _ = write!(
             s,
-            "{}{} overlap={} prefill={:.2} decode={:.2} total={:.2} active={}",
+            "{}{} overlap={} prefill={:.2} decode={:.2} total={:.2} active={}{}",
             c.target,
             if i == d.chosen { "*" } else { "" },
             c.terms.overlap_blocks,
             c.terms.prefill_cost,
             c.terms.decode_cost,
             c.terms.total_cost,
-            c.terms.active_requests
+            c.terms.active_requests,
+            if c.terms.over_bound {
+                " over-bound"
+            } else {
+                ""
+            }
         );
     }
     s

@@ -36,6 +36,7 @@ pub struct GrpcServer {
     health: HealthReporter,
     names: Vec<&'static str>,
     http: axum::Router,
+    registries: Vec<prometheus::Registry>,
 }
 
 impl GrpcServer {
@@ -61,6 +62,7 @@ impl GrpcServer {
             health,
             names: Vec::new(),
             http: axum::Router::new(),
+            registries: Vec::new(),
         })
     }
 
@@ -83,8 +85,14 @@ impl GrpcServer {
 
     /// Serves `/metrics` for `registries` and `/live` on the same port (HTTP/1.1).
     pub fn with_metrics(mut self, registries: Vec<prometheus::Registry>) -> Self {
+        self.registries.extend(registries.iter().cloned());
         self.http = self.http.merge(crate::metrics::router(registries));
         self
+    }
+
+    /// The registries `/metrics` serves (see [`crate::metrics`]).
+    pub fn registries(&self) -> &[prometheus::Registry] {
+        &self.registries
     }
 
     /// Serves `router`'s HTTP routes on the same port (HTTP/1.1 and h2c).

@@ -1,25 +1,83 @@
 //! Prometheus exposition. Each service owns a [`prometheus::Registry`] value
 //! (several services in one process keep separate registries) and serves it
 //! at `/metrics` through [`router`].
+//!
+//! One process, one `/metrics`: after [`serve_whole_process`] (what
+//! `sluice up` calls), every `/metrics` of the process renders every
+//! registry of every service the process runs ([`ServiceContext::run`]
+//! records them), so a user of `sluice up` finds the frontend's, queue's,
+//! router's and each worker's series on the one port they know. Families of
+//! the same name from several registries (two workers' counters) are merged
+//! into one; registries tell their series apart by constant labels (a
+//! worker's `worker_id`).
+//!
+//! [`ServiceContext::run`]: crate::ServiceContext::run
+
+use std::collections::BTreeMap;
+use std::sync::LazyLock;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use axum::{Router, extract::State, http::header, response::IntoResponse, routing::get};
+use parking_lot::Mutex;
+use prometheus::proto::MetricFamily;
 use prometheus::{Encoder, Registry, TextEncoder};
+
+/// Every registry of the services this process runs, by registration id.
+static PROCESS: LazyLock<Mutex<BTreeMap<u64, Vec<Registry>>>> = LazyLock::new(Default::default);
+static NEXT: AtomicU64 = AtomicU64::new(0);
+static WHOLE_PROCESS: AtomicBool = AtomicBool::new(false);
+
+/// From now on every `/metrics` of this process renders every service's
+/// registries, not only its own.
+pub fn serve_whole_process() {
+    WHOLE_PROCESS.store(true, Ordering::Release);
+}
+
+/// Keeps a service's registries in the process-wide set until dropped.
+#[derive(Debug)]
+pub struct ProcessRegistration(u64);
+
+impl Drop for ProcessRegistration {
+    fn drop(&mut self) {
+        PROCESS.lock().remove(&self.0);
+    }
+}
+
+/// Adds a running service's registries to the process-wide set.
+pub fn register_process(registries: &[Registry]) -> ProcessRegistration {
+    let id = NEXT.fetch_add(1, Ordering::Relaxed);
+    PROCESS.lock().insert(id, registries.to_vec());
+    ProcessRegistration(id)
+}
+
+/// Families of every registry, same-named families merged into one.
+fn gather(registries: &[Registry]) -> Vec<MetricFamily> {
+    let mut by_name: BTreeMap<String, MetricFamily> = BTreeMap::new();
+    for r in registries {
+        for mut family in r.gather() {
+            match by_name.get_mut(family.name()) {
+                Some(merged) => merged.mut_metric().extend(family.take_metric()),
+                None => {
+                    by_name.insert(family.name().to_owned(), family);
+                }
+            }
+        }
+    }
+    by_name.into_values().collect()
+}
 
 /// Text exposition of every metric in `registries`.
 pub fn render(registries: &[Registry]) -> String {
     let encoder = TextEncoder::new();
-    let mut families = Vec::new();
-    for r in registries {
-        families.extend(r.gather());
-    }
     let mut out = Vec::new();
-    if let Err(e) = encoder.encode(&families, &mut out) {
+    if let Err(e) = encoder.encode(&gather(registries), &mut out) {
         tracing::warn!(error = %e, "encoding metrics");
     }
     String::from_utf8(out).unwrap_or_default()
 }
 
-/// An axum router with `GET /metrics` for `registries` and `GET /live`.
+/// An axum router with `GET /metrics` for `registries` (or, after
+/// [`serve_whole_process`], for the whole process) and `GET /live`.
 pub fn router(registries: Vec<Registry>) -> Router {
     Router::new()
         .route("/metrics", get(metrics_handler))
@@ -28,8 +86,63 @@ pub fn router(registries: Vec<Registry>) -> Router {
 }
 
 async fn metrics_handler(State(registries): State<Vec<Registry>>) -> impl IntoResponse {
-    (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        render(&registries),
-    )
+    let body = if WHOLE_PROCESS.load(Ordering::Acquire) {
+        let all: Vec<Registry> = PROCESS.lock().values().flatten().cloned().collect();
+        render(&all)
+    } else {
+        render(&registries)
+    };
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body)
+}
+
+#[cfg(test)]
+mod tests {
+    use prometheus::{IntCounter, Opts};
+
+    use super::*;
+
+    fn worker_registry(id: &str, count: u64) -> Registry {
+        let labels = [("worker_id".to_owned(), id.to_owned())].into();
+        let r = Registry::new_custom(None, Some(labels)).expect("registry");
+        let c = IntCounter::with_opts(Opts::new("sluice_test_requests_total", "Requests."))
+            .expect("counter");
+        c.inc_by(count);
+        r.register(Box::new(c)).expect("register");
+        r
+    }
+
+    #[test]
+    fn same_named_families_of_two_registries_render_as_one() {
+        let text = render(&[worker_registry("w0", 3), worker_registry("w1", 5)]);
+        assert_eq!(
+            text.matches("# TYPE sluice_test_requests_total").count(),
+            1,
+            "{text}"
+        );
+        assert!(
+            text.contains("sluice_test_requests_total{worker_id=\"w0\"} 3"),
+            "{text}"
+        );
+        assert!(
+            text.contains("sluice_test_requests_total{worker_id=\"w1\"} 5"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_registration_is_in_the_process_set_until_dropped() {
+        let r = worker_registry("w9", 1);
+        let reg = register_process(std::slice::from_ref(&r));
+        let count = || {
+            PROCESS
+                .lock()
+                .values()
+                .flatten()
+                .filter(|x| render(std::slice::from_ref(x)).contains("w9"))
+                .count()
+        };
+        assert_eq!(count(), 1);
+        drop(reg);
+        assert_eq!(count(), 0);
+    }
 }

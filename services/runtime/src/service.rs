@@ -65,6 +65,7 @@ impl ServiceContext {
     ) -> Result<(), RuntimeError> {
         // Callable in-process before anyone can learn the endpoint.
         let local = crate::local::register(&instance.endpoint, server.router());
+        let _metrics = crate::metrics::register_process(server.registries());
         let registration = self
             .discovery
             .register(instance.clone(), self.common.lease_ttl)

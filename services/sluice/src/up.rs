@@ -107,6 +107,8 @@ pub(crate) async fn run(mut args: UpArgs, shutdown: Shutdown) -> anyhow::Result<
     if args.workers == 0 {
         anyhow::bail!("--workers must be at least 1");
     }
+    // One process, one /metrics: the HTTP port shows every service's series.
+    sluice_runtime::metrics::serve_whole_process();
     let discovery: Arc<dyn Discovery> = discovery::from_args(
         &args.common,
         Some(Arc::new(MemoryDiscovery::new(&args.common.namespace))),
@@ -195,7 +197,9 @@ pub(crate) async fn run(mut args: UpArgs, shutdown: Shutdown) -> anyhow::Result<
     );
     println!("  OpenAI API   http://{http_addr}/v1   (try: curl http://{http_addr}/v1/models)");
     println!("  gRPC         {http_addr}  (sluice.inference.v1.Inference, reflection on)");
-    println!("  metrics      http://{http_addr}/metrics    ready: http://{http_addr}/ready");
+    println!(
+        "  metrics      http://{http_addr}/metrics (every service)    ready: http://{http_addr}/ready"
+    );
     println!("  Ctrl-C to stop");
 
     let mut first_error = None;
