@@ -1,10 +1,17 @@
 //! The priority admission queue (`sluice queue`): each request's `Admit`
 //! stream is its lease. The queue holds requests while every eligible worker
 //! is above the load threshold, releases them in policy order (`fcfs`, `wspt`,
-//! `strict`, `wfq`, strict tiers first), asks the router for a placement,
-//! and counts the lease until the stream ends. It refuses work it cannot hold
-//! (`--max-pending`, per tenant, a share reserved for protected priorities)
-//! with `RESOURCE_EXHAUSTED`.
+//! `strict`, `wfq`, `fair`, strict tiers first), asks the router for a
+//! placement, and counts the lease until the stream ends. It refuses work it
+//! cannot hold (`--max-pending`, per tenant, a share reserved for protected
+//! priorities) and tenants over a quota (`--tenant-limits`, see `tenants.rs`)
+//! with `RESOURCE_EXHAUSTED` (quotas with a `retry-after`).
+//!
+//! Under `fair` (and `wfq`) held requests are released by strict priority
+//! and, inside a priority, by weighted fair share of tokens between tenants
+//! (a virtual token counter per tenant: `queue/fair.rs`); the frontend
+//! reports each lease's output tokens (`AdmitProgress`, `AdmitDone`) so they
+//! are charged as they are produced.
 //!
 //! It does not proxy tokens, score workers (the router does) or schedule
 //! inside an engine.
