@@ -945,12 +945,8 @@ impl State {
                         // The prompt was charged as uncached (less any
                         // overlap read before release); the placement
                         // knows the cached prefix now.
-                        let cached = f64::from(
-                            placement
-                                .overlap_tokens
-                                .min(entry.prompt_tokens)
-                                .saturating_sub(entry.overlap_tokens),
-                        );
+                        let cached = f64::from(placement.overlap_tokens.min(entry.prompt_tokens))
+                            - f64::from(entry.overlap_tokens);
                         if let Some(released) = &released
                             && tokens_cost(cfg)
                             && let Some(queue) = self.models.get_mut(&model)
@@ -1061,8 +1057,9 @@ impl State {
     fn retire(&mut self, slot: &Slot, granted: bool, now: Instant) {
         let entry = &slot.entry;
         if !granted {
-            let prompt = entry.prompt_tokens.saturating_sub(entry.overlap_tokens);
-            self.quotas.charge(&entry.tenant, -f64::from(prompt), now);
+            // Admission charged the whole prompt.
+            self.quotas
+                .charge(&entry.tenant, -f64::from(entry.prompt_tokens), now);
         }
         self.quotas.release(&entry.tenant, now);
         if let Some(released) = &slot.fair

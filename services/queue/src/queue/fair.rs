@@ -16,7 +16,11 @@
 //! A class that becomes backlogged is lifted to at least the smallest
 //! counter among the backlogged classes (or, with none, the band's virtual
 //! time: the counter of the last class released from): it competes from
-//! the current round on, never with credit saved while it sent nothing. A
+//! the current round on, never with credit saved while it sent nothing.
+//! A lifted class wins the tie with the classes at that counter for its
+//! first request (it was below them: it is the one served least), so a
+//! light tenant's request waits for no release of a backlogged heavy one;
+//! otherwise ties go to the earliest head request. A
 //! class that has no held and no running request and whose counter is at
 //! or below the virtual time is forgotten (the lift would restore it); a
 //! band with neither held nor running requests is dropped by its owner.
@@ -41,7 +45,8 @@ use super::TotalF64;
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Band {
     classes: HashMap<Arc<str>, Class>,
-    /// Backlogged classes by (counter, head request's seq).
+    /// Backlogged classes by (counter, tie, class): `tie` is the head
+    /// request's seq, with [`QUEUED`] set unless the class was lifted.
     ready: BTreeSet<(TotalF64, u64, Arc<str>)>,
     /// The counter of the class last released from, when it was released.
     vtime: f64,
@@ -51,6 +56,10 @@ pub(crate) struct Band {
     running: usize,
 }
 
+/// Set in the tie-break of a class that was not lifted: lifted classes
+/// sort first among equal counters.
+const QUEUED: u64 = 1 << 63;
+
 #[derive(Debug, Clone)]
 struct Class {
     /// Held requests: (seq, cost charged at release).
@@ -58,6 +67,8 @@ struct Class {
     weight: f64,
     counter: f64,
     running: usize,
+    /// The tie-break of its entry in `ready` while it has one.
+    tie: u64,
 }
 
 impl Band {
@@ -77,11 +88,15 @@ impl Band {
                 weight: 1.0,
                 counter: vtime,
                 running: 0,
+                tie: 0,
             });
         entry.weight = f64::from(weight.max(1));
         if entry.fifo.is_empty() {
+            let lifted = entry.counter < floor;
             entry.counter = entry.counter.max(floor);
-            self.ready.insert((TotalF64(entry.counter), seq, class));
+            entry.tie = if lifted { seq & !QUEUED } else { seq | QUEUED };
+            self.ready
+                .insert((TotalF64(entry.counter), entry.tie, class));
         }
         entry.fifo.push_back((seq, cost));
         self.len += 1;
@@ -89,8 +104,8 @@ impl Band {
 
     /// The next request to release.
     pub(crate) fn head(&self) -> Option<u64> {
-        let (_, seq, _) = self.ready.first()?;
-        Some(*seq)
+        let (_, _, name) = self.ready.first()?;
+        self.classes.get(name)?.fifo.front().map(|&(seq, _)| seq)
     }
 
     /// Releases the head: charges its cost and counts it as running until
@@ -103,8 +118,9 @@ impl Band {
         class.counter += cost / class.weight;
         class.running += 1;
         if let Some(&(next, _)) = class.fifo.front() {
+            class.tie = next | QUEUED;
             self.ready
-                .insert((TotalF64(class.counter), next, Arc::clone(&name)));
+                .insert((TotalF64(class.counter), class.tie, Arc::clone(&name)));
         }
         self.len -= 1;
         self.running += 1;
@@ -122,7 +138,7 @@ impl Band {
         };
         let counter = TotalF64(c.counter);
         if i == 0 {
-            self.ready.remove(&(counter, seq, Arc::clone(&name)));
+            self.ready.remove(&(counter, c.tie, Arc::clone(&name)));
         }
         let Some(c) = self.classes.get_mut(&name) else {
             return;
@@ -131,7 +147,9 @@ impl Band {
         if i == 0
             && let Some(&(next, _)) = c.fifo.front()
         {
-            self.ready.insert((counter, next, Arc::clone(&name)));
+            // The next request keeps the lifted class's place in ties.
+            c.tie = (next & !QUEUED) | (c.tie & QUEUED);
+            self.ready.insert((counter, c.tie, Arc::clone(&name)));
         }
         self.len -= 1;
         self.prune(&name);
@@ -144,12 +162,13 @@ impl Band {
         };
         let name = Arc::clone(name);
         let old = c.counter;
-        let head = c.fifo.front().map(|&(s, _)| s);
+        let backlogged = !c.fifo.is_empty();
+        let tie = c.tie;
         let counter = old + work / c.weight;
-        if let Some(head) = head {
-            self.ready.remove(&(TotalF64(old), head, Arc::clone(&name)));
+        if backlogged {
+            self.ready.remove(&(TotalF64(old), tie, Arc::clone(&name)));
             self.ready
-                .insert((TotalF64(counter), head, Arc::clone(&name)));
+                .insert((TotalF64(counter), tie, Arc::clone(&name)));
         }
         if let Some(c) = self.classes.get_mut(&name) {
             c.counter = counter;
@@ -239,11 +258,13 @@ mod tests {
         }
         let busy = band.counter("busy").expect("busy");
         assert_eq!(busy, 5.0);
-        // A newcomer starts level with the busy class, not at 0.
+        // A newcomer starts level with the busy class, not at 0, and wins
+        // the tie (it was served least), once.
         band.push(Arc::from("new"), 1, 100, 1.0);
+        band.push(Arc::from("new"), 1, 101, 1.0);
         assert_eq!(band.counter("new"), Some(5.0));
-        let next: Vec<u64> = band.sequence().into_iter().take(4).collect();
-        assert_eq!(next, [5, 100, 6, 7], "one turn each, then the rest");
+        let next: Vec<u64> = band.sequence().into_iter().take(5).collect();
+        assert_eq!(next, [100, 5, 6, 101, 7], "one turn each, then the rest");
     }
 
     #[test]

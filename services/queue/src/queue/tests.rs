@@ -1140,3 +1140,32 @@ async fn quotas_refuse_with_retry_after_and_refund_what_never_ran() {
     drop(b1);
     assert!(h.queue.admit(tenant_entry("b3", "b", 1)).is_ok());
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_light_tenant_behind_a_heavy_backlog_is_released_next() {
+    let mut cfg = config(Policy::Fair);
+    cfg.max_active = 1;
+    let h = Harness::start(cfg);
+    let tenant_entry = |id: &str, tenant: &str, prompt: u32| {
+        let mut e = entry(id, 0, 0, prompt, Instant::now());
+        e.tenant = tenant.into();
+        e
+    };
+    let mut first = h.admit(tenant_entry("heavy-0", "heavy", 800));
+    first.granted().await.expect("granted");
+    let heavy: Vec<Ticket> = (1..5)
+        .map(|i| h.admit(tenant_entry(&format!("heavy-{i}"), "heavy", 800)))
+        .collect();
+    settle().await;
+    // Light arrives last, behind four held heavy requests: it is lifted
+    // to heavy's counter and, the one served least, wins the tie.
+    let light = h.admit(tenant_entry("light-0", "light", 100));
+    settle().await;
+    drop(first);
+    settle().await;
+    assert_eq!(h.placer.placed(), ["heavy-0", "light-0"]);
+    drop(light);
+    settle().await;
+    assert_eq!(h.placer.placed()[2], "heavy-1", "then heavy again");
+    drop(heavy);
+}
