@@ -59,7 +59,7 @@ def one_request(url, tenant, rng_seed, vocab):
     body = json.dumps({
         "model": "sluice-tiny", "prompt": prompt, "max_tokens": tenant.osl,
         "min_tokens": tenant.osl, "ignore_eos": True, "temperature": 0,
-        "stream": True, "nvext": {"priority": tenant.priority},
+        "stream": True, "nvext": {"agent_hints": {"priority": tenant.priority}},
     })
     headers = {"content-type": "application/json"}
     if tenant.key:
@@ -94,6 +94,7 @@ def one_request(url, tenant, rng_seed, vocab):
         status = -1
     with tenant.lock:
         tenant.records.append((start, first, tokens, status))
+    return status
 
 
 def drive(url, tenant, t0, duration, seed, vocab, threads):
@@ -125,7 +126,8 @@ def drive(url, tenant, t0, duration, seed, vocab, threads):
                 with tenant.lock:
                     n = i
                     i += 1
-                one_request(url, tenant, seed * 1_000_003 + n, vocab)
+                if one_request(url, tenant, seed * 1_000_003 + n, vocab) != 200:
+                    time.sleep(0.1)  # a refusal is not a reason to spin
 
         for slot in range(k):
             t = threading.Thread(target=loop, args=(slot,), daemon=True)
