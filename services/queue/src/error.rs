@@ -16,16 +16,18 @@ use std::time::Duration;
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum QueueError {
     /// Every pending slot of the queue is taken.
-    #[error("queue full: {pending} requests pending, limit {limit} (--max-pending); retry later")]
+    #[error("queue full: {pending} requests pending, limit {limit} (--max-pending); retry after {} s", retry_after.as_secs())]
     QueueFull {
         /// Requests pending when this one arrived.
         pending: usize,
         /// The global limit.
         limit: usize,
+        /// When the backlog will have drained enough, at the rate it drains.
+        retry_after: Duration,
     },
     /// The tenant has as many requests pending as it may.
     #[error(
-        "tenant {tenant:?} has {pending} requests pending, limit {limit} (--max-pending-per-tenant); retry later"
+        "tenant {tenant:?} has {pending} requests pending, limit {limit} (--max-pending-per-tenant); retry after {} s", retry_after.as_secs()
     )]
     TenantFull {
         /// The tenant ("" is the default tenant).
@@ -34,6 +36,8 @@ pub enum QueueError {
         pending: usize,
         /// The per-tenant limit.
         limit: usize,
+        /// When the backlog will have drained enough, at the rate it drains.
+        retry_after: Duration,
     },
     /// The tenant is over one of its quotas (`--tenant-limits`).
     #[error("tenant {tenant:?} is over {quota}; retry after {} s", retry_after.as_secs())]
@@ -48,9 +52,11 @@ pub enum QueueError {
     /// A low-priority request found only the share reserved for protected
     /// priorities left.
     #[error(
-        "queue full for priority {priority}: {pending} requests pending, and the last {reserved} of {limit} slots are reserved for priority above {protect}; retry later"
+        "queue full for priority {priority}: {pending} requests pending, and the last {reserved} of {limit} slots are reserved for priority above {protect}; retry after {} s", retry_after.as_secs()
     )]
     Shed {
+        /// When the backlog will have drained enough, at the rate it drains.
+        retry_after: Duration,
         /// The request's priority.
         priority: i32,
         /// Requests pending when this one arrived.
@@ -61,6 +67,19 @@ pub enum QueueError {
         limit: usize,
         /// `--shed-protect-priority`.
         protect: i32,
+    },
+    /// A held request gave its place in a full queue to a request of
+    /// higher priority.
+    #[error(
+        "displaced from the full queue by a priority {by} request (this one has priority {priority}); retry after {} s", retry_after.as_secs()
+    )]
+    Displaced {
+        /// This request's priority.
+        priority: i32,
+        /// The priority of the request that took its place.
+        by: i32,
+        /// When the backlog will have drained enough, at the rate it drains.
+        retry_after: Duration,
     },
     /// The request's deadline passed while it was held.
     #[error("deadline passed after {} ms in the queue", waited.as_millis())]
@@ -189,6 +208,7 @@ impl QueueError {
                 ..
             } => "quota_requests",
             Self::Shed { .. } => "shed",
+            Self::Displaced { .. } => "displaced",
             Self::DeadlineExceeded { .. } => "deadline",
             Self::NoWorkers { .. } => "no_workers",
             Self::Placement { .. } => "placement",
@@ -212,9 +232,17 @@ impl From<QueueError> for tonic::Status {
     fn from(err: QueueError) -> Self {
         use tonic::Status;
         match &err {
-            QueueError::QueueFull { .. }
-            | QueueError::TenantFull { .. }
-            | QueueError::Shed { .. } => Status::resource_exhausted(err.to_string()),
+            QueueError::QueueFull { retry_after, .. }
+            | QueueError::TenantFull { retry_after, .. }
+            | QueueError::Shed { retry_after, .. }
+            | QueueError::Displaced { retry_after, .. } => {
+                let mut status = Status::resource_exhausted(err.to_string());
+                let secs = retry_after.as_secs().max(1);
+                status
+                    .metadata_mut()
+                    .insert("retry-after", tonic::metadata::MetadataValue::from(secs));
+                status
+            }
             QueueError::QuotaExceeded {
                 quota, retry_after, ..
             } => {
@@ -267,8 +295,10 @@ mod tests {
         let full = QueueError::QueueFull {
             pending: 4,
             limit: 4,
+            retry_after: Duration::from_secs(3),
         };
         let shed = QueueError::Shed {
+            retry_after: Duration::from_secs(3),
             priority: 0,
             pending: 3,
             reserved: 1,
@@ -279,9 +309,21 @@ mod tests {
             tenant: "a".into(),
             pending: 1,
             limit: 1,
+            retry_after: Duration::from_secs(3),
         };
-        for err in [full, shed, tenant] {
-            assert_eq!(tonic::Status::from(err).code(), Code::ResourceExhausted);
+        let displaced = QueueError::Displaced {
+            priority: 0,
+            by: 3,
+            retry_after: Duration::from_secs(3),
+        };
+        for err in [full, shed, tenant, displaced] {
+            let status = tonic::Status::from(err);
+            assert_eq!(status.code(), Code::ResourceExhausted);
+            let retry = status
+                .metadata()
+                .get("retry-after")
+                .and_then(|v| v.to_str().ok());
+            assert_eq!(retry, Some("3"), "{status:?}");
         }
     }
 

@@ -368,9 +368,14 @@ impl Queue {
         entry.overlap_tokens = entry.overlap_tokens.min(entry.prompt_tokens);
         let now = Instant::now();
         let mut st = shared.state.lock();
-        let refused = st
-            .check_admission(cfg, &entry, now)
-            .and_then(|()| st.quotas.admit(&entry.tenant, entry.prompt_tokens, now));
+        let mut checked = st.check_admission(cfg, &entry, now);
+        if matches!(checked, Err(QueueError::QueueFull { .. }))
+            && st.displace(cfg, shared.epoch, &entry, &shared.metrics, now)
+        {
+            checked = st.check_admission(cfg, &entry, now);
+        }
+        let refused =
+            checked.and_then(|()| st.quotas.admit(&entry.tenant, entry.prompt_tokens, now));
         if let Err(err) = refused {
             drop(st);
             shared.metrics.rejected(&entry.tenant, err.reason());
@@ -664,6 +669,45 @@ struct State {
     draining: bool,
     /// Tenants' quotas and what they used.
     quotas: Quotas,
+    /// How fast grants drain the backlog.
+    drained: DrainRate,
+}
+
+/// Time constant of [`DrainRate`], in seconds.
+const DRAIN_TAU: f64 = 5.0;
+
+/// Grants per second over the last few seconds: a count of grants decayed
+/// with time constant [`DRAIN_TAU`], divided by it.
+#[derive(Debug, Default)]
+struct DrainRate {
+    count: f64,
+    at: Option<Instant>,
+}
+
+impl DrainRate {
+    fn decayed(&self, now: Instant) -> f64 {
+        self.at.map_or(0.0, |at| {
+            let dt = now.saturating_duration_since(at).as_secs_f64();
+            self.count * (-dt / DRAIN_TAU).exp()
+        })
+    }
+
+    fn grant(&mut self, now: Instant) {
+        self.count = self.decayed(now) + 1.0;
+        self.at = Some(now);
+    }
+
+    /// Whole seconds until `ahead` requests and this one drain at the
+    /// current rate: 1 to 60, 1 when nothing was granted yet.
+    fn retry_after(&self, ahead: usize, now: Instant) -> Duration {
+        let rate = self.decayed(now) / DRAIN_TAU;
+        let secs = if rate > 0.0 {
+            ((ahead as f64 + 1.0) / rate).ceil()
+        } else {
+            1.0
+        };
+        Duration::from_secs(secs.clamp(1.0, 60.0) as u64)
+    }
 }
 
 /// Work the dispatcher starts outside the lock.
@@ -715,10 +759,12 @@ impl State {
         if self.draining {
             return Err(QueueError::Draining);
         }
+        let retry_after = self.drained.retry_after(self.pending, now);
         if self.pending >= cfg.max_pending {
             return Err(QueueError::QueueFull {
                 pending: self.pending,
                 limit: cfg.max_pending,
+                retry_after,
             });
         }
         let reserved = cfg.reserved_slots();
@@ -727,6 +773,7 @@ impl State {
             && self.pending >= cfg.max_pending - reserved
         {
             return Err(QueueError::Shed {
+                retry_after,
                 priority: entry.priority,
                 pending: self.pending,
                 reserved,
@@ -740,6 +787,7 @@ impl State {
                 tenant: entry.tenant.clone(),
                 pending: tenant_pending,
                 limit: cfg.max_pending_per_tenant,
+                retry_after: self.drained.retry_after(tenant_pending, now),
             });
         }
         if let Some(deadline) = entry.deadline
@@ -965,6 +1013,7 @@ impl State {
                             load.active_prefill_tokens += u64::from(uncached);
                         }
                         let waited = now.saturating_duration_since(entry.arrival);
+                        self.drained.grant(now);
                         metrics.served(&entry.tenant, "prompt", u64::from(uncached));
                         metrics.granted(entry.priority, &entry.tenant, waited.as_secs_f64());
                         tracing::debug!(
@@ -1048,6 +1097,48 @@ impl State {
             }
         }
         self.deadlines.clear();
+    }
+
+    /// The queue is full and `entry` outranks a held request: the held
+    /// request of the lowest (strict tier, priority), the newest of them,
+    /// leaves with [`QueueError::Displaced`] and a retry-after from the
+    /// drain rate, making room. Whether one left.
+    fn displace(
+        &mut self,
+        cfg: &Args,
+        epoch: Instant,
+        entry: &Entry,
+        metrics: &QueueMetrics,
+        now: Instant,
+    ) -> bool {
+        let rank = |e: &Entry| (e.strict_tier, e.priority);
+        let victim = self
+            .slots
+            .iter()
+            .filter(|(_, s)| s.phase == Phase::Held && rank(&s.entry) < rank(entry))
+            .min_by_key(|&(&seq, s)| (rank(&s.entry), Reverse(seq)))
+            .map(|(&seq, _)| seq);
+        let Some(slot) = victim.and_then(|seq| self.slots.remove(&seq).map(|s| (seq, s))) else {
+            return false;
+        };
+        let (seq, slot) = slot;
+        self.retire(&slot, false, now);
+        if let Some(model) = self.models.get_mut(&slot.entry.model) {
+            model.order.remove(cfg, epoch, seq, &slot.entry);
+        }
+        if let Some(deadline) = slot.entry.deadline {
+            self.deadlines.remove(&(deadline, seq));
+        }
+        self.forget_pending(&slot.entry, metrics);
+        let err = QueueError::Displaced {
+            priority: slot.entry.priority,
+            by: entry.priority,
+            retry_after: self.drained.retry_after(self.pending, now),
+        };
+        tracing::debug!(request_id = %slot.entry.request_id, by = %entry.request_id, "displaced from the full queue");
+        metrics.rejected(&slot.entry.tenant, err.reason());
+        slot.tx.send_replace(TicketState::Failed(err));
+        true
     }
 
     /// A slot left the queue: its tenant's quota gets its in-flight count

@@ -533,22 +533,70 @@ async fn protected_priorities_survive_a_low_priority_flood() {
     for i in 0..2 {
         held.push(h.admit(entry(&format!("high{i}"), 1, 0, 10, Instant::now())));
     }
+    // Full: a higher priority displaces the newest of the lowest held.
+    let extra = h.admit(entry("high-extra", 5, 0, 10, Instant::now()));
+    let mut low7 = held.swap_remove(7);
+    match low7.granted().await {
+        Err(QueueError::Displaced {
+            priority: 0,
+            by: 5,
+            retry_after,
+        }) => {
+            assert!(retry_after >= Duration::from_secs(1));
+        }
+        other => panic!("low7 displaced, got {other:?}"),
+    }
+    held.push(extra);
+    // Nothing held ranks below priority 0: a full queue refuses it.
     let err = h
         .queue
-        .admit(entry("high-extra", 5, 0, 10, Instant::now()))
+        .admit(entry("low-extra", 0, 0, 10, Instant::now()))
         .expect_err("full");
     assert!(matches!(
         err,
         QueueError::QueueFull {
             pending: 10,
-            limit: 10
+            limit: 10,
+            ..
         }
     ));
-    assert_eq!(
-        tonic::Status::from(err).code(),
-        tonic::Code::ResourceExhausted
-    );
-    assert_eq!(h.metric("sluice_queue_rejections_total"), 43.0);
+    let status = tonic::Status::from(err);
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted);
+    assert!(status.metadata().get("retry-after").is_some());
+    assert_eq!(h.metric("sluice_queue_rejections_total"), 44.0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn retry_after_follows_the_drain_rate() {
+    let mut cfg = config(Policy::Fcfs);
+    cfg.max_active = 1;
+    cfg.max_pending = 4;
+    let h = Harness::start(cfg);
+    // One grant every 500 ms for 20 s: 2 per second.
+    for i in 0..40 {
+        let mut t = h.admit(entry(&format!("r{i}"), 0, 0, 10, Instant::now()));
+        t.granted().await.expect("granted");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        drop(t);
+    }
+    let blocker = h.admit(entry("blocker", 0, 0, 10, Instant::now()));
+    settle().await;
+    let held: Vec<Ticket> = (0..4)
+        .map(|i| h.admit(entry(&format!("h{i}"), 0, 0, 10, Instant::now())))
+        .collect();
+    let err = h
+        .queue
+        .admit(entry("over", 0, 0, 10, Instant::now()))
+        .expect_err("full");
+    // 4 held (the granted blocker is not pending) and this one at about
+    // 2 per second: 3 s.
+    match err {
+        QueueError::QueueFull { retry_after, .. } => {
+            assert!((2..=4).contains(&retry_after.as_secs()), "{retry_after:?}");
+        }
+        other => panic!("{other:?}"),
+    }
+    drop((blocker, held));
 }
 
 #[tokio::test(start_paused = true)]
@@ -574,7 +622,7 @@ async fn overload_yields_queue_full_and_tenant_full() {
         })
         .expect_err("tenant full");
     assert!(
-        matches!(err, QueueError::TenantFull { ref tenant, pending: 2, limit: 2 } if tenant == "a")
+        matches!(err, QueueError::TenantFull { ref tenant, pending: 2, limit: 2, .. } if tenant == "a")
     );
     let _b1 = h.admit(entry("b1", 0, 0, 10, Instant::now()));
     let err = h
@@ -585,7 +633,8 @@ async fn overload_yields_queue_full_and_tenant_full() {
         err,
         QueueError::QueueFull {
             pending: 3,
-            limit: 3
+            limit: 3,
+            ..
         }
     ));
     assert_eq!(
