@@ -58,6 +58,19 @@
 //! model, 0 = none) holds further requests while that many leases are
 //! granted or being placed.
 //!
+//! # Refusing
+//!
+//! Past `--max-pending` a request is refused (`QueueFull`), unless it
+//! outranks a held request: then the held request of the lowest (strict
+//! tier, priority), the newest of them, leaves with `Displaced` and the
+//! newcomer takes its place, so a full queue sheds its lowest priorities
+//! first. Every refusal for room (`QueueFull`, `TenantFull`, `Shed`,
+//! `Displaced`) carries a retry-after: the time the backlog ahead takes to
+//! drain at the rate grants were made over the last few seconds (a grant
+//! count decayed with a 5 s time constant), 1 to 60 s, as gRPC
+//! `retry-after` metadata, which the frontend turns into a 429 with
+//! `Retry-After`.
+//!
 //! # Position updates
 //!
 //! A held request learns its 0-based position in its model's release order,
