@@ -679,7 +679,9 @@ async fn generated_grpc_messages_never_panic_or_get_internal() -> anyhow::Result
                     .map(|_| {
                         let msg = match rng.random_range(0..6) {
                             0 => None,
-                            1 => Some(qpb::admit_request::Msg::Done(qpb::AdmitDone {})),
+                            1 => Some(qpb::admit_request::Msg::Done(qpb::AdmitDone {
+                                completion_tokens: *pick(&mut rng, &[0, 8, u32::MAX]),
+                            })),
                             2 => Some(qpb::admit_request::Msg::Started(qpb::AdmitStarted {})),
                             _ => {
                                 let block_size = *pick(&mut rng, &[0, 16, 16, u32::MAX]);
@@ -697,6 +699,7 @@ async fn generated_grpc_messages_never_panic_or_get_internal() -> anyhow::Result
                                     } else {
                                         string(&mut rng)
                                     },
+                                    tenant_weight: *pick(&mut rng, &[0, 1, 3, u32::MAX]),
                                     prompt_tokens: *pick(&mut rng, &[0, 5, 64, u32::MAX]),
                                     block_hashes: (0..*pick(&mut rng, &[0usize, 1, 4, 5000]))
                                         .map(|_| rng.random())

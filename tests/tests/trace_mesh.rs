@@ -31,7 +31,7 @@ async fn disaggregated_request_is_one_trace_across_every_hop() -> anyhow::Result
     let mesh = Mesh::start(opts).await?;
     let prompt: Vec<u32> = (0..120u32).map(|i| (i * 13 + 7) % 800 + 3).collect();
     let body = json!({"model": "sluice-tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0,
-                      "nvext": {"agent_hints": {"priority": 2}}});
+                      "user": "tracer", "nvext": {"agent_hints": {"priority": 2}}});
     let (status, resp) = post_json(&mesh.http, "/v1/completions", &body).await?;
     assert_eq!(status, 200, "{resp}");
     assert!(
@@ -45,6 +45,7 @@ async fn disaggregated_request_is_one_trace_across_every_hop() -> anyhow::Result
         "completions",                      // frontend root (http.request)
         "queue.admit",                      // frontend → queue
         "sluice.queue.v1.Queue/Admit",      // queue server
+        "queue.lease",                      // the queue's lease
         "route",                            // router's placement (on the queue's session)
         "sluice.worker.v1.Worker/Generate", // decode worker server
         "kv.remote_prefill",                // decode worker's remote prefill
@@ -79,6 +80,12 @@ async fn disaggregated_request_is_one_trace_across_every_hop() -> anyhow::Result
     // Why did it wait, where did it run.
     let root = by_name["completions"];
     assert_eq!(attr(root, "priority").as_deref(), Some("2"));
+    // Whose request: the tenant, on the frontend's root and the queue's lease.
+    assert_eq!(attr(root, "tenant").as_deref(), Some("tracer"));
+    assert_eq!(
+        attr(by_name["queue.lease"], "tenant").as_deref(),
+        Some("tracer")
+    );
     assert!(attr(root, "worker_id").is_some_and(|w| w.starts_with("decode-")));
     // One `route` span per pool; the decode one chose the serving worker.
     let route = spans

@@ -28,11 +28,23 @@ pub enum FrontendError {
     /// No or a wrong API key (`--api-key-file`).
     #[error("{message}")]
     Unauthorized { message: String },
+    /// A valid key asked for something it may not (another tenant).
+    #[error("{message}")]
+    Forbidden { message: String },
     #[error("the model `{model}` does not exist; this server serves `{served}`")]
     UnknownModel { model: String, served: String },
     #[error("the queue refused the request: {message}")]
     Overloaded {
         message: String,
+        retry_after_secs: u32,
+    },
+    /// The tenant is over one of its quotas (the queue's `--tenant-limits`).
+    #[error("{message}")]
+    QuotaExceeded {
+        message: String,
+        /// Which limit: `tokens` (per minute) or `requests` (concurrent),
+        /// the error `type` OpenAI uses for each.
+        quota: &'static str,
         retry_after_secs: u32,
     },
     #[error("no worker serves the model `{model}` right now")]
@@ -65,10 +77,29 @@ impl FrontendError {
     pub(crate) fn from_status(component: &'static str, s: tonic::Status, model: &str) -> Self {
         use tonic::Code;
         match s.code() {
-            Code::ResourceExhausted => Self::Overloaded {
-                message: s.message().to_string(),
-                retry_after_secs: 1,
-            },
+            Code::ResourceExhausted => {
+                let meta = |k: &str| s.metadata().get(k).and_then(|v| v.to_str().ok());
+                let retry_after_secs = meta("retry-after")
+                    .and_then(|v| v.trim().parse::<u32>().ok())
+                    .unwrap_or(1)
+                    .max(1);
+                let quota = match meta("sluice-quota") {
+                    Some("tokens") => Some("tokens"),
+                    Some("requests") => Some("requests"),
+                    _ => None,
+                };
+                match quota {
+                    Some(quota) => Self::QuotaExceeded {
+                        message: s.message().to_string(),
+                        quota,
+                        retry_after_secs,
+                    },
+                    None => Self::Overloaded {
+                        message: s.message().to_string(),
+                        retry_after_secs,
+                    },
+                }
+            }
             Code::DeadlineExceeded => Self::Deadline,
             Code::Cancelled => Self::Cancelled,
             Code::InvalidArgument | Code::OutOfRange => Self::InvalidRequest {
@@ -96,8 +127,9 @@ impl FrontendError {
             Self::PromptTooLong { .. } => StatusCode::BAD_REQUEST,
             Self::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
+            Self::Forbidden { .. } => StatusCode::FORBIDDEN,
             Self::UnknownModel { .. } => StatusCode::NOT_FOUND,
-            Self::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Self::Overloaded { .. } | Self::QuotaExceeded { .. } => StatusCode::TOO_MANY_REQUESTS,
             Self::NoWorkers { .. } | Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Self::Deadline => StatusCode::GATEWAY_TIMEOUT,
             Self::Cancelled => StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST),
@@ -113,8 +145,11 @@ impl FrontendError {
             Self::PromptTooLong { .. } => ("invalid_request_error", "context_length_exceeded"),
             Self::PayloadTooLarge { .. } => ("invalid_request_error", "request_too_large"),
             Self::Unauthorized { .. } => ("invalid_request_error", "invalid_api_key"),
+            Self::Forbidden { .. } => ("permission_error", "tenant_mismatch"),
             Self::UnknownModel { .. } => ("invalid_request_error", "model_not_found"),
             Self::Overloaded { .. } => ("rate_limit_error", "queue_full"),
+            // OpenAI's rate-limit errors name the limit in `type`.
+            Self::QuotaExceeded { quota, .. } => (quota, "rate_limit_exceeded"),
             Self::NoWorkers { .. } => ("service_unavailable", "no_workers"),
             Self::Unavailable { .. } => ("service_unavailable", "unavailable"),
             Self::Deadline => ("timeout", "deadline_exceeded"),
@@ -128,6 +163,19 @@ impl FrontendError {
         match self {
             Self::Tokens(e) => format!("cannot tokenize the input: {e}"),
             other => other.to_string(),
+        }
+    }
+
+    /// Seconds a refused client should wait before retrying, when known.
+    pub(crate) fn retry_after_secs(&self) -> Option<u32> {
+        match self {
+            Self::Overloaded {
+                retry_after_secs, ..
+            }
+            | Self::QuotaExceeded {
+                retry_after_secs, ..
+            } => Some(*retry_after_secs),
+            _ => None,
         }
     }
 
@@ -150,12 +198,9 @@ impl IntoResponse for FrontendError {
             tracing::error!(%detail, "internal error");
         }
         let mut resp = (self.status(), Json(self.body())).into_response();
-        if let Self::Overloaded {
-            retry_after_secs, ..
-        } = &self
-        {
+        if let Some(secs) = self.retry_after_secs() {
             resp.headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from(*retry_after_secs));
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
         resp
     }
@@ -170,8 +215,11 @@ impl From<FrontendError> for tonic::Status {
             | FrontendError::PromptTooLong { .. } => Code::InvalidArgument,
             FrontendError::PayloadTooLarge { .. } => Code::ResourceExhausted,
             FrontendError::Unauthorized { .. } => Code::Unauthenticated,
+            FrontendError::Forbidden { .. } => Code::PermissionDenied,
             FrontendError::UnknownModel { .. } => Code::NotFound,
-            FrontendError::Overloaded { .. } => Code::ResourceExhausted,
+            FrontendError::Overloaded { .. } | FrontendError::QuotaExceeded { .. } => {
+                Code::ResourceExhausted
+            }
             FrontendError::NoWorkers { .. } | FrontendError::Unavailable { .. } => {
                 Code::Unavailable
             }
@@ -182,6 +230,77 @@ impl From<FrontendError> for tonic::Status {
                 Code::Internal
             }
         };
-        tonic::Status::new(code, e.public_message())
+        let mut status = tonic::Status::new(code, e.public_message());
+        if let Some(secs) = e.retry_after_secs() {
+            status
+                .metadata_mut()
+                .insert("retry-after", tonic::metadata::MetadataValue::from(secs));
+        }
+        if let FrontendError::QuotaExceeded { quota, .. } = &e {
+            status.metadata_mut().insert(
+                "sluice-quota",
+                tonic::metadata::MetadataValue::from_static(quota),
+            );
+        }
+        status
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_queue_quota_refusal_is_a_429_naming_the_limit_with_retry_after() {
+        let mut status = tonic::Status::resource_exhausted(
+            "tenant \"acme\" is over its limit of 600 tokens per minute; retry after 9 s",
+        );
+        status.metadata_mut().insert("retry-after", 9u32.into());
+        status.metadata_mut().insert(
+            "sluice-quota",
+            tonic::metadata::MetadataValue::from_static("tokens"),
+        );
+        let err = FrontendError::from_status("queue", status, "m");
+        assert_eq!(err.status(), StatusCode::TOO_MANY_REQUESTS);
+        let body = err.body();
+        assert_eq!(body["error"]["type"], "tokens");
+        assert_eq!(body["error"]["code"], "rate_limit_exceeded");
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("600 tokens per minute"))
+        );
+        let resp = err.into_response();
+        assert_eq!(resp.headers()[header::RETRY_AFTER], "9");
+
+        // A plain full queue stays `queue_full`, retry in 1 s.
+        let err = FrontendError::from_status(
+            "queue",
+            tonic::Status::resource_exhausted("queue full"),
+            "m",
+        );
+        assert_eq!(err.body()["error"]["code"], "queue_full");
+        assert_eq!(err.retry_after_secs(), Some(1));
+        // Through the gRPC API the refusal keeps its retry-after.
+        let status = tonic::Status::from(FrontendError::QuotaExceeded {
+            message: "over".into(),
+            quota: "requests",
+            retry_after_secs: 3,
+        });
+        assert_eq!(status.code(), tonic::Code::ResourceExhausted);
+        assert_eq!(
+            status
+                .metadata()
+                .get("retry-after")
+                .map(|v| v.to_str().ok()),
+            Some(Some("3"))
+        );
+        assert_eq!(
+            status
+                .metadata()
+                .get("sluice-quota")
+                .map(|v| v.to_str().ok()),
+            Some(Some("requests"))
+        );
     }
 }

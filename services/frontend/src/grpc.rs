@@ -12,9 +12,10 @@ use sluice_tokens::ChatMessage;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
+use crate::auth::Identity;
 use crate::error::FrontendError;
 use crate::openai::{GenerateParams, Prompt, check_role, limit_error};
-use crate::pipeline::{Event, Pipeline};
+use crate::pipeline::{Event, Pipeline, assign_tenant};
 
 /// The tonic service.
 #[derive(Debug, Clone)]
@@ -23,8 +24,9 @@ pub(crate) struct InferenceService {
 }
 
 impl InferenceService {
-    /// `authorization` metadata against `--api-key-file`.
-    fn authorize<T>(&self, request: &Request<T>) -> Result<(), FrontendError> {
+    /// `authorization` metadata against `--api-key-file`: the key's
+    /// identity, or `None` without keys.
+    fn authorize<T>(&self, request: &Request<T>) -> Result<Option<Identity>, FrontendError> {
         let value = request
             .metadata()
             .get("authorization")
@@ -84,7 +86,9 @@ fn params(req: pb::GenerateRequest) -> Result<GenerateParams, FrontendError> {
         sampling,
         stop,
         hints: req.hints.unwrap_or_default(),
+        user: None,
         tenant: req.tenant,
+        tenant_weight: 0,
         timeout: (req.timeout_ms > 0).then(|| Duration::from_millis(u64::from(req.timeout_ms))),
     })
 }
@@ -115,9 +119,16 @@ impl pb::inference_server::Inference for InferenceService {
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let received = Instant::now();
-        self.authorize(&request)?;
-        let params = params(request.into_inner())?;
-        let span = tracing::info_span!("inference.generate", request_id = %params.request_id, priority = params.hints.priority);
+        let identity = self.authorize(&request)?;
+        let mut params = params(request.into_inner())?;
+        let claimed = std::mem::take(&mut params.tenant);
+        assign_tenant(&mut params, identity.as_ref(), Some(&claimed), "tenant")?;
+        let span = tracing::info_span!(
+            "inference.generate",
+            request_id = %params.request_id,
+            priority = params.hints.priority,
+            tenant = %params.tenant,
+        );
         let p = Arc::clone(&self.pipeline);
         let request_id = params.request_id.clone();
         let generation = async {
@@ -178,6 +189,7 @@ impl pb::inference_server::Inference for InferenceService {
                                 migrations: serving.migrations,
                                 routed_overlap_tokens: serving.routed_overlap_tokens,
                                 request_id,
+                                tenant: serving.tenant,
                             }),
                             ..Default::default()
                         };

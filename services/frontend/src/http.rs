@@ -12,19 +12,23 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::{Extension, Json, Router};
 use futures::Stream;
 use serde_json::{Value, json};
 use tracing::Instrument;
 
+use crate::auth::{Identity, TENANT_HEADER};
 use crate::error::FrontendError;
 use crate::openai::{
     self, ChatRequest, CompletionRequest, GenerateParams, PRIORITY_PATH, StreamMode,
 };
-use crate::pipeline::{Event, Generation, Pipeline, Serving, TokenLogprob};
+use crate::pipeline::{Event, Generation, Pipeline, Serving, TokenLogprob, assign_tenant};
 
 /// Header that overrides the body's priority.
 pub(crate) const PRIORITY_HEADER: &str = "x-sluice-priority";
+
+/// The caller's key identity, set by [`authorize`] when the frontend has keys.
+type Caller = Option<Extension<Identity>>;
 
 /// The HTTP routes, with request ids, CORS, compression and the body limit
 /// (`--max-body-bytes`, the one in force: a larger body is a 413 in the
@@ -64,7 +68,13 @@ async fn authorize(
         .get(http::header::AUTHORIZATION)
         .map(|v| v.as_bytes());
     match p.authorize(value) {
-        Ok(()) => next.run(request).await,
+        Ok(identity) => {
+            let mut request = request;
+            if let Some(identity) = identity {
+                request.extensions_mut().insert(identity);
+            }
+            next.run(request).await
+        }
         Err(e) => {
             let endpoint = match request.uri().path() {
                 "/v1/chat/completions" => Api::Chat.endpoint(),
@@ -167,27 +177,50 @@ impl Api {
 
 type Body = Result<Bytes, axum::extract::rejection::BytesRejection>;
 
-async fn chat(State(p): State<Arc<Pipeline>>, headers: HeaderMap, body: Body) -> Response {
+async fn chat(
+    State(p): State<Arc<Pipeline>>,
+    caller: Caller,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
     let received = Instant::now();
     let id = request_id(&headers, "chatcmpl");
     let parsed = body_bytes(body, p.max_body_bytes)
         .and_then(|b| parse::<ChatRequest>(&b))
         .and_then(|r| r.into_params(id));
-    serve(p, Api::Chat, headers, parsed, received).await
+    serve(p, Api::Chat, caller, headers, parsed, received).await
 }
 
-async fn completions(State(p): State<Arc<Pipeline>>, headers: HeaderMap, body: Body) -> Response {
+async fn completions(
+    State(p): State<Arc<Pipeline>>,
+    caller: Caller,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
     let received = Instant::now();
     let id = request_id(&headers, "cmpl");
     let parsed = body_bytes(body, p.max_body_bytes)
         .and_then(|b| parse::<CompletionRequest>(&b))
         .and_then(|r| r.into_params(id));
-    serve(p, Api::Completion, headers, parsed, received).await
+    serve(p, Api::Completion, caller, headers, parsed, received).await
+}
+
+/// The `x-sluice-tenant` header's value; a value that is not text is a 400.
+fn header_tenant(headers: &HeaderMap) -> Result<Option<&str>, FrontendError> {
+    headers
+        .get(TENANT_HEADER)
+        .map(|v| {
+            v.to_str().map_err(|_| {
+                FrontendError::invalid(TENANT_HEADER, "the tenant header must be visible ASCII")
+            })
+        })
+        .transpose()
 }
 
 async fn serve(
     p: Arc<Pipeline>,
     api: Api,
+    caller: Caller,
     headers: HeaderMap,
     parsed: Result<(GenerateParams, StreamMode), FrontendError>,
     received: Instant,
@@ -199,6 +232,7 @@ async fn serve(
         request_id = tracing::field::Empty,
         priority = tracing::field::Empty,
         strict_priority = tracing::field::Empty,
+        tenant = tracing::field::Empty,
         prompt_tokens = tracing::field::Empty,
         worker_id = tracing::field::Empty,
     );
@@ -219,10 +253,18 @@ async fn serve(
             params.hints.strict_priority,
         )
         .map_err(crate::openai::limit_error)?;
+        let identity = caller.as_ref().map(|Extension(id)| id);
+        assign_tenant(
+            &mut params,
+            identity,
+            header_tenant(&headers)?,
+            TENANT_HEADER,
+        )?;
         let span = tracing::Span::current();
         span.record("request_id", params.request_id.as_str());
         span.record("priority", params.hints.priority);
         span.record("strict_priority", params.hints.strict_priority);
+        span.record("tenant", params.tenant.as_str());
         let prepared = p.prepare(params, received).await?;
         span.record("prompt_tokens", prepared.prompt_ids.len());
         let id = prepared.params.request_id.clone();

@@ -1,8 +1,14 @@
-//! The frontend's Prometheus metrics: latency histograms by priority and
-//! requests by status code.
+//! The frontend's Prometheus metrics: latency histograms by priority (and
+//! TTFT by tenant: the [`TOP_TENANTS`] tenants with the most tokens, every
+//! other tenant as `other`) and requests by status code.
+
+use std::sync::Arc;
 
 use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry};
+use sluice_runtime::tenant_labels::TenantLabels;
 
+/// Tenants with a label of their own in the per-tenant metrics.
+pub(crate) const TOP_TENANTS: usize = 10;
 /// Every metric the frontend exports, in its own registry.
 #[derive(Debug, Clone)]
 pub(crate) struct Metrics {
@@ -15,6 +21,8 @@ pub(crate) struct Metrics {
     pub inflight: IntGauge,
     pub migrations: IntCounterVec,
     pub failovers: IntCounterVec,
+    tenant_ttft: HistogramVec,
+    tenants: Arc<TenantLabels>,
 }
 
 const LATENCY_BUCKETS: &[f64] = &[
@@ -61,6 +69,15 @@ impl Metrics {
             ),
             &["outcome"],
         )?;
+        let tenant_ttft = HistogramVec::new(
+            HistogramOpts::new(
+                "sluice_frontend_tenant_ttft_seconds",
+                "Time to first token, by tenant (the top tenants by tokens, the rest as `other`)",
+            )
+            .buckets(LATENCY_BUCKETS.to_vec()),
+            &["tenant"],
+        )?;
+        registry.register(Box::new(tenant_ttft.clone()))?;
         registry.register(Box::new(ttft.clone()))?;
         registry.register(Box::new(itl.clone()))?;
         registry.register(Box::new(e2e.clone()))?;
@@ -86,6 +103,23 @@ impl Metrics {
             inflight,
             migrations,
             failovers,
+            tenant_ttft,
+            tenants: Arc::new(TenantLabels::new(TOP_TENANTS)),
         })
+    }
+
+    /// `tokens` more for `tenant` (its volume ranks it for a label).
+    pub(crate) fn tenant_tokens(&self, tenant: &str, tokens: u32) {
+        if let Some(evicted) = self.tenants.record(tenant, f64::from(tokens)) {
+            let _ = self.tenant_ttft.remove_label_values(&[&evicted]);
+        }
+    }
+
+    /// A request of `tenant` with `prompt_tokens` got its first token.
+    pub(crate) fn tenant_ttft(&self, tenant: &str, prompt_tokens: u32, seconds: f64) {
+        self.tenant_tokens(tenant, prompt_tokens);
+        self.tenant_ttft
+            .with_label_values(&[self.tenants.label(tenant).as_str()])
+            .observe(seconds);
     }
 }

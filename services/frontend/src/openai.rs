@@ -25,7 +25,13 @@ pub(crate) struct GenerateParams {
     pub sampling: common::SamplingParams,
     pub stop: Vec<String>,
     pub hints: common::PriorityHints,
+    /// OpenAI's end-user id; names the tenant only without API keys.
+    pub user: Option<String>,
+    /// The tenant the request is queued as (see `auth::resolve_tenant`);
+    /// before resolution, the one the request claims, if any.
     pub tenant: String,
+    /// The tenant's fair-share weight from the API key file; 0 = none.
+    pub tenant_weight: u32,
     pub timeout: Option<Duration>,
 }
 
@@ -415,10 +421,12 @@ fn sampling(c: &Common) -> Result<common::SamplingParams, FrontendError> {
     Ok(params)
 }
 
-/// The `user` field (the tenant), bounded like every id.
-fn tenant(user: Option<String>) -> Result<String, FrontendError> {
-    let user = user.unwrap_or_default();
-    limits::check_id("user", &user).map_err(limit_error)?;
+/// The `user` field (an end-user id; the tenant without keys), bounded
+/// like every id.
+fn user(user: Option<String>) -> Result<Option<String>, FrontendError> {
+    if let Some(u) = &user {
+        limits::check_id("user", u).map_err(limit_error)?;
+    }
     Ok(user)
 }
 
@@ -518,7 +526,9 @@ impl ChatRequest {
                 sampling,
                 stop: stop_list(self.stop)?,
                 hints: hints(&self.nvext),
-                tenant: tenant(self.user)?,
+                user: user(self.user)?,
+                tenant: String::new(),
+                tenant_weight: 0,
                 timeout: None,
             },
             mode,
@@ -595,7 +605,9 @@ impl CompletionRequest {
                 sampling,
                 stop: stop_list(self.stop)?,
                 hints: hints(&self.nvext),
-                tenant: tenant(self.user)?,
+                user: user(self.user)?,
+                tenant: String::new(),
+                tenant_weight: 0,
                 timeout: None,
             },
             mode,

@@ -25,6 +25,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tracing::{Instrument, Span};
 
+use crate::auth::Identity;
 use crate::error::FrontendError;
 use crate::mesh::{Channels, Members};
 use crate::metrics::Metrics;
@@ -32,6 +33,11 @@ use crate::openai::{GenerateParams, Prompt};
 
 /// Block size assumed until a worker reports its own.
 const DEFAULT_BLOCK_SIZE: usize = 16;
+
+/// Output tokens between two `progress` reports on a lease: the queue
+/// charges the tenant as tokens are produced, at the cost of one message
+/// per this many tokens (the final count goes with `done`).
+const PROGRESS_TOKENS: u32 = 32;
 
 /// Shared state of the frontend's request path.
 #[derive(Debug)]
@@ -60,13 +66,33 @@ pub(crate) struct Pipeline {
 }
 
 impl Pipeline {
-    /// Checks an `Authorization` value against `--api-key-file`.
-    pub(crate) fn authorize(&self, authorization: Option<&[u8]>) -> Result<(), FrontendError> {
-        match &self.api_keys {
-            Some(keys) => keys.check(authorization),
-            None => Ok(()),
-        }
+    /// Checks an `Authorization` value against `--api-key-file`: the key's
+    /// identity, or `None` when the frontend has no keys.
+    pub(crate) fn authorize(
+        &self,
+        authorization: Option<&[u8]>,
+    ) -> Result<Option<Identity>, FrontendError> {
+        self.api_keys
+            .as_ref()
+            .map(|keys| keys.check(authorization))
+            .transpose()
     }
+}
+
+/// Sets `params`' tenant: the key's (`identity`), else the claimed one
+/// (`claimed`, from `claim_field`), else `params.user` (see
+/// [`crate::auth::resolve_tenant`]).
+pub(crate) fn assign_tenant(
+    params: &mut GenerateParams,
+    identity: Option<&Identity>,
+    claimed: Option<&str>,
+    claim_field: &str,
+) -> Result<(), FrontendError> {
+    let tenant =
+        crate::auth::resolve_tenant(identity, claimed, claim_field, params.user.as_deref())?;
+    params.tenant = tenant.name;
+    params.tenant_weight = tenant.weight;
+    Ok(())
 }
 
 /// A request ready for the mesh: tokenized and hashed.
@@ -113,6 +139,8 @@ pub(crate) struct Serving {
     #[serde(skip_serializing_if = "String::is_empty")]
     pub prefill_worker_id: String,
     pub priority: i32,
+    /// The tenant the request was queued and counted as.
+    pub tenant: String,
     pub queue_wait_ms: f64,
     /// Prompt tokens the router expected cached on the worker it chose
     /// (routing you can check against `usage.prompt_tokens_details`).
@@ -377,6 +405,7 @@ impl Pipeline {
                 // prefill worker; the decode worker decides whether to use it.
                 prefill_worker_id: String::new(),
                 priority: p.params.hints.priority,
+                tenant: p.params.tenant.clone(),
                 queue_wait_ms: grant.queue_wait_ms,
                 routed_overlap_tokens: grant.overlap_tokens,
                 migrations: failed.len() as u32,
@@ -400,6 +429,8 @@ impl Pipeline {
             finished: false,
             span: opened.span,
             generated: Vec::new(),
+            lease_base: 0,
+            reported: 0,
             failed_workers: failed,
             request: p,
         })
@@ -440,7 +471,8 @@ impl Pipeline {
     ) -> Result<Opened, Failure> {
         let admit = self.admit(p, exclude).instrument(tracing::info_span!(
             "queue.admit",
-            priority = p.params.hints.priority
+            priority = p.params.hints.priority,
+            tenant = %p.params.tenant,
         ));
         let (lease_tx, lease_rx, grant) = tokio::time::timeout_at(deadline.into(), admit)
             .await
@@ -480,7 +512,7 @@ impl Pipeline {
         let stream = match answer {
             Ok(r) => r.into_inner(),
             Err(s) => {
-                close_lease(Some(lease_tx), Some(lease_rx), None);
+                close_lease(Some(lease_tx), Some(lease_rx), None, 0);
                 let failed = worker_failed(&s);
                 let error = FrontendError::from_status("worker", s, &self.model);
                 return Err(Failure::of_worker(&grant.worker_id, failed, error));
@@ -566,6 +598,7 @@ impl Pipeline {
                 p.params.sampling.max_tokens
             },
             exclude_worker_ids: exclude.to_vec(),
+            tenant_weight: p.params.tenant_weight,
         };
         tx.send(qpb::AdmitRequest {
             msg: Some(qpb::admit_request::Msg::Open(open)),
@@ -672,6 +705,11 @@ pub(crate) struct Generation {
     request: Prepared,
     /// Tokens streamed so far, across workers.
     generated: Vec<u32>,
+    /// `usage.completion_tokens` when the current lease began (a migrated
+    /// request's new lease counts from there).
+    lease_base: u32,
+    /// Output tokens last reported on the current lease (`progress`).
+    reported: u32,
     /// Workers that failed this request mid-stream.
     failed_workers: Vec<String>,
 }
@@ -731,7 +769,15 @@ impl Generation {
         );
         // The failed worker's stream is gone; its lease ends now.
         self.stream = None;
-        close_lease(self.lease.take(), self.lease_responses.take(), None);
+        let on_lease = self.on_lease();
+        close_lease(
+            self.lease.take(),
+            self.lease_responses.take(),
+            None,
+            on_lease,
+        );
+        self.lease_base = self.usage.completion_tokens;
+        self.reported = 0;
         let retries = p
             .migration_limit
             .saturating_sub(self.failed_workers.len() as u32);
@@ -800,14 +846,17 @@ impl Generation {
             let m = &self.pipeline.metrics;
             match self.last_token {
                 None => {
+                    let ttft = (now - self.received).as_secs_f64();
                     m.ttft
                         .with_label_values(&[&self.priority_label])
-                        .observe((now - self.received).as_secs_f64());
+                        .observe(ttft);
+                    m.tenant_ttft(&self.serving.tenant, self.usage.prompt_tokens, ttft);
                     // The router stops counting the prompt as prefill work.
                     if let Some(lease) = &self.lease {
                         let _ = lease.try_send(qpb::AdmitRequest {
                             msg: Some(qpb::admit_request::Msg::Started(qpb::AdmitStarted {})),
                         });
+                        nudge(self.lease_responses.as_mut());
                     }
                 }
                 Some(prev) => {
@@ -862,6 +911,9 @@ impl Generation {
                 text.push_str(&self.detok.flush()?.text);
             }
         }
+        if reason.is_none() {
+            self.report_progress();
+        }
         if !text.is_empty() || !token_ids.is_empty() {
             self.pending.push_back(Event::Delta {
                 text,
@@ -874,7 +926,13 @@ impl Generation {
             // The lease ends before the client hears of the end, so the
             // router has stopped counting this request by the time the
             // client's next one (a conversation's next turn) arrives.
-            close_lease(self.lease.take(), self.lease_responses.take(), None);
+            let on_lease = self.on_lease();
+            close_lease(
+                self.lease.take(),
+                self.lease_responses.take(),
+                None,
+                on_lease,
+            );
             self.pending.push_back(Event::Done {
                 finish_reason: r,
                 usage: self.usage,
@@ -885,8 +943,35 @@ impl Generation {
         Ok(())
     }
 
+    /// Output tokens produced on the current lease.
+    fn on_lease(&self) -> u32 {
+        self.usage.completion_tokens.saturating_sub(self.lease_base)
+    }
+
+    /// Tells the queue the lease's output so far, at most once per
+    /// [`PROGRESS_TOKENS`]; a full lease channel skips a report (the next
+    /// one carries the running total).
+    fn report_progress(&mut self) {
+        let on_lease = self.on_lease();
+        if on_lease < self.reported + PROGRESS_TOKENS {
+            return;
+        }
+        if let Some(lease) = &self.lease {
+            let msg = qpb::AdmitRequest {
+                msg: Some(qpb::admit_request::Msg::Progress(qpb::AdmitProgress {
+                    completion_tokens: on_lease,
+                })),
+            };
+            if lease.try_send(msg).is_ok() {
+                self.reported = on_lease;
+                nudge(self.lease_responses.as_mut());
+            }
+        }
+    }
+
     fn record_end_ok(&self) {
         let m = &self.pipeline.metrics;
+        m.tenant_tokens(&self.serving.tenant, self.usage.completion_tokens);
         m.e2e
             .with_label_values(&[&self.priority_label])
             .observe(self.received.elapsed().as_secs_f64());
@@ -915,7 +1000,13 @@ impl Drop for Generation {
         } else {
             None
         };
-        close_lease(self.lease.take(), self.lease_responses.take(), worker);
+        let on_lease = self.on_lease();
+        close_lease(
+            self.lease.take(),
+            self.lease_responses.take(),
+            worker,
+            on_lease,
+        );
     }
 }
 
@@ -934,21 +1025,39 @@ fn worker_failed(s: &tonic::Status) -> bool {
     )
 }
 
-/// Ends a lease cleanly — `done` now, then in the background half-close and
-/// read the queue's end of stream — and drains `worker`, a stream its
-/// worker finished.
+/// Polls a lease's answers once, without waiting. After the grant the
+/// queue sends nothing more, but a queue in this process (`sluice up`)
+/// reads what the lease sends (`started`, `progress`, `done`) only while
+/// its answers are polled: one poll right after a send lets it take the
+/// message at once. Over the network it finds nothing and costs nothing.
+fn nudge(responses: Option<&mut tonic::Streaming<qpb::AdmitResponse>>) {
+    if let Some(r) = responses {
+        let _ = futures::FutureExt::now_or_never(r.message());
+    }
+}
+
+/// Ends a lease cleanly — `done` with the lease's `completion_tokens` now,
+/// then in the background half-close and read the queue's end of stream —
+/// and drains `worker`, a stream its worker finished.
 fn close_lease(
     lease: Option<mpsc::Sender<qpb::AdmitRequest>>,
     responses: Option<tonic::Streaming<qpb::AdmitResponse>>,
     worker: Option<tonic::Streaming<wpb::GenerateResponse>>,
+    completion_tokens: u32,
 ) {
-    let done = || qpb::AdmitRequest {
-        msg: Some(qpb::admit_request::Msg::Done(qpb::AdmitDone {})),
+    let done = move || qpb::AdmitRequest {
+        msg: Some(qpb::admit_request::Msg::Done(qpb::AdmitDone {
+            completion_tokens,
+        })),
     };
     // Sent at once where there is room: the queue learns of the end before
     // anything this task does next.
+    let mut responses = responses;
     let lease = lease.and_then(|l| match l.try_send(done()) {
-        Ok(()) => None,
+        Ok(()) => {
+            nudge(responses.as_mut());
+            None
+        }
         Err(_) => Some(l),
     });
     let Ok(rt) = tokio::runtime::Handle::try_current() else {

@@ -12,6 +12,11 @@ use std::time::Duration;
 use clap::ValueEnum;
 
 use crate::error::QueueError;
+use crate::tenants::TenantLimits;
+
+fn parse_tenant_limits(path: &str) -> Result<TenantLimits, String> {
+    TenantLimits::from_path(std::path::Path::new(path))
+}
 
 /// Release order among held requests of one strict tier.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -24,9 +29,14 @@ pub enum Policy {
     Wspt,
     /// Highest priority first, first come first served within a priority.
     Strict,
-    /// Weighted round robin (deficit round robin with unit cost) across
-    /// classes, so the lowest class's wait is bounded.
+    /// Weighted fair queueing across classes (`--wfq-class`) with a
+    /// virtual counter per class, charged per request or per token
+    /// (`--wfq-cost`), so the lowest class's wait is bounded.
     Wfq,
+    /// Strict priority between bands of equal priority; inside a band,
+    /// tenants share by weight in work: prompt tokens not cached plus
+    /// output tokens, charged as they are produced.
+    Fair,
 }
 
 impl Policy {
@@ -37,6 +47,7 @@ impl Policy {
             Self::Wspt => "wspt",
             Self::Strict => "strict",
             Self::Wfq => "wfq",
+            Self::Fair => "fair",
         }
     }
 }
@@ -56,6 +67,16 @@ pub enum WfqClass {
     Priority,
     /// One class per tenant and priority; class key = `tenant/priority`.
     TenantPriority,
+}
+
+/// What a release costs a `wfq` class.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum WfqCost {
+    /// One per request: classes share requests.
+    Requests,
+    /// Prompt tokens not cached plus output tokens, as produced: classes
+    /// share work.
+    Tokens,
 }
 
 /// `--wfq-weights`: `CLASS=WEIGHT,...`; classes not listed weigh
@@ -167,6 +188,17 @@ pub struct Args {
     #[arg(long, env = "SLUICE_WFQ_DEFAULT_WEIGHT", default_value_t = 1)]
     pub wfq_default_weight: u32,
 
+    /// What a release costs a `wfq` class (`fair` always counts tokens).
+    #[arg(long, env = "SLUICE_WFQ_COST", value_enum, default_value_t = WfqCost::Requests)]
+    pub wfq_cost: WfqCost,
+
+    /// Tenants' weights and quotas: lines of `TENANT [weight=N] [tpm=N]
+    /// [concurrency=N]`, `*` for every tenant not listed. Over a quota a
+    /// request is refused with RESOURCE_EXHAUSTED and a retry-after. With
+    /// several queue replicas each enforces 1/N of every limit.
+    #[arg(long, env = "SLUICE_TENANT_LIMITS", value_name = "FILE", value_parser = parse_tenant_limits)]
+    pub tenant_limits: Option<TenantLimits>,
+
     /// A request held longer than this has its prefix overlap re-read from
     /// the router before it is released, in milliseconds.
     #[arg(long, env = "SLUICE_REFRESH_INTERVAL_MS", default_value_t = 500)]
@@ -242,13 +274,25 @@ impl Args {
         );
         if self.queue_policy == Policy::Wfq {
             line.push_str(&format!(
-                " wfq_class={} wfq_weights={} wfq_default_weight={}",
+                " wfq_class={} wfq_cost={} wfq_weights={} wfq_default_weight={}",
                 self.wfq_class
+                    .to_possible_value()
+                    .map_or_else(String::new, |v| v.get_name().to_owned()),
+                self.wfq_cost
                     .to_possible_value()
                     .map_or_else(String::new, |v| v.get_name().to_owned()),
                 self.wfq_weights,
                 self.wfq_default_weight
             ));
+        }
+        if self.queue_policy == Policy::Fair {
+            line.push_str(&format!(
+                " wfq_weights={} wfq_default_weight={}",
+                self.wfq_weights, self.wfq_default_weight
+            ));
+        }
+        if let Some(limits) = &self.tenant_limits {
+            line.push_str(&format!(" tenant_limits={limits}"));
         }
         line
     }
@@ -313,6 +357,30 @@ mod tests {
             );
             assert!(err.to_string().starts_with(expected));
         }
+    }
+
+    #[test]
+    fn fair_policy_cost_and_tenant_limits_parse() {
+        let dir = std::env::temp_dir().join(format!("sluice-limits-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let file = dir.join("limits");
+        std::fs::write(&file, "acme weight=3 tpm=1000\n").expect("write");
+        let path = file.to_str().expect("utf-8 path");
+        let cfg = parse(&["--queue-policy", "fair", "--tenant-limits", path]);
+        assert_eq!(cfg.queue_policy, Policy::Fair);
+        let limits = cfg.tenant_limits.as_ref().expect("parsed");
+        assert_eq!(limits.get("acme").and_then(|l| l.weight), Some(3));
+        assert!(
+            cfg.summary()
+                .contains("tenant_limits=1 tenants (1 with quotas)")
+        );
+        assert_eq!(parse(&["--wfq-cost", "tokens"]).wfq_cost, WfqCost::Tokens);
+
+        std::fs::write(&file, "acme tpm=x\n").expect("write");
+        let mut argv = vec!["queue", "--tenant-limits", path];
+        let err = Cli::try_parse_from(argv.drain(..)).err().expect("refused");
+        assert!(err.to_string().contains("line 1: tpm=\"x\""), "{err}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -77,7 +77,13 @@ pub(crate) fn entry_from_open(open: pb::AdmitOpen, now: Instant) -> Result<Entry
         model: open.model,
         priority: open.priority,
         strict_tier: open.strict_priority,
-        tenant: open.tenant,
+        // "" is the default tenant: one name for it in quotas and classes.
+        tenant: if open.tenant.is_empty() {
+            crate::tenants::DEFAULT_TENANT.to_owned()
+        } else {
+            open.tenant
+        },
+        tenant_weight: open.tenant_weight,
         prompt_tokens: open.prompt_tokens,
         overlap_tokens: 0,
         block_hashes: Arc::from(open.block_hashes),
@@ -205,6 +211,7 @@ mod tests {
             deadline_ms: 1500,
             expected_output_tokens: 0,
             exclude_worker_ids: vec!["w9".into()],
+            tenant_weight: 2,
         }
     }
 
@@ -224,6 +231,16 @@ mod tests {
         assert_eq!(entry.deadline, Some(now + Duration::from_millis(1500)));
         assert_eq!(&*entry.block_hashes, &[1, 2]);
         assert_eq!(&*entry.exclude_worker_ids, ["w9".to_string()]);
+        assert_eq!((entry.tenant.as_str(), entry.tenant_weight), ("t", 2));
+        let anonymous = entry_from_open(
+            pb::AdmitOpen {
+                tenant: String::new(),
+                ..open()
+            },
+            now,
+        )
+        .expect("valid");
+        assert_eq!(anonymous.tenant, "default");
         let no_deadline = entry_from_open(
             pb::AdmitOpen {
                 deadline_ms: 0,

@@ -16,16 +16,18 @@ use std::time::Duration;
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum QueueError {
     /// Every pending slot of the queue is taken.
-    #[error("queue full: {pending} requests pending, limit {limit} (--max-pending); retry later")]
+    #[error("queue full: {pending} requests pending, limit {limit} (--max-pending); retry after {} s", retry_after.as_secs())]
     QueueFull {
         /// Requests pending when this one arrived.
         pending: usize,
         /// The global limit.
         limit: usize,
+        /// When the backlog will have drained enough, at the rate it drains.
+        retry_after: Duration,
     },
     /// The tenant has as many requests pending as it may.
     #[error(
-        "tenant {tenant:?} has {pending} requests pending, limit {limit} (--max-pending-per-tenant); retry later"
+        "tenant {tenant:?} has {pending} requests pending, limit {limit} (--max-pending-per-tenant); retry after {} s", retry_after.as_secs()
     )]
     TenantFull {
         /// The tenant ("" is the default tenant).
@@ -34,13 +36,27 @@ pub enum QueueError {
         pending: usize,
         /// The per-tenant limit.
         limit: usize,
+        /// When the backlog will have drained enough, at the rate it drains.
+        retry_after: Duration,
+    },
+    /// The tenant is over one of its quotas (`--tenant-limits`).
+    #[error("tenant {tenant:?} is over {quota}; retry after {} s", retry_after.as_secs())]
+    QuotaExceeded {
+        /// The tenant.
+        tenant: String,
+        /// The limit it is over.
+        quota: Quota,
+        /// When this replica's share allows a request again.
+        retry_after: Duration,
     },
     /// A low-priority request found only the share reserved for protected
     /// priorities left.
     #[error(
-        "queue full for priority {priority}: {pending} requests pending, and the last {reserved} of {limit} slots are reserved for priority above {protect}; retry later"
+        "queue full for priority {priority}: {pending} requests pending, and the last {reserved} of {limit} slots are reserved for priority above {protect}; retry after {} s", retry_after.as_secs()
     )]
     Shed {
+        /// When the backlog will have drained enough, at the rate it drains.
+        retry_after: Duration,
         /// The request's priority.
         priority: i32,
         /// Requests pending when this one arrived.
@@ -51,6 +67,19 @@ pub enum QueueError {
         limit: usize,
         /// `--shed-protect-priority`.
         protect: i32,
+    },
+    /// A held request gave its place in a full queue to a request of
+    /// higher priority.
+    #[error(
+        "displaced from the full queue by a priority {by} request (this one has priority {priority}); retry after {} s", retry_after.as_secs()
+    )]
+    Displaced {
+        /// This request's priority.
+        priority: i32,
+        /// The priority of the request that took its place.
+        by: i32,
+        /// When the backlog will have drained enough, at the rate it drains.
+        retry_after: Duration,
     },
     /// The request's deadline passed while it was held.
     #[error("deadline passed after {} ms in the queue", waited.as_millis())]
@@ -101,13 +130,85 @@ pub enum QueueError {
     },
 }
 
+/// Which of a tenant's quotas refused a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Quota {
+    /// Tokens per minute.
+    Tokens {
+        /// The tenant's limit.
+        per_minute: u64,
+        /// This replica's share of it.
+        share: u64,
+        /// Queue replicas sharing it.
+        replicas: u32,
+    },
+    /// Requests pending or running at once.
+    Requests {
+        /// The tenant's limit.
+        limit: u32,
+        /// This replica's share of it.
+        share: u32,
+        /// Queue replicas sharing it.
+        replicas: u32,
+    },
+}
+
+impl Quota {
+    /// The wire name (`sluice-quota` metadata) and OpenAI error type.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Tokens { .. } => "tokens",
+            Self::Requests { .. } => "requests",
+        }
+    }
+}
+
+impl std::fmt::Display for Quota {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (share, replicas) = match self {
+            Self::Tokens {
+                per_minute,
+                share,
+                replicas,
+            } => {
+                write!(f, "its limit of {per_minute} tokens per minute")?;
+                (*share, *replicas)
+            }
+            Self::Requests {
+                limit,
+                share,
+                replicas,
+            } => {
+                write!(f, "its limit of {limit} concurrent requests")?;
+                (u64::from(*share), *replicas)
+            }
+        };
+        if replicas > 1 {
+            write!(
+                f,
+                " (this queue replica enforces its share {share} of {replicas} replicas)"
+            )?;
+        }
+        Ok(())
+    }
+}
+
 impl QueueError {
     /// The rejection reason used as a metrics label.
     pub fn reason(&self) -> &'static str {
         match self {
             Self::QueueFull { .. } => "queue_full",
             Self::TenantFull { .. } => "tenant_full",
+            Self::QuotaExceeded {
+                quota: Quota::Tokens { .. },
+                ..
+            } => "quota_tokens",
+            Self::QuotaExceeded {
+                quota: Quota::Requests { .. },
+                ..
+            } => "quota_requests",
             Self::Shed { .. } => "shed",
+            Self::Displaced { .. } => "displaced",
             Self::DeadlineExceeded { .. } => "deadline",
             Self::NoWorkers { .. } => "no_workers",
             Self::Placement { .. } => "placement",
@@ -148,8 +249,29 @@ impl From<QueueError> for tonic::Status {
 fn status_of(err: QueueError) -> tonic::Status {
     use tonic::Status;
     match &err {
-        QueueError::QueueFull { .. } | QueueError::TenantFull { .. } | QueueError::Shed { .. } => {
-            Status::resource_exhausted(err.to_string())
+        QueueError::QueueFull { retry_after, .. }
+        | QueueError::TenantFull { retry_after, .. }
+        | QueueError::Shed { retry_after, .. }
+        | QueueError::Displaced { retry_after, .. } => {
+            let mut status = Status::resource_exhausted(err.to_string());
+            let secs = retry_after.as_secs().max(1);
+            status
+                .metadata_mut()
+                .insert("retry-after", tonic::metadata::MetadataValue::from(secs));
+            status
+        }
+        QueueError::QuotaExceeded {
+            quota, retry_after, ..
+        } => {
+            let mut status = Status::resource_exhausted(err.to_string());
+            let secs = retry_after.as_secs().max(1);
+            let meta = status.metadata_mut();
+            meta.insert("retry-after", tonic::metadata::MetadataValue::from(secs));
+            meta.insert(
+                "sluice-quota",
+                tonic::metadata::MetadataValue::from_static(quota.kind()),
+            );
+            status
         }
         QueueError::DeadlineExceeded { .. } => Status::deadline_exceeded(err.to_string()),
         QueueError::NoWorkers { .. } | QueueError::NoRouter | QueueError::Draining => {
@@ -189,8 +311,10 @@ mod tests {
         let full = QueueError::QueueFull {
             pending: 4,
             limit: 4,
+            retry_after: Duration::from_secs(3),
         };
         let shed = QueueError::Shed {
+            retry_after: Duration::from_secs(3),
             priority: 0,
             pending: 3,
             reserved: 1,
@@ -201,10 +325,48 @@ mod tests {
             tenant: "a".into(),
             pending: 1,
             limit: 1,
+            retry_after: Duration::from_secs(3),
         };
-        for err in [full, shed, tenant] {
-            assert_eq!(tonic::Status::from(err).code(), Code::ResourceExhausted);
+        let displaced = QueueError::Displaced {
+            priority: 0,
+            by: 3,
+            retry_after: Duration::from_secs(3),
+        };
+        for err in [full, shed, tenant, displaced] {
+            let status = tonic::Status::from(err);
+            assert_eq!(status.code(), Code::ResourceExhausted);
+            let retry = status
+                .metadata()
+                .get("retry-after")
+                .and_then(|v| v.to_str().ok());
+            assert_eq!(retry, Some("3"), "{status:?}");
         }
+    }
+
+    #[test]
+    fn a_quota_refusal_carries_retry_after_and_the_quota_in_metadata() {
+        let err = QueueError::QuotaExceeded {
+            tenant: "acme".into(),
+            quota: Quota::Tokens {
+                per_minute: 1200,
+                share: 600,
+                replicas: 2,
+            },
+            retry_after: Duration::from_secs(7),
+        };
+        assert_eq!(err.reason(), "quota_tokens");
+        let status = tonic::Status::from(err);
+        assert_eq!(status.code(), Code::ResourceExhausted);
+        let meta = |k| status.metadata().get(k).and_then(|v| v.to_str().ok());
+        assert_eq!(meta("retry-after"), Some("7"));
+        assert_eq!(meta("sluice-quota"), Some("tokens"));
+        assert!(
+            status
+                .message()
+                .contains("\"acme\" is over its limit of 1200 tokens per minute (this queue replica enforces its share 600 of 2 replicas); retry after 7 s"),
+            "{}",
+            status.message()
+        );
     }
 
     #[test]

@@ -1,10 +1,17 @@
 //! The priority admission queue (`sluice queue`): each request's `Admit`
 //! stream is its lease. The queue holds requests while every eligible worker
 //! is above the load threshold, releases them in policy order (`fcfs`, `wspt`,
-//! `strict`, `wfq`, strict tiers first), asks the router for a placement,
-//! and counts the lease until the stream ends. It refuses work it cannot hold
-//! (`--max-pending`, per tenant, a share reserved for protected priorities)
-//! with `RESOURCE_EXHAUSTED`.
+//! `strict`, `wfq`, `fair`, strict tiers first), asks the router for a
+//! placement, and counts the lease until the stream ends. It refuses work it
+//! cannot hold (`--max-pending`, per tenant, a share reserved for protected
+//! priorities) and tenants over a quota (`--tenant-limits`, see `tenants.rs`)
+//! with `RESOURCE_EXHAUSTED` (quotas with a `retry-after`).
+//!
+//! Under `fair` (and `wfq`) held requests are released by strict priority
+//! and, inside a priority, by weighted fair share of tokens between tenants
+//! (a virtual token counter per tenant: `queue/fair.rs`); the frontend
+//! reports each lease's output tokens (`AdmitProgress`, `AdmitDone`) so they
+//! are charged as they are produced.
 //!
 //! It does not proxy tokens, score workers (the router does) or schedule
 //! inside an engine.
@@ -16,6 +23,7 @@ mod metrics;
 mod placement;
 mod queue;
 mod service;
+mod tenants;
 
 use std::sync::Arc;
 
@@ -26,13 +34,14 @@ use sluice_runtime::grpc::GrpcServer;
 use tokio::net::TcpListener;
 use tokio_util::task::TaskTracker;
 
-pub use config::{Args, Policy, WfqClass, WfqWeights};
-pub use error::QueueError;
+pub use config::{Args, Policy, WfqClass, WfqCost, WfqWeights};
+pub use error::{QueueError, Quota};
 pub use metrics::QueueMetrics;
 pub use queue::{
     Entry, Grant, HeldStatus, HoldReason, LoadView, Placed, Placement, PlacementLease, Placer,
     Queue, QueueStats, Target, Ticket, TicketEvent, TierStats, WorkerLoad, WorkerRole,
 };
+pub use tenants::{DEFAULT_TENANT, Limits, Replicas, TenantLimits};
 
 /// Discovery component name the queue registers under.
 pub const COMPONENT: &str = "queue";
@@ -88,6 +97,14 @@ pub async fn serve(
         let token = background.clone();
         async move { queue.run(placer, token).await }
     });
+    if args.tenant_limits.as_ref().is_some_and(|l| l.has_quotas()) {
+        tracker.spawn(tenants::follow_replicas(
+            queue.clone(),
+            std::sync::Arc::clone(&ctx.discovery),
+            instance.id.clone(),
+            background.clone(),
+        ));
+    }
 
     let server = GrpcServer::new()?
         .add_service(QueueServer::new(service::QueueService::new(queue)))

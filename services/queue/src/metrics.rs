@@ -3,11 +3,38 @@
 //!
 //! Priority labels are the priority itself for -99..=99; anything beyond
 //! shares the label `<=-100` or `>=100`, so a client cannot create unbounded
-//! label sets.
+//! label sets. Tenant labels are the [`TOP_TENANTS`] tenants with the most
+//! served tokens, every other tenant counted as `other`
+//! ([`sluice_runtime::tenant_labels`]).
+
+use std::sync::Arc;
 
 use prometheus::{
     HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
 };
+use sluice_runtime::tenant_labels::TenantLabels;
+
+/// Tenants with a label of their own in the per-tenant metrics.
+pub(crate) const TOP_TENANTS: usize = 10;
+
+/// Every rejection reason (`QueueError::reason`), to remove a tenant's
+/// series when it loses its label.
+const REASONS: &[&str] = &[
+    "queue_full",
+    "tenant_full",
+    "quota_tokens",
+    "quota_requests",
+    "shed",
+    "displaced",
+    "deadline",
+    "no_workers",
+    "placement",
+    "draining",
+    "invalid_argument",
+    "invalid_flag",
+    "no_router",
+    "internal",
+];
 
 /// Queue metrics; cheap to clone (handles to shared collectors).
 #[derive(Debug, Clone)]
@@ -20,6 +47,10 @@ pub struct QueueMetrics {
     expiries: IntCounter,
     cancellations: IntCounter,
     active_leases: IntGauge,
+    tenant_tokens: IntCounterVec,
+    tenant_wait: HistogramVec,
+    tenant_rejections: IntCounterVec,
+    tenants: Arc<TenantLabels>,
 }
 
 /// Wait-time buckets in seconds: 1 ms to 2 min.
@@ -78,6 +109,31 @@ impl QueueMetrics {
             "sluice_queue_active_leases",
             "Granted leases not yet released.",
         )?;
+        let tenant_tokens = IntCounterVec::new(
+            Opts::new(
+                "sluice_queue_tenant_served_tokens_total",
+                "Tokens charged to a tenant: prompt tokens not cached (kind=prompt) and output tokens (kind=output); top tenants by volume, the rest as `other`.",
+            ),
+            &["tenant", "kind"],
+        )?;
+        let tenant_wait = HistogramVec::new(
+            HistogramOpts::new(
+                "sluice_queue_tenant_wait_seconds",
+                "Time from admission to grant, by tenant (top tenants, the rest as `other`).",
+            )
+            .buckets(WAIT_BUCKETS.to_vec()),
+            &["tenant"],
+        )?;
+        let tenant_rejections = IntCounterVec::new(
+            Opts::new(
+                "sluice_queue_tenant_rejections_total",
+                "Requests refused or failed, by tenant (top tenants, the rest as `other`) and reason.",
+            ),
+            &["tenant", "reason"],
+        )?;
+        registry.register(Box::new(tenant_tokens.clone()))?;
+        registry.register(Box::new(tenant_wait.clone()))?;
+        registry.register(Box::new(tenant_rejections.clone()))?;
         registry.register(Box::new(pending_requests.clone()))?;
         registry.register(Box::new(pending_tokens.clone()))?;
         registry.register(Box::new(wait_seconds.clone()))?;
@@ -95,7 +151,38 @@ impl QueueMetrics {
             expiries,
             cancellations,
             active_leases,
+            tenant_tokens,
+            tenant_wait,
+            tenant_rejections,
+            tenants: Arc::new(TenantLabels::new(TOP_TENANTS)),
         })
+    }
+
+    /// `tokens` of `kind` (`prompt` or `output`) were charged to `tenant`.
+    pub(crate) fn served(&self, tenant: &str, kind: &str, tokens: u64) {
+        if tokens == 0 {
+            return;
+        }
+        if let Some(evicted) = self.tenants.record(tenant, tokens as f64) {
+            self.forget_tenant(&evicted);
+        }
+        let label = self.tenants.label(tenant);
+        self.tenant_tokens
+            .with_label_values(&[label.as_str(), kind])
+            .inc_by(tokens);
+    }
+
+    /// A tenant lost its label: its series go (it counts as `other` now).
+    fn forget_tenant(&self, tenant: &str) {
+        for kind in ["prompt", "output"] {
+            let _ = self.tenant_tokens.remove_label_values(&[tenant, kind]);
+        }
+        let _ = self.tenant_wait.remove_label_values(&[tenant]);
+        for reason in REASONS {
+            let _ = self
+                .tenant_rejections
+                .remove_label_values(&[tenant, reason]);
+        }
     }
 
     /// A request entered (`delta` = 1) or left (`delta` = -1) the pending set.
@@ -109,11 +196,14 @@ impl QueueMetrics {
             .add(delta * i64::from(prompt_tokens));
     }
 
-    pub(crate) fn granted(&self, priority: i32, waited_secs: f64) {
+    pub(crate) fn granted(&self, priority: i32, tenant: &str, waited_secs: f64) {
         let label = priority_label(priority);
         self.grants.with_label_values(&[label.as_str()]).inc();
         self.wait_seconds
             .with_label_values(&[label.as_str()])
+            .observe(waited_secs);
+        self.tenant_wait
+            .with_label_values(&[self.tenants.label(tenant).as_str()])
             .observe(waited_secs);
         self.active_leases.inc();
     }
@@ -122,17 +212,20 @@ impl QueueMetrics {
         self.active_leases.dec();
     }
 
-    pub(crate) fn rejected(&self, reason: &str) {
+    pub(crate) fn rejected(&self, tenant: &str, reason: &str) {
         self.rejections.with_label_values(&[reason]).inc();
+        self.tenant_rejections
+            .with_label_values(&[self.tenants.label(tenant).as_str(), reason])
+            .inc();
     }
 
     pub(crate) fn cancelled(&self) {
         self.cancellations.inc();
     }
 
-    pub(crate) fn expired(&self) {
+    pub(crate) fn expired(&self, tenant: &str) {
         self.expiries.inc();
-        self.rejected("deadline");
+        self.rejected(tenant, "deadline");
     }
 }
 
@@ -184,9 +277,9 @@ mod tests {
     fn grants_rejections_and_expiries_count() {
         let registry = Registry::new();
         let m = QueueMetrics::new(&registry).expect("register");
-        m.granted(0, 0.2);
-        m.rejected("queue_full");
-        m.expired();
+        m.granted(0, "t", 0.2);
+        m.rejected("t", "queue_full");
+        m.expired("t");
         m.cancelled();
         m.released();
         let text = render(&registry);
@@ -197,5 +290,39 @@ mod tests {
         assert!(text.contains("sluice_queue_cancellations_total 1"));
         assert!(text.contains("sluice_queue_wait_seconds_count{priority=\"0\"} 1"));
         assert!(text.contains("sluice_queue_active_leases 0"));
+    }
+
+    #[test]
+    fn tenant_series_are_the_top_tenants_and_other() {
+        let registry = Registry::new();
+        let m = QueueMetrics::new(&registry).expect("register");
+        for i in 0..TOP_TENANTS {
+            m.served(&format!("t{i}"), "prompt", 100);
+        }
+        m.served("small", "output", 5);
+        m.rejected("small", "quota_tokens");
+        m.granted(0, "t0", 0.1);
+        let text = render(&registry);
+        assert!(
+            text.contains(
+                r#"sluice_queue_tenant_served_tokens_total{kind="prompt",tenant="t3"} 100"#
+            )
+        );
+        assert!(text.contains(
+            r#"sluice_queue_tenant_served_tokens_total{kind="output",tenant="other"} 5"#
+        ));
+        assert!(text.contains(
+            r#"sluice_queue_tenant_rejections_total{reason="quota_tokens",tenant="other"} 1"#
+        ));
+        assert!(text.contains(r#"sluice_queue_tenant_wait_seconds_count{tenant="t0"} 1"#));
+        // A heavy newcomer takes the smallest label; that tenant's series go.
+        m.served("heavy", "prompt", 1000);
+        let text = render(&registry);
+        assert!(text.contains(r#"tenant="heavy""#), "{text}");
+        let tenants = text
+            .lines()
+            .filter(|l| l.starts_with("sluice_queue_tenant_served_tokens_total{"))
+            .count();
+        assert_eq!(tenants, TOP_TENANTS + 1, "{text}");
     }
 }

@@ -16,17 +16,30 @@
 //!
 //! # Release order
 //!
-//! `(strict tier desc, policy key)`; see [`Policy`] for the keys. Under `wfq`
-//! each strict tier runs its own deficit round robin with unit cost per
-//! request: classes with held requests sit in a ring, the front class
-//! releases up to its weight `w` requests, then goes to the back; a class
-//! that empties leaves the ring and rejoins at the back. **Bound:** let `W`
-//! be the sum of the weights of the classes with held requests in the tier
-//! while a request waits. A request that is `k`-th in its class's FIFO is
-//! released within `⌈k / w⌉ · W` releases of that tier, whatever the other
-//! classes' arrival rates; the head of the lowest-weighted class waits at
-//! most `W − w` releases of other classes. (Higher strict tiers still go
-//! first: the bound is within a tier.)
+//! `(strict tier desc, policy key)`; see [`Policy`] for the keys. Under
+//! `wfq` and `fair` held requests sit in *bands* released in strict order —
+//! under `wfq` one band per strict tier, under `fair` one per (strict tier,
+//! priority), highest first — and inside a band classes share by weight
+//! through a virtual counter per class ([`fair`]: the class with the least
+//! work served per weight goes next, FIFO within a class). `wfq`'s classes
+//! are `--wfq-class` keys charged per request (`--wfq-cost requests`, the
+//! default) or per token; `fair`'s are tenants charged per token. Tokens
+//! are the prompt tokens not cached (charged at release as the whole
+//! prompt, corrected when the placement reports the cached prefix) and the
+//! output tokens, charged as the lease reports them ([`Ticket::progress`]).
+//! **Bound** (unit cost): with `W` the weights of the backlogged classes of
+//! the band summed, `n` their number, the `k`-th held request (0-based) of a
+//! class of weight `w` is released within `k·W/w + n` releases of the band,
+//! whatever the other classes' arrival rates. (Higher bands still go
+//! first: the bound is within a band.)
+//!
+//! # Tenants
+//!
+//! A class's weight is `--wfq-weights`' for its key, else (for classes of
+//! a tenant) the tenant's from `--tenant-limits`, else the one its
+//! requests carry (the frontend's API key file), else
+//! `--wfq-default-weight`. Tenants over a quota of `--tenant-limits` are
+//! refused at admission ([`crate::tenants`]).
 //!
 //! # Holding
 //!
@@ -44,6 +57,19 @@
 //! nothing is held and placements run concurrently. `--max-active` (per
 //! model, 0 = none) holds further requests while that many leases are
 //! granted or being placed.
+//!
+//! # Refusing
+//!
+//! Past `--max-pending` a request is refused (`QueueFull`), unless it
+//! outranks a held request: then the held request of the lowest (strict
+//! tier, priority), the newest of them, leaves with `Displaced` and the
+//! newcomer takes its place, so a full queue sheds its lowest priorities
+//! first. Every refusal for room (`QueueFull`, `TenantFull`, `Shed`,
+//! `Displaced`) carries a retry-after: the time the backlog ahead takes to
+//! drain at the rate grants were made over the last few seconds (a grant
+//! count decayed with a 5 s time constant), 1 to 60 s, as gRPC
+//! `retry-after` metadata, which the frontend turns into a 429 with
+//! `Retry-After`.
 //!
 //! # Position updates
 //!
@@ -73,7 +99,7 @@
 //! afterwards.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -85,9 +111,12 @@ use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{Args, Policy, WfqClass};
+use crate::config::{Args, Policy, WfqClass, WfqCost};
 use crate::error::QueueError;
 use crate::metrics::QueueMetrics;
+use crate::tenants::{Quotas, Replicas};
+
+mod fair;
 
 /// One request asking for admission.
 #[derive(Debug, Clone, PartialEq)]
@@ -100,8 +129,11 @@ pub struct Entry {
     pub priority: i32,
     /// Strict tier; every request of a higher tier is released first.
     pub strict_tier: u32,
-    /// Tenant for per-tenant limits and `wfq` classes; "" = default.
+    /// Tenant for per-tenant limits, `wfq` classes and `fair` shares.
     pub tenant: String,
+    /// The tenant's fair-share weight sent with the request (the API key
+    /// file's); 0 = none.
+    pub tenant_weight: u32,
     /// Prompt length in tokens.
     pub prompt_tokens: u32,
     /// Prompt tokens expected cached on the best worker (re-read after
@@ -320,12 +352,16 @@ impl Queue {
     /// A queue with `cfg`'s policy and limits; nothing is released until
     /// [`Queue::run`] is running.
     pub fn new(cfg: Args, metrics: QueueMetrics) -> Self {
+        let quotas = Quotas::new(cfg.tenant_limits.clone().unwrap_or_default());
         Self {
             shared: Arc::new(Shared {
                 cfg,
                 metrics,
                 epoch: Instant::now(),
-                state: Mutex::new(State::default()),
+                state: Mutex::new(State {
+                    quotas,
+                    ..State::default()
+                }),
                 wake: Notify::new(),
             }),
         }
@@ -345,20 +381,31 @@ impl Queue {
         entry.overlap_tokens = entry.overlap_tokens.min(entry.prompt_tokens);
         let now = Instant::now();
         let mut st = shared.state.lock();
-        let refused = st.check_admission(cfg, &entry, now);
+        let mut checked = st.check_admission(cfg, &entry, now);
+        if matches!(checked, Err(QueueError::QueueFull { .. }))
+            && st.displace(cfg, shared.epoch, &entry, &shared.metrics, now)
+        {
+            checked = st.check_admission(cfg, &entry, now);
+        }
+        let refused =
+            checked.and_then(|()| st.quotas.admit(&entry.tenant, entry.prompt_tokens, now));
         if let Err(err) = refused {
             drop(st);
-            shared.metrics.rejected(err.reason());
+            shared.metrics.rejected(&entry.tenant, err.reason());
             return Err(err);
         }
         let seq = st.next_seq;
         st.next_seq += 1;
         let (tx, rx) = watch::channel(TicketState::Waiting);
+        let weight = st
+            .quotas
+            .weight(&entry.tenant)
+            .unwrap_or(entry.tenant_weight);
         let model = st
             .models
             .entry(entry.model.clone())
             .or_insert_with(|| ModelQueue::new(cfg.queue_policy));
-        model.order.insert(cfg, shared.epoch, seq, &entry);
+        model.order.insert(cfg, shared.epoch, seq, &entry, weight);
         if let Some(deadline) = entry.deadline {
             st.deadlines.insert((deadline, seq));
         }
@@ -376,6 +423,9 @@ impl Queue {
                 last_refresh: None,
                 sent: None,
                 lease: None,
+                fair: None,
+                weight,
+                output: 0,
             },
         );
         st.unread.push(seq);
@@ -400,6 +450,12 @@ impl Queue {
             .collect();
         drop(st);
         self.shared.wake.notify_one();
+    }
+
+    /// The number of queue replicas and this one's rank changed: every
+    /// tenant's quota share is rescaled.
+    pub fn set_replicas(&self, replicas: Replicas) {
+        self.shared.state.lock().quotas.set_replicas(replicas);
     }
 
     /// Current pending and active counts and the pending requests by tier.
@@ -532,6 +588,21 @@ impl Ticket {
         }
     }
 
+    /// The granted request has produced `completion_tokens` output tokens
+    /// in all (a running total): the new ones are charged to its tenant's
+    /// fair-share counter and token quota. No-op before the grant.
+    pub fn progress(&self, completion_tokens: u32) {
+        let shared = &self.shared;
+        let mut st = shared.state.lock();
+        st.progress(
+            self.seq,
+            completion_tokens,
+            &shared.cfg,
+            &shared.metrics,
+            Instant::now(),
+        );
+    }
+
     /// The latest held status, if the request has been held.
     pub fn held(&self) -> Option<HeldStatus> {
         match &*self.rx.borrow() {
@@ -578,6 +649,22 @@ struct Slot {
     /// The granted placement's lease: the slot's removal (the lease ended)
     /// drops it, which tells the router.
     lease: Option<Box<dyn PlacementLease>>,
+    /// Under `wfq`/`fair`, once released: its band, class and the cost
+    /// charged at release.
+    fair: Option<Released>,
+    /// The weight of its tenant from `--tenant-limits` or the request.
+    weight: u32,
+    /// Output tokens charged so far.
+    output: u32,
+}
+
+/// Where a released request's work is charged under `wfq`/`fair`.
+#[derive(Debug, Clone)]
+struct Released {
+    band: BandKey,
+    class: Arc<str>,
+    /// The cost charged at release (refunded if it never runs).
+    charged: f64,
 }
 
 #[derive(Debug, Default)]
@@ -593,6 +680,47 @@ struct State {
     unread: Vec<u64>,
     load: HashMap<(String, u32), WorkerLoad>,
     draining: bool,
+    /// Tenants' quotas and what they used.
+    quotas: Quotas,
+    /// How fast grants drain the backlog.
+    drained: DrainRate,
+}
+
+/// Time constant of [`DrainRate`], in seconds.
+const DRAIN_TAU: f64 = 5.0;
+
+/// Grants per second over the last few seconds: a count of grants decayed
+/// with time constant [`DRAIN_TAU`], divided by it.
+#[derive(Debug, Default)]
+struct DrainRate {
+    count: f64,
+    at: Option<Instant>,
+}
+
+impl DrainRate {
+    fn decayed(&self, now: Instant) -> f64 {
+        self.at.map_or(0.0, |at| {
+            let dt = now.saturating_duration_since(at).as_secs_f64();
+            self.count * (-dt / DRAIN_TAU).exp()
+        })
+    }
+
+    fn grant(&mut self, now: Instant) {
+        self.count = self.decayed(now) + 1.0;
+        self.at = Some(now);
+    }
+
+    /// Whole seconds until `ahead` requests and this one drain at the
+    /// current rate: 1 to 60, 1 when nothing was granted yet.
+    fn retry_after(&self, ahead: usize, now: Instant) -> Duration {
+        let rate = self.decayed(now) / DRAIN_TAU;
+        let secs = if rate > 0.0 {
+            ((ahead as f64 + 1.0) / rate).ceil()
+        } else {
+            1.0
+        };
+        Duration::from_secs(secs.clamp(1.0, 60.0) as u64)
+    }
 }
 
 /// Work the dispatcher starts outside the lock.
@@ -644,10 +772,12 @@ impl State {
         if self.draining {
             return Err(QueueError::Draining);
         }
+        let retry_after = self.drained.retry_after(self.pending, now);
         if self.pending >= cfg.max_pending {
             return Err(QueueError::QueueFull {
                 pending: self.pending,
                 limit: cfg.max_pending,
+                retry_after,
             });
         }
         let reserved = cfg.reserved_slots();
@@ -656,6 +786,7 @@ impl State {
             && self.pending >= cfg.max_pending - reserved
         {
             return Err(QueueError::Shed {
+                retry_after,
                 priority: entry.priority,
                 pending: self.pending,
                 reserved,
@@ -669,6 +800,7 @@ impl State {
                 tenant: entry.tenant.clone(),
                 pending: tenant_pending,
                 limit: cfg.max_pending_per_tenant,
+                retry_after: self.drained.retry_after(tenant_pending, now),
             });
         }
         if let Some(deadline) = entry.deadline
@@ -698,7 +830,9 @@ impl State {
                 let Some(slot) = self.slots.get_mut(&seq) else {
                     // Unreachable by the invariants; drop the stray id.
                     tracing::error!(seq, "held id without a slot");
-                    model.order.pop_head();
+                    if let Some((_, Some(released))) = model.order.pop_head() {
+                        model.order.finish(&released);
+                    }
                     continue;
                 };
                 if slot.phase == Phase::Refreshing {
@@ -716,7 +850,9 @@ impl State {
                     ops.push(Op::Refresh(seq, slot.entry.clone()));
                     continue;
                 }
-                model.order.pop_head();
+                if let Some((_, released)) = model.order.pop_head() {
+                    slot.fair = released;
+                }
                 if let Some(deadline) = slot.entry.deadline {
                     self.deadlines.remove(&(deadline, seq));
                 }
@@ -804,7 +940,8 @@ impl State {
                 model.order.remove(cfg, epoch, seq, &slot.entry);
             }
             self.forget_pending(&slot.entry, metrics);
-            metrics.expired();
+            self.retire(&slot, false, now);
+            metrics.expired(&slot.entry.tenant);
             slot.tx
                 .send_replace(TicketState::Failed(QueueError::DeadlineExceeded {
                     waited: now.saturating_duration_since(slot.entry.arrival),
@@ -838,7 +975,9 @@ impl State {
                         // Re-key: under wspt the overlap moves the request.
                         queue.order.remove(cfg, epoch, seq, &slot.entry);
                         slot.entry.overlap_tokens = overlap.min(slot.entry.prompt_tokens);
-                        queue.order.insert(cfg, epoch, seq, &slot.entry);
+                        queue
+                            .order
+                            .insert(cfg, epoch, seq, &slot.entry, slot.weight);
                     }
                     Err(err) => {
                         tracing::debug!(request_id = %slot.entry.request_id, error = %err, "overlap refresh failed; keeping the old estimate");
@@ -861,8 +1000,25 @@ impl State {
                         queue.active += 1;
                         self.active += 1;
                         let entry = slot.entry.clone();
+                        let released = slot.fair.clone();
                         self.forget_pending(&entry, metrics);
                         let uncached = entry.prompt_tokens.saturating_sub(placement.overlap_tokens);
+                        // The prompt was charged as uncached (less any
+                        // overlap read before release); the placement
+                        // knows the cached prefix now.
+                        let cached = f64::from(placement.overlap_tokens.min(entry.prompt_tokens))
+                            - f64::from(entry.overlap_tokens);
+                        if let Some(released) = &released
+                            && tokens_cost(cfg)
+                            && let Some(queue) = self.models.get_mut(&model)
+                        {
+                            queue.order.charge(released, -cached);
+                        }
+                        self.quotas.charge(
+                            &entry.tenant,
+                            -f64::from(placement.overlap_tokens.min(entry.prompt_tokens)),
+                            now,
+                        );
                         let busy = placement.prefill.as_ref().unwrap_or(&placement.worker);
                         if let Some(load) =
                             self.load.get_mut(&(busy.worker_id.clone(), busy.dp_rank))
@@ -870,7 +1026,9 @@ impl State {
                             load.active_prefill_tokens += u64::from(uncached);
                         }
                         let waited = now.saturating_duration_since(entry.arrival);
-                        metrics.granted(entry.priority, waited.as_secs_f64());
+                        self.drained.grant(now);
+                        metrics.served(&entry.tenant, "prompt", u64::from(uncached));
+                        metrics.granted(entry.priority, &entry.tenant, waited.as_secs_f64());
                         tracing::debug!(
                             request_id = %entry.request_id,
                             priority = entry.priority,
@@ -889,7 +1047,8 @@ impl State {
                         if let Some(slot) = self.slots.remove(&seq) {
                             tracing::debug!(request_id = %slot.entry.request_id, error = %err, "placement failed");
                             self.forget_pending(&slot.entry, metrics);
-                            metrics.rejected(err.reason());
+                            self.retire(&slot, false, now);
+                            metrics.rejected(&slot.entry.tenant, err.reason());
                             slot.tx.send_replace(TicketState::Failed(err));
                         }
                     }
@@ -903,6 +1062,7 @@ impl State {
         let Some(slot) = self.slots.remove(&seq) else {
             return;
         };
+        self.retire(&slot, slot.phase == Phase::Active, Instant::now());
         match slot.phase {
             Phase::Held | Phase::Refreshing => {
                 if let Some(model) = self.models.get_mut(&slot.entry.model) {
@@ -943,12 +1103,106 @@ impl State {
         for seq in waiting {
             if let Some(slot) = self.slots.remove(&seq) {
                 self.forget_pending(&slot.entry, metrics);
-                metrics.rejected(QueueError::Draining.reason());
+                self.retire(&slot, false, Instant::now());
+                metrics.rejected(&slot.entry.tenant, QueueError::Draining.reason());
                 slot.tx
                     .send_replace(TicketState::Failed(QueueError::Draining));
             }
         }
         self.deadlines.clear();
+    }
+
+    /// The queue is full and `entry` outranks a held request: the held
+    /// request of the lowest (strict tier, priority), the newest of them,
+    /// leaves with [`QueueError::Displaced`] and a retry-after from the
+    /// drain rate, making room. Whether one left.
+    fn displace(
+        &mut self,
+        cfg: &Args,
+        epoch: Instant,
+        entry: &Entry,
+        metrics: &QueueMetrics,
+        now: Instant,
+    ) -> bool {
+        let rank = |e: &Entry| (e.strict_tier, e.priority);
+        let victim = self
+            .slots
+            .iter()
+            .filter(|(_, s)| s.phase == Phase::Held && rank(&s.entry) < rank(entry))
+            .min_by_key(|&(&seq, s)| (rank(&s.entry), Reverse(seq)))
+            .map(|(&seq, _)| seq);
+        let Some(slot) = victim.and_then(|seq| self.slots.remove(&seq).map(|s| (seq, s))) else {
+            return false;
+        };
+        let (seq, slot) = slot;
+        self.retire(&slot, false, now);
+        if let Some(model) = self.models.get_mut(&slot.entry.model) {
+            model.order.remove(cfg, epoch, seq, &slot.entry);
+        }
+        if let Some(deadline) = slot.entry.deadline {
+            self.deadlines.remove(&(deadline, seq));
+        }
+        self.forget_pending(&slot.entry, metrics);
+        let err = QueueError::Displaced {
+            priority: slot.entry.priority,
+            by: entry.priority,
+            retry_after: self.drained.retry_after(self.pending, now),
+        };
+        tracing::debug!(request_id = %slot.entry.request_id, by = %entry.request_id, "displaced from the full queue");
+        metrics.rejected(&slot.entry.tenant, err.reason());
+        slot.tx.send_replace(TicketState::Failed(err));
+        true
+    }
+
+    /// A slot left the queue: its tenant's quota gets its in-flight count
+    /// back, and, when it never ran (`granted` false), the prompt it was
+    /// charged; a released request stops counting as running in its band
+    /// (refunding its release cost when it never ran).
+    fn retire(&mut self, slot: &Slot, granted: bool, now: Instant) {
+        let entry = &slot.entry;
+        if !granted {
+            // Admission charged the whole prompt.
+            self.quotas
+                .charge(&entry.tenant, -f64::from(entry.prompt_tokens), now);
+        }
+        self.quotas.release(&entry.tenant, now);
+        if let Some(released) = &slot.fair
+            && let Some(model) = self.models.get_mut(&entry.model)
+        {
+            if !granted {
+                model.order.charge(released, -released.charged);
+            }
+            model.order.finish(released);
+        }
+    }
+
+    /// Charges the output tokens a granted request produced since the last
+    /// report.
+    fn progress(
+        &mut self,
+        seq: u64,
+        completion_tokens: u32,
+        cfg: &Args,
+        metrics: &QueueMetrics,
+        now: Instant,
+    ) {
+        let Some(slot) = self.slots.get_mut(&seq) else {
+            return;
+        };
+        if slot.phase != Phase::Active || completion_tokens <= slot.output {
+            return;
+        }
+        let new = f64::from(completion_tokens - slot.output);
+        slot.output = completion_tokens;
+        let tenant = slot.entry.tenant.clone();
+        if let Some(released) = slot.fair.clone()
+            && tokens_cost(cfg)
+            && let Some(model) = self.models.get_mut(&slot.entry.model)
+        {
+            model.order.charge(&released, new);
+        }
+        self.quotas.charge(&tenant, new, now);
+        metrics.served(&tenant, "output", new as u64);
     }
 
     fn forget_pending(&mut self, entry: &Entry, metrics: &QueueMetrics) {
@@ -1016,8 +1270,8 @@ impl ModelQueue {
     fn new(policy: Policy) -> Self {
         Self {
             order: match policy {
-                Policy::Wfq => Order::Wfq(BTreeMap::new()),
-                _ => Order::Keyed(BTreeMap::new()),
+                Policy::Wfq | Policy::Fair => Order::Fair(BTreeMap::new()),
+                Policy::Fcfs | Policy::Wspt | Policy::Strict => Order::Keyed(BTreeMap::new()),
             },
             placing: 0,
             refreshing: 0,
@@ -1037,9 +1291,14 @@ impl ModelQueue {
 enum Order {
     /// `fcfs`, `wspt`, `strict`: a static key per request.
     Keyed(BTreeMap<OrderKey, u64>),
-    /// `wfq`: one round robin per strict tier, highest tier first.
-    Wfq(BTreeMap<Reverse<u32>, Drr>),
+    /// `wfq`, `fair`: bands in strict order, classes sharing by weight
+    /// inside each.
+    Fair(BTreeMap<BandKey, fair::Band>),
 }
+
+/// A band: (strict tier, priority) under `fair`, (strict tier, 0) under
+/// `wfq`; highest first.
+type BandKey = (Reverse<u32>, Reverse<i32>);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 struct OrderKey {
@@ -1082,7 +1341,7 @@ impl Ord for TotalF64 {
 fn order_key(cfg: &Args, epoch: Instant, seq: u64, entry: &Entry) -> OrderKey {
     let bump = i128::from(entry.priority.max(0));
     let key = match cfg.queue_policy {
-        Policy::Fcfs | Policy::Wfq => {
+        Policy::Fcfs | Policy::Wfq | Policy::Fair => {
             let arrival = if entry.arrival >= epoch {
                 entry.arrival.duration_since(epoch).as_nanos() as i128
             } else {
@@ -1105,7 +1364,7 @@ fn order_key(cfg: &Args, epoch: Instant, seq: u64, entry: &Entry) -> OrderKey {
 
 fn wfq_class(cfg: &Args, entry: &Entry) -> String {
     let tenant = if entry.tenant.is_empty() {
-        "default"
+        crate::tenants::DEFAULT_TENANT
     } else {
         entry.tenant.as_str()
     };
@@ -1116,44 +1375,105 @@ fn wfq_class(cfg: &Args, entry: &Entry) -> String {
     }
 }
 
+/// Whether releases cost tokens (`fair`, `wfq --wfq-cost tokens`) rather
+/// than one per request.
+fn tokens_cost(cfg: &Args) -> bool {
+    cfg.queue_policy == Policy::Fair || cfg.wfq_cost == WfqCost::Tokens
+}
+
+/// `entry`'s band and class under `wfq`/`fair`.
+fn band_and_class(cfg: &Args, entry: &Entry) -> (BandKey, String) {
+    match cfg.queue_policy {
+        Policy::Fair => {
+            let band = (Reverse(entry.strict_tier), Reverse(entry.priority));
+            let tenant = if entry.tenant.is_empty() {
+                crate::tenants::DEFAULT_TENANT
+            } else {
+                entry.tenant.as_str()
+            };
+            (band, tenant.to_owned())
+        }
+        _ => (
+            (Reverse(entry.strict_tier), Reverse(0)),
+            wfq_class(cfg, entry),
+        ),
+    }
+}
+
+/// A class's weight: `--wfq-weights`' for its key, else the tenant's
+/// (`tenant_weight`, for classes of a tenant), else the default.
+fn class_weight(cfg: &Args, class: &str, tenant_weight: u32) -> u32 {
+    let of_tenant = cfg.queue_policy == Policy::Fair
+        || matches!(cfg.wfq_class, WfqClass::Tenant | WfqClass::TenantPriority);
+    cfg.wfq_weights
+        .0
+        .get(class)
+        .copied()
+        .or_else(|| (of_tenant && tenant_weight > 0).then_some(tenant_weight))
+        .unwrap_or(cfg.wfq_default_weight)
+        .max(1)
+}
+
 impl Order {
-    fn insert(&mut self, cfg: &Args, epoch: Instant, seq: u64, entry: &Entry) {
+    /// Holds `seq`; `tenant_weight` is its tenant's weight (0 = none).
+    fn insert(&mut self, cfg: &Args, epoch: Instant, seq: u64, entry: &Entry, tenant_weight: u32) {
         match self {
             Order::Keyed(map) => {
                 map.insert(order_key(cfg, epoch, seq, entry), seq);
             }
-            Order::Wfq(tiers) => {
-                let class = wfq_class(cfg, entry);
-                let weight = cfg
-                    .wfq_weights
-                    .0
-                    .get(&class)
-                    .copied()
-                    .unwrap_or(cfg.wfq_default_weight)
-                    .max(1);
-                tiers
-                    .entry(Reverse(entry.strict_tier))
+            Order::Fair(bands) => {
+                let (band, class) = band_and_class(cfg, entry);
+                let weight = class_weight(cfg, &class, tenant_weight);
+                let cost = if tokens_cost(cfg) {
+                    f64::from(entry.uncached_tokens().max(1))
+                } else {
+                    1.0
+                };
+                bands
+                    .entry(band)
                     .or_default()
-                    .push(class, weight, seq);
+                    .push(Arc::from(class), weight, seq, cost);
             }
         }
     }
 
     /// Removes `seq` (cancelled, expired or re-keyed); `entry` is its
-    /// current entry. Not a release: `wfq` turns are not charged.
+    /// current entry. Not a release: nothing is charged.
     fn remove(&mut self, cfg: &Args, epoch: Instant, seq: u64, entry: &Entry) {
         match self {
             Order::Keyed(map) => {
                 map.remove(&order_key(cfg, epoch, seq, entry));
             }
-            Order::Wfq(tiers) => {
-                let tier = Reverse(entry.strict_tier);
-                if let Some(drr) = tiers.get_mut(&tier) {
-                    drr.remove(&wfq_class(cfg, entry), seq);
-                    if drr.is_empty() {
-                        tiers.remove(&tier);
+            Order::Fair(bands) => {
+                let (key, class) = band_and_class(cfg, entry);
+                if let Some(band) = bands.get_mut(&key) {
+                    band.remove(&class, seq);
+                    if band.is_idle() {
+                        bands.remove(&key);
                     }
                 }
+            }
+        }
+    }
+
+    /// Charges `work` (tokens, or requests under unit cost; negative: a
+    /// refund) to a released request's class.
+    fn charge(&mut self, released: &Released, work: f64) {
+        if let Order::Fair(bands) = self
+            && let Some(band) = bands.get_mut(&released.band)
+        {
+            band.charge(&released.class, work);
+        }
+    }
+
+    /// A released request ended or was never granted.
+    fn finish(&mut self, released: &Released) {
+        if let Order::Fair(bands) = self
+            && let Some(band) = bands.get_mut(&released.band)
+        {
+            band.finish(&released.class);
+            if band.is_idle() {
+                bands.remove(&released.band);
             }
         }
     }
@@ -1162,22 +1482,25 @@ impl Order {
     fn clear(&mut self) {
         match self {
             Order::Keyed(map) => map.clear(),
-            Order::Wfq(tiers) => tiers.clear(),
+            Order::Fair(bands) => bands.clear(),
         }
     }
 
-    /// Takes the next request out for release.
-    fn pop_head(&mut self) -> Option<u64> {
+    /// Takes the next request out for release; under `wfq`/`fair` also
+    /// where its work is charged.
+    fn pop_head(&mut self) -> Option<(u64, Option<Released>)> {
         match self {
-            Order::Keyed(map) => map.pop_first().map(|(_, seq)| seq),
-            Order::Wfq(tiers) => {
-                let mut first = tiers.first_entry()?;
-                let seq = first.get_mut().pop();
-                if first.get().is_empty() {
-                    first.remove();
-                }
-                seq
-            }
+            Order::Keyed(map) => map.pop_first().map(|(_, seq)| (seq, None)),
+            Order::Fair(bands) => bands.iter_mut().find_map(|(key, band)| {
+                band.pop().map(|(seq, class, charged)| {
+                    let released = Released {
+                        band: *key,
+                        class,
+                        charged,
+                    };
+                    (seq, Some(released))
+                })
+            }),
         }
     }
 
@@ -1185,7 +1508,7 @@ impl Order {
     fn head(&self) -> Option<u64> {
         match self {
             Order::Keyed(map) => map.values().next().copied(),
-            Order::Wfq(tiers) => tiers.values().next().and_then(Drr::head),
+            Order::Fair(bands) => bands.values().find_map(fair::Band::head),
         }
     }
 
@@ -1193,112 +1516,22 @@ impl Order {
     fn sequence(&self) -> Vec<u64> {
         match self {
             Order::Keyed(map) => map.values().copied().collect(),
-            Order::Wfq(tiers) => tiers.values().flat_map(Drr::sequence).collect(),
+            Order::Fair(bands) => bands.values().flat_map(fair::Band::sequence).collect(),
         }
     }
 
     fn len(&self) -> usize {
         match self {
             Order::Keyed(map) => map.len(),
-            Order::Wfq(tiers) => tiers.values().map(|drr| drr.len).sum(),
+            Order::Fair(bands) => bands.values().map(|band| band.len).sum(),
         }
     }
 
     fn is_empty(&self) -> bool {
         match self {
             Order::Keyed(map) => map.is_empty(),
-            Order::Wfq(tiers) => tiers.is_empty(),
+            Order::Fair(bands) => bands.values().all(|band| band.len == 0),
         }
-    }
-}
-
-/// Deficit round robin with unit cost: the front class of the ring releases
-/// up to its weight, then moves to the back.
-#[derive(Debug, Clone, Default)]
-struct Drr {
-    classes: HashMap<String, ClassQueue>,
-    ring: VecDeque<String>,
-    /// Releases left in the front class's current turn (0 = turn not begun).
-    turn: u32,
-    /// Requests in all classes.
-    len: usize,
-}
-
-#[derive(Debug, Clone)]
-struct ClassQueue {
-    fifo: VecDeque<u64>,
-    weight: u32,
-}
-
-impl Drr {
-    fn push(&mut self, class: String, weight: u32, seq: u64) {
-        let queue = self
-            .classes
-            .entry(class.clone())
-            .or_insert_with(|| ClassQueue {
-                fifo: VecDeque::new(),
-                weight,
-            });
-        if queue.fifo.is_empty() {
-            self.ring.push_back(class);
-        }
-        queue.fifo.push_back(seq);
-        self.len += 1;
-    }
-
-    fn head(&self) -> Option<u64> {
-        let class = self.ring.front()?;
-        self.classes.get(class)?.fifo.front().copied()
-    }
-
-    /// Releases the head and advances the round robin.
-    fn pop(&mut self) -> Option<u64> {
-        let class = self.ring.front()?.clone();
-        let queue = self.classes.get_mut(&class)?;
-        if self.turn == 0 {
-            self.turn = queue.weight.max(1);
-        }
-        let seq = queue.fifo.pop_front()?;
-        self.len -= 1;
-        self.turn -= 1;
-        if queue.fifo.is_empty() {
-            self.classes.remove(&class);
-            self.ring.pop_front();
-            self.turn = 0;
-        } else if self.turn == 0 {
-            self.ring.rotate_left(1);
-        }
-        Some(seq)
-    }
-
-    /// Removes a request that leaves without being released.
-    fn remove(&mut self, class: &str, seq: u64) {
-        let Some(queue) = self.classes.get_mut(class) else {
-            return;
-        };
-        let Some(i) = queue.fifo.iter().position(|&s| s == seq) else {
-            return;
-        };
-        queue.fifo.remove(i);
-        self.len -= 1;
-        if queue.fifo.is_empty() {
-            self.classes.remove(class);
-            if let Some(pos) = self.ring.iter().position(|c| c == class) {
-                self.ring.remove(pos);
-                if pos == 0 {
-                    self.turn = 0;
-                }
-            }
-        }
-    }
-
-    fn sequence(&self) -> Vec<u64> {
-        let mut sim = self.clone();
-        std::iter::from_fn(|| sim.pop()).collect()
-    }
-
-    fn is_empty(&self) -> bool {
-        self.ring.is_empty()
     }
 }
 

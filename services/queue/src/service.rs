@@ -4,7 +4,9 @@
 //! and drops with it: the client sending `done`, closing its side, or the
 //! connection dropping ends the stream and so releases the slot (or cancels
 //! a request still held) and ends the placement at the router. `started`
-//! after the grant tells the router the request's prefill is done.
+//! after the grant tells the router the request's prefill is done;
+//! `progress` and `done` carry the output tokens the queue charges to the
+//! request's tenant.
 
 use std::pin::Pin;
 
@@ -66,8 +68,17 @@ impl Lease {
                     Ok(Some(pb::AdmitRequest {
                         msg: Some(InMsg::Started(_)),
                     })) => self.ticket.started(),
+                    Ok(Some(pb::AdmitRequest {
+                        msg: Some(InMsg::Progress(p)),
+                    })) => self.ticket.progress(p.completion_tokens),
+                    Ok(Some(pb::AdmitRequest {
+                        msg: Some(InMsg::Done(done)),
+                    })) => {
+                        self.ticket.progress(done.completion_tokens);
+                        return None;
+                    }
                     Ok(Some(pb::AdmitRequest { msg: None })) => continue,
-                    Ok(Some(_)) | Ok(None) | Err(_) => return None,
+                    Ok(None) | Err(_) => return None,
                 }
             }
         }

@@ -336,6 +336,7 @@ fn open(id: &str, priority: i32) -> pb::AdmitOpen {
         deadline_ms: 0,
         expected_output_tokens: 0,
         exclude_worker_ids: Vec::new(),
+        tenant_weight: 0,
     }
 }
 
@@ -351,7 +352,7 @@ async fn next_msg(
 
 fn done() -> pb::AdmitRequest {
     pb::AdmitRequest {
-        msg: Some(pb::admit_request::Msg::Done(pb::AdmitDone {})),
+        msg: Some(pb::admit_request::Msg::Done(pb::AdmitDone::default())),
     }
 }
 
@@ -497,6 +498,64 @@ async fn overload_yields_resource_exhausted() -> anyhow::Result<()> {
     let err = mesh.admit(open("second", 0)).await.expect_err("full");
     assert_eq!(err.code(), Code::ResourceExhausted);
     assert!(err.message().contains("--max-pending"), "{}", err.message());
+    mesh.stop().await
+}
+
+#[tokio::test]
+async fn a_tenant_over_its_token_quota_is_refused_with_retry_after_metadata() -> anyhow::Result<()>
+{
+    let file = std::env::temp_dir().join(format!("sluice-quota-{}", std::process::id()));
+    std::fs::write(&file, "acme tpm=120 # 2 tokens a second\n")?;
+    let path = file.to_str().context("utf-8 path")?;
+    let mesh = Mesh::start(
+        &["--tenant-limits", path],
+        view(vec![worker("w0", "aggregated", 0)]),
+    )
+    .await?;
+    let acme = |id: &str| pb::AdmitOpen {
+        tenant: "acme".into(),
+        ..open(id, 0)
+    };
+    // 64 prompt tokens, 32 of them cached (the router's overlap): 32 charged.
+    let (tx, mut first) = mesh.admit(acme("first")).await?;
+    let pb::admit_response::Msg::Grant(_) = next_msg(&mut first).await? else {
+        anyhow::bail!("first not granted");
+    };
+    // 100 output tokens over the lease: 120 - 32 - 100 = -12 tokens left.
+    tx.send(pb::AdmitRequest {
+        msg: Some(pb::admit_request::Msg::Progress(pb::AdmitProgress {
+            completion_tokens: 60,
+        })),
+    })
+    .await?;
+    tx.send(pb::AdmitRequest {
+        msg: Some(pb::admit_request::Msg::Done(pb::AdmitDone {
+            completion_tokens: 100,
+        })),
+    })
+    .await?;
+    assert!(first.message().await?.is_none(), "the lease ended");
+    mesh.eventually(|s| s.active == 0).await?;
+
+    let err = mesh.admit(acme("second")).await.expect_err("over quota");
+    assert_eq!(err.code(), Code::ResourceExhausted);
+    let meta = |k: &str| err.metadata().get(k).and_then(|v| v.to_str().ok());
+    assert_eq!(meta("sluice-quota"), Some("tokens"));
+    // 13 tokens at 2 a second: 7 s (less whatever refilled meanwhile).
+    let retry: u64 = meta("retry-after").context("retry-after")?.parse()?;
+    assert!((6..=7).contains(&retry), "retry-after {retry}");
+    assert!(
+        err.message()
+            .contains("tenant \"acme\" is over its limit of 120 tokens per minute"),
+        "{}",
+        err.message()
+    );
+    let (_other, mut other) = mesh.admit(open("other-tenant", 0)).await?;
+    assert!(matches!(
+        next_msg(&mut other).await?,
+        pb::admit_response::Msg::Grant(_)
+    ));
+    let _ = std::fs::remove_file(&file);
     mesh.stop().await
 }
 

@@ -14,6 +14,7 @@
 //! - [`limits`]: the input rules every boundary applies to shared messages.
 //! - [`local`]: the servers of this process, called without a socket.
 //! - [`shutdown`]: the cancellation token every `serve` takes, and signal handling.
+//! - [`tenant_labels`]: per-tenant metric labels of bounded cardinality (top N + `other`).
 //! - [`service`]: the shape of a service crate (`Args`, `serve(listener, args, ctx)`)
 //!   and [`ServiceContext::run`], the one lifecycle: register, serve, deregister, drain.
 //!
@@ -31,6 +32,7 @@ pub mod security;
 pub mod service;
 pub mod shutdown;
 pub mod telemetry;
+pub mod tenant_labels;
 
 pub use config::{CommonArgs, ModelArgs};
 pub use discovery::{Discovery, DiscoveryEvent, Instance, Registration};

@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::config::WfqWeights;
+use crate::error::Quota;
 use prometheus::Registry;
 use tokio::task::JoinHandle;
 
@@ -18,6 +19,8 @@ fn config(policy: Policy) -> Args {
         wfq_class: WfqClass::Priority,
         wfq_weights: WfqWeights::default(),
         wfq_default_weight: 1,
+        wfq_cost: WfqCost::Requests,
+        tenant_limits: None,
         refresh_interval_ms: 60_000,
     }
 }
@@ -159,6 +162,7 @@ fn entry(id: &str, priority: i32, tier: u32, prompt: u32, arrival: Instant) -> E
         priority,
         strict_tier: tier,
         tenant: String::new(),
+        tenant_weight: 0,
         prompt_tokens: prompt,
         overlap_tokens: 0,
         block_hashes: Arc::from(Vec::new()),
@@ -192,13 +196,16 @@ async fn settle() {
     tokio::time::sleep(Duration::from_millis(1)).await;
 }
 
+/// The blocker's priority: a class (and `fair` band) of its own.
+const BLOCKER: i32 = -100;
+
 /// Admits a blocker that takes the only active slot, then `entries`, then
 /// releases the blocker; each request drops its lease as soon as it is
 /// granted. Returns the order in which the rest were placed.
 async fn release_order(mut cfg: Args, entries: Vec<Entry>) -> Vec<String> {
     cfg.max_active = 1;
     let h = Harness::start(cfg);
-    let mut blocker = h.admit(entry("blocker", 0, 0, 10, Instant::now()));
+    let mut blocker = h.admit(entry("blocker", BLOCKER, 0, 10, Instant::now()));
     blocker.granted().await.expect("blocker granted");
     let waiters: Vec<JoinHandle<Result<Grant, QueueError>>> = entries
         .into_iter()
@@ -362,15 +369,19 @@ async fn wfq_bounds_the_lowest_class_wait_where_strict_starves_it() {
     cfg.wfq_weights = "5=3".parse().expect("weights");
 
     let order = release_order(cfg, entries.clone()).await;
-    // W = 3 + 1: the k-th low request goes within ⌈k/1⌉·4 releases.
-    for k in 1..=3usize {
+    // W = 3 + 1, n = 2: the k-th (0-based) low request goes within k·4 + 2
+    // releases.
+    for k in 0..3usize {
         let pos = order
             .iter()
-            .position(|id| id == &format!("lo-{}", k - 1))
+            .position(|id| id == &format!("lo-{k}"))
             .expect("released");
-        assert!(pos < k * 4, "lo-{} released at {pos}: {order:?}", k - 1);
+        assert!(pos < k * 4 + 2, "lo-{k} released at {pos}: {order:?}");
     }
-    assert_eq!(&order[..4], ["hi-0", "hi-1", "hi-2", "lo-0"]);
+    assert_eq!(
+        &order[..6],
+        ["hi-0", "lo-0", "hi-1", "hi-2", "hi-3", "lo-1"]
+    );
     let his: Vec<_> = order.iter().filter(|id| id.starts_with("hi")).collect();
     let expected: Vec<String> = (0..20).map(|i| format!("hi-{i}")).collect();
     assert_eq!(
@@ -522,22 +533,70 @@ async fn protected_priorities_survive_a_low_priority_flood() {
     for i in 0..2 {
         held.push(h.admit(entry(&format!("high{i}"), 1, 0, 10, Instant::now())));
     }
+    // Full: a higher priority displaces the newest of the lowest held.
+    let extra = h.admit(entry("high-extra", 5, 0, 10, Instant::now()));
+    let mut low7 = held.swap_remove(7);
+    match low7.granted().await {
+        Err(QueueError::Displaced {
+            priority: 0,
+            by: 5,
+            retry_after,
+        }) => {
+            assert!(retry_after >= Duration::from_secs(1));
+        }
+        other => panic!("low7 displaced, got {other:?}"),
+    }
+    held.push(extra);
+    // Nothing held ranks below priority 0: a full queue refuses it.
     let err = h
         .queue
-        .admit(entry("high-extra", 5, 0, 10, Instant::now()))
+        .admit(entry("low-extra", 0, 0, 10, Instant::now()))
         .expect_err("full");
     assert!(matches!(
         err,
         QueueError::QueueFull {
             pending: 10,
-            limit: 10
+            limit: 10,
+            ..
         }
     ));
-    assert_eq!(
-        tonic::Status::from(err).code(),
-        tonic::Code::ResourceExhausted
-    );
-    assert_eq!(h.metric("sluice_queue_rejections_total"), 43.0);
+    let status = tonic::Status::from(err);
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted);
+    assert!(status.metadata().get("retry-after").is_some());
+    assert_eq!(h.metric("sluice_queue_rejections_total"), 44.0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn retry_after_follows_the_drain_rate() {
+    let mut cfg = config(Policy::Fcfs);
+    cfg.max_active = 1;
+    cfg.max_pending = 4;
+    let h = Harness::start(cfg);
+    // One grant every 500 ms for 20 s: 2 per second.
+    for i in 0..40 {
+        let mut t = h.admit(entry(&format!("r{i}"), 0, 0, 10, Instant::now()));
+        t.granted().await.expect("granted");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        drop(t);
+    }
+    let blocker = h.admit(entry("blocker", 0, 0, 10, Instant::now()));
+    settle().await;
+    let held: Vec<Ticket> = (0..4)
+        .map(|i| h.admit(entry(&format!("h{i}"), 0, 0, 10, Instant::now())))
+        .collect();
+    let err = h
+        .queue
+        .admit(entry("over", 0, 0, 10, Instant::now()))
+        .expect_err("full");
+    // 4 held (the granted blocker is not pending) and this one at about
+    // 2 per second: 3 s.
+    match err {
+        QueueError::QueueFull { retry_after, .. } => {
+            assert!((2..=4).contains(&retry_after.as_secs()), "{retry_after:?}");
+        }
+        other => panic!("{other:?}"),
+    }
+    drop((blocker, held));
 }
 
 #[tokio::test(start_paused = true)]
@@ -563,7 +622,7 @@ async fn overload_yields_queue_full_and_tenant_full() {
         })
         .expect_err("tenant full");
     assert!(
-        matches!(err, QueueError::TenantFull { ref tenant, pending: 2, limit: 2 } if tenant == "a")
+        matches!(err, QueueError::TenantFull { ref tenant, pending: 2, limit: 2, .. } if tenant == "a")
     );
     let _b1 = h.admit(entry("b1", 0, 0, 10, Instant::now()));
     let err = h
@@ -574,7 +633,8 @@ async fn overload_yields_queue_full_and_tenant_full() {
         err,
         QueueError::QueueFull {
             pending: 3,
-            limit: 3
+            limit: 3,
+            ..
         }
     ));
     assert_eq!(
@@ -795,65 +855,18 @@ async fn shutdown_fails_held_requests_and_refuses_new_ones_but_keeps_leases() {
     assert_eq!(h.queue.stats().active, 0);
 }
 
-#[test]
-fn drr_round_robin_gives_each_class_its_weight_per_turn() {
-    let mut drr = Drr::default();
-    for seq in 0..6 {
-        drr.push("a".into(), 2, seq);
-    }
-    for seq in 10..13 {
-        drr.push("b".into(), 1, seq);
-    }
-    assert_eq!(drr.sequence(), [0, 1, 10, 2, 3, 11, 4, 5, 12]);
-    assert_eq!(drr.pop(), Some(0));
-    drr.remove("b", 10);
-    assert_eq!(drr.sequence(), [1, 11, 2, 3, 12, 4, 5]);
-}
-
-proptest::proptest! {
-    #[test]
-    fn drr_releases_every_request_within_its_bound(
-        classes in proptest::collection::vec((1u32..5, 0usize..30), 1..6)
-    ) {
-        let mut drr = Drr::default();
-        let mut members = Vec::new();
-        let mut seq = 0u64;
-        for (class, &(weight, count)) in classes.iter().enumerate() {
-            for k in 0..count {
-                drr.push(format!("c{class}"), weight, seq);
-                members.push((weight as usize, k, seq));
-                seq += 1;
-            }
-        }
-        let total: usize = classes
-            .iter()
-            .filter(|(_, n)| *n > 0)
-            .map(|&(w, _)| w as usize)
-            .sum();
-        let order = drr.sequence();
-        proptest::prop_assert_eq!(order.len(), members.len());
-        proptest::prop_assert_eq!(drr.len, members.len());
-        for (weight, k, seq) in members {
-            let pos = order.iter().position(|&s| s == seq).expect("released once");
-            // The k-th (0-based) of its class goes in round ⌊k/w⌋ + 1,
-            // and a round releases at most W requests.
-            proptest::prop_assert!(pos < (k / weight + 1) * total, "{seq} at {pos}");
-        }
-        let mut popped = Vec::new();
-        while let Some(s) = drr.pop() {
-            popped.push(s);
-        }
-        proptest::prop_assert_eq!(popped, order, "sequence() predicts pop()");
-        proptest::prop_assert_eq!(drr.len, 0);
-    }
-}
-
 /// Random admits, cancels, deadlines, load changes and lease ends: counts,
 /// gauges and ticket states always agree, and nothing leaks.
 #[tokio::test(start_paused = true)]
 async fn random_traffic_keeps_counts_and_gauges_consistent() {
     use rand::{Rng, SeedableRng, rngs::StdRng};
-    for policy in [Policy::Fcfs, Policy::Wspt, Policy::Strict, Policy::Wfq] {
+    for policy in [
+        Policy::Fcfs,
+        Policy::Wspt,
+        Policy::Strict,
+        Policy::Wfq,
+        Policy::Fair,
+    ] {
         for seed in 0..3u64 {
             let mut cfg = config(policy);
             cfg.queue_threshold = Some(0.5);
@@ -863,6 +876,16 @@ async fn random_traffic_keeps_counts_and_gauges_consistent() {
             cfg.refresh_interval_ms = 50;
             cfg.max_active = if seed == 2 { 5 } else { 0 };
             cfg.wfq_class = WfqClass::TenantPriority;
+            cfg.wfq_cost = if seed == 1 {
+                WfqCost::Tokens
+            } else {
+                WfqCost::Requests
+            };
+            cfg.tenant_limits = Some(
+                "t0 weight=3 concurrency=6\nt1 tpm=20000\n"
+                    .parse()
+                    .expect("limits"),
+            );
             let h = Harness::start(cfg);
             let mut rng = StdRng::seed_from_u64(seed);
             let mut tickets: Vec<Ticket> = Vec::new();
@@ -889,7 +912,9 @@ async fn random_traffic_keeps_counts_and_gauges_consistent() {
                     }
                     5 | 6 if !tickets.is_empty() => {
                         let i = rng.random_range(0..tickets.len());
-                        drop(tickets.swap_remove(i));
+                        let ticket = tickets.swap_remove(i);
+                        ticket.progress(rng.random_range(0..300));
+                        drop(ticket);
                     }
                     7 | 8 => h.queue.update_load(load(rng.random_range(0..120))),
                     _ => tokio::time::sleep(Duration::from_millis(rng.random_range(0..80))).await,
@@ -927,6 +952,269 @@ async fn random_traffic_keeps_counts_and_gauges_consistent() {
             assert_eq!(h.metric("sluice_queue_pending_tokens"), 0.0);
             let st = h.queue.shared.state.lock();
             assert!(st.slots.is_empty() && st.tenants.is_empty() && st.deadlines.is_empty());
+            for (name, model) in &st.models {
+                assert!(
+                    model.order.is_empty(),
+                    "{policy} seed {seed}: model {name} holds nothing"
+                );
+                if let Order::Fair(bands) = &model.order {
+                    assert!(bands.is_empty(), "{policy} seed {seed}: bands idle");
+                }
+            }
         }
     }
+}
+
+/// Admits `entries` held behind a blocker on a queue with one lease at a
+/// time; each granted request reports `output(id)` output tokens and ends.
+/// Returns the release order.
+async fn serve_one_at_a_time(
+    mut cfg: Args,
+    entries: Vec<Entry>,
+    output: fn(&str) -> u32,
+) -> Vec<String> {
+    cfg.max_active = 1;
+    let h = Harness::start(cfg);
+    let mut blocker = h.admit(entry("blocker", BLOCKER, 0, 10, Instant::now()));
+    blocker.granted().await.expect("blocker granted");
+    let waiters: Vec<JoinHandle<()>> = entries
+        .into_iter()
+        .map(|e| {
+            let tokens = output(&e.request_id);
+            let mut ticket = h.admit(e);
+            tokio::spawn(async move {
+                ticket.granted().await.expect("granted");
+                ticket.progress(tokens / 2);
+                ticket.progress(tokens);
+            })
+        })
+        .collect();
+    settle().await;
+    drop(blocker);
+    for waiter in waiters {
+        waiter.await.expect("join");
+    }
+    let mut placed = h.placer.placed();
+    placed.remove(0);
+    placed
+}
+
+/// Work (prompt + output tokens) served to each of `tenants` over the
+/// releases in `order` while every one of them still had requests held.
+fn shares_while_backlogged(order: &[String], tenants: &[&str], work: fn(&str) -> u32) -> Vec<f64> {
+    let last = |t: &str| order.iter().rposition(|id| id.starts_with(t)).unwrap_or(0);
+    let end = tenants.iter().map(|t| last(t)).min().unwrap_or(0);
+    let served: Vec<f64> = tenants
+        .iter()
+        .map(|t| {
+            order[..end]
+                .iter()
+                .filter(|id| id.starts_with(t))
+                .map(|id| f64::from(work(id)))
+                .sum()
+        })
+        .collect();
+    let total: f64 = served.iter().sum();
+    served.iter().map(|s| s / total).collect()
+}
+
+/// heavy: prompts of 800 tokens, 200 output; light: 100 and 100.
+fn tenant_entries(heavy: usize, light: usize, priority: i32) -> Vec<Entry> {
+    let t = Instant::now();
+    let mut entries = Vec::new();
+    for i in 0..heavy.max(light) {
+        for (tenant, count, prompt) in [("heavy", heavy, 800), ("light", light, 100)] {
+            if i < count {
+                let mut e = entry(
+                    &format!("{tenant}-{i}"),
+                    priority,
+                    0,
+                    prompt,
+                    at(t, i as u64),
+                );
+                e.tenant = tenant.into();
+                entries.push(e);
+            }
+        }
+    }
+    entries
+}
+
+fn output_tokens(id: &str) -> u32 {
+    if id.starts_with("heavy") { 200 } else { 100 }
+}
+
+fn work_tokens(id: &str) -> u32 {
+    if id.starts_with("heavy") { 1000 } else { 200 }
+}
+
+#[tokio::test(start_paused = true)]
+async fn fair_shares_tokens_between_backlogged_tenants_by_weight() {
+    // Equal weights: each tenant gets half the tokens, though heavy's
+    // requests are 5x light's (by request count light gets ~5x heavy).
+    let order = serve_one_at_a_time(
+        config(Policy::Fair),
+        tenant_entries(60, 200, 0),
+        output_tokens,
+    )
+    .await;
+    let shares = shares_while_backlogged(&order, &["heavy", "light"], work_tokens);
+    assert!(
+        (shares[0] - 0.5).abs() < 0.05,
+        "1:1 shares {shares:?}: {order:?}"
+    );
+
+    // Weights 3:1 from --tenant-limits.
+    let mut cfg = config(Policy::Fair);
+    cfg.tenant_limits = Some("heavy weight=3\n".parse().expect("limits"));
+    let order = serve_one_at_a_time(cfg, tenant_entries(150, 200, 0), output_tokens).await;
+    let shares = shares_while_backlogged(&order, &["heavy", "light"], work_tokens);
+    assert!((shares[0] - 0.75).abs() < 0.05, "3:1 shares {shares:?}");
+
+    // The same weight from the request (the API key file's) works alike.
+    let mut entries = tenant_entries(150, 200, 0);
+    for e in &mut entries {
+        e.tenant_weight = if e.tenant == "heavy" { 3 } else { 1 };
+    }
+    let order = serve_one_at_a_time(config(Policy::Fair), entries, output_tokens).await;
+    let shares = shares_while_backlogged(&order, &["heavy", "light"], work_tokens);
+    assert!((shares[0] - 0.75).abs() < 0.05, "3:1 shares {shares:?}");
+
+    // Request-counting wfq by tenant shares requests instead: heavy takes
+    // 5x light's tokens.
+    let mut cfg = config(Policy::Wfq);
+    cfg.wfq_class = WfqClass::Tenant;
+    let order = serve_one_at_a_time(cfg, tenant_entries(60, 200, 0), output_tokens).await;
+    let shares = shares_while_backlogged(&order, &["heavy", "light"], work_tokens);
+    assert!(
+        (shares[0] - 5.0 / 6.0).abs() < 0.05,
+        "wfq by request {shares:?}"
+    );
+    // ... and with token cost it is fair in tokens too.
+    let mut cfg = config(Policy::Wfq);
+    cfg.wfq_class = WfqClass::Tenant;
+    cfg.wfq_cost = WfqCost::Tokens;
+    let order = serve_one_at_a_time(cfg, tenant_entries(60, 200, 0), output_tokens).await;
+    let shares = shares_while_backlogged(&order, &["heavy", "light"], work_tokens);
+    assert!((shares[0] - 0.5).abs() < 0.05, "wfq by token {shares:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn fair_keeps_strict_priority_between_bands() {
+    let mut entries = tenant_entries(20, 20, 0);
+    let t = Instant::now();
+    for i in 0..3 {
+        let mut e = entry(&format!("vip-{i}"), 1, 0, 800, at(t, 100 + i));
+        e.tenant = "vip".into();
+        entries.push(e);
+    }
+    let order = serve_one_at_a_time(config(Policy::Fair), entries, output_tokens).await;
+    assert_eq!(&order[..3], ["vip-0", "vip-1", "vip-2"], "{order:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_cached_prefix_is_not_charged_and_output_is_charged_as_reported() {
+    let mut cfg = config(Policy::Fair);
+    cfg.max_active = 1;
+    let h = Harness::start(cfg);
+    let mut e = entry("a", 0, 0, 1000, Instant::now());
+    e.tenant = "t".into();
+    e.overlap_tokens = 0;
+    let mut a = h.admit(e);
+    a.granted().await.expect("granted");
+    let counter = |h: &Harness| {
+        let st = h.queue.shared.state.lock();
+        match &st.models["m"].order {
+            Order::Fair(bands) => bands.values().find_map(|b| b.counter("t")),
+            Order::Keyed(_) => None,
+        }
+    };
+    // The test placer reports the entry's own overlap (0): all 1000 charged.
+    assert_eq!(counter(&h), Some(1000.0));
+    a.progress(40);
+    a.progress(30); // a running total never goes back
+    a.progress(100);
+    assert_eq!(counter(&h), Some(1100.0));
+    drop(a);
+    settle().await;
+    assert!(
+        h.queue.shared.state.lock().models.is_empty(),
+        "idle band dropped"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn quotas_refuse_with_retry_after_and_refund_what_never_ran() {
+    let mut cfg = config(Policy::Fair);
+    cfg.max_active = 1;
+    cfg.tenant_limits = Some("a tpm=600\nb concurrency=1\n".parse().expect("limits"));
+    let h = Harness::start(cfg);
+    let tenant_entry = |id: &str, tenant: &str, prompt: u32| {
+        let mut e = entry(id, 0, 0, prompt, Instant::now());
+        e.tenant = tenant.into();
+        e
+    };
+    let mut first = h.admit(tenant_entry("a1", "a", 500));
+    first.granted().await.expect("granted");
+    first.progress(200); // 600 - 500 - 200 = -100
+    let err = h
+        .queue
+        .admit(tenant_entry("a2", "a", 10))
+        .expect_err("over the token quota");
+    assert!(
+        matches!(
+            &err,
+            QueueError::QuotaExceeded { quota: Quota::Tokens { per_minute: 600, .. }, retry_after, .. }
+                if retry_after.as_secs() == 11
+        ),
+        "{err:?}"
+    );
+    assert_eq!(h.metric("sluice_queue_tenant_rejections_total"), 1.0);
+    // A held request that leaves before it runs gets its prompt back.
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    let held = h.admit(tenant_entry("a3", "a", 400)); // held: a1 holds the lease
+    settle().await;
+    drop(held);
+    let again = h.queue.admit(tenant_entry("a4", "a", 10));
+    assert!(again.is_ok(), "the held request's 400 tokens were refunded");
+    drop(again);
+    drop(first);
+
+    let b1 = h.admit(tenant_entry("b1", "b", 1));
+    let err = h
+        .queue
+        .admit(tenant_entry("b2", "b", 1))
+        .expect_err("one at a time");
+    assert_eq!(err.reason(), "quota_requests");
+    drop(b1);
+    assert!(h.queue.admit(tenant_entry("b3", "b", 1)).is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_light_tenant_behind_a_heavy_backlog_is_released_next() {
+    let mut cfg = config(Policy::Fair);
+    cfg.max_active = 1;
+    let h = Harness::start(cfg);
+    let tenant_entry = |id: &str, tenant: &str, prompt: u32| {
+        let mut e = entry(id, 0, 0, prompt, Instant::now());
+        e.tenant = tenant.into();
+        e
+    };
+    let mut first = h.admit(tenant_entry("heavy-0", "heavy", 800));
+    first.granted().await.expect("granted");
+    let heavy: Vec<Ticket> = (1..5)
+        .map(|i| h.admit(tenant_entry(&format!("heavy-{i}"), "heavy", 800)))
+        .collect();
+    settle().await;
+    // Light arrives last, behind four held heavy requests: it is lifted
+    // to heavy's counter and, the one served least, wins the tie.
+    let light = h.admit(tenant_entry("light-0", "light", 100));
+    settle().await;
+    drop(first);
+    settle().await;
+    assert_eq!(h.placer.placed(), ["heavy-0", "light-0"]);
+    drop(light);
+    settle().await;
+    assert_eq!(h.placer.placed()[2], "heavy-1", "then heavy again");
+    drop(heavy);
 }

@@ -1,0 +1,120 @@
+//! A full queue sheds by priority, end to end: a higher-priority request
+//! displaces the newest lowest-priority held one, which gets a 429 with
+//! `Retry-After`; a request that outranks nothing held gets one too.
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use sluice_tests::http::{get, open};
+use sluice_tests::mesh::{Mesh, MeshOptions};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt};
+
+fn completion(max_tokens: u32, priority: i32) -> Value {
+    json!({"model": "sluice-tiny", "prompt": [5, 6, 7, 8], "max_tokens": max_tokens,
+           "min_tokens": max_tokens, "ignore_eos": true, "temperature": 0,
+           "nvext": {"agent_hints": {"priority": priority}}})
+}
+
+/// Sends `body` to `/v1/completions` in a task: (status, head, body).
+fn spawn_open(
+    mesh: &Mesh,
+    body: Value,
+) -> tokio::task::JoinHandle<anyhow::Result<(u16, String, String)>> {
+    let http = mesh.http.clone();
+    tokio::spawn(async move {
+        let (status, head, mut reader) = open(
+            &http,
+            "POST",
+            "/v1/completions",
+            Some(body.to_string()),
+            &[],
+        )
+        .await?;
+        let mut rest = String::new();
+        reader.read_to_string(&mut rest).await?;
+        Ok((status, head, rest))
+    })
+}
+
+fn retry_after(head: &str) -> Option<u64> {
+    head.lines().find_map(|l| {
+        l.to_ascii_lowercase()
+            .strip_prefix("retry-after:")
+            .and_then(|v| v.trim().parse().ok())
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_queue_sheds_its_lowest_priority_with_429_and_retry_after() -> anyhow::Result<()> {
+    let mut opts = MeshOptions::default();
+    opts.worker.engine = sluice_decode::EngineKind::Mocker;
+    opts.queue.max_active = 1;
+    opts.queue.max_pending = 1;
+    let mesh = Mesh::start(opts).await?;
+
+    // One request runs (the only active slot) and streams for a while.
+    let mut long = completion(400, 0);
+    long["stream"] = json!(true);
+    let (status, head, mut running) = open(
+        &mesh.http,
+        "POST",
+        "/v1/completions",
+        Some(long.to_string()),
+        &[],
+    )
+    .await?;
+    assert_eq!(status, 200, "{head}");
+    let mut line = String::new();
+    running.read_line(&mut line).await?;
+
+    // A priority-0 request is held: the queue is now full.
+    let low = spawn_open(&mesh, completion(2, 0));
+    let queue = mesh.endpoints("queue").await?;
+    let queue = queue
+        .first()
+        .map(|e| e.trim_start_matches("http://").to_owned())
+        .unwrap_or_default();
+    let mut full = false;
+    for _ in 0..100 {
+        let (_, metrics) = get(&queue, "/metrics").await?;
+        if metrics.contains(r#"sluice_queue_pending_requests{priority="0"} 1"#) {
+            full = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(full, "the second request is held");
+
+    // Another priority-0 request outranks nothing held: 429, Retry-After.
+    let (status, head, rest) =
+        tokio::time::timeout(Duration::from_secs(10), spawn_open(&mesh, completion(2, 0)))
+            .await???;
+    assert_eq!(status, 429, "{head}{rest}");
+    assert!(
+        retry_after(&head).is_some_and(|s| (1..=60).contains(&s)),
+        "{head}"
+    );
+
+    // A priority-3 request displaces the held priority-0 one, which gets a
+    // 429 with Retry-After naming why.
+    let high = spawn_open(&mesh, completion(2, 3));
+    let (status, head, rest) = tokio::time::timeout(Duration::from_secs(10), low).await???;
+    assert_eq!(status, 429, "{head}{rest}");
+    assert!(
+        retry_after(&head).is_some_and(|s| (1..=60).contains(&s)),
+        "{head}"
+    );
+    let err: Value = serde_json::from_str(&rest)?;
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("displaced")),
+        "{err}"
+    );
+
+    // The running request ends; the priority-3 one is served.
+    drop(running);
+    let (status, head, text) = tokio::time::timeout(Duration::from_secs(20), high).await???;
+    assert_eq!(status, 200, "{head}{text}");
+    mesh.stop().await
+}
