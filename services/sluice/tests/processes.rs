@@ -247,6 +247,16 @@ async fn a_stream_goes_on_when_its_worker_is_killed_mid_generation() -> anyhow::
         .unwrap_or_default()
         .to_string();
     assert_eq!(reference["usage"]["completion_tokens"], 200, "{reference}");
+    // The workers' gauges lag by up to 100 ms: wait until none still shows
+    // the reference request, so the busy worker found below is the stream's.
+    let idle_by = Instant::now() + Duration::from_secs(10);
+    while busy_worker(&cluster).await?.is_some() {
+        assert!(
+            Instant::now() < idle_by,
+            "a worker still shows a running sequence 10 s after the reference ended"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 
     let (status, _, mut reader) = sluice_tests::http::open(
         &http,
