@@ -179,7 +179,17 @@ def check_parse(root: Path) -> list[str]:
 def check_dockerfile(root: Path) -> list[str]:
     text = (root / "deploy" / "Dockerfile").read_text()
     lines = [l.strip() for l in text.splitlines() if l.strip() and not l.strip().startswith("#")]
-    froms = [l.split()[1] for l in lines if l.upper().startswith("FROM ")]
+    # `FROM ${NAME}` resolves to the default of a global `ARG NAME=default`.
+    args = dict(
+        l.split(None, 1)[1].split("=", 1)
+        for l in lines
+        if l.upper().startswith("ARG ") and "=" in l
+    )
+    froms = [
+        re.sub(r"\$\{(\w+)\}", lambda m: args.get(m.group(1), m.group(0)), l.split()[1])
+        for l in lines
+        if l.upper().startswith("FROM ")
+    ]
     errors = []
     if len(froms) < 2:
         errors.append(f"expected a build and a runtime stage, found FROM {froms}")
