@@ -5,11 +5,13 @@
 //! - [`mesh::Mesh`]: every service in one process on loopback.
 //! - [`otlp::Collector`]: an in-process OTLP trace collector.
 //! - [`http`]: a raw HTTP/1.1 client that can drop a stream mid-way.
+//! - [`process::Proc`]: a child process, killed when dropped.
 
 pub mod etcd;
 pub mod http;
 pub mod mesh;
 pub mod otlp;
+pub mod process;
 
 use std::net::TcpListener;
 

@@ -11,7 +11,6 @@
 //! - one of the two routers killed (SIGKILL): the queues place with the
 //!   other one.
 
-use std::process::{Child, Command};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -20,53 +19,32 @@ use serde_json::{Value, json};
 use sluice_tests::etcd::EtcdServer;
 use sluice_tests::free_port;
 use sluice_tests::http::{get, post_json};
+use sluice_tests::process::{Proc, write_model};
 
 const TTL_SECS: u64 = 2;
 const GRACE_SECS: u64 = 5;
 /// Concurrent clients, each sending one request after another.
 const CLIENTS: usize = 6;
 
-struct Proc {
-    child: Child,
-}
-
-impl Proc {
-    /// SIGKILL: no deregistration, no drain.
-    fn kill(&mut self) -> anyhow::Result<()> {
-        self.child.kill()?;
-        let _ = self.child.wait();
-        Ok(())
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 fn spawn(name: &str, args: &[&str], etcd: &str, log_dir: &std::path::Path) -> anyhow::Result<Proc> {
-    let log = std::fs::File::create(log_dir.join(format!("{name}.log")))?;
-    let child = Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args(args)
-        .args([
-            "--etcd",
-            etcd,
-            "--namespace",
-            "failover-test",
-            "--lease-ttl",
-            &TTL_SECS.to_string(),
-            "--discovery-grace",
-            &GRACE_SECS.to_string(),
-            "--drain-timeout",
-            "2",
-        ])
-        .env("RUST_LOG", "info")
-        .stdout(log.try_clone()?)
-        .stderr(log)
-        .spawn()?;
-    Ok(Proc { child })
+    let (ttl, grace) = (TTL_SECS.to_string(), GRACE_SECS.to_string());
+    let common = [
+        "--etcd",
+        etcd,
+        "--namespace",
+        "failover-test",
+        "--lease-ttl",
+        &ttl,
+        "--discovery-grace",
+        &grace,
+        "--drain-timeout",
+        "2",
+    ];
+    Proc::spawn(
+        env!("CARGO_BIN_EXE_sluice"),
+        args.iter().chain(&common),
+        &log_dir.join(format!("{name}.log")),
+    )
 }
 
 /// Sum of every sample of `name` in a Prometheus text page whose labels
@@ -97,13 +75,7 @@ impl Cluster {
     async fn start() -> anyhow::Result<Self> {
         let etcd = EtcdServer::start().await?;
         let dir = tempfile::tempdir()?;
-        let model = dir.path().join("sluice-tiny");
-        let status = Command::new(env!("CARGO_BIN_EXE_sluice"))
-            .args(["model", "init", "--out"])
-            .arg(&model)
-            .status()?;
-        anyhow::ensure!(status.success(), "sluice model init failed");
-        let model = model.to_string_lossy().into_owned();
+        let model = write_model(env!("CARGO_BIN_EXE_sluice"), dir.path())?;
         let url = etcd.url();
         let mut routers = Vec::new();
         let mut queues = Vec::new();

@@ -5,28 +5,17 @@
 //! discovery grace period; and a
 //! stream whose worker is killed mid-generation goes on on the other one.
 
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use sluice_tests::etcd::EtcdServer;
 use sluice_tests::free_port;
 use sluice_tests::http::{get, post_json};
+use sluice_tests::process::{Proc, write_model};
 
 const TTL_SECS: u64 = 2;
 /// How long a member whose lease expired stays listed (`--discovery-grace`).
 const GRACE_SECS: u64 = 1;
-
-struct Proc {
-    child: Child,
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 fn spawn(
     name: &'static str,
@@ -34,26 +23,24 @@ fn spawn(
     etcd: &str,
     log_dir: &std::path::Path,
 ) -> anyhow::Result<Proc> {
-    let log = std::fs::File::create(log_dir.join(format!("{name}-{}.log", free_port()?)))?;
-    let child = Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args(args)
-        .args([
-            "--etcd",
-            etcd,
-            "--namespace",
-            "proc-test",
-            "--lease-ttl",
-            &TTL_SECS.to_string(),
-            "--discovery-grace",
-            &GRACE_SECS.to_string(),
-            "--drain-timeout",
-            "2",
-        ])
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()?;
-    Ok(Proc { child })
+    let (ttl, grace) = (TTL_SECS.to_string(), GRACE_SECS.to_string());
+    let common = [
+        "--etcd",
+        etcd,
+        "--namespace",
+        "proc-test",
+        "--lease-ttl",
+        &ttl,
+        "--discovery-grace",
+        &grace,
+        "--drain-timeout",
+        "2",
+    ];
+    Proc::spawn(
+        env!("CARGO_BIN_EXE_sluice"),
+        args.iter().chain(&common),
+        &log_dir.join(format!("{name}-{}.log", free_port()?)),
+    )
 }
 
 async fn complete(http: &str) -> anyhow::Result<(u16, Value)> {
@@ -81,13 +68,7 @@ impl Cluster {
     async fn start(decode_flags: &[&str]) -> anyhow::Result<Self> {
         let etcd = EtcdServer::start().await?;
         let dir = tempfile::tempdir()?;
-        let model = dir.path().join("sluice-tiny");
-        let status = Command::new(env!("CARGO_BIN_EXE_sluice"))
-            .args(["model", "init", "--out"])
-            .arg(&model)
-            .status()?;
-        assert!(status.success());
-        let model = model.to_string_lossy().into_owned();
+        let model = write_model(env!("CARGO_BIN_EXE_sluice"), dir.path())?;
         let url = etcd.url();
         let http = format!("127.0.0.1:{}", free_port()?);
         let listen = "127.0.0.1:0";
@@ -135,8 +116,7 @@ impl Cluster {
 
     /// SIGKILL decode worker `i`: no deregistration, no drain.
     fn kill_decode(&mut self, i: usize) -> anyhow::Result<()> {
-        self.decode[i].child.kill()?;
-        let _ = self.decode[i].child.wait();
+        self.decode[i].kill()?;
         Ok(())
     }
 }

@@ -11,7 +11,6 @@
 //! the workers, and follow-up turns still find their prefix.
 
 use std::collections::HashMap;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -19,36 +18,15 @@ use serde_json::{Value, json};
 use sluice_tests::etcd::EtcdServer;
 use sluice_tests::free_port;
 use sluice_tests::http::{get, post_json};
-
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+use sluice_tests::process::Proc;
 
 fn spawn(args: &[&str], log: &std::path::Path) -> anyhow::Result<Proc> {
-    let log = std::fs::File::create(log)?;
-    let child = Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args(args)
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()?;
-    Ok(Proc(child))
+    Proc::spawn(env!("CARGO_BIN_EXE_sluice"), args, log)
 }
 
 /// The built-in model written into `dir`.
 fn model(dir: &std::path::Path) -> anyhow::Result<String> {
-    let model = dir.join("sluice-tiny");
-    let status = Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args(["model", "init", "--out"])
-        .arg(&model)
-        .status()?;
-    anyhow::ensure!(status.success(), "model init failed");
-    Ok(model.to_string_lossy().into_owned())
+    sluice_tests::process::write_model(env!("CARGO_BIN_EXE_sluice"), dir)
 }
 
 /// Waits until `/v1/models` lists the model, as a client would before its

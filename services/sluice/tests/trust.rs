@@ -16,7 +16,7 @@
 //! - with mutual TLS on every service, `sluice bench` over `https` with the
 //!   CA is served end to end, and plain-text callers get nothing.
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -27,23 +27,13 @@ use sluice_proto::worker::v1 as wpb;
 use sluice_tests::etcd::EtcdServer;
 use sluice_tests::free_port;
 use sluice_tests::http::{get, open, post_json};
+use sluice_tests::process::{Proc, write_model};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tonic::Code;
 
 const TOKEN: &str = "0123456789abcdef-trust-test-token";
 const TOKEN_HEADER: &str = "x-sluice-mesh-token";
-
-struct Proc {
-    child: Child,
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 fn spawn(
     name: &'static str,
@@ -52,25 +42,24 @@ fn spawn(
     etcd: &str,
     log_dir: &std::path::Path,
 ) -> anyhow::Result<Proc> {
-    let log = std::fs::File::create(log_dir.join(format!("{name}-{}.log", free_port()?)))?;
-    let child = Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args(args)
-        .args(security)
-        .args([
-            "--etcd",
-            etcd,
-            "--namespace",
-            "trust-test",
-            "--lease-ttl",
-            "2",
-            "--drain-timeout",
-            "2",
-        ])
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()?;
-    Ok(Proc { child })
+    let common = [
+        "--etcd",
+        etcd,
+        "--namespace",
+        "trust-test",
+        "--lease-ttl",
+        "2",
+        "--drain-timeout",
+        "2",
+    ];
+    Proc::spawn(
+        env!("CARGO_BIN_EXE_sluice"),
+        args.iter()
+            .copied()
+            .chain(security.iter().map(String::as_str))
+            .chain(common),
+        &log_dir.join(format!("{name}-{}.log", free_port()?)),
+    )
 }
 
 /// etcd, the built-in model, a router, a queue, one decode worker (the
@@ -94,13 +83,7 @@ impl Cluster {
         ready: impl AsyncFn(&str) -> bool,
     ) -> anyhow::Result<Self> {
         let etcd = EtcdServer::start().await?;
-        let model = dir.path().join("sluice-tiny");
-        let status = Command::new(env!("CARGO_BIN_EXE_sluice"))
-            .args(["model", "init", "--out"])
-            .arg(&model)
-            .status()?;
-        anyhow::ensure!(status.success(), "sluice model init failed");
-        let model = model.to_string_lossy().into_owned();
+        let model = write_model(env!("CARGO_BIN_EXE_sluice"), dir.path())?;
         let url = etcd.url();
         let addr = || -> anyhow::Result<String> { Ok(format!("127.0.0.1:{}", free_port()?)) };
         let (http, queue, router, decode) = (addr()?, addr()?, addr()?, addr()?);
