@@ -285,7 +285,7 @@ impl WorkerArgs {
         self.validate()?;
         let model = ModelConfig::from_dir(dir)?;
         let tokenizer =
-            Tokenizer::from_dir(dir).map_err(|e| WorkerError::Startup(e.to_string()))?;
+            Tokenizer::from_dir(dir).map_err(WorkerError::startup("loading the tokenizer"))?;
         let mut eos: Vec<u32> = model.eos_token_ids.clone();
         for &id in tokenizer.eos_token_ids() {
             if !eos.contains(&id) {

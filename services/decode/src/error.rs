@@ -25,6 +25,41 @@ pub enum WorkerError {
     },
     #[error("start-up: {0}")]
     Startup(String),
+    /// Start-up failed on an underlying error, kept as the source.
+    #[error("start-up: {what}")]
+    StartupFailed {
+        what: &'static str,
+        #[source]
+        source: BoxError,
+    },
+    /// A transfer failed on an underlying error, kept as the source.
+    #[error("KV transfer: {what}: {source}")]
+    TransferFailed {
+        what: &'static str,
+        #[source]
+        source: BoxError,
+    },
+}
+
+/// Any underlying error a [`WorkerError`] wraps.
+pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+impl WorkerError {
+    /// Start-up failed while doing `what` (for `map_err`).
+    pub fn startup<E: Into<BoxError>>(what: &'static str) -> impl FnOnce(E) -> Self {
+        move |e| Self::StartupFailed {
+            what,
+            source: e.into(),
+        }
+    }
+
+    /// A transfer failed while doing `what` (for `map_err`).
+    pub fn transfer<E: Into<BoxError>>(what: &'static str) -> impl FnOnce(E) -> Self {
+        move |e| Self::TransferFailed {
+            what,
+            source: e.into(),
+        }
+    }
 }
 
 impl From<sluice_runtime::limits::Invalid> for WorkerError {
@@ -49,8 +84,10 @@ impl From<WorkerError> for tonic::Status {
             WorkerError::Engine(EngineError::OutOfBlocks { .. }) => Code::ResourceExhausted,
             WorkerError::Engine(EngineError::Shutdown) => Code::Unavailable,
             WorkerError::Engine(EngineError::BlockSize { .. }) => Code::InvalidArgument,
-            WorkerError::Transfer(_) => Code::Unavailable,
-            WorkerError::Engine(_) | WorkerError::Startup(_) => {
+            WorkerError::Transfer(_) | WorkerError::TransferFailed { .. } => Code::Unavailable,
+            WorkerError::Engine(_)
+            | WorkerError::Startup(_)
+            | WorkerError::StartupFailed { .. } => {
                 tracing::error!(error = %e, source = ?std::error::Error::source(&e), "worker internal error");
                 return tonic::Status::internal("internal worker error; see the worker's log");
             }

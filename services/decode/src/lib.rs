@@ -53,7 +53,8 @@ pub fn build_core(
         KvBacking::Private
     };
     let engines = args.start_engines(dir, &backing)?;
-    let metrics = WorkerMetrics::new(&id).map_err(|e| WorkerError::Startup(e.to_string()))?;
+    let metrics =
+        WorkerMetrics::new(&id).map_err(WorkerError::startup("registering the worker metrics"))?;
     Ok(Arc::new(WorkerCore {
         id,
         model: model.name(),
@@ -80,9 +81,11 @@ pub async fn run_worker(
         .first()
         .ok_or(WorkerError::Startup("no engine rank".into()))?;
     let layout = engine.kv_layout();
-    let mut instance = ctx
-        .instance(core.role.as_str(), &listener)
-        .map_err(|e| WorkerError::Startup(e.to_string()))?;
+    let mut instance =
+        ctx.instance(core.role.as_str(), &listener)
+            .map_err(WorkerError::startup(
+                "describing this instance for discovery",
+            ))?;
     instance.id = core.id.clone();
     let instance = instance
         .with_model(core.model.clone())
@@ -104,7 +107,7 @@ pub async fn run_worker(
             transfer::join(&kinds)
         });
     let mut server = GrpcServer::new()
-        .map_err(|e| WorkerError::Startup(e.to_string()))?
+        .map_err(WorkerError::startup("building the gRPC server"))?
         .add_service(
             sluice_proto::worker::v1::worker_server::WorkerServer::new(service)
                 .max_decoding_message_size(256 << 20),
@@ -136,7 +139,7 @@ pub async fn run_worker(
     let res = ctx
         .run(server, listener, instance)
         .await
-        .map_err(|e| WorkerError::Startup(e.to_string()));
+        .map_err(WorkerError::startup("serving"));
     let engines = core.engines.clone();
     let _ = tokio::task::spawn_blocking(move || engines.iter().for_each(|e| e.shutdown())).await;
     res
@@ -153,7 +156,7 @@ pub async fn serve(
     let core = build_core(&args, &model, Role::Decode, id)?;
     let bound = listener
         .local_addr()
-        .map_err(|e| WorkerError::Startup(e.to_string()))?;
+        .map_err(WorkerError::startup("reading the listener's address"))?;
     let endpoint = ctx.common.advertise_addr(bound);
     let receiver = transfer::start_receiver(
         &transfer::ReceiverConfig::new(&args, endpoint.clone()),

@@ -83,7 +83,9 @@ impl GrpcSender {
         let c = self
             .security
             .channel(endpoint)
-            .map_err(|e| WorkerError::Transfer(e.to_string()))?;
+            .map_err(WorkerError::transfer(
+                "opening a channel to the decode worker",
+            ))?;
         let mut channels = self.channels.lock();
         if channels.len() >= MAX_CHANNELS {
             channels.clear();
@@ -122,8 +124,9 @@ pub async fn send_grpc(
     transfer_id: &str,
     blocks: Vec<Block>,
 ) -> Result<u32, WorkerError> {
-    let channel = sluice_runtime::grpc::channel(endpoint)
-        .map_err(|e| WorkerError::Transfer(e.to_string()))?;
+    let channel = sluice_runtime::grpc::channel(endpoint).map_err(WorkerError::transfer(
+        "opening a channel to the decode worker",
+    ))?;
     send_on(channel, transfer_id, blocks).await
 }
 

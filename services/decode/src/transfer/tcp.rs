@@ -107,9 +107,9 @@ pub async fn listen(
     let listener = TcpListener::bind(bind)
         .await
         .map_err(|e| WorkerError::Startup(format!("KV tcp listener on {bind}: {e}")))?;
-    let local = listener
-        .local_addr()
-        .map_err(|e| WorkerError::Startup(e.to_string()))?;
+    let local = listener.local_addr().map_err(WorkerError::startup(
+        "reading the KV tcp listener's address",
+    ))?;
     tokio::spawn(accept_loop(listener, receiver, shutdown));
     Ok(AddressInbound {
         kind: TransportKind::Tcp,
@@ -305,7 +305,7 @@ impl TcpSender {
             .map_err(|e| WorkerError::Transfer(format!("tcp connect to {address}: {e}")))?;
         stream
             .set_nodelay(true)
-            .map_err(|e| WorkerError::Transfer(e.to_string()))?;
+            .map_err(WorkerError::transfer("setting TCP_NODELAY"))?;
         Ok(stream)
     }
 

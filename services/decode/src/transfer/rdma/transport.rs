@@ -78,9 +78,9 @@ impl RdmaInbound {
         let listener = TcpListener::bind(bind)
             .await
             .map_err(|e| WorkerError::Startup(format!("KV rdma listener on {bind}: {e}")))?;
-        let local = listener
-            .local_addr()
-            .map_err(|e| WorkerError::Startup(e.to_string()))?;
+        let local = listener.local_addr().map_err(WorkerError::startup(
+            "reading the KV rdma listener's address",
+        ))?;
         let address = super::super::tcp::advertised(local, endpoint);
         let d = device.clone();
         tokio::spawn(async move {
