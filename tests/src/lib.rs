@@ -5,11 +5,13 @@
 //! - [`mesh::Mesh`]: every service in one process on loopback.
 //! - [`otlp::Collector`]: an in-process OTLP trace collector.
 //! - [`http`]: a raw HTTP/1.1 client that can drop a stream mid-way.
+//! - [`wait`]: poll a condition with a deadline instead of sleeping.
 
 pub mod etcd;
 pub mod http;
 pub mod mesh;
 pub mod otlp;
+pub mod wait;
 
 use std::net::TcpListener;
 
