@@ -222,6 +222,19 @@ impl Mesh {
             .collect())
     }
 
+    /// The `/metrics` page of the first registered instance of `component`
+    /// (every service serves them on its gRPC port).
+    pub async fn metrics(&self, component: &str) -> anyhow::Result<String> {
+        let endpoints = self.endpoints(component).await?;
+        let endpoint = endpoints
+            .first()
+            .with_context(|| format!("no {component} registered"))?;
+        let endpoint = endpoint.trim_start_matches("http://");
+        let (status, page) = crate::http::get(endpoint, "/metrics").await?;
+        anyhow::ensure!(status == 200, "{component} /metrics: status {status}");
+        Ok(page)
+    }
+
     /// Stops every service and waits for them.
     pub async fn stop(mut self) -> anyhow::Result<()> {
         self.shutdown.cancel();

@@ -61,3 +61,16 @@ pub fn sample(metrics: &str, series: &str) -> Option<f64> {
         (name == want_name && want_labels.split(',').all(has)).then(|| value.parse().ok())?
     })
 }
+
+/// The sum of every series of metric `name` in a Prometheus text page (0
+/// when there is none).
+pub fn total(metrics: &str, name: &str) -> f64 {
+    metrics
+        .lines()
+        .filter_map(|l| {
+            let (key, value) = l.rsplit_once(' ')?;
+            let metric = key.split_once('{').map_or(key, |(n, _)| n);
+            (metric == name).then(|| value.parse::<f64>().ok())?
+        })
+        .sum()
+}
