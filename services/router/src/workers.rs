@@ -525,7 +525,8 @@ mod tests {
 
     #[tokio::test]
     async fn the_gate_opens_when_every_expected_target_is_done() {
-        let gauge = IntGaugeVec::new(prometheus::Opts::new("joining", "test"), &["pool"]).unwrap();
+        let gauge =
+            IntGaugeVec::new(prometheus::Opts::new("joining", "test"), &["pool"]).expect("gauge");
         let g = SyncGate::new(gauge.clone());
         let joining = |pool: PoolKind| gauge.with_label_values(&[pool.component()]).get();
         assert_eq!(
