@@ -6,12 +6,14 @@
 //! - [`otlp::Collector`]: an in-process OTLP trace collector.
 //! - [`http`]: a raw HTTP/1.1 client that can drop a stream mid-way.
 //! - [`process::Proc`]: a child process, killed when dropped.
+//! - [`wait`]: poll a condition with a deadline instead of sleeping.
 
 pub mod etcd;
 pub mod http;
 pub mod mesh;
 pub mod otlp;
 pub mod process;
+pub mod wait;
 
 use std::net::TcpListener;
 

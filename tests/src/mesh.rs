@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::Context;
 use sluice_runtime::discovery::MemoryDiscovery;
@@ -165,37 +165,50 @@ impl Mesh {
             model: model.name(),
             tasks,
         };
-        mesh.wait_ready(opts.decode_workers, opts.prefill_workers)
-            .await?;
+        mesh.wait_ready(
+            opts.decode_workers,
+            opts.prefill_workers,
+            opts.worker.data_parallel_size.max(1),
+        )
+        .await?;
         Ok(mesh)
     }
 
-    async fn wait_ready(&self, decode: usize, prefill: usize) -> anyhow::Result<()> {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let d = self.discovery.list("decode").await?.len();
-            let p = self.discovery.list("prefill").await?.len();
+    /// Waits until the frontend is ready and the router has every worker in
+    /// its pool with none still joining (first KV snapshot outstanding), read
+    /// from the router's `/metrics`.
+    async fn wait_ready(&self, decode: usize, prefill: usize, dp: usize) -> anyhow::Result<()> {
+        let what = format!(
+            "the mesh to be ready ({decode} decode, {prefill} prefill workers of {dp} ranks in the router's pools, none joining; frontend /ready)"
+        );
+        crate::wait::until_true(&what, Duration::from_secs(30), || async {
             let ready = decode == 0
                 || crate::http::get(&self.http, "/ready")
                     .await
                     .map(|(s, _)| s == 200)
                     .unwrap_or(false);
-            if ready
-                && d >= decode
-                && p >= prefill
-                && self.discovery.list("router").await?.len() == 1
-            {
-                // Give the router a moment to subscribe to every worker.
-                tokio::time::sleep(Duration::from_millis(300)).await;
-                return Ok(());
-            }
-            if Instant::now() > deadline {
-                anyhow::bail!(
-                    "mesh not ready within 30 s (decode {d}/{decode}, prefill {p}/{prefill}, frontend ready {ready})"
+            let routers = self.discovery.list("router").await?;
+            anyhow::ensure!(ready, "frontend not ready");
+            anyhow::ensure!(routers.len() == 1, "{} routers registered", routers.len());
+            let (_, metrics) = crate::http::get(&routers[0].endpoint, "/metrics").await?;
+            for (pool, workers) in [("decode", decode), ("prefill", prefill)] {
+                let series = |name: &str| {
+                    crate::wait::sample(&metrics, &format!("{name}{{pool=\"{pool}\"}}"))
+                        .unwrap_or(0.0) as usize
+                };
+                let (members, joining) = (
+                    series("sluice_router_workers"),
+                    series("sluice_router_workers_joining"),
+                );
+                anyhow::ensure!(
+                    members >= workers * dp && joining == 0,
+                    "router {pool} pool: {members}/{} targets, {joining} joining",
+                    workers * dp
                 );
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+            Ok(true)
+        })
+        .await
     }
 
     /// gRPC endpoints of the registered workers of `component`.
@@ -207,6 +220,19 @@ impl Mesh {
             .into_iter()
             .map(|i| i.endpoint)
             .collect())
+    }
+
+    /// The `/metrics` page of the first registered instance of `component`
+    /// (every service serves them on its gRPC port).
+    pub async fn metrics(&self, component: &str) -> anyhow::Result<String> {
+        let endpoints = self.endpoints(component).await?;
+        let endpoint = endpoints
+            .first()
+            .with_context(|| format!("no {component} registered"))?;
+        let endpoint = endpoint.trim_start_matches("http://");
+        let (status, page) = crate::http::get(endpoint, "/metrics").await?;
+        anyhow::ensure!(status == 200, "{component} /metrics: status {status}");
+        Ok(page)
     }
 
     /// Stops every service and waits for them.

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 use sluice_tests::http::{get, open, post_json, request};
 use sluice_tests::mesh::{Mesh, MeshOptions, active_blocks};
+use sluice_tests::wait;
 use tokio::io::AsyncBufReadExt;
 
 fn chat(content: &str, max_tokens: u32) -> Value {
@@ -393,7 +394,15 @@ async fn queue_refusal_is_a_429_with_retry_after_and_a_held_request_past_its_dea
         tokio::spawn(
             async move { post_json(&http, "/v1/chat/completions", &chat("held", 2)).await },
         );
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    wait::until_true(
+        "the queue to hold the second request",
+        Duration::from_secs(10),
+        || async {
+            let m = mesh.metrics("queue").await?;
+            Ok(wait::total(&m, "sluice_queue_pending_requests") == 1.0)
+        },
+    )
+    .await?;
     let (status, head, mut refused) = open(
         &mesh.http,
         "POST",

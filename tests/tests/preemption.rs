@@ -12,30 +12,11 @@ use sluice_runtime::telemetry::{TelemetryConfig, init};
 use sluice_tests::http::{get, post_json};
 use sluice_tests::mesh::{Mesh, MeshOptions};
 use sluice_tests::otlp::{Collector, attr};
+use sluice_tests::wait::sample;
 
 fn completion(prompt: &str, max_tokens: u32, priority: i32) -> Value {
     json!({"model": "sluice-tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": true,
            "nvext": {"agent_hints": {"priority": priority}}})
-}
-
-/// The value of the sample `series` (name with labels) in `metrics`.
-/// The value of `series` (`name{label="v",…}`): the line of that metric
-/// whose labels include every one given (a worker's series also carry its
-/// `worker_id`).
-fn sample(metrics: &str, series: &str) -> Option<f64> {
-    let (want_name, want_labels) = match series.split_once('{') {
-        Some((n, l)) => (n, l.trim_end_matches('}')),
-        None => (series, ""),
-    };
-    metrics.lines().find_map(|l| {
-        let (key, value) = l.rsplit_once(' ')?;
-        let (name, labels) = match key.split_once('{') {
-            Some((n, l)) => (n, l.trim_end_matches('}')),
-            None => (key, ""),
-        };
-        let has = |pair: &str| pair.is_empty() || labels.split(',').any(|p| p == pair);
-        (name == want_name && want_labels.split(',').all(has)).then(|| value.parse().ok())?
-    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -27,6 +27,8 @@ pub struct RouterMetrics {
     pub(crate) index_bytes: IntGaugeVec,
     /// Members, by pool.
     pub(crate) workers: IntGaugeVec,
+    /// Targets whose first snapshot is still outstanding, by pool.
+    pub(crate) workers_joining: IntGaugeVec,
     /// KV events applied, by pool.
     pub(crate) events_applied: IntCounterVec,
     /// Seconds from receiving an event batch to having applied it.
@@ -104,6 +106,13 @@ impl RouterMetrics {
             Opts::new("sluice_router_workers", "Targets in the pool."),
             &["pool"],
         )?;
+        let workers_joining = IntGaugeVec::new(
+            Opts::new(
+                "sluice_router_workers_joining",
+                "Targets whose first KV snapshot is still outstanding (not yet placeable on cache).",
+            ),
+            &["pool"],
+        )?;
         let events_applied = IntCounterVec::new(
             Opts::new("sluice_router_kv_events_total", "KV events applied."),
             &["pool"],
@@ -150,6 +159,7 @@ impl RouterMetrics {
         registry.register(Box::new(index_entries.clone()))?;
         registry.register(Box::new(index_bytes.clone()))?;
         registry.register(Box::new(workers.clone()))?;
+        registry.register(Box::new(workers_joining.clone()))?;
         registry.register(Box::new(events_applied.clone()))?;
         registry.register(Box::new(event_lag.clone()))?;
         registry.register(Box::new(resyncs.clone()))?;
@@ -164,6 +174,7 @@ impl RouterMetrics {
             index_entries,
             index_bytes,
             workers,
+            workers_joining,
             events_applied,
             event_lag,
             resyncs,

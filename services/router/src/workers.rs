@@ -22,6 +22,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
+use prometheus::IntGaugeVec;
 use sluice_proto::worker::v1 as wpb;
 use sluice_proto::worker::v1::worker_client::WorkerClient;
 use sluice_runtime::discovery::Watch;
@@ -51,32 +52,50 @@ pub(crate) struct WorkerSettings {
     pub(crate) max_failures: u32,
 }
 
-/// Targets whose first snapshot is still outstanding.
+/// Targets whose first snapshot is still outstanding, by pool.
 #[derive(Debug)]
 pub(crate) struct SyncGate {
-    pending: Mutex<HashSet<Target>>,
+    pending: Mutex<HashSet<(PoolKind, Target)>>,
     count: tokio::sync::watch::Sender<usize>,
+    /// `sluice_router_workers_joining{pool}`, kept equal to `pending`.
+    gauge: IntGaugeVec,
 }
 
 impl SyncGate {
-    fn new() -> Self {
-        Self {
+    fn new(gauge: IntGaugeVec) -> Self {
+        let gate = Self {
             pending: Mutex::new(HashSet::new()),
             count: tokio::sync::watch::Sender::new(0),
+            gauge,
+        };
+        for kind in [PoolKind::Decode, PoolKind::Prefill] {
+            gate.observe(kind, &gate.pending.lock());
         }
+        gate
     }
 
-    fn expect(&self, t: Target) {
+    fn expect(&self, kind: PoolKind, t: Target) {
         let mut p = self.pending.lock();
-        p.insert(t);
-        self.count.send_replace(p.len());
-    }
-
-    fn done(&self, t: &Target) {
-        let mut p = self.pending.lock();
-        if p.remove(t) {
+        if p.insert((kind, t)) {
             self.count.send_replace(p.len());
+            self.observe(kind, &p);
         }
+    }
+
+    fn done(&self, kind: PoolKind, t: &Target) {
+        let mut p = self.pending.lock();
+        if p.remove(&(kind, t.clone())) {
+            self.count.send_replace(p.len());
+            self.observe(kind, &p);
+        }
+    }
+
+    /// Sets the pool's gauge from `pending` (called with its lock held).
+    fn observe(&self, kind: PoolKind, pending: &HashSet<(PoolKind, Target)>) {
+        let n = pending.iter().filter(|(k, _)| *k == kind).count();
+        self.gauge
+            .with_label_values(&[kind.component()])
+            .set(n as i64);
     }
 
     /// Targets whose first snapshot is outstanding: workers joining.
@@ -95,7 +114,7 @@ impl SyncGate {
     pub(crate) async fn wait(&self, timeout: Duration) -> Vec<Target> {
         let mut rx = self.count.subscribe();
         let _ = tokio::time::timeout(timeout, rx.wait_for(|n| *n == 0)).await;
-        self.pending.lock().iter().cloned().collect()
+        self.pending.lock().iter().map(|(_, t)| t.clone()).collect()
     }
 }
 
@@ -129,7 +148,7 @@ pub(crate) async fn start(
     token: CancellationToken,
     security: Arc<Security>,
 ) -> Result<Arc<SyncGate>, RouterError> {
-    let gate = Arc::new(SyncGate::new());
+    let gate = Arc::new(SyncGate::new(metrics.workers_joining.clone()));
     for kind in [PoolKind::Decode, PoolKind::Prefill] {
         let initial = discovery
             .list(kind.component())
@@ -137,7 +156,7 @@ pub(crate) async fn start(
             .map_err(|e| RouterError::Runtime(Box::new(e)))?;
         for inst in &initial {
             for rank in 0..dp_size(inst) {
-                gate.expect(Target::new(inst.id.as_str(), rank));
+                gate.expect(kind, Target::new(inst.id.as_str(), rank));
             }
         }
         let watch = discovery
@@ -205,7 +224,8 @@ async fn watch_component(mut watch: Watch, ctx: Ctx, token: CancellationToken) {
                 if let Err(e) = spawn_instance(&ctx, &inst, child.clone()) {
                     tracing::warn!(worker = %inst.id, endpoint = %inst.endpoint, error = %e, "cannot dial worker; ignoring it");
                     for rank in 0..dp_size(&inst) {
-                        ctx.gate.done(&Target::new(inst.id.as_str(), rank));
+                        ctx.gate
+                            .done(ctx.kind, &Target::new(inst.id.as_str(), rank));
                     }
                     continue;
                 }
@@ -229,7 +249,7 @@ fn forget(ctx: &Ctx, inst: &Instance, reason: &str) {
     let mut blocks = 0;
     for rank in 0..dp_size(inst) {
         let target = Target::new(inst.id.as_str(), rank);
-        ctx.gate.done(&target);
+        ctx.gate.done(ctx.kind, &target);
         if let Some(n) = ctx.pool().remove_member(&target) {
             blocks += n;
         }
@@ -252,7 +272,8 @@ fn spawn_instance(ctx: &Ctx, inst: &Instance, token: CancellationToken) -> Resul
     tracing::info!(worker = %inst.id, endpoint = %inst.endpoint, pool = %ctx.kind, ranks = dp_size(inst), "worker joined");
     for rank in 0..dp_size(inst) {
         // Joining until its first snapshot: placement waits for it.
-        ctx.gate.expect(Target::new(inst.id.as_str(), rank));
+        ctx.gate
+            .expect(ctx.kind, Target::new(inst.id.as_str(), rank));
         ctx.tracker.spawn(rank_task(
             ctx.clone(),
             member_info(inst, rank),
@@ -284,7 +305,7 @@ async fn rank_task(ctx: Ctx, info: MemberInfo, mut client: Client, token: Cancel
     if ctx.settings.mode == RouterMode::Approx {
         ctx.pool().add_member(info);
         after_membership_change(&ctx);
-        ctx.gate.done(&target);
+        ctx.gate.done(ctx.kind, &target);
         return;
     }
     let mut failures = 0u32;
@@ -321,7 +342,7 @@ async fn rank_task(ctx: Ctx, info: MemberInfo, mut client: Client, token: Cancel
                     .with_label_values(&[pool_name, reason])
                     .inc();
                 after_membership_change(&ctx);
-                ctx.gate.done(&target);
+                ctx.gate.done(ctx.kind, &target);
                 tracing::debug!(%target, seq = resp.seq, blocks = resp.block_hashes.len(), reason, "snapshot applied");
                 failures = 0;
                 backoff = BACKOFF_START;
@@ -345,7 +366,7 @@ async fn rank_task(ctx: Ctx, info: MemberInfo, mut client: Client, token: Cancel
                 tracing::warn!(%target, "worker publishes no KV snapshot; placing it on load alone");
                 ctx.pool().add_member(info);
                 after_membership_change(&ctx);
-                ctx.gate.done(&target);
+                ctx.gate.done(ctx.kind, &target);
                 return;
             }
             Err(status) => {
@@ -360,7 +381,7 @@ async fn rank_task(ctx: Ctx, info: MemberInfo, mut client: Client, token: Cancel
                         after_membership_change(&ctx);
                         tracing::warn!(%target, failures, "worker unreachable; forgot its blocks");
                     }
-                    ctx.gate.done(&target);
+                    ctx.gate.done(ctx.kind, &target);
                 }
                 if !sleep_or_cancel(backoff, &token).await {
                     return;
@@ -504,11 +525,25 @@ mod tests {
 
     #[tokio::test]
     async fn the_gate_opens_when_every_expected_target_is_done() {
-        let g = SyncGate::new();
+        let gauge =
+            IntGaugeVec::new(prometheus::Opts::new("joining", "test"), &["pool"]).expect("gauge");
+        let g = SyncGate::new(gauge.clone());
+        let joining = |pool: PoolKind| gauge.with_label_values(&[pool.component()]).get();
+        assert_eq!(
+            (joining(PoolKind::Decode), joining(PoolKind::Prefill)),
+            (0, 0)
+        );
         let a = Target::new("a", 0);
-        g.expect(a.clone());
+        g.expect(PoolKind::Decode, a.clone());
+        assert_eq!(
+            (joining(PoolKind::Decode), joining(PoolKind::Prefill)),
+            (1, 0)
+        );
         assert_eq!(g.wait(Duration::from_millis(10)).await, vec![a.clone()]);
-        g.done(&a);
+        g.done(PoolKind::Prefill, &a);
+        assert_eq!(g.joining(), 1, "done in another pool leaves it joining");
+        g.done(PoolKind::Decode, &a);
+        assert_eq!(joining(PoolKind::Decode), 0);
         assert!(g.wait(Duration::from_secs(5)).await.is_empty());
     }
 }
