@@ -926,13 +926,7 @@ impl Generation {
             // The lease ends before the client hears of the end, so the
             // router has stopped counting this request by the time the
             // client's next one (a conversation's next turn) arrives.
-            let on_lease = self.on_lease();
-            close_lease(
-                self.lease.take(),
-                self.lease_responses.take(),
-                None,
-                on_lease,
-            );
+            self.end_lease(None);
             self.pending.push_back(Event::Done {
                 finish_reason: r,
                 usage: self.usage,
@@ -946,6 +940,18 @@ impl Generation {
     /// Output tokens produced on the current lease.
     fn on_lease(&self) -> u32 {
         self.usage.completion_tokens.saturating_sub(self.lease_base)
+    }
+
+    /// Ends the admission lease (if still held), reporting the tokens
+    /// produced under it; `worker` is the worker stream to drain with it.
+    fn end_lease(&mut self, worker: Option<tonic::Streaming<wpb::GenerateResponse>>) {
+        let on_lease = self.on_lease();
+        close_lease(
+            self.lease.take(),
+            self.lease_responses.take(),
+            worker,
+            on_lease,
+        );
     }
 
     /// Tells the queue the lease's output so far, at most once per
@@ -1000,13 +1006,7 @@ impl Drop for Generation {
         } else {
             None
         };
-        let on_lease = self.on_lease();
-        close_lease(
-            self.lease.take(),
-            self.lease_responses.take(),
-            worker,
-            on_lease,
-        );
+        self.end_lease(worker);
     }
 }
 

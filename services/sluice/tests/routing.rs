@@ -242,12 +242,18 @@ async fn round_robin_scatters_the_same_conversations() -> anyhow::Result<()> {
     // Sequentially each turn goes to the next of four workers, which never
     // saw the conversation: it comes back to its first worker only by
     // chance, and then finds its prefix.
-    assert!(sequential.hit_fraction() <= 0.5, "sequential: {sequential:?}");
+    assert!(
+        sequential.hit_fraction() <= 0.5,
+        "sequential: {sequential:?}"
+    );
     assert!(sequential.coverage <= 0.6, "sequential: {sequential:?}");
     // Four conversations in lockstep over four workers may keep meeting the
     // worker of an earlier turn (the rotation and the arrival order can line
     // up), so only the difference from kv routing's ≥ 95% is checked.
-    assert!(concurrent.hit_fraction() <= 0.75, "concurrent: {concurrent:?}");
+    assert!(
+        concurrent.hit_fraction() <= 0.75,
+        "concurrent: {concurrent:?}"
+    );
     Ok(())
 }
 
