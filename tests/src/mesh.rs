@@ -208,7 +208,16 @@ impl Mesh {
             }
             Ok(true)
         })
-        .await
+        .await?;
+        if prefill > 0 {
+            // Disaggregation also needs each decode worker to have taken in
+            // the prefill workers (and their transports) from discovery,
+            // which nothing shows from outside yet: without this settle the
+            // tcp KV-transfer tests sometimes ran before it and prefilled
+            // locally. A gauge of known prefill peers would replace it.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        Ok(())
     }
 
     /// gRPC endpoints of the registered workers of `component`.
