@@ -48,6 +48,28 @@ impl Drop for Proc {
     }
 }
 
+/// The discovery flags every service of a process-level test mesh takes:
+/// its etcd, a namespace of its own, a short lease and drain, and
+/// `--discovery-grace` when given.
+pub fn mesh_args(etcd: &str, namespace: &str, lease_ttl: u64, grace: Option<u64>) -> Vec<String> {
+    let mut args: Vec<String> = [
+        "--etcd",
+        etcd,
+        "--namespace",
+        namespace,
+        "--lease-ttl",
+        &lease_ttl.to_string(),
+        "--drain-timeout",
+        "2",
+    ]
+    .map(str::to_owned)
+    .into();
+    if let Some(g) = grace {
+        args.extend(["--discovery-grace".to_owned(), g.to_string()]);
+    }
+    args
+}
+
 /// Writes the built-in model into `dir/sluice-tiny` with `bin model init`;
 /// returns its path.
 pub fn write_model(bin: impl AsRef<OsStr>, dir: &Path) -> anyhow::Result<String> {

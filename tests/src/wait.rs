@@ -43,34 +43,37 @@ where
     .await
 }
 
-/// The value of `series` (`name{label="v",…}`) in a Prometheus text page:
-/// the first line of that metric whose labels include every one given (a
-/// worker's series also carry its `worker_id`).
-pub fn sample(metrics: &str, series: &str) -> Option<f64> {
+/// Whether the Prometheus text line `line` is a sample of `series`
+/// (`name{label="v",…}`: that metric, with every label given); its value.
+fn matching(line: &str, series: &str) -> Option<f64> {
     let (want_name, want_labels) = match series.split_once('{') {
         Some((n, l)) => (n, l.trim_end_matches('}')),
         None => (series, ""),
     };
-    metrics.lines().find_map(|l| {
-        let (key, value) = l.rsplit_once(' ')?;
-        let (name, labels) = match key.split_once('{') {
-            Some((n, l)) => (n, l.trim_end_matches('}')),
-            None => (key, ""),
-        };
-        let has = |pair: &str| pair.is_empty() || labels.split(',').any(|p| p == pair);
-        (name == want_name && want_labels.split(',').all(has)).then(|| value.parse().ok())?
-    })
+    let (key, value) = line.rsplit_once(' ')?;
+    let (name, labels) = match key.split_once('{') {
+        Some((n, l)) => (n, l.trim_end_matches('}')),
+        None => (key, ""),
+    };
+    let has = |pair: &str| pair.is_empty() || labels.split(',').any(|p| p == pair);
+    (name == want_name && want_labels.split(',').all(has)).then(|| value.parse().ok())?
+}
+
+/// The value of `series` (`name{label="v",…}`) in a Prometheus text page:
+/// the first line of that metric whose labels include every one given (a
+/// worker's series also carry its `worker_id`).
+pub fn sample(metrics: &str, series: &str) -> Option<f64> {
+    metrics.lines().find_map(|l| matching(l, series))
+}
+
+/// The sum of every line of `series` (as in [`sample`]) in a Prometheus
+/// text page (0 when there is none).
+pub fn sum(metrics: &str, series: &str) -> f64 {
+    metrics.lines().filter_map(|l| matching(l, series)).sum()
 }
 
 /// The sum of every series of metric `name` in a Prometheus text page (0
 /// when there is none).
 pub fn total(metrics: &str, name: &str) -> f64 {
-    metrics
-        .lines()
-        .filter_map(|l| {
-            let (key, value) = l.rsplit_once(' ')?;
-            let metric = key.split_once('{').map_or(key, |(n, _)| n);
-            (metric == name).then(|| value.parse::<f64>().ok())?
-        })
-        .sum()
+    sum(metrics, name)
 }

@@ -19,7 +19,8 @@ use serde_json::{Value, json};
 use sluice_tests::etcd::EtcdServer;
 use sluice_tests::free_port;
 use sluice_tests::http::{get, post_json};
-use sluice_tests::process::{Proc, write_model};
+use sluice_tests::process::{Proc, mesh_args, write_model};
+use sluice_tests::wait::sum;
 
 const TTL_SECS: u64 = 2;
 const GRACE_SECS: u64 = 5;
@@ -27,38 +28,14 @@ const GRACE_SECS: u64 = 5;
 const CLIENTS: usize = 6;
 
 fn spawn(name: &str, args: &[&str], etcd: &str, log_dir: &std::path::Path) -> anyhow::Result<Proc> {
-    let (ttl, grace) = (TTL_SECS.to_string(), GRACE_SECS.to_string());
-    let common = [
-        "--etcd",
-        etcd,
-        "--namespace",
-        "failover-test",
-        "--lease-ttl",
-        &ttl,
-        "--discovery-grace",
-        &grace,
-        "--drain-timeout",
-        "2",
-    ];
+    let common = mesh_args(etcd, "failover-test", TTL_SECS, Some(GRACE_SECS));
     Proc::spawn(
         env!("CARGO_BIN_EXE_sluice"),
-        args.iter().chain(&common),
+        args.iter()
+            .copied()
+            .chain(common.iter().map(String::as_str)),
         &log_dir.join(format!("{name}.log")),
     )
-}
-
-/// Sum of every sample of `name` in a Prometheus text page whose labels
-/// contain `labels`.
-fn metric(page: &str, name: &str, labels: &str) -> f64 {
-    page.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter(|l| {
-            l.strip_prefix(name)
-                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
-        })
-        .filter(|l| l.contains(labels))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
 }
 
 struct Cluster {
@@ -301,12 +278,12 @@ async fn etcd_paused_for_10_s_under_load_fails_no_request() -> anyhow::Result<()
     for (i, (addr, _)) in cluster.routers.iter().enumerate() {
         let page = Cluster::metrics(addr).await?;
         assert_eq!(
-            metric(&page, "sluice_router_departures_total", ""),
+            sum(&page, "sluice_router_departures_total"),
             0.0,
             "router {i} dropped a worker"
         );
         assert_eq!(
-            metric(&page, "sluice_router_resyncs_total", "reason=\"initial\""),
+            sum(&page, "sluice_router_resyncs_total{reason=\"initial\"}"),
             2.0,
             "router {i} rebuilt a worker's index"
         );
@@ -334,7 +311,7 @@ async fn kill_one_under_load(cluster: &mut Cluster, service: &str) -> anyhow::Re
     for (addr, _) in replicas {
         let page = Cluster::metrics(addr).await?;
         assert!(
-            metric(&page, name, "") > 0.0,
+            sum(&page, name) > 0.0,
             "{service} at {addr} took no part before the kill"
         );
     }
@@ -384,11 +361,7 @@ async fn one_of_two_queues_killed_under_load_fails_no_request() -> anyhow::Resul
     kill_one_under_load(&mut cluster, "queue").await?;
     let (_, page) = get(&cluster.http, "/metrics").await?;
     assert!(
-        metric(
-            &page,
-            "sluice_frontend_failovers_total",
-            "service=\"queue\""
-        ) > 0.0,
+        sum(&page, "sluice_frontend_failovers_total{service=\"queue\"}") > 0.0,
         "no admission moved to the surviving queue: {page}"
     );
     Ok(())
@@ -397,14 +370,13 @@ async fn one_of_two_queues_killed_under_load_fails_no_request() -> anyhow::Resul
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_of_two_routers_killed_under_load_fails_no_request() -> anyhow::Result<()> {
     let mut cluster = Cluster::start().await?;
-    let before = metric(
+    let before = sum(
         &Cluster::metrics(&cluster.routers[1].0).await?,
         "sluice_router_placements_total",
-        "",
     );
     let page = kill_one_under_load(&mut cluster, "router").await?;
     assert!(
-        metric(&page, "sluice_router_placements_total", "") > before,
+        sum(&page, "sluice_router_placements_total") > before,
         "the surviving router placed nothing"
     );
 

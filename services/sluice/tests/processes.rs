@@ -11,7 +11,7 @@ use serde_json::{Value, json};
 use sluice_tests::etcd::EtcdServer;
 use sluice_tests::free_port;
 use sluice_tests::http::{get, post_json};
-use sluice_tests::process::{Proc, write_model};
+use sluice_tests::process::{Proc, mesh_args, write_model};
 
 const TTL_SECS: u64 = 2;
 /// How long a member whose lease expired stays listed (`--discovery-grace`).
@@ -23,22 +23,12 @@ fn spawn(
     etcd: &str,
     log_dir: &std::path::Path,
 ) -> anyhow::Result<Proc> {
-    let (ttl, grace) = (TTL_SECS.to_string(), GRACE_SECS.to_string());
-    let common = [
-        "--etcd",
-        etcd,
-        "--namespace",
-        "proc-test",
-        "--lease-ttl",
-        &ttl,
-        "--discovery-grace",
-        &grace,
-        "--drain-timeout",
-        "2",
-    ];
+    let common = mesh_args(etcd, "proc-test", TTL_SECS, Some(GRACE_SECS));
     Proc::spawn(
         env!("CARGO_BIN_EXE_sluice"),
-        args.iter().chain(&common),
+        args.iter()
+            .copied()
+            .chain(common.iter().map(String::as_str)),
         &log_dir.join(format!("{name}-{}.log", free_port()?)),
     )
 }

@@ -27,7 +27,7 @@ use sluice_proto::worker::v1 as wpb;
 use sluice_tests::etcd::EtcdServer;
 use sluice_tests::free_port;
 use sluice_tests::http::{get, open, post_json};
-use sluice_tests::process::{Proc, write_model};
+use sluice_tests::process::{Proc, mesh_args, write_model};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tonic::Code;
@@ -42,22 +42,13 @@ fn spawn(
     etcd: &str,
     log_dir: &std::path::Path,
 ) -> anyhow::Result<Proc> {
-    let common = [
-        "--etcd",
-        etcd,
-        "--namespace",
-        "trust-test",
-        "--lease-ttl",
-        "2",
-        "--drain-timeout",
-        "2",
-    ];
+    let common = mesh_args(etcd, "trust-test", 2, None);
     Proc::spawn(
         env!("CARGO_BIN_EXE_sluice"),
         args.iter()
             .copied()
             .chain(security.iter().map(String::as_str))
-            .chain(common),
+            .chain(common.iter().map(String::as_str)),
         &log_dir.join(format!("{name}-{}.log", free_port()?)),
     )
 }
