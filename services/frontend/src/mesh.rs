@@ -101,18 +101,18 @@ impl Members {
         let now = Instant::now();
         let suspects = self.suspects.read();
         let all = self.instances.read();
-        let untried: Vec<&Instance> = all.values().filter(|i| !tried.contains(&i.id)).collect();
-        let healthy: Vec<&Instance> = untried
-            .iter()
-            .copied()
-            .filter(|i| suspects.get(&i.id).is_none_or(|until| *until <= now))
-            .collect();
-        let from = if healthy.is_empty() { untried } else { healthy };
-        if from.is_empty() {
-            return None;
+        let untried = || all.values().filter(|i| !tried.contains(&i.id));
+        let healthy =
+            || untried().filter(|i| suspects.get(&i.id).is_none_or(|until| *until <= now));
+        // Counted, then walked: no per-request allocation on the hot path.
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        match healthy().count() {
+            0 => {
+                let len = untried().count();
+                (len > 0).then(|| untried().nth(n % len)).flatten().cloned()
+            }
+            len => healthy().nth(n % len).cloned(),
         }
-        let n = self.next.fetch_add(1, Ordering::Relaxed) % from.len();
-        from.get(n).map(|i| (*i).clone())
     }
 
     /// `id` failed a call: pass it over for a while.
