@@ -53,14 +53,30 @@
 //! per model: the next request is released only after the previous placement
 //! came back and its uncached prompt tokens were added to the chosen worker's
 //! load, so one load snapshot cannot release a burst. The next `LoadView`
-//! from the router replaces those local additions. Without a threshold
-//! nothing is held and placements run concurrently. `--max-active` (per
-//! model, 0 = none) holds further requests while that many leases are
-//! granted or being placed.
+//! from the router replaces those local additions. `--max-active` (per
+//! model) holds further requests while that many leases are granted or
+//! being placed.
+//!
+//! **Default holding** (neither flag): a model's leases granted or being
+//! placed are bounded by its engine slots, the `max_num_seqs` of its decode
+//! and aggregated ranks less the requests on them no router placed, summed
+//! and split evenly across queue replicas (rounded up); so requests wait
+//! here, in policy order, not in an engine's waiting queue. A rank that
+//! reports no `max_num_seqs` makes the model's capacity unknown: nothing is
+//! held. The held backlog is bounded too: the free slots plus what the
+//! model's grants drain in `--backlog-secs` at its recent grant rate, at
+//! least [`BACKLOG_FLOOR`]; beyond it a request is refused (`QueueFull`)
+//! unless it outranks a held request of the same model (below). Counting
+//! slots, not `active_prefill_tokens`, also avoids the threshold rule's
+//! blind spot: the router counts a request waiting in an engine's queue as
+//! prefill work not yet done, so a backlog inside the engines looks like
+//! prefill load, and one without prefill tokens (fully cached) looks like
+//! none.
 //!
 //! # Refusing
 //!
-//! Past `--max-pending` a request is refused (`QueueFull`), unless it
+//! Past `--max-pending` (or a model's default backlog bound) a request is
+//! refused (`QueueFull`), unless it
 //! outranks a held request: then the held request of the lowest (strict
 //! tier, priority), the newest of them, leaves with `Displaced` and the
 //! newcomer takes its place, so a full queue sheds its lowest priorities
