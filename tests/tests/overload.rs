@@ -132,10 +132,10 @@ async fn default_flags_shed_a_sustained_burst_by_priority() -> anyhow::Result<()
     assert_eq!(opts.queue.max_active, 0, "default flags");
     let mesh = Mesh::start(opts).await?;
 
-    // Two long priority-3 requests take both engine slots.
+    // Two long priority-3 requests (about 10 s each) take both engine slots.
     let mut fillers = Vec::new();
     for _ in 0..2 {
-        let mut long = completion(300, 3);
+        let mut long = completion(1500, 3);
         long["stream"] = json!(true);
         let (status, head, mut reader) = open(
             &mesh.http,
