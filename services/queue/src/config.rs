@@ -157,10 +157,10 @@ pub struct Args {
     pub max_active: usize,
 
     /// Default holding: a model holds at most what its grants drain in
-    /// this many seconds (at the rate of the last few seconds, at least 4
-    /// requests) beyond its free engine slots; the rest is refused, lowest
-    /// priority first.
-    #[arg(long, env = "SLUICE_BACKLOG_SECS", default_value_t = 0.5)]
+    /// this many seconds (at the rate of the last few seconds, and at least
+    /// one more request per engine slot) beyond its free engine slots; the
+    /// rest is refused, lowest priority first.
+    #[arg(long, env = "SLUICE_BACKLOG_SECS", default_value_t = 2.0)]
     pub backlog_secs: f64,
 
     /// Requests with priority above this keep the reserved share of pending

@@ -65,7 +65,8 @@
 //! reports no `max_num_seqs` makes the model's capacity unknown: nothing is
 //! held. The held backlog is bounded too: the free slots plus what the
 //! model's grants drain in `--backlog-secs` at its recent grant rate, at
-//! least [`BACKLOG_FLOOR`]; beyond it a request is refused (`QueueFull`)
+//! least one request per engine slot (a burst into an idle mesh waits one
+//! round) and [`BACKLOG_FLOOR`]; beyond it a request is refused (`QueueFull`)
 //! unless it outranks a held request of the same model (below). Counting
 //! slots, not `active_prefill_tokens`, also avoids the threshold rule's
 //! blind spot: the router counts a request waiting in an engine's queue as
@@ -856,8 +857,8 @@ impl State {
 
     /// Default holding only (no `--queue-threshold`, no `--max-active`):
     /// the most requests `model` may hold, the free engine slots plus what
-    /// drains in `--backlog-secs` at the model's grant rate, at least
-    /// [`BACKLOG_FLOOR`]. `None`: unbounded here (only `--max-pending`),
+    /// drains in `--backlog-secs` at the model's grant rate, at least one
+    /// request per engine slot and [`BACKLOG_FLOOR`]. `None`: unbounded here (only `--max-pending`),
     /// as when the workers' capacity is unknown (nothing is held then).
     fn backlog_limit(
         &self,
@@ -869,11 +870,13 @@ impl State {
         if !default_holding(cfg) {
             return None;
         }
-        let room =
-            capacity(name, &self.load, self.replicas)?.saturating_sub(model.active + model.placing);
+        let slots = capacity(name, &self.load, self.replicas)?;
+        let room = slots.saturating_sub(model.active + model.placing);
         let rate = model.drained.decayed(now) / DRAIN_TAU;
         let drains = (rate * cfg.backlog_secs).ceil() as usize;
-        Some(room + drains.max(BACKLOG_FLOOR))
+        // A burst into an idle mesh (no grant rate yet) may wait for one
+        // more round of every slot before anything is refused.
+        Some(room + drains.max(slots).max(BACKLOG_FLOOR))
     }
 
     /// Releases, per model, as many held requests as the hold rule allows.
