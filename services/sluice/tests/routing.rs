@@ -239,16 +239,15 @@ async fn round_robin_scatters_the_same_conversations() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let (_up, http) = sluice_up(dir.path(), "round-robin").await?;
     let (sequential, concurrent) = multi_turn(&http, 0).await?;
-    // Four workers in turn: a conversation comes back to its first worker
-    // only by chance, and then finds its prefix.
-    for (name, s) in [("sequential", &sequential), ("concurrent", &concurrent)] {
-        assert!(s.hit_fraction() <= 0.5, "{name}: {s:?}");
-    }
-    // Sequentially each turn goes to the next worker, which never saw the
-    // conversation. Four conversations in lockstep over four workers may
-    // keep meeting the worker of their previous turn, so their coverage
-    // says nothing about the policy and is not checked.
+    // Sequentially each turn goes to the next of four workers, which never
+    // saw the conversation: it comes back to its first worker only by
+    // chance, and then finds its prefix.
+    assert!(sequential.hit_fraction() <= 0.5, "sequential: {sequential:?}");
     assert!(sequential.coverage <= 0.6, "sequential: {sequential:?}");
+    // Four conversations in lockstep over four workers may keep meeting the
+    // worker of an earlier turn (the rotation and the arrival order can line
+    // up), so only the difference from kv routing's ≥ 95% is checked.
+    assert!(concurrent.hit_fraction() <= 0.75, "concurrent: {concurrent:?}");
     Ok(())
 }
 
