@@ -118,3 +118,75 @@ async fn a_full_queue_sheds_its_lowest_priority_with_429_and_retry_after() -> an
     assert_eq!(status, 200, "{head}{text}");
     mesh.stop().await
 }
+
+/// Default flags (no `--queue-threshold`, `--max-active` or `--max-pending`
+/// set): the queue fills the worker's `max_num_seqs` slots, holds a small
+/// backlog and refuses the rest with 429 + `Retry-After`, lowest priority
+/// first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn default_flags_shed_a_sustained_burst_by_priority() -> anyhow::Result<()> {
+    let mut opts = MeshOptions::default();
+    opts.worker.engine = sluice_decode::EngineKind::Mocker;
+    opts.worker.max_num_seqs = 2;
+    assert_eq!(opts.queue.queue_threshold, None, "default flags");
+    assert_eq!(opts.queue.max_active, 0, "default flags");
+    let mesh = Mesh::start(opts).await?;
+
+    // Two long priority-3 requests (about 10 s each) take both engine slots.
+    let mut fillers = Vec::new();
+    for _ in 0..2 {
+        let mut long = completion(1500, 3);
+        long["stream"] = json!(true);
+        let (status, head, mut reader) = open(
+            &mesh.http,
+            "POST",
+            "/v1/completions",
+            Some(long.to_string()),
+            &[],
+        )
+        .await?;
+        assert_eq!(status, 200, "{head}");
+        let mut line = String::new();
+        reader.read_line(&mut line).await?;
+        fillers.push(reader);
+    }
+    // The queue learns the worker's max_num_seqs from the router's load
+    // view (at most a second or so after the worker's first report).
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+
+    // 40 requests at once, priorities 0..3 interleaved.
+    let burst: Vec<_> = (0..40)
+        .map(|i| (i % 4, spawn_open(&mesh, completion(4, i % 4))))
+        .collect();
+    let mut served = [0usize; 4];
+    let mut refused = 0;
+    let mut pending = Vec::new();
+    for (priority, handle) in burst {
+        pending.push((priority, handle));
+    }
+    // Let the refusals come back, then free the slots for the held ones.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    drop(fillers);
+    for (priority, handle) in pending {
+        let (status, head, rest) =
+            tokio::time::timeout(Duration::from_secs(60), handle).await???;
+        match status {
+            200 => served[priority as usize] += 1,
+            429 => {
+                refused += 1;
+                assert!(
+                    retry_after(&head).is_some_and(|s| (1..=60).contains(&s)),
+                    "{head}"
+                );
+            }
+            other => panic!("priority {priority}: {other} {head}{rest}"),
+        }
+    }
+    assert!(refused >= 20, "most of the burst is refused: {served:?}");
+    assert!(
+        served[3] >= served[2] && served[2] >= served[1] && served[1] >= served[0],
+        "served by priority: {served:?}"
+    );
+    assert!(served[3] > served[0], "served by priority: {served:?}");
+    mesh.stop().await
+}

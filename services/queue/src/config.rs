@@ -136,7 +136,8 @@ pub struct Args {
     pub queue_policy: Policy,
 
     /// Hold requests while every eligible worker has more than
-    /// F × max_num_batched_tokens active prefill tokens. Unset: nothing is held.
+    /// F × max_num_batched_tokens active prefill tokens. Unset (and no
+    /// `--max-active`): default holding, by the workers' `max_num_seqs`.
     #[arg(long, env = "SLUICE_QUEUE_THRESHOLD", allow_negative_numbers = true)]
     pub queue_threshold: Option<f64>,
 
@@ -150,9 +151,17 @@ pub struct Args {
     pub max_pending_per_tenant: usize,
 
     /// Granted leases per model at once; further requests are held until a
-    /// lease ends. 0 = no limit.
+    /// lease ends. 0 = default holding (by the workers' `max_num_seqs`, or
+    /// `--queue-threshold` when set).
     #[arg(long, env = "SLUICE_MAX_ACTIVE", default_value_t = 0)]
     pub max_active: usize,
+
+    /// Default holding: a model holds at most what its grants drain in
+    /// this many seconds (at the rate of the last few seconds, and at least
+    /// one more request per engine slot) beyond its free engine slots; the
+    /// rest is refused, lowest priority first.
+    #[arg(long, env = "SLUICE_BACKLOG_SECS", default_value_t = 2.0)]
+    pub backlog_secs: f64,
 
     /// Requests with priority above this keep the reserved share of pending
     /// capacity (`--shed-protect-fraction`).
@@ -217,6 +226,12 @@ impl Args {
                 format!("{t} must be a finite number ≥ 0 (leave unset to hold nothing)"),
             );
         }
+        if !(self.backlog_secs.is_finite() && self.backlog_secs >= 0.0) {
+            return err(
+                "--backlog-secs",
+                format!("{} must be a finite number ≥ 0", self.backlog_secs),
+            );
+        }
         if self.max_pending == 0 {
             return err("--max-pending", "must be at least 1".into());
         }
@@ -253,9 +268,13 @@ impl Args {
 
     /// One line with the policy, threshold and limits, for the start-up log.
     pub fn summary(&self) -> String {
-        let threshold = match self.queue_threshold {
-            Some(t) => format!("{t}"),
-            None => "unset (nothing held)".into(),
+        let threshold = match (self.queue_threshold, self.max_active) {
+            (Some(t), _) => format!("{t}"),
+            (None, 0) => format!(
+                "unset (default holding: workers' max_num_seqs, backlog {} s)",
+                self.backlog_secs
+            ),
+            (None, _) => "unset".into(),
         };
         let max_active = match self.max_active {
             0 => "unlimited".to_owned(),

@@ -163,6 +163,8 @@ impl From<router_pb::LoadView> for LoadView {
                     role,
                     active_prefill_tokens: w.active_prefill_tokens,
                     max_num_batched_tokens: w.max_num_batched_tokens,
+                    max_num_seqs: w.max_num_seqs,
+                    unplaced_requests: w.unplaced_requests,
                 }
             })
             .collect();

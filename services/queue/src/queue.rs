@@ -53,14 +53,31 @@
 //! per model: the next request is released only after the previous placement
 //! came back and its uncached prompt tokens were added to the chosen worker's
 //! load, so one load snapshot cannot release a burst. The next `LoadView`
-//! from the router replaces those local additions. Without a threshold
-//! nothing is held and placements run concurrently. `--max-active` (per
-//! model, 0 = none) holds further requests while that many leases are
-//! granted or being placed.
+//! from the router replaces those local additions. `--max-active` (per
+//! model) holds further requests while that many leases are granted or
+//! being placed.
+//!
+//! **Default holding** (neither flag): a model's leases granted or being
+//! placed are bounded by its engine slots, the `max_num_seqs` of its decode
+//! and aggregated ranks less the requests on them no router placed, summed
+//! and split evenly across queue replicas (rounded up); so requests wait
+//! here, in policy order, not in an engine's waiting queue. A rank that
+//! reports no `max_num_seqs` makes the model's capacity unknown: nothing is
+//! held. The held backlog is bounded too: the free slots plus what the
+//! model's grants drain in `--backlog-secs` at its recent grant rate, at
+//! least one request per engine slot (a burst into an idle mesh waits one
+//! round) and [`BACKLOG_FLOOR`]; beyond it a request is refused (`QueueFull`)
+//! unless it outranks a held request of the same model (below). Counting
+//! slots, not `active_prefill_tokens`, also avoids the threshold rule's
+//! blind spot: the router counts a request waiting in an engine's queue as
+//! prefill work not yet done, so a backlog inside the engines looks like
+//! prefill load, and one without prefill tokens (fully cached) looks like
+//! none.
 //!
 //! # Refusing
 //!
-//! Past `--max-pending` a request is refused (`QueueFull`), unless it
+//! Past `--max-pending` (or a model's default backlog bound) a request is
+//! refused (`QueueFull`), unless it
 //! outranks a held request: then the held request of the lowest (strict
 //! tier, priority), the newest of them, leaves with `Displaced` and the
 //! newcomer takes its place, so a full queue sheds its lowest priorities
@@ -197,6 +214,9 @@ pub struct Grant {
 pub enum HoldReason {
     /// Every eligible worker is above `--queue-threshold`.
     AboveThreshold,
+    /// Default holding: the model's workers run as many requests as their
+    /// `max_num_seqs` allow.
+    AtCapacity,
     /// `--max-active` leases are granted or being placed.
     ActiveLimit,
     /// An earlier request's placement is in flight (threshold mode releases
@@ -212,6 +232,7 @@ impl HoldReason {
         match self {
             Self::AboveThreshold => "all workers above threshold",
             Self::ActiveLimit => "active leases at limit",
+            Self::AtCapacity => "every worker at max_num_seqs",
             Self::PlacementInFlight => "waiting for an earlier placement",
             Self::RefreshingOverlap => "re-reading the prefix overlap",
         }
@@ -262,6 +283,11 @@ pub struct WorkerLoad {
     pub active_prefill_tokens: u64,
     /// The engine's per-step token budget; 0 = unknown.
     pub max_num_batched_tokens: u32,
+    /// Sequences the engine runs at once; 0 = unknown.
+    pub max_num_seqs: u32,
+    /// Requests running on the worker that no router placed (they take
+    /// engine slots the queue did not grant).
+    pub unplaced_requests: u32,
 }
 
 /// Every worker's load; each view replaces the previous one.
@@ -455,7 +481,9 @@ impl Queue {
     /// The number of queue replicas and this one's rank changed: every
     /// tenant's quota share is rescaled.
     pub fn set_replicas(&self, replicas: Replicas) {
-        self.shared.state.lock().quotas.set_replicas(replicas);
+        let mut st = self.shared.state.lock();
+        st.replicas = replicas.count.max(1);
+        st.quotas.set_replicas(replicas);
     }
 
     /// Current pending and active counts and the pending requests by tier.
@@ -684,6 +712,9 @@ struct State {
     quotas: Quotas,
     /// How fast grants drain the backlog.
     drained: DrainRate,
+    /// Queue replicas in discovery (0 until told: counts as 1); default
+    /// holding gives each 1/N of the workers' slots.
+    replicas: u32,
 }
 
 /// Time constant of [`DrainRate`], in seconds.
@@ -780,6 +811,17 @@ impl State {
                 retry_after,
             });
         }
+        if let Some(model) = self.models.get(&entry.model)
+            && let Some(limit) = self.backlog_limit(cfg, &entry.model, model, now)
+            && model.order.len() >= limit
+        {
+            let held = model.order.len();
+            return Err(QueueError::QueueFull {
+                pending: held,
+                limit,
+                retry_after: model.drained.retry_after(held, now),
+            });
+        }
         let reserved = cfg.reserved_slots();
         if entry.priority <= cfg.shed_protect_priority
             && reserved > 0
@@ -813,6 +855,30 @@ impl State {
         Ok(())
     }
 
+    /// Default holding only (no `--queue-threshold`, no `--max-active`):
+    /// the most requests `model` may hold, the free engine slots plus what
+    /// drains in `--backlog-secs` at the model's grant rate, at least one
+    /// request per engine slot and [`BACKLOG_FLOOR`]. `None`: unbounded here (only `--max-pending`),
+    /// as when the workers' capacity is unknown (nothing is held then).
+    fn backlog_limit(
+        &self,
+        cfg: &Args,
+        name: &str,
+        model: &ModelQueue,
+        now: Instant,
+    ) -> Option<usize> {
+        if !default_holding(cfg) {
+            return None;
+        }
+        let slots = capacity(name, &self.load, self.replicas)?;
+        let room = slots.saturating_sub(model.active + model.placing);
+        let rate = model.drained.decayed(now) / DRAIN_TAU;
+        let drains = (rate * cfg.backlog_secs).ceil() as usize;
+        // A burst into an idle mesh (no grant rate yet) may wait for one
+        // more round of every slot before anything is refused.
+        Some(room + drains.max(slots).max(BACKLOG_FLOOR))
+    }
+
     /// Releases, per model, as many held requests as the hold rule allows.
     fn release(&mut self, cfg: &Args, now: Instant) -> Vec<Op> {
         let mut ops = Vec::new();
@@ -823,7 +889,8 @@ impl State {
         for (model_name, model) in &mut self.models {
             model.hold = None;
             while let Some(seq) = model.order.head() {
-                if let Some(reason) = hold_reason(cfg, model, model_name, &self.load) {
+                if let Some(reason) = hold_reason(cfg, model, model_name, &self.load, self.replicas)
+                {
                     model.hold = Some(reason);
                     break;
                 }
@@ -1027,6 +1094,9 @@ impl State {
                         }
                         let waited = now.saturating_duration_since(entry.arrival);
                         self.drained.grant(now);
+                        if let Some(queue) = self.models.get_mut(&model) {
+                            queue.drained.grant(now);
+                        }
                         metrics.served(&entry.tenant, "prompt", u64::from(uncached));
                         metrics.granted(entry.priority, &entry.tenant, waited.as_secs_f64());
                         tracing::debug!(
@@ -1124,11 +1194,18 @@ impl State {
         metrics: &QueueMetrics,
         now: Instant,
     ) -> bool {
+        // The model's own backlog bound refused it (not `--max-pending`):
+        // only a request of the same model makes room.
+        let same_model = self.pending < cfg.max_pending;
         let rank = |e: &Entry| (e.strict_tier, e.priority);
         let victim = self
             .slots
             .iter()
-            .filter(|(_, s)| s.phase == Phase::Held && rank(&s.entry) < rank(entry))
+            .filter(|(_, s)| {
+                s.phase == Phase::Held
+                    && rank(&s.entry) < rank(entry)
+                    && (!same_model || s.entry.model == entry.model)
+            })
             .min_by_key(|&(&seq, s)| (rank(&s.entry), Reverse(seq)))
             .map(|(&seq, _)| seq);
         let Some(slot) = victim.and_then(|seq| self.slots.remove(&seq).map(|s| (seq, s))) else {
@@ -1217,14 +1294,53 @@ impl State {
     }
 }
 
+/// Held requests a model may keep under default holding beyond its free
+/// engine slots, whatever the grant rate.
+const BACKLOG_FLOOR: usize = 4;
+
+/// Neither `--queue-threshold` nor `--max-active`: hold by engine slots.
+fn default_holding(cfg: &Args) -> bool {
+    cfg.queue_threshold.is_none() && cfg.max_active == 0
+}
+
+/// The engine slots this replica may fill for `model`: every decode or
+/// aggregated rank's `max_num_seqs` less its unplaced requests, summed,
+/// split evenly across `replicas` (rounded up). `None` when a rank does not
+/// report `max_num_seqs` or the model has no such worker (nothing is held).
+fn capacity(
+    model: &str,
+    load: &HashMap<(String, u32), WorkerLoad>,
+    replicas: u32,
+) -> Option<usize> {
+    let mut total = 0usize;
+    let mut any = false;
+    for w in load.values().filter(|w| {
+        (model.is_empty() || w.model.is_empty() || w.model == model)
+            && w.role != WorkerRole::Prefill
+    }) {
+        if w.max_num_seqs == 0 {
+            return None;
+        }
+        any = true;
+        total += w.max_num_seqs.saturating_sub(w.unplaced_requests) as usize;
+    }
+    let replicas = replicas.max(1) as usize;
+    any.then(|| total.div_ceil(replicas))
+}
+
 fn hold_reason(
     cfg: &Args,
     model: &ModelQueue,
     model_name: &str,
     load: &HashMap<(String, u32), WorkerLoad>,
+    replicas: u32,
 ) -> Option<HoldReason> {
     if cfg.max_active > 0 && model.active + model.placing >= cfg.max_active {
         return Some(HoldReason::ActiveLimit);
+    }
+    if default_holding(cfg) {
+        let cap = capacity(model_name, load, replicas)?;
+        return (model.active + model.placing >= cap).then_some(HoldReason::AtCapacity);
     }
     let threshold = cfg.queue_threshold?;
     if all_busy(model_name, load, threshold) {
@@ -1264,6 +1380,8 @@ struct ModelQueue {
     hold: Option<HoldReason>,
     /// When positions were last sent in full, and with which reason.
     published: Option<(Instant, HoldReason)>,
+    /// How fast this model's grants drain its backlog.
+    drained: DrainRate,
 }
 
 impl ModelQueue {
@@ -1278,6 +1396,7 @@ impl ModelQueue {
             active: 0,
             hold: None,
             published: None,
+            drained: DrainRate::default(),
         }
     }
 

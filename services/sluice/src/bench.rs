@@ -427,6 +427,7 @@ impl Run {
                 rec.error = Some(RequestError {
                     kind: kind.into(),
                     detail: detail.clone(),
+                    retry_after: None,
                 });
                 records.push(rec);
             }
@@ -436,6 +437,7 @@ impl Run {
                 rec.error = Some(RequestError {
                     kind: "not_sent".into(),
                     detail: format!("{detail} first"),
+                    retry_after: None,
                 });
                 records.push(rec);
             }

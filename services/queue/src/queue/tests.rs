@@ -14,6 +14,7 @@ fn config(policy: Policy) -> Args {
         max_pending: 1000,
         max_pending_per_tenant: 1000,
         max_active: 0,
+        backlog_secs: 0.5,
         shed_protect_priority: 0,
         shed_protect_fraction: 0.0,
         wfq_class: WfqClass::Priority,
@@ -188,6 +189,8 @@ fn worker(id: &str, model: &str, role: WorkerRole, active: u64) -> WorkerLoad {
         role,
         active_prefill_tokens: active,
         max_num_batched_tokens: 100,
+        max_num_seqs: 0,
+        unplaced_requests: 0,
     }
 }
 
@@ -413,8 +416,85 @@ async fn wfq_strict_tier_still_goes_first() {
     assert_eq!(order, ["tier3", "a", "b"]);
 }
 
+/// A worker that runs `seqs` sequences, `unplaced` of them not the queue's.
+fn slots(seqs: u32, unplaced: u32) -> LoadView {
+    let mut w = worker("w0", "m", WorkerRole::Aggregated, 0);
+    w.max_num_seqs = seqs;
+    w.unplaced_requests = unplaced;
+    LoadView { workers: vec![w] }
+}
+
 #[tokio::test(start_paused = true)]
-async fn threshold_unset_holds_nothing_even_when_every_worker_is_busy() {
+async fn default_holding_fills_engine_slots_then_holds_a_bounded_backlog_shed_by_priority() {
+    let h = Harness::start(config(Policy::Fcfs));
+    // Three slots, one taken by a request no router placed: two to grant.
+    h.queue.update_load(slots(3, 1));
+    let mut running: Vec<Ticket> = (0..2)
+        .map(|i| h.admit(entry(&format!("run{i}"), 0, 0, 10, Instant::now())))
+        .collect();
+    for t in &mut running {
+        t.granted().await.expect("a free slot");
+    }
+    // The engine is full: the next ones are held, up to the floor (two
+    // grants in the last moment drain far less than 4 in 0.5 s).
+    let held: Vec<Ticket> = (0..4)
+        .map(|i| h.admit(entry(&format!("low{i}"), 0, 0, 10, Instant::now())))
+        .collect();
+    settle().await;
+    assert_eq!(h.placer.placed(), ["run0", "run1"]);
+    assert!(
+        held.iter()
+            .all(|t| t.held().is_some_and(|s| s.reason == HoldReason::AtCapacity)),
+        "held at capacity"
+    );
+    // Full: an equal priority is refused with a retry-after…
+    match h.queue.admit(entry("low4", 0, 0, 10, Instant::now())) {
+        Err(QueueError::QueueFull {
+            limit, retry_after, ..
+        }) => {
+            assert_eq!(limit, 4);
+            assert!((1..=60).contains(&retry_after.as_secs()), "{retry_after:?}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // …a higher one displaces the newest lowest-priority held request.
+    let mut high = h.admit(entry("high", 3, 0, 10, Instant::now()));
+    let mut held = held;
+    let mut newest = held.pop().expect("four held");
+    match newest.granted().await {
+        Err(QueueError::Displaced {
+            priority: 0,
+            by: 3,
+            retry_after,
+        }) => {
+            assert!(retry_after.as_secs() >= 1);
+        }
+        other => panic!("{other:?}"),
+    }
+    // A slot frees: the priority-3 request goes first.
+    drop(running.pop());
+    high.granted().await.expect("high granted");
+    assert_eq!(h.placer.placed(), ["run0", "run1", "high"]);
+    assert_eq!(h.queue.stats().pending, 3);
+    drop((running, held, high));
+}
+
+#[tokio::test(start_paused = true)]
+async fn default_holding_splits_slots_across_queue_replicas() {
+    let h = Harness::start(config(Policy::Fcfs));
+    h.queue.set_replicas(Replicas { count: 2, rank: 0 });
+    h.queue.update_load(slots(5, 0));
+    let tickets: Vec<Ticket> = (0..5)
+        .map(|i| h.admit(entry(&format!("r{i}"), 0, 0, 10, Instant::now())))
+        .collect();
+    settle().await;
+    // ceil(5 / 2) = 3 slots are this replica's.
+    assert_eq!(h.placer.placed().len(), 3);
+    drop(tickets);
+}
+
+#[tokio::test(start_paused = true)]
+async fn threshold_unset_ignores_prefill_tokens_and_unknown_seq_limits_hold_nothing() {
     let h = Harness::start(config(Policy::Fcfs));
     h.queue.update_load(load(1_000_000));
     let mut tickets: Vec<Ticket> = (0..30)

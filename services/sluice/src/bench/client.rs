@@ -44,6 +44,9 @@ pub(crate) struct RequestError {
     /// HTTP status (`"429"`), `stream_error`, `incomplete`, `connect`, `io`, `timeout`.
     pub kind: String,
     pub detail: String,
+    /// The `Retry-After` header of a refusal, as sent.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retry_after: Option<String>,
 }
 
 /// What one request measured.
@@ -221,6 +224,7 @@ impl Target {
             Err(_) => Some(RequestError {
                 kind: "timeout".into(),
                 detail: format!("no answer within {} s", timeout.as_secs_f64()),
+                retry_after: None,
             }),
         };
         rec.error = err;
@@ -247,6 +251,11 @@ impl Target {
             fail(kind, format!("{e:?}"))
         })?;
         let status = resp.status();
+        let retry_after = resp
+            .headers()
+            .get(http::header::RETRY_AFTER)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
         let mut body = resp.into_body();
         if status != http::StatusCode::OK {
             let mut text = Vec::new();
@@ -257,10 +266,10 @@ impl Target {
                     text.extend_from_slice(&data);
                 }
             }
-            return Err(fail(
-                status.as_str(),
-                String::from_utf8_lossy(&text).into_owned(),
-            ));
+            return Err(RequestError {
+                retry_after,
+                ..fail(status.as_str(), String::from_utf8_lossy(&text).into_owned())
+            });
         }
         let mut parser = SseParser::default();
         let mut content_chunks = 0u32;
@@ -317,6 +326,7 @@ fn fail(kind: &str, detail: String) -> RequestError {
     RequestError {
         kind: kind.into(),
         detail,
+        retry_after: None,
     }
 }
 

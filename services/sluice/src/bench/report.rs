@@ -172,6 +172,7 @@ mod tests {
             error: error.then(|| RequestError {
                 kind: "503".into(),
                 detail: "busy".into(),
+                retry_after: None,
             }),
         }
     }

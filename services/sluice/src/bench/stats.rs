@@ -191,6 +191,7 @@ mod tests {
             error: error.map(|k| RequestError {
                 kind: k.into(),
                 detail: String::new(),
+                retry_after: None,
             }),
         }
     }
