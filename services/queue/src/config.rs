@@ -163,6 +163,14 @@ pub struct Args {
     #[arg(long, env = "SLUICE_BACKLOG_SECS", default_value_t = 2.0)]
     pub backlog_secs: f64,
 
+    /// Default holding under standing overload (requests have arrived
+    /// faster than they drain for longer than `--backlog-secs`): a model
+    /// holds at most what drains in this many seconds (at least one
+    /// request) beyond its free engine slots, so served requests wait
+    /// briefly and the rest are refused at once with a Retry-After.
+    #[arg(long, env = "SLUICE_STANDING_BACKLOG_SECS", default_value_t = 0.02)]
+    pub standing_backlog_secs: f64,
+
     /// Requests with priority above this keep the reserved share of pending
     /// capacity (`--shed-protect-fraction`).
     #[arg(
@@ -230,6 +238,12 @@ impl Args {
             return err(
                 "--backlog-secs",
                 format!("{} must be a finite number ≥ 0", self.backlog_secs),
+            );
+        }
+        if !(self.standing_backlog_secs.is_finite() && self.standing_backlog_secs >= 0.0) {
+            return err(
+                "--standing-backlog-secs",
+                format!("{} must be a finite number ≥ 0", self.standing_backlog_secs),
             );
         }
         if self.max_pending == 0 {

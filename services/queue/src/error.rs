@@ -49,6 +49,20 @@ pub enum QueueError {
         /// When this replica's share allows a request again.
         retry_after: Duration,
     },
+    /// Default holding under standing overload: higher priorities arrive
+    /// at least as fast as the model's grants drain, so this one's priority
+    /// is refused at once.
+    #[error(
+        "model overloaded: requests of priority {admitted_from} and above arrive faster than they are served, priority {priority} is refused; retry after {} s", retry_after.as_secs()
+    )]
+    Overloaded {
+        /// The request's priority.
+        priority: i32,
+        /// The lowest priority still admitted.
+        admitted_from: i32,
+        /// When the held backlog will have drained, at the rate it drains.
+        retry_after: Duration,
+    },
     /// A low-priority request found only the share reserved for protected
     /// priorities left.
     #[error(
@@ -208,6 +222,7 @@ impl QueueError {
                 ..
             } => "quota_requests",
             Self::Shed { .. } => "shed",
+            Self::Overloaded { .. } => "overload",
             Self::Displaced { .. } => "displaced",
             Self::DeadlineExceeded { .. } => "deadline",
             Self::NoWorkers { .. } => "no_workers",
@@ -252,6 +267,7 @@ fn status_of(err: QueueError) -> tonic::Status {
         QueueError::QueueFull { retry_after, .. }
         | QueueError::TenantFull { retry_after, .. }
         | QueueError::Shed { retry_after, .. }
+        | QueueError::Overloaded { retry_after, .. }
         | QueueError::Displaced { retry_after, .. } => {
             let mut status = Status::resource_exhausted(err.to_string());
             let secs = retry_after.as_secs().max(1);

@@ -25,6 +25,7 @@ const REASONS: &[&str] = &[
     "quota_tokens",
     "quota_requests",
     "shed",
+    "overload",
     "displaced",
     "deadline",
     "no_workers",

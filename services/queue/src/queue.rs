@@ -407,6 +407,9 @@ impl Queue {
         entry.overlap_tokens = entry.overlap_tokens.min(entry.prompt_tokens);
         let now = Instant::now();
         let mut st = shared.state.lock();
+        if let Some(model) = st.models.get_mut(&entry.model) {
+            model.arrival(entry.priority, now);
+        }
         let mut checked = st.check_admission(cfg, &entry, now);
         if matches!(checked, Err(QueueError::QueueFull { .. }))
             && st.displace(cfg, shared.epoch, &entry, &shared.metrics, now)
@@ -720,8 +723,8 @@ struct State {
 /// Time constant of [`DrainRate`], in seconds.
 const DRAIN_TAU: f64 = 5.0;
 
-/// Grants per second over the last few seconds: a count of grants decayed
-/// with time constant [`DRAIN_TAU`], divided by it.
+/// Events (grants, or arrivals) per second over the last few seconds: a
+/// count of events decayed with time constant [`DRAIN_TAU`], divided by it.
 #[derive(Debug, Default)]
 struct DrainRate {
     count: f64,
@@ -739,6 +742,11 @@ impl DrainRate {
     fn grant(&mut self, now: Instant) {
         self.count = self.decayed(now) + 1.0;
         self.at = Some(now);
+    }
+
+    /// Events per second at `now`.
+    fn per_sec(&self, now: Instant) -> f64 {
+        self.decayed(now) / DRAIN_TAU
     }
 
     /// Whole seconds until `ahead` requests and this one drain at the
@@ -812,6 +820,18 @@ impl State {
             });
         }
         if let Some(model) = self.models.get(&entry.model)
+            && default_holding(cfg)
+            && model.standing(cfg, now)
+            && let Some(from) = model.admitted_from(now)
+            && entry.priority < from
+        {
+            return Err(QueueError::Overloaded {
+                priority: entry.priority,
+                admitted_from: from,
+                retry_after: model.drained.retry_after(model.order.len(), now),
+            });
+        }
+        if let Some(model) = self.models.get(&entry.model)
             && let Some(limit) = self.backlog_limit(cfg, &entry.model, model, now)
             && model.order.len() >= limit
         {
@@ -872,7 +892,14 @@ impl State {
         }
         let slots = capacity(name, &self.load, self.replicas)?;
         let room = slots.saturating_sub(model.active + model.placing);
-        let rate = model.drained.decayed(now) / DRAIN_TAU;
+        let rate = model.drained.per_sec(now);
+        if model.standing(cfg, now) {
+            // Sustained overload: hold only what drains in
+            // `--standing-backlog-secs`, so what is served starts soon and
+            // the rest hears at once when to come back.
+            let drains = (rate * cfg.standing_backlog_secs).ceil() as usize;
+            return Some(room + drains.max(1));
+        }
         let drains = (rate * cfg.backlog_secs).ceil() as usize;
         // A burst into an idle mesh (no grant rate yet) may wait for one
         // more round of every slot before anything is refused.
@@ -1298,6 +1325,12 @@ impl State {
 /// engine slots, whatever the grant rate.
 const BACKLOG_FLOOR: usize = 4;
 
+/// Arrivals outpace grants when they come this many times faster.
+const OVERLOAD_MARGIN: f64 = 1.1;
+
+/// A priority's decayed arrival count below which it is forgotten.
+const FORGOTTEN: f64 = 0.01;
+
 /// Neither `--queue-threshold` nor `--max-active`: hold by engine slots.
 fn default_holding(cfg: &Args) -> bool {
     cfg.queue_threshold.is_none() && cfg.max_active == 0
@@ -1382,6 +1415,13 @@ struct ModelQueue {
     published: Option<(Instant, HoldReason)>,
     /// How fast this model's grants drain its backlog.
     drained: DrainRate,
+    /// How fast requests for this model arrive, refused ones included.
+    arrived: DrainRate,
+    /// The same, by priority.
+    arrived_by_priority: BTreeMap<i32, DrainRate>,
+    /// Since when requests have arrived faster than grants drain them
+    /// (`None`: they have not).
+    overloaded_since: Option<Instant>,
 }
 
 impl ModelQueue {
@@ -1397,7 +1437,57 @@ impl ModelQueue {
             hold: None,
             published: None,
             drained: DrainRate::default(),
+            arrived: DrainRate::default(),
+            arrived_by_priority: BTreeMap::new(),
+            overloaded_since: None,
         }
+    }
+
+    /// Notes whether arrivals outpace grants (by [`OVERLOAD_MARGIN`]) while
+    /// requests are held, then counts this arrival, admitted or not.
+    /// Overload starts only with a backlog, and ends only when arrivals
+    /// fall behind grants, not when a few grants at once empty the backlog
+    /// for a moment.
+    fn arrival(&mut self, priority: i32, now: Instant) {
+        let over = self.arrived.per_sec(now) > self.drained.per_sec(now) * OVERLOAD_MARGIN;
+        if !over {
+            self.overloaded_since = None;
+        } else if !self.order.is_empty() {
+            self.overloaded_since.get_or_insert(now);
+        }
+        self.arrived.grant(now);
+        self.arrived_by_priority
+            .retain(|_, rate| rate.decayed(now) >= FORGOTTEN);
+        self.arrived_by_priority
+            .entry(priority)
+            .or_default()
+            .grant(now);
+    }
+
+    /// The lowest priority admitted under standing overload: priorities,
+    /// from the highest down, while their arrivals together fit in what
+    /// grants drain; the first that does not fit still competes for the
+    /// short backlog, those below it are refused at once. `None`: every
+    /// priority fits.
+    fn admitted_from(&self, now: Instant) -> Option<i32> {
+        let drain = self.drained.per_sec(now);
+        let mut offered = 0.0;
+        for (&priority, rate) in self.arrived_by_priority.iter().rev() {
+            offered += rate.per_sec(now);
+            if offered > drain {
+                return Some(priority);
+            }
+        }
+        None
+    }
+
+    /// Overload is standing, not a burst: requests have arrived faster than
+    /// they drain for longer than `--backlog-secs`, the wait a burst may
+    /// cost.
+    fn standing(&self, cfg: &Args, now: Instant) -> bool {
+        self.overloaded_since.is_some_and(|since| {
+            now.saturating_duration_since(since).as_secs_f64() >= cfg.backlog_secs
+        })
     }
 
     fn is_idle(&self) -> bool {

@@ -15,6 +15,7 @@ fn config(policy: Policy) -> Args {
         max_pending_per_tenant: 1000,
         max_active: 0,
         backlog_secs: 0.5,
+        standing_backlog_secs: 0.05,
         shed_protect_priority: 0,
         shed_protect_fraction: 0.0,
         wfq_class: WfqClass::Priority,
@@ -477,6 +478,123 @@ async fn default_holding_fills_engine_slots_then_holds_a_bounded_backlog_shed_by
     assert_eq!(h.placer.placed(), ["run0", "run1", "high"]);
     assert_eq!(h.queue.stats().pending, 3);
     drop((running, held, high));
+}
+
+/// Offers one request per entry of `priorities` every 100 ms for `ticks`
+/// ticks while one lease
+/// ends per tick (the oldest granted); returns, per tick, how many were held
+/// after the arrivals and the backlog limit the refused ones were told.
+async fn offer(
+    h: &Harness,
+    live: &mut HashMap<String, Ticket>,
+    released: &mut usize,
+    name: &str,
+    ticks: usize,
+    priorities: &[i32],
+) -> Vec<(usize, Option<usize>)> {
+    let mut out = Vec::new();
+    for tick in 0..ticks {
+        let mut limit = None;
+        for (i, &priority) in priorities.iter().enumerate() {
+            let id = format!("{name}{tick}-{i}");
+            match h.queue.admit(entry(&id, priority, 0, 10, Instant::now())) {
+                Ok(t) => {
+                    live.insert(id, t);
+                }
+                Err(QueueError::QueueFull { limit: l, .. }) => limit = Some(l),
+                Err(QueueError::Overloaded {
+                    priority: p,
+                    admitted_from,
+                    ..
+                }) => assert!(p < admitted_from, "{p} < {admitted_from}"),
+                Err(e) => panic!("{e:?}"),
+            }
+        }
+        settle().await;
+        out.push((h.queue.stats().pending, limit));
+        let placed = h.placer.placed();
+        if let Some(oldest) = placed.get(*released) {
+            live.remove(oldest);
+            *released += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(99)).await;
+    }
+    out
+}
+
+#[tokio::test(start_paused = true)]
+async fn standing_overload_holds_a_short_backlog_and_bursts_wait_again_after_it() {
+    let mut cfg = config(Policy::Fcfs);
+    cfg.backlog_secs = 0.5;
+    cfg.standing_backlog_secs = 0.05;
+    let h = Harness::start(cfg);
+    h.queue.update_load(slots(2, 0));
+    let (mut live, mut released) = (HashMap::new(), 0);
+    // 50 arrivals/s against 10 grants/s for 3 s.
+    let ticks = offer(&h, &mut live, &mut released, "over", 30, &[0; 5]).await;
+    // A burst first: the backlog reaches the burst bound (≥ 4).
+    assert!(ticks[..3].iter().any(|&(held, _)| held >= 4), "{ticks:?}");
+    // Once overload has stood for 0.5 s, one request (what drains in
+    // 50 ms, at least one) is held and the rest are refused at once.
+    for &(held, limit) in &ticks[15..] {
+        assert!(held <= 1, "{ticks:?}");
+        assert_eq!(limit, Some(1), "{ticks:?}");
+    }
+    // Arrivals stop; the held requests drain; later, a burst may wait again.
+    let _ = offer(&h, &mut live, &mut released, "quiet", 40, &[]).await;
+    assert_eq!(h.queue.stats().pending, 0);
+    let burst = offer(&h, &mut live, &mut released, "burst", 1, &[0; 6]).await;
+    assert_eq!(
+        burst[0].1, None,
+        "the burst is held, not refused: {burst:?}"
+    );
+    drop(live);
+}
+
+#[tokio::test(start_paused = true)]
+async fn standing_overload_refuses_the_priorities_the_higher_ones_crowd_out() {
+    let mut cfg = config(Policy::Fcfs);
+    cfg.backlog_secs = 0.5;
+    cfg.standing_backlog_secs = 0.05;
+    let h = Harness::start(cfg);
+    h.queue.update_load(slots(2, 0));
+    let (mut live, mut released) = (HashMap::new(), 0);
+    // Priority 3 alone (20/s) outruns the grants (10/s); 1 and 0 come too.
+    let _ = offer(&h, &mut live, &mut released, "over", 20, &[3, 1, 3, 0]).await;
+    let placed_before = released;
+    let _ = offer(&h, &mut live, &mut released, "late", 20, &[3, 1, 3, 0]).await;
+    for p in [0, 1] {
+        match h.queue.admit(entry("probe", p, 0, 10, Instant::now())) {
+            Err(QueueError::Overloaded {
+                priority,
+                admitted_from: 3,
+                retry_after,
+            }) => {
+                assert_eq!(priority, p);
+                assert!(retry_after.as_secs() >= 1);
+            }
+            other => panic!("priority {p}: {other:?}"),
+        }
+    }
+    // What was granted once the overload stood was priority 3 only.
+    let placed = h.placer.placed();
+    assert!(
+        placed[placed_before..]
+            .iter()
+            .all(|name| name.ends_with("-0") || name.ends_with("-2")),
+        "{placed:?}"
+    );
+    let overload: f64 = h
+        .registry
+        .gather()
+        .iter()
+        .filter(|f| f.name() == "sluice_queue_rejections_total")
+        .flat_map(|f| f.get_metric().iter())
+        .filter(|m| m.get_label().iter().any(|l| l.value() == "overload"))
+        .map(|m| m.get_counter().get_value())
+        .sum();
+    assert!(overload > 0.0, "rejections by reason overload");
+    drop(live);
 }
 
 #[tokio::test(start_paused = true)]
