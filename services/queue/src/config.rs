@@ -156,6 +156,13 @@ pub struct Args {
     #[arg(long, env = "SLUICE_MAX_ACTIVE", default_value_t = 0)]
     pub max_active: usize,
 
+    /// Turn default holding off: with neither `--queue-threshold` nor
+    /// `--max-active`, every request is placed at once and waits, if it
+    /// must, in an engine's own queue (only `--max-pending` bounds the
+    /// queue).
+    #[arg(long, env = "SLUICE_NO_DEFAULT_HOLDING")]
+    pub no_default_holding: bool,
+
     /// Default holding: a model holds at most what its grants drain in
     /// this many seconds (at the rate of the last few seconds, and at least
     /// one more request per engine slot) beyond its free engine slots; the
@@ -284,9 +291,10 @@ impl Args {
     pub fn summary(&self) -> String {
         let threshold = match (self.queue_threshold, self.max_active) {
             (Some(t), _) => format!("{t}"),
+            (None, 0) if self.no_default_holding => "unset (nothing held)".into(),
             (None, 0) => format!(
-                "unset (default holding: workers' max_num_seqs, backlog {} s)",
-                self.backlog_secs
+                "unset (default holding: workers' max_num_seqs, backlog {} s, {} s when overload stands)",
+                self.backlog_secs, self.standing_backlog_secs
             ),
             (None, _) => "unset".into(),
         };

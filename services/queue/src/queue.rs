@@ -1331,9 +1331,10 @@ const OVERLOAD_MARGIN: f64 = 1.1;
 /// A priority's decayed arrival count below which it is forgotten.
 const FORGOTTEN: f64 = 0.01;
 
-/// Neither `--queue-threshold` nor `--max-active`: hold by engine slots.
+/// Neither `--queue-threshold` nor `--max-active` nor
+/// `--no-default-holding`: hold by engine slots.
 fn default_holding(cfg: &Args) -> bool {
-    cfg.queue_threshold.is_none() && cfg.max_active == 0
+    cfg.queue_threshold.is_none() && cfg.max_active == 0 && !cfg.no_default_holding
 }
 
 /// The engine slots this replica may fill for `model`: every decode or

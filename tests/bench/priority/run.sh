@@ -4,7 +4,8 @@
 # A burst of 1,005 requests at t=0 in four priority tiers (0..3, equal
 # weights, shuffled), 310 output tokens each (ignore_eos), against one mocker
 # worker with max_num_seqs 64, run four times:
-#   neither  no queue threshold (nothing held), engine fcfs
+#   neither  no queue threshold (nothing held: every case runs with
+#            --no-default-holding), engine fcfs
 #   queue    --queue-threshold set, --queue-policy strict; engine fcfs
 #   engine   no queue threshold; engine --scheduling-policy priority
 #   both     threshold + strict queue, and engine priority
@@ -55,7 +56,7 @@ run_case() { # name, then the extra `sluice up` flags
   rm -rf "$dir"; mkdir -p "$dir"
   RUST_LOG=${RUST_LOG:-warn,h2::proto::connection=debug} "$SLUICE_BIN" up --engine mocker --http-port "$PORT" \
     --max-num-seqs "$MAX_NUM_SEQS" --num-gpu-blocks "$BLOCKS" \
-    --speedup-ratio "$SPEEDUP" "$@" >"$dir/server.log" 2>&1 &
+    --speedup-ratio "$SPEEDUP" --no-default-holding "$@" >"$dir/server.log" 2>&1 &
   server_pid=$!
   wait_ready "http://127.0.0.1:$PORT" "$server_pid" "$dir/server.log"
   echo "== $name: sluice up $*"

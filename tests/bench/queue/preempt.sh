@@ -33,7 +33,11 @@
 #   BATCH_CONCURRENCY [8] BATCH_ISL [512] BATCH_OSL [256]
 #   INTERACTIVE [10] INTERACTIVE_ISL [512] INTERACTIVE_OSL [16]
 #   PORT [18441]  OUT [target/bench/preempt]
+#   UP_FLAGS  flags for every `sluice up` [--no-default-holding: nothing is
+#     held in the queue, as the cases were designed; set it empty for a
+#     build older than that flag]
 set -euo pipefail
+UP_FLAGS=${UP_FLAGS---no-default-holding}
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)
 cd "$ROOT"
@@ -77,7 +81,8 @@ trap cleanup EXIT
 start_server() { # binary, log file, then the `sluice up` flags
   local bin=$1 log=$2; shift 2
   # sluice_runtime=info logs each service's endpoint ("serving").
-  RUST_LOG=warn,sluice_runtime=info "$bin" up --engine mocker --http-port "$PORT" "$@" >"$log" 2>&1 &
+  # shellcheck disable=SC2086 # UP_FLAGS is a list of flags
+  RUST_LOG=warn,sluice_runtime=info "$bin" up --engine mocker --http-port "$PORT" $UP_FLAGS "$@" >"$log" 2>&1 &
   server_pid=$!
   wait_ready "$URL" "$server_pid" "$log"
 }

@@ -14,6 +14,7 @@ fn config(policy: Policy) -> Args {
         max_pending: 1000,
         max_pending_per_tenant: 1000,
         max_active: 0,
+        no_default_holding: false,
         backlog_secs: 0.5,
         standing_backlog_secs: 0.05,
         shed_protect_priority: 0,
