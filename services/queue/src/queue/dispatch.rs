@@ -1,0 +1,585 @@
+//! The dispatcher: admission checks, releases in policy order, placement
+//! and refresh results, leases ending, deadlines, draining and displacement.
+//! Every change of a request's phase, and of the counts that follow it
+//! (pending, placing, refreshing, active), happens here.
+
+use super::*;
+
+/// Work the dispatcher starts outside the lock.
+pub(super) enum Op {
+    Place(u64, Entry),
+    Refresh(u64, Entry),
+}
+
+pub(super) enum Outcome {
+    Placed {
+        seq: u64,
+        model: String,
+        result: Result<Placed, QueueError>,
+    },
+    Refreshed {
+        seq: u64,
+        model: String,
+        result: Result<u32, QueueError>,
+    },
+}
+
+impl Op {
+    pub(super) fn start<P: Placer>(self, placer: Arc<P>) -> BoxFuture<'static, Outcome> {
+        match self {
+            Op::Place(seq, entry) => Box::pin(async move {
+                let span = entry.span.clone();
+                let result = tracing::Instrument::instrument(placer.place(&entry), span).await;
+                Outcome::Placed {
+                    seq,
+                    model: entry.model,
+                    result,
+                }
+            }),
+            Op::Refresh(seq, entry) => Box::pin(async move {
+                let span = entry.span.clone();
+                let result = tracing::Instrument::instrument(placer.overlap(&entry), span).await;
+                Outcome::Refreshed {
+                    seq,
+                    model: entry.model,
+                    result,
+                }
+            }),
+        }
+    }
+}
+
+impl State {
+    pub(super) fn check_admission(
+        &self,
+        cfg: &Args,
+        entry: &Entry,
+        now: Instant,
+    ) -> Result<(), QueueError> {
+        if self.draining {
+            return Err(QueueError::Draining);
+        }
+        let retry_after = self.drained.retry_after(self.pending, now);
+        if self.pending >= cfg.max_pending {
+            return Err(QueueError::QueueFull {
+                pending: self.pending,
+                limit: cfg.max_pending,
+                retry_after,
+            });
+        }
+        if let Some(model) = self.models.get(&entry.model)
+            && default_holding(cfg)
+            && model.standing(cfg, now)
+            && let Some(from) = model.admitted_from(now)
+            && entry.priority < from
+        {
+            return Err(QueueError::Overloaded {
+                priority: entry.priority,
+                admitted_from: from,
+                retry_after: model.drained.retry_after(model.order.len(), now),
+            });
+        }
+        if let Some(model) = self.models.get(&entry.model)
+            && let Some(limit) = self.backlog_limit(cfg, &entry.model, model, now)
+            && model.order.len() >= limit
+        {
+            let held = model.order.len();
+            return Err(QueueError::QueueFull {
+                pending: held,
+                limit,
+                retry_after: model.drained.retry_after(held, now),
+            });
+        }
+        let reserved = cfg.reserved_slots();
+        if entry.priority <= cfg.shed_protect_priority
+            && reserved > 0
+            && self.pending >= cfg.max_pending - reserved
+        {
+            return Err(QueueError::Shed {
+                retry_after,
+                priority: entry.priority,
+                pending: self.pending,
+                reserved,
+                limit: cfg.max_pending,
+                protect: cfg.shed_protect_priority,
+            });
+        }
+        let tenant_pending = self.tenants.get(&entry.tenant).copied().unwrap_or(0);
+        if tenant_pending >= cfg.max_pending_per_tenant {
+            return Err(QueueError::TenantFull {
+                tenant: entry.tenant.clone(),
+                pending: tenant_pending,
+                limit: cfg.max_pending_per_tenant,
+                retry_after: self.drained.retry_after(tenant_pending, now),
+            });
+        }
+        if let Some(deadline) = entry.deadline
+            && deadline <= now
+        {
+            return Err(QueueError::DeadlineExceeded {
+                waited: now.saturating_duration_since(entry.arrival),
+            });
+        }
+        Ok(())
+    }
+
+    /// Releases, per model, as many held requests as the hold rule allows.
+    pub(super) fn release(&mut self, cfg: &Args, now: Instant) -> Vec<Op> {
+        let mut ops = Vec::new();
+        if self.draining {
+            return ops;
+        }
+        let refresh_after = cfg.refresh_interval();
+        for (model_name, model) in &mut self.models {
+            model.hold = None;
+            while let Some(seq) = model.order.head() {
+                if let Some(reason) = hold_reason(cfg, model, model_name, &self.load, self.replicas)
+                {
+                    model.hold = Some(reason);
+                    break;
+                }
+                let Some(slot) = self.slots.get_mut(&seq) else {
+                    // Unreachable by the invariants; drop the stray id.
+                    tracing::error!(seq, "held id without a slot");
+                    if let Some((_, Some(released))) = model.order.pop_head() {
+                        model.order.finish(&released);
+                    }
+                    continue;
+                };
+                if slot.phase == Phase::Refreshing {
+                    model.hold = Some(HoldReason::RefreshingOverlap);
+                    break;
+                }
+                let stale = slot
+                    .last_refresh
+                    .is_some_and(|at| now.saturating_duration_since(at) >= refresh_after);
+                if cfg.queue_policy == Policy::Wspt && stale {
+                    // Stays in the order (and blocks this model's releases)
+                    // until the fresh overlap is back.
+                    ops.push(refresh(seq, slot, model));
+                    continue;
+                }
+                if let Some((_, released)) = model.order.pop_head() {
+                    slot.fair = released;
+                }
+                if let Some(deadline) = slot.entry.deadline {
+                    self.deadlines.remove(&(deadline, seq));
+                }
+                slot.phase = Phase::Placing;
+                model.placing += 1;
+                ops.push(Op::Place(seq, slot.entry.clone()));
+            }
+        }
+        // Under wspt the overlap orders held requests: read a first estimate
+        // for each newly held one, without blocking releases.
+        for seq in std::mem::take(&mut self.unread) {
+            if cfg.queue_policy != Policy::Wspt {
+                break;
+            }
+            let Some(slot) = self.slots.get_mut(&seq) else {
+                continue;
+            };
+            if slot.phase != Phase::Held || slot.last_refresh.is_some() {
+                continue;
+            }
+            if let Some(model) = self.models.get_mut(&slot.entry.model) {
+                ops.push(refresh(seq, slot, model));
+            }
+        }
+        ops
+    }
+
+    /// Sends held requests their status when it changed: the head at once,
+    /// everyone else in a full pass at most once per [`POSITION_INTERVAL`]
+    /// per model (at once when the reason changed). Returns when a
+    /// held-back pass falls due.
+    pub(super) fn publish_positions(&mut self, now: Instant) -> Option<Instant> {
+        let mut due_next: Option<Instant> = None;
+        for model in self.models.values_mut() {
+            let Some(reason) = model.hold else {
+                model.published = None;
+                continue;
+            };
+            let pending = u32::try_from(model.order.len()).unwrap_or(u32::MAX);
+            let full_due = match model.published {
+                Some((at, published)) if published == reason && now < at + POSITION_INTERVAL => {
+                    let due = at + POSITION_INTERVAL;
+                    due_next = Some(due_next.map_or(due, |d| d.min(due)));
+                    false
+                }
+                _ => true,
+            };
+            let order = if full_due {
+                model.published = Some((now, reason));
+                model.order.sequence()
+            } else {
+                model.order.head().into_iter().collect()
+            };
+            for (position, seq) in order.into_iter().enumerate() {
+                let Some(slot) = self.slots.get_mut(&seq) else {
+                    continue;
+                };
+                let status = HeldStatus {
+                    position: u32::try_from(position).unwrap_or(u32::MAX),
+                    pending,
+                    reason,
+                };
+                if slot.sent.as_ref() != Some(&status) {
+                    slot.tx.send_replace(TicketState::Held(status.clone()));
+                    slot.sent = Some(status);
+                }
+            }
+        }
+        due_next
+    }
+
+    /// Fails held requests whose deadline passed.
+    pub(super) fn expire(
+        &mut self,
+        cfg: &Args,
+        epoch: Instant,
+        now: Instant,
+        metrics: &QueueMetrics,
+    ) {
+        while let Some(&(deadline, seq)) = self.deadlines.first() {
+            if deadline > now {
+                break;
+            }
+            self.deadlines.pop_first();
+            let Some(slot) = self.slots.remove(&seq) else {
+                continue;
+            };
+            if let Some(model) = self.models.get_mut(&slot.entry.model) {
+                model.order.remove(cfg, epoch, seq, &slot.entry);
+            }
+            self.forget_pending(&slot.entry, metrics);
+            self.retire(&slot, false, now);
+            metrics.expired(&slot.entry.tenant);
+            slot.tx
+                .send_replace(TicketState::Failed(QueueError::DeadlineExceeded {
+                    waited: now.saturating_duration_since(slot.entry.arrival),
+                }));
+        }
+    }
+
+    /// Applies a placement's or refresh's result.
+    pub(super) fn complete(
+        &mut self,
+        outcome: Outcome,
+        cfg: &Args,
+        epoch: Instant,
+        metrics: &QueueMetrics,
+        now: Instant,
+    ) {
+        match outcome {
+            Outcome::Refreshed { seq, model, result } => {
+                self.refreshed(seq, &model, result, cfg, epoch, now);
+            }
+            Outcome::Placed { seq, model, result } => {
+                let Some(queue) = self.models.get_mut(&model) else {
+                    return;
+                };
+                queue.placing -= 1;
+                if !self.slots.contains_key(&seq) {
+                    tracing::debug!(seq, "request cancelled during placement");
+                    return;
+                }
+                match result {
+                    Ok(placed) => self.granted(seq, &model, placed, cfg, metrics, now),
+                    Err(err) => self.placement_failed(seq, err, metrics, now),
+                }
+            }
+        }
+    }
+
+    /// An overlap refresh came back: under `wspt` the request is re-keyed
+    /// by it, and held again.
+    fn refreshed(
+        &mut self,
+        seq: u64,
+        model: &str,
+        result: Result<u32, QueueError>,
+        cfg: &Args,
+        epoch: Instant,
+        now: Instant,
+    ) {
+        let Some(queue) = self.models.get_mut(model) else {
+            return;
+        };
+        queue.refreshing -= 1;
+        let Some(slot) = self.slots.get_mut(&seq) else {
+            return; // cancelled while refreshing
+        };
+        if slot.phase != Phase::Refreshing {
+            return;
+        }
+        match result {
+            Ok(overlap) => {
+                // Re-key: under wspt the overlap moves the request.
+                queue.order.remove(cfg, epoch, seq, &slot.entry);
+                slot.entry.overlap_tokens = overlap.min(slot.entry.prompt_tokens);
+                queue
+                    .order
+                    .insert(cfg, epoch, seq, &slot.entry, slot.weight);
+            }
+            Err(err) => {
+                tracing::debug!(request_id = %slot.entry.request_id, error = %err, "overlap refresh failed; keeping the old estimate");
+            }
+        }
+        slot.last_refresh = Some(now);
+        slot.phase = Phase::Held;
+    }
+
+    /// The request was placed: it becomes active, its tenant is charged
+    /// for the uncached prompt (the placement knows the cached prefix),
+    /// the chosen worker's load grows by it until the next load view, and
+    /// the ticket hears the grant.
+    fn granted(
+        &mut self,
+        seq: u64,
+        model: &str,
+        Placed { placement, lease }: Placed,
+        cfg: &Args,
+        metrics: &QueueMetrics,
+        now: Instant,
+    ) {
+        let Some(slot) = self.slots.get(&seq) else {
+            return;
+        };
+        let entry = slot.entry.clone();
+        let released = slot.fair.clone();
+        self.active += 1;
+        self.forget_pending(&entry, metrics);
+        let uncached = entry.prompt_tokens.saturating_sub(placement.overlap_tokens);
+        // The prompt was charged as uncached (less any overlap read before
+        // release); the placement knows the cached prefix now.
+        let cached = f64::from(placement.overlap_tokens.min(entry.prompt_tokens))
+            - f64::from(entry.overlap_tokens);
+        if let Some(queue) = self.models.get_mut(model) {
+            queue.active += 1;
+            queue.drained.grant(now);
+            if let Some(released) = &released
+                && tokens_cost(cfg)
+            {
+                queue.order.charge(released, -cached);
+            }
+        }
+        self.quotas.charge(
+            &entry.tenant,
+            -f64::from(placement.overlap_tokens.min(entry.prompt_tokens)),
+            now,
+        );
+        let busy = placement.prefill.as_ref().unwrap_or(&placement.worker);
+        if let Some(load) = self.load.get_mut(&(busy.worker_id.clone(), busy.dp_rank)) {
+            load.active_prefill_tokens += u64::from(uncached);
+        }
+        let waited = now.saturating_duration_since(entry.arrival);
+        self.drained.grant(now);
+        metrics.served(&entry.tenant, "prompt", u64::from(uncached));
+        metrics.granted(entry.priority, &entry.tenant, waited.as_secs_f64());
+        tracing::debug!(
+            request_id = %entry.request_id,
+            priority = entry.priority,
+            worker_id = %placement.worker.worker_id,
+            waited_ms = waited.as_secs_f64() * 1000.0,
+            "granted"
+        );
+        if let Some(slot) = self.slots.get_mut(&seq) {
+            slot.phase = Phase::Active;
+            slot.lease = lease;
+            slot.tx
+                .send_replace(TicketState::Granted(Grant { placement, waited }));
+        }
+    }
+
+    /// No placement: the request leaves with the error.
+    fn placement_failed(
+        &mut self,
+        seq: u64,
+        err: QueueError,
+        metrics: &QueueMetrics,
+        now: Instant,
+    ) {
+        if let Some(slot) = self.slots.remove(&seq) {
+            tracing::debug!(request_id = %slot.entry.request_id, error = %err, "placement failed");
+            self.forget_pending(&slot.entry, metrics);
+            self.retire(&slot, false, now);
+            metrics.rejected(&slot.entry.tenant, err.reason());
+            slot.tx.send_replace(TicketState::Failed(err));
+        }
+    }
+
+    /// The ticket was dropped: leave at once, or end the lease.
+    pub(super) fn leave(&mut self, seq: u64, cfg: &Args, epoch: Instant, metrics: &QueueMetrics) {
+        let Some(slot) = self.slots.remove(&seq) else {
+            return;
+        };
+        self.retire(&slot, slot.phase == Phase::Active, Instant::now());
+        match slot.phase {
+            Phase::Held | Phase::Refreshing => {
+                if let Some(model) = self.models.get_mut(&slot.entry.model) {
+                    model.order.remove(cfg, epoch, seq, &slot.entry);
+                }
+                if let Some(deadline) = slot.entry.deadline {
+                    self.deadlines.remove(&(deadline, seq));
+                }
+                self.forget_pending(&slot.entry, metrics);
+                metrics.cancelled();
+            }
+            Phase::Placing => {
+                self.forget_pending(&slot.entry, metrics);
+                metrics.cancelled();
+            }
+            Phase::Active => {
+                self.active -= 1;
+                if let Some(model) = self.models.get_mut(&slot.entry.model) {
+                    model.active -= 1;
+                }
+                metrics.released();
+            }
+        }
+    }
+
+    /// Fails every request not yet granted; admits nothing more.
+    pub(super) fn drain(&mut self, metrics: &QueueMetrics) {
+        self.draining = true;
+        let waiting: Vec<u64> = self
+            .slots
+            .iter()
+            .filter(|(_, s)| s.phase != Phase::Active)
+            .map(|(&seq, _)| seq)
+            .collect();
+        for model in self.models.values_mut() {
+            model.order.clear();
+        }
+        for seq in waiting {
+            if let Some(slot) = self.slots.remove(&seq) {
+                self.forget_pending(&slot.entry, metrics);
+                self.retire(&slot, false, Instant::now());
+                metrics.rejected(&slot.entry.tenant, QueueError::Draining.reason());
+                slot.tx
+                    .send_replace(TicketState::Failed(QueueError::Draining));
+            }
+        }
+        self.deadlines.clear();
+    }
+
+    /// The queue is full and `entry` outranks a held request: the held
+    /// request of the lowest (strict tier, priority), the newest of them,
+    /// leaves with [`QueueError::Displaced`] and a retry-after from the
+    /// drain rate, making room. Whether one left.
+    pub(super) fn displace(
+        &mut self,
+        cfg: &Args,
+        epoch: Instant,
+        entry: &Entry,
+        metrics: &QueueMetrics,
+        now: Instant,
+    ) -> bool {
+        // The model's own backlog bound refused it (not `--max-pending`):
+        // only a request of the same model makes room.
+        let same_model = self.pending < cfg.max_pending;
+        let rank = |e: &Entry| (e.strict_tier, e.priority);
+        let victim = self
+            .slots
+            .iter()
+            .filter(|(_, s)| {
+                s.phase == Phase::Held
+                    && rank(&s.entry) < rank(entry)
+                    && (!same_model || s.entry.model == entry.model)
+            })
+            .min_by_key(|&(&seq, s)| (rank(&s.entry), Reverse(seq)))
+            .map(|(&seq, _)| seq);
+        let Some(slot) = victim.and_then(|seq| self.slots.remove(&seq).map(|s| (seq, s))) else {
+            return false;
+        };
+        let (seq, slot) = slot;
+        self.retire(&slot, false, now);
+        if let Some(model) = self.models.get_mut(&slot.entry.model) {
+            model.order.remove(cfg, epoch, seq, &slot.entry);
+        }
+        if let Some(deadline) = slot.entry.deadline {
+            self.deadlines.remove(&(deadline, seq));
+        }
+        self.forget_pending(&slot.entry, metrics);
+        let err = QueueError::Displaced {
+            priority: slot.entry.priority,
+            by: entry.priority,
+            retry_after: self.drained.retry_after(self.pending, now),
+        };
+        tracing::debug!(request_id = %slot.entry.request_id, by = %entry.request_id, "displaced from the full queue");
+        metrics.rejected(&slot.entry.tenant, err.reason());
+        slot.tx.send_replace(TicketState::Failed(err));
+        true
+    }
+
+    /// A slot left the queue: its tenant's quota gets its in-flight count
+    /// back, and, when it never ran (`granted` false), the prompt it was
+    /// charged; a released request stops counting as running in its band
+    /// (refunding its release cost when it never ran).
+    pub(super) fn retire(&mut self, slot: &Slot, granted: bool, now: Instant) {
+        let entry = &slot.entry;
+        if !granted {
+            // Admission charged the whole prompt.
+            self.quotas
+                .charge(&entry.tenant, -f64::from(entry.prompt_tokens), now);
+        }
+        self.quotas.release(&entry.tenant, now);
+        if let Some(released) = &slot.fair
+            && let Some(model) = self.models.get_mut(&entry.model)
+        {
+            if !granted {
+                model.order.charge(released, -released.charged);
+            }
+            model.order.finish(released);
+        }
+    }
+
+    /// Charges the output tokens a granted request produced since the last
+    /// report.
+    pub(super) fn progress(
+        &mut self,
+        seq: u64,
+        completion_tokens: u32,
+        cfg: &Args,
+        metrics: &QueueMetrics,
+        now: Instant,
+    ) {
+        let Some(slot) = self.slots.get_mut(&seq) else {
+            return;
+        };
+        if slot.phase != Phase::Active || completion_tokens <= slot.output {
+            return;
+        }
+        let new = f64::from(completion_tokens - slot.output);
+        slot.output = completion_tokens;
+        let tenant = slot.entry.tenant.clone();
+        if let Some(released) = slot.fair.clone()
+            && tokens_cost(cfg)
+            && let Some(model) = self.models.get_mut(&slot.entry.model)
+        {
+            model.order.charge(&released, new);
+        }
+        self.quotas.charge(&tenant, new, now);
+        metrics.served(&tenant, "output", new as u64);
+    }
+
+    pub(super) fn forget_pending(&mut self, entry: &Entry, metrics: &QueueMetrics) {
+        self.pending -= 1;
+        if let Some(count) = self.tenants.get_mut(&entry.tenant) {
+            *count -= 1;
+            if *count == 0 {
+                self.tenants.remove(&entry.tenant);
+            }
+        }
+        metrics.pending(entry.priority, entry.prompt_tokens, -1);
+    }
+}
+
+/// Starts reading a held request's overlap (`wspt`): the one place a
+/// request enters `Refreshing`.
+fn refresh(seq: u64, slot: &mut Slot, model: &mut ModelQueue) -> Op {
+    slot.phase = Phase::Refreshing;
+    model.refreshing += 1;
+    Op::Refresh(seq, slot.entry.clone())
+}
