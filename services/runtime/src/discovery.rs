@@ -18,10 +18,11 @@
 //!
 //! # Leaving and losing a lease are told apart
 //!
-//! An owner that deregisters marks its entry as leaving ([`Instance::leaving`]) before
-//! it removes it: watchers drop it at once. An entry that disappears without
-//! that mark lost its lease — its owner crashed, or etcd paused or was cut
-//! off long enough for every lease to expire while their owners are fine.
+//! An owner that deregisters marks its entry as leaving
+//! ([`Instance::leaving`]) before it removes it: watchers drop it at once.
+//! An entry that disappears without that mark lost its lease — its owner
+//! crashed, or etcd paused or was cut off long enough for every lease to
+//! expire while their owners are fine.
 //! A watch keeps such a member in its view for a grace period
 //! (`--discovery-grace`) and forgets it only if it has not registered again
 //! (same id, same entry) by then; a re-registration within the grace period
