@@ -6,7 +6,12 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use sluice_runtime::discovery::{EtcdDiscovery, MemoryDiscovery, Watch, instance_key};
+use base64::Engine as _;
+use prost::Message as _;
+use sluice_proto::kv::v1::Transport;
+use sluice_runtime::discovery::{
+    EngineBackend, EtcdDiscovery, MemoryDiscovery, Watch, WorkerInfo, WorkerRole, instance_key,
+};
 use sluice_runtime::{Discovery, DiscoveryEvent, Instance};
 use sluice_tests::etcd::EtcdServer;
 
@@ -21,9 +26,21 @@ async fn next_event(w: &mut Watch) -> DiscoveryEvent {
 
 async fn suite(d: Arc<dyn Discovery>) {
     // register → list
+    // A worker's facts survive the backend unchanged (etcd: encoded once
+    // as protobuf inside the entry, decoded once by the reader).
     let a = Instance::new("decode", "127.0.0.1:1111")
         .with_model("m")
-        .with_meta("role", "decode");
+        .with_worker(WorkerInfo {
+            role: WorkerRole::Decode,
+            block_size: 16,
+            dp_size: 2,
+            engine: Some(EngineBackend::Mocker),
+            total_blocks: 1000,
+            max_num_seqs: 8,
+            max_num_batched_tokens: 512,
+            max_model_len: Some(2048),
+            kv_transports: vec![Transport::Shm, Transport::Grpc],
+        });
     let reg_a = d.register(a.clone(), 3).await.expect("register a");
     let listed = d.list("decode").await.expect("list");
     assert_eq!(listed, vec![a.clone()]);
@@ -194,6 +211,30 @@ async fn etcd_malformed_entry_is_skipped_not_fatal() -> anyhow::Result<()> {
     assert_eq!(next_event(&mut w).await, DiscoveryEvent::Put(good.clone()));
     raw.put(instance_key("t", "decode", "junk2"), "[1,2", None)
         .await?;
+    // A worker entry whose facts do not decode, or name no role, is as
+    // malformed as bad JSON.
+    let envelope = |worker: &str| {
+        format!(r#"{{"id":"w","component":"decode","endpoint":"127.0.0.1:1","worker":"{worker}"}}"#)
+    };
+    raw.put(
+        instance_key("t", "decode", "junk3"),
+        envelope("not base64!"),
+        None,
+    )
+    .await?;
+    let no_role = base64::engine::general_purpose::STANDARD.encode(
+        sluice_proto::worker::v1::WorkerInfo {
+            block_size: 16,
+            ..Default::default()
+        }
+        .encode_to_vec(),
+    );
+    raw.put(
+        instance_key("t", "decode", "junk4"),
+        envelope(&no_role),
+        None,
+    )
+    .await?;
     let later = Instance::new("decode", "127.0.0.1:8888");
     let _reg2 = d.register(later.clone(), 3).await?;
     assert_eq!(next_event(&mut w).await, DiscoveryEvent::Put(later));

@@ -34,12 +34,20 @@ async fn local_reference(prompt: &[u32]) -> anyhow::Result<Value> {
     Ok(v)
 }
 
+/// The KV transports the component's first worker publishes, `shm,tcp,…`.
 async fn advertised(mesh: &Mesh, component: &str) -> anyhow::Result<String> {
     let list = mesh.discovery.list(component).await?;
-    Ok(list
+    let kinds: Vec<TransportKind> = list
         .first()
-        .and_then(|i| i.metadata.get("kv_transports").cloned())
-        .unwrap_or_default())
+        .and_then(|i| i.worker.as_ref())
+        .map(|w| {
+            w.kv_transports
+                .iter()
+                .filter_map(|&t| TransportKind::from_pb(t as i32))
+                .collect()
+        })
+        .unwrap_or_default();
+    Ok(sluice_decode::transfer::join(&kinds))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

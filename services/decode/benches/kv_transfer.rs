@@ -364,7 +364,7 @@ fn main() {
                             // What the prefill worker does with its blocks.
                             let blocks = t.blocks(copies, checked);
                             let sent = sender.write(&region, &t.id, blocks).await.expect("written");
-                            let done = t.exp.finish(kind.as_str()).await.expect("finished");
+                            let done = t.exp.finish(kind).await.expect("finished");
                             total += start.elapsed();
                             assert_eq!(sent as usize, n);
                             assert!(done >= n);
@@ -421,7 +421,7 @@ fn main() {
                                 .await
                                 .expect("sends from KV memory")
                                 .expect("written");
-                            let done = t.exp.finish(kind.as_str()).await.expect("finished");
+                            let done = t.exp.finish(kind).await.expect("finished");
                             assert_eq!((sent as usize, done), (n, n));
                         }
                         start.elapsed()

@@ -32,6 +32,18 @@ pub enum EngineKind {
     Cuda,
 }
 
+impl EngineKind {
+    /// The backend its discovery entry publishes.
+    pub fn backend(self) -> sluice_runtime::discovery::EngineBackend {
+        use sluice_runtime::discovery::EngineBackend;
+        match self {
+            EngineKind::Cpu => EngineBackend::Cpu,
+            EngineKind::Mocker => EngineBackend::Mocker,
+            EngineKind::Cuda => EngineBackend::Cuda,
+        }
+    }
+}
+
 /// A cuda backend on the GPU of data-parallel `rank` (ranks spread over the
 /// visible devices).
 #[cfg(feature = "cuda")]

@@ -25,7 +25,7 @@ use sluice_runtime::{Discovery, DiscoveryEvent, Security, Shutdown};
 
 use crate::error::WorkerError;
 use crate::service::{InflightGuard, RemotePrefill, WorkerCore};
-use crate::transfer::{Receiver, layout_to_pb, same_host};
+use crate::transfer::{Receiver, TransportKind, layout_to_pb, same_host};
 
 /// The prefill workers discovery lists, id → endpoint: the only prefill
 /// endpoints this worker ever dials.
@@ -41,7 +41,7 @@ impl PrefillWorkers {
         shutdown: Shutdown,
     ) -> Result<Arc<Self>, WorkerError> {
         let mut watch = discovery
-            .watch("prefill")
+            .watch(sluice_runtime::discovery::WorkerRole::Prefill.as_str())
             .await
             .map_err(|e| WorkerError::Startup(format!("watching prefill workers: {e}")))?;
         let workers = Arc::new(Self::default());
@@ -266,11 +266,21 @@ impl Disagg {
             Ok(Err(s)) => return self.fallback(core, "prefill_error", &s.to_string()),
             Ok(Ok(r)) => r.into_inner(),
         };
-        span.record("transport", resp.transport.as_str());
-        if resp.transport != "rdma" {
+        let Some(transport) = TransportKind::from_pb(resp.transport) else {
+            return self.fallback(
+                core,
+                "refused_transfer",
+                &format!(
+                    "the prefill worker names no transport it wrote over ({})",
+                    resp.transport
+                ),
+            );
+        };
+        span.record("transport", transport.as_str());
+        if transport != TransportKind::Rdma {
             slot.hold = None;
         }
-        let written = match expectation.finish(&resp.transport).await {
+        let written = match expectation.finish(transport).await {
             Ok(n) => n,
             Err(e) => return self.fallback(core, "refused_transfer", &e.to_string()),
         };
@@ -278,7 +288,7 @@ impl Disagg {
             let detail = format!(
                 "{written} of {} blocks arrived over {}",
                 writable.len(),
-                resp.transport
+                transport
             );
             return self.fallback(core, "incomplete_transfer", &detail);
         }

@@ -20,7 +20,7 @@ pub enum WorkerError {
     Transfer(String),
     #[error("this worker is a {role} worker and does not serve {rpc}")]
     WrongRole {
-        role: &'static str,
+        role: sluice_runtime::discovery::WorkerRole,
         rpc: &'static str,
     },
     #[error("start-up: {0}")]

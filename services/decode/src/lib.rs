@@ -18,6 +18,7 @@ pub mod transfer;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU32;
 
+use sluice_runtime::discovery::WorkerInfo;
 use sluice_runtime::grpc::GrpcServer;
 use sluice_runtime::{ModelArgs, ServiceContext};
 use tokio::net::TcpListener;
@@ -87,24 +88,24 @@ pub async fn run_worker(
                 "describing this instance for discovery",
             ))?;
     instance.id = core.id.clone();
+    let kv_transports = match &kv_receiver {
+        Some(r) => r.kinds(),
+        None => transfer::available(&args.kv_transports),
+    };
     let instance = instance
         .with_model(core.model.clone())
-        .with_meta("role", core.role.as_str())
-        .with_meta("block_size", layout.block_size)
-        .with_meta("dp_size", core.engines.len())
-        .with_meta("engine", engine.backend_name())
-        .with_meta("total_blocks", engine.num_blocks())
-        .with_meta("max_num_seqs", args.max_num_seqs)
-        .with_meta("max_num_batched_tokens", args.max_num_batched_tokens)
-        // The longest request (prompt and output) it holds: the frontend
-        // refuses longer prompts before they travel.
-        .with_meta("max_model_len", engine.max_len())
-        .with_meta("kv_transports", {
-            let kinds = match &kv_receiver {
-                Some(r) => r.kinds(),
-                None => transfer::available(&args.kv_transports),
-            };
-            transfer::join(&kinds)
+        .with_worker(WorkerInfo {
+            role: core.role.worker_role(),
+            block_size: saturating_u32(layout.block_size),
+            dp_size: saturating_u32(core.engines.len()),
+            engine: Some(args.engine.backend()),
+            total_blocks: engine.num_blocks() as u64,
+            max_num_seqs: saturating_u32(args.max_num_seqs),
+            max_num_batched_tokens: saturating_u32(args.max_num_batched_tokens),
+            // The longest request (prompt and output) it holds: the frontend
+            // refuses longer prompts before they travel.
+            max_model_len: Some(saturating_u32(engine.max_len())),
+            kv_transports: kv_transports.iter().map(|k| k.to_pb()).collect(),
         });
     let mut server = GrpcServer::new()
         .map_err(WorkerError::startup("building the gRPC server"))?
@@ -145,6 +146,10 @@ pub async fn run_worker(
     res
 }
 
+fn saturating_u32(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
 /// Serves a decode worker on `listener` until `ctx.shutdown`.
 pub async fn serve(
     listener: TcpListener,
@@ -152,7 +157,7 @@ pub async fn serve(
     model: ModelArgs,
     ctx: ServiceContext,
 ) -> Result<(), WorkerError> {
-    let id = sluice_runtime::discovery::instance_id("decode");
+    let id = sluice_runtime::discovery::instance_id(Role::Decode.as_str());
     let core = build_core(&args, &model, Role::Decode, id)?;
     let bound = listener
         .local_addr()

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use futures::Stream;
 use sluice_engine::{EngineHandle, GenerateStream, KvEventRecord};
 use sluice_proto::worker::v1 as pb;
+use sluice_runtime::discovery::WorkerRole;
 use tokio::sync::broadcast::error::RecvError;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -31,11 +32,16 @@ pub enum Role {
 }
 
 impl Role {
-    /// Discovery component and metadata value.
+    /// The discovery component it registers as (and its name in logs).
     pub fn as_str(self) -> &'static str {
+        self.worker_role().as_str()
+    }
+
+    /// The role its discovery entry publishes.
+    pub fn worker_role(self) -> WorkerRole {
         match self {
-            Role::Decode => "decode",
-            Role::Prefill => "prefill",
+            Role::Decode => WorkerRole::Decode,
+            Role::Prefill => WorkerRole::Prefill,
         }
     }
 }
@@ -379,7 +385,7 @@ impl pb::worker_server::Worker for WorkerService {
         let core = &self.core;
         if core.role == Role::Prefill {
             return Err(WorkerError::WrongRole {
-                role: "prefill",
+                role: WorkerRole::Prefill,
                 rpc: "Generate",
             }
             .into());
@@ -451,7 +457,7 @@ impl pb::worker_server::Worker for WorkerService {
     ) -> Result<Response<pb::PrefillResponse>, Status> {
         let Some(handler) = &self.prefill else {
             return Err(WorkerError::WrongRole {
-                role: "decode",
+                role: WorkerRole::Decode,
                 rpc: "Prefill",
             }
             .into());

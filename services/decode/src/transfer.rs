@@ -49,8 +49,8 @@ pub use grpc::{GrpcSender, KvTransferService, send_grpc};
 /// Copies of at least this many blocks run on the blocking pool.
 pub(crate) const BLOCKING_COPY_BLOCKS: usize = 64;
 
-/// A KV transport, as named on the command line, in discovery metadata and
-/// in `PrefillResponse.transport`.
+/// A KV transport, as named on the command line; on the wire (discovery,
+/// transfer regions, `PrefillResponse.transport`) it is `kv.v1.Transport`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, clap::ValueEnum)]
 pub enum TransportKind {
     /// Shared memory on the same host: one-sided writes into a mapped file.
@@ -139,7 +139,7 @@ pub fn available(wanted: &[TransportKind]) -> Vec<TransportKind> {
     out
 }
 
-/// `shm,tcp,grpc`: the discovery metadata value `kv_transports`.
+/// `shm,tcp,grpc`, for logs and messages.
 pub fn join(kinds: &[TransportKind]) -> String {
     kinds
         .iter()
@@ -517,8 +517,8 @@ impl Expectation {
     /// Completes the transfer once the sender reports it done over
     /// `transport`: what a one-sided transport wrote is checked now.
     /// Returns the blocks written in all.
-    pub async fn finish(&self, transport: &str) -> Result<usize, WorkerError> {
-        if let Some((_, one_sided)) = self.one_sided.iter().find(|(k, _)| k.as_str() == transport) {
+    pub async fn finish(&self, transport: TransportKind) -> Result<usize, WorkerError> {
+        if let Some((_, one_sided)) = self.one_sided.iter().find(|(k, _)| *k == transport) {
             let ids = Arc::clone(&self.target.writable);
             // Checksums read every block: large transfers leave the runtime's
             // threads alone.

@@ -136,7 +136,12 @@ pub async fn serve(
     });
     let metrics = metrics::Metrics::new().map_err(|e| startup(e.to_string()))?;
     let queues = mesh::Members::follow(&ctx.discovery, "queue", ctx.shutdown.clone()).await?;
-    let workers = mesh::Members::follow(&ctx.discovery, "decode", ctx.shutdown.clone()).await?;
+    let workers = mesh::Members::follow(
+        &ctx.discovery,
+        sluice_runtime::discovery::WorkerRole::Decode.as_str(),
+        ctx.shutdown.clone(),
+    )
+    .await?;
     let routers = mesh::Members::follow(&ctx.discovery, "router", ctx.shutdown.clone()).await?;
     let pipeline = Arc::new(pipeline::Pipeline {
         model: model.name(),

@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::RwLock;
+use sluice_runtime::discovery::WorkerInfo;
 use sluice_runtime::grpc::TracedChannel;
 use sluice_runtime::{Discovery, DiscoveryEvent, Instance, Security, Shutdown};
 
@@ -76,23 +77,32 @@ impl Members {
             .count()
     }
 
-    /// Every value of metadata `key` among instances serving `model`.
-    pub(crate) fn metas<T: std::str::FromStr>(&self, model: &str, key: &str) -> Vec<T> {
+    /// `fact` of every worker serving `model` that says it (see
+    /// [`WorkerInfo`]).
+    pub(crate) fn worker_facts<T>(
+        &self,
+        model: &str,
+        fact: impl Fn(&WorkerInfo) -> Option<T>,
+    ) -> Vec<T> {
         self.instances
             .read()
             .values()
             .filter(|i| model.is_empty() || i.model == model)
-            .filter_map(|i| i.metadata.get(key)?.parse().ok())
+            .filter_map(|i| fact(i.worker.as_ref()?))
             .collect()
     }
 
-    /// The first value of metadata `key` among instances serving `model`.
-    pub(crate) fn meta<T: std::str::FromStr>(&self, model: &str, key: &str) -> Option<T> {
+    /// `fact` of the first worker serving `model` that says it.
+    pub(crate) fn worker_fact<T>(
+        &self,
+        model: &str,
+        fact: impl Fn(&WorkerInfo) -> Option<T>,
+    ) -> Option<T> {
         self.instances
             .read()
             .values()
             .filter(|i| model.is_empty() || i.model == model)
-            .find_map(|i| i.metadata.get(key)?.parse().ok())
+            .find_map(|i| fact(i.worker.as_ref()?))
     }
 
     /// One instance not in `tried`, round-robin, passing over suspects

@@ -232,7 +232,7 @@ impl Pipeline {
     /// The block size the workers for this model use.
     fn block_size(&self) -> usize {
         self.workers
-            .meta(&self.model, "block_size")
+            .worker_fact(&self.model, |w| Some(w.block_size as usize))
             .unwrap_or(DEFAULT_BLOCK_SIZE)
     }
 
@@ -251,8 +251,10 @@ impl Pipeline {
     /// The context a prompt must fit, output included (see
     /// [`crate::prompt::PromptLimits::context`]).
     fn context_len(&self) -> Option<usize> {
-        self.prompt_limits
-            .context(self.workers.metas::<usize>(&self.model, "max_model_len"))
+        self.prompt_limits.context(
+            self.workers
+                .worker_facts(&self.model, |w| Some(w.max_model_len? as usize)),
+        )
     }
 
     /// Checks the model and the prompt's size, renders the template,

@@ -217,7 +217,7 @@ impl PrefillHandler for Handler {
                 }),
             cached_tokens: out.cached_tokens as u32,
             blocks_written: written,
-            transport: transport.as_str().into(),
+            transport: transport.to_pb() as i32,
             worker_id: core.id.clone(),
         })
     }
@@ -241,7 +241,7 @@ pub async fn serve_with(
     ctx: ServiceContext,
     prefiller: Prefiller,
 ) -> Result<(), WorkerError> {
-    let id = sluice_runtime::discovery::instance_id("prefill");
+    let id = sluice_runtime::discovery::instance_id(Role::Prefill.as_str());
     let core = sluice_decode::build_core(&args, &model, Role::Prefill, id)?;
     #[cfg(not(feature = "fault-injection"))]
     let Prefiller {} = prefiller;

@@ -40,7 +40,7 @@ pub enum Policy {
 }
 
 impl Policy {
-    /// The name used on the command line and in `Stats`.
+    /// The name used on the command line and in logs.
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Fcfs => "fcfs",
@@ -48,6 +48,18 @@ impl Policy {
             Self::Strict => "strict",
             Self::Wfq => "wfq",
             Self::Fair => "fair",
+        }
+    }
+
+    /// The wire enum (`StatsResponse.policy`).
+    pub fn to_pb(self) -> sluice_proto::queue::v1::QueuePolicy {
+        use sluice_proto::queue::v1::QueuePolicy as Pb;
+        match self {
+            Self::Fcfs => Pb::Fcfs,
+            Self::Wspt => Pb::Wspt,
+            Self::Strict => Pb::Strict,
+            Self::Wfq => Pb::Wfq,
+            Self::Fair => Pb::Fair,
         }
     }
 }

@@ -141,18 +141,15 @@ impl From<router_pb::LoadView> for LoadView {
             .workers
             .into_iter()
             .map(|w| {
-                let role = match w.role.as_str() {
-                    "prefill" => WorkerRole::Prefill,
-                    "decode" => WorkerRole::Decode,
-                    "aggregated" => WorkerRole::Aggregated,
-                    other => {
-                        tracing::debug!(
-                            role = other,
-                            "unknown worker role; counting it as aggregated"
-                        );
-                        WorkerRole::Aggregated
-                    }
-                };
+                // UNSPECIFIED (or a role this build does not know) counts as
+                // aggregated: the worker takes any request.
+                let role = WorkerRole::from_pb(w.role).unwrap_or_else(|| {
+                    tracing::debug!(
+                        role = w.role,
+                        "unspecified or unknown worker role; counting it as aggregated"
+                    );
+                    WorkerRole::Aggregated
+                });
                 WorkerLoad {
                     target: w.target.map(Target::from).unwrap_or_else(|| Target {
                         worker_id: String::new(),
@@ -175,7 +172,7 @@ impl From<router_pb::LoadView> for LoadView {
 pub(crate) fn stats_response(args: &Args, stats: QueueStats) -> pb::StatsResponse {
     let saturate = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
     pb::StatsResponse {
-        policy: args.queue_policy.as_str().to_owned(),
+        policy: args.queue_policy.to_pb() as i32,
         threshold: args.queue_threshold.unwrap_or(-1.0),
         max_pending: saturate(args.max_pending),
         max_pending_per_tenant: saturate(args.max_pending_per_tenant),
@@ -199,6 +196,7 @@ pub(crate) fn stats_response(args: &Args, stats: QueueStats) -> pb::StatsRespons
 #[cfg(test)]
 mod tests {
     use super::*;
+    use sluice_proto::worker::v1 as worker_pb;
 
     fn open() -> pb::AdmitOpen {
         pb::AdmitOpen {
@@ -303,7 +301,7 @@ mod tests {
                     endpoint: "10.0.0.1:5".into(),
                 }),
                 model: "m".into(),
-                role: "prefill".into(),
+                role: worker_pb::WorkerRole::Prefill as i32,
                 active_prefill_tokens: 7,
                 max_num_batched_tokens: 2048,
                 ..Default::default()
@@ -311,6 +309,10 @@ mod tests {
         });
         let w = &view.workers[0];
         assert_eq!(w.role, WorkerRole::Prefill);
+        let unspecified = LoadView::from(router_pb::LoadView {
+            workers: vec![router_pb::WorkerLoad::default()],
+        });
+        assert_eq!(unspecified.workers[0].role, WorkerRole::Aggregated);
         assert_eq!(w.target.dp_rank, 1);
         assert_eq!(w.active_prefill_tokens, 7);
     }

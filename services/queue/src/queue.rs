@@ -265,16 +265,9 @@ pub enum TicketEvent {
     Granted(Grant),
 }
 
-/// A worker's role as the router reports it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum WorkerRole {
-    /// Decode worker (disaggregated).
-    Decode,
-    /// Prefill worker (disaggregated).
-    Prefill,
-    /// Prefill and decode in one worker.
-    Aggregated,
-}
+/// A worker's role as the router reports it (the one its discovery entry
+/// publishes).
+pub use sluice_runtime::discovery::WorkerRole;
 
 /// One worker rank's load, from the router's `WatchLoad`.
 #[derive(Debug, Clone, PartialEq, Eq)]

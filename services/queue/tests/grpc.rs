@@ -15,6 +15,7 @@ use sluice_proto::queue::v1 as pb;
 use sluice_proto::queue::v1::queue_client::QueueClient;
 use sluice_proto::router::v1 as router_pb;
 use sluice_proto::router::v1::router_server::{Router, RouterServer};
+use sluice_proto::worker::v1::WorkerRole;
 use sluice_runtime::discovery::MemoryDiscovery;
 use sluice_runtime::{Discovery, Instance, Registration, ServiceContext, Shutdown};
 use tokio::net::TcpListener;
@@ -50,7 +51,7 @@ impl TestRouter {
         router_pb::RouteResponse {
             target: Some(target.clone()),
             overlap_blocks: u32::try_from(req.block_hashes.len()).unwrap_or(0),
-            mode: "test".into(),
+            mode: router_pb::RouterMode::Kv as i32,
             candidates: Vec::new(),
             placement: req.commit.then(|| router_pb::Placement {
                 placement_id: req.placement_id,
@@ -135,7 +136,7 @@ impl Router for TestRouter {
     }
 }
 
-fn worker(id: &str, role: &str, active: u64) -> router_pb::WorkerLoad {
+fn worker(id: &str, role: WorkerRole, active: u64) -> router_pb::WorkerLoad {
     router_pb::WorkerLoad {
         target: Some(router_pb::Target {
             worker_id: id.into(),
@@ -143,7 +144,7 @@ fn worker(id: &str, role: &str, active: u64) -> router_pb::WorkerLoad {
             endpoint: format!("{id}.local:1"),
         }),
         model: "m".into(),
-        role: role.into(),
+        role: role as i32,
         active_prefill_tokens: active,
         max_num_batched_tokens: 100,
         ..Default::default()
@@ -360,7 +361,7 @@ fn done() -> pb::AdmitRequest {
 async fn grant_then_done_releases_the_slot_for_the_held_request() -> anyhow::Result<()> {
     let mesh = Mesh::start(
         &["--max-active", "1"],
-        view(vec![worker("w0", "aggregated", 0)]),
+        view(vec![worker("w0", WorkerRole::Aggregated, 0)]),
     )
     .await?;
     let (a_tx, mut a) = mesh.admit(open("a", 0)).await?;
@@ -427,14 +428,14 @@ async fn grant_then_done_releases_the_slot_for_the_held_request() -> anyhow::Res
 async fn threshold_holds_on_the_routers_load_and_releases_when_it_drops() -> anyhow::Result<()> {
     let mesh = Mesh::start(
         &["--queue-threshold", "0.5"],
-        view(vec![worker("w0", "aggregated", 1000)]),
+        view(vec![worker("w0", WorkerRole::Aggregated, 1000)]),
     )
     .await?;
     let mut held = mesh.admit_held("held", 3).await?;
     assert_eq!(held.status.reason, "all workers above threshold");
     assert_eq!((held.status.position, held.status.pending), (0, 1));
     let stats = mesh.stats().await?;
-    assert_eq!(stats.policy, "fcfs");
+    assert_eq!(stats.policy(), pb::QueuePolicy::Fcfs);
     assert_eq!(stats.threshold, 0.5);
     assert_eq!(stats.pending, 1);
     assert_eq!(stats.tiers.len(), 1);
@@ -445,7 +446,8 @@ async fn threshold_holds_on_the_routers_load_and_releases_when_it_drops() -> any
         "nothing placed while held"
     );
 
-    mesh.load.send(view(vec![worker("w0", "aggregated", 0)]))?;
+    mesh.load
+        .send(view(vec![worker("w0", WorkerRole::Aggregated, 0)]))?;
     let pb::admit_response::Msg::Grant(grant) = next_msg(&mut held.stream).await? else {
         anyhow::bail!("not granted after load dropped");
     };
@@ -459,7 +461,10 @@ async fn threshold_holds_on_the_routers_load_and_releases_when_it_drops() -> any
 async fn prefill_pool_adds_a_prefill_placement() -> anyhow::Result<()> {
     let mesh = Mesh::start(
         &[],
-        view(vec![worker("w0", "decode", 0), worker("p0", "prefill", 0)]),
+        view(vec![
+            worker("w0", WorkerRole::Decode, 0),
+            worker("p0", WorkerRole::Prefill, 0),
+        ]),
     )
     .await?;
     // The placer learns the prefill pool from the load view; poll until it has.
@@ -491,7 +496,7 @@ async fn overload_yields_resource_exhausted() -> anyhow::Result<()> {
             "--shed-protect-fraction",
             "0",
         ],
-        view(vec![worker("w0", "aggregated", 1000)]),
+        view(vec![worker("w0", WorkerRole::Aggregated, 1000)]),
     )
     .await?;
     let _first = mesh.admit_held("first", 0).await?;
@@ -509,7 +514,7 @@ async fn a_tenant_over_its_token_quota_is_refused_with_retry_after_metadata() ->
     let path = file.to_str().context("utf-8 path")?;
     let mesh = Mesh::start(
         &["--tenant-limits", path],
-        view(vec![worker("w0", "aggregated", 0)]),
+        view(vec![worker("w0", WorkerRole::Aggregated, 0)]),
     )
     .await?;
     let acme = |id: &str| pb::AdmitOpen {
@@ -590,14 +595,15 @@ async fn malformed_open_is_invalid_argument_naming_the_field() -> anyhow::Result
 async fn held_request_whose_client_disconnects_never_reaches_the_router() -> anyhow::Result<()> {
     let mesh = Mesh::start(
         &["--queue-threshold", "0.5"],
-        view(vec![worker("w0", "aggregated", 1000)]),
+        view(vec![worker("w0", WorkerRole::Aggregated, 1000)]),
     )
     .await?;
     let gone = mesh.admit_held("gone", 0).await?;
     let gone_id = gone.id.clone();
     drop(gone);
     mesh.eventually(|s| s.pending == 0).await?;
-    mesh.load.send(view(vec![worker("w0", "aggregated", 0)]))?;
+    mesh.load
+        .send(view(vec![worker("w0", WorkerRole::Aggregated, 0)]))?;
     let (_tx, mut next) = mesh.admit(open("next", 0)).await?;
     // The new load view may reach the queue after this request: it can be
     // held for a moment first, then granted.
@@ -617,7 +623,7 @@ async fn held_request_whose_client_disconnects_never_reaches_the_router() -> any
 #[tokio::test]
 async fn metrics_are_served_on_the_grpc_port() -> anyhow::Result<()> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mesh = Mesh::start(&[], view(vec![worker("w0", "aggregated", 0)])).await?;
+    let mesh = Mesh::start(&[], view(vec![worker("w0", WorkerRole::Aggregated, 0)])).await?;
     let (tx, mut stream) = mesh.admit(open("counted", 2)).await?;
     let pb::admit_response::Msg::Grant(_) = next_msg(&mut stream).await? else {
         anyhow::bail!("not granted");
@@ -653,8 +659,11 @@ async fn a_request_placed_before_any_router_is_known_waits_for_one() -> anyhow::
     .await?;
     let (_tx, mut stream) = mesh.admit(open("early", 0)).await?;
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let (_load, routes, _events, _registration) =
-        start_router(&discovery, view(vec![worker("w0", "aggregated", 0)])).await?;
+    let (_load, routes, _events, _registration) = start_router(
+        &discovery,
+        view(vec![worker("w0", WorkerRole::Aggregated, 0)]),
+    )
+    .await?;
     let pb::admit_response::Msg::Grant(grant) = next_msg(&mut stream).await? else {
         anyhow::bail!("not granted once a router appeared");
     };
@@ -688,7 +697,7 @@ async fn wait_events(events: &Events, want: &[&str]) -> anyhow::Result<()> {
 #[tokio::test]
 async fn every_router_hears_each_placement_its_start_and_its_end() -> anyhow::Result<()> {
     let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new("default"));
-    let idle = view(vec![worker("w0", "aggregated", 0)]);
+    let idle = view(vec![worker("w0", WorkerRole::Aggregated, 0)]);
     let (load, routes_a, events_a, reg_a) = start_router(&discovery, idle.clone()).await?;
     let (_load_b, routes_b, events_b, _reg_b) = start_router(&discovery, idle).await?;
     let mesh = Mesh::start_queue(

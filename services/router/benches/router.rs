@@ -125,7 +125,7 @@ fn run(workers: usize, entries: usize, queries: usize, seed: u64) -> Row {
                 target: Target::new(format!("worker-{w}"), 0),
                 endpoint: format!("10.0.0.{w}:9000"),
                 model: "m".into(),
-                role: "decode".into(),
+                role: sluice_runtime::discovery::WorkerRole::Decode,
             })
         })
         .collect();

@@ -245,7 +245,7 @@ async fn replay(mode: Mode, reqs: &[TraceRequest]) -> Vec<Outcome> {
             target: target(i),
             endpoint: format!("w{i}"),
             model: String::new(),
-            role: "decode".into(),
+            role: sluice_runtime::discovery::WorkerRole::Decode,
         });
     }
     let stop = tokio_util::sync::CancellationToken::new();

@@ -145,7 +145,7 @@ pub(crate) fn route_response(kind: PoolKind, d: &Decision) -> pb::RouteResponse 
     pb::RouteResponse {
         target: Some(target(&chosen.target, &chosen.endpoint)),
         overlap_blocks: chosen.terms.overlap_blocks,
-        mode: d.mode.as_str().to_owned(),
+        mode: d.mode.to_pb() as i32,
         candidates: d.candidates.iter().map(candidate).collect(),
         placement: d
             .placement
@@ -159,7 +159,7 @@ pub(crate) fn worker_load(m: &MemberLoad) -> pb::WorkerLoad {
     pb::WorkerLoad {
         target: Some(target(&m.info.target, &m.info.endpoint)),
         model: m.info.model.clone(),
-        role: m.info.role.clone(),
+        role: m.info.role.to_pb() as i32,
         active_prefill_tokens: m.load.active_prefill_tokens,
         active_decode_blocks: m.load.active_decode_blocks,
         running: m.load.report.running,

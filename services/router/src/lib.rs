@@ -135,9 +135,7 @@ pub async fn serve(
     let server = GrpcServer::new()?
         .add_service(RouterServer::new(svc))
         .with_metrics(vec![metrics.registry().clone()]);
-    let instance = ctx
-        .instance(COMPONENT, &listener)?
-        .with_meta("router_mode", args.router_mode.as_str());
+    let instance = ctx.instance(COMPONENT, &listener)?;
     let result = ctx.run(server, listener, instance).await;
     background.cancel();
     tracker.close();

@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Mutex, RwLock};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
+use sluice_runtime::discovery::WorkerRole;
 
 use crate::approx::ApproxIndex;
 use crate::error::RouterError;
@@ -45,9 +46,14 @@ pub enum PoolKind {
 impl PoolKind {
     /// The discovery component name of the pool's workers.
     pub fn component(self) -> &'static str {
+        self.role().as_str()
+    }
+
+    /// The role of a worker in this pool that does not say its own.
+    pub fn role(self) -> WorkerRole {
         match self {
-            PoolKind::Decode => "decode",
-            PoolKind::Prefill => "prefill",
+            PoolKind::Decode => WorkerRole::Decode,
+            PoolKind::Prefill => WorkerRole::Prefill,
         }
     }
 }
@@ -155,8 +161,8 @@ pub struct MemberInfo {
     pub endpoint: String,
     /// Model served ("" = any).
     pub model: String,
-    /// "decode", "prefill" or "aggregated".
-    pub role: String,
+    /// What the worker does (its discovery entry says).
+    pub role: WorkerRole,
 }
 
 struct Member {
@@ -820,7 +826,7 @@ mod tests {
             target: target(i),
             endpoint: format!("127.0.0.1:{}", 9000 + i),
             model: "m".into(),
-            role: "decode".into(),
+            role: sluice_runtime::discovery::WorkerRole::Decode,
         }
     }
 

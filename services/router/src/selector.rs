@@ -59,6 +59,18 @@ impl RouterMode {
             RouterMode::Approx => "approx",
         }
     }
+
+    /// The wire enum (`RouteResponse.mode`).
+    pub fn to_pb(self) -> sluice_proto::router::v1::RouterMode {
+        use sluice_proto::router::v1::RouterMode as Pb;
+        match self {
+            RouterMode::Kv => Pb::Kv,
+            RouterMode::RoundRobin => Pb::RoundRobin,
+            RouterMode::Random => Pb::Random,
+            RouterMode::LeastLoaded => Pb::LeastLoaded,
+            RouterMode::Approx => Pb::Approx,
+        }
+    }
 }
 
 impl std::fmt::Display for RouterMode {

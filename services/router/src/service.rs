@@ -453,7 +453,7 @@ mod tests {
                 target: Target::new(format!("w{i}"), 0),
                 endpoint: format!("127.0.0.1:{i}"),
                 model: "m".into(),
-                role: "decode".into(),
+                role: sluice_runtime::discovery::WorkerRole::Decode,
             });
         }
         let hashes = vec![11u64, 12, 13];

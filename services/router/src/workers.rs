@@ -1,8 +1,8 @@
 //! Keeps the pools in step with the workers out there.
 //!
 //! Watches discovery for the `decode` and `prefill` components. For each
-//! instance it runs one task per data-parallel rank (metadata `dp_size`,
-//! default 1) that takes a `KvSnapshot`, applies it, then follows
+//! instance it runs one task per data-parallel rank (its discovery entry's
+//! `dp_size`, default 1) that takes a `KvSnapshot`, applies it, then follows
 //! `SubscribeKvEvents` from the snapshot's sequence number, applying events
 //! in order; a gap, a `snapshot_required` batch, or a broken stream sends it
 //! back to the snapshot (a resync). One more task per instance follows its
@@ -40,7 +40,7 @@ use crate::selector::RouterMode;
 
 const BACKOFF_START: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
-/// Largest data-parallel size accepted from metadata.
+/// Largest data-parallel size accepted from a discovery entry.
 const MAX_DP_SIZE: u32 = 1024;
 
 /// How the worker tasks behave.
@@ -179,24 +179,19 @@ pub(crate) async fn start(
 
 /// The data-parallel size an instance advertises (`dp_size`, default 1).
 pub(crate) fn dp_size(inst: &Instance) -> u32 {
-    inst.metadata
-        .get("dp_size")
-        .or_else(|| inst.metadata.get("data_parallel_size"))
-        .and_then(|v| v.parse::<u32>().ok())
-        .unwrap_or(1)
+    inst.worker
+        .as_ref()
+        .map_or(1, |w| w.dp_size)
         .clamp(1, MAX_DP_SIZE)
 }
 
-fn member_info(inst: &Instance, rank: u32) -> MemberInfo {
+fn member_info(inst: &Instance, kind: PoolKind, rank: u32) -> MemberInfo {
     MemberInfo {
         target: Target::new(inst.id.as_str(), rank),
         endpoint: inst.endpoint.clone(),
         model: inst.model.clone(),
-        role: inst
-            .metadata
-            .get("role")
-            .cloned()
-            .unwrap_or_else(|| inst.component.clone()),
+        // An entry without worker facts has its pool's role.
+        role: inst.worker.as_ref().map_or(kind.role(), |w| w.role),
     }
 }
 
@@ -276,7 +271,7 @@ fn spawn_instance(ctx: &Ctx, inst: &Instance, token: CancellationToken) -> Resul
             .expect(ctx.kind, Target::new(inst.id.as_str(), rank));
         ctx.tracker.spawn(rank_task(
             ctx.clone(),
-            member_info(inst, rank),
+            member_info(inst, ctx.kind, rank),
             client.clone(),
             token.clone(),
         ));
@@ -513,14 +508,29 @@ async fn sleep_or_cancel(d: Duration, token: &CancellationToken) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use sluice_runtime::discovery::{WorkerInfo, WorkerRole};
 
     #[test]
-    fn dp_size_reads_metadata_and_defaults_to_one() {
+    fn dp_size_and_role_come_from_the_worker_info_with_defaults() {
         let i = Instance::new("decode", "127.0.0.1:1");
         assert_eq!(dp_size(&i), 1);
-        assert_eq!(dp_size(&i.clone().with_meta("dp_size", 4)), 4);
-        assert_eq!(dp_size(&i.clone().with_meta("dp_size", "x")), 1);
-        assert_eq!(dp_size(&i.with_meta("dp_size", 0)), 1);
+        assert_eq!(
+            member_info(&i, PoolKind::Prefill, 0).role,
+            WorkerRole::Prefill
+        );
+        let with = |dp_size| {
+            i.clone().with_worker(WorkerInfo {
+                dp_size,
+                ..WorkerInfo::new(WorkerRole::Aggregated, 16)
+            })
+        };
+        assert_eq!(dp_size(&with(4)), 4);
+        assert_eq!(dp_size(&with(0)), 1);
+        assert_eq!(dp_size(&with(u32::MAX)), MAX_DP_SIZE);
+        assert_eq!(
+            member_info(&with(2), PoolKind::Decode, 1).role,
+            WorkerRole::Aggregated
+        );
     }
 
     #[tokio::test]

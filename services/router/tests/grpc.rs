@@ -15,7 +15,7 @@ use sluice_proto::router::v1::router_client::RouterClient;
 use sluice_proto::worker::v1 as wpb;
 use sluice_proto::worker::v1::worker_server::{Worker, WorkerServer};
 use sluice_router::{Args, RouterMode};
-use sluice_runtime::discovery::MemoryDiscovery;
+use sluice_runtime::discovery::{MemoryDiscovery, WorkerInfo, WorkerRole};
 use sluice_runtime::{Discovery, Instance, Registration, ServiceContext, Shutdown};
 use sluice_tokens::sequence_block_hashes;
 use tokio::net::TcpListener;
@@ -257,8 +257,7 @@ async fn start_worker(discovery: &Arc<dyn Discovery>) -> Result<RunningWorker> {
     tokio::spawn(server);
     let instance = Instance::new("decode", addr.to_string())
         .with_model("m")
-        .with_meta("role", "decode")
-        .with_meta("block_size", BS);
+        .with_worker(WorkerInfo::new(WorkerRole::Decode, BS));
     let id = instance.id.clone();
     let registration = discovery.register(instance, 5).await?;
     Ok(RunningWorker {
@@ -414,7 +413,7 @@ async fn routes_to_the_prefix_holder_resyncs_on_gaps_and_forgets_departed_worker
     let (h, tokens) = prompt(1, 8);
     a.fake.store(&h[..6]);
     let r = wait_overlap(&mut client, &h, tokens, &a.id, 6).await?;
-    assert_eq!(r.mode, "kv");
+    assert_eq!(r.mode(), pb::RouterMode::Kv);
     assert_eq!(r.candidates.len(), 2);
     let other = r
         .candidates
@@ -544,7 +543,7 @@ async fn watch_load_sends_a_view_then_one_per_report_and_bad_requests_are_invali
             assert_eq!(v.workers[0].active_decode_blocks, 42);
             assert_eq!(v.workers[0].active_prefill_tokens, 7);
             assert_eq!(v.workers[0].unplaced_requests, 3);
-            assert_eq!(v.workers[0].role, "decode");
+            assert_eq!(v.workers[0].role(), wpb::WorkerRole::Decode);
             break;
         }
     }
@@ -609,7 +608,7 @@ async fn approx_mode_routes_repeats_of_a_prompt_to_the_same_worker() -> Result<(
     let mut first = Vec::new();
     for (h, t) in &prompts {
         let r = client.route(route_req(h, *t, true)).await?.into_inner();
-        assert_eq!(r.mode, "approx");
+        assert_eq!(r.mode(), pb::RouterMode::Approx);
         first.push(chosen(&r).to_owned());
     }
     for round in 0..3 {

@@ -7,12 +7,22 @@
 //! distributed mesh, `memory` for everything in one process (`sluice up`).
 //! A malformed entry is logged and skipped, never a panic.
 //!
+//! # The entry
+//!
+//! A JSON envelope (`id`, `component`, `endpoint`, `model`, `leaving`) that
+//! every member kind writes; a worker adds `worker`, its [`WorkerInfo`] as
+//! one encoded `sluice.worker.v1.WorkerInfo` message (base64). It is
+//! encoded once at registration and decoded and checked once when the
+//! entry is read; an entry whose `worker` does not decode or check is
+//! malformed.
+//!
 //! # Leaving and losing a lease are told apart
 //!
-//! An owner that deregisters marks its entry as leaving ([`LEAVING`]) before
-//! it removes it: watchers drop it at once. An entry that disappears without
-//! that mark lost its lease — its owner crashed, or etcd paused or was cut
-//! off long enough for every lease to expire while their owners are fine.
+//! An owner that deregisters marks its entry as leaving
+//! ([`Instance::leaving`]) before it removes it: watchers drop it at once.
+//! An entry that disappears without that mark lost its lease — its owner
+//! crashed, or etcd paused or was cut off long enough for every lease to
+//! expire while their owners are fine.
 //! A watch keeps such a member in its view for a grace period
 //! (`--discovery-grace`) and forgets it only if it has not registered again
 //! (same id, same entry) by then; a re-registration within the grace period
@@ -21,8 +31,8 @@
 
 mod etcd;
 mod memory;
+mod worker;
 
-use std::collections::BTreeMap;
 use std::fmt::Debug;
 use std::sync::Arc;
 
@@ -35,6 +45,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use etcd::EtcdDiscovery;
 pub use memory::MemoryDiscovery;
+pub use worker::{EngineBackend, WorkerInfo, WorkerInfoError, WorkerRole};
 
 use crate::{CommonArgs, RuntimeError};
 
@@ -50,9 +61,18 @@ pub struct Instance {
     /// Model served, for workers; empty for control-plane services.
     #[serde(default)]
     pub model: String,
-    /// Free-form facts (role, block size, KV transports, data-parallel size).
-    #[serde(default)]
-    pub metadata: BTreeMap<String, String>,
+    /// A worker's facts (role, block size, ranks, limits, KV transports);
+    /// `None` for other members.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        with = "worker::base64_pb"
+    )]
+    pub worker: Option<WorkerInfo>,
+    /// Set by the owner on its entry just before removing it: the member is
+    /// leaving (not lost), so watchers drop it without a grace period.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub leaving: bool,
 }
 
 impl Instance {
@@ -67,7 +87,8 @@ impl Instance {
             component: component.into(),
             endpoint: endpoint.into(),
             model: String::new(),
-            metadata: BTreeMap::new(),
+            worker: None,
+            leaving: false,
         }
     }
 
@@ -77,9 +98,9 @@ impl Instance {
         self
     }
 
-    /// Adds one metadata entry.
-    pub fn with_meta(mut self, key: &str, value: impl ToString) -> Self {
-        self.metadata.insert(key.into(), value.to_string());
+    /// Sets the worker's facts.
+    pub fn with_worker(mut self, info: WorkerInfo) -> Self {
+        self.worker = Some(info);
         self
     }
 }
@@ -197,17 +218,6 @@ pub async fn from_args(
                 .with_grace(args.grace()),
         )),
         None => Ok(fallback.unwrap_or_else(|| Arc::new(MemoryDiscovery::new(&args.namespace)))),
-    }
-}
-
-/// Metadata key an owner sets on its entry just before removing it: the
-/// member is leaving (not lost), so watchers drop it without a grace period.
-pub const LEAVING: &str = "sluice.leaving";
-
-impl Instance {
-    /// Whether the entry is marked as leaving ([`LEAVING`]).
-    pub fn is_leaving(&self) -> bool {
-        self.metadata.contains_key(LEAVING)
     }
 }
 

@@ -152,7 +152,7 @@ async fn round_trip_on(e: EngineHandle, kind: TransportKind, sender: &dyn KvSend
         .await
         .expect("written");
     assert_eq!(sent, 5);
-    assert_eq!(exp.finish(kind.as_str()).await.expect("finished"), 5);
+    assert_eq!(exp.finish(kind).await.expect("finished"), 5);
     let back = e.read_blocks(ids).await.expect("read back");
     assert_eq!(
         back,
@@ -204,11 +204,7 @@ async fn shm_and_tcp_send_straight_from_the_senders_kv_memory() {
             .expect("written");
         assert_eq!(n, 4);
         let case = format!("{kind} checksums {checksums}");
-        assert_eq!(
-            exp.finish(kind.as_str()).await.expect("complete"),
-            4,
-            "{case}"
-        );
+        assert_eq!(exp.finish(kind).await.expect("complete"), 4, "{case}");
         let back = dst.read_blocks(ids).await.expect("read back");
         assert_eq!(
             back,
@@ -303,7 +299,10 @@ async fn shm_refuses_a_checksum_mismatch_when_asked_to_check() {
         .write(&r, "bad", blocks)
         .await
         .expect("one-sided writes are not checked by the writer");
-    let err = exp.finish("shm").await.expect_err("refused on completion");
+    let err = exp
+        .finish(TransportKind::Shm)
+        .await
+        .expect_err("refused on completion");
     assert!(err.to_string().contains("checksum mismatch"), "{err}");
     assert_eq!(exp.written(), 0);
 }
@@ -324,7 +323,7 @@ async fn shm_without_checksums_asks_for_none_and_completes_unchecked_blocks() {
         .write(&r, "fast", blocks.clone())
         .await
         .expect("written");
-    assert_eq!(exp.finish("shm").await.expect("complete"), 2);
+    assert_eq!(exp.finish(TransportKind::Shm).await.expect("complete"), 2);
     let back = e.read_blocks(ids).await.expect("read back");
     assert_eq!(back, blocks.into_iter().map(|b| b.data).collect::<Vec<_>>());
 }
@@ -348,13 +347,16 @@ async fn shm_never_passes_stale_bytes_of_an_earlier_transfer() {
             )
             .await
             .expect("written");
-        assert_eq!(exp.finish("shm").await.expect("checked"), 2);
+        assert_eq!(exp.finish(TransportKind::Shm).await.expect("checked"), 2);
     }
     // The same blocks are armed again; nothing is written this time.
     let (exp, _) = receiver
         .expect("second", e.clone(), slot.id(), ids.clone(), true)
         .expect("registered");
-    let err = exp.finish("shm").await.expect_err("nothing was written");
+    let err = exp
+        .finish(TransportKind::Shm)
+        .await
+        .expect_err("nothing was written");
     assert!(err.to_string().contains("not written"), "{err}");
 }
 

@@ -13,8 +13,8 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    Discovery, DiscoveryEvent, Instance, LEAVING, Registration, Seen, Watch, component_prefix,
-    instance_key, parse_entry, settle,
+    Discovery, DiscoveryEvent, Instance, Registration, Seen, Watch, component_prefix, instance_key,
+    parse_entry, settle,
 };
 use crate::RuntimeError;
 
@@ -136,7 +136,7 @@ impl EtcdDiscovery {
         for kv in resp.kvs() {
             let key = String::from_utf8_lossy(kv.key()).into_owned();
             if let Some(i) = parse_entry(&key, kv.value())
-                && !i.is_leaving()
+                && !i.leaving
             {
                 out.insert(id_from_key(&key).to_string(), i);
             }
@@ -194,9 +194,17 @@ impl Discovery for EtcdDiscovery {
         ttl_secs: u32,
     ) -> Result<Registration, RuntimeError> {
         let key = instance_key(&self.namespace, &instance.component, &instance.id);
-        let value = serde_json::to_string(&instance).map_err(|source| RuntimeError::BadEntry {
-            key: key.clone(),
-            source,
+        // Encoded once, with the leaving mark written before revoking.
+        let encode = |i: &Instance| {
+            serde_json::to_string(i).map_err(|source| RuntimeError::BadEntry {
+                key: key.clone(),
+                source,
+            })
+        };
+        let value = encode(&instance)?;
+        let leaving_value = encode(&Instance {
+            leaving: true,
+            ..instance.clone()
         })?;
         let ttl = ttl_secs.max(1);
         let mut lease = self
@@ -207,9 +215,7 @@ impl Discovery for EtcdDiscovery {
         let (done_tx, done_rx) = oneshot::channel();
         let this = self.clone();
         let token = stop.clone();
-        let registered = instance.clone();
         tokio::spawn(async move {
-            let instance = registered;
             loop {
                 if this.keep_alive(lease, ttl, &token).await {
                     break;
@@ -233,16 +239,9 @@ impl Discovery for EtcdDiscovery {
             let mut c = this.client.clone();
             // Marked first, so watchers drop it at once instead of waiting
             // for it to come back as they do for a lost lease.
-            let mut leaving = instance.clone();
-            leaving.metadata.insert(LEAVING.into(), "1".into());
-            match serde_json::to_string(&leaving) {
-                Ok(v) => {
-                    let opts = PutOptions::new().with_lease(lease);
-                    if let Err(e) = c.put(key.as_str(), v, Some(opts)).await {
-                        tracing::debug!(error = %e, %key, "marking the entry as leaving");
-                    }
-                }
-                Err(e) => tracing::debug!(error = %e, %key, "marking the entry as leaving"),
+            let opts = PutOptions::new().with_lease(lease);
+            if let Err(e) = c.put(key.as_str(), leaving_value, Some(opts)).await {
+                tracing::debug!(error = %e, %key, "marking the entry as leaving");
             }
             if let Err(e) = c.lease_revoke(lease).await {
                 tracing::debug!(error = %e, %key, "revoking lease; it will expire");
@@ -342,7 +341,7 @@ impl Discovery for EtcdDiscovery {
                         let id = id_from_key(&key).to_string();
                         let out = match ev.event_type() {
                             EventType::Put => match parse_entry(&key, kv.value()) {
-                                Some(i) if i.is_leaving() => {
+                                Some(i) if i.leaving => {
                                     if known.remove(&id).is_none() {
                                         continue;
                                     }
