@@ -11,6 +11,8 @@ mod args;
 mod convert;
 pub mod disagg;
 mod error;
+#[cfg(feature = "fault-injection")]
+pub mod fault;
 mod metrics;
 mod service;
 pub mod transfer;
