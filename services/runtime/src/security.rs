@@ -56,6 +56,13 @@ pub const MESH_TOKEN_HEADER: &str = "x-sluice-mesh-token";
 /// Shortest mesh token accepted, in bytes.
 pub const MIN_TOKEN_LEN: usize = 16;
 
+/// HTTP/2 pings on a mesh channel after this long without a frame from the
+/// peer...
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+/// ...and the connection (with every call on it) fails when a ping goes
+/// unanswered this long.
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(3);
+
 /// TLS, mesh authentication and connection limits; the same flags for every
 /// role and for `sluice up` (flattened into [`crate::CommonArgs`]).
 #[derive(Debug, Clone, clap::Args)]
@@ -457,7 +464,11 @@ impl Security {
         let ep = Endpoint::from_shared(format!("http://{host_port}"))?
             .tcp_nodelay(true)
             .connect_timeout(Duration::from_secs(2))
-            .http2_keep_alive_interval(Duration::from_secs(10))
+            // A peer that stops answering with its connection still open
+            // (hung, SIGSTOPped) fails the calls on it within 8 s, so they
+            // fail over instead of waiting out their deadlines.
+            .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+            .keep_alive_timeout(KEEPALIVE_TIMEOUT)
             .keep_alive_while_idle(true);
         let tls = self.tls.as_ref().filter(|t| t.has_ca()).cloned();
         let mesh = MeshChannel::new(host_port, || match tls {
