@@ -161,7 +161,7 @@ pub async fn serve(
         .map_err(WorkerError::startup("reading the listener's address"))?;
     let endpoint = ctx.common.advertise_addr(bound);
     let receiver = transfer::start_receiver(
-        &transfer::ReceiverConfig::new(&args, endpoint.clone()),
+        &transfer::ReceiverConfig::new(&args, endpoint.clone(), Arc::clone(&ctx.security)),
         bound,
         ctx.shutdown.child_token(),
     )

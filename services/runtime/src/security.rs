@@ -449,6 +449,20 @@ impl Security {
                 .is_some_and(|t| t.matches(req.headers().get(MESH_TOKEN_HEADER)))
     }
 
+    /// The mesh token's bytes, for a side channel that is not gRPC (the
+    /// `tcp` KV transport's hello); `None` without a token.
+    pub fn mesh_token(&self) -> Option<&[u8]> {
+        self.token.as_ref().map(|t| t.value.as_bytes())
+    }
+
+    /// Whether `presented` is the mesh token, compared as a [`Secret`]
+    /// (digested, in full); `false` without a token.
+    pub fn is_mesh_token(&self, presented: &[u8]) -> bool {
+        self.token
+            .as_ref()
+            .is_some_and(|t| t.secret.matches(presented))
+    }
+
     /// The token's header value, for outgoing calls.
     pub(crate) fn token_header(&self) -> Option<HeaderValue> {
         self.token.as_ref().map(|t| t.value.clone())
