@@ -544,10 +544,11 @@ async fn one_of_two_queues_frozen_under_load_fails_no_request() -> anyhow::Resul
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_of_two_routers_frozen_under_load_fails_no_request() -> anyhow::Result<()> {
     let cluster = Cluster::start().await?;
-    // The placement sent to the frozen router waits out the 5 s route
-    // timeout (and the requests placed after it, on the same queue, with
-    // it); then the router is skipped.
-    freeze_one_under_load(&cluster, "router", CLIENTS).await?;
+    // The placements sent to the frozen router wait out the 5 s route
+    // timeout (and requests placed after them, on the same queue, with
+    // them): every client once (6 in every run so far); then the router is
+    // skipped. Twice that leaves room without letting every placement wait.
+    freeze_one_under_load(&cluster, "router", 2 * CLIENTS).await?;
     let mut moved = 0.0;
     for (addr, _) in &cluster.queues {
         moved += sum(
