@@ -39,6 +39,9 @@ K8S_VERSIONS = ["1.29.0", "1.37.0"]
 ROLES = ["frontend", "queue", "router", "decode", "prefill"]
 MODEL_ROLES = {"frontend", "decode", "prefill"}
 WORKER_ROLES = {"decode", "prefill"}
+# Roles that must run as several replicas (no single point of failure: the
+# frontend fails over between queues, queues between routers), and how many.
+REPLICATED_ROLES = {"queue": 2, "router": 2}
 # SLUICE_* variables read outside clap (none today: SLUICE_LOG_FORMAT is
 # the global --log-format flag).
 NON_FLAG_ENV: set[str] = set()
@@ -254,6 +257,7 @@ def check_compose_wiring(compose: Path) -> list[str]:
             errors.append(f"no {required} service")
     sluice = sluice_compose_services(doc)
     seen_roles = set()
+    per_role: dict[str, int] = {}
     advertised: dict[str, str] = {}
     for name, svc in sluice.items():
         cmd = [str(c) for c in svc.get("command") or []]
@@ -267,6 +271,7 @@ def check_compose_wiring(compose: Path) -> list[str]:
             errors.append(f"{name}: unknown role {role}")
             continue
         seen_roles.add(role)
+        per_role[role] = per_role.get(role, 0) + 1
         etcd = cli_value(cmd, "etcd")
         if etcd is None or url_host_port(etcd) != ("etcd", 2379):
             errors.append(f"{name}: --etcd is {etcd!r}, expected http://etcd:2379")
@@ -300,6 +305,9 @@ def check_compose_wiring(compose: Path) -> list[str]:
     missing = set(ROLES) - seen_roles
     if missing:
         errors.append(f"no service runs {sorted(missing)}")
+    for role, want in REPLICATED_ROLES.items():
+        if 0 < per_role.get(role, 0) < want:
+            errors.append(f"{per_role[role]} service(s) run {role}; at least {want} must (failover)")
     return errors
 
 
@@ -418,6 +426,7 @@ def check_wiring(docs: list[dict], expect_gpu: bool | None) -> list[str]:
                 errors.append(f"Service/{name}: targetPort {target} is no container port")
 
     roles_seen = set()
+    replicas: dict[str, int] = {}
     for name, dep in deployments.items():
         for c, init in sluice_containers(dep):
             args = [str(a) for a in c.get("args") or c.get("command") or []]
@@ -431,6 +440,8 @@ def check_wiring(docs: list[dict], expect_gpu: bool | None) -> list[str]:
                 continue
             role = args[0]
             roles_seen.add(role)
+            count = dep["spec"].get("replicas", 1)
+            replicas[role] = replicas.get(role, 0) + (count if isinstance(count, int) else 0)
             env = effective_env(c, configmaps)
             env_list = [e["name"] for e in c.get("env") or []]
             pod_ip = next((e for e in c.get("env") or [] if e["name"] == "POD_IP"), None)
@@ -485,6 +496,9 @@ def check_wiring(docs: list[dict], expect_gpu: bool | None) -> list[str]:
     missing = set(ROLES) - roles_seen
     if missing:
         errors.append(f"no Deployment runs {sorted(missing)}")
+    for role, want in REPLICATED_ROLES.items():
+        if role in roles_seen and replicas.get(role, 0) < want:
+            errors.append(f"{replicas.get(role, 0)} {role} replica(s); at least {want} must run (failover)")
     for required in ("etcd", "jaeger"):
         if required not in deployments or required not in services:
             errors.append(f"no {required} Deployment and Service")
@@ -545,7 +559,7 @@ def main() -> int:
 
     compose = root / "deploy" / "compose.yaml"
     run_check(report, "deploy/compose.yaml: compose-spec schema", lambda: check_compose_schema(compose))
-    run_check(report, "deploy/compose.yaml: etcd, advertise, OTLP, healthchecks, model", lambda: check_compose_wiring(compose))
+    run_check(report, "deploy/compose.yaml: etcd, advertise, OTLP, healthchecks, model, replicas", lambda: check_compose_wiring(compose))
 
     sluice = find_sluice(root, opts.sluice)
     helper = None
@@ -590,7 +604,7 @@ def main() -> int:
         if not run_check(report, f"{rel}: renders", do_render):
             continue
         run_check(report, f"{rel}: kubernetes-validate --strict ({', '.join(K8S_VERSIONS)})", lambda: check_schemas(docs))
-        run_check(report, f"{rel}: selectors, ports, ConfigMaps, probes, advertise, GPU", lambda: check_wiring(docs, EXPECT_GPU.get(d.name)))
+        run_check(report, f"{rel}: selectors, ports, ConfigMaps, probes, advertise, GPU, replicas", lambda: check_wiring(docs, EXPECT_GPU.get(d.name)))
         if helper is not None:
             run_check(report, f"{rel}: every flag and SLUICE_* variable exists", lambda: check_k8s_flags(docs, helper))
 

@@ -32,8 +32,8 @@ MUTATIONS = [
     (
         "an unknown Deployment field",
         "k8s/base/queue.yaml",
-        "  replicas: 1\n",
-        "  replicas: 1\n  replica: 1\n",
+        "  replicas: 2\n",
+        "  replicas: 2\n  replica: 1\n",
         "Additional properties are not allowed",
         False,
     ),
@@ -94,10 +94,41 @@ MUTATIONS = [
         False,
     ),
     (
+        "a single queue replica in Kubernetes",
+        "k8s/base/queue.yaml",
+        "  replicas: 2\n",
+        "  replicas: 1\n",
+        "1 queue replica(s); at least 2 must run",
+        False,
+    ),
+    (
+        "a router scaled down to one by an overlay",
+        "k8s/overlays/mocker/kustomization.yaml",
+        "replicas:\n",
+        "replicas:\n  - name: router\n    count: 1\n",
+        "1 router replica(s); at least 2 must run",
+        False,
+    ),
+    (
+        "a single router service in compose",
+        "compose.yaml",
+        "  router-2:\n"
+        "    <<: *router\n"
+        "    command:\n"
+        "      - router\n"
+        "      - --etcd=http://etcd:2379\n"
+        "      - --listen=0.0.0.0:7001\n"
+        "      - --advertise=router-2:7001\n"
+        "      - --router-mode=kv\n\n",
+        "",
+        "1 service(s) run router; at least 2 must",
+        False,
+    ),
+    (
         "an invented compose flag",
         "compose.yaml",
-        "      - --queue-policy=fcfs\n",
-        "      - --queue-policy=fcfs\n      - --no-such-flag=1\n",
+        "      - --advertise=queue-1:7002\n      - --queue-policy=fcfs\n",
+        "      - --advertise=queue-1:7002\n      - --queue-policy=fcfs\n      - --no-such-flag=1\n",
         "has no flag --no-such-flag",
         True,
     ),

@@ -39,6 +39,25 @@ impl Proc {
         let _ = self.child.wait();
         Ok(())
     }
+
+    /// Freezes the process (SIGSTOP): its sockets stay open and the kernel
+    /// still accepts connections, but it answers nothing until
+    /// [`Self::resume`] (a hung process, not a dead one).
+    pub fn pause(&self) -> anyhow::Result<()> {
+        self.signal("-STOP")
+    }
+
+    /// Lets a paused process go on (SIGCONT).
+    pub fn resume(&self) -> anyhow::Result<()> {
+        self.signal("-CONT")
+    }
+
+    fn signal(&self, sig: &str) -> anyhow::Result<()> {
+        let id = self.child.id().to_string();
+        let status = Command::new("kill").arg(sig).arg(&id).status()?;
+        anyhow::ensure!(status.success(), "kill {sig} {id} failed: {status}");
+        Ok(())
+    }
 }
 
 impl Drop for Proc {

@@ -460,3 +460,103 @@ async fn more_requests_than_h2_reset_limit_all_succeed() -> anyhow::Result<()> {
     assert_eq!(failures.load(std::sync::atomic::Ordering::Relaxed), 0);
     mesh.stop().await
 }
+
+/// An internal engine error mid-stream (the backend fails a step, as a
+/// poisoned kernel or a device error would; not the request's own fault)
+/// is migrated like a worker failure: the worker ends the sequence with
+/// `finish_reason: error`, the frontend moves the request to the other
+/// worker, and the client's stream goes on with the tokens an unbroken run
+/// gives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_error_mid_stream_is_migrated_like_a_worker_failure() -> anyhow::Result<()> {
+    use sluice_decode::fault::StepFault;
+    let fault = std::sync::Arc::new(StepFault::default());
+    let mut opts = MeshOptions {
+        decode_workers: 2,
+        ..MeshOptions::default()
+    };
+    // The mocker's tokens depend only on the sequence, so a continuation on
+    // another worker gives exactly the unbroken run's tokens.
+    opts.worker.engine = sluice_decode::EngineKind::Mocker;
+    opts.worker.speedup_ratio = 10.0;
+    opts.worker.step_fault = Some(std::sync::Arc::clone(&fault));
+    let mesh = Mesh::start(opts).await?;
+    let body = |stream: bool| {
+        json!({"model": "sluice-tiny", "prompt": "The river runs to the sea", "max_tokens": 24,
+               "temperature": 0, "ignore_eos": true, "stream": stream})
+    };
+    let (status, reference) = post_json(&mesh.http, "/v1/completions", &body(false)).await?;
+    assert_eq!(status, 200, "{reference}");
+    let reference = parse(&reference);
+    let expected = reference["choices"][0]["text"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert_eq!(reference["usage"]["completion_tokens"], 24, "{reference}");
+    assert_eq!(reference["nvext"]["migrations"], json!(null), "{reference}");
+    let prompt_tokens = reference["usage"]["prompt_tokens"]
+        .as_u64()
+        .expect("prompt_tokens") as usize;
+
+    // The step that computes the 6th output token fails, on whichever
+    // worker runs the stream: 5 tokens were already streamed.
+    fault.arm(prompt_tokens + 5);
+    let (status, _, mut reader) = open(
+        &mesh.http,
+        "POST",
+        "/v1/completions",
+        Some(body(true).to_string()),
+        &[],
+    )
+    .await?;
+    assert_eq!(status, 200);
+    let (mut text, mut last) = (String::new(), None::<Value>);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut line = String::new();
+        let read = tokio::time::timeout_at(deadline.into(), reader.read_line(&mut line))
+            .await
+            .map_err(|_| anyhow::anyhow!("the stream did not end within 30 s"))??;
+        if read == 0 {
+            break;
+        }
+        let Some(data) = line.trim().strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            break;
+        }
+        let chunk = parse(data);
+        assert!(
+            chunk.get("error").is_none(),
+            "the client saw an error: {chunk}"
+        );
+        if let Some(t) = chunk["choices"][0]["text"].as_str() {
+            text.push_str(t);
+        }
+        last = Some(chunk);
+    }
+    assert_eq!(fault.fired(), 1, "the injected fault did not fire");
+    let last = last.expect("at least one chunk");
+    assert_eq!(
+        text, expected,
+        "the continuation gives the unbroken run's tokens"
+    );
+    assert_eq!(last["choices"][0]["finish_reason"], "length", "{last}");
+    assert_eq!(last["nvext"]["migrations"], 1, "{last}");
+
+    let (_, page) = get(&mesh.http, "/metrics").await?;
+    assert_eq!(
+        wait::sum(&page, "sluice_frontend_migrations_total{outcome=\"ok\"}"),
+        1.0,
+        "{page}"
+    );
+    // Exactly one worker ended a sequence with an error: the faulty step's.
+    let mut errors = 0.0;
+    for endpoint in mesh.endpoints("decode").await? {
+        let (_, page) = get(endpoint.trim_start_matches("http://"), "/metrics").await?;
+        errors += wait::sum(&page, "sluice_worker_requests_total{reason=\"error\"}");
+    }
+    assert_eq!(errors, 1.0, "worker error ends");
+    mesh.stop().await
+}

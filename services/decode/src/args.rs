@@ -186,6 +186,12 @@ pub struct WorkerArgs {
     /// RDMA). `tcp` and `grpc` always checksum.
     #[arg(long, env = "SLUICE_KV_SHM_CHECKSUMS")]
     pub kv_shm_checksums: bool,
+
+    /// Tests only (feature `fault-injection`; no flag): a step failure the
+    /// test arms, shared by every engine built from these arguments.
+    #[cfg(feature = "fault-injection")]
+    #[arg(skip)]
+    pub step_fault: Option<Arc<crate::fault::StepFault>>,
 }
 
 impl Default for WorkerArgs {
@@ -210,6 +216,8 @@ impl Default for WorkerArgs {
             kv_transports: TransportKind::ALL.to_vec(),
             kv_tcp_listen: None,
             kv_shm_checksums: false,
+            #[cfg(feature = "fault-injection")]
+            step_fault: None,
         }
     }
 }
@@ -341,6 +349,13 @@ impl WorkerArgs {
             && let Err(e) = backend.set_kv_backing(backing)
         {
             tracing::warn!(error = %e, "KV memory stays private; shm is not offered");
+        }
+        #[cfg(feature = "fault-injection")]
+        if let Some(fault) = &self.step_fault {
+            backend = Box::new(crate::fault::Faulty {
+                inner: backend,
+                fault: Arc::clone(fault),
+            });
         }
         let cfg = EngineConfig {
             block_size: self.block_size,

@@ -11,6 +11,8 @@ mod args;
 mod convert;
 pub mod disagg;
 mod error;
+#[cfg(feature = "fault-injection")]
+pub mod fault;
 mod metrics;
 mod service;
 pub mod transfer;
@@ -164,7 +166,7 @@ pub async fn serve(
         .map_err(WorkerError::startup("reading the listener's address"))?;
     let endpoint = ctx.common.advertise_addr(bound);
     let receiver = transfer::start_receiver(
-        &transfer::ReceiverConfig::new(&args, endpoint.clone()),
+        &transfer::ReceiverConfig::new(&args, endpoint.clone(), Arc::clone(&ctx.security)),
         bound,
         ctx.shutdown.child_token(),
     )

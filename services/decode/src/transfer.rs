@@ -303,7 +303,14 @@ impl Senders {
         for kind in available(wanted) {
             match kind {
                 TransportKind::Shm => senders.push(Arc::new(shm::ShmSender::default())),
-                TransportKind::Tcp => senders.push(Arc::new(tcp::TcpSender::default())),
+                TransportKind::Tcp => match tcp_refused(security, None) {
+                    Some(why) => {
+                        tracing::warn!(reason = why, "not sending KV blocks over tcp");
+                    }
+                    None => {
+                        senders.push(Arc::new(tcp::TcpSender::with_token(security.mesh_token())))
+                    }
+                },
                 TransportKind::Grpc => {
                     senders.push(Arc::new(GrpcSender::new(Arc::clone(security))))
                 }
@@ -666,18 +673,50 @@ pub struct ReceiverConfig {
     pub tcp_listen: Option<std::net::SocketAddr>,
     /// Whether `shm` writes carry checksums the receiver verifies.
     pub shm_checksums: bool,
+    /// The worker's TLS and mesh token: the `tcp` listener takes only
+    /// connections that open with the token, and is not offered with TLS.
+    pub security: Arc<sluice_runtime::Security>,
 }
 
 impl ReceiverConfig {
     /// From the worker's flags.
-    pub fn new(args: &crate::WorkerArgs, endpoint: String) -> Self {
+    pub fn new(
+        args: &crate::WorkerArgs,
+        endpoint: String,
+        security: Arc<sluice_runtime::Security>,
+    ) -> Self {
         Self {
             transports: args.kv_transports.clone(),
             endpoint,
             tcp_listen: args.kv_tcp_listen,
             shm_checksums: args.kv_shm_checksums,
+            security,
         }
     }
+}
+
+/// Why `tcp` must not carry this worker's blocks (listening on `bind`, for
+/// a receiver), if it must not:
+/// - with TLS configured, blocks would cross the network in cleartext next
+///   to TLS-protected gRPC: `grpc` (over TLS), `shm` or `rdma` carry them;
+/// - with no way to tell a member from a stranger (no token, no CA), a
+///   listener off loopback would take anyone's writes, unless `--insecure`.
+fn tcp_refused(
+    security: &sluice_runtime::Security,
+    bind: Option<std::net::SocketAddr>,
+) -> Option<&'static str> {
+    if security.serves_tls() || security.dials_tls() {
+        return Some(
+            "TLS is configured and tcp carries KV blocks in cleartext; use grpc (TLS), shm or rdma",
+        );
+    }
+    let exposed = bind.is_some_and(|b| !b.ip().is_loopback());
+    if exposed && security.mesh_token().is_none() && !security.insecure() {
+        return Some(
+            "the tcp KV listener is not on loopback and there is no mesh token to tell members from strangers (--mesh-token-file, or --insecure)",
+        );
+    }
+    None
 }
 
 /// Starts every transport of `cfg` this machine can run and returns the
@@ -701,10 +740,15 @@ pub async fn start_receiver(
                 let bind = cfg
                     .tcp_listen
                     .unwrap_or_else(|| std::net::SocketAddr::new(grpc_bind.ip(), 0));
+                if let Some(why) = tcp_refused(&cfg.security, Some(bind)) {
+                    tracing::warn!(reason = why, "tcp KV transport not offered");
+                    continue;
+                }
                 tcp::listen(
                     bind,
                     &cfg.endpoint,
                     Arc::clone(&slot),
+                    Arc::clone(&cfg.security),
                     shutdown.child_token(),
                 )
                 .await

@@ -47,6 +47,14 @@ pub struct Args {
     #[arg(long, env = "SLUICE_MIGRATION_LIMIT", default_value_t = 3)]
     pub migration_limit: u32,
 
+    /// Milliseconds a queue has to answer an admission (open the lease;
+    /// it answers at once, before any hold) before it is suspected and the
+    /// request is admitted at another queue: a frozen or hung queue whose
+    /// connections are still open costs a request this much, not its whole
+    /// deadline.
+    #[arg(long, env = "SLUICE_QUEUE_ANSWER_TIMEOUT_MS", default_value_t = 2000)]
+    pub queue_answer_timeout_ms: u64,
+
     /// A file of API keys, one per line (`#` comments): every OpenAI route
     /// and `Inference` RPC then needs `Authorization: Bearer <key>`
     /// (probes and `/metrics` stay open). Unset: no authentication.
@@ -71,6 +79,7 @@ impl Default for Args {
             default_max_tokens: 256,
             request_timeout: 600,
             migration_limit: 3,
+            queue_answer_timeout_ms: 2000,
             api_key_file: None,
             max_body_bytes: 4 * 1024 * 1024,
             tokenize_concurrency: None,
@@ -91,6 +100,12 @@ impl Args {
             return Err(FrontendError::invalid(
                 "--request-timeout",
                 "must be at least 1 second",
+            ));
+        }
+        if self.queue_answer_timeout_ms == 0 {
+            return Err(FrontendError::invalid(
+                "--queue-answer-timeout-ms",
+                "must be at least 1",
             ));
         }
         if self.max_body_bytes < 1024 {
@@ -159,6 +174,7 @@ pub async fn serve(
         default_max_tokens: args.default_max_tokens,
         request_timeout: Duration::from_secs(args.request_timeout),
         migration_limit: args.migration_limit,
+        queue_answer_timeout: Duration::from_millis(args.queue_answer_timeout_ms),
         api_keys,
         prompt_limits: limits,
         tokenize_slots: Arc::new(tokio::sync::Semaphore::new(tokenize_concurrency)),

@@ -55,6 +55,9 @@ pub(crate) struct Pipeline {
     pub request_timeout: Duration,
     /// Moves to another worker a request may make (`--migration-limit`).
     pub migration_limit: u32,
+    /// How long a queue has to open an admission lease
+    /// (`--queue-answer-timeout-ms`).
+    pub queue_answer_timeout: Duration,
     /// `--api-key-file`'s keys; `None`: open.
     pub api_keys: Option<crate::auth::ApiKeys>,
     /// The model's context, for the prompt's size checks.
@@ -609,11 +612,26 @@ impl Pipeline {
         .map_err(|_| FrontendError::Internal {
             detail: "admission stream closed before open".into(),
         })?;
-        let mut responses = client
-            .admit(ReceiverStream::new(rx))
-            .await
-            .map_err(|s| self.queue_failure(s))?
-            .into_inner();
+        // The queue answers (opens the lease) as soon as it has the request,
+        // before any hold: one that does not within the timeout is hung or
+        // frozen (its connection may still be open) and another one may
+        // admit the request. A queue that hangs later, while it holds the
+        // request, is found by the channel's keepalive.
+        let answer = tokio::time::timeout(
+            self.queue_answer_timeout,
+            client.admit(ReceiverStream::new(rx)),
+        )
+        .await
+        .map_err(|_| {
+            QueueFailure::Queue(FrontendError::Unavailable {
+                component: "queue",
+                message: format!(
+                    "the queue did not answer the admission within {} ms",
+                    self.queue_answer_timeout.as_millis()
+                ),
+            })
+        })?;
+        let mut responses = answer.map_err(|s| self.queue_failure(s))?.into_inner();
         loop {
             match responses.message().await {
                 Ok(Some(qpb::AdmitResponse {

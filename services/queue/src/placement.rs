@@ -146,6 +146,16 @@ impl Session {
         }
     }
 
+    /// The router gave no answer in time (hung or frozen, its connection
+    /// still open): end the session's stream and skip it until a new
+    /// session opens, which a router that is still hung never answers. Every
+    /// placement after this one goes straight to the other routers instead
+    /// of waiting out [`ROUTE_TIMEOUT`] again.
+    fn reset(&self) {
+        *self.tx.lock() = None;
+        self.ready.store(false, Ordering::Release);
+    }
+
     async fn call(
         &self,
         call_id: u64,
@@ -615,6 +625,10 @@ impl RouterPlacer {
             let Some(why) = retry else {
                 return Ok((session.router_id.clone(), out));
             };
+            if why == TIMED_OUT {
+                tracing::warn!(router = %session.router_id, "router gave no answer in time; skipping it until it opens a session again");
+                session.reset();
+            }
             tried.insert(session.router_id.clone());
             if self.routers.pick(&tried).is_some() {
                 self.failovers.with_label_values(&["router"]).inc();

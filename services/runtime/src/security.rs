@@ -56,6 +56,13 @@ pub const MESH_TOKEN_HEADER: &str = "x-sluice-mesh-token";
 /// Shortest mesh token accepted, in bytes.
 pub const MIN_TOKEN_LEN: usize = 16;
 
+/// HTTP/2 pings on a mesh channel after this long without a frame from the
+/// peer...
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+/// ...and the connection (with every call on it) fails when a ping goes
+/// unanswered this long.
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(3);
+
 /// TLS, mesh authentication and connection limits; the same flags for every
 /// role and for `sluice up` (flattened into [`crate::CommonArgs`]).
 #[derive(Debug, Clone, clap::Args)]
@@ -442,6 +449,20 @@ impl Security {
                 .is_some_and(|t| t.matches(req.headers().get(MESH_TOKEN_HEADER)))
     }
 
+    /// The mesh token's bytes, for a side channel that is not gRPC (the
+    /// `tcp` KV transport's hello); `None` without a token.
+    pub fn mesh_token(&self) -> Option<&[u8]> {
+        self.token.as_ref().map(|t| t.value.as_bytes())
+    }
+
+    /// Whether `presented` is the mesh token, compared as a [`Secret`]
+    /// (digested, in full); `false` without a token.
+    pub fn is_mesh_token(&self, presented: &[u8]) -> bool {
+        self.token
+            .as_ref()
+            .is_some_and(|t| t.secret.matches(presented))
+    }
+
     /// The token's header value, for outgoing calls.
     pub(crate) fn token_header(&self) -> Option<HeaderValue> {
         self.token.as_ref().map(|t| t.value.clone())
@@ -457,7 +478,11 @@ impl Security {
         let ep = Endpoint::from_shared(format!("http://{host_port}"))?
             .tcp_nodelay(true)
             .connect_timeout(Duration::from_secs(2))
-            .http2_keep_alive_interval(Duration::from_secs(10))
+            // A peer that stops answering with its connection still open
+            // (hung, SIGSTOPped) fails the calls on it within 8 s, so they
+            // fail over instead of waiting out their deadlines.
+            .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+            .keep_alive_timeout(KEEPALIVE_TIMEOUT)
             .keep_alive_while_idle(true);
         let tls = self.tls.as_ref().filter(|t| t.has_ca()).cloned();
         let mesh = MeshChannel::new(host_port, || match tls {

@@ -14,7 +14,10 @@
 //! - a 2 MB prompt is a 400 within a second while a small request is
 //!   served; a body over `--max-body-bytes` is an OpenAI-shaped 413;
 //! - with mutual TLS on every service, `sluice bench` over `https` with the
-//!   CA is served end to end, and plain-text callers get nothing.
+//!   CA is served end to end, and plain-text callers get nothing;
+//! - with the mesh token, remote prefill over the raw `tcp` KV transport
+//!   works between processes, and a stranger's connection to the decode
+//!   worker's tcp KV port is refused and closed while transfers go on.
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -563,4 +566,136 @@ fn port(addr: &str) -> anyhow::Result<u16> {
         .next()
         .and_then(|p| p.parse().ok())
         .context("no port")
+}
+
+/// The token's proof on the raw `tcp` KV transport, between real processes:
+/// the prefill worker writes the prompt's KV blocks into the decode worker
+/// over `tcp` (opening its connections with the token), and a raw
+/// connection that does not open with the token is answered with the
+/// reason and closed; remote prefills before and after it succeed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_mesh_token_the_tcp_kv_port_takes_only_members() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let token_file = dir.path().join("mesh-token");
+    std::fs::write(&token_file, format!("{TOKEN}\n"))?;
+    let security = vec![
+        "--mesh-token-file".to_owned(),
+        token_file.to_string_lossy().into_owned(),
+    ];
+    let etcd = EtcdServer::start().await?;
+    let model = write_model(env!("CARGO_BIN_EXE_sluice"), dir.path())?;
+    let url = etcd.url();
+    let addr = || -> anyhow::Result<String> { Ok(format!("127.0.0.1:{}", free_port()?)) };
+    let (http, decode, kv_tcp) = (addr()?, addr()?, addr()?);
+    let d = dir.path();
+    let worker = |role: &'static str, listen: &str, extra: &[&str]| {
+        let mut args = vec![
+            role,
+            "--model",
+            &model,
+            "--engine",
+            "mocker",
+            "--kv-transports",
+            "tcp",
+        ];
+        args.extend_from_slice(extra);
+        let listen = listen.to_owned();
+        args.extend(["--listen", &listen]);
+        spawn(role, &args, &security, &url, d)
+    };
+    let _procs = [
+        spawn(
+            "router",
+            &["router", "--listen", "127.0.0.1:0"],
+            &security,
+            &url,
+            d,
+        )?,
+        spawn(
+            "queue",
+            &["queue", "--listen", "127.0.0.1:0"],
+            &security,
+            &url,
+            d,
+        )?,
+        worker(
+            "decode",
+            &decode,
+            &[
+                "--kv-tcp-listen",
+                &kv_tcp,
+                "--max-local-prefill-length",
+                "8",
+            ],
+        )?,
+        worker("prefill", "127.0.0.1:0", &[])?,
+        spawn(
+            "frontend",
+            &["frontend", "--listen", &http, "--model", &model],
+            &security,
+            &url,
+            d,
+        )?,
+    ];
+    let logs = d.display().to_string();
+    let remote_ok = || async {
+        let (_, page) = get(&decode, "/metrics").await?;
+        anyhow::Ok(sluice_tests::wait::sum(
+            &page,
+            "sluice_worker_remote_prefill_total{outcome=\"ok\"}",
+        ))
+    };
+    // Long, distinct prompts (nothing cached) go to the prefill worker once
+    // the decode worker has found it in discovery.
+    let mut n = 0;
+    let mut complete = async || -> anyhow::Result<()> {
+        n += 1;
+        let prompt = format!("request {n}: {}", "the river runs to the sea ".repeat(8));
+        let body = json!({"model": "sluice-tiny", "prompt": prompt, "max_tokens": 4});
+        let (status, resp) = post_json(&http, "/v1/completions", &body).await?;
+        anyhow::ensure!(status == 200, "{status} {resp}");
+        Ok(())
+    };
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let served = complete().await;
+        if served.is_ok() && remote_ok().await? > 0.0 {
+            break;
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "no remote prefill over tcp within 90 s (last: {served:?}); logs in {logs}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // A stranger: a BEGIN frame for some transfer, without the hello.
+    let mut stranger = TcpStream::connect(&kv_tcp).await?;
+    let mut frame = Vec::new();
+    frame.extend(b"SLKV");
+    frame.extend(1u32.to_le_bytes()); // BEGIN
+    frame.extend(1u32.to_le_bytes()); // one block
+    frame.extend(4u32.to_le_bytes()); // id length
+    frame.extend(0u64.to_le_bytes());
+    frame.extend(b"t-id");
+    stranger.write_all(&frame).await?;
+    stranger.shutdown().await?;
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), stranger.read_to_end(&mut answer))
+        .await
+        .context("the stranger's connection was neither answered nor closed in 10 s")??;
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(
+        answer.starts_with("SLKV") && answer.contains("mesh members only"),
+        "{answer:?}"
+    );
+
+    // Members go on.
+    let before = remote_ok().await?;
+    complete().await?;
+    assert!(
+        remote_ok().await? > before,
+        "the next remote prefill over tcp failed; logs in {logs}"
+    );
+    Ok(())
 }

@@ -11,6 +11,16 @@
 //! memory. A refusal (unknown transfer, wrong size, checksum mismatch)
 //! is acked with its reason and the connection closed. Connections are kept
 //! for the next transfer to the same receiver.
+//!
+//! **Only mesh members write.** With a mesh token (`--mesh-token-file`) a
+//! sender opens every connection with a `HELLO` frame carrying the token;
+//! the receiver compares it as a [`sluice_runtime::security::Secret`]
+//! (digested, in full) before it reads anything else, and refuses (ack
+//! with the reason, then close) a connection whose first frame is not a
+//! `HELLO` with the token, or that sends none within [`HELLO_TIMEOUT`].
+//! Without a token a receiver skips a `HELLO`. With TLS configured the
+//! transport is not offered at all (blocks would cross in cleartext next
+//! to TLS-protected gRPC; see `start_receiver`).
 
 use std::collections::HashMap;
 use std::io::IoSlice;
@@ -24,6 +34,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 use sluice_engine::backend::KvArena;
+use sluice_runtime::Security;
 use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
 use super::{AddressInbound, Block, KvSender, Receiver, TransportKind};
@@ -33,10 +44,19 @@ use crate::error::WorkerError;
 pub(crate) const MAGIC: u32 = u32::from_le_bytes(*b"SLKV");
 pub(crate) const HEADER_LEN: usize = 24;
 const ACK_LEN: usize = 16;
-const KIND_BEGIN: u32 = 1;
-const KIND_BLOCK: u32 = 2;
-const KIND_END: u32 = 3;
+pub(crate) const KIND_BEGIN: u32 = 1;
+pub(crate) const KIND_BLOCK: u32 = 2;
+pub(crate) const KIND_END: u32 = 3;
+/// The connection's first frame when the mesh has a token: the token.
+pub(crate) const KIND_HELLO: u32 = 4;
 const MAX_ID_LEN: usize = 1024;
+/// Longest `HELLO` payload read (a mesh token is printable ASCII).
+const MAX_TOKEN_LEN: usize = 4096;
+/// How long a new connection has to present the mesh token.
+pub(crate) const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+/// What a refused connection may still send before it is closed.
+const REFUSED_DRAIN_BYTES: usize = 1 << 20;
+const REFUSED_DRAIN_TIME: Duration = Duration::from_secs(1);
 /// Slices per vectored write (IOV_MAX is 1024 on Linux).
 const MAX_SLICES: usize = 512;
 /// Idle connections kept per receiver.
@@ -102,6 +122,7 @@ pub async fn listen(
     bind: SocketAddr,
     endpoint: &str,
     receiver: Arc<OnceLock<Weak<Receiver>>>,
+    security: Arc<Security>,
     shutdown: sluice_runtime::Shutdown,
 ) -> Result<AddressInbound, WorkerError> {
     let listener = TcpListener::bind(bind)
@@ -110,7 +131,7 @@ pub async fn listen(
     let local = listener.local_addr().map_err(WorkerError::startup(
         "reading the KV tcp listener's address",
     ))?;
-    tokio::spawn(accept_loop(listener, receiver, shutdown));
+    tokio::spawn(accept_loop(listener, receiver, security, shutdown));
     Ok(AddressInbound {
         kind: TransportKind::Tcp,
         address: advertised(local, endpoint),
@@ -134,8 +155,10 @@ pub(crate) fn advertised(local: SocketAddr, endpoint: &str) -> String {
 async fn accept_loop(
     listener: TcpListener,
     receiver: Arc<OnceLock<Weak<Receiver>>>,
+    security: Arc<Security>,
     shutdown: sluice_runtime::Shutdown,
 ) {
+    let members_only = security.mesh_token().is_some();
     loop {
         let accepted = tokio::select! {
             _ = shutdown.cancelled() => return,
@@ -152,16 +175,79 @@ async fn accept_loop(
         let Some(receiver) = receiver.get().and_then(Weak::upgrade) else {
             continue;
         };
-        let shutdown = shutdown.clone();
+        let (shutdown, security) = (shutdown.clone(), Arc::clone(&security));
         tokio::spawn(async move {
+            let mut stream = stream;
             let _ = stream.set_nodelay(true);
+            let serve = async {
+                if members_only && !admitted(&mut stream, &security, peer).await {
+                    return Ok(());
+                }
+                serve_connection(stream, receiver).await
+            };
             tokio::select! {
                 _ = shutdown.cancelled() => {}
-                r = serve_connection(stream, receiver) => if let Err(e) = r {
+                r = serve => if let Err(e) = r {
                     tracing::debug!(%peer, error = %e, "KV tcp connection closed");
                 },
             }
         });
+    }
+}
+
+/// Whether the peer on `stream` opened with the mesh token (within
+/// [`HELLO_TIMEOUT`]); a refused peer is told why before the connection
+/// closes.
+async fn admitted<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    security: &Security,
+    peer: SocketAddr,
+) -> bool {
+    let why = match tokio::time::timeout(HELLO_TIMEOUT, read_hello(stream)).await {
+        Err(_) => format!("no mesh token within {} s", HELLO_TIMEOUT.as_secs()),
+        Ok(Err(e)) => {
+            tracing::debug!(%peer, error = %e, "KV tcp connection closed before its hello");
+            return false;
+        }
+        Ok(Ok(Some(token))) if security.is_mesh_token(&token) => return true,
+        Ok(Ok(Some(_))) => "wrong mesh token".to_string(),
+        Ok(Ok(None)) => {
+            "this receiver takes transfers from mesh members only: open with the mesh token (HELLO)"
+                .to_string()
+        }
+    };
+    tracing::warn!(%peer, reason = %why, "KV tcp connection refused: not a mesh member");
+    let _ = write_ack(stream, 1, 0, &why).await;
+    // Close our side, then read (and drop) what the peer already sent, for
+    // a little while: closing with unread data would reset the connection
+    // and could destroy the answer before the peer reads it.
+    let _ = stream.shutdown().await;
+    let mut sink = [0u8; 16 << 10];
+    let drain = async {
+        let mut left = REFUSED_DRAIN_BYTES;
+        while left > 0 {
+            match stream.read(&mut sink).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => left = left.saturating_sub(n),
+            }
+        }
+    };
+    let _ = tokio::time::timeout(REFUSED_DRAIN_TIME, drain).await;
+    false
+}
+
+/// The payload of the first frame when it is a `HELLO`; `None` when it is
+/// any other frame.
+async fn read_hello<S: AsyncRead + Unpin>(stream: &mut S) -> std::io::Result<Option<Vec<u8>>> {
+    let mut raw = [0u8; HEADER_LEN];
+    stream.read_exact(&mut raw).await?;
+    match Header::decode(&raw) {
+        Ok(h) if h.kind == KIND_HELLO && h.len as usize <= MAX_TOKEN_LEN => {
+            let mut token = vec![0u8; h.len as usize];
+            stream.read_exact(&mut token).await?;
+            Ok(Some(token))
+        }
+        _ => Ok(None),
     }
 }
 
@@ -182,6 +268,12 @@ pub(crate) async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
         let outcome = match Header::decode(&raw) {
             Ok(h) if h.kind == KIND_BEGIN && h.len as usize <= MAX_ID_LEN => {
                 receive_transfer(&mut stream, &receiver, h, &mut buf).await
+            }
+            // A sender with a token talking to a receiver without one.
+            Ok(h) if h.kind == KIND_HELLO && h.len as usize <= MAX_TOKEN_LEN => {
+                let mut token = vec![0u8; h.len as usize];
+                stream.read_exact(&mut token).await?;
+                continue;
             }
             Ok(h) => Err(Refusal::Protocol(format!(
                 "expected BEGIN, got frame kind {}",
@@ -286,10 +378,21 @@ async fn write_ack<W: AsyncWrite + Unpin>(
     w.flush().await
 }
 
-/// Sends over `tcp`, keeping a few idle connections per receiver.
-#[derive(Debug, Default)]
+/// Sends over `tcp`, keeping a few idle connections per receiver; opens
+/// each with the mesh token when it has one.
+#[derive(Default)]
 pub struct TcpSender {
     idle: Mutex<HashMap<String, Vec<TcpStream>>>,
+    token: Option<Vec<u8>>,
+}
+
+impl std::fmt::Debug for TcpSender {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpSender")
+            .field("idle", &self.idle.lock().len())
+            .field("token", &self.token.as_ref().map(|_| ".."))
+            .finish()
+    }
 }
 
 pub(crate) enum SendError {
@@ -298,14 +401,36 @@ pub(crate) enum SendError {
 }
 
 impl TcpSender {
-    async fn connect(address: &str) -> Result<TcpStream, WorkerError> {
-        let stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(address))
+    /// A sender that opens every connection with `token` (the mesh token,
+    /// [`Security::mesh_token`]); `None`: no hello.
+    pub fn with_token(token: Option<&[u8]>) -> Self {
+        Self {
+            idle: Mutex::default(),
+            token: token.map(<[u8]>::to_vec),
+        }
+    }
+
+    async fn connect(&self, address: &str) -> Result<TcpStream, WorkerError> {
+        let mut stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(address))
             .await
             .map_err(|_| WorkerError::Transfer(format!("tcp connect to {address} timed out")))?
             .map_err(|e| WorkerError::Transfer(format!("tcp connect to {address}: {e}")))?;
         stream
             .set_nodelay(true)
             .map_err(WorkerError::transfer("setting TCP_NODELAY"))?;
+        if let Some(token) = &self.token {
+            let hello = Header {
+                kind: KIND_HELLO,
+                block_id: 0,
+                len: token.len() as u32,
+                checksum: 0,
+            }
+            .encode();
+            let mut iov = [IoSlice::new(&hello), IoSlice::new(token)];
+            write_all_vectored(&mut stream, &mut iov)
+                .await
+                .map_err(|e| WorkerError::Transfer(format!("tcp hello to {address}: {e}")))?;
+        }
         Ok(stream)
     }
 
@@ -405,7 +530,7 @@ impl TcpSender {
                 }
             }
         }
-        let mut stream = Self::connect(address).await?;
+        let mut stream = self.connect(address).await?;
         match send_on(&mut stream, transfer_id, frames).await {
             Ok(n) => {
                 self.put_idle(address, stream);

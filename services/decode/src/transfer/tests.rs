@@ -92,11 +92,20 @@ async fn receiver_with(kinds: &[TransportKind], _engine: &EngineHandle) -> Arc<R
 }
 
 async fn receiver_checking(kinds: &[TransportKind], shm_checksums: bool) -> Arc<Receiver> {
+    receiver_secured(kinds, shm_checksums, Arc::default()).await
+}
+
+async fn receiver_secured(
+    kinds: &[TransportKind],
+    shm_checksums: bool,
+    security: Arc<sluice_runtime::Security>,
+) -> Arc<Receiver> {
     let cfg = ReceiverConfig {
         transports: kinds.to_vec(),
         endpoint: "127.0.0.1:1".into(),
         tcp_listen: Some("127.0.0.1:0".parse().expect("addr")),
         shm_checksums,
+        security,
     };
     start_receiver(
         &cfg,
@@ -529,4 +538,191 @@ fn layout_mismatch_is_refused_with_both_layouts_named() {
     let err = check_layout(Some(&theirs), &ours).expect_err("dtype differs");
     assert!(err.to_string().contains("layout mismatch"), "{err}");
     assert!(check_layout(None, &ours).is_err());
+}
+
+const MESH_TOKEN: &str = "0123456789abcdef-kv-mesh-token";
+
+/// A raw connection to the tcp KV port as a stranger would open one: the
+/// given first bytes, then a whole transfer of junk for `transfer_id`'s
+/// first block; returns the receiver's answer (status, message) and
+/// whether it then closed the connection.
+async fn stranger(
+    address: &str,
+    first: &[u8],
+    transfer_id: &str,
+    block_id: u32,
+    block_bytes: usize,
+) -> (u32, String, bool) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(address)
+        .await
+        .expect("connect");
+    let junk = vec![0xA5u8; block_bytes];
+    let mut bytes = first.to_vec();
+    bytes.extend(
+        Header {
+            kind: tcp::KIND_BEGIN,
+            block_id: 1,
+            len: transfer_id.len() as u32,
+            checksum: 0,
+        }
+        .encode(),
+    );
+    bytes.extend(transfer_id.as_bytes());
+    bytes.extend(
+        Header {
+            kind: tcp::KIND_BLOCK,
+            block_id,
+            len: block_bytes as u32,
+            checksum: xxhash_rust::xxh3::xxh3_64(&junk),
+        }
+        .encode(),
+    );
+    bytes.extend(&junk);
+    bytes.extend(
+        Header {
+            kind: tcp::KIND_END,
+            block_id: 0,
+            len: 0,
+            checksum: 0,
+        }
+        .encode(),
+    );
+    // The receiver may close before reading everything.
+    let _ = s.write_all(&bytes).await;
+    let _ = s.shutdown().await;
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        s.read_to_end(&mut answer),
+    )
+    .await
+    .expect("the receiver neither answered nor closed within 10 s");
+    let closed = read.is_ok();
+    assert!(answer.len() >= 16, "no ack: {answer:?}");
+    let u32_at =
+        |i: usize| u32::from_le_bytes([answer[i], answer[i + 1], answer[i + 2], answer[i + 3]]);
+    let message = String::from_utf8_lossy(&answer[16..]).into_owned();
+    (u32_at(4), message, closed)
+}
+
+/// With a mesh token, the tcp KV listener takes transfers only from
+/// connections that open with it: a stranger's connection — no hello, or a
+/// wrong token — is refused with the reason and closed before any of its
+/// blocks lands, while a member's transfer to the same slot, begun
+/// alongside on another connection, completes with its own bytes.
+#[tokio::test]
+async fn tcp_with_a_mesh_token_refuses_strangers_without_disturbing_a_member() {
+    let security = Arc::new(
+        sluice_runtime::Security::open()
+            .with_token(MESH_TOKEN)
+            .expect("token"),
+    );
+    let e = engine(64);
+    let receiver = receiver_secured(&[TransportKind::Tcp], false, Arc::clone(&security)).await;
+    let (_slot, ids, exp, regions) = expected(&e, &receiver, 4, 7, "member").await;
+    let r = region(&regions, TransportKind::Tcp);
+    let block_bytes = e.kv_layout().block_bytes();
+
+    // A stranger that says nothing holds a connection open meanwhile.
+    let silent = tokio::net::TcpStream::connect(&r.address)
+        .await
+        .expect("connect");
+    let member = TcpSender::with_token(security.mesh_token());
+    let blocks = blocks_for(&ids, block_bytes, 9);
+    let wrong = {
+        let token = b"0123456789abcdef-not-the-token";
+        let mut hello = Header {
+            kind: tcp::KIND_HELLO,
+            block_id: 0,
+            len: token.len() as u32,
+            checksum: 0,
+        }
+        .encode()
+        .to_vec();
+        hello.extend(token);
+        hello
+    };
+    let (sent, no_hello, wrong_token) = tokio::join!(
+        member.write(&r, "member", blocks.clone()),
+        stranger(&r.address, &[], "member", ids[0], block_bytes),
+        stranger(&r.address, &wrong, "member", ids[1], block_bytes),
+    );
+    assert_eq!(sent.expect("the member's transfer"), 4);
+    let (status, message, closed) = no_hello;
+    assert_eq!(status, 1, "{message}");
+    assert!(message.contains("mesh members only"), "{message}");
+    assert!(closed, "the connection without a hello stayed open");
+    let (status, message, closed) = wrong_token;
+    assert_eq!(status, 1, "{message}");
+    assert!(message.contains("wrong mesh token"), "{message}");
+    assert!(closed, "the connection with a wrong token stayed open");
+
+    // A sender without the token is refused and told why.
+    let err = TcpSender::default()
+        .write(&r, "member", blocks_for(&ids, block_bytes, 1))
+        .await
+        .expect_err("refused");
+    assert!(err.to_string().contains("mesh members only"), "{err}");
+
+    // Only the member's bytes landed.
+    assert_eq!(exp.finish("tcp").await.expect("finished"), 4);
+    let back = e.read_blocks(ids).await.expect("read back");
+    assert_eq!(back, blocks.into_iter().map(|b| b.data).collect::<Vec<_>>());
+
+    // The silent stranger is closed after the hello timeout, told why.
+    let mut silent = silent;
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(
+        tcp::HELLO_TIMEOUT + std::time::Duration::from_secs(5),
+        tokio::io::AsyncReadExt::read_to_end(&mut silent, &mut answer),
+    )
+    .await
+    .expect("the silent connection was not closed");
+    assert!(read.is_ok());
+    assert!(
+        String::from_utf8_lossy(&answer).contains("no mesh token within"),
+        "{answer:?}"
+    );
+}
+
+/// A member with the token still talks to a receiver without one (it skips
+/// the hello), and a receiver with TLS configured does not offer tcp.
+#[tokio::test]
+async fn tcp_hello_is_skipped_without_a_token_and_tls_turns_tcp_off() {
+    let e = engine(64);
+    let open = receiver_with(&[TransportKind::Tcp], &e).await;
+    let (_slot, ids, exp, regions) = expected(&e, &open, 2, 3, "open").await;
+    let sender = TcpSender::with_token(Some(MESH_TOKEN.as_bytes()));
+    let blocks = blocks_for(&ids, e.kv_layout().block_bytes(), 4);
+    let n = sender
+        .write(&region(&regions, TransportKind::Tcp), "open", blocks)
+        .await
+        .expect("written");
+    assert_eq!((n, exp.written()), (2, 2));
+
+    let dir = tempfile::tempdir().expect("dir");
+    let files = sluice_runtime::security::certs::TestCa::new("kv test")
+        .expect("ca")
+        .write(dir.path(), "worker", &["127.0.0.1"])
+        .expect("certs");
+    let tls = sluice_runtime::Security::from_args(&sluice_runtime::SecurityArgs {
+        tls_cert: Some(files.cert),
+        tls_key: Some(files.key),
+        tls_ca: Some(files.ca),
+        ..Default::default()
+    })
+    .expect("tls");
+    let tls = Arc::new(tls);
+    let receiver = receiver_secured(
+        &[TransportKind::Tcp, TransportKind::Grpc],
+        false,
+        Arc::clone(&tls),
+    )
+    .await;
+    assert_eq!(receiver.kinds(), vec![TransportKind::Grpc]);
+    assert_eq!(
+        Senders::new(&[TransportKind::Tcp, TransportKind::Grpc], &tls).kinds(),
+        vec![TransportKind::Grpc]
+    );
 }
