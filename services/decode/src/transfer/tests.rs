@@ -666,7 +666,7 @@ async fn tcp_with_a_mesh_token_refuses_strangers_without_disturbing_a_member() {
     assert!(err.to_string().contains("mesh members only"), "{err}");
 
     // Only the member's bytes landed.
-    assert_eq!(exp.finish("tcp").await.expect("finished"), 4);
+    assert_eq!(exp.finish(TransportKind::Tcp).await.expect("finished"), 4);
     let back = e.read_blocks(ids).await.expect("read back");
     assert_eq!(back, blocks.into_iter().map(|b| b.data).collect::<Vec<_>>());
 
