@@ -9,7 +9,7 @@
 //!
 //! Under `fair` (and `wfq`) held requests are released by strict priority
 //! and, inside a priority, by weighted fair share of tokens between tenants
-//! (a virtual token counter per tenant: `queue/fair.rs`); the frontend
+//! (a virtual token counter per tenant: `queue/order/fair.rs`); the frontend
 //! reports each lease's output tokens (`AdmitProgress`, `AdmitDone`) so they
 //! are charged as they are produced.
 //!
