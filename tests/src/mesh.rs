@@ -179,7 +179,7 @@ impl Mesh {
     /// from the router's `/metrics`.
     async fn wait_ready(&self, decode: usize, prefill: usize, dp: usize) -> anyhow::Result<()> {
         let what = format!(
-            "the mesh to be ready ({decode} decode, {prefill} prefill workers of {dp} ranks in the router's pools, none joining; frontend /ready)"
+            "the mesh to be ready ({decode} decode, {prefill} prefill workers of {dp} ranks in the router's pools, none joining, every prefill worker known to every decode worker; frontend /ready)"
         );
         crate::wait::until_true(&what, Duration::from_secs(30), || async {
             let ready = decode == 0
@@ -206,16 +206,39 @@ impl Mesh {
                     workers * dp
                 );
             }
+            if prefill > 0 {
+                self.disaggregation_ready(prefill, dp).await?;
+            }
             Ok(true)
         })
         .await?;
-        if prefill > 0 {
-            // Disaggregation also needs each decode worker to have taken in
-            // the prefill workers (and their transports) from discovery,
-            // which nothing shows from outside yet: without this settle the
-            // tcp KV-transfer tests sometimes ran before it and prefilled
-            // locally. A gauge of known prefill peers would replace it.
-            tokio::time::sleep(Duration::from_millis(300)).await;
+        Ok(())
+    }
+
+    /// Disaggregation needs the queue to see the prefill pool in its load
+    /// view (it asks for a prefill placement only then) and each decode
+    /// worker to know every prefill worker from discovery (it dials no
+    /// other): until both, a request prefills locally.
+    async fn disaggregation_ready(&self, prefill: usize, dp: usize) -> anyhow::Result<()> {
+        for queue in self.endpoints("queue").await? {
+            let (_, metrics) = crate::http::get(&queue, "/metrics").await?;
+            let seen =
+                crate::wait::sample(&metrics, "sluice_queue_load_view_workers{role=\"prefill\"}")
+                    .unwrap_or(0.0) as usize;
+            anyhow::ensure!(
+                seen >= prefill * dp,
+                "queue {queue} sees {seen}/{} prefill ranks",
+                prefill * dp
+            );
+        }
+        for decode in self.endpoints("decode").await? {
+            let (_, metrics) = crate::http::get(&decode, "/metrics").await?;
+            let known = crate::wait::sample(&metrics, "sluice_worker_prefill_peers").unwrap_or(0.0)
+                as usize;
+            anyhow::ensure!(
+                known >= prefill,
+                "decode {decode} knows {known}/{prefill} prefill workers"
+            );
         }
         Ok(())
     }

@@ -153,10 +153,14 @@ async fn cancelling_mid_transfer_frees_the_blocks_on_both_workers() -> anyhow::R
         // Both workers hold blocks while the transfer stalls half-way.
         let deadline = Instant::now() + Duration::from_secs(30);
         while active_blocks(&decode).await? == 0 || active_blocks(&prefill).await? == 0 {
-            assert!(
-                Instant::now() < deadline,
-                "{kind}: the transfer never started"
-            );
+            if Instant::now() >= deadline {
+                let (_, metrics) = get(&decode, "/metrics").await?;
+                let outcomes: Vec<&str> = metrics
+                    .lines()
+                    .filter(|l| l.starts_with("sluice_worker_remote_prefill_total{"))
+                    .collect();
+                panic!("{kind}: the transfer never started; remote prefills: {outcomes:?}");
+            }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;

@@ -34,6 +34,9 @@ async fn a_preempted_request_shows_in_worker_metrics_and_its_span() -> anyhow::R
     opts.worker.speedup_ratio = 5.0;
     opts.worker.max_num_seqs = 1;
     opts.worker.scheduling_policy = "priority".into();
+    // The engine must see both requests: default holding would keep the
+    // interactive one in the queue until the batch one's slot frees.
+    opts.queue.no_default_holding = true;
     let mesh = Mesh::start(opts).await?;
     let worker = mesh.endpoints("decode").await?[0].clone();
 

@@ -35,9 +35,11 @@ pub struct PrefillWorkers {
 }
 
 impl PrefillWorkers {
-    /// Follows the `prefill` component in `discovery` until `shutdown`.
+    /// Follows the `prefill` component in `discovery` until `shutdown`;
+    /// `known` shows how many are known.
     pub async fn follow(
         discovery: &Arc<dyn Discovery>,
+        known: prometheus::IntGauge,
         shutdown: Shutdown,
     ) -> Result<Arc<Self>, WorkerError> {
         let mut watch = discovery
@@ -52,15 +54,17 @@ impl PrefillWorkers {
                     () = shutdown.cancelled() => return,
                     ev = watch.next() => ev,
                 };
+                let mut by_id = w.by_id.write();
                 match ev {
                     Some(DiscoveryEvent::Put(i)) => {
-                        w.by_id.write().insert(i.id, i.endpoint);
+                        by_id.insert(i.id, i.endpoint);
                     }
                     Some(DiscoveryEvent::Delete { id, .. }) => {
-                        w.by_id.write().remove(&id);
+                        by_id.remove(&id);
                     }
                     None => return,
                 }
+                known.set(i64::try_from(by_id.len()).unwrap_or(i64::MAX));
             }
         });
         Ok(workers)

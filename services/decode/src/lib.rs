@@ -171,8 +171,12 @@ pub async fn serve(
         ctx.shutdown.child_token(),
     )
     .await?;
-    let prefill_workers =
-        disagg::PrefillWorkers::follow(&ctx.discovery, ctx.shutdown.child_token()).await?;
+    let prefill_workers = disagg::PrefillWorkers::follow(
+        &ctx.discovery,
+        core.metrics.prefill_peers.clone(),
+        ctx.shutdown.child_token(),
+    )
+    .await?;
     let remote = disagg::Disagg {
         max_local_prefill_length: args.max_local_prefill_length,
         max_prefill_queue_size: args.max_prefill_queue_size,

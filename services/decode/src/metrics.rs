@@ -1,9 +1,10 @@
 //! Worker metrics: requests by finish reason, tokens, time to first token,
-//! remote prefill outcomes, preemptions by request priority and the tokens
+//! remote prefill outcomes and known prefill peers, preemptions by request priority and the tokens
 //! they made the engine compute again, and each rank's scheduler load.
 
 use prometheus::{
-    GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
+    GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry,
 };
 use sluice_engine::LoadStats;
 
@@ -15,6 +16,9 @@ pub struct WorkerMetrics {
     pub generated_tokens: IntCounter,
     pub ttft: Histogram,
     pub remote_prefill: IntCounterVec,
+    /// Prefill workers this worker knows from discovery (the only ones it
+    /// will dial).
+    pub prefill_peers: IntGauge,
     /// Per engine rank: running and waiting sequences.
     pub running: IntGaugeVec,
     pub waiting: IntGaugeVec,
@@ -64,6 +68,10 @@ impl WorkerMetrics {
             ),
             &["outcome"],
         )?;
+        let prefill_peers = IntGauge::new(
+            "sluice_worker_prefill_peers",
+            "Prefill workers known from discovery (the only ones this worker dials)",
+        )?;
         let rank_gauge =
             |name: &str, help: &str| IntGaugeVec::new(Opts::new(name, help), &["rank"]);
         let running = rank_gauge(
@@ -110,12 +118,14 @@ impl WorkerMetrics {
         registry.register(Box::new(generated_tokens.clone()))?;
         registry.register(Box::new(ttft.clone()))?;
         registry.register(Box::new(remote_prefill.clone()))?;
+        registry.register(Box::new(prefill_peers.clone()))?;
         Ok(Self {
             registry,
             requests,
             generated_tokens,
             ttft,
             remote_prefill,
+            prefill_peers,
             running,
             waiting,
             kv_usage,

@@ -48,6 +48,7 @@ pub struct QueueMetrics {
     expiries: IntCounter,
     cancellations: IntCounter,
     active_leases: IntGauge,
+    view_workers: IntGaugeVec,
     tenant_tokens: IntCounterVec,
     tenant_wait: HistogramVec,
     tenant_rejections: IntCounterVec,
@@ -143,6 +144,14 @@ impl QueueMetrics {
         registry.register(Box::new(expiries.clone()))?;
         registry.register(Box::new(cancellations.clone()))?;
         registry.register(Box::new(active_leases.clone()))?;
+        let view_workers = IntGaugeVec::new(
+            Opts::new(
+                "sluice_queue_load_view_workers",
+                "Worker ranks in the latest load view from the router, by role",
+            ),
+            &["role"],
+        )?;
+        registry.register(Box::new(view_workers.clone()))?;
         Ok(Self {
             pending_requests,
             pending_tokens,
@@ -152,11 +161,27 @@ impl QueueMetrics {
             expiries,
             cancellations,
             active_leases,
+            view_workers,
             tenant_tokens,
             tenant_wait,
             tenant_rejections,
             tenants: Arc::new(TenantLabels::new(TOP_TENANTS)),
         })
+    }
+
+    /// A new load view: its worker ranks by role.
+    pub(crate) fn load_view(&self, workers: &[crate::queue::WorkerLoad]) {
+        use crate::queue::WorkerRole;
+        for role in [
+            WorkerRole::Decode,
+            WorkerRole::Prefill,
+            WorkerRole::Aggregated,
+        ] {
+            let n = workers.iter().filter(|w| w.role == role).count();
+            self.view_workers
+                .with_label_values(&[role.as_str()])
+                .set(i64::try_from(n).unwrap_or(i64::MAX));
+        }
     }
 
     /// `tokens` of `kind` (`prompt` or `output`) were charged to `tenant`.

@@ -470,6 +470,7 @@ impl Queue {
     /// Replaces the load view (the router's latest `LoadView`) and
     /// re-evaluates every model's hold decision.
     pub fn update_load(&self, view: LoadView) {
+        self.shared.metrics.load_view(&view.workers);
         let mut st = self.shared.state.lock();
         st.load = view
             .workers

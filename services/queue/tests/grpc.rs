@@ -658,7 +658,8 @@ async fn a_request_placed_before_any_router_is_known_waits_for_one() -> anyhow::
     )
     .await?;
     let (_tx, mut stream) = mesh.admit(open("early", 0)).await?;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Admitted, and waiting for a router, before any router exists.
+    mesh.eventually(|s| s.pending == 1).await?;
     let (_load, routes, _events, _registration) = start_router(
         &discovery,
         view(vec![worker("w0", WorkerRole::Aggregated, 0)]),
