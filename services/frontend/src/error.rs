@@ -62,9 +62,27 @@ pub enum FrontendError {
     Tokens(#[from] sluice_tokens::TokensError),
     #[error("internal error")]
     Internal { detail: String },
+    /// The frontend could not start: what it was doing, and why.
+    #[error("starting the frontend: {what}")]
+    Startup {
+        what: &'static str,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
 }
 
 impl FrontendError {
+    /// Wraps an error met while starting, doing `what`.
+    pub(crate) fn startup<E>(what: &'static str) -> impl FnOnce(E) -> Self
+    where
+        E: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        move |e| Self::Startup {
+            what,
+            source: e.into(),
+        }
+    }
+
     /// A 400 naming `param`.
     pub(crate) fn invalid(param: impl Into<String>, message: impl Into<String>) -> Self {
         Self::InvalidRequest {
@@ -133,7 +151,7 @@ impl FrontendError {
             Self::NoWorkers { .. } | Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Self::Deadline => StatusCode::GATEWAY_TIMEOUT,
             Self::Cancelled => StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST),
-            Self::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::Internal { .. } | Self::Startup { .. } => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -154,7 +172,7 @@ impl FrontendError {
             Self::Unavailable { .. } => ("service_unavailable", "unavailable"),
             Self::Deadline => ("timeout", "deadline_exceeded"),
             Self::Cancelled => ("cancelled", "cancelled"),
-            Self::Internal { .. } => ("server_error", "internal_error"),
+            Self::Internal { .. } | Self::Startup { .. } => ("server_error", "internal_error"),
         }
     }
 
@@ -229,6 +247,7 @@ impl From<FrontendError> for tonic::Status {
                 tracing::error!(%detail, "internal error");
                 Code::Internal
             }
+            FrontendError::Startup { .. } => Code::Internal,
         };
         let mut status = tonic::Status::new(code, e.public_message());
         if let Some(secs) = e.retry_after_secs() {

@@ -132,7 +132,6 @@ pub async fn serve(
     ctx: ServiceContext,
 ) -> Result<(), FrontendError> {
     args.validate()?;
-    let startup = |e: String| FrontendError::Internal { detail: e };
     let dir = model
         .dir()
         .map_err(|e| FrontendError::invalid("--model", e.to_string()))?;
@@ -149,7 +148,8 @@ pub async fn serve(
             .map(|n| n.get())
             .unwrap_or(2)
     });
-    let metrics = metrics::Metrics::new().map_err(|e| startup(e.to_string()))?;
+    let metrics = metrics::Metrics::new()
+        .map_err(FrontendError::startup("registering the frontend metrics"))?;
     let queues = mesh::Members::follow(&ctx.discovery, "queue", ctx.shutdown.clone()).await?;
     let workers = mesh::Members::follow(
         &ctx.discovery,
@@ -181,7 +181,7 @@ pub async fn serve(
         max_body_bytes: args.max_body_bytes,
     });
     let server = GrpcServer::new()
-        .map_err(|e| startup(e.to_string()))?
+        .map_err(FrontendError::startup("building the gRPC server"))?
         .add_service(
             sluice_proto::inference::v1::inference_server::InferenceServer::new(
                 grpc::InferenceService {
@@ -193,10 +193,10 @@ pub async fn serve(
         .with_http(http::router(pipeline));
     let instance = ctx
         .instance("frontend", &listener)
-        .map_err(|e| startup(e.to_string()))?
+        .map_err(FrontendError::startup("reading the listener's address"))?
         .with_model(model.name());
     tracing::info!(model = %model.name(), "frontend starting");
     ctx.run(server, listener, instance)
         .await
-        .map_err(|e| startup(e.to_string()))
+        .map_err(FrontendError::startup("serving"))
 }

@@ -23,8 +23,12 @@ pub enum RuntimeError {
     Transport(#[from] tonic::transport::Error),
     #[error("I/O")]
     Io(#[from] std::io::Error),
-    #[error("telemetry setup: {0}")]
-    Telemetry(String),
+    #[error("telemetry setup: {what}")]
+    Telemetry {
+        what: &'static str,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     #[error("server task failed: {0}")]
     Task(#[from] tokio::task::JoinError),
     #[error("reflection setup")]

@@ -107,7 +107,10 @@ pub fn init(cfg: &TelemetryConfig) -> Result<Telemetry, RuntimeError> {
             .with_tonic()
             .with_endpoint(endpoint.clone())
             .build()
-            .map_err(|e| RuntimeError::Telemetry(e.to_string()))?;
+            .map_err(|e| RuntimeError::Telemetry {
+                what: "building the OTLP exporter",
+                source: e.into(),
+            })?;
         builder = builder.with_batch_exporter(exporter);
     }
     let provider = builder.build();
@@ -140,7 +143,10 @@ pub fn init(cfg: &TelemetryConfig) -> Result<Telemetry, RuntimeError> {
         .with(fmt)
         .with(otel)
         .try_init()
-        .map_err(|e| RuntimeError::Telemetry(e.to_string()))?;
+        .map_err(|e| RuntimeError::Telemetry {
+            what: "installing the tracing subscriber",
+            source: e.into(),
+        })?;
     if let Some(endpoint) = &cfg.otlp_endpoint {
         tracing::info!(%endpoint, service = %cfg.service_name, "exporting traces over OTLP");
     }

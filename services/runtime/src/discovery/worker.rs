@@ -111,8 +111,8 @@ pub struct WorkerInfo {
 /// Why a worker's discovery entry was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum WorkerInfoError {
-    #[error("not a WorkerInfo message: {0}")]
-    Decode(String),
+    #[error("not a WorkerInfo message")]
+    Decode(#[from] prost::DecodeError),
     #[error("role is unspecified or unknown ({0})")]
     Role(i32),
     #[error("block_size is 0")]
@@ -186,8 +186,7 @@ impl WorkerInfo {
 
     /// Decodes and checks an encoded wire message.
     pub fn decode(bytes: &[u8]) -> Result<Self, WorkerInfoError> {
-        let m =
-            pb::WorkerInfo::decode(bytes).map_err(|e| WorkerInfoError::Decode(e.to_string()))?;
+        let m = pb::WorkerInfo::decode(bytes)?;
         Self::from_pb(&m)
     }
 }
