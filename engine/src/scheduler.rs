@@ -399,18 +399,26 @@ impl Scheduler {
     /// change state now; computed tokens are committed by [`Scheduler::update`].
     pub fn schedule(&mut self) -> ScheduledStep {
         self.steps += 1;
-        let bs = self.kv.block_size();
-        let mut budget = self.cfg.max_num_batched_tokens;
-        let mut sched: Vec<(SeqId, usize)> = Vec::new();
-        let mut step = ScheduledStep::default();
+        let mut plan = Plan {
+            budget: self.cfg.max_num_batched_tokens,
+            sched: Vec::new(),
+            step: ScheduledStep::default(),
+        };
+        let deferred = self.schedule_running(&mut plan);
+        self.admit_waiting(&mut plan, deferred);
+        self.build_batch(plan)
+    }
 
-        // Running sequences first, in admission order.
+    /// Schedules the running sequences' next tokens, in admission order,
+    /// preempting (or deferring) where KV memory runs out. Whether one was
+    /// deferred (it waits for blocks that this step frees).
+    fn schedule_running(&mut self, plan: &mut Plan) -> bool {
         let mut deferred = false;
         let mut i = 0;
-        while i < self.running.len() && budget > 0 {
+        while i < self.running.len() && plan.budget > 0 {
             let id = self.running[i];
             let seq = &self.seqs[&id];
-            let n = (seq.tokens.len() - seq.num_computed).min(budget);
+            let n = (seq.tokens.len() - seq.num_computed).min(plan.budget);
             if n == 0 {
                 i += 1;
                 continue;
@@ -418,8 +426,8 @@ impl Scheduler {
             let target = seq.num_computed + n;
             loop {
                 if self.kv.allocate(id, target).is_ok() {
-                    sched.push((id, n));
-                    budget -= n;
+                    plan.sched.push((id, n));
+                    plan.budget -= n;
                     i += 1;
                     break;
                 }
@@ -438,9 +446,9 @@ impl Scheduler {
                     break;
                 };
                 let victim_pos = self.running.iter().position(|&r| r == victim).unwrap_or(i);
-                budget += unschedule(&mut sched, victim);
+                plan.budget += unschedule(&mut plan.sched, victim);
                 self.preempt(victim, false);
-                step.preempted.push(victim);
+                plan.step.preempted.push(victim);
                 if victim == id {
                     break;
                 }
@@ -450,23 +458,31 @@ impl Scheduler {
             }
         }
 
-        // Then waiting ones, unless this step already had to preempt.
+        deferred
+    }
+
+    /// Admits waiting sequences in policy order while the token budget,
+    /// the slots and KV memory allow (none when this step already had to
+    /// preempt or defer, or balance scheduling holds back), preempting
+    /// lower priorities under `priority` scheduling.
+    fn admit_waiting(&mut self, plan: &mut Plan, deferred: bool) {
+        let bs = self.kv.block_size();
         let balance_ok = !self.cfg.balance_scheduling
             || self.peer_running_max.max(self.running.len()) + 1 < self.cfg.max_num_seqs;
         if !balance_ok && !self.waiting.is_empty() {
-            step.balance_held = true;
+            plan.step.balance_held = true;
             self.balance_held_steps += 1;
         }
         let priority = self.cfg.policy == SchedulingPolicy::Priority;
-        let admit = step.preempted.is_empty() && !deferred && balance_ok;
+        let admit = plan.step.preempted.is_empty() && !deferred && balance_ok;
         // A waiting sequence whose cached prefix this step took references
         // on; released if it is not admitted after all.
         let mut acquired_for: Option<SeqId> = None;
-        while admit && budget > 0 {
+        while admit && plan.budget > 0 {
             let Some((&key, &id)) = self.waiting.first_key_value() else {
                 break;
             };
-            if step.preempted.contains(&id) {
+            if plan.step.preempted.contains(&id) {
                 break;
             }
             let prio = self.seqs[&id].priority;
@@ -475,10 +491,10 @@ impl Scheduler {
                     && self.cfg.preempt_on_seq_limit
                     && let Some(v) = self.pick_victim(Room::Slot { for_priority: prio })
                 {
-                    budget += unschedule(&mut sched, v);
+                    plan.budget += unschedule(&mut plan.sched, v);
                     // Only the slot is needed: the victim parks its blocks.
                     self.preempt(v, true);
-                    step.preempted.push(v);
+                    plan.step.preempted.push(v);
                     continue;
                 }
                 break;
@@ -495,7 +511,7 @@ impl Scheduler {
             }
             let seq = &self.seqs[&id];
             let remaining = seq.tokens.len() - seq.num_computed;
-            let n = remaining.min(budget);
+            let n = remaining.min(plan.budget);
             let target = seq.num_computed + n;
             let fits_whole = n == remaining || self.cfg.enable_chunked_prefill;
             if fits_whole && self.kv.allocate(id, target).is_ok() {
@@ -506,9 +522,9 @@ impl Scheduler {
                 }
                 seq.status = Status::Running;
                 self.running.push(id);
-                sched.push((id, n));
-                budget -= n;
-                step.admitted.push(id);
+                plan.sched.push((id, n));
+                plan.budget -= n;
+                plan.step.admitted.push(id);
                 acquired_for = None;
                 continue;
             }
@@ -526,9 +542,9 @@ impl Scheduler {
                     deficit: self.deficit(id, target),
                 })
             {
-                budget += unschedule(&mut sched, v);
+                plan.budget += unschedule(&mut plan.sched, v);
                 self.preempt(v, false);
-                step.preempted.push(v);
+                plan.step.preempted.push(v);
                 continue;
             }
             break;
@@ -543,29 +559,33 @@ impl Scheduler {
             self.kv.free(id);
             self.seqs.get_mut(&id).expect("checked above").num_computed = 0;
         }
+    }
 
-        // Build the batch.
+    /// The step's batch: each scheduled sequence's new tokens, positions
+    /// and block table.
+    fn build_batch(&self, mut plan: Plan) -> ScheduledStep {
+        let bs = self.kv.block_size();
         let mut active = 0;
-        for &(id, n) in &sched {
+        for &(id, n) in &plan.sched {
             let seq = &self.seqs[&id];
             let end = seq.num_computed + n;
             active += end;
             let needs_logits = end == seq.tokens.len();
-            step.seqs.push(ScheduledSeq {
+            plan.step.seqs.push(ScheduledSeq {
                 seq_id: id,
                 num_new_tokens: n,
                 needs_logits,
             });
-            step.batch.seqs.push(SeqChunk {
+            plan.step.batch.seqs.push(SeqChunk {
                 tokens: seq.tokens[seq.num_computed..end].to_vec(),
                 start_pos: seq.num_computed,
                 block_table: self.kv.block_table(id).to_vec(),
                 needs_logits,
             });
         }
-        step.batch.active_kv_tokens = active;
-        step.batch.total_kv_tokens = self.kv.num_blocks() * bs;
-        step
+        plan.step.batch.active_kv_tokens = active;
+        plan.step.batch.total_kv_tokens = self.kv.num_blocks() * bs;
+        plan.step
     }
 
     /// Commits a step's computed tokens, takes each finishing row's next
@@ -902,6 +922,14 @@ enum Room {
     /// `deficit` more free blocks for a waiting sequence of `for_priority`:
     /// only strictly lower priorities give way.
     ForWaiting { for_priority: i32, deficit: usize },
+}
+
+/// A step being planned: the tokens still in its budget, the sequences
+/// scheduled so far with their new-token counts, and the step's record.
+struct Plan {
+    budget: usize,
+    sched: Vec<(SeqId, usize)>,
+    step: ScheduledStep,
 }
 
 /// Removes `id` from this step's schedule, returning the tokens it had.
