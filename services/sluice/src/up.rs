@@ -92,21 +92,7 @@ async fn local() -> anyhow::Result<TcpListener> {
 }
 
 pub(crate) async fn run(mut args: UpArgs, shutdown: Shutdown) -> anyhow::Result<()> {
-    args.common.validate()?;
-    if args.model.model.is_none() {
-        args.model.model = Some(builtin_model(cache_dir(args.model_cache.clone()))?);
-    }
-    args.worker.validate()?;
-    if !args.disagg && args.common.etcd.is_none() {
-        // No prefill worker can ever join this mesh: shared KV memory
-        // (committed up front in /dev/shm) would buy nothing.
-        args.worker
-            .kv_transports
-            .retain(|t| *t != sluice_decode::transfer::TransportKind::Shm);
-    }
-    if args.workers == 0 {
-        anyhow::bail!("--workers must be at least 1");
-    }
+    settle_args(&mut args)?;
     // One process, one /metrics: the HTTP port shows every service's series.
     sluice_runtime::metrics::serve_whole_process();
     let discovery: Arc<dyn Discovery> = discovery::from_args(
@@ -134,13 +120,51 @@ pub(crate) async fn run(mut args: UpArgs, shutdown: Shutdown) -> anyhow::Result<
         })?;
     let http_addr = http.local_addr()?;
 
-    let mut tasks: JoinSet<(&'static str, anyhow::Result<()>)> = JoinSet::new();
+    let tasks = spawn_services(&args, http, ctx, &shutdown).await?;
+    print_banner(&args, http_addr, &security);
+    wait_for_services(tasks, &shutdown).await
+}
+
+/// Validates the flags and fills in what `up` decides itself: the built-in
+/// model when none is given, no shm transport where no prefill worker can
+/// join.
+fn settle_args(args: &mut UpArgs) -> anyhow::Result<()> {
+    args.common.validate()?;
+    if args.model.model.is_none() {
+        args.model.model = Some(builtin_model(cache_dir(args.model_cache.clone()))?);
+    }
+    args.worker.validate()?;
+    if !args.disagg && args.common.etcd.is_none() {
+        // No prefill worker can ever join this mesh: shared KV memory
+        // (committed up front in /dev/shm) would buy nothing.
+        args.worker
+            .kv_transports
+            .retain(|t| *t != sluice_decode::transfer::TransportKind::Shm);
+    }
+    if args.workers == 0 {
+        anyhow::bail!("--workers must be at least 1");
+    }
+    Ok(())
+}
+
+/// The services `up` runs, each a task that reports its name and result.
+type Services = JoinSet<(&'static str, anyhow::Result<()>)>;
+
+/// Starts every service of the mesh on its own loopback listener (the
+/// frontend on `http`), each with a context from `ctx`.
+async fn spawn_services(
+    args: &UpArgs,
+    http: TcpListener,
+    ctx: impl Fn(&Shutdown) -> ServiceContext,
+    shutdown: &Shutdown,
+) -> anyhow::Result<Services> {
+    let mut tasks = Services::new();
     for _ in 0..args.workers {
         let (l, a, m, c) = (
             local().await?,
             args.worker.clone(),
             args.model.clone(),
-            ctx(&shutdown),
+            ctx(shutdown),
         );
         tasks.spawn(async move {
             (
@@ -155,7 +179,7 @@ pub(crate) async fn run(mut args: UpArgs, shutdown: Shutdown) -> anyhow::Result<
                 local().await?,
                 args.worker.clone(),
                 args.model.clone(),
-                ctx(&shutdown),
+                ctx(shutdown),
             );
             tasks.spawn(async move {
                 (
@@ -165,21 +189,21 @@ pub(crate) async fn run(mut args: UpArgs, shutdown: Shutdown) -> anyhow::Result<
             });
         }
     }
-    let (l, a, c) = (local().await?, args.router.clone(), ctx(&shutdown));
+    let (l, a, c) = (local().await?, args.router.clone(), ctx(shutdown));
     tasks.spawn(async move {
         (
             "router",
             sluice_router::serve(l, a, c).await.map_err(Into::into),
         )
     });
-    let (l, a, c) = (local().await?, args.queue.clone(), ctx(&shutdown));
+    let (l, a, c) = (local().await?, args.queue.clone(), ctx(shutdown));
     tasks.spawn(async move {
         (
             "queue",
             sluice_queue::serve(l, a, c).await.map_err(Into::into),
         )
     });
-    let (a, m, c) = (args.frontend.clone(), args.model.clone(), ctx(&shutdown));
+    let (a, m, c) = (args.frontend.clone(), args.model.clone(), ctx(shutdown));
     tasks.spawn(async move {
         (
             "frontend",
@@ -189,6 +213,11 @@ pub(crate) async fn run(mut args: UpArgs, shutdown: Shutdown) -> anyhow::Result<
         )
     });
 
+    Ok(tasks)
+}
+
+/// Tells the user where the mesh answers.
+fn print_banner(args: &UpArgs, http_addr: std::net::SocketAddr, security: &Security) {
     let model = args.model.name();
     println!(
         "Sluice is up: model `{model}`, {} worker(s){}",
@@ -215,7 +244,11 @@ pub(crate) async fn run(mut args: UpArgs, shutdown: Shutdown) -> anyhow::Result<
         "  metrics      {scheme}://{http_addr}/metrics (every service)    ready: {scheme}://{http_addr}/ready"
     );
     println!("  Ctrl-C to stop");
+}
 
+/// Waits for the services; the first to end (or fail) stops them all, and
+/// the first failure is the result.
+async fn wait_for_services(mut tasks: Services, shutdown: &Shutdown) -> anyhow::Result<()> {
     let mut first_error = None;
     while let Some(joined) = tasks.join_next().await {
         let (name, res) =
