@@ -145,6 +145,156 @@ impl EtcdDiscovery {
     }
 }
 
+/// Why a watch's follower stopped following one stream.
+enum Next {
+    /// Open a new stream from the last revision seen.
+    Resume,
+    /// The revisions were compacted away: re-list, then resume.
+    Relist,
+    /// The watch was dropped or cancelled.
+    Stop,
+}
+
+/// One watch's task: follows the component's keys from a revision, resumes
+/// after an interruption from the last revision seen, re-lists (reporting
+/// the difference) when etcd compacted that revision away, and sends what
+/// it sees to the watch's settling stage.
+struct Follower {
+    discovery: EtcdDiscovery,
+    component: String,
+    prefix: String,
+    /// The entries as last reported, by id.
+    known: BTreeMap<String, Instance>,
+    /// The last revision seen.
+    rev: i64,
+    tx: mpsc::Sender<Seen>,
+    token: CancellationToken,
+}
+
+impl Follower {
+    async fn run(mut self) {
+        let mut relist = false;
+        loop {
+            if self.token.is_cancelled() || self.tx.is_closed() {
+                return;
+            }
+            if relist {
+                match self.relist().await {
+                    Next::Stop => return,
+                    Next::Relist => {
+                        if !self.pause().await {
+                            return;
+                        }
+                        continue;
+                    }
+                    Next::Resume => relist = false,
+                }
+            }
+            match self.follow().await {
+                Next::Stop => return,
+                Next::Relist => relist = true,
+                Next::Resume => {}
+            }
+            if !self.pause().await {
+                return;
+            }
+        }
+    }
+
+    /// Waits before the next try; false when cancelled meanwhile.
+    async fn pause(&self) -> bool {
+        tokio::select! {
+            _ = self.token.cancelled() => false,
+            _ = tokio::time::sleep(RETRY) => true,
+        }
+    }
+
+    /// Lists the component again and reports what changed since `known`.
+    async fn relist(&mut self) -> Next {
+        match self.discovery.list_map(&self.component).await {
+            Ok((now, rev)) => {
+                for e in diff_seen(&self.known, &now) {
+                    if self.tx.send(e).await.is_err() {
+                        return Next::Stop;
+                    }
+                }
+                self.known = now;
+                self.rev = rev;
+                Next::Resume
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "etcd re-list");
+                Next::Relist
+            }
+        }
+    }
+
+    /// Opens a watch stream from the revision after the last seen and
+    /// follows it until it ends.
+    async fn follow(&mut self) -> Next {
+        let mut client = self.discovery.client.clone();
+        let opts = WatchOptions::new()
+            .with_prefix()
+            .with_start_revision(self.rev + 1);
+        let mut stream = match client.watch(self.prefix.as_str(), Some(opts)).await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::debug!(error = %e, "etcd watch; retrying");
+                return Next::Resume;
+            }
+        };
+        loop {
+            let msg = tokio::select! {
+                _ = self.token.cancelled() => return Next::Stop,
+                m = stream.message() => m,
+            };
+            let resp = match msg {
+                Ok(Some(r)) => r,
+                Ok(None) => return Next::Resume,
+                Err(e) => {
+                    tracing::info!(error = %e, "etcd watch interrupted; resuming from revision {}", self.rev);
+                    return Next::Resume;
+                }
+            };
+            if resp.canceled() {
+                if resp.compact_revision() > 0 {
+                    tracing::info!(
+                        compacted = resp.compact_revision(),
+                        "watch revision compacted; re-listing"
+                    );
+                    return Next::Relist;
+                }
+                return Next::Resume;
+            }
+            for ev in resp.events() {
+                let Some(seen) = self.seen(ev) else { continue };
+                if self.tx.send(seen).await.is_err() {
+                    return Next::Stop;
+                }
+            }
+        }
+    }
+
+    /// What one event means for the watch, given what is known; `None`
+    /// when nothing changed (a malformed entry, a repeat departure).
+    fn seen(&mut self, ev: &etcd_client::Event) -> Option<Seen> {
+        let kv = ev.kv()?;
+        self.rev = self.rev.max(kv.mod_revision());
+        let key = String::from_utf8_lossy(kv.key()).into_owned();
+        let id = id_from_key(&key).to_string();
+        match ev.event_type() {
+            EventType::Put => match parse_entry(&key, kv.value())? {
+                i if i.leaving => self.known.remove(&id).map(|_| Seen::Left(id)),
+                i => {
+                    self.known.insert(id, i.clone());
+                    Some(Seen::Put(i))
+                }
+            },
+            EventType::Delete => self.known.remove(&id).map(|_| Seen::Lost(id)),
+        }
+    }
+}
+
 fn id_from_key(key: &str) -> &str {
     key.rsplit('/').next().unwrap_or(key)
 }
@@ -256,7 +406,7 @@ impl Discovery for EtcdDiscovery {
     }
 
     async fn watch(&self, component: &str) -> Result<Watch, RuntimeError> {
-        let (mut known, mut rev) = self.list_map(component).await?;
+        let (known, rev) = self.list_map(component).await?;
         let (tx, raw) = mpsc::channel(256);
         for i in known.values() {
             let _ = tx.try_send(Seen::Put(i.clone()));
@@ -271,103 +421,16 @@ impl Discovery for EtcdDiscovery {
             self.grace,
             stop.clone(),
         ));
-        let this = self.clone();
-        let component = component.to_string();
-        tokio::spawn(async move {
-            let prefix = component_prefix(&this.namespace, &component);
-            let mut relist = false;
-            loop {
-                if token.is_cancelled() || tx.is_closed() {
-                    return;
-                }
-                if relist {
-                    match this.list_map(&component).await {
-                        Ok((now, r)) => {
-                            for e in diff_seen(&known, &now) {
-                                if tx.send(e).await.is_err() {
-                                    return;
-                                }
-                            }
-                            known = now;
-                            rev = r;
-                            relist = false;
-                        }
-                        Err(e) => {
-                            tracing::debug!(error = %e, "etcd re-list");
-                            tokio::select! { _ = token.cancelled() => return, _ = tokio::time::sleep(RETRY) => {} }
-                            continue;
-                        }
-                    }
-                }
-                let mut c = this.client.clone();
-                let opts = WatchOptions::new()
-                    .with_prefix()
-                    .with_start_revision(rev + 1);
-                let mut stream = match c.watch(prefix.as_str(), Some(opts)).await {
-                    Ok(s) => s,
-                    Err(e) => {
-                        tracing::debug!(error = %e, "etcd watch; retrying");
-                        tokio::select! { _ = token.cancelled() => return, _ = tokio::time::sleep(RETRY) => {} }
-                        continue;
-                    }
-                };
-                loop {
-                    let msg = tokio::select! {
-                        _ = token.cancelled() => return,
-                        m = stream.message() => m,
-                    };
-                    let resp = match msg {
-                        Ok(Some(r)) => r,
-                        Ok(None) => break,
-                        Err(e) => {
-                            tracing::info!(error = %e, "etcd watch interrupted; resuming from revision {rev}");
-                            break;
-                        }
-                    };
-                    if resp.canceled() {
-                        if resp.compact_revision() > 0 {
-                            tracing::info!(
-                                compacted = resp.compact_revision(),
-                                "watch revision compacted; re-listing"
-                            );
-                            relist = true;
-                        }
-                        break;
-                    }
-                    for ev in resp.events() {
-                        let Some(kv) = ev.kv() else { continue };
-                        rev = rev.max(kv.mod_revision());
-                        let key = String::from_utf8_lossy(kv.key()).into_owned();
-                        let id = id_from_key(&key).to_string();
-                        let out = match ev.event_type() {
-                            EventType::Put => match parse_entry(&key, kv.value()) {
-                                Some(i) if i.leaving => {
-                                    if known.remove(&id).is_none() {
-                                        continue;
-                                    }
-                                    Seen::Left(id)
-                                }
-                                Some(i) => {
-                                    known.insert(id, i.clone());
-                                    Seen::Put(i)
-                                }
-                                None => continue,
-                            },
-                            EventType::Delete => {
-                                if known.remove(&id).is_none() {
-                                    continue;
-                                }
-                                Seen::Lost(id)
-                            }
-                        };
-                        if tx.send(out).await.is_err() {
-                            return;
-                        }
-                    }
-                }
-                tokio::select! { _ = token.cancelled() => return, _ = tokio::time::sleep(RETRY) => {} }
-            }
-        });
+        let follower = Follower {
+            prefix: component_prefix(&self.namespace, component),
+            discovery: self.clone(),
+            component: component.to_string(),
+            known,
+            rev,
+            tx,
+            token,
+        };
+        tokio::spawn(follower.run());
         Ok(Watch::new(rx, stop))
     }
 }
