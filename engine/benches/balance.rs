@@ -31,10 +31,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use parking_lot::Mutex;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use sluice_engine::backend::{Backend, ForwardBatch, ForwardOutput, KvBlockLayout};
+use sluice_engine::backend::{Backend, BeforeStep, ForwardBatch};
 use sluice_engine::{
-    BalanceGroup, EngineConfig, EngineError, EngineHandle, MockerBackend, MockerConfig, Request,
-    SamplingParams, SchedulerConfig,
+    BalanceGroup, EngineConfig, EngineHandle, MockerBackend, MockerConfig, Request, SamplingParams,
+    SchedulerConfig,
 };
 
 const BLOCK_SIZE: usize = 16;
@@ -239,44 +239,22 @@ impl ModelClock {
 }
 
 /// The mocker, recording each step's modelled time on the group's clock.
-struct Clocked {
-    inner: MockerBackend,
-    clock: Arc<ModelClock>,
-    group: Arc<BalanceGroup>,
-}
-
-impl Backend for Clocked {
-    fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOutput, EngineError> {
-        let prefill = batch
-            .seqs
-            .iter()
-            .any(|s| !(s.tokens.len() == 1 && s.start_pos > 0 && s.needs_logits));
-        // Ranks are inside the same lockstep step while they run forward.
-        let step = self.group.lockstep_steps();
-        let modelled = self
-            .inner
-            .step_duration(batch)
-            .mul_f64(self.inner.config().speedup_ratio);
-        self.clock.record(step, modelled, prefill, batch.seqs.len());
-        self.inner.forward(batch)
-    }
-    fn kv_layout(&self) -> KvBlockLayout {
-        self.inner.kv_layout()
-    }
-    fn num_blocks(&self) -> usize {
-        self.inner.num_blocks()
-    }
-    fn read_block(&self, id: u32, out: &mut [u8]) -> Result<(), EngineError> {
-        self.inner.read_block(id, out)
-    }
-    fn write_block(&mut self, id: u32, data: &[u8]) -> Result<(), EngineError> {
-        self.inner.write_block(id, data)
-    }
-    fn vocab_size(&self) -> usize {
-        self.inner.vocab_size()
-    }
-    fn name(&self) -> &'static str {
-        "mocker"
+fn clocked(inner: MockerBackend, clock: Arc<ModelClock>, group: Arc<BalanceGroup>) -> impl Backend {
+    BeforeStep {
+        inner,
+        hook: move |inner: &MockerBackend, batch: &ForwardBatch| {
+            let prefill = batch
+                .seqs
+                .iter()
+                .any(|s| !(s.tokens.len() == 1 && s.start_pos > 0 && s.needs_logits));
+            // Ranks are inside the same lockstep step while they run forward.
+            let step = group.lockstep_steps();
+            let modelled = inner
+                .step_duration(batch)
+                .mul_f64(inner.config().speedup_ratio);
+            clock.record(step, modelled, prefill, batch.seqs.len());
+            Ok(())
+        },
     }
 }
 
@@ -363,11 +341,7 @@ fn spawn_ranks(
                 ..MockerConfig::default()
             })
             .expect("valid mocker config");
-            let backend = Clocked {
-                inner: mocker,
-                clock: clock.clone(),
-                group: group.clone(),
-            };
+            let backend = clocked(mocker, clock.clone(), group.clone());
             let cfg = EngineConfig {
                 block_size: BLOCK_SIZE,
                 num_blocks: Some(num_blocks),

@@ -121,6 +121,81 @@ pub(crate) fn validate_seq(
     Ok(())
 }
 
+/// A backend that runs a hook before each step (which may fail the step)
+/// and is otherwise the backend it wraps: fault injection, step timing,
+/// poisoned prompts in tests and benches.
+pub struct BeforeStep<B, F> {
+    /// The backend doing the work.
+    pub inner: B,
+    /// Called with the wrapped backend and the batch before each step.
+    pub hook: F,
+}
+
+impl<B, F> Backend for BeforeStep<B, F>
+where
+    B: Backend,
+    F: FnMut(&B, &ForwardBatch) -> Result<(), EngineError> + Send,
+{
+    fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOutput, EngineError> {
+        (self.hook)(&self.inner, batch)?;
+        self.inner.forward(batch)
+    }
+    fn kv_layout(&self) -> KvBlockLayout {
+        self.inner.kv_layout()
+    }
+    fn num_blocks(&self) -> usize {
+        self.inner.num_blocks()
+    }
+    fn read_block(&self, id: u32, out: &mut [u8]) -> Result<(), EngineError> {
+        self.inner.read_block(id, out)
+    }
+    fn write_block(&mut self, id: u32, data: &[u8]) -> Result<(), EngineError> {
+        self.inner.write_block(id, data)
+    }
+    fn kv_arena(&self) -> Option<Arc<KvArena>> {
+        self.inner.kv_arena()
+    }
+    fn set_kv_backing(&mut self, backing: &KvBacking) -> Result<(), EngineError> {
+        self.inner.set_kv_backing(backing)
+    }
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+}
+
+impl Backend for Box<dyn Backend> {
+    fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOutput, EngineError> {
+        (**self).forward(batch)
+    }
+    fn kv_layout(&self) -> KvBlockLayout {
+        (**self).kv_layout()
+    }
+    fn num_blocks(&self) -> usize {
+        (**self).num_blocks()
+    }
+    fn read_block(&self, id: u32, out: &mut [u8]) -> Result<(), EngineError> {
+        (**self).read_block(id, out)
+    }
+    fn write_block(&mut self, id: u32, data: &[u8]) -> Result<(), EngineError> {
+        (**self).write_block(id, data)
+    }
+    fn kv_arena(&self) -> Option<Arc<KvArena>> {
+        (**self).kv_arena()
+    }
+    fn set_kv_backing(&mut self, backing: &KvBacking) -> Result<(), EngineError> {
+        (**self).set_kv_backing(backing)
+    }
+    fn vocab_size(&self) -> usize {
+        (**self).vocab_size()
+    }
+    fn name(&self) -> &'static str {
+        (**self).name()
+    }
+}
+
 /// A compute backend.
 pub trait Backend: Send {
     /// Runs one step and writes the new tokens' K/V into their blocks.

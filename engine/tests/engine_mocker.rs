@@ -569,51 +569,28 @@ async fn lockstep_ranks_step_together_and_a_stopped_rank_leaves() {
 }
 
 /// The mocker, failing every step that computes a prompt holding `poison`.
-struct Poisoned {
-    inner: MockerBackend,
-    poison: u32,
-}
-
-impl sluice_engine::backend::Backend for Poisoned {
-    fn forward(
-        &mut self,
-        batch: &sluice_engine::backend::ForwardBatch,
-    ) -> Result<sluice_engine::backend::ForwardOutput, EngineError> {
-        if batch
-            .seqs
-            .iter()
-            .any(|s| s.start_pos == 0 && s.tokens.contains(&self.poison))
-        {
-            return Err(EngineError::StepFailed("poisoned".into()));
-        }
-        self.inner.forward(batch)
-    }
-    fn kv_layout(&self) -> sluice_engine::backend::KvBlockLayout {
-        self.inner.kv_layout()
-    }
-    fn num_blocks(&self) -> usize {
-        self.inner.num_blocks()
-    }
-    fn read_block(&self, id: u32, out: &mut [u8]) -> Result<(), EngineError> {
-        self.inner.read_block(id, out)
-    }
-    fn write_block(&mut self, id: u32, data: &[u8]) -> Result<(), EngineError> {
-        self.inner.write_block(id, data)
-    }
-    fn vocab_size(&self) -> usize {
-        self.inner.vocab_size()
-    }
-    fn name(&self) -> &'static str {
-        "poisoned"
+fn poisoned(inner: MockerBackend, poison: u32) -> impl sluice_engine::backend::Backend {
+    sluice_engine::backend::BeforeStep {
+        inner,
+        hook: move |_: &MockerBackend, batch: &sluice_engine::backend::ForwardBatch| {
+            if batch
+                .seqs
+                .iter()
+                .any(|s| s.start_pos == 0 && s.tokens.contains(&poison))
+            {
+                return Err(EngineError::StepFailed("poisoned".into()));
+            }
+            Ok(())
+        },
     }
 }
 
 #[tokio::test]
 async fn a_sequence_that_fails_its_step_fails_alone_and_the_batch_goes_on() {
-    let backend = Poisoned {
-        inner: MockerBackend::new(mocker_cfg(256)).expect("valid mocker"),
-        poison: 63,
-    };
+    let backend = poisoned(
+        MockerBackend::new(mocker_cfg(256)).expect("valid mocker"),
+        63,
+    );
     let e = EngineHandle::spawn(Box::new(backend), engine_cfg()).expect("engine starts");
     // Six healthy streams, then one whose prompt the backend fails on,
     // batched with them.

@@ -352,10 +352,7 @@ impl WorkerArgs {
         }
         #[cfg(feature = "fault-injection")]
         if let Some(fault) = &self.step_fault {
-            backend = Box::new(crate::fault::Faulty {
-                inner: backend,
-                fault: Arc::clone(fault),
-            });
+            backend = crate::fault::faulty(backend, Arc::clone(fault));
         }
         let cfg = EngineConfig {
             block_size: self.block_size,

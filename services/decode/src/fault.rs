@@ -11,9 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 
 use sluice_engine::EngineError;
-use sluice_engine::backend::{
-    Backend, ForwardBatch, ForwardOutput, KvArena, KvBacking, KvBlockLayout,
-};
+use sluice_engine::backend::{Backend, BeforeStep, ForwardBatch};
 
 /// One armed step failure. Share one `Arc` between workers (every worker
 /// built from the same [`crate::WorkerArgs`] does) and exactly one of them
@@ -54,44 +52,17 @@ impl StepFault {
     }
 }
 
-/// A backend that fails the step a [`StepFault`] names and is otherwise
-/// the backend it wraps.
-pub(crate) struct Faulty {
-    pub(crate) inner: Box<dyn Backend>,
-    pub(crate) fault: Arc<StepFault>,
-}
-
-impl Backend for Faulty {
-    fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOutput, EngineError> {
-        if self.fault.trips(batch) {
-            return Err(EngineError::StepFailed(
-                "injected engine fault (test)".into(),
-            ));
-        }
-        self.inner.forward(batch)
-    }
-    fn kv_layout(&self) -> KvBlockLayout {
-        self.inner.kv_layout()
-    }
-    fn num_blocks(&self) -> usize {
-        self.inner.num_blocks()
-    }
-    fn read_block(&self, id: u32, out: &mut [u8]) -> Result<(), EngineError> {
-        self.inner.read_block(id, out)
-    }
-    fn write_block(&mut self, id: u32, data: &[u8]) -> Result<(), EngineError> {
-        self.inner.write_block(id, data)
-    }
-    fn kv_arena(&self) -> Option<Arc<KvArena>> {
-        self.inner.kv_arena()
-    }
-    fn set_kv_backing(&mut self, backing: &KvBacking) -> Result<(), EngineError> {
-        self.inner.set_kv_backing(backing)
-    }
-    fn vocab_size(&self) -> usize {
-        self.inner.vocab_size()
-    }
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
+/// `inner`, failing the step a [`StepFault`] names.
+pub(crate) fn faulty(inner: Box<dyn Backend>, fault: Arc<StepFault>) -> Box<dyn Backend> {
+    Box::new(BeforeStep {
+        inner,
+        hook: move |_: &_, batch: &ForwardBatch| {
+            if fault.trips(batch) {
+                return Err(EngineError::StepFailed(
+                    "injected engine fault (test)".into(),
+                ));
+            }
+            Ok(())
+        },
+    })
 }
