@@ -150,9 +150,8 @@ async fn default_flags_shed_a_sustained_burst_by_priority() -> anyhow::Result<()
         reader.read_line(&mut line).await?;
         fillers.push(reader);
     }
-    // The queue learns the worker's max_num_seqs from the router's load
-    // view (at most a second or so after the worker's first report).
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    // The queue learns the worker's max_num_seqs from the router's load view.
+    queue_sees_a_worker(&mesh).await?;
 
     // 40 requests at once, priorities 0..3 interleaved.
     let burst: Vec<_> = (0..40)
@@ -165,7 +164,11 @@ async fn default_flags_shed_a_sustained_burst_by_priority() -> anyhow::Result<()
         pending.push((priority, handle));
     }
     // Let the refusals come back, then free the slots for the held ones.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    sluice_tests::wait::until_true("20 refusals back", Duration::from_secs(30), || {
+        let done = pending.iter().filter(|(_, h)| h.is_finished()).count();
+        async move { Ok(done >= 20) }
+    })
+    .await?;
     drop(fillers);
     for (priority, handle) in pending {
         let (status, head, rest) =
@@ -188,5 +191,89 @@ async fn default_flags_shed_a_sustained_burst_by_priority() -> anyhow::Result<()
         "served by priority: {served:?}"
     );
     assert!(served[3] > served[0], "served by priority: {served:?}");
+    mesh.stop().await
+}
+
+/// Waits until the queue's load view from the router lists a worker (so
+/// default holding knows its engine slots).
+async fn queue_sees_a_worker(mesh: &Mesh) -> anyhow::Result<()> {
+    let queue = mesh.endpoints("queue").await?.remove(0);
+    sluice_tests::wait::until_true(
+        "the queue's load view to list the worker",
+        Duration::from_secs(30),
+        || async {
+            let (_, metrics) = get(&queue, "/metrics").await?;
+            Ok(sluice_tests::wait::sum(&metrics, "sluice_queue_load_view_workers") >= 1.0)
+        },
+    )
+    .await
+}
+
+/// Under standing overload (arrivals several times what the worker serves,
+/// for longer than `--backlog-secs`) the queue keeps only a short backlog
+/// and refuses at once the priority the higher one crowds out: late in the
+/// run, priority 0 gets 429s naming the overload while priority 3 is
+/// served, and what is served starts soon.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standing_overload_refuses_the_crowded_out_priority_at_once() -> anyhow::Result<()> {
+    let mut opts = MeshOptions::default();
+    opts.worker.engine = sluice_decode::EngineKind::Mocker;
+    opts.worker.max_num_seqs = 2;
+    opts.queue.backlog_secs = 0.3;
+    let mesh = Mesh::start(opts).await?;
+    queue_sees_a_worker(&mesh).await?;
+
+    // Priorities 3 and 0 alternating, every 10 ms for 3 s: each request
+    // takes the worker ~60 ms, so two slots serve ~30 of the 200 per s.
+    let start = tokio::time::Instant::now();
+    let mut sent = Vec::new();
+    for i in 0..300u32 {
+        let priority = if i % 2 == 0 { 3 } else { 0 };
+        sent.push((
+            priority,
+            start.elapsed(),
+            spawn_open(&mesh, completion(48, priority)),
+        ));
+        tokio::time::sleep_until(start + Duration::from_millis(10 * u64::from(i + 1))).await;
+    }
+    let (mut late_served, mut late_overload) = ([0usize; 4], [0usize; 4]);
+    for (priority, at, handle) in sent {
+        let (status, head, rest) =
+            tokio::time::timeout(Duration::from_secs(60), handle).await???;
+        let late = at >= Duration::from_millis(1500);
+        match status {
+            200 if late => late_served[priority as usize] += 1,
+            200 => {}
+            429 => {
+                assert!(
+                    retry_after(&head).is_some_and(|s| (1..=60).contains(&s)),
+                    "{head}"
+                );
+                if late && rest.contains("overloaded") {
+                    late_overload[priority as usize] += 1;
+                }
+            }
+            other => panic!("priority {priority}: {other} {head}{rest}"),
+        }
+    }
+    assert!(
+        late_overload[0] > 0,
+        "priority 0 refused for the overload: {late_overload:?}"
+    );
+    assert_eq!(late_overload[3], 0, "{late_overload:?}");
+    assert!(
+        late_served[3] > late_served[0],
+        "served late: {late_served:?}, refused for the overload: {late_overload:?}"
+    );
+    let queue = mesh.endpoints("queue").await?.remove(0);
+    let (_, metrics) = get(&queue, "/metrics").await?;
+    assert!(
+        sluice_tests::wait::sample(
+            &metrics,
+            "sluice_queue_rejections_total{reason=\"overload\"}"
+        )
+        .is_some_and(|n| n > 0.0),
+        "{metrics}"
+    );
     mesh.stop().await
 }
