@@ -102,7 +102,7 @@ pub(crate) async fn run(mut args: UpArgs, shutdown: Shutdown) -> anyhow::Result<
         // (committed up front in /dev/shm) would buy nothing.
         args.worker
             .kv_transports
-            .retain(|t| *t != sluice_decode::transfer::TransportKind::Shm);
+            .retain(|t| *t != sluice_kv_transfer::TransportKind::Shm);
     }
     if args.workers == 0 {
         anyhow::bail!("--workers must be at least 1");
