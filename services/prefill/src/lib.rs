@@ -4,10 +4,11 @@
 //! first transport both sides offer, and returns the first token.
 //!
 //! It reuses the decode crate's worker core (engine flags, KV events, load,
-//! registration) and owns only the `Prefill` RPC and the sending side:
-//! negotiation picks the first region of the descriptor (the decode worker's
-//! preference order) whose transport this worker accepts (`--kv-transports`),
-//! before any compute, so a worker with nothing in common refuses at once.
+//! registration, input checks) and owns only the `Prefill` RPC. The sending
+//! side is `sluice-kv-transfer`'s: negotiation ([`Senders::negotiate`])
+//! picks the first region of the descriptor (the decode worker's preference
+//! order) whose transport this worker accepts (`--kv-transports`), before
+//! any compute, so a worker with nothing in common refuses at once.
 
 use std::sync::Arc;
 use std::time::Duration;
