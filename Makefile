@@ -55,7 +55,7 @@ test: deps test-rust test-cuda-kernels test-python test-deploy ## set up what is
 
 test-rust: ## cargo tests, unit and integration; the rdma KV transport must keep compiling and its verbs layouts must match verbs.h
 	$(CARGO) test --workspace -- --test-threads=$(TEST_THREADS)
-	$(CARGO) test -p sluice-decode --features rdma --lib transfer::rdma
+	$(CARGO) test -p sluice-kv-transfer --features rdma --lib rdma
 	$(CARGO) build -p sluice --features rdma
 
 test-cuda-kernels: ## the cuda backend without a GPU: host-side unit tests, every kernel through NVRTC and ptxas (sm_80, sm_90; registers and spills), the binary with --features cuda

@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use sluice_decode::transfer::TransportKind;
+use sluice_kv_transfer::TransportKind;
 use sluice_prefill::Fault;
 use sluice_tests::http::get;
 use sluice_tests::mesh::{Mesh, MeshOptions, active_blocks};
@@ -47,7 +47,7 @@ async fn advertised(mesh: &Mesh, component: &str) -> anyhow::Result<String> {
                 .collect()
         })
         .unwrap_or_default();
-    Ok(sluice_decode::transfer::join(&kinds))
+    Ok(sluice_kv_transfer::join(&kinds))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -17,7 +17,7 @@ use crate::error::WorkerError;
 
 /// How long a lockstep rank waits for its peers before stepping alone.
 const LOCKSTEP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
-use crate::transfer::TransportKind;
+use sluice_kv_transfer::TransportKind;
 
 /// Which compute backend runs the model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

@@ -25,7 +25,7 @@ use sluice_runtime::{Discovery, DiscoveryEvent, Security, Shutdown};
 
 use crate::error::WorkerError;
 use crate::service::{InflightGuard, RemotePrefill, WorkerCore};
-use crate::transfer::{Receiver, TransportKind, layout_to_pb, same_host};
+use sluice_kv_transfer::{Receiver, TransportKind, layout_to_pb, same_host};
 
 /// The prefill workers discovery lists, id → endpoint: the only prefill
 /// endpoints this worker ever dials.

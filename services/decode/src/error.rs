@@ -1,6 +1,7 @@
 //! The worker's errors and their one mapping to `tonic::Status`.
 
 use sluice_engine::EngineError;
+use sluice_kv_transfer::KvTransferError;
 
 /// What a worker request or start-up can fail with.
 #[derive(Debug, thiserror::Error)]
@@ -16,8 +17,9 @@ pub enum WorkerError {
     NoSuchRank { rank: u32, size: usize },
     #[error("engine")]
     Engine(#[from] EngineError),
+    /// Sending or receiving KV blocks failed (the transfer crate's error).
     #[error("KV transfer: {0}")]
-    Transfer(String),
+    Transfer(#[from] KvTransferError),
     #[error("this worker is a {role} worker and does not serve {rpc}")]
     WrongRole {
         role: sluice_runtime::discovery::WorkerRole,
@@ -32,13 +34,6 @@ pub enum WorkerError {
         #[source]
         source: BoxError,
     },
-    /// A transfer failed on an underlying error, kept as the source.
-    #[error("KV transfer: {what}: {source}")]
-    TransferFailed {
-        what: &'static str,
-        #[source]
-        source: BoxError,
-    },
 }
 
 /// Any underlying error a [`WorkerError`] wraps.
@@ -48,14 +43,6 @@ impl WorkerError {
     /// Start-up failed while doing `what` (for `map_err`).
     pub fn startup<E: Into<BoxError>>(what: &'static str) -> impl FnOnce(E) -> Self {
         move |e| Self::StartupFailed {
-            what,
-            source: e.into(),
-        }
-    }
-
-    /// A transfer failed while doing `what` (for `map_err`).
-    pub fn transfer<E: Into<BoxError>>(what: &'static str) -> impl FnOnce(E) -> Self {
-        move |e| Self::TransferFailed {
             what,
             source: e.into(),
         }
@@ -84,8 +71,10 @@ impl From<WorkerError> for tonic::Status {
             WorkerError::Engine(EngineError::OutOfBlocks { .. }) => Code::ResourceExhausted,
             WorkerError::Engine(EngineError::Shutdown) => Code::Unavailable,
             WorkerError::Engine(EngineError::BlockSize { .. }) => Code::InvalidArgument,
-            WorkerError::Transfer(_) | WorkerError::TransferFailed { .. } => Code::Unavailable,
+            // The transfer crate's mapping; its internal errors are hidden below.
+            WorkerError::Transfer(inner) if inner.code() != Code::Internal => inner.code(),
             WorkerError::Engine(_)
+            | WorkerError::Transfer(_)
             | WorkerError::Startup(_)
             | WorkerError::StartupFailed { .. } => {
                 tracing::error!(error = %e, source = ?std::error::Error::source(&e), "worker internal error");

@@ -4,8 +4,9 @@
 //! Owns: building engine ranks from the worker flags ([`WorkerArgs`]), the
 //! `Worker` gRPC service (`Generate`, KV events with replay and snapshot,
 //! load reports), registration with role, model, block size and KV
-//! capabilities. Does not own placement (router), admission (queue) or the
-//! model maths (engine).
+//! capabilities. Does not own placement (router), admission (queue), the
+//! model maths (engine) or moving KV blocks (`sluice-kv-transfer`: this
+//! crate starts its receiver and serves its `KvTransfer` service).
 
 mod args;
 mod convert;
@@ -15,11 +16,11 @@ mod error;
 pub mod fault;
 mod metrics;
 mod service;
-pub mod transfer;
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicU32;
 
+use sluice_kv_transfer as transfer;
 use sluice_runtime::discovery::WorkerInfo;
 use sluice_runtime::grpc::GrpcServer;
 use sluice_runtime::{ModelArgs, ServiceContext};
@@ -152,6 +153,21 @@ fn saturating_u32(n: usize) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
 }
 
+/// Where a decode worker's KV transports listen, from its flags.
+fn receiver_config(
+    args: &WorkerArgs,
+    endpoint: String,
+    security: Arc<sluice_runtime::Security>,
+) -> transfer::ReceiverConfig {
+    transfer::ReceiverConfig {
+        transports: args.kv_transports.clone(),
+        endpoint,
+        tcp_listen: args.kv_tcp_listen,
+        shm_checksums: args.kv_shm_checksums,
+        security,
+    }
+}
+
 /// Serves a decode worker on `listener` until `ctx.shutdown`.
 pub async fn serve(
     listener: TcpListener,
@@ -166,7 +182,7 @@ pub async fn serve(
         .map_err(WorkerError::startup("reading the listener's address"))?;
     let endpoint = ctx.common.advertise_addr(bound);
     let receiver = transfer::start_receiver(
-        &transfer::ReceiverConfig::new(&args, endpoint.clone(), Arc::clone(&ctx.security)),
+        &receiver_config(&args, endpoint.clone(), Arc::clone(&ctx.security)),
         bound,
         ctx.shutdown.child_token(),
     )

@@ -4,16 +4,17 @@
 //! first transport both sides offer, and returns the first token.
 //!
 //! It reuses the decode crate's worker core (engine flags, KV events, load,
-//! registration) and owns only the `Prefill` RPC and the sending side:
-//! negotiation picks the first region of the descriptor (the decode worker's
-//! preference order) whose transport this worker accepts (`--kv-transports`),
-//! before any compute, so a worker with nothing in common refuses at once.
+//! registration, input checks) and owns only the `Prefill` RPC. The sending
+//! side is `sluice-kv-transfer`'s: negotiation ([`Senders::negotiate`])
+//! picks the first region of the descriptor (the decode worker's preference
+//! order) whose transport this worker accepts (`--kv-transports`), before
+//! any compute, so a worker with nothing in common refuses at once.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use sluice_decode::transfer::{Block, Senders, TransportKind, check_layout};
 use sluice_decode::{PrefillHandler, Role, WorkerArgs, WorkerCore, WorkerError, WorkerService};
+use sluice_kv_transfer::{Block, KvTransferError, Senders, check_layout};
 use sluice_proto::worker::v1 as pb;
 use sluice_runtime::{ModelArgs, ServiceContext};
 use tokio::net::TcpListener;
@@ -99,18 +100,7 @@ impl PrefillHandler for Handler {
             });
         }
         // Negotiate before computing: no transport in common is refused at once.
-        let (sender, region) = self.senders.choose(&dest.regions).ok_or_else(|| {
-            let offered: Vec<&str> = dest
-                .regions
-                .iter()
-                .filter_map(|r| TransportKind::from_pb(r.transport).map(TransportKind::as_str))
-                .collect();
-            WorkerError::Transfer(format!(
-                "no KV transport in common: the decode worker offers [{}], this worker accepts [{}]",
-                offered.join(","),
-                sluice_decode::transfer::join(&self.senders.kinds())
-            ))
-        })?;
+        let (sender, region) = self.senders.negotiate(&dest.regions)?;
         let transport = sender.kind();
         let span = tracing::info_span!("prefill.compute", request_id = %req.request_id, prompt_tokens = req.prompt_token_ids.len());
         let engine_req = sluice_engine::Request {
@@ -156,7 +146,7 @@ impl PrefillHandler for Handler {
                 if let Some(r) = direct.await {
                     tracing::Span::current()
                         .record("bytes", pairs.len() * engine.kv_layout().block_bytes());
-                    return r;
+                    return r.map_err(WorkerError::from);
                 }
             }
             let data = engine.read_blocks(src).await?;
@@ -186,16 +176,15 @@ impl PrefillHandler for Handler {
                 }
                 None => {}
             }
-            sender.write(region, &dest.transfer_id, blocks).await
+            Ok(sender.write(region, &dest.transfer_id, blocks).await?)
         };
         let written = tokio::time::timeout(timeout, send.instrument(send_span))
             .await
-            .map_err(|_| {
-                WorkerError::Transfer(format!(
-                    "{transport} transfer not done within {} ms",
-                    timeout.as_millis()
-                ))
-            })??;
+            .map_err(|_| KvTransferError::Timeout {
+                transport,
+                after: timeout,
+            })
+            .map_err(WorkerError::from)??;
         drop(out.blocks);
         Ok(pb::PrefillResponse {
             first_token_id: out.first_token,

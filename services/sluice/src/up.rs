@@ -139,7 +139,7 @@ fn settle_args(args: &mut UpArgs) -> anyhow::Result<()> {
         // (committed up front in /dev/shm) would buy nothing.
         args.worker
             .kv_transports
-            .retain(|t| *t != sluice_decode::transfer::TransportKind::Shm);
+            .retain(|t| *t != sluice_kv_transfer::TransportKind::Shm);
     }
     if args.workers == 0 {
         anyhow::bail!("--workers must be at least 1");

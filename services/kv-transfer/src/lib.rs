@@ -1,5 +1,12 @@
-//! KV transfer: moving a prompt's KV blocks from a prefill worker into the
-//! blocks a decode worker reserved for them.
+//! `sluice-kv-transfer`: moving a prompt's KV blocks from a prefill worker
+//! into the blocks a decode worker reserved for them.
+//!
+//! Owns the transports (`shm`, `tcp`, `grpc`, and `rdma` behind the `rdma`
+//! feature), their negotiation and the ownership rules on KV memory below.
+//! Depends on the engine (its [`EngineHandle`] and [`KvArena`]), the
+//! protocol and the runtime (security, gRPC channels, shutdown), never on a
+//! worker service: the decode worker receives with it, the prefill worker
+//! sends with it. Its failures are [`KvTransferError`].
 //!
 //! The decode worker registers each expected transfer with the [`Receiver`]
 //! (which slot, which block ids may be written). Every transport it runs
@@ -25,6 +32,7 @@
 //! [`Expectation`]'s drop closes the gate streamed writes pass and revokes
 //! one-sided writers before the slot's blocks can be reused.
 
+mod error;
 pub mod grpc;
 #[cfg(feature = "rdma")]
 pub mod rdma;
@@ -42,7 +50,7 @@ use sluice_engine::backend::{KvArena, KvBlockLayout};
 use sluice_proto::kv::v1 as pb;
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::error::WorkerError;
+pub use error::{BoxError, KvTransferError};
 
 pub use grpc::{GrpcSender, KvTransferService, send_grpc};
 
@@ -104,13 +112,16 @@ impl TransportKind {
     }
 
     /// Whether this build and machine can run the transport at all, and why not.
-    pub fn availability(self) -> Result<(), String> {
+    pub fn availability(self) -> Result<(), KvTransferError> {
         match self {
             TransportKind::Shm | TransportKind::Tcp | TransportKind::Grpc => Ok(()),
             #[cfg(feature = "rdma")]
-            TransportKind::Rdma => rdma::probe().map_err(|e| e.to_string()),
+            TransportKind::Rdma => rdma::probe(),
             #[cfg(not(feature = "rdma"))]
-            TransportKind::Rdma => Err("built without the `rdma` feature".into()),
+            TransportKind::Rdma => Err(KvTransferError::transport(
+                TransportKind::Rdma,
+                "built without the `rdma` feature",
+            )),
         }
     }
 }
@@ -167,15 +178,15 @@ pub fn layout_to_pb(l: &KvBlockLayout) -> pb::KvLayout {
 pub fn check_layout(
     theirs: Option<&pb::KvLayout>,
     ours: &KvBlockLayout,
-) -> Result<(), WorkerError> {
+) -> Result<(), KvTransferError> {
     let ours_pb = layout_to_pb(ours);
     match theirs {
         Some(t) if *t == ours_pb => Ok(()),
-        Some(t) => Err(WorkerError::InvalidArgument {
-            field: "destination.layout",
-            message: format!("KV layout mismatch: receiver has {t:?}, this worker has {ours_pb:?}"),
+        Some(t) => Err(KvTransferError::LayoutMismatch {
+            theirs: Box::new(*t),
+            ours: Box::new(ours_pb),
         }),
-        None => Err(WorkerError::InvalidArgument {
+        None => Err(KvTransferError::InvalidArgument {
             field: "destination.layout",
             message: "missing".into(),
         }),
@@ -275,7 +286,7 @@ pub trait KvSender: Send + Sync + fmt::Debug {
         _transfer_id: &str,
         _src: &Arc<KvArena>,
         _pairs: &[(u32, u32)],
-    ) -> Option<Result<u32, WorkerError>> {
+    ) -> Option<Result<u32, KvTransferError>> {
         None
     }
 
@@ -286,7 +297,7 @@ pub trait KvSender: Send + Sync + fmt::Debug {
         region: &pb::Region,
         transfer_id: &str,
         blocks: Vec<Block>,
-    ) -> Result<u32, WorkerError>;
+    ) -> Result<u32, KvTransferError>;
 }
 
 /// A prefill worker's senders, one per transport it accepts.
@@ -350,6 +361,24 @@ impl Senders {
                 .map(|s| (s, r))
         })
     }
+
+    /// [`Senders::choose`], refusing with both sides' transports named when
+    /// there is nothing in common (before any compute is spent).
+    pub fn negotiate<'a>(
+        &self,
+        regions: &'a [pb::Region],
+    ) -> Result<(&Arc<dyn KvSender>, &'a pb::Region), KvTransferError> {
+        self.choose(regions).ok_or_else(|| {
+            let offered: Vec<TransportKind> = regions
+                .iter()
+                .filter_map(|r| TransportKind::from_pb(r.transport))
+                .collect();
+            KvTransferError::NoCommonTransport {
+                offered: join(&offered),
+                accepted: join(&self.kinds()),
+            }
+        })
+    }
 }
 
 /// What a transport is asked to register for one transfer.
@@ -386,7 +415,7 @@ impl Inbound for AddressInbound {
         self.kind
     }
 
-    fn register(&self, _spec: &TransferSpec<'_>) -> Result<Option<Registration>, WorkerError> {
+    fn register(&self, _spec: &TransferSpec<'_>) -> Result<Option<Registration>, KvTransferError> {
         Ok(Some(Registration {
             region: pb::Region {
                 transport: self.kind.to_pb() as i32,
@@ -404,7 +433,7 @@ impl Inbound for AddressInbound {
 pub trait OneSided: Send + Sync + fmt::Debug {
     /// Checks that every block of `ids` was written by this transfer and
     /// matches the checksum its sender recorded; refuses otherwise.
-    fn complete(&self, ids: &[u32]) -> Result<(), WorkerError>;
+    fn complete(&self, ids: &[u32]) -> Result<(), KvTransferError>;
 }
 
 /// The receiving side of one transport.
@@ -414,7 +443,7 @@ pub trait Inbound: Send + Sync + fmt::Debug {
 
     /// A region for `spec`, or `None` when this transport does not apply to
     /// it (e.g. `shm` for a sender on another host).
-    fn register(&self, spec: &TransferSpec<'_>) -> Result<Option<Registration>, WorkerError>;
+    fn register(&self, spec: &TransferSpec<'_>) -> Result<Option<Registration>, KvTransferError>;
 }
 
 /// Where a streamed transport writes the blocks of one transfer.
@@ -439,23 +468,28 @@ impl Target {
         self.block_bytes
     }
 
-    fn position(&self, id: u32, len: usize) -> Result<usize, WorkerError> {
+    fn position(&self, id: u32, len: usize) -> Result<usize, KvTransferError> {
         let transfer = &self.transfer;
         let i = self.writable.iter().position(|&w| w == id).ok_or_else(|| {
-            WorkerError::Transfer(format!("block {id} is not part of transfer {transfer}"))
+            KvTransferError::NotWritable {
+                transfer: transfer.to_string(),
+                block: id,
+            }
         })?;
         if len != self.block_bytes {
-            return Err(WorkerError::Transfer(format!(
-                "block {id} of transfer {transfer} has {len} bytes, the layout says {}",
-                self.block_bytes
-            )));
+            return Err(KvTransferError::BlockSize {
+                transfer: transfer.to_string(),
+                block: id,
+                len,
+                expected: self.block_bytes,
+            });
         }
         Ok(i)
     }
 
     /// Copies one verified block into its destination block: straight into
     /// the engine's KV memory when it has an arena, else through the engine.
-    pub async fn write(&self, id: u32, data: &[u8]) -> Result<(), WorkerError> {
+    pub async fn write(&self, id: u32, data: &[u8]) -> Result<(), KvTransferError> {
         let i = self.position(id, data.len())?;
         match &self.arena {
             Some(arena) => {
@@ -481,7 +515,7 @@ impl Target {
     }
 
     /// Verifies `block`'s checksum, then [`Target::write`]s it.
-    pub async fn write_checked(&self, block: &Block) -> Result<(), WorkerError> {
+    pub async fn write_checked(&self, block: &Block) -> Result<(), KvTransferError> {
         verify(&self.transfer, std::slice::from_ref(block))?;
         self.write(block.id, &block.data).await
     }
@@ -494,8 +528,10 @@ impl Target {
     }
 }
 
-fn cancelled(transfer: &str) -> WorkerError {
-    WorkerError::Transfer(format!("unknown or cancelled transfer {transfer}"))
+fn cancelled(transfer: &str) -> KvTransferError {
+    KvTransferError::UnknownTransfer {
+        transfer: transfer.to_string(),
+    }
 }
 
 /// The decode side's registry of expected transfers, and the transports
@@ -524,7 +560,7 @@ impl Expectation {
     /// Completes the transfer once the sender reports it done over
     /// `transport`: what a one-sided transport wrote is checked now.
     /// Returns the blocks written in all.
-    pub async fn finish(&self, transport: TransportKind) -> Result<usize, WorkerError> {
+    pub async fn finish(&self, transport: TransportKind) -> Result<usize, KvTransferError> {
         if let Some((_, one_sided)) = self.one_sided.iter().find(|(k, _)| *k == transport) {
             let ids = Arc::clone(&self.target.writable);
             // Checksums read every block: large transfers leave the runtime's
@@ -533,9 +569,10 @@ impl Expectation {
                 let o = Arc::clone(one_sided);
                 tokio::task::spawn_blocking(move || o.complete(&ids))
                     .await
-                    .map_err(|e| {
-                        WorkerError::Transfer(format!("checking a one-sided write: {e}"))
-                    })??;
+                    .map_err(KvTransferError::failed(
+                        transport,
+                        "checking a one-sided write",
+                    ))??;
             } else {
                 one_sided.complete(&ids)?;
             }
@@ -584,7 +621,7 @@ impl Receiver {
         slot: u64,
         writable: Vec<u32>,
         same_host: bool,
-    ) -> Result<(Expectation, Vec<pb::Region>), WorkerError> {
+    ) -> Result<(Expectation, Vec<pb::Region>), KvTransferError> {
         let block_bytes = engine.kv_layout().block_bytes();
         let arena = engine.kv_arena().cloned();
         let writable: Arc<[u32]> = writable.into();
@@ -632,7 +669,7 @@ impl Receiver {
 
     /// Where transfer `id`'s blocks go (streamed transports look it up when
     /// a transfer begins).
-    pub fn target(&self, id: &str) -> Result<Target, WorkerError> {
+    pub fn target(&self, id: &str) -> Result<Target, KvTransferError> {
         self.expected
             .lock()
             .get(id)
@@ -641,7 +678,7 @@ impl Receiver {
     }
 
     /// Verifies and writes blocks of transfer `id`; returns how many.
-    pub async fn write(&self, id: &str, blocks: Vec<Block>) -> Result<usize, WorkerError> {
+    pub async fn write(&self, id: &str, blocks: Vec<Block>) -> Result<usize, KvTransferError> {
         let target = self.target(id)?;
         for b in &blocks {
             target.write_checked(b).await?;
@@ -651,12 +688,12 @@ impl Receiver {
 }
 
 /// Refuses the first block whose bytes do not match its checksum.
-pub(crate) fn verify(id: &str, blocks: &[Block]) -> Result<(), WorkerError> {
+pub(crate) fn verify(id: &str, blocks: &[Block]) -> Result<(), KvTransferError> {
     match blocks.iter().find(|b| xxh3_64(&b.data) != b.checksum) {
-        Some(b) => Err(WorkerError::Transfer(format!(
-            "checksum mismatch on block {} of transfer {id}",
-            b.id
-        ))),
+        Some(b) => Err(KvTransferError::Checksum {
+            transfer: id.to_string(),
+            block: b.id,
+        }),
         None => Ok(()),
     }
 }
@@ -676,23 +713,6 @@ pub struct ReceiverConfig {
     /// The worker's TLS and mesh token: the `tcp` listener takes only
     /// connections that open with the token, and is not offered with TLS.
     pub security: Arc<sluice_runtime::Security>,
-}
-
-impl ReceiverConfig {
-    /// From the worker's flags.
-    pub fn new(
-        args: &crate::WorkerArgs,
-        endpoint: String,
-        security: Arc<sluice_runtime::Security>,
-    ) -> Self {
-        Self {
-            transports: args.kv_transports.clone(),
-            endpoint,
-            tcp_listen: args.kv_tcp_listen,
-            shm_checksums: args.kv_shm_checksums,
-            security,
-        }
-    }
 }
 
 /// Why `tcp` must not carry this worker's blocks (listening on `bind`, for
@@ -725,13 +745,13 @@ pub async fn start_receiver(
     cfg: &ReceiverConfig,
     grpc_bind: std::net::SocketAddr,
     shutdown: sluice_runtime::Shutdown,
-) -> Result<Arc<Receiver>, WorkerError> {
+) -> Result<Arc<Receiver>, KvTransferError> {
     // The listeners need the receiver and the receiver needs the listeners'
     // regions: start listeners on a shared slot filled once built.
     let slot: Arc<std::sync::OnceLock<std::sync::Weak<Receiver>>> = Arc::default();
     let mut inbound: Vec<Arc<dyn Inbound>> = Vec::new();
     for kind in available(&cfg.transports) {
-        let built: Result<Arc<dyn Inbound>, WorkerError> = match kind {
+        let built: Result<Arc<dyn Inbound>, KvTransferError> = match kind {
             TransportKind::Grpc => Ok(Arc::new(AddressInbound {
                 kind: TransportKind::Grpc,
                 address: cfg.endpoint.clone(),

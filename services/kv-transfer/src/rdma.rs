@@ -34,7 +34,7 @@
 use std::ffi::{CStr, c_char, c_int, c_uint};
 use std::sync::Arc;
 
-use crate::error::WorkerError;
+use crate::{KvTransferError, TransportKind};
 use ffi::Zeroed as _;
 
 mod ffi;
@@ -50,17 +50,34 @@ pub use transport::{RdmaInbound, RdmaSender};
 /// from 1).
 pub const DEFAULT_PORT: u8 = 1;
 
-fn rdma_err(msg: impl Into<String>) -> WorkerError {
-    WorkerError::Transfer(format!("rdma: {}", msg.into()))
+/// A check of `rdma` failed (no underlying error).
+fn rdma_err(msg: impl Into<String>) -> KvTransferError {
+    KvTransferError::transport(TransportKind::Rdma, msg)
 }
 
-/// Text for an errno-style return code (verbs calls return the errno value
-/// itself, or -1 with `errno` set, depending on the call and provider).
-fn errno_text(rc: c_int) -> String {
+/// `rdma` failed while doing `what` on an underlying error (for `map_err`).
+fn rdma_failed<E: Into<crate::BoxError>>(
+    what: impl Into<String>,
+) -> impl FnOnce(E) -> KvTransferError {
+    KvTransferError::failed(TransportKind::Rdma, what)
+}
+
+/// The error of an errno-style return code (verbs calls return the errno
+/// value itself, or -1 with `errno` set, depending on the call and provider).
+fn os_error(rc: c_int) -> std::io::Error {
     if rc > 0 {
-        std::io::Error::from_raw_os_error(rc).to_string()
+        std::io::Error::from_raw_os_error(rc)
     } else {
-        std::io::Error::last_os_error().to_string()
+        std::io::Error::last_os_error()
+    }
+}
+
+/// A verbs call (`what`) returned `rc`: the errno it stands for is the source.
+fn verbs_failed(what: String, rc: c_int) -> KvTransferError {
+    KvTransferError::Failed {
+        transport: TransportKind::Rdma,
+        what,
+        source: os_error(rc).into(),
     }
 }
 
@@ -137,7 +154,7 @@ impl Device {
     /// Opens the RDMA device called `name` (e.g. `mlx5_0`), or the first one
     /// when `None`. Fails with "no RDMA device" on a host without any, and
     /// names the devices there are when `name` is not among them.
-    pub fn open(name: Option<&str>) -> Result<Self, WorkerError> {
+    pub fn open(name: Option<&str>) -> Result<Self, KvTransferError> {
         let mut n: c_int = 0;
         // SAFETY: plain FFI call; a null return means an error (errno).
         let list = unsafe { ffi::ibv_get_device_list(&mut n) };
@@ -178,14 +195,14 @@ impl Device {
     }
 
     /// Opens the first RDMA device; the same as `Device::open(None)`.
-    pub fn open_first() -> Result<Self, WorkerError> {
+    pub fn open_first() -> Result<Self, KvTransferError> {
         Self::open(None)
     }
 
     /// # Safety
     /// `dev` must be a live entry of a device list that is not freed during
     /// the call.
-    unsafe fn open_listed(dev: *mut ffi::IbvDevice, name: String) -> Result<Self, WorkerError> {
+    unsafe fn open_listed(dev: *mut ffi::IbvDevice, name: String) -> Result<Self, KvTransferError> {
         // SAFETY: per the function's contract `dev` is valid.
         let context = unsafe { ffi::ibv_open_device(dev) };
         if context.is_null() {
@@ -215,7 +232,7 @@ impl Device {
     }
 
     /// Queries `port` (verbs ports count from 1).
-    pub(crate) fn query_port(&self, port: u8) -> Result<PortInfo, WorkerError> {
+    pub(crate) fn query_port(&self, port: u8) -> Result<PortInfo, KvTransferError> {
         let mut attr = ffi::IbvPortAttr::zeroed();
         // SAFETY: the context is live; `attr` is a zeroed, full-size
         // `ibv_port_attr`, larger than the compat struct the exported symbol
@@ -229,11 +246,10 @@ impl Device {
             )
         };
         if rc != 0 {
-            return Err(rdma_err(format!(
-                "ibv_query_port({}, port {port}): {}",
-                self.name(),
-                errno_text(rc)
-            )));
+            return Err(verbs_failed(
+                format!("ibv_query_port({}, port {port})", self.name()),
+                rc,
+            ));
         }
         Ok(PortInfo {
             state: attr.state,
@@ -245,17 +261,16 @@ impl Device {
     }
 
     /// Reads entry `index` of `port`'s GID table.
-    pub(crate) fn query_gid(&self, port: u8, index: u8) -> Result<[u8; 16], WorkerError> {
+    pub(crate) fn query_gid(&self, port: u8, index: u8) -> Result<[u8; 16], KvTransferError> {
         let mut gid = ffi::IbvGid::zeroed();
         // SAFETY: the context is live and `gid` is a writable `union ibv_gid`.
         let rc =
             unsafe { ffi::ibv_query_gid(self.inner.context, port, c_int::from(index), &mut gid) };
         if rc != 0 {
-            return Err(rdma_err(format!(
-                "ibv_query_gid({}, port {port}, index {index}): {}",
-                self.name(),
-                errno_text(rc)
-            )));
+            return Err(verbs_failed(
+                format!("ibv_query_gid({}, port {port}, index {index})", self.name()),
+                rc,
+            ));
         }
         // SAFETY: every bit pattern is a valid `[u8; 16]`.
         Ok(unsafe { gid.raw })
@@ -266,7 +281,11 @@ impl Device {
     /// # Safety
     /// `addr..addr + len` must stay valid (and not move) until the returned
     /// region is dropped.
-    pub unsafe fn register(&self, addr: *mut u8, len: usize) -> Result<MemoryRegion, WorkerError> {
+    pub unsafe fn register(
+        &self,
+        addr: *mut u8,
+        len: usize,
+    ) -> Result<MemoryRegion, KvTransferError> {
         // SAFETY: the caller keeps the memory valid; the PD is live.
         let mr = unsafe {
             ffi::ibv_reg_mr(
@@ -368,7 +387,7 @@ impl Drop for MemoryRegion {
 
 /// Whether this host can run the transport: an RDMA device must open and its
 /// port 1 must be ACTIVE. The error says which of the two failed.
-pub fn probe() -> Result<(), WorkerError> {
+pub fn probe() -> Result<(), KvTransferError> {
     let dev = Device::open(None)?;
     let port = dev.query_port(DEFAULT_PORT)?;
     if !port.is_active() {
@@ -431,9 +450,9 @@ mod tests {
     }
 
     #[test]
-    fn errno_text_prefers_the_returned_code() {
+    fn os_error_prefers_the_returned_code() {
         // 22 is EINVAL on Linux; verbs calls return it rather than -1.
-        let text = errno_text(22);
+        let text = os_error(22).to_string();
         assert!(text.contains("nvalid argument"), "{text}");
     }
 }

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use super::ffi::{self, Zeroed as _};
-use super::{DEFAULT_PORT, Device, PortInfo, cstr_lossy, errno_text, rdma_err};
-use crate::error::WorkerError;
+use super::{DEFAULT_PORT, Device, PortInfo, cstr_lossy, os_error, rdma_err, verbs_failed};
+use crate::KvTransferError;
 
 /// Length of [`QpInfo::to_bytes`]: lid (2) + qpn (4) + psn (4) + gid (16).
 pub const QP_INFO_LEN: usize = 26;
@@ -49,7 +49,7 @@ impl QpInfo {
 
     /// Parses [`QpInfo::to_bytes`]'s form. Refuses any other length, and a
     /// QP number or PSN that does not fit 24 bits.
-    pub fn from_bytes(bytes: &[u8]) -> Result<Self, WorkerError> {
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, KvTransferError> {
         let bytes: &[u8; QP_INFO_LEN] = bytes.try_into().map_err(|_| {
             rdma_err(format!(
                 "a queue-pair info is {QP_INFO_LEN} bytes, got {}",
@@ -189,7 +189,7 @@ impl Connection {
     /// Creates a CQ and an RC queue pair on `device` with the default
     /// [`ConnectionOptions`], moves the QP to INIT, and returns it with the
     /// [`QpInfo`] to send the peer.
-    pub fn new(device: &Device) -> Result<(Connection, QpInfo), WorkerError> {
+    pub fn new(device: &Device) -> Result<(Connection, QpInfo), KvTransferError> {
         Self::with_options(device, ConnectionOptions::default())
     }
 
@@ -197,7 +197,7 @@ impl Connection {
     pub fn with_options(
         device: &Device,
         options: ConnectionOptions,
-    ) -> Result<(Connection, QpInfo), WorkerError> {
+    ) -> Result<(Connection, QpInfo), KvTransferError> {
         if options.max_send_wr == 0 {
             return Err(rdma_err("max_send_wr must be at least 1"));
         }
@@ -320,7 +320,7 @@ impl Connection {
     /// after its transport retries (`timeout` 14 ≈ 67 ms, `retry_cnt` 7)
     /// with "transport retry counter exceeded". Have the receiving side send
     /// a ready message on the side channel after its own `connect`.
-    pub fn connect(&mut self, remote: &QpInfo) -> Result<(), WorkerError> {
+    pub fn connect(&mut self, remote: &QpInfo) -> Result<(), KvTransferError> {
         if let Some(prev) = self.remote {
             return Err(rdma_err(format!("queue pair already connected to {prev}")));
         }
@@ -397,17 +397,24 @@ impl Connection {
         Ok(())
     }
 
-    fn modify(&self, to: &str, attr: &mut ffi::IbvQpAttr, mask: c_int) -> Result<(), WorkerError> {
+    fn modify(
+        &self,
+        to: &str,
+        attr: &mut ffi::IbvQpAttr,
+        mask: c_int,
+    ) -> Result<(), KvTransferError> {
         // SAFETY: `qp` is live; `attr` is a zero-initialised `ibv_qp_attr`
         // with the fields `mask` names filled in.
         let rc = unsafe { ffi::ibv_modify_qp(self.qp, attr, mask) };
         if rc != 0 {
-            return Err(rdma_err(format!(
-                "ibv_modify_qp(qpn {:#x} on {}) to {to}: {}",
-                self.local.qpn,
-                self.device.name(),
-                errno_text(rc)
-            )));
+            return Err(verbs_failed(
+                format!(
+                    "ibv_modify_qp(qpn {:#x} on {}) to {to}",
+                    self.local.qpn,
+                    self.device.name()
+                ),
+                rc,
+            ));
         }
         Ok(())
     }
@@ -419,7 +426,7 @@ impl Connection {
     ///
     /// A failed completion, a timeout or a partly posted chain leaves the
     /// queue pair unusable: the error says why, and so does every later call.
-    pub fn write(&self, ops: &[WriteOp]) -> Result<(), WorkerError> {
+    pub fn write(&self, ops: &[WriteOp]) -> Result<(), KvTransferError> {
         let mut state = self.state.lock();
         if let Some(why) = &state.broken {
             return Err(rdma_err(format!(
@@ -465,7 +472,7 @@ impl Connection {
         // before returning, so nothing needs them afterwards).
         let rc = unsafe { post_send(self.qp, head, &mut bad) };
         if rc != 0 {
-            let why = format!("ibv_post_send of {n} writes: {}", errno_text(rc));
+            let why = format!("ibv_post_send of {n} writes: {}", os_error(rc));
             // Nothing was queued if the first request was refused; otherwise
             // unsignalled requests sit in the send queue with no completion
             // to wait for, and the queue pair cannot be trusted again.
@@ -771,7 +778,7 @@ mod fake_provider_tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::transfer::rdma::DeviceInner;
+    use crate::rdma::DeviceInner;
 
     /// What the fake saw of one posted request.
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]

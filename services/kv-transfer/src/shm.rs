@@ -41,8 +41,9 @@ use sluice_engine::backend::{ArenaGeometry, KvArena, arena};
 use sluice_proto::kv::v1 as pb;
 use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
-use super::{Block, Inbound, KvSender, OneSided, Registration, TransferSpec, TransportKind};
-use crate::error::WorkerError;
+use crate::{
+    Block, Inbound, KvSender, KvTransferError, OneSided, Registration, TransferSpec, TransportKind,
+};
 
 /// Mapped arena files a sender keeps open.
 const MAX_MAPPED: usize = 16;
@@ -55,8 +56,16 @@ pub(crate) const TAG: usize = 0;
 pub(crate) const STATE: usize = 1;
 const CHECKSUM: usize = 2;
 
-fn shm_err(what: &str, e: impl std::fmt::Display) -> WorkerError {
-    WorkerError::Transfer(format!("shm {what}: {e}"))
+/// A check of `shm` failed while doing `what`.
+fn shm_err(what: &str, message: impl std::fmt::Display) -> KvTransferError {
+    KvTransferError::transport(TransportKind::Shm, format!("{what}: {message}"))
+}
+
+/// `shm` failed while doing `what` on an underlying error (for `map_err`).
+fn shm_failed<E: Into<crate::BoxError>>(
+    what: impl Into<String>,
+) -> impl FnOnce(E) -> KvTransferError {
+    KvTransferError::failed(TransportKind::Shm, what)
 }
 
 /// A transfer's tag in the control words: never 0 (0 = nobody may write).
@@ -100,7 +109,7 @@ impl Inbound for ShmInbound {
         TransportKind::Shm
     }
 
-    fn register(&self, spec: &TransferSpec<'_>) -> Result<Option<Registration>, WorkerError> {
+    fn register(&self, spec: &TransferSpec<'_>) -> Result<Option<Registration>, KvTransferError> {
         if !spec.same_host {
             return Ok(None);
         }
@@ -147,7 +156,7 @@ struct Armed {
 }
 
 impl OneSided for Armed {
-    fn complete(&self, ids: &[u32]) -> Result<(), WorkerError> {
+    fn complete(&self, ids: &[u32]) -> Result<(), KvTransferError> {
         let g = self.arena.geometry();
         for &id in ids {
             let c = self.arena.control(id)?;
@@ -170,13 +179,10 @@ impl OneSided for Armed {
             if self.verify
                 && block_checksum(self.arena.as_ptr(), g, id) != c[CHECKSUM].load(Ordering::Relaxed)
             {
-                return Err(shm_err(
-                    "complete",
-                    format!(
-                        "checksum mismatch on block {id} of transfer {}",
-                        self.transfer
-                    ),
-                ));
+                return Err(KvTransferError::Checksum {
+                    transfer: self.transfer.to_string(),
+                    block: id,
+                });
             }
         }
         Ok(())
@@ -252,7 +258,7 @@ impl ShmSender {
         transfer_id: &str,
         src: &Arc<KvArena>,
         pairs: &[(u32, u32)],
-    ) -> Result<u32, WorkerError> {
+    ) -> Result<u32, KvTransferError> {
         let m = self.open(&region.address)?;
         let g = m.geometry;
         if src.layout() != g.layout {
@@ -273,11 +279,11 @@ impl ShmSender {
         }
         let checksums = region.checksums;
         // Large copies leave the runtime's threads alone.
-        if pairs.len() >= super::BLOCKING_COPY_BLOCKS {
+        if pairs.len() >= crate::BLOCKING_COPY_BLOCKS {
             let (id, src, pairs) = (transfer_id.to_string(), Arc::clone(src), pairs.to_vec());
             tokio::task::spawn_blocking(move || write_pairs(&m, &id, &src, &pairs, checksums))
                 .await
-                .map_err(|e| shm_err("write task", e))?
+                .map_err(shm_failed("write task"))?
         } else {
             write_pairs(&m, transfer_id, src, pairs, checksums)
         }
@@ -292,7 +298,7 @@ fn is_arena_path(path: &str) -> bool {
 }
 
 impl ShmSender {
-    fn open(&self, path: &str) -> Result<Arc<Mapped>, WorkerError> {
+    fn open(&self, path: &str) -> Result<Arc<Mapped>, KvTransferError> {
         if let Some(m) = self.mapped.lock().get(path) {
             return Ok(Arc::clone(m));
         }
@@ -303,15 +309,15 @@ impl ShmSender {
             .read(true)
             .write(true)
             .open(path)
-            .map_err(|e| shm_err(&format!("open {path}"), e))?;
-        let map = MmapRaw::map_raw(&file).map_err(|e| shm_err("map", e))?;
+            .map_err(shm_failed(format!("open {path}")))?;
+        let map = MmapRaw::map_raw(&file).map_err(shm_failed(format!("map {path}")))?;
         if map.len() < arena::HEADER_BYTES {
             return Err(shm_err("open", format!("{path} is too short")));
         }
         // SAFETY: the header lies within the mapping; plain bytes.
         let header = unsafe { std::slice::from_raw_parts(map.as_ptr(), arena::HEADER_BYTES) };
-        let geometry =
-            ArenaGeometry::from_header(header, map.len()).map_err(|e| shm_err(path, e))?;
+        let geometry = ArenaGeometry::from_header(header, map.len())
+            .map_err(shm_failed(format!("header of {path}")))?;
         let m = Arc::new(Mapped { map, geometry });
         let mut cache = self.mapped.lock();
         // A mapping keeps a removed file's memory alive: let go of the
@@ -334,7 +340,7 @@ fn write_one<'a>(
     dst: u32,
     checksum: u64,
     parts: impl Iterator<Item = &'a [u8]>,
-) -> Result<(), WorkerError> {
+) -> Result<(), KvTransferError> {
     let g = &m.geometry;
     let base = m.map.as_mut_ptr();
     let chunk = g.chunk_bytes();
@@ -384,7 +390,7 @@ fn write_one<'a>(
 }
 
 /// Writes `blocks` of `transfer_id` into the mapped arena.
-fn write_blocks(m: &Mapped, transfer_id: &str, blocks: &[Block]) -> Result<u32, WorkerError> {
+fn write_blocks(m: &Mapped, transfer_id: &str, blocks: &[Block]) -> Result<u32, KvTransferError> {
     let tag = tag_of(transfer_id);
     let chunk = m.geometry.chunk_bytes();
     for b in blocks {
@@ -409,12 +415,12 @@ fn write_pairs(
     src: &KvArena,
     pairs: &[(u32, u32)],
     checksums: bool,
-) -> Result<u32, WorkerError> {
+) -> Result<u32, KvTransferError> {
     let tag = tag_of(transfer_id);
     for &(s, d) in pairs {
         // SAFETY: the source blocks belong to a finished prefill the sender
         // engine holds for this transfer: nobody writes them meanwhile.
-        let parts = unsafe { src.block_parts(s) }.map_err(|e| shm_err("source", e))?;
+        let parts = unsafe { src.block_parts(s) }.map_err(shm_failed("source"))?;
         let checksum = if checksums {
             let mut h = Xxh3::new();
             parts.clone().for_each(|p| h.update(p));
@@ -450,7 +456,7 @@ impl KvSender for ShmSender {
         transfer_id: &str,
         src: &Arc<KvArena>,
         pairs: &[(u32, u32)],
-    ) -> Option<Result<u32, WorkerError>> {
+    ) -> Option<Result<u32, KvTransferError>> {
         Some(self.copy_pairs(region, transfer_id, src, pairs).await)
     }
 
@@ -459,7 +465,7 @@ impl KvSender for ShmSender {
         region: &pb::Region,
         transfer_id: &str,
         blocks: Vec<Block>,
-    ) -> Result<u32, WorkerError> {
+    ) -> Result<u32, KvTransferError> {
         let m = self.open(&region.address)?;
         let g = m.geometry;
         if let Some(b) = blocks
@@ -480,14 +486,14 @@ impl KvSender for ShmSender {
         // Large copies leave the runtime's threads alone; the blocks are
         // freed after the answer is out (unmapping hundreds of buffers
         // takes as long as copying them).
-        if blocks.len() >= super::BLOCKING_COPY_BLOCKS {
+        if blocks.len() >= crate::BLOCKING_COPY_BLOCKS {
             let id = transfer_id.to_string();
             let (tx, rx) = tokio::sync::oneshot::channel();
             tokio::task::spawn_blocking(move || {
                 let _ = tx.send(write_blocks(&m, &id, &blocks));
                 drop(blocks);
             });
-            rx.await.map_err(|e| shm_err("write task", e))?
+            rx.await.map_err(shm_failed("write task"))?
         } else {
             write_blocks(&m, transfer_id, &blocks)
         }

@@ -65,7 +65,7 @@ const PTHREAD_MUTEX_WORDS: usize = 5; // 40 bytes
 const PTHREAD_MUTEX_WORDS: usize = 6; // 48 bytes
 #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
 compile_error!(
-    "rdma: pthread_mutex_t size unknown for this target; add it to transfer/rdma/ffi.rs"
+    "rdma: pthread_mutex_t size unknown for this target; add it to services/kv-transfer/src/rdma/ffi.rs"
 );
 
 #[repr(C)]

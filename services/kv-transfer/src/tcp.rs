@@ -37,8 +37,7 @@ use sluice_engine::backend::KvArena;
 use sluice_runtime::Security;
 use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
-use super::{AddressInbound, Block, KvSender, Receiver, TransportKind};
-use crate::error::WorkerError;
+use crate::{AddressInbound, Block, KvSender, KvTransferError, Receiver, TransportKind};
 
 /// `SLKV`, little-endian.
 pub(crate) const MAGIC: u32 = u32::from_le_bytes(*b"SLKV");
@@ -124,12 +123,17 @@ pub async fn listen(
     receiver: Arc<OnceLock<Weak<Receiver>>>,
     security: Arc<Security>,
     shutdown: sluice_runtime::Shutdown,
-) -> Result<AddressInbound, WorkerError> {
+) -> Result<AddressInbound, KvTransferError> {
     let listener = TcpListener::bind(bind)
         .await
-        .map_err(|e| WorkerError::Startup(format!("KV tcp listener on {bind}: {e}")))?;
-    let local = listener.local_addr().map_err(WorkerError::startup(
-        "reading the KV tcp listener's address",
+        .map_err(|source| KvTransferError::Listen {
+            transport: TransportKind::Tcp,
+            bind,
+            source,
+        })?;
+    let local = listener.local_addr().map_err(KvTransferError::failed(
+        TransportKind::Tcp,
+        "reading the listener's address",
     ))?;
     tokio::spawn(accept_loop(listener, receiver, security, shutdown));
     Ok(AddressInbound {
@@ -142,7 +146,7 @@ pub async fn listen(
 /// `endpoint`'s host when bound to every interface, else the bound IP.
 pub(crate) fn advertised(local: SocketAddr, endpoint: &str) -> String {
     let host = if local.ip().is_unspecified() {
-        super::endpoint_host(endpoint).to_string()
+        crate::endpoint_host(endpoint).to_string()
     } else {
         match local.ip() {
             std::net::IpAddr::V6(ip) => format!("[{ip}]"),
@@ -303,12 +307,9 @@ impl From<std::io::Error> for Refusal {
     }
 }
 
-impl From<WorkerError> for Refusal {
-    fn from(e: WorkerError) -> Self {
-        Refusal::Protocol(match e {
-            WorkerError::Transfer(m) => m,
-            other => other.to_string(),
-        })
+impl From<KvTransferError> for Refusal {
+    fn from(e: KvTransferError) -> Self {
+        Refusal::Protocol(e.to_string())
     }
 }
 
@@ -410,14 +411,23 @@ impl TcpSender {
         }
     }
 
-    async fn connect(&self, address: &str) -> Result<TcpStream, WorkerError> {
+    async fn connect(&self, address: &str) -> Result<TcpStream, KvTransferError> {
         let mut stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(address))
             .await
-            .map_err(|_| WorkerError::Transfer(format!("tcp connect to {address} timed out")))?
-            .map_err(|e| WorkerError::Transfer(format!("tcp connect to {address}: {e}")))?;
-        stream
-            .set_nodelay(true)
-            .map_err(WorkerError::transfer("setting TCP_NODELAY"))?;
+            .map_err(|_| {
+                KvTransferError::transport(
+                    TransportKind::Tcp,
+                    format!("connect to {address} timed out"),
+                )
+            })?
+            .map_err(KvTransferError::failed(
+                TransportKind::Tcp,
+                format!("connect to {address}"),
+            ))?;
+        stream.set_nodelay(true).map_err(KvTransferError::failed(
+            TransportKind::Tcp,
+            "setting TCP_NODELAY",
+        ))?;
         if let Some(token) = &self.token {
             let hello = Header {
                 kind: KIND_HELLO,
@@ -429,7 +439,10 @@ impl TcpSender {
             let mut iov = [IoSlice::new(&hello), IoSlice::new(token)];
             write_all_vectored(&mut stream, &mut iov)
                 .await
-                .map_err(|e| WorkerError::Transfer(format!("tcp hello to {address}: {e}")))?;
+                .map_err(KvTransferError::failed(
+                    TransportKind::Tcp,
+                    format!("hello to {address}"),
+                ))?;
         }
         Ok(stream)
     }
@@ -458,7 +471,7 @@ impl KvSender for TcpSender {
         region: &pb::Region,
         transfer_id: &str,
         blocks: Vec<Block>,
-    ) -> Result<u32, WorkerError> {
+    ) -> Result<u32, KvTransferError> {
         let frames: Vec<Frame<'_>> = blocks
             .iter()
             .map(|b| Frame {
@@ -480,7 +493,7 @@ impl KvSender for TcpSender {
         transfer_id: &str,
         src: &Arc<KvArena>,
         pairs: &[(u32, u32)],
-    ) -> Option<Result<u32, WorkerError>> {
+    ) -> Option<Result<u32, KvTransferError>> {
         let frames = pairs
             .iter()
             .map(|&(s, d)| {
@@ -488,7 +501,7 @@ impl KvSender for TcpSender {
                 // sender engine holds for this transfer: nobody writes them
                 // while they are sent.
                 let parts: Vec<&[u8]> = unsafe { src.block_parts(s) }
-                    .map_err(|e| WorkerError::Transfer(format!("tcp source: {e}")))?
+                    .map_err(KvTransferError::failed(TransportKind::Tcp, "source"))?
                     .collect();
                 let mut h = Xxh3::new();
                 parts.iter().for_each(|p| h.update(p));
@@ -498,7 +511,7 @@ impl KvSender for TcpSender {
                     parts,
                 })
             })
-            .collect::<Result<Vec<_>, WorkerError>>();
+            .collect::<Result<Vec<_>, KvTransferError>>();
         Some(match frames {
             Ok(frames) => {
                 self.send_frames(&region.address, transfer_id, &frames)
@@ -517,14 +530,19 @@ impl TcpSender {
         address: &str,
         transfer_id: &str,
         frames: &[Frame<'_>],
-    ) -> Result<u32, WorkerError> {
+    ) -> Result<u32, KvTransferError> {
         if let Some(mut stream) = self.take_idle(address) {
             match send_on(&mut stream, transfer_id, frames).await {
                 Ok(n) => {
                     self.put_idle(address, stream);
                     return Ok(n);
                 }
-                Err(SendError::Refused(m)) => return Err(WorkerError::Transfer(m)),
+                Err(SendError::Refused(reason)) => {
+                    return Err(KvTransferError::Refused {
+                        transport: TransportKind::Tcp,
+                        reason,
+                    });
+                }
                 Err(SendError::Io(e)) => {
                     tracing::debug!(error = %e, "kept KV connection failed; reconnecting");
                 }
@@ -536,8 +554,15 @@ impl TcpSender {
                 self.put_idle(address, stream);
                 Ok(n)
             }
-            Err(SendError::Refused(m)) => Err(WorkerError::Transfer(format!("refused: {m}"))),
-            Err(SendError::Io(e)) => Err(WorkerError::Transfer(format!("tcp to {address}: {e}"))),
+            Err(SendError::Refused(reason)) => Err(KvTransferError::Refused {
+                transport: TransportKind::Tcp,
+                reason,
+            }),
+            Err(SendError::Io(e)) => Err(KvTransferError::Failed {
+                transport: TransportKind::Tcp,
+                what: format!("to {address}"),
+                source: e.into(),
+            }),
         }
     }
 }

@@ -494,7 +494,8 @@ fn rdma_is_skipped_with_a_reason_when_it_cannot_run() {
     );
     let why = TransportKind::Rdma
         .availability()
-        .expect_err("no RDMA here");
+        .expect_err("no RDMA here")
+        .to_string();
     assert!(why.contains("rdma") || why.contains("RDMA"), "{why}");
 }
 

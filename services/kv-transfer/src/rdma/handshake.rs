@@ -13,8 +13,8 @@
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use super::qp::{QP_INFO_LEN, QpInfo};
-use super::rdma_err;
-use crate::error::WorkerError;
+use super::{rdma_err, rdma_failed};
+use crate::KvTransferError;
 
 /// Handshake format version; bumped on any change to the frame.
 const VERSION: u8 = 1;
@@ -26,7 +26,10 @@ pub const HANDSHAKE_MAGIC: u32 = u32::from_le_bytes([b'S', b'Q', b'P', VERSION])
 const FRAME_LEN: usize = 4 + QP_INFO_LEN;
 
 /// Sends `local`, then reads and returns the peer's [`QpInfo`].
-pub async fn exchange_as_client<S>(stream: &mut S, local: &QpInfo) -> Result<QpInfo, WorkerError>
+pub async fn exchange_as_client<S>(
+    stream: &mut S,
+    local: &QpInfo,
+) -> Result<QpInfo, KvTransferError>
 where
     S: AsyncRead + AsyncWrite + Unpin + ?Sized,
 {
@@ -35,7 +38,10 @@ where
 }
 
 /// Reads the peer's [`QpInfo`], then sends `local`; returns the peer's.
-pub async fn exchange_as_server<S>(stream: &mut S, local: &QpInfo) -> Result<QpInfo, WorkerError>
+pub async fn exchange_as_server<S>(
+    stream: &mut S,
+    local: &QpInfo,
+) -> Result<QpInfo, KvTransferError>
 where
     S: AsyncRead + AsyncWrite + Unpin + ?Sized,
 {
@@ -51,7 +57,7 @@ fn encode(info: &QpInfo) -> [u8; FRAME_LEN] {
     frame
 }
 
-fn decode(frame: &[u8; FRAME_LEN]) -> Result<QpInfo, WorkerError> {
+fn decode(frame: &[u8; FRAME_LEN]) -> Result<QpInfo, KvTransferError> {
     let [m0, m1, m2, version, info @ ..] = frame;
     let magic = u32::from_le_bytes([*m0, *m1, *m2, *version]);
     if magic != HANDSHAKE_MAGIC {
@@ -69,7 +75,7 @@ fn decode(frame: &[u8; FRAME_LEN]) -> Result<QpInfo, WorkerError> {
     QpInfo::from_bytes(info)
 }
 
-async fn send<S>(stream: &mut S, info: &QpInfo) -> Result<(), WorkerError>
+async fn send<S>(stream: &mut S, info: &QpInfo) -> Result<(), KvTransferError>
 where
     S: AsyncWrite + Unpin + ?Sized,
 {
@@ -77,14 +83,14 @@ where
     stream
         .write_all(&frame)
         .await
-        .map_err(|e| rdma_err(format!("sending the RDMA handshake: {e}")))?;
+        .map_err(rdma_failed("sending the RDMA handshake"))?;
     stream
         .flush()
         .await
-        .map_err(|e| rdma_err(format!("sending the RDMA handshake: {e}")))
+        .map_err(rdma_failed("sending the RDMA handshake"))
 }
 
-async fn receive<S>(stream: &mut S) -> Result<QpInfo, WorkerError>
+async fn receive<S>(stream: &mut S) -> Result<QpInfo, KvTransferError>
 where
     S: AsyncRead + Unpin + ?Sized,
 {
@@ -93,7 +99,7 @@ where
         if e.kind() == std::io::ErrorKind::UnexpectedEof {
             rdma_err("the peer closed the stream during the RDMA handshake")
         } else {
-            rdma_err(format!("receiving the RDMA handshake: {e}"))
+            rdma_failed("receiving the RDMA handshake")(e)
         }
     })?;
     decode(&frame)

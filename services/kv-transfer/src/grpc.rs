@@ -11,8 +11,7 @@ use sluice_runtime::Security;
 use sluice_runtime::grpc::TracedChannel;
 use tonic::{Request, Response, Status};
 
-use super::{Block, KvSender, Receiver, TransportKind};
-use crate::error::WorkerError;
+use crate::{Block, KvSender, KvTransferError, Receiver, TransportKind};
 
 /// The `KvTransfer` service, served by decode workers.
 #[derive(Debug, Clone)]
@@ -28,7 +27,7 @@ impl pb::kv_transfer_server::KvTransfer for KvTransferService {
     ) -> Result<Response<pb::WriteBlocksResponse>, Status> {
         let mut stream = request.into_inner();
         let mut written = 0u32;
-        let mut target: Option<super::Target> = None;
+        let mut target: Option<crate::Target> = None;
         let mut transfer = String::new();
         while let Some(chunk) = stream.message().await? {
             if target.is_none() {
@@ -76,14 +75,15 @@ impl GrpcSender {
         }
     }
 
-    fn channel(&self, endpoint: &str) -> Result<TracedChannel, WorkerError> {
+    fn channel(&self, endpoint: &str) -> Result<TracedChannel, KvTransferError> {
         if let Some(c) = self.channels.lock().get(endpoint) {
             return Ok(c.clone());
         }
         let c = self
             .security
             .channel(endpoint)
-            .map_err(WorkerError::transfer(
+            .map_err(KvTransferError::failed(
+                TransportKind::Grpc,
                 "opening a channel to the decode worker",
             ))?;
         let mut channels = self.channels.lock();
@@ -106,7 +106,7 @@ impl KvSender for GrpcSender {
         region: &pb::Region,
         transfer_id: &str,
         blocks: Vec<Block>,
-    ) -> Result<u32, WorkerError> {
+    ) -> Result<u32, KvTransferError> {
         let channel = self.channel(&region.address)?;
         let r = send_on(channel, transfer_id, blocks).await;
         if r.is_err() {
@@ -123,8 +123,9 @@ pub async fn send_grpc(
     endpoint: &str,
     transfer_id: &str,
     blocks: Vec<Block>,
-) -> Result<u32, WorkerError> {
-    let channel = sluice_runtime::grpc::channel(endpoint).map_err(WorkerError::transfer(
+) -> Result<u32, KvTransferError> {
+    let channel = sluice_runtime::grpc::channel(endpoint).map_err(KvTransferError::failed(
+        TransportKind::Grpc,
         "opening a channel to the decode worker",
     ))?;
     send_on(channel, transfer_id, blocks).await
@@ -134,7 +135,7 @@ async fn send_on(
     channel: TracedChannel,
     transfer_id: &str,
     blocks: Vec<Block>,
-) -> Result<u32, WorkerError> {
+) -> Result<u32, KvTransferError> {
     let mut client =
         pb::kv_transfer_client::KvTransferClient::new(channel).max_encoding_message_size(256 << 20);
     let id = transfer_id.to_string();
@@ -147,6 +148,9 @@ async fn send_on(
     let resp = client
         .write_blocks(chunks)
         .await
-        .map_err(|s| WorkerError::Transfer(format!("gRPC write: {}", s.message())))?;
+        .map_err(|source| KvTransferError::Rpc {
+            what: "write",
+            source,
+        })?;
     Ok(resp.into_inner().blocks_written)
 }

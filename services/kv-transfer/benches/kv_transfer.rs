@@ -18,15 +18,15 @@ use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput};
 use parking_lot::Mutex;
-use sluice_decode::transfer::shm::ShmSender;
-use sluice_decode::transfer::tcp::{TcpSender, loopback_pair};
-use sluice_decode::transfer::{
-    Block, Expectation, GrpcSender, KvSender, KvTransferService, Receiver, ReceiverConfig,
-    TransportKind, start_receiver,
-};
 use sluice_engine::backend::{Backend, KvBacking, arena};
 use sluice_engine::{
     EngineConfig, EngineHandle, MockerBackend, MockerConfig, RemoteSlot, SchedulerConfig,
+};
+use sluice_kv_transfer::shm::ShmSender;
+use sluice_kv_transfer::tcp::{TcpSender, loopback_pair};
+use sluice_kv_transfer::{
+    Block, Expectation, GrpcSender, KvSender, KvTransferService, Receiver, ReceiverConfig,
+    TransportKind, start_receiver,
 };
 use sluice_proto::kv::v1 as pb;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

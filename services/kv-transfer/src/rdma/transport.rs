@@ -28,25 +28,27 @@ use sluice_proto::kv::v1 as pb;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-use super::{Connection, Device, MemoryRegion, WriteOp, exchange_as_client, exchange_as_server};
-use crate::error::WorkerError;
-use crate::transfer::{
-    Block, Inbound, KvSender, OneSided, Registration, TransferSpec, TransportKind,
+use super::{
+    Connection, Device, MemoryRegion, WriteOp, exchange_as_client, exchange_as_server, rdma_err,
+    rdma_failed,
+};
+use crate::{
+    Block, Inbound, KvSender, KvTransferError, OneSided, Registration, TransferSpec, TransportKind,
 };
 
 const READY: u8 = 0x52;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-
-fn rdma_err(msg: impl std::fmt::Display) -> WorkerError {
-    WorkerError::Transfer(format!("rdma: {msg}"))
-}
 
 /// KV arenas registered with a device, each kept alive with its region.
 #[derive(Debug, Default)]
 struct Registered(Mutex<Vec<(Arc<KvArena>, Arc<MemoryRegion>)>>);
 
 impl Registered {
-    fn get(&self, device: &Device, arena: &Arc<KvArena>) -> Result<Arc<MemoryRegion>, WorkerError> {
+    fn get(
+        &self,
+        device: &Device,
+        arena: &Arc<KvArena>,
+    ) -> Result<Arc<MemoryRegion>, KvTransferError> {
         let mut list = self.0.lock();
         if let Some((_, mr)) = list.iter().find(|(a, _)| Arc::ptr_eq(a, arena)) {
             return Ok(Arc::clone(mr));
@@ -73,15 +75,19 @@ impl RdmaInbound {
         bind: SocketAddr,
         endpoint: &str,
         shutdown: sluice_runtime::Shutdown,
-    ) -> Result<Self, WorkerError> {
+    ) -> Result<Self, KvTransferError> {
         let device = Device::open(None)?;
         let listener = TcpListener::bind(bind)
             .await
-            .map_err(|e| WorkerError::Startup(format!("KV rdma listener on {bind}: {e}")))?;
-        let local = listener.local_addr().map_err(WorkerError::startup(
-            "reading the KV rdma listener's address",
-        ))?;
-        let address = super::super::tcp::advertised(local, endpoint);
+            .map_err(|source| KvTransferError::Listen {
+                transport: TransportKind::Rdma,
+                bind,
+                source,
+            })?;
+        let local = listener
+            .local_addr()
+            .map_err(rdma_failed("reading the listener's address"))?;
+        let address = crate::tcp::advertised(local, endpoint);
         let d = device.clone();
         tokio::spawn(async move {
             loop {
@@ -114,14 +120,14 @@ async fn serve_peer(
     mut stream: TcpStream,
     device: &Device,
     stop: sluice_runtime::Shutdown,
-) -> Result<(), WorkerError> {
+) -> Result<(), KvTransferError> {
     let (mut conn, local) = Connection::new(device)?;
     let remote = exchange_as_server(&mut stream, &local).await?;
     conn.connect(&remote)?;
     stream
         .write_all(&[READY])
         .await
-        .map_err(|e| rdma_err(format!("ready: {e}")))?;
+        .map_err(rdma_failed("ready"))?;
     let mut byte = [0u8; 1];
     tokio::select! {
         _ = stop.cancelled() => {}
@@ -137,7 +143,7 @@ async fn serve_peer(
 struct Posted;
 
 impl OneSided for Posted {
-    fn complete(&self, _ids: &[u32]) -> Result<(), WorkerError> {
+    fn complete(&self, _ids: &[u32]) -> Result<(), KvTransferError> {
         Ok(())
     }
 }
@@ -147,7 +153,7 @@ impl Inbound for RdmaInbound {
         TransportKind::Rdma
     }
 
-    fn register(&self, spec: &TransferSpec<'_>) -> Result<Option<Registration>, WorkerError> {
+    fn register(&self, spec: &TransferSpec<'_>) -> Result<Option<Registration>, KvTransferError> {
         let Some(arena) = spec.arena else {
             return Ok(None);
         };
@@ -184,7 +190,7 @@ pub struct RdmaSender {
 
 impl RdmaSender {
     /// Opens the device.
-    pub fn new() -> Result<Self, WorkerError> {
+    pub fn new() -> Result<Self, KvTransferError> {
         Ok(Self {
             device: Device::open(None)?,
             peers: Mutex::default(),
@@ -192,14 +198,14 @@ impl RdmaSender {
         })
     }
 
-    async fn peer(&self, address: &str) -> Result<Arc<Mutex<Peer>>, WorkerError> {
+    async fn peer(&self, address: &str) -> Result<Arc<Mutex<Peer>>, KvTransferError> {
         if let Some(p) = self.peers.lock().get(address) {
             return Ok(Arc::clone(p));
         }
         let mut stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(address))
             .await
             .map_err(|_| rdma_err(format!("side channel to {address} timed out")))?
-            .map_err(|e| rdma_err(format!("side channel to {address}: {e}")))?;
+            .map_err(rdma_failed(format!("side channel to {address}")))?;
         let (mut conn, local) = Connection::new(&self.device)?;
         let remote = exchange_as_client(&mut stream, &local).await?;
         conn.connect(&remote)?;
@@ -207,7 +213,7 @@ impl RdmaSender {
         tokio::time::timeout(CONNECT_TIMEOUT, stream.read_exact(&mut ready))
             .await
             .map_err(|_| rdma_err(format!("{address} never said ready")))?
-            .map_err(|e| rdma_err(format!("ready from {address}: {e}")))?;
+            .map_err(rdma_failed(format!("ready from {address}")))?;
         if ready[0] != READY {
             return Err(rdma_err(format!(
                 "{address} answered {:#x}, not ready",
@@ -226,11 +232,11 @@ impl RdmaSender {
 
     /// Posts `ops` to the decode worker at `address` and waits for them; a
     /// failed queue pair is not kept.
-    async fn post(&self, address: &str, ops: Vec<WriteOp>) -> Result<(), WorkerError> {
+    async fn post(&self, address: &str, ops: Vec<WriteOp>) -> Result<(), KvTransferError> {
         let peer = self.peer(address).await?;
         let r = tokio::task::spawn_blocking(move || peer.lock().conn.write(&ops))
             .await
-            .map_err(|e| rdma_err(format!("write task: {e}")))?;
+            .map_err(rdma_failed("write task"))?;
         if r.is_err() {
             self.peers.lock().remove(address);
         }
@@ -239,13 +245,13 @@ impl RdmaSender {
 }
 
 /// Where `region`'s arena puts its blocks, for this worker's layout.
-fn remote_geometry(region: &pb::Region, src: &KvArena) -> Result<ArenaGeometry, WorkerError> {
+fn remote_geometry(region: &pb::Region, src: &KvArena) -> Result<ArenaGeometry, KvTransferError> {
     ArenaGeometry::of_len(
         src.layout(),
         region.arena_blocks as usize,
         region.length as usize,
     )
-    .map_err(|e| rdma_err(format!("region: {e}")))
+    .map_err(rdma_failed("region"))
 }
 
 #[tonic::async_trait]
@@ -264,7 +270,7 @@ impl KvSender for RdmaSender {
         _transfer_id: &str,
         src: &Arc<KvArena>,
         pairs: &[(u32, u32)],
-    ) -> Option<Result<u32, WorkerError>> {
+    ) -> Option<Result<u32, KvTransferError>> {
         let ops = (|| {
             let g = remote_geometry(region, src)?;
             let mr = self.registered.get(&self.device, src)?;
@@ -272,8 +278,8 @@ impl KvSender for RdmaSender {
             let chunk = g.chunk_bytes() as u32;
             let mut ops = Vec::with_capacity(pairs.len() * g.slabs());
             for &(s, d) in pairs {
-                local.check_block(s).map_err(rdma_err)?;
-                g.check_block(d).map_err(rdma_err)?;
+                local.check_block(s).map_err(rdma_failed("source block"))?;
+                g.check_block(d).map_err(rdma_failed("destination block"))?;
                 for slab in 0..g.slabs() {
                     ops.push(WriteOp {
                         local_addr: mr.addr() + local.chunk_offset(slab, s) as u64,
@@ -284,7 +290,7 @@ impl KvSender for RdmaSender {
                     });
                 }
             }
-            Ok::<_, WorkerError>(ops)
+            Ok::<_, KvTransferError>(ops)
         })();
         Some(match ops {
             Ok(ops) => self
@@ -303,7 +309,7 @@ impl KvSender for RdmaSender {
         _region: &pb::Region,
         _transfer_id: &str,
         _blocks: Vec<Block>,
-    ) -> Result<u32, WorkerError> {
+    ) -> Result<u32, KvTransferError> {
         Err(rdma_err(
             "this worker's engine has no KV memory to register; rdma sends from KV memory only",
         ))
