@@ -163,9 +163,9 @@ async fn cancelling_mid_transfer_frees_the_blocks_on_both_workers() -> anyhow::R
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        assert!(active_blocks(&decode).await? > 0 && active_blocks(&prefill).await? > 0);
-        drop(client); // the client goes away mid-transfer
+        // The stalled sender keeps them for the descriptor's timeout (60 s):
+        // the client goes away mid-transfer.
+        drop(client);
         let dropped = Instant::now();
         loop {
             let (d, p) = (
