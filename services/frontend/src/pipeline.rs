@@ -147,11 +147,16 @@ fn expected_output_tokens(params: &GenerateParams) -> u32 {
     }
 }
 
-/// Per-token log probability with the token's text.
+/// One generated position's logprobs: as the worker sent them (the gRPC
+/// API forwards `wire` unchanged) and with each token's text (the OpenAI
+/// shape the HTTP API renders). Made once, by `Pipeline::logprob_entry`.
 #[derive(Debug, Clone)]
 pub(crate) struct TokenLogprob {
+    pub wire: common::PositionLogprobs,
+    /// The chosen token's text and logprob.
     pub token: String,
     pub logprob: f32,
+    /// The alternatives' texts and logprobs, most likely first.
     pub top: Vec<(String, f32)>,
 }
 
@@ -1130,9 +1135,11 @@ fn close_lease(
 }
 
 impl Pipeline {
+    /// The one wire → client conversion of a position's logprobs.
     fn logprob_entry(&self, lp: &common::PositionLogprobs) -> TokenLogprob {
         let chosen = lp.chosen.unwrap_or_default();
         TokenLogprob {
+            wire: lp.clone(),
             token: self.token_text(chosen.token_id),
             logprob: chosen.logprob,
             top: lp
