@@ -236,6 +236,39 @@ async fn with_api_keys_every_api_call_needs_one_and_probes_stay_open() -> anyhow
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_inference_returns_each_positions_logprobs_with_alternatives() -> anyhow::Result<()> {
+    use sluice_proto::common::v1 as common;
+    use sluice_proto::inference::v1 as ipb;
+    let mesh = Mesh::start(MeshOptions::default()).await?;
+    let mut client =
+        ipb::inference_client::InferenceClient::connect(format!("http://{}", mesh.http)).await?;
+    let req = ipb::GenerateRequest {
+        model: "sluice-tiny".into(),
+        input: Some(ipb::generate_request::Input::Text("Tell me".into())),
+        sampling: Some(common::SamplingParams {
+            max_tokens: 4,
+            ignore_eos: true,
+            logprobs: true,
+            top_logprobs: 2,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let mut stream = client.generate(req).await?.into_inner();
+    let mut positions = 0;
+    while let Some(msg) = stream.message().await? {
+        assert_eq!(msg.logprobs.len(), msg.token_ids.len(), "{msg:?}");
+        for (lp, &id) in msg.logprobs.iter().zip(&msg.token_ids) {
+            assert_eq!(lp.chosen.map(|c| c.token_id), Some(id), "{lp:?}");
+            assert_eq!(lp.top.len(), 2, "the alternatives asked for: {lp:?}");
+            positions += 1;
+        }
+    }
+    assert_eq!(positions, 4);
+    mesh.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streaming_sends_chunks_usage_and_done() -> anyhow::Result<()> {
     let mesh = Mesh::start(MeshOptions::default()).await?;
     let mut body = chat("Tell me a story", 12);

@@ -403,6 +403,36 @@ fn model(rng: &mut StdRng) -> String {
     }
 }
 
+/// A request description as the queue and the router receive it: mostly
+/// plausible, with the edges of every field.
+fn description(rng: &mut StdRng) -> common::RequestDescription {
+    common::RequestDescription {
+        request_id: if rng.random_bool(0.9) {
+            format!("q{}", rng.random::<u32>())
+        } else {
+            string(rng)
+        },
+        model: model(rng),
+        priority: *pick(rng, &[0, 3, -3, i32::MAX, i32::MIN]),
+        strict_priority: *pick(rng, &[0, 1, u32::MAX]),
+        tenant: if rng.random_bool(0.8) {
+            String::new()
+        } else {
+            string(rng)
+        },
+        tenant_weight: *pick(rng, &[0, 1, 3, u32::MAX]),
+        prompt_tokens: *pick(rng, &[0, 5, 64, u32::MAX]),
+        expected_output_tokens: rng.random(),
+        block_hashes: (0..*pick(rng, &[0usize, 1, 4, 5000]))
+            .map(|_| rng.random())
+            .collect(),
+        block_size: *pick(rng, &[0, 16, 16, u32::MAX]),
+        exclude_worker_ids: (0..*pick(rng, &[0usize, 1, 100]))
+            .map(|_| string(rng))
+            .collect(),
+    }
+}
+
 fn worker_generate(rng: &mut StdRng, endpoint: &str) -> wpb::GenerateRequest {
     wpb::GenerateRequest {
         request_id: if rng.random_bool(0.95) {
@@ -683,35 +713,10 @@ async fn generated_grpc_messages_never_panic_or_get_internal() -> anyhow::Result
                                 completion_tokens: *pick(&mut rng, &[0, 8, u32::MAX]),
                             })),
                             2 => Some(qpb::admit_request::Msg::Started(qpb::AdmitStarted {})),
-                            _ => {
-                                let block_size = *pick(&mut rng, &[0, 16, 16, u32::MAX]);
-                                Some(qpb::admit_request::Msg::Open(qpb::AdmitOpen {
-                                    request_id: if rng.random_bool(0.9) {
-                                        format!("q{}", rng.random::<u32>())
-                                    } else {
-                                        string(&mut rng)
-                                    },
-                                    model: model(&mut rng),
-                                    priority: *pick(&mut rng, &[0, 3, -3, i32::MAX, i32::MIN]),
-                                    strict_priority: *pick(&mut rng, &[0, 1, u32::MAX]),
-                                    tenant: if rng.random_bool(0.8) {
-                                        String::new()
-                                    } else {
-                                        string(&mut rng)
-                                    },
-                                    tenant_weight: *pick(&mut rng, &[0, 1, 3, u32::MAX]),
-                                    prompt_tokens: *pick(&mut rng, &[0, 5, 64, u32::MAX]),
-                                    block_hashes: (0..*pick(&mut rng, &[0usize, 1, 4, 5000]))
-                                        .map(|_| rng.random())
-                                        .collect(),
-                                    block_size,
-                                    deadline_ms: *pick(&mut rng, &[0, 1, 50, u32::MAX]),
-                                    expected_output_tokens: rng.random(),
-                                    exclude_worker_ids: (0..*pick(&mut rng, &[0usize, 1, 100]))
-                                        .map(|_| string(&mut rng))
-                                        .collect(),
-                                }))
-                            }
+                            _ => Some(qpb::admit_request::Msg::Open(qpb::AdmitOpen {
+                                description: rng.random_bool(0.95).then(|| description(&mut rng)),
+                                deadline_ms: *pick(&mut rng, &[0, 1, 50, u32::MAX]),
+                            })),
                         };
                         qpb::AdmitRequest { msg }
                     })
@@ -727,19 +732,9 @@ async fn generated_grpc_messages_never_panic_or_get_internal() -> anyhow::Result
 
     let router_c = rpb::router_client::RouterClient::new(ch(&router)?);
     let route = |rng: &mut StdRng| rpb::RouteRequest {
-        request_id: string(rng),
-        model: model(rng),
+        description: rng.random_bool(0.95).then(|| description(rng)),
         pool: rng.random_range(-1..4),
-        prompt_tokens: *pick(rng, &[0, 5, 64, u32::MAX]),
-        block_hashes: (0..*pick(rng, &[0usize, 1, 4, 5000]))
-            .map(|_| rng.random())
-            .collect(),
-        block_size: *pick(rng, &[0, 16, 16, u32::MAX]),
-        priority: rng.random(),
         commit: rng.random_bool(0.3),
-        exclude_worker_ids: (0..*pick(rng, &[0usize, 1, 100]))
-            .map(|_| string(rng))
-            .collect(),
         placement_id: rng.random(),
     };
     failures.extend(

@@ -73,21 +73,30 @@ pub(crate) fn request(
     })
 }
 
-pub(crate) fn logprobs(l: &engine::PositionLogprobs) -> common::PositionLogprobs {
+/// One generated position's logprobs on the wire: the only engine → wire
+/// logprob conversion (`Generate`'s tokens, `Prefill`'s first token).
+pub fn logprobs_to_wire(l: &engine::PositionLogprobs) -> common::PositionLogprobs {
+    let token = |t: &engine::TokenLogprob| common::TokenLogprob {
+        token_id: t.token_id,
+        logprob: t.logprob,
+    };
     common::PositionLogprobs {
-        chosen: Some(common::TokenLogprob {
-            token_id: l.chosen.token_id,
-            logprob: l.chosen.logprob,
-        }),
-        top: l
-            .top
-            .iter()
-            .map(|t| common::TokenLogprob {
-                token_id: t.token_id,
-                logprob: t.logprob,
-            })
-            .collect(),
+        chosen: Some(token(&l.chosen)),
+        top: l.top.iter().map(token).collect(),
     }
+}
+
+/// A position's logprobs from the wire (a prefill worker's first token),
+/// the inverse of [`logprobs_to_wire`]; `None` without a chosen token.
+pub fn logprobs_from_wire(l: &common::PositionLogprobs) -> Option<engine::PositionLogprobs> {
+    let token = |t: &common::TokenLogprob| engine::TokenLogprob {
+        token_id: t.token_id,
+        logprob: t.logprob,
+    };
+    Some(engine::PositionLogprobs {
+        chosen: token(l.chosen.as_ref()?),
+        top: l.top.iter().map(token).collect(),
+    })
 }
 
 pub(crate) fn finish_reason(r: engine::FinishReason) -> common::FinishReason {
@@ -142,5 +151,28 @@ pub(crate) fn load(rank: u32, l: &engine::LoadStats, prefill_queue: u32) -> pb::
         max_num_batched_tokens: l.max_num_batched_tokens as u32,
         prefill_queue,
         ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn logprobs_go_to_the_wire_and_back_unchanged() {
+        let token = |token_id, logprob| engine::TokenLogprob { token_id, logprob };
+        let position = engine::PositionLogprobs {
+            chosen: token(7, -0.5),
+            top: vec![token(7, -0.5), token(3, -1.25)],
+        };
+        let wire = logprobs_to_wire(&position);
+        assert_eq!(wire.chosen.map(|c| c.token_id), Some(7));
+        assert_eq!(wire.top.len(), 2);
+        assert_eq!(logprobs_from_wire(&wire), Some(position));
+        let no_choice = common::PositionLogprobs {
+            chosen: None,
+            top: wire.top,
+        };
+        assert_eq!(logprobs_from_wire(&no_choice), None);
     }
 }

@@ -297,23 +297,10 @@ impl Disagg {
             return self.fallback(core, "incomplete_transfer", &detail);
         }
         drop(expectation);
-        let logprobs = resp.first_logprobs.as_ref().and_then(|l| {
-            let chosen = l.chosen?;
-            Some(sluice_engine::PositionLogprobs {
-                chosen: sluice_engine::TokenLogprob {
-                    token_id: chosen.token_id,
-                    logprob: chosen.logprob,
-                },
-                top: l
-                    .top
-                    .iter()
-                    .map(|t| sluice_engine::TokenLogprob {
-                        token_id: t.token_id,
-                        logprob: t.logprob,
-                    })
-                    .collect(),
-            })
-        });
+        let logprobs = resp
+            .first_logprobs
+            .as_ref()
+            .and_then(crate::convert::logprobs_from_wire);
         let Some(slot) = slot.slot.take() else {
             return self.fallback(core, "commit_failed", "the reserved slot is gone");
         };

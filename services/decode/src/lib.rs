@@ -27,7 +27,7 @@ use sluice_runtime::{ModelArgs, ServiceContext};
 use tokio::net::TcpListener;
 
 pub use args::{EngineKind, WorkerArgs};
-pub use convert::{check_input, sampling as wire_sampling};
+pub use convert::{check_input, logprobs_from_wire, logprobs_to_wire, sampling as wire_sampling};
 pub use error::WorkerError;
 pub use metrics::WorkerMetrics;
 pub use service::{

@@ -249,7 +249,7 @@ fn response_stream(
         }
         let mut msg = pb::GenerateResponse {
             token_ids: out.token_ids,
-            logprobs: out.logprobs.iter().map(convert::logprobs).collect(),
+            logprobs: out.logprobs.iter().map(convert::logprobs_to_wire).collect(),
             worker_id: st.core.id.clone(),
             ..Default::default()
         };

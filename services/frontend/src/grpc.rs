@@ -147,17 +147,8 @@ impl pb::inference_server::Inference for InferenceService {
                         token_ids,
                         logprobs,
                     }) => {
-                        let logprobs = logprobs
-                            .into_iter()
-                            .zip(token_ids.iter())
-                            .map(|(l, &id)| common::PositionLogprobs {
-                                chosen: Some(common::TokenLogprob {
-                                    token_id: id,
-                                    logprob: l.logprob,
-                                }),
-                                top: Vec::new(),
-                            })
-                            .collect();
+                        // As the worker sent them, alternatives included.
+                        let logprobs = logprobs.into_iter().map(|l| l.wire).collect();
                         Some((
                             Ok(pb::GenerateResponse {
                                 text,

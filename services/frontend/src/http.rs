@@ -267,7 +267,7 @@ async fn serve(
         span.record("tenant", params.tenant.as_str());
         let prepared = p.prepare(params, received).await?;
         span.record("prompt_tokens", prepared.prompt_ids.len());
-        let id = prepared.params.request_id.clone();
+        let id = prepared.desc.request_id.clone();
         let generation = p.start(prepared).await?;
         Ok::<_, FrontendError>((id, mode, generation))
     }

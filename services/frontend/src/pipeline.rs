@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use sluice_proto::common::v1 as common;
 use sluice_proto::queue::v1 as qpb;
 use sluice_proto::worker::v1 as wpb;
+use sluice_runtime::RequestDescription;
 use sluice_tokens::{ChatTemplate, IncrementalDetokenizer, Tokenizer};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -101,18 +102,61 @@ pub(crate) fn assign_tenant(
 /// A request ready for the mesh: tokenized and hashed.
 #[derive(Debug, Clone)]
 pub(crate) struct Prepared {
+    /// The parsed request: sampling, stop strings, timeout (its id, hints
+    /// and tenant are in `desc`, which the rest of the path reads).
     pub params: GenerateParams,
     pub prompt_ids: Vec<u32>,
-    pub block_hashes: Vec<u64>,
-    pub block_size: usize,
+    /// What travels to the queue and the router: id, model, priority,
+    /// tenant, the prompt's length and block hashes. Exclusions are added
+    /// per admission (the workers that failed this request).
+    pub desc: RequestDescription,
     pub received: Instant,
 }
 
-/// Per-token log probability with the token's text.
+impl Prepared {
+    /// The description of `params` with a prompt of `prompt_ids` hashed
+    /// in blocks of `block_size` tokens, for `model`.
+    fn describe(
+        model: &str,
+        params: &GenerateParams,
+        prompt_ids: &[u32],
+        block_size: usize,
+    ) -> RequestDescription {
+        RequestDescription {
+            request_id: params.request_id.clone(),
+            model: model.to_owned(),
+            priority: params.hints.priority,
+            strict_priority: params.hints.strict_priority,
+            tenant: params.tenant.clone(),
+            tenant_weight: params.tenant_weight,
+            prompt_tokens: prompt_ids.len() as u32,
+            expected_output_tokens: expected_output_tokens(params),
+            block_hashes: sluice_tokens::sequence_block_hashes(prompt_ids, block_size).into(),
+            block_size: block_size as u32,
+            exclude_worker_ids: Arc::from([]),
+        }
+    }
+}
+
+/// The client's expected output length, else its `max_tokens`.
+fn expected_output_tokens(params: &GenerateParams) -> u32 {
+    if params.hints.osl > 0 {
+        params.hints.osl
+    } else {
+        params.sampling.max_tokens
+    }
+}
+
+/// One generated position's logprobs: as the worker sent them (the gRPC
+/// API forwards `wire` unchanged) and with each token's text (the OpenAI
+/// shape the HTTP API renders). Made once, by `Pipeline::logprob_entry`.
 #[derive(Debug, Clone)]
 pub(crate) struct TokenLogprob {
+    pub wire: common::PositionLogprobs,
+    /// The chosen token's text and logprob.
     pub token: String,
     pub logprob: f32,
+    /// The alternatives' texts and logprobs, most likely first.
     pub top: Vec<(String, f32)>,
 }
 
@@ -328,13 +372,11 @@ impl Pipeline {
         if params.timeout.is_none() {
             params.timeout = Some(self.request_timeout);
         }
-        let block_size = self.block_size();
-        let block_hashes = sluice_tokens::sequence_block_hashes(&prompt_ids, block_size);
+        let desc = Prepared::describe(&self.model, &params, &prompt_ids, self.block_size());
         Ok(Prepared {
             params,
             prompt_ids,
-            block_hashes,
-            block_size,
+            desc,
             received,
         })
     }
@@ -385,7 +427,7 @@ impl Pipeline {
     /// the first token surface here, so the HTTP layer can still pick a status.
     pub(crate) async fn start(self: &Arc<Self>, p: Prepared) -> Result<Generation, FrontendError> {
         let deadline = p.received + p.params.timeout.unwrap_or(self.request_timeout);
-        let priority_label = p.params.hints.priority.to_string();
+        let priority_label = p.desc.priority.to_string();
         let mut failed = Vec::new();
         let opened = self
             .open(&p, deadline, &mut failed, self.migration_limit)
@@ -409,8 +451,8 @@ impl Pipeline {
                 // Set from the worker's answer: the grant only offers a
                 // prefill worker; the decode worker decides whether to use it.
                 prefill_worker_id: String::new(),
-                priority: p.params.hints.priority,
-                tenant: p.params.tenant.clone(),
+                priority: p.desc.priority,
+                tenant: p.desc.tenant.clone(),
                 queue_wait_ms: grant.queue_wait_ms,
                 routed_overlap_tokens: grant.overlap_tokens,
                 migrations: failed.len() as u32,
@@ -476,15 +518,15 @@ impl Pipeline {
     ) -> Result<Opened, Failure> {
         let admit = self.admit(p, exclude).instrument(tracing::info_span!(
             "queue.admit",
-            priority = p.params.hints.priority,
-            tenant = %p.params.tenant,
+            priority = p.desc.priority,
+            tenant = %p.desc.tenant,
         ));
         let (lease_tx, lease_rx, grant) = tokio::time::timeout_at(deadline.into(), admit)
             .await
             .map_err(|_| FrontendError::Deadline)??;
         self.metrics
             .queue_wait
-            .with_label_values(&[&p.params.hints.priority.to_string()])
+            .with_label_values(&[&p.desc.priority.to_string()])
             .observe(grant.queue_wait_ms / 1000.0);
 
         let span = tracing::info_span!(
@@ -497,11 +539,11 @@ impl Pipeline {
         let channel = self.channels.get(&grant.worker_endpoint)?;
         let mut client = wpb::worker_client::WorkerClient::new(channel);
         let req = wpb::GenerateRequest {
-            request_id: p.params.request_id.clone(),
+            request_id: p.desc.request_id.clone(),
             model: self.model.clone(),
             prompt_token_ids: p.prompt_ids.clone(),
             sampling: Some(p.params.sampling.clone()),
-            priority: p.params.hints.priority,
+            priority: p.desc.priority,
             dp_rank: grant.dp_rank,
             prefill_worker_id: grant.prefill_worker_id.clone(),
             prefill_worker_endpoint: grant.prefill_worker_endpoint.clone(),
@@ -585,25 +627,13 @@ impl Pipeline {
             .params
             .timeout
             .map(|t| t.saturating_sub(p.received.elapsed()));
+        let mut description = p.desc.to_wire();
+        description.exclude_worker_ids = exclude.to_vec();
         let open = qpb::AdmitOpen {
-            request_id: p.params.request_id.clone(),
-            model: self.model.clone(),
-            priority: p.params.hints.priority,
-            strict_priority: p.params.hints.strict_priority,
-            tenant: p.params.tenant.clone(),
-            prompt_tokens: p.prompt_ids.len() as u32,
-            block_hashes: p.block_hashes.clone(),
-            block_size: p.block_size as u32,
+            description: Some(description),
             deadline_ms: remaining
                 .map(|d| d.as_millis().min(u128::from(u32::MAX)) as u32)
                 .unwrap_or(0),
-            expected_output_tokens: if p.params.hints.osl > 0 {
-                p.params.hints.osl
-            } else {
-                p.params.sampling.max_tokens
-            },
-            exclude_worker_ids: exclude.to_vec(),
-            tenant_weight: p.params.tenant_weight,
         };
         tx.send(qpb::AdmitRequest {
             msg: Some(qpb::admit_request::Msg::Open(open)),
@@ -776,10 +806,15 @@ impl Generation {
         self.failed_workers.push(self.serving.worker_id.clone());
         let mut next = self.request.clone();
         next.prompt_ids.extend_from_slice(&self.generated);
-        next.block_hashes = sluice_tokens::sequence_block_hashes(&next.prompt_ids, next.block_size);
         if wanted > 0 {
             next.params.sampling.max_tokens = wanted - done;
         }
+        next.desc = Prepared::describe(
+            &next.desc.model,
+            &next.params,
+            &next.prompt_ids,
+            next.desc.block_size as usize,
+        );
         tracing::warn!(
             parent: &self.span,
             worker_id = %self.serving.worker_id,
@@ -1100,9 +1135,11 @@ fn close_lease(
 }
 
 impl Pipeline {
+    /// The one wire → client conversion of a position's logprobs.
     fn logprob_entry(&self, lp: &common::PositionLogprobs) -> TokenLogprob {
         let chosen = lp.chosen.unwrap_or_default();
         TokenLogprob {
+            wire: lp.clone(),
             token: self.token_text(chosen.token_id),
             logprob: chosen.logprob,
             top: lp

@@ -188,22 +188,7 @@ impl PrefillHandler for Handler {
         drop(out.blocks);
         Ok(pb::PrefillResponse {
             first_token_id: out.first_token,
-            first_logprobs: out
-                .logprobs
-                .map(|l| sluice_proto::common::v1::PositionLogprobs {
-                    chosen: Some(sluice_proto::common::v1::TokenLogprob {
-                        token_id: l.chosen.token_id,
-                        logprob: l.chosen.logprob,
-                    }),
-                    top: l
-                        .top
-                        .iter()
-                        .map(|t| sluice_proto::common::v1::TokenLogprob {
-                            token_id: t.token_id,
-                            logprob: t.logprob,
-                        })
-                        .collect(),
-                }),
+            first_logprobs: out.logprobs.as_ref().map(sluice_decode::logprobs_to_wire),
             cached_tokens: out.cached_tokens as u32,
             blocks_written: written,
             transport: transport.to_pb() as i32,

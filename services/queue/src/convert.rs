@@ -2,12 +2,11 @@
 //! `InvalidArgument` naming the field), held statuses and grants to
 //! responses, the router's `LoadView` to the queue's, and `Stats`.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use sluice_proto::queue::v1 as pb;
 use sluice_proto::router::v1 as router_pb;
-use sluice_runtime::limits;
+use sluice_runtime::RequestDescription;
 use tokio::time::Instant;
 
 use crate::config::Args;
@@ -23,72 +22,41 @@ fn invalid(field: &'static str, reason: impl Into<String>) -> QueueError {
     }
 }
 
-/// Validates an open message received at `now` and makes it an entry. The
-/// cached-prefix estimate starts at 0; under `wspt` the queue reads it from
-/// the router while the request is held.
-pub(crate) fn entry_from_open(open: pb::AdmitOpen, now: Instant) -> Result<Entry, QueueError> {
-    if open.request_id.is_empty() {
-        return Err(invalid("open.request_id", "must not be empty"));
+/// The wire path of a description's field inside `AdmitOpen`, for errors.
+fn open_field(field: &'static str) -> &'static str {
+    match field {
+        "request_id" => "open.description.request_id",
+        "model" => "open.description.model",
+        "priority" => "open.description.priority",
+        "strict_priority" => "open.description.strict_priority",
+        "tenant" => "open.description.tenant",
+        "exclude_worker_ids" => "open.description.exclude_worker_ids",
+        "block_size" => "open.description.block_size",
+        "block_hashes" => "open.description.block_hashes",
+        other => other,
     }
-    let limit = |r: Result<(), sluice_runtime::limits::Invalid>, field: &'static str| {
-        r.map_err(|e| invalid(field, e.message))
-    };
-    limit(
-        limits::check_id("request_id", &open.request_id),
-        "open.request_id",
-    )?;
-    limit(limits::check_id("model", &open.model), "open.model")?;
-    limits::check_priority(
-        "open.priority",
-        open.priority,
-        "open.strict_priority",
-        open.strict_priority,
-    )
-    .map_err(|e| invalid(e.field, e.message))?;
-    limit(limits::check_id("tenant", &open.tenant), "open.tenant")?;
-    limit(
-        limits::check_excluded("exclude_worker_ids", &open.exclude_worker_ids),
-        "open.exclude_worker_ids",
-    )?;
-    if !open.block_hashes.is_empty() {
-        if open.block_size == 0 {
-            return Err(invalid(
-                "open.block_size",
-                "must be set (> 0) when block_hashes are sent",
-            ));
-        }
-        let covered = open.block_hashes.len() as u64 * u64::from(open.block_size);
-        if covered > u64::from(open.prompt_tokens) {
-            return Err(invalid(
-                "open.block_hashes",
-                format!(
-                    "{} full blocks of {} tokens exceed prompt_tokens {}",
-                    open.block_hashes.len(),
-                    open.block_size,
-                    open.prompt_tokens
-                ),
-            ));
-        }
+}
+
+/// Validates an open message received at `now` and makes it an entry: the
+/// description's rules ([`RequestDescription::from_wire`]) and the queue's
+/// own (a request id to name the lease by). The cached-prefix estimate
+/// starts at 0; under `wspt` the queue reads it from the router while the
+/// request is held.
+pub(crate) fn entry_from_open(open: pb::AdmitOpen, now: Instant) -> Result<Entry, QueueError> {
+    let mut desc = RequestDescription::from_wire(open.description)
+        .map_err(|e| invalid(open_field(e.field), e.message))?;
+    if desc.request_id.is_empty() {
+        return Err(invalid(open_field("request_id"), "must not be empty"));
+    }
+    // "" is the default tenant: one name for it in quotas and classes.
+    if desc.tenant.is_empty() {
+        crate::tenants::DEFAULT_TENANT.clone_into(&mut desc.tenant);
     }
     let deadline =
         (open.deadline_ms > 0).then(|| now + Duration::from_millis(u64::from(open.deadline_ms)));
     Ok(Entry {
-        request_id: open.request_id,
-        model: open.model,
-        priority: open.priority,
-        strict_tier: open.strict_priority,
-        // "" is the default tenant: one name for it in quotas and classes.
-        tenant: if open.tenant.is_empty() {
-            crate::tenants::DEFAULT_TENANT.to_owned()
-        } else {
-            open.tenant
-        },
-        tenant_weight: open.tenant_weight,
-        prompt_tokens: open.prompt_tokens,
+        desc,
         overlap_tokens: 0,
-        block_hashes: Arc::from(open.block_hashes),
-        block_size: open.block_size,
-        exclude_worker_ids: Arc::from(open.exclude_worker_ids),
         arrival: now,
         deadline,
         span: tracing::Span::none(),
@@ -196,10 +164,11 @@ pub(crate) fn stats_response(args: &Args, stats: QueueStats) -> pb::StatsRespons
 #[cfg(test)]
 mod tests {
     use super::*;
+    use sluice_proto::common::v1 as common;
     use sluice_proto::worker::v1 as worker_pb;
 
-    fn open() -> pb::AdmitOpen {
-        pb::AdmitOpen {
+    fn description() -> common::RequestDescription {
+        common::RequestDescription {
             request_id: "r1".into(),
             model: "m".into(),
             priority: -2,
@@ -208,11 +177,21 @@ mod tests {
             prompt_tokens: 40,
             block_hashes: vec![1, 2],
             block_size: 16,
-            deadline_ms: 1500,
             expected_output_tokens: 0,
             exclude_worker_ids: vec!["w9".into()],
             tenant_weight: 2,
         }
+    }
+
+    fn open_with(description: common::RequestDescription) -> pb::AdmitOpen {
+        pb::AdmitOpen {
+            description: Some(description),
+            deadline_ms: 1500,
+        }
+    }
+
+    fn open() -> pb::AdmitOpen {
+        open_with(description())
     }
 
     fn field_of(err: QueueError) -> &'static str {
@@ -226,21 +205,24 @@ mod tests {
     async fn open_becomes_an_entry_with_deadline_from_receipt() {
         let now = Instant::now();
         let entry = entry_from_open(open(), now).expect("valid");
-        assert_eq!(entry.priority, -2);
-        assert_eq!(entry.strict_tier, 1);
+        assert_eq!(entry.desc.priority, -2);
+        assert_eq!(entry.desc.strict_priority, 1);
         assert_eq!(entry.deadline, Some(now + Duration::from_millis(1500)));
-        assert_eq!(&*entry.block_hashes, &[1, 2]);
-        assert_eq!(&*entry.exclude_worker_ids, ["w9".to_string()]);
-        assert_eq!((entry.tenant.as_str(), entry.tenant_weight), ("t", 2));
+        assert_eq!(&*entry.desc.block_hashes, &[1, 2]);
+        assert_eq!(&*entry.desc.exclude_worker_ids, ["w9".to_string()]);
+        assert_eq!(
+            (entry.desc.tenant.as_str(), entry.desc.tenant_weight),
+            ("t", 2)
+        );
         let anonymous = entry_from_open(
-            pb::AdmitOpen {
+            open_with(common::RequestDescription {
                 tenant: String::new(),
-                ..open()
-            },
+                ..description()
+            }),
             now,
         )
         .expect("valid");
-        assert_eq!(anonymous.tenant, "default");
+        assert_eq!(anonymous.desc.tenant, "default");
         let no_deadline = entry_from_open(
             pb::AdmitOpen {
                 deadline_ms: 0,
@@ -257,38 +239,51 @@ mod tests {
         let now = Instant::now();
         let cases = [
             (
-                pb::AdmitOpen {
+                common::RequestDescription {
                     request_id: String::new(),
-                    ..open()
+                    ..description()
                 },
-                "open.request_id",
+                "open.description.request_id",
             ),
             (
-                pb::AdmitOpen {
+                common::RequestDescription {
                     prompt_tokens: 20,
-                    ..open()
+                    ..description()
                 },
-                "open.block_hashes",
+                "open.description.block_hashes",
             ),
             (
-                pb::AdmitOpen {
+                common::RequestDescription {
                     block_size: 0,
-                    ..open()
+                    ..description()
                 },
-                "open.block_size",
+                "open.description.block_size",
             ),
             (
-                pb::AdmitOpen {
+                common::RequestDescription {
                     block_hashes: vec![1, 2, 3],
-                    ..open()
+                    ..description()
                 },
-                "open.block_hashes",
+                "open.description.block_hashes",
+            ),
+            (
+                common::RequestDescription {
+                    priority: 5000,
+                    ..description()
+                },
+                "open.description.priority",
             ),
         ];
         for (bad, field) in cases {
-            let err = entry_from_open(bad, now).expect_err(field);
+            let err = entry_from_open(open_with(bad), now).expect_err(field);
             assert_eq!(field_of(err), field);
         }
+        let missing = pb::AdmitOpen {
+            description: None,
+            deadline_ms: 0,
+        };
+        let err = entry_from_open(missing, now).expect_err("no description");
+        assert_eq!(field_of(err), "open.description.request_id");
     }
 
     #[test]

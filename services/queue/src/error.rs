@@ -392,11 +392,11 @@ mod tests {
         });
         assert_eq!(status.code(), Code::DeadlineExceeded);
         let status = tonic::Status::from(QueueError::InvalidArgument {
-            field: "open.request_id",
+            field: "open.description.request_id",
             reason: "must not be empty".into(),
         });
         assert_eq!(status.code(), Code::InvalidArgument);
-        assert!(status.message().contains("open.request_id"));
+        assert!(status.message().contains("open.description.request_id"));
         let status = tonic::Status::from(QueueError::NoWorkers { model: "m".into() });
         assert_eq!(status.code(), Code::Unavailable);
         let status = tonic::Status::from(QueueError::Draining);

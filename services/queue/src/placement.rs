@@ -556,21 +556,15 @@ impl RouterPlacer {
         pool: router_pb::Pool,
         placement_id: Option<u64>,
     ) -> router_pb::RouteRequest {
+        let mut description = entry.desc.to_wire();
+        // Exclusions name decode workers (the ones that failed this request).
+        if pool != router_pb::Pool::Decode {
+            description.exclude_worker_ids.clear();
+        }
         router_pb::RouteRequest {
-            request_id: entry.request_id.clone(),
-            model: entry.model.clone(),
+            description: Some(description),
             pool: pool as i32,
-            prompt_tokens: entry.prompt_tokens,
-            block_hashes: entry.block_hashes.to_vec(),
-            block_size: entry.block_size,
-            priority: entry.priority,
             commit: placement_id.is_some(),
-            // Exclusions name decode workers (the ones that failed this request).
-            exclude_worker_ids: if pool == router_pb::Pool::Decode {
-                entry.exclude_worker_ids.to_vec()
-            } else {
-                Vec::new()
-            },
             placement_id: placement_id.unwrap_or(0),
         }
     }
@@ -612,9 +606,9 @@ impl RouterPlacer {
                             tonic::Code::Unavailable
                             | tonic::Code::NotFound
                             | tonic::Code::FailedPrecondition => {
-                                tracing::debug!(model = %entry.model, ?pool, message = status.message(), "router has no worker");
+                                tracing::debug!(model = %entry.desc.model, ?pool, message = status.message(), "router has no worker");
                                 QueueError::NoWorkers {
-                                    model: entry.model.clone(),
+                                    model: entry.desc.model.clone(),
                                 }
                             }
                             _ => QueueError::placement(status),
@@ -632,7 +626,7 @@ impl RouterPlacer {
             tried.insert(session.router_id.clone());
             if self.routers.pick(&tried).is_some() {
                 self.failovers.with_label_values(&["router"]).inc();
-                tracing::warn!(router = %session.router_id, request_id = %entry.request_id, reason = why, "router failed a placement; asking another");
+                tracing::warn!(router = %session.router_id, request_id = %entry.desc.request_id, reason = why, "router failed a placement; asking another");
             } else if why == TIMED_OUT {
                 return Err(QueueError::placement(RouteTimeout(ROUTE_TIMEOUT)));
             } else {
@@ -659,14 +653,14 @@ struct MissingTarget;
 fn overlap_tokens(entry: &Entry, response: &router_pb::RouteResponse) -> u32 {
     response
         .overlap_blocks
-        .saturating_mul(entry.block_size)
-        .min(entry.prompt_tokens)
+        .saturating_mul(entry.desc.block_size)
+        .min(entry.desc.prompt_tokens)
 }
 
 impl Placer for RouterPlacer {
     async fn place(&self, entry: &Entry) -> Result<Placed, QueueError> {
         let mut pools = vec![router_pb::Pool::Decode];
-        if self.has_prefill_pool(&entry.model) {
+        if self.has_prefill_pool(&entry.desc.model) {
             pools.push(router_pb::Pool::Prefill);
         }
         let id = self.routers.next_id();

@@ -128,6 +128,8 @@ use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use sluice_runtime::RequestDescription;
+
 use crate::config::{Args, Policy, WfqClass, WfqCost};
 use crate::error::QueueError;
 use crate::metrics::QueueMetrics;
@@ -144,30 +146,13 @@ use order::{Order, Released, tokens_cost};
 /// One request asking for admission.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Entry {
-    /// The caller's request id (for logs and the router).
-    pub request_id: String,
-    /// The model; each model has its own queue. "" = any worker.
-    pub model: String,
-    /// Higher = more important; default 0.
-    pub priority: i32,
-    /// Strict tier; every request of a higher tier is released first.
-    pub strict_tier: u32,
-    /// Tenant for per-tenant limits, `wfq` classes and `fair` shares.
-    pub tenant: String,
-    /// The tenant's fair-share weight sent with the request (the API key
-    /// file's); 0 = none.
-    pub tenant_weight: u32,
-    /// Prompt length in tokens.
-    pub prompt_tokens: u32,
+    /// The request as the frontend described it (checked when the open
+    /// arrived); its tenant is never "" (the default tenant has one name).
+    /// Handed to the router unchanged.
+    pub desc: RequestDescription,
     /// Prompt tokens expected cached on the best worker (re-read after
     /// `--refresh-interval-ms` of holding).
     pub overlap_tokens: u32,
-    /// Chained sequence block hashes of the prompt's full blocks.
-    pub block_hashes: Arc<[u64]>,
-    /// Block size the hashes were computed with.
-    pub block_size: u32,
-    /// Decode workers not to place on (a migrating request's failed ones).
-    pub exclude_worker_ids: Arc<[String]>,
     /// When the queue received the request.
     pub arrival: Instant,
     /// Past this instant a held request fails with `DeadlineExceeded`.
@@ -180,7 +165,7 @@ pub struct Entry {
 impl Entry {
     /// Prompt tokens not expected in cache.
     pub fn uncached_tokens(&self) -> u32 {
-        self.prompt_tokens.saturating_sub(self.overlap_tokens)
+        self.desc.prompt_tokens.saturating_sub(self.overlap_tokens)
     }
 }
 
@@ -403,11 +388,11 @@ impl Queue {
     pub fn admit(&self, mut entry: Entry) -> Result<Ticket, QueueError> {
         let shared = &self.shared;
         let cfg = &shared.cfg;
-        entry.overlap_tokens = entry.overlap_tokens.min(entry.prompt_tokens);
+        entry.overlap_tokens = entry.overlap_tokens.min(entry.desc.prompt_tokens);
         let now = Instant::now();
         let mut st = shared.state.lock();
-        if let Some(model) = st.models.get_mut(&entry.model) {
-            model.arrival(entry.priority, now);
+        if let Some(model) = st.models.get_mut(&entry.desc.model) {
+            model.arrival(entry.desc.priority, now);
         }
         let mut checked = st.check_admission(cfg, &entry, now);
         if matches!(checked, Err(QueueError::QueueFull { .. }))
@@ -415,11 +400,13 @@ impl Queue {
         {
             checked = st.check_admission(cfg, &entry, now);
         }
-        let refused =
-            checked.and_then(|()| st.quotas.admit(&entry.tenant, entry.prompt_tokens, now));
+        let refused = checked.and_then(|()| {
+            st.quotas
+                .admit(&entry.desc.tenant, entry.desc.prompt_tokens, now)
+        });
         if let Err(err) = refused {
             drop(st);
-            shared.metrics.rejected(&entry.tenant, err.reason());
+            shared.metrics.rejected(&entry.desc.tenant, err.reason());
             return Err(err);
         }
         let seq = st.next_seq;
@@ -427,21 +414,21 @@ impl Queue {
         let (tx, rx) = watch::channel(TicketState::Waiting);
         let weight = st
             .quotas
-            .weight(&entry.tenant)
-            .unwrap_or(entry.tenant_weight);
+            .weight(&entry.desc.tenant)
+            .unwrap_or(entry.desc.tenant_weight);
         let model = st
             .models
-            .entry(entry.model.clone())
+            .entry(entry.desc.model.clone())
             .or_insert_with(|| ModelQueue::new(cfg.queue_policy));
         model.order.insert(cfg, shared.epoch, seq, &entry, weight);
         if let Some(deadline) = entry.deadline {
             st.deadlines.insert((deadline, seq));
         }
-        *st.tenants.entry(entry.tenant.clone()).or_default() += 1;
+        *st.tenants.entry(entry.desc.tenant.clone()).or_default() += 1;
         st.pending += 1;
         shared
             .metrics
-            .pending(entry.priority, entry.prompt_tokens, 1);
+            .pending(entry.desc.priority, entry.desc.prompt_tokens, 1);
         st.slots.insert(
             seq,
             Slot {
@@ -497,16 +484,16 @@ impl Queue {
         for slot in st.slots.values().filter(|s| s.phase != Phase::Active) {
             let e = &slot.entry;
             let tier = tiers
-                .entry((Reverse(e.strict_tier), Reverse(e.priority)))
+                .entry((Reverse(e.desc.strict_priority), Reverse(e.desc.priority)))
                 .or_insert_with(|| TierStats {
-                    strict_tier: e.strict_tier,
-                    priority: e.priority,
+                    strict_tier: e.desc.strict_priority,
+                    priority: e.desc.priority,
                     pending: 0,
                     pending_tokens: 0,
                     oldest_wait: Duration::ZERO,
                 });
             tier.pending += 1;
-            tier.pending_tokens += u64::from(e.prompt_tokens);
+            tier.pending_tokens += u64::from(e.desc.prompt_tokens);
             tier.oldest_wait = tier
                 .oldest_wait
                 .max(now.saturating_duration_since(e.arrival));

@@ -145,11 +145,11 @@ impl pb::queue_server::Queue for QueueService {
         let mut entry = convert::entry_from_open(open, Instant::now())?;
         let span = tracing::info_span!(
             "queue.lease",
-            request_id = %entry.request_id,
-            priority = entry.priority,
-            strict_tier = entry.strict_tier,
-            tenant = %entry.tenant,
-            prompt_tokens = entry.prompt_tokens,
+            request_id = %entry.desc.request_id,
+            priority = entry.desc.priority,
+            strict_tier = entry.desc.strict_priority,
+            tenant = %entry.desc.tenant,
+            prompt_tokens = entry.desc.prompt_tokens,
             worker_id = tracing::field::Empty,
             queue_wait_ms = tracing::field::Empty,
             error = tracing::field::Empty,

@@ -11,6 +11,7 @@ use anyhow::Context as _;
 use clap::Parser;
 use futures::{Stream, StreamExt};
 use parking_lot::Mutex;
+use sluice_proto::common::v1 as common;
 use sluice_proto::queue::v1 as pb;
 use sluice_proto::queue::v1::queue_client::QueueClient;
 use sluice_proto::router::v1 as router_pb;
@@ -35,9 +36,10 @@ struct TestRouter {
 
 impl TestRouter {
     fn answer(&self, req: router_pb::RouteRequest) -> router_pb::RouteResponse {
+        let desc = req.description.unwrap_or_default();
         self.routes
             .lock()
-            .push((req.request_id.clone(), req.pool, req.commit));
+            .push((desc.request_id.clone(), req.pool, req.commit));
         let worker = if req.pool == router_pb::Pool::Prefill as i32 {
             "p0"
         } else {
@@ -50,16 +52,16 @@ impl TestRouter {
         };
         router_pb::RouteResponse {
             target: Some(target.clone()),
-            overlap_blocks: u32::try_from(req.block_hashes.len()).unwrap_or(0),
+            overlap_blocks: u32::try_from(desc.block_hashes.len()).unwrap_or(0),
             mode: router_pb::RouterMode::Kv as i32,
             candidates: Vec::new(),
             placement: req.commit.then(|| router_pb::Placement {
                 placement_id: req.placement_id,
                 pool: req.pool,
                 target: Some(target),
-                prefill_tokens: u64::from(req.prompt_tokens),
-                blocks: req.prompt_tokens.div_ceil(req.block_size.max(1)),
-                block_hashes: req.block_hashes.clone(),
+                prefill_tokens: u64::from(desc.prompt_tokens),
+                blocks: desc.prompt_tokens.div_ceil(desc.block_size.max(1)),
+                block_hashes: desc.block_hashes.clone(),
                 started: false,
             }),
         }
@@ -324,8 +326,8 @@ struct HeldLease {
     status: pb::Held,
 }
 
-fn open(id: &str, priority: i32) -> pb::AdmitOpen {
-    pb::AdmitOpen {
+fn description(id: &str, priority: i32) -> common::RequestDescription {
+    common::RequestDescription {
         request_id: id.into(),
         model: "m".into(),
         priority,
@@ -334,11 +336,21 @@ fn open(id: &str, priority: i32) -> pb::AdmitOpen {
         prompt_tokens: 64,
         block_hashes: vec![11, 22],
         block_size: 16,
-        deadline_ms: 0,
         expected_output_tokens: 0,
         exclude_worker_ids: Vec::new(),
         tenant_weight: 0,
     }
+}
+
+fn open_with(description: common::RequestDescription) -> pb::AdmitOpen {
+    pb::AdmitOpen {
+        description: Some(description),
+        deadline_ms: 0,
+    }
+}
+
+fn open(id: &str, priority: i32) -> pb::AdmitOpen {
+    open_with(description(id, priority))
 }
 
 async fn next_msg(
@@ -517,9 +529,11 @@ async fn a_tenant_over_its_token_quota_is_refused_with_retry_after_metadata() ->
         view(vec![worker("w0", WorkerRole::Aggregated, 0)]),
     )
     .await?;
-    let acme = |id: &str| pb::AdmitOpen {
-        tenant: "acme".into(),
-        ..open(id, 0)
+    let acme = |id: &str| {
+        open_with(common::RequestDescription {
+            tenant: "acme".into(),
+            ..description(id, 0)
+        })
     };
     // 64 prompt tokens, 32 of them cached (the router's overlap): 32 charged.
     let (tx, mut first) = mesh.admit(acme("first")).await?;
@@ -567,14 +581,14 @@ async fn a_tenant_over_its_token_quota_is_refused_with_retry_after_metadata() ->
 #[tokio::test]
 async fn malformed_open_is_invalid_argument_naming_the_field() -> anyhow::Result<()> {
     let mesh = Mesh::start(&[], view(Vec::new())).await?;
-    let bad = pb::AdmitOpen {
+    let bad = open_with(common::RequestDescription {
         block_size: 0,
-        ..open("bad", 0)
-    };
+        ..description("bad", 0)
+    });
     let err = mesh.admit(bad).await.expect_err("invalid");
     assert_eq!(err.code(), Code::InvalidArgument);
     assert!(
-        err.message().contains("open.block_size"),
+        err.message().contains("open.description.block_size"),
         "{}",
         err.message()
     );

@@ -23,6 +23,7 @@ use sluice_router::{
     Commit, KvEvent, KvEventKind, KvIndexer, LoadReport, MemberInfo, PlacementKey, PlacementState,
     PoolConfig, PoolKind, RouteInput, Target, WorkerPool,
 };
+use sluice_runtime::RequestDescription;
 use sluice_tokens::block_hash::chain_hash;
 
 const BLOCK: u32 = 16;
@@ -194,16 +195,18 @@ fn run(workers: usize, entries: usize, queries: usize, seed: u64) -> Row {
             id: id as u64,
         };
         let input = RouteInput {
-            request_id: "bench",
-            model: "m",
-            prompt_tokens: tokens,
-            block_hashes: q,
-            block_size: BLOCK,
+            desc: RequestDescription {
+                request_id: "bench".into(),
+                model: "m".into(),
+                prompt_tokens: tokens,
+                block_hashes: q.as_slice().into(),
+                block_size: BLOCK,
+                ..RequestDescription::default()
+            },
             commit: Commit::Held {
                 key: key(i),
                 session: 1,
             },
-            exclude: &[],
         };
         let t = Instant::now();
         let d = pool.route(&input, now);

@@ -30,6 +30,7 @@ use sluice_router::{
     Commit, KvEvent, KvEventKind, LoadReport, MemberInfo, PlacementKey, PlacementState, PoolConfig,
     PoolKind, RouteInput, RouterMode, Target, WorkerPool,
 };
+use sluice_runtime::RequestDescription;
 use sluice_tokens::sequence_block_hashes;
 
 const WORKERS: usize = 8;
@@ -266,16 +267,17 @@ async fn replay(mode: Mode, reqs: &[TraceRequest]) -> Vec<Outcome> {
             id: n as u64,
         };
         let input = RouteInput {
-            request_id: &request_id,
-            model: "",
-            prompt_tokens: tokens.len() as u32,
-            block_hashes: &hashes,
-            block_size: BLOCK as u32,
+            desc: RequestDescription {
+                request_id: request_id.clone(),
+                prompt_tokens: tokens.len() as u32,
+                block_hashes: hashes.into(),
+                block_size: BLOCK as u32,
+                ..RequestDescription::default()
+            },
             commit: Commit::Held {
                 key: key.clone(),
                 session: 1,
             },
-            exclude: &[],
         };
         let decision = match mode {
             Mode::Router(_) => pool.route(&input, Instant::now()),

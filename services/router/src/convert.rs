@@ -3,7 +3,7 @@
 
 use sluice_proto::router::v1 as pb;
 use sluice_proto::worker::v1 as wpb;
-use sluice_runtime::limits;
+use sluice_runtime::RequestDescription;
 
 use crate::error::RouterError;
 use crate::indexer::{KvEvent, KvEventKind, Target};
@@ -23,39 +23,22 @@ pub(crate) fn pool_kind(pool: i32) -> Result<PoolKind, RouterError> {
     }
 }
 
-/// Checks a request and borrows it as a [`RouteInput`] committed as `commit`
-/// says (the caller decides from `req.commit` and where the call came from).
+/// Checks a request's description ([`RequestDescription::from_wire`], and
+/// a block size to count blocks by) and takes it as a [`RouteInput`]
+/// committed as `commit` says (the caller decides from `req.commit` and
+/// where the call came from).
 pub(crate) fn route_input(
-    req: &pb::RouteRequest,
+    req: pb::RouteRequest,
     commit: Commit,
-) -> Result<RouteInput<'_>, RouterError> {
-    if req.block_size == 0 {
+) -> Result<RouteInput, RouterError> {
+    let desc = RequestDescription::from_wire(req.description)
+        .map_err(|e| RouterError::InvalidArgument(format!("description.{e}")))?;
+    if desc.block_size == 0 {
         return Err(RouterError::InvalidArgument(
-            "block_size must be positive (the workers' KV block size in tokens)".into(),
+            "description.block_size must be positive (the workers' KV block size in tokens)".into(),
         ));
     }
-    limits::check_id("request_id", &req.request_id)
-        .and_then(|()| limits::check_id("model", &req.model))
-        .and_then(|()| limits::check_excluded("exclude_worker_ids", &req.exclude_worker_ids))
-        .map_err(|e| RouterError::InvalidArgument(e.to_string()))?;
-    let full_blocks = req.prompt_tokens / req.block_size;
-    if req.block_hashes.len() as u64 > u64::from(full_blocks) {
-        return Err(RouterError::InvalidArgument(format!(
-            "block_hashes has {} hashes but prompt_tokens {} / block_size {} allows at most {full_blocks}",
-            req.block_hashes.len(),
-            req.prompt_tokens,
-            req.block_size
-        )));
-    }
-    Ok(RouteInput {
-        request_id: &req.request_id,
-        model: &req.model,
-        prompt_tokens: req.prompt_tokens,
-        block_hashes: &req.block_hashes,
-        block_size: req.block_size,
-        commit,
-        exclude: &req.exclude_worker_ids,
-    })
+    Ok(RouteInput { desc, commit })
 }
 
 fn pool_of(kind: PoolKind) -> pb::Pool {
@@ -210,23 +193,27 @@ mod tests {
 
     #[test]
     fn zero_block_size_and_too_many_hashes_are_invalid() {
-        let mut req = pb::RouteRequest {
-            prompt_tokens: 32,
-            block_size: 0,
+        let req = |block_size, block_hashes| pb::RouteRequest {
+            description: Some(sluice_proto::common::v1::RequestDescription {
+                prompt_tokens: 32,
+                block_size,
+                block_hashes,
+                ..Default::default()
+            }),
             ..Default::default()
         };
+        for bad in [req(0, Vec::new()), req(16, vec![1, 2, 3])] {
+            assert!(matches!(
+                route_input(bad, Commit::DryRun),
+                Err(RouterError::InvalidArgument(_))
+            ));
+        }
+        let input = route_input(req(16, vec![1, 2]), Commit::DryRun).expect("valid");
+        assert_eq!(&*input.desc.block_hashes, &[1, 2]);
         assert!(matches!(
-            route_input(&req, Commit::DryRun),
+            route_input(pb::RouteRequest::default(), Commit::DryRun),
             Err(RouterError::InvalidArgument(_))
         ));
-        req.block_size = 16;
-        req.block_hashes = vec![1, 2, 3];
-        assert!(matches!(
-            route_input(&req, Commit::DryRun),
-            Err(RouterError::InvalidArgument(_))
-        ));
-        req.block_hashes = vec![1, 2];
-        assert!(route_input(&req, Commit::DryRun).is_ok());
     }
 
     #[test]

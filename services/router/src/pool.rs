@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Mutex, RwLock};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
+use sluice_runtime::RequestDescription;
 use sluice_runtime::discovery::WorkerRole;
 
 use crate::approx::ApproxIndex;
@@ -180,21 +181,13 @@ struct Member {
 
 /// One request's placement question.
 #[derive(Debug, Clone)]
-pub struct RouteInput<'a> {
-    /// Recorded on the span.
-    pub request_id: &'a str,
-    /// "" = any model.
-    pub model: &'a str,
-    /// Prompt length in tokens.
-    pub prompt_tokens: u32,
-    /// Chained block hashes of the prompt's full blocks.
-    pub block_hashes: &'a [u64],
-    /// Tokens per block.
-    pub block_size: u32,
+pub struct RouteInput {
+    /// The request as the queue admitted it (checked on arrival): model
+    /// ("" = any), prompt shape, and the worker ids not to place on (a
+    /// migrating request's failed workers).
+    pub desc: RequestDescription,
     /// Whether and how the placement counts as load.
     pub commit: Commit,
-    /// Worker ids not to place on (a migrating request's failed workers).
-    pub exclude: &'a [String],
 }
 
 /// A candidate's address and cost terms.
@@ -543,7 +536,7 @@ impl WorkerPool {
     }
 
     /// Chooses a member for one request at `now`.
-    pub fn route(&self, input: &RouteInput<'_>, now: Instant) -> Result<Decision, RouterError> {
+    pub fn route(&self, input: &RouteInput, now: Instant) -> Result<Decision, RouterError> {
         self.route_inner(input, now, None)
     }
 
@@ -552,7 +545,7 @@ impl WorkerPool {
     /// benchmarks' oracle, which asks the engines themselves).
     pub fn route_with_overlaps(
         &self,
-        input: &RouteInput<'_>,
+        input: &RouteInput,
         now: Instant,
         overlap: &dyn Fn(&Target) -> u32,
     ) -> Result<Decision, RouterError> {
@@ -561,11 +554,11 @@ impl WorkerPool {
 
     fn route_inner(
         &self,
-        input: &RouteInput<'_>,
+        input: &RouteInput,
         now: Instant,
         external: Option<&dyn Fn(&Target) -> u32>,
     ) -> Result<Decision, RouterError> {
-        if input.block_size == 0 {
+        if input.desc.block_size == 0 {
             return Err(RouterError::InvalidArgument(
                 "block_size must be positive".into(),
             ));
@@ -576,15 +569,21 @@ impl WorkerPool {
             .read()
             .values()
             .filter(|m| {
-                (input.model.is_empty() || m.info.model.is_empty() || m.info.model == input.model)
-                    && !input.exclude.iter().any(|x| *x == *m.info.target.worker_id)
+                (input.desc.model.is_empty()
+                    || m.info.model.is_empty()
+                    || m.info.model == input.desc.model)
+                    && !input
+                        .desc
+                        .exclude_worker_ids
+                        .iter()
+                        .any(|x| *x == *m.info.target.worker_id)
             })
             .cloned()
             .collect();
         if candidates.is_empty() {
             return Err(RouterError::NoWorkers {
                 pool: self.kind,
-                model: input.model.to_owned(),
+                model: input.desc.model.clone(),
             });
         }
 
@@ -594,11 +593,14 @@ impl WorkerPool {
         } else if approx {
             self.approx.expire(now);
             (
-                self.approx.find_matches(input.block_hashes),
+                self.approx.find_matches(&input.desc.block_hashes),
                 self.approx.index(),
             )
         } else {
-            (self.indexer.find_matches(input.block_hashes), &self.indexer)
+            (
+                self.indexer.find_matches(&input.desc.block_hashes),
+                &self.indexer,
+            )
         };
         let id_of = |m: &Member| if approx { m.approx_id } else { m.kv_id };
         let total_entries = index.entry_count().max(1) as f64;
@@ -625,15 +627,15 @@ impl WorkerPool {
                 selector::cost(
                     &self.cfg.cost,
                     &input_for(0),
-                    input.prompt_tokens,
-                    input.block_size,
+                    input.desc.prompt_tokens,
+                    input.desc.block_size,
                 )
             } else {
                 selector::cost(
                     &self.cfg.cost,
                     &input_for(overlap),
-                    input.prompt_tokens,
-                    input.block_size,
+                    input.desc.prompt_tokens,
+                    input.desc.block_size,
                 )
             };
             t.overlap_blocks = overlap;
@@ -689,12 +691,13 @@ impl WorkerPool {
                     id: key.id,
                     target: m.info.target.clone(),
                     prefill_tokens: selector::uncached_tokens(
-                        input.prompt_tokens,
+                        input.desc.prompt_tokens,
                         overlap,
-                        input.block_size,
+                        input.desc.block_size,
                     ),
-                    block_hashes: input.block_hashes.into(),
-                    blocks: u64::from(input.prompt_tokens).div_ceil(u64::from(input.block_size)),
+                    block_hashes: Arc::clone(&input.desc.block_hashes),
+                    blocks: u64::from(input.desc.prompt_tokens)
+                        .div_ceil(u64::from(input.desc.block_size)),
                     started: false,
                 };
                 choice.count(
@@ -709,7 +712,8 @@ impl WorkerPool {
                     },
                 );
                 if approx {
-                    self.approx.record(m.approx_id, input.block_hashes, now);
+                    self.approx
+                        .record(m.approx_id, &input.desc.block_hashes, now);
                 }
                 Some(record)
             }
@@ -840,15 +844,17 @@ mod tests {
             .collect()
     }
 
-    fn input<'a>(hashes: &'a [u64], prompt_tokens: u32) -> RouteInput<'a> {
+    fn input(hashes: &[u64], prompt_tokens: u32) -> RouteInput {
         RouteInput {
-            request_id: "r",
-            model: "m",
-            prompt_tokens,
-            block_hashes: hashes,
-            block_size: BS,
+            desc: RequestDescription {
+                request_id: "r".into(),
+                model: "m".into(),
+                prompt_tokens,
+                block_hashes: hashes.into(),
+                block_size: BS,
+                ..RequestDescription::default()
+            },
             commit: Commit::Unreleasable,
-            exclude: &[],
         }
     }
 
@@ -859,7 +865,7 @@ mod tests {
         }
     }
 
-    fn held<'a>(hashes: &'a [u64], prompt_tokens: u32, id: u64) -> RouteInput<'a> {
+    fn held(hashes: &[u64], prompt_tokens: u32, id: u64) -> RouteInput {
         RouteInput {
             commit: Commit::Held {
                 key: key(id),
@@ -923,26 +929,15 @@ mod tests {
         let t = tokens(1, 1024);
         let h = sequence_block_hashes(&t, BS as usize);
         store(&p, 2, 1, &h[..48]);
-        let failed = ["w2".to_string()];
-        let d = p
-            .route(
-                &RouteInput {
-                    exclude: &failed,
-                    ..input(&h, 1024)
-                },
-                Instant::now(),
-            )
-            .expect("route");
+        let excluding = |ids: &[&str]| {
+            let mut i = input(&h, 1024);
+            i.desc.exclude_worker_ids = ids.iter().map(|id| id.to_string()).collect();
+            i
+        };
+        let d = p.route(&excluding(&["w2"]), Instant::now()).expect("route");
         assert_ne!(chosen(&d), "w2");
         assert_eq!(d.candidates.len(), 2, "w2 is not even a candidate");
-        let all = ["w0".to_string(), "w1".to_string(), "w2".to_string()];
-        let none = p.route(
-            &RouteInput {
-                exclude: &all,
-                ..input(&h, 1024)
-            },
-            Instant::now(),
-        );
+        let none = p.route(&excluding(&["w0", "w1", "w2"]), Instant::now());
         assert!(matches!(none, Err(RouterError::NoWorkers { .. })));
     }
 
@@ -1211,7 +1206,7 @@ mod tests {
     fn no_member_for_the_model_is_no_workers() {
         let p = pool(RouterMode::Kv, 2);
         let mut i = input(&[], 10);
-        i.model = "other";
+        i.desc.model = "other".into();
         assert!(matches!(
             p.route(&i, Instant::now()),
             Err(RouterError::NoWorkers {

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use futures::Stream;
 use sluice_proto::router::v1 as pb;
 use sluice_proto::router::v1::place_request::Msg as PlaceMsg;
+use sluice_runtime::RequestDescription;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
@@ -27,7 +28,7 @@ use tracing::Span;
 use crate::convert;
 use crate::error::RouterError;
 use crate::metrics::RouterMetrics;
-use crate::pool::{Commit, Decision, PlacementKey, PlacementState, Pools};
+use crate::pool::{Commit, Decision, PlacementKey, PlacementState, PoolKind, Pools, RouteInput};
 use crate::workers::SyncGate;
 
 /// Least time between two `WatchLoad` views to one subscriber.
@@ -52,14 +53,15 @@ pub struct RouterService {
 
 /// The `route` span of one placement, child of the caller's trace.
 fn route_span(req: &pb::RouteRequest) -> Span {
+    let d = req.description.as_ref();
     tracing::info_span!(
         "route",
-        request_id = %req.request_id,
-        model = %req.model,
+        request_id = %d.map_or("", |d| d.request_id.as_str()),
+        model = %d.map_or("", |d| d.model.as_str()),
         pool = tracing::field::Empty,
-        priority = req.priority,
-        prompt_tokens = req.prompt_tokens,
-        prompt_blocks = req.block_hashes.len(),
+        priority = d.map_or(0, |d| d.priority),
+        prompt_tokens = d.map_or(0, |d| d.prompt_tokens),
+        prompt_blocks = d.map_or(0, |d| d.block_hashes.len()),
         commit = req.commit,
         worker_id = tracing::field::Empty,
         dp_rank = tracing::field::Empty,
@@ -88,18 +90,25 @@ impl RouterService {
         self
     }
 
-    /// [`RouterService::route_in`], waiting up to [`JOIN_WAIT`] while it
-    /// finds no worker and some are still joining (start-up: a client that
-    /// sees a worker registered must not get "no worker").
+    /// Checks `req` once, then [`RouterService::route_in`], waiting up to
+    /// [`JOIN_WAIT`] while it finds no worker and some are still joining
+    /// (start-up: a client that sees a worker registered must not get "no
+    /// worker").
     async fn route_joined(
         &self,
-        req: &pb::RouteRequest,
+        req: pb::RouteRequest,
         commit: Commit,
         span: &Span,
     ) -> Result<pb::RouteResponse, RouterError> {
+        let (kind, input) = {
+            let _entered = span.enter();
+            let kind = convert::pool_kind(req.pool)?;
+            span.record("pool", kind.component());
+            (kind, convert::route_input(req, commit)?)
+        };
         let deadline = tokio::time::Instant::now() + JOIN_WAIT;
         loop {
-            let result = self.route_in(req, commit.clone(), span);
+            let result = self.route_in(kind, &input, span);
             let joining = self.joining.as_ref().map_or(0, |g| g.joining());
             match result {
                 Err(RouterError::NoWorkers { .. })
@@ -115,23 +124,20 @@ impl RouterService {
         }
     }
 
-    /// Places one request, inside `span`.
+    /// Places one checked request in `kind`'s pool, inside `span`.
     fn route_in(
         &self,
-        req: &pb::RouteRequest,
-        commit: Commit,
+        kind: PoolKind,
+        input: &RouteInput,
         span: &Span,
     ) -> Result<pb::RouteResponse, RouterError> {
         let _entered = span.enter();
-        let kind = convert::pool_kind(req.pool)?;
-        span.record("pool", kind.component());
-        let input = convert::route_input(req, commit)?;
         let started = Instant::now();
-        let decision = self.pools.get(kind).route(&input, started)?;
+        let decision = self.pools.get(kind).route(input, started)?;
         self.metrics
             .decision_seconds
             .observe(started.elapsed().as_secs_f64());
-        self.record(kind.component(), req, &decision, span);
+        self.record(kind.component(), &input.desc, &decision, span);
         if decision.placement.is_some() {
             self.pools.load_changed();
         }
@@ -171,7 +177,7 @@ impl RouterService {
                 };
                 let span = route_span(&req);
                 sluice_runtime::telemetry::set_parent_from_traceparent(&call.traceparent, &span);
-                let result = match self.route_joined(&req, commit, &span).await {
+                let result = match self.route_joined(req, commit, &span).await {
                     Ok(routed) => pb::place_response::Result::Routed(routed),
                     Err(e) => {
                         let status = Status::from(e);
@@ -217,7 +223,7 @@ impl RouterService {
         }
     }
 
-    fn record(&self, pool: &str, req: &pb::RouteRequest, d: &Decision, span: &Span) {
+    fn record(&self, pool: &str, req: &RequestDescription, d: &Decision, span: &Span) {
         let chosen = d.target();
         let mode = d.mode.as_str();
         let worker = chosen.target.worker_id.as_ref();
@@ -298,7 +304,7 @@ impl pb::router_server::Router for RouterService {
             Commit::DryRun
         };
         let span = route_span(&req);
-        Ok(Response::new(self.route_joined(&req, commit, &span).await?))
+        Ok(Response::new(self.route_joined(req, commit, &span).await?))
     }
 
     type PlaceStream = PlaceStream;
@@ -474,13 +480,16 @@ mod tests {
         let svc = RouterService::new(pools, metrics.clone(), CancellationToken::new());
         let reply = svc
             .route(Request::new(pb::RouteRequest {
-                request_id: "req-1".into(),
-                model: "m".into(),
+                description: Some(sluice_proto::common::v1::RequestDescription {
+                    request_id: "req-1".into(),
+                    model: "m".into(),
+                    prompt_tokens: 48,
+                    block_hashes: hashes,
+                    block_size: 16,
+                    priority: 3,
+                    ..Default::default()
+                }),
                 pool: pb::Pool::Decode as i32,
-                prompt_tokens: 48,
-                block_hashes: hashes,
-                block_size: 16,
-                priority: 3,
                 commit: true,
                 ..Default::default()
             }))

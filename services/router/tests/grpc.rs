@@ -10,6 +10,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use futures::Stream;
 use parking_lot::Mutex;
+use sluice_proto::common::v1 as common;
 use sluice_proto::router::v1 as pb;
 use sluice_proto::router::v1::router_client::RouterClient;
 use sluice_proto::worker::v1 as wpb;
@@ -330,13 +331,16 @@ fn prompt(seed: u32, blocks: u32) -> (Vec<u64>, u32) {
 
 fn route_req(hashes: &[u64], prompt_tokens: u32, commit: bool) -> pb::RouteRequest {
     pb::RouteRequest {
-        request_id: "req".into(),
-        model: "m".into(),
+        description: Some(common::RequestDescription {
+            request_id: "req".into(),
+            model: "m".into(),
+            prompt_tokens,
+            block_hashes: hashes.to_vec(),
+            block_size: BS,
+            priority: 0,
+            ..Default::default()
+        }),
         pool: pb::Pool::Decode as i32,
-        prompt_tokens,
-        block_hashes: hashes.to_vec(),
-        block_size: BS,
-        priority: 0,
         commit,
         ..Default::default()
     }
@@ -548,13 +552,14 @@ async fn watch_load_sends_a_view_then_one_per_report_and_bad_requests_are_invali
         }
     }
 
-    let mut bad = route_req(&[1, 2, 3], 16, false);
-    bad.block_size = 16;
+    let bad = route_req(&[1, 2, 3], 16, false);
     let err = client.route(bad).await.expect_err("too many hashes");
     assert_eq!(err.code(), tonic::Code::InvalidArgument);
 
     let mut none = route_req(&[], 16, false);
-    none.model = "unknown".into();
+    if let Some(d) = none.description.as_mut() {
+        d.model = "unknown".into();
+    }
     let err = client.route(none).await.expect_err("no such model");
     assert_eq!(err.code(), tonic::Code::Unavailable);
 

@@ -12,6 +12,8 @@
 //!   mesh member, connection limits; `edge` (private) is the listener that
 //!   enforces them.
 //! - [`limits`]: the input rules every boundary applies to shared messages.
+//! - [`request`]: one request's description through admission and placement
+//!   (`common.v1.RequestDescription`), checked once where it is received.
 //! - [`local`]: the servers of this process, called without a socket.
 //! - [`shutdown`]: the cancellation token every `serve` takes, and signal handling.
 //! - [`tenant_labels`]: per-tenant metric labels of bounded cardinality (top N + `other`).
@@ -28,6 +30,7 @@ pub mod grpc;
 pub mod limits;
 pub mod local;
 pub mod metrics;
+pub mod request;
 pub mod security;
 pub mod service;
 pub mod shutdown;
@@ -37,6 +40,7 @@ pub mod tenant_labels;
 pub use config::{CommonArgs, ModelArgs};
 pub use discovery::{Discovery, DiscoveryEvent, Instance, Registration};
 pub use error::RuntimeError;
+pub use request::RequestDescription;
 pub use security::{Security, SecurityArgs};
 pub use service::ServiceContext;
 pub use shutdown::Shutdown;

@@ -270,9 +270,12 @@ async fn with_the_mesh_token_internal_apis_refuse_strangers_and_no_request_harms
         assert_eq!(err.code(), Code::Unauthenticated, "{err:?}");
         let open = qpb::AdmitRequest {
             msg: Some(qpb::admit_request::Msg::Open(qpb::AdmitOpen {
-                request_id: "stranger".into(),
-                model: "sluice-tiny".into(),
-                prompt_tokens: 3,
+                description: Some(sluice_proto::common::v1::RequestDescription {
+                    request_id: "stranger".into(),
+                    model: "sluice-tiny".into(),
+                    prompt_tokens: 3,
+                    ..Default::default()
+                }),
                 ..Default::default()
             })),
         };

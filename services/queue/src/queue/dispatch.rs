@@ -32,7 +32,7 @@ impl Op {
                 let result = tracing::Instrument::instrument(placer.place(&entry), span).await;
                 Outcome::Placed {
                     seq,
-                    model: entry.model,
+                    model: entry.desc.model,
                     result,
                 }
             }),
@@ -41,7 +41,7 @@ impl Op {
                 let result = tracing::Instrument::instrument(placer.overlap(&entry), span).await;
                 Outcome::Refreshed {
                     seq,
-                    model: entry.model,
+                    model: entry.desc.model,
                     result,
                 }
             }),
@@ -67,20 +67,20 @@ impl State {
                 retry_after,
             });
         }
-        if let Some(model) = self.models.get(&entry.model)
+        if let Some(model) = self.models.get(&entry.desc.model)
             && default_holding(cfg)
             && model.standing(cfg, now)
             && let Some(from) = model.admitted_from(now)
-            && entry.priority < from
+            && entry.desc.priority < from
         {
             return Err(QueueError::Overloaded {
-                priority: entry.priority,
+                priority: entry.desc.priority,
                 admitted_from: from,
                 retry_after: model.drained.retry_after(model.order.len(), now),
             });
         }
-        if let Some(model) = self.models.get(&entry.model)
-            && let Some(limit) = self.backlog_limit(cfg, &entry.model, model, now)
+        if let Some(model) = self.models.get(&entry.desc.model)
+            && let Some(limit) = self.backlog_limit(cfg, &entry.desc.model, model, now)
             && model.order.len() >= limit
         {
             let held = model.order.len();
@@ -91,23 +91,23 @@ impl State {
             });
         }
         let reserved = cfg.reserved_slots();
-        if entry.priority <= cfg.shed_protect_priority
+        if entry.desc.priority <= cfg.shed_protect_priority
             && reserved > 0
             && self.pending >= cfg.max_pending - reserved
         {
             return Err(QueueError::Shed {
                 retry_after,
-                priority: entry.priority,
+                priority: entry.desc.priority,
                 pending: self.pending,
                 reserved,
                 limit: cfg.max_pending,
                 protect: cfg.shed_protect_priority,
             });
         }
-        let tenant_pending = self.tenants.get(&entry.tenant).copied().unwrap_or(0);
+        let tenant_pending = self.tenants.get(&entry.desc.tenant).copied().unwrap_or(0);
         if tenant_pending >= cfg.max_pending_per_tenant {
             return Err(QueueError::TenantFull {
-                tenant: entry.tenant.clone(),
+                tenant: entry.desc.tenant.clone(),
                 pending: tenant_pending,
                 limit: cfg.max_pending_per_tenant,
                 retry_after: self.drained.retry_after(tenant_pending, now),
@@ -182,7 +182,7 @@ impl State {
             if slot.phase != Phase::Held || slot.last_refresh.is_some() {
                 continue;
             }
-            if let Some(model) = self.models.get_mut(&slot.entry.model) {
+            if let Some(model) = self.models.get_mut(&slot.entry.desc.model) {
                 ops.push(refresh(seq, slot, model));
             }
         }
@@ -249,12 +249,12 @@ impl State {
             let Some(slot) = self.slots.remove(&seq) else {
                 continue;
             };
-            if let Some(model) = self.models.get_mut(&slot.entry.model) {
+            if let Some(model) = self.models.get_mut(&slot.entry.desc.model) {
                 model.order.remove(cfg, epoch, seq, &slot.entry);
             }
             self.forget_pending(&slot.entry, metrics);
             self.retire(&slot, false, now);
-            metrics.expired(&slot.entry.tenant);
+            metrics.expired(&slot.entry.desc.tenant);
             slot.tx
                 .send_replace(TicketState::Failed(QueueError::DeadlineExceeded {
                     waited: now.saturating_duration_since(slot.entry.arrival),
@@ -317,13 +317,13 @@ impl State {
             Ok(overlap) => {
                 // Re-key: under wspt the overlap moves the request.
                 queue.order.remove(cfg, epoch, seq, &slot.entry);
-                slot.entry.overlap_tokens = overlap.min(slot.entry.prompt_tokens);
+                slot.entry.overlap_tokens = overlap.min(slot.entry.desc.prompt_tokens);
                 queue
                     .order
                     .insert(cfg, epoch, seq, &slot.entry, slot.weight);
             }
             Err(err) => {
-                tracing::debug!(request_id = %slot.entry.request_id, error = %err, "overlap refresh failed; keeping the old estimate");
+                tracing::debug!(request_id = %slot.entry.desc.request_id, error = %err, "overlap refresh failed; keeping the old estimate");
             }
         }
         slot.last_refresh = Some(now);
@@ -350,10 +350,13 @@ impl State {
         let released = slot.fair.clone();
         self.active += 1;
         self.forget_pending(&entry, metrics);
-        let uncached = entry.prompt_tokens.saturating_sub(placement.overlap_tokens);
+        let uncached = entry
+            .desc
+            .prompt_tokens
+            .saturating_sub(placement.overlap_tokens);
         // The prompt was charged as uncached (less any overlap read before
         // release); the placement knows the cached prefix now.
-        let cached = f64::from(placement.overlap_tokens.min(entry.prompt_tokens))
+        let cached = f64::from(placement.overlap_tokens.min(entry.desc.prompt_tokens))
             - f64::from(entry.overlap_tokens);
         if let Some(queue) = self.models.get_mut(model) {
             queue.active += 1;
@@ -365,8 +368,8 @@ impl State {
             }
         }
         self.quotas.charge(
-            &entry.tenant,
-            -f64::from(placement.overlap_tokens.min(entry.prompt_tokens)),
+            &entry.desc.tenant,
+            -f64::from(placement.overlap_tokens.min(entry.desc.prompt_tokens)),
             now,
         );
         let busy = placement.prefill.as_ref().unwrap_or(&placement.worker);
@@ -375,11 +378,15 @@ impl State {
         }
         let waited = now.saturating_duration_since(entry.arrival);
         self.drained.grant(now);
-        metrics.served(&entry.tenant, "prompt", u64::from(uncached));
-        metrics.granted(entry.priority, &entry.tenant, waited.as_secs_f64());
+        metrics.served(&entry.desc.tenant, "prompt", u64::from(uncached));
+        metrics.granted(
+            entry.desc.priority,
+            &entry.desc.tenant,
+            waited.as_secs_f64(),
+        );
         tracing::debug!(
-            request_id = %entry.request_id,
-            priority = entry.priority,
+            request_id = %entry.desc.request_id,
+            priority = entry.desc.priority,
             worker_id = %placement.worker.worker_id,
             waited_ms = waited.as_secs_f64() * 1000.0,
             "granted"
@@ -401,10 +408,10 @@ impl State {
         now: Instant,
     ) {
         if let Some(slot) = self.slots.remove(&seq) {
-            tracing::debug!(request_id = %slot.entry.request_id, error = %err, "placement failed");
+            tracing::debug!(request_id = %slot.entry.desc.request_id, error = %err, "placement failed");
             self.forget_pending(&slot.entry, metrics);
             self.retire(&slot, false, now);
-            metrics.rejected(&slot.entry.tenant, err.reason());
+            metrics.rejected(&slot.entry.desc.tenant, err.reason());
             slot.tx.send_replace(TicketState::Failed(err));
         }
     }
@@ -417,7 +424,7 @@ impl State {
         self.retire(&slot, slot.phase == Phase::Active, Instant::now());
         match slot.phase {
             Phase::Held | Phase::Refreshing => {
-                if let Some(model) = self.models.get_mut(&slot.entry.model) {
+                if let Some(model) = self.models.get_mut(&slot.entry.desc.model) {
                     model.order.remove(cfg, epoch, seq, &slot.entry);
                 }
                 if let Some(deadline) = slot.entry.deadline {
@@ -432,7 +439,7 @@ impl State {
             }
             Phase::Active => {
                 self.active -= 1;
-                if let Some(model) = self.models.get_mut(&slot.entry.model) {
+                if let Some(model) = self.models.get_mut(&slot.entry.desc.model) {
                     model.active -= 1;
                 }
                 metrics.released();
@@ -456,7 +463,7 @@ impl State {
             if let Some(slot) = self.slots.remove(&seq) {
                 self.forget_pending(&slot.entry, metrics);
                 self.retire(&slot, false, Instant::now());
-                metrics.rejected(&slot.entry.tenant, QueueError::Draining.reason());
+                metrics.rejected(&slot.entry.desc.tenant, QueueError::Draining.reason());
                 slot.tx
                     .send_replace(TicketState::Failed(QueueError::Draining));
             }
@@ -479,14 +486,14 @@ impl State {
         // The model's own backlog bound refused it (not `--max-pending`):
         // only a request of the same model makes room.
         let same_model = self.pending < cfg.max_pending;
-        let rank = |e: &Entry| (e.strict_tier, e.priority);
+        let rank = |e: &Entry| (e.desc.strict_priority, e.desc.priority);
         let victim = self
             .slots
             .iter()
             .filter(|(_, s)| {
                 s.phase == Phase::Held
                     && rank(&s.entry) < rank(entry)
-                    && (!same_model || s.entry.model == entry.model)
+                    && (!same_model || s.entry.desc.model == entry.desc.model)
             })
             .min_by_key(|&(&seq, s)| (rank(&s.entry), Reverse(seq)))
             .map(|(&seq, _)| seq);
@@ -495,7 +502,7 @@ impl State {
         };
         let (seq, slot) = slot;
         self.retire(&slot, false, now);
-        if let Some(model) = self.models.get_mut(&slot.entry.model) {
+        if let Some(model) = self.models.get_mut(&slot.entry.desc.model) {
             model.order.remove(cfg, epoch, seq, &slot.entry);
         }
         if let Some(deadline) = slot.entry.deadline {
@@ -503,12 +510,12 @@ impl State {
         }
         self.forget_pending(&slot.entry, metrics);
         let err = QueueError::Displaced {
-            priority: slot.entry.priority,
-            by: entry.priority,
+            priority: slot.entry.desc.priority,
+            by: entry.desc.priority,
             retry_after: self.drained.retry_after(self.pending, now),
         };
-        tracing::debug!(request_id = %slot.entry.request_id, by = %entry.request_id, "displaced from the full queue");
-        metrics.rejected(&slot.entry.tenant, err.reason());
+        tracing::debug!(request_id = %slot.entry.desc.request_id, by = %entry.desc.request_id, "displaced from the full queue");
+        metrics.rejected(&slot.entry.desc.tenant, err.reason());
         slot.tx.send_replace(TicketState::Failed(err));
         true
     }
@@ -521,12 +528,15 @@ impl State {
         let entry = &slot.entry;
         if !granted {
             // Admission charged the whole prompt.
-            self.quotas
-                .charge(&entry.tenant, -f64::from(entry.prompt_tokens), now);
+            self.quotas.charge(
+                &entry.desc.tenant,
+                -f64::from(entry.desc.prompt_tokens),
+                now,
+            );
         }
-        self.quotas.release(&entry.tenant, now);
+        self.quotas.release(&entry.desc.tenant, now);
         if let Some(released) = &slot.fair
-            && let Some(model) = self.models.get_mut(&entry.model)
+            && let Some(model) = self.models.get_mut(&entry.desc.model)
         {
             if !granted {
                 model.order.charge(released, -released.charged);
@@ -553,10 +563,10 @@ impl State {
         }
         let new = f64::from(completion_tokens - slot.output);
         slot.output = completion_tokens;
-        let tenant = slot.entry.tenant.clone();
+        let tenant = slot.entry.desc.tenant.clone();
         if let Some(released) = slot.fair.clone()
             && tokens_cost(cfg)
-            && let Some(model) = self.models.get_mut(&slot.entry.model)
+            && let Some(model) = self.models.get_mut(&slot.entry.desc.model)
         {
             model.order.charge(&released, new);
         }
@@ -566,13 +576,13 @@ impl State {
 
     pub(super) fn forget_pending(&mut self, entry: &Entry, metrics: &QueueMetrics) {
         self.pending -= 1;
-        if let Some(count) = self.tenants.get_mut(&entry.tenant) {
+        if let Some(count) = self.tenants.get_mut(&entry.desc.tenant) {
             *count -= 1;
             if *count == 0 {
-                self.tenants.remove(&entry.tenant);
+                self.tenants.remove(&entry.desc.tenant);
             }
         }
-        metrics.pending(entry.priority, entry.prompt_tokens, -1);
+        metrics.pending(entry.desc.priority, entry.desc.prompt_tokens, -1);
     }
 }
 

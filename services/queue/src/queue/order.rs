@@ -68,7 +68,7 @@ impl Ord for TotalF64 {
 }
 
 pub(super) fn order_key(cfg: &Args, epoch: Instant, seq: u64, entry: &Entry) -> OrderKey {
-    let bump = i128::from(entry.priority.max(0));
+    let bump = i128::from(entry.desc.priority.max(0));
     let key = match cfg.queue_policy {
         Policy::Fcfs | Policy::Wfq | Policy::Fair => {
             let arrival = if entry.arrival >= epoch {
@@ -78,29 +78,29 @@ pub(super) fn order_key(cfg: &Args, epoch: Instant, seq: u64, entry: &Entry) -> 
             };
             PolicyKey::EffectiveArrival(arrival - bump * 1_000_000_000)
         }
-        Policy::Strict => PolicyKey::Priority(Reverse(entry.priority)),
+        Policy::Strict => PolicyKey::Priority(Reverse(entry.desc.priority)),
         Policy::Wspt => {
             let score = (1 + bump) as f64 / f64::from(entry.uncached_tokens().max(1));
             PolicyKey::Score(Reverse(TotalF64(score)))
         }
     };
     OrderKey {
-        tier: Reverse(entry.strict_tier),
+        tier: Reverse(entry.desc.strict_priority),
         key,
         seq,
     }
 }
 
 pub(super) fn wfq_class(cfg: &Args, entry: &Entry) -> String {
-    let tenant = if entry.tenant.is_empty() {
+    let tenant = if entry.desc.tenant.is_empty() {
         crate::tenants::DEFAULT_TENANT
     } else {
-        entry.tenant.as_str()
+        entry.desc.tenant.as_str()
     };
     match cfg.wfq_class {
         WfqClass::Tenant => tenant.to_owned(),
-        WfqClass::Priority => entry.priority.to_string(),
-        WfqClass::TenantPriority => format!("{tenant}/{}", entry.priority),
+        WfqClass::Priority => entry.desc.priority.to_string(),
+        WfqClass::TenantPriority => format!("{tenant}/{}", entry.desc.priority),
     }
 }
 
@@ -114,16 +114,19 @@ pub(super) fn tokens_cost(cfg: &Args) -> bool {
 pub(super) fn band_and_class(cfg: &Args, entry: &Entry) -> (BandKey, String) {
     match cfg.queue_policy {
         Policy::Fair => {
-            let band = (Reverse(entry.strict_tier), Reverse(entry.priority));
-            let tenant = if entry.tenant.is_empty() {
+            let band = (
+                Reverse(entry.desc.strict_priority),
+                Reverse(entry.desc.priority),
+            );
+            let tenant = if entry.desc.tenant.is_empty() {
                 crate::tenants::DEFAULT_TENANT
             } else {
-                entry.tenant.as_str()
+                entry.desc.tenant.as_str()
             };
             (band, tenant.to_owned())
         }
         _ => (
-            (Reverse(entry.strict_tier), Reverse(0)),
+            (Reverse(entry.desc.strict_priority), Reverse(0)),
             wfq_class(cfg, entry),
         ),
     }

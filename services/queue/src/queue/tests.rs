@@ -79,10 +79,10 @@ impl Placer for TestPlacer {
         if let Some(delay) = self.delay {
             tokio::time::sleep(delay).await;
         }
-        self.placed.lock().push(entry.request_id.clone());
+        self.placed.lock().push(entry.desc.request_id.clone());
         if self.fail {
             return Err(QueueError::NoWorkers {
-                model: entry.model.clone(),
+                model: entry.desc.model.clone(),
             });
         }
         Ok(Placed {
@@ -92,18 +92,18 @@ impl Placer for TestPlacer {
                 overlap_tokens: entry.overlap_tokens,
             },
             lease: Some(Box::new(TestLease {
-                id: entry.request_id.clone(),
+                id: entry.desc.request_id.clone(),
                 events: Arc::clone(&self.lease_events),
             })),
         })
     }
 
     async fn overlap(&self, entry: &Entry) -> Result<u32, QueueError> {
-        self.refreshed.lock().push(entry.request_id.clone());
+        self.refreshed.lock().push(entry.desc.request_id.clone());
         Ok(self
             .fresh_overlap
             .lock()
-            .get(&entry.request_id)
+            .get(&entry.desc.request_id)
             .copied()
             .unwrap_or(entry.overlap_tokens))
     }
@@ -160,17 +160,16 @@ impl Harness {
 
 fn entry(id: &str, priority: i32, tier: u32, prompt: u32, arrival: Instant) -> Entry {
     Entry {
-        request_id: id.into(),
-        model: "m".into(),
-        priority,
-        strict_tier: tier,
-        tenant: String::new(),
-        tenant_weight: 0,
-        prompt_tokens: prompt,
+        desc: RequestDescription {
+            request_id: id.into(),
+            model: "m".into(),
+            priority,
+            strict_priority: tier,
+            prompt_tokens: prompt,
+            block_size: 16,
+            ..RequestDescription::default()
+        },
         overlap_tokens: 0,
-        block_hashes: Arc::from(Vec::new()),
-        block_size: 16,
-        exclude_worker_ids: Arc::from(Vec::new()),
         arrival,
         deadline: None,
         span: tracing::Span::none(),
@@ -807,19 +806,15 @@ async fn overload_yields_queue_full_and_tenant_full() {
     let h = Harness::start(cfg);
     h.queue.update_load(load(1000));
     let mut tenant_a = entry("a1", 0, 0, 10, Instant::now());
-    tenant_a.tenant = "a".into();
+    tenant_a.desc.tenant = "a".into();
     let _a1 = h.admit(tenant_a.clone());
-    let _a2 = h.admit(Entry {
-        request_id: "a2".into(),
-        ..tenant_a.clone()
-    });
-    let err = h
-        .queue
-        .admit(Entry {
-            request_id: "a3".into(),
-            ..tenant_a.clone()
-        })
-        .expect_err("tenant full");
+    let named = |id: &str| {
+        let mut e = tenant_a.clone();
+        e.desc.request_id = id.into();
+        e
+    };
+    let _a2 = h.admit(named("a2"));
+    let err = h.queue.admit(named("a3")).expect_err("tenant full");
     assert!(
         matches!(err, QueueError::TenantFull { ref tenant, pending: 2, limit: 2, .. } if tenant == "a")
     );
@@ -1099,7 +1094,7 @@ async fn random_traffic_keeps_counts_and_gauges_consistent() {
                             rng.random_range(1..200),
                             now,
                         );
-                        e.tenant = format!("t{}", rng.random_range(0..3));
+                        e.desc.tenant = format!("t{}", rng.random_range(0..3));
                         e.overlap_tokens = rng.random_range(0..100);
                         if rng.random_bool(0.3) {
                             e.deadline =
@@ -1179,7 +1174,7 @@ async fn serve_one_at_a_time(
     let waiters: Vec<JoinHandle<()>> = entries
         .into_iter()
         .map(|e| {
-            let tokens = output(&e.request_id);
+            let tokens = output(&e.desc.request_id);
             let mut ticket = h.admit(e);
             tokio::spawn(async move {
                 ticket.granted().await.expect("granted");
@@ -1231,7 +1226,7 @@ fn tenant_entries(heavy: usize, light: usize, priority: i32) -> Vec<Entry> {
                     prompt,
                     at(t, i as u64),
                 );
-                e.tenant = tenant.into();
+                e.desc.tenant = tenant.into();
                 entries.push(e);
             }
         }
@@ -1273,7 +1268,7 @@ async fn fair_shares_tokens_between_backlogged_tenants_by_weight() {
     // The same weight from the request (the API key file's) works alike.
     let mut entries = tenant_entries(150, 200, 0);
     for e in &mut entries {
-        e.tenant_weight = if e.tenant == "heavy" { 3 } else { 1 };
+        e.desc.tenant_weight = if e.desc.tenant == "heavy" { 3 } else { 1 };
     }
     let order = serve_one_at_a_time(config(Policy::Fair), entries, output_tokens).await;
     let shares = shares_while_backlogged(&order, &["heavy", "light"], work_tokens);
@@ -1304,7 +1299,7 @@ async fn fair_keeps_strict_priority_between_bands() {
     let t = Instant::now();
     for i in 0..3 {
         let mut e = entry(&format!("vip-{i}"), 1, 0, 800, at(t, 100 + i));
-        e.tenant = "vip".into();
+        e.desc.tenant = "vip".into();
         entries.push(e);
     }
     let order = serve_one_at_a_time(config(Policy::Fair), entries, output_tokens).await;
@@ -1317,7 +1312,7 @@ async fn a_cached_prefix_is_not_charged_and_output_is_charged_as_reported() {
     cfg.max_active = 1;
     let h = Harness::start(cfg);
     let mut e = entry("a", 0, 0, 1000, Instant::now());
-    e.tenant = "t".into();
+    e.desc.tenant = "t".into();
     e.overlap_tokens = 0;
     let mut a = h.admit(e);
     a.granted().await.expect("granted");
@@ -1350,7 +1345,7 @@ async fn quotas_refuse_with_retry_after_and_refund_what_never_ran() {
     let h = Harness::start(cfg);
     let tenant_entry = |id: &str, tenant: &str, prompt: u32| {
         let mut e = entry(id, 0, 0, prompt, Instant::now());
-        e.tenant = tenant.into();
+        e.desc.tenant = tenant.into();
         e
     };
     let mut first = h.admit(tenant_entry("a1", "a", 500));
@@ -1396,7 +1391,7 @@ async fn a_light_tenant_behind_a_heavy_backlog_is_released_next() {
     let h = Harness::start(cfg);
     let tenant_entry = |id: &str, tenant: &str, prompt: u32| {
         let mut e = entry(id, 0, 0, prompt, Instant::now());
-        e.tenant = tenant.into();
+        e.desc.tenant = tenant.into();
         e
     };
     let mut first = h.admit(tenant_entry("heavy-0", "heavy", 800));
