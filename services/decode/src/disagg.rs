@@ -204,10 +204,51 @@ impl Disagg {
         engine: &sluice_engine::EngineHandle,
         span: &tracing::Span,
     ) -> Option<(GenerateStream, String)> {
-        let slot = match engine.reserve_remote(engine_req.clone()).await {
-            Ok(s) => s,
-            Err(e) => return self.fallback(core, "reserve_failed", &e.to_string()),
+        let attempt = async {
+            let mut inbound = self
+                .reserve(req, prefill_endpoint, engine_req, engine)
+                .await?;
+            let resp = self
+                .ask_prefill(core, req, prefill_endpoint, engine_req, &mut inbound)
+                .await?;
+            inbound.receive(&resp, span).await?;
+            let mut quarantine = inbound.into_slot();
+            let logprobs = resp
+                .first_logprobs
+                .as_ref()
+                .and_then(crate::convert::logprobs_from_wire);
+            let slot = quarantine
+                .slot
+                .take()
+                .ok_or_else(|| Fallback::new("commit_failed", "the reserved slot is gone"))?;
+            engine
+                .commit_remote(slot, resp.first_token_id, logprobs)
+                .map(|stream| (stream, resp.worker_id))
+                .map_err(|e| Fallback::new("commit_failed", e))
         };
+        match attempt.await {
+            Ok(done) => {
+                core.metrics.remote_prefill.with_label_values(&["ok"]).inc();
+                Some(done)
+            }
+            Err(f) => self.fallback(core, f.reason, &f.detail),
+        }
+    }
+
+    /// Reserves the request's blocks in the engine and registers the
+    /// transfer that will fill them with the receiver, for the transports
+    /// this worker offers the prefill worker.
+    async fn reserve(
+        &self,
+        req: &pb::GenerateRequest,
+        prefill_endpoint: &str,
+        engine_req: &sluice_engine::Request,
+        engine: &sluice_engine::EngineHandle,
+    ) -> Result<Inbound, Fallback> {
+        let slot = engine
+            .reserve_remote(engine_req.clone())
+            .await
+            .map_err(|e| Fallback::new("reserve_failed", e))?;
         let (slot_id, block_ids, skip) = (slot.id(), slot.block_ids().to_vec(), slot.skip_blocks());
         let mut slot = Quarantine {
             slot: Some(slot),
@@ -215,18 +256,21 @@ impl Disagg {
         };
         let transfer_id = format!("{}-{}", req.request_id, uuid::Uuid::new_v4().simple());
         let writable: Vec<u32> = block_ids[skip..].to_vec();
-        let (expectation, regions) = match self.receiver.expect(
-            &transfer_id,
-            engine.clone(),
-            slot_id,
-            writable.clone(),
-            same_host(&self.endpoint, prefill_endpoint),
-        ) {
-            Ok(e) => e,
-            Err(e) => return self.fallback(core, "register_failed", &e.to_string()),
-        };
+        let (expectation, regions) = self
+            .receiver
+            .expect(
+                &transfer_id,
+                engine.clone(),
+                slot_id,
+                writable.clone(),
+                same_host(&self.endpoint, prefill_endpoint),
+            )
+            .map_err(|e| Fallback::new("register_failed", e))?;
         if regions.is_empty() {
-            return self.fallback(core, "no_transport", "this worker offers no KV transport");
+            return Err(Fallback::new(
+                "no_transport",
+                "this worker offers no KV transport",
+            ));
         }
         if regions
             .iter()
@@ -237,17 +281,35 @@ impl Disagg {
             slot.hold = Some(self.timeout + RDMA_QUARANTINE);
         }
         let descriptor = kvpb::TransferDescriptor {
-            transfer_id: transfer_id.clone(),
+            transfer_id,
             layout: Some(layout_to_pb(&engine.kv_layout())),
             block_ids,
             regions,
             skip_blocks: skip as u32,
             timeout_ms: self.timeout.as_millis().min(u128::from(u32::MAX)) as u32,
         };
-        let channel = match self.security.channel(prefill_endpoint) {
-            Ok(c) => c,
-            Err(e) => return self.fallback(core, "bad_endpoint", &e.to_string()),
-        };
+        Ok(Inbound {
+            slot,
+            expectation,
+            writable: writable.len(),
+            descriptor: Some(descriptor),
+        })
+    }
+
+    /// Asks the prefill worker to compute the prompt into the registered
+    /// blocks, within `--remote-prefill-timeout-ms`.
+    async fn ask_prefill(
+        &self,
+        core: &WorkerCore,
+        req: &pb::GenerateRequest,
+        prefill_endpoint: &str,
+        engine_req: &sluice_engine::Request,
+        inbound: &mut Inbound,
+    ) -> Result<pb::PrefillResponse, Fallback> {
+        let channel = self
+            .security
+            .channel(prefill_endpoint)
+            .map_err(|e| Fallback::new("bad_endpoint", e))?;
         let mut client = pb::worker_client::WorkerClient::new(channel);
         let call = client.prefill(pb::PrefillRequest {
             request_id: req.request_id.clone(),
@@ -255,61 +317,89 @@ impl Disagg {
             prompt_token_ids: engine_req.prompt.clone(),
             sampling: req.sampling.clone(),
             priority: req.priority,
-            destination: Some(descriptor),
+            destination: inbound.descriptor.take(),
             // The prefill worker the grant named was placed with the request.
             placed: req.placed,
         });
-        let resp = match tokio::time::timeout(self.timeout, call).await {
-            Err(_) => {
-                return self.fallback(
-                    core,
-                    "timeout",
-                    "no answer within --remote-prefill-timeout-ms",
-                );
-            }
-            Ok(Err(s)) => return self.fallback(core, "prefill_error", &s.to_string()),
-            Ok(Ok(r)) => r.into_inner(),
-        };
+        match tokio::time::timeout(self.timeout, call).await {
+            Err(_) => Err(Fallback::new(
+                "timeout",
+                "no answer within --remote-prefill-timeout-ms",
+            )),
+            Ok(Err(s)) => Err(Fallback::new("prefill_error", s)),
+            Ok(Ok(r)) => Ok(r.into_inner()),
+        }
+    }
+}
+
+/// A remote prefill's receiving side: the reserved slot (quarantined while
+/// an RDMA write may still land), the registered transfer, and the
+/// descriptor to send the prefill worker.
+struct Inbound {
+    slot: Quarantine,
+    expectation: sluice_kv_transfer::Expectation,
+    /// Blocks the prefill worker must write (the uncached ones).
+    writable: usize,
+    descriptor: Option<kvpb::TransferDescriptor>,
+}
+
+impl Inbound {
+    /// The transfer is over: its registration goes, the slot stays.
+    fn into_slot(self) -> Quarantine {
+        drop(self.expectation);
+        self.slot
+    }
+
+    /// Waits until every block the prefill worker says it wrote, over the
+    /// transport it names, has landed.
+    async fn receive(
+        &mut self,
+        resp: &pb::PrefillResponse,
+        span: &tracing::Span,
+    ) -> Result<(), Fallback> {
         let Some(transport) = TransportKind::from_pb(resp.transport) else {
-            return self.fallback(
-                core,
+            return Err(Fallback::new(
                 "refused_transfer",
-                &format!(
+                format!(
                     "the prefill worker names no transport it wrote over ({})",
                     resp.transport
                 ),
-            );
+            ));
         };
         span.record("transport", transport.as_str());
         if transport != TransportKind::Rdma {
-            slot.hold = None;
+            self.slot.hold = None;
         }
-        let written = match expectation.finish(transport).await {
-            Ok(n) => n,
-            Err(e) => return self.fallback(core, "refused_transfer", &e.to_string()),
-        };
-        if written != writable.len() {
-            let detail = format!(
-                "{written} of {} blocks arrived over {}",
-                writable.len(),
-                transport
-            );
-            return self.fallback(core, "incomplete_transfer", &detail);
+        let written = self
+            .expectation
+            .finish(transport)
+            .await
+            .map_err(|e| Fallback::new("refused_transfer", e))?;
+        if written != self.writable {
+            return Err(Fallback::new(
+                "incomplete_transfer",
+                format!(
+                    "{written} of {} blocks arrived over {transport}",
+                    self.writable
+                ),
+            ));
         }
-        drop(expectation);
-        let logprobs = resp
-            .first_logprobs
-            .as_ref()
-            .and_then(crate::convert::logprobs_from_wire);
-        let Some(slot) = slot.slot.take() else {
-            return self.fallback(core, "commit_failed", "the reserved slot is gone");
-        };
-        match engine.commit_remote(slot, resp.first_token_id, logprobs) {
-            Ok(stream) => {
-                core.metrics.remote_prefill.with_label_values(&["ok"]).inc();
-                Some((stream, resp.worker_id))
-            }
-            Err(e) => self.fallback(core, "commit_failed", &e.to_string()),
+        Ok(())
+    }
+}
+
+/// Why a remote prefill gave way to a local one: the metric's reason and
+/// the detail for the log.
+struct Fallback {
+    reason: &'static str,
+    detail: String,
+}
+
+impl Fallback {
+    fn new(reason: &'static str, detail: impl ToString) -> Self {
+        Self {
+            reason,
+            detail: detail.to_string(),
         }
     }
 }

@@ -177,6 +177,13 @@ pub(crate) enum Event {
     },
 }
 
+/// What one worker message adds to the output.
+struct Delta {
+    text: String,
+    token_ids: Vec<u32>,
+    logprobs: Vec<TokenLogprob>,
+}
+
 /// Where a request ran and how long it waited (the API's `nvext`).
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub(crate) struct Serving {
@@ -864,116 +871,26 @@ impl Generation {
     /// Reads one worker message into `pending`. A failure of the worker
     /// itself (transport error, reset, unfinished end) is `Failure::Worker`.
     async fn read(&mut self) -> Result<(), Failure> {
-        let Some(stream) = self.stream.as_mut() else {
-            return Err(FrontendError::Internal {
-                detail: "worker stream already closed".into(),
-            }
-            .into());
+        let msg = self.next_message().await?;
+        self.note_usage(&msg);
+        self.note_timing(&msg);
+        let (mut delta, stopped) = self.take_tokens(&msg)?;
+        let reason = match stopped {
+            Some(r) => Some(r),
+            None => self.finish_reason(&msg)?,
         };
-        let msg = match tokio::time::timeout_at(self.deadline.into(), stream.message()).await {
-            Err(_) => return Err(FrontendError::Deadline.into()),
-            Ok(Err(s)) => {
-                let failed = worker_failed(&s);
-                let error = FrontendError::from_status("worker", s, &self.pipeline.model);
-                return Err(Failure::of_worker(&self.serving.worker_id, failed, error));
-            }
-            Ok(Ok(None)) => {
-                let error = FrontendError::Unavailable {
-                    component: "worker",
-                    message: "the worker ended the stream before finishing".into(),
-                };
-                return Err(Failure::of_worker(&self.serving.worker_id, true, error));
-            }
-            Ok(Ok(Some(m))) => m,
-        };
-        if let Some(u) = &msg.usage {
-            if self.serving.migrations == 0 {
-                self.usage.prompt_tokens = u.prompt_tokens.max(self.usage.prompt_tokens);
-            }
-            // After a move the worker's prompt holds the streamed tokens too.
-            self.usage.cached_tokens = u.cached_tokens.min(self.usage.prompt_tokens);
-        }
-        if !msg.prefill_worker_id.is_empty() {
-            self.serving.prefill_worker_id = msg.prefill_worker_id.clone();
-        }
-        if !msg.token_ids.is_empty() {
-            let now = Instant::now();
-            let m = &self.pipeline.metrics;
-            match self.last_token {
-                None => {
-                    let ttft = (now - self.received).as_secs_f64();
-                    m.ttft
-                        .with_label_values(&[&self.priority_label])
-                        .observe(ttft);
-                    m.tenant_ttft(&self.serving.tenant, self.usage.prompt_tokens, ttft);
-                    // The router stops counting the prompt as prefill work.
-                    if let Some(lease) = &self.lease {
-                        let _ = lease.try_send(qpb::AdmitRequest {
-                            msg: Some(qpb::admit_request::Msg::Started(qpb::AdmitStarted {})),
-                        });
-                        nudge(self.lease_responses.as_mut());
-                    }
-                }
-                Some(prev) => {
-                    let per = (now - prev).as_secs_f64() / msg.token_ids.len() as f64;
-                    m.itl
-                        .with_label_values(&[&self.priority_label])
-                        .observe(per);
-                }
-            }
-            self.last_token = Some(now);
-        }
-        let mut text = String::new();
-        let mut token_ids = Vec::with_capacity(msg.token_ids.len());
-        let mut logprobs = Vec::new();
-        let mut reason = None;
-        for (i, &id) in msg.token_ids.iter().enumerate() {
-            self.usage.completion_tokens += 1;
-            self.generated.push(id);
-            token_ids.push(id);
-            if self.want_logprobs
-                && let Some(lp) = msg.logprobs.get(i)
-            {
-                logprobs.push(self.pipeline.logprob_entry(lp));
-            }
-            text.push_str(&self.detok.push(id)?.text);
-            if self.detok.is_stopped() {
-                // A stop string: end here; dropping the worker stream aborts it.
-                reason = Some("stop");
-                break;
-            }
-        }
-        if reason.is_none() {
-            reason = match common::FinishReason::try_from(msg.finish_reason)
-                .unwrap_or(common::FinishReason::Unspecified)
-            {
-                common::FinishReason::Unspecified => None,
-                common::FinishReason::Stop => Some("stop"),
-                common::FinishReason::Length => Some("length"),
-                common::FinishReason::Abort => Some("abort"),
-                common::FinishReason::Error => {
-                    // The worker failed this sequence (its batch went on):
-                    // like a worker failure, the request moves elsewhere.
-                    let error = FrontendError::Unavailable {
-                        component: "worker",
-                        message: "the worker failed the request mid-stream".into(),
-                    };
-                    return Err(Failure::of_worker(&self.serving.worker_id, true, error));
-                }
-            };
-            if reason.is_some() {
-                self.worker_done = true;
-                text.push_str(&self.detok.flush()?.text);
-            }
+        if reason.is_some() && stopped.is_none() {
+            self.worker_done = true;
+            delta.text.push_str(&self.detok.flush()?.text);
         }
         if reason.is_none() {
             self.report_progress();
         }
-        if !text.is_empty() || !token_ids.is_empty() {
+        if !delta.text.is_empty() || !delta.token_ids.is_empty() {
             self.pending.push_back(Event::Delta {
-                text,
-                token_ids,
-                logprobs,
+                text: delta.text,
+                token_ids: delta.token_ids,
+                logprobs: delta.logprobs,
             });
         }
         if let Some(r) = reason {
@@ -990,6 +907,130 @@ impl Generation {
             self.record_end_ok();
         }
         Ok(())
+    }
+
+    /// The worker's next message, before the deadline; a failed or cut
+    /// stream is a worker failure (the request may move).
+    async fn next_message(&mut self) -> Result<wpb::GenerateResponse, Failure> {
+        let Some(stream) = self.stream.as_mut() else {
+            return Err(FrontendError::Internal {
+                detail: "worker stream already closed".into(),
+            }
+            .into());
+        };
+        match tokio::time::timeout_at(self.deadline.into(), stream.message()).await {
+            Err(_) => Err(FrontendError::Deadline.into()),
+            Ok(Err(s)) => {
+                let failed = worker_failed(&s);
+                let error = FrontendError::from_status("worker", s, &self.pipeline.model);
+                Err(Failure::of_worker(&self.serving.worker_id, failed, error))
+            }
+            Ok(Ok(None)) => {
+                let error = FrontendError::Unavailable {
+                    component: "worker",
+                    message: "the worker ended the stream before finishing".into(),
+                };
+                Err(Failure::of_worker(&self.serving.worker_id, true, error))
+            }
+            Ok(Ok(Some(m))) => Ok(m),
+        }
+    }
+
+    /// Usage and the prefill worker, as the worker reports them.
+    fn note_usage(&mut self, msg: &wpb::GenerateResponse) {
+        if let Some(u) = &msg.usage {
+            if self.serving.migrations == 0 {
+                self.usage.prompt_tokens = u.prompt_tokens.max(self.usage.prompt_tokens);
+            }
+            // After a move the worker's prompt holds the streamed tokens too.
+            self.usage.cached_tokens = u.cached_tokens.min(self.usage.prompt_tokens);
+        }
+        if !msg.prefill_worker_id.is_empty() {
+            self.serving.prefill_worker_id = msg.prefill_worker_id.clone();
+        }
+    }
+
+    /// TTFT at the first tokens (and the lease's `started`, so the router
+    /// stops counting the prompt as prefill work), inter-token latency
+    /// after.
+    fn note_timing(&mut self, msg: &wpb::GenerateResponse) {
+        if msg.token_ids.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        let m = &self.pipeline.metrics;
+        match self.last_token {
+            None => {
+                let ttft = (now - self.received).as_secs_f64();
+                m.ttft
+                    .with_label_values(&[&self.priority_label])
+                    .observe(ttft);
+                m.tenant_ttft(&self.serving.tenant, self.usage.prompt_tokens, ttft);
+                if let Some(lease) = &self.lease {
+                    let _ = lease.try_send(qpb::AdmitRequest {
+                        msg: Some(qpb::admit_request::Msg::Started(qpb::AdmitStarted {})),
+                    });
+                    nudge(self.lease_responses.as_mut());
+                }
+            }
+            Some(prev) => {
+                let per = (now - prev).as_secs_f64() / msg.token_ids.len() as f64;
+                m.itl
+                    .with_label_values(&[&self.priority_label])
+                    .observe(per);
+            }
+        }
+        self.last_token = Some(now);
+    }
+
+    /// Counts and detokenizes the message's tokens; `Some("stop")` when a
+    /// stop string ended the text (dropping the worker stream aborts it).
+    fn take_tokens(
+        &mut self,
+        msg: &wpb::GenerateResponse,
+    ) -> Result<(Delta, Option<&'static str>), Failure> {
+        let mut delta = Delta {
+            text: String::new(),
+            token_ids: Vec::with_capacity(msg.token_ids.len()),
+            logprobs: Vec::new(),
+        };
+        for (i, &id) in msg.token_ids.iter().enumerate() {
+            self.usage.completion_tokens += 1;
+            self.generated.push(id);
+            delta.token_ids.push(id);
+            if self.want_logprobs
+                && let Some(lp) = msg.logprobs.get(i)
+            {
+                delta.logprobs.push(self.pipeline.logprob_entry(lp));
+            }
+            delta.text.push_str(&self.detok.push(id)?.text);
+            if self.detok.is_stopped() {
+                return Ok((delta, Some("stop")));
+            }
+        }
+        Ok((delta, None))
+    }
+
+    /// Why the worker ended the request, if it did; a sequence the worker
+    /// failed (its batch went on) moves elsewhere like a worker failure.
+    fn finish_reason(&self, msg: &wpb::GenerateResponse) -> Result<Option<&'static str>, Failure> {
+        Ok(
+            match common::FinishReason::try_from(msg.finish_reason)
+                .unwrap_or(common::FinishReason::Unspecified)
+            {
+                common::FinishReason::Unspecified => None,
+                common::FinishReason::Stop => Some("stop"),
+                common::FinishReason::Length => Some("length"),
+                common::FinishReason::Abort => Some("abort"),
+                common::FinishReason::Error => {
+                    let error = FrontendError::Unavailable {
+                        component: "worker",
+                        message: "the worker failed the request mid-stream".into(),
+                    };
+                    return Err(Failure::of_worker(&self.serving.worker_id, true, error));
+                }
+            },
+        )
     }
 
     /// Output tokens produced on the current lease.

@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use sluice_decode::{PrefillHandler, Role, WorkerArgs, WorkerCore, WorkerError, WorkerService};
 use sluice_kv_transfer::{Block, KvTransferError, Senders, check_layout};
+use sluice_proto::kv::v1 as kvpb;
 use sluice_proto::worker::v1 as pb;
 use sluice_runtime::{ModelArgs, ServiceContext};
 use tokio::net::TcpListener;
@@ -72,58 +73,117 @@ impl PrefillHandler for Handler {
         core: &Arc<WorkerCore>,
         req: pb::PrefillRequest,
     ) -> Result<pb::PrefillResponse, WorkerError> {
-        let dest = req
-            .destination
-            .clone()
-            .ok_or(WorkerError::InvalidArgument {
-                field: "destination",
-                message: "missing transfer descriptor".into(),
-            })?;
         let engine = core.engine(0)?;
-        sluice_decode::check_input(
-            engine,
-            &req.request_id,
-            &req.prompt_token_ids,
-            req.sampling.as_ref(),
-        )?;
-        check_layout(dest.layout.as_ref(), &engine.kv_layout())?;
-        let bs = engine.kv_layout().block_size;
-        let prompt_blocks = req.prompt_token_ids.len().div_ceil(bs);
-        if dest.block_ids.len() != prompt_blocks {
-            return Err(WorkerError::InvalidArgument {
-                field: "destination.block_ids",
-                message: format!(
-                    "{} destination blocks for a {}-block prompt",
-                    dest.block_ids.len(),
-                    prompt_blocks
-                ),
-            });
-        }
+        let dest = checked_destination(engine, &req)?;
         // Negotiate before computing: no transport in common is refused at once.
         let (sender, region) = self.senders.negotiate(&dest.regions)?;
         let transport = sender.kind();
-        let span = tracing::info_span!("prefill.compute", request_id = %req.request_id, prompt_tokens = req.prompt_token_ids.len());
-        let engine_req = sluice_engine::Request {
-            request_id: req.request_id.clone(),
-            prompt: req.prompt_token_ids.clone(),
-            sampling: sluice_decode::wire_sampling(req.sampling.clone()),
-            priority: req.priority,
-        };
-        // No router counts an unplaced prefill: this worker's reports do.
-        let mut unplaced = (!req.placed).then(|| {
-            let prompt = req.prompt_token_ids.len();
-            let cached = engine.cached_prefix_tokens(&req.prompt_token_ids);
-            core.unplaced.count(
-                prompt.saturating_sub(cached) as u64,
-                prompt.div_ceil(bs.max(1)) as u64,
+        let out = compute(core, engine, &req).await?;
+        let written = self
+            .send(
+                engine,
+                sender.as_ref(),
+                region,
+                &dest,
+                out.blocks.block_ids(),
             )
+            .await?;
+        drop(out.blocks);
+        Ok(pb::PrefillResponse {
+            first_token_id: out.first_token,
+            first_logprobs: out.logprobs.as_ref().map(sluice_decode::logprobs_to_wire),
+            cached_tokens: out.cached_tokens as u32,
+            blocks_written: written,
+            transport: transport.to_pb() as i32,
+            worker_id: core.id.clone(),
+        })
+    }
+}
+
+/// The request's transfer descriptor, once the request passes the same
+/// input checks as `Generate` and the destination matches this engine's
+/// block layout and the prompt's block count.
+fn checked_destination(
+    engine: &sluice_engine::EngineHandle,
+    req: &pb::PrefillRequest,
+) -> Result<kvpb::TransferDescriptor, WorkerError> {
+    let dest = req
+        .destination
+        .clone()
+        .ok_or(WorkerError::InvalidArgument {
+            field: "destination",
+            message: "missing transfer descriptor".into(),
+        })?;
+    sluice_decode::check_input(
+        engine,
+        &req.request_id,
+        &req.prompt_token_ids,
+        req.sampling.as_ref(),
+    )?;
+    check_layout(dest.layout.as_ref(), &engine.kv_layout())?;
+    let prompt_blocks = req
+        .prompt_token_ids
+        .len()
+        .div_ceil(engine.kv_layout().block_size);
+    if dest.block_ids.len() != prompt_blocks {
+        return Err(WorkerError::InvalidArgument {
+            field: "destination.block_ids",
+            message: format!(
+                "{} destination blocks for a {}-block prompt",
+                dest.block_ids.len(),
+                prompt_blocks
+            ),
         });
-        let out = engine.prefill(engine_req).instrument(span).await?;
-        if let Some(u) = unplaced.as_mut() {
-            u.started();
-        }
+    }
+    Ok(dest)
+}
+
+/// Computes the prompt; a prefill no router placed is counted in this
+/// worker's load reports until its first token.
+async fn compute(
+    core: &WorkerCore,
+    engine: &sluice_engine::EngineHandle,
+    req: &pb::PrefillRequest,
+) -> Result<sluice_engine::PrefillOutput, WorkerError> {
+    let span = tracing::info_span!("prefill.compute", request_id = %req.request_id, prompt_tokens = req.prompt_token_ids.len());
+    let engine_req = sluice_engine::Request {
+        request_id: req.request_id.clone(),
+        prompt: req.prompt_token_ids.clone(),
+        sampling: sluice_decode::wire_sampling(req.sampling.clone()),
+        priority: req.priority,
+    };
+    let bs = engine.kv_layout().block_size;
+    let mut unplaced = (!req.placed).then(|| {
+        let prompt = req.prompt_token_ids.len();
+        let cached = engine.cached_prefix_tokens(&req.prompt_token_ids);
+        core.unplaced.count(
+            prompt.saturating_sub(cached) as u64,
+            prompt.div_ceil(bs.max(1)) as u64,
+        )
+    });
+    let out = engine.prefill(engine_req).instrument(span).await?;
+    if let Some(u) = unplaced.as_mut() {
+        u.started();
+    }
+    Ok(out)
+}
+
+impl Handler {
+    /// Writes the computed blocks (past the destination's cached ones) into
+    /// the destination over `sender`, within the descriptor's timeout:
+    /// straight from this engine's KV memory when the transport can (shm),
+    /// else read out and sent.
+    async fn send(
+        &self,
+        engine: &sluice_engine::EngineHandle,
+        sender: &dyn sluice_kv_transfer::KvSender,
+        region: &kvpb::Region,
+        dest: &kvpb::TransferDescriptor,
+        computed: &[u32],
+    ) -> Result<u32, WorkerError> {
+        let transport = sender.kind();
         let skip = dest.skip_blocks as usize;
-        let src: Vec<u32> = out.blocks.block_ids().iter().skip(skip).copied().collect();
+        let src: Vec<u32> = computed.iter().skip(skip).copied().collect();
         let dst: Vec<u32> = dest.block_ids.iter().skip(skip).copied().collect();
         let send_span = tracing::info_span!(
             "kv.transfer",
@@ -136,8 +196,7 @@ impl PrefillHandler for Handler {
             ms => Duration::from_millis(u64::from(ms)),
         };
         let send = async {
-            // Straight from this engine's KV memory into the destination
-            // when the transport can (shm); faults need blocks in hand.
+            // Faults need blocks in hand.
             if !self.faulty()
                 && let Some(arena) = engine.kv_arena()
             {
@@ -178,22 +237,13 @@ impl PrefillHandler for Handler {
             }
             Ok(sender.write(region, &dest.transfer_id, blocks).await?)
         };
-        let written = tokio::time::timeout(timeout, send.instrument(send_span))
+        tokio::time::timeout(timeout, send.instrument(send_span))
             .await
             .map_err(|_| KvTransferError::Timeout {
                 transport,
                 after: timeout,
             })
-            .map_err(WorkerError::from)??;
-        drop(out.blocks);
-        Ok(pb::PrefillResponse {
-            first_token_id: out.first_token,
-            first_logprobs: out.logprobs.as_ref().map(sluice_decode::logprobs_to_wire),
-            cached_tokens: out.cached_tokens as u32,
-            blocks_written: written,
-            transport: transport.to_pb() as i32,
-            worker_id: core.id.clone(),
-        })
+            .map_err(WorkerError::from)?
     }
 }
 

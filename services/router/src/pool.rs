@@ -241,6 +241,14 @@ struct Counted {
     orphaned_at: Option<Instant>,
 }
 
+/// The candidates' cost terms, their total costs and their shares of the
+/// index, in candidate order.
+struct Scored {
+    terms: Vec<CostTerms>,
+    costs: Vec<f64>,
+    shares: Vec<f64>,
+}
+
 struct ChoiceState {
     round_robin: usize,
     rng: StdRng,
@@ -563,160 +571,26 @@ impl WorkerPool {
                 "block_size must be positive".into(),
             ));
         }
-        let mode = self.cfg.mode;
-        let candidates: Vec<Arc<Member>> = self
-            .members
-            .read()
-            .values()
-            .filter(|m| {
-                (input.desc.model.is_empty()
-                    || m.info.model.is_empty()
-                    || m.info.model == input.desc.model)
-                    && !input
-                        .desc
-                        .exclude_worker_ids
-                        .iter()
-                        .any(|x| *x == *m.info.target.worker_id)
-            })
-            .cloned()
-            .collect();
-        if candidates.is_empty() {
-            return Err(RouterError::NoWorkers {
-                pool: self.kind,
-                model: input.desc.model.clone(),
-            });
-        }
-
-        let approx = mode == RouterMode::Approx;
-        let (scores, index): (OverlapScores, &KvIndexer) = if external.is_some() {
-            (OverlapScores::default(), &self.indexer)
-        } else if approx {
-            self.approx.expire(now);
-            (
-                self.approx.find_matches(&input.desc.block_hashes),
-                self.approx.index(),
-            )
-        } else {
-            (
-                self.indexer.find_matches(&input.desc.block_hashes),
-                &self.indexer,
-            )
-        };
-        let id_of = |m: &Member| if approx { m.approx_id } else { m.kv_id };
-        let total_entries = index.entry_count().max(1) as f64;
-
+        let candidates = self.candidates(&input.desc)?;
+        let scored = self.score(&input.desc, &candidates, now, external);
         let mut choice = self.choice.lock();
         choice.expire(now, self.cfg.placement_max_age);
-        let mut terms = Vec::with_capacity(candidates.len());
-        let mut costs = Vec::with_capacity(candidates.len());
-        let mut shares = Vec::with_capacity(candidates.len());
-        for m in &candidates {
-            let overlap = match external {
-                Some(f) => f(&m.info.target),
-                None => scores.get(id_of(m)),
-            };
-            let load = m.load.lock().effective();
-            let input_for = |overlap_blocks| CostInput {
-                overlap_blocks,
-                active_prefill_tokens: load.active_prefill_tokens,
-                active_decode_blocks: load.active_decode_blocks,
-                active_requests: load.active_requests,
-            };
-            let mut t = if mode == RouterMode::LeastLoaded {
-                // Load only: cost as if nothing were cached.
-                selector::cost(
-                    &self.cfg.cost,
-                    &input_for(0),
-                    input.desc.prompt_tokens,
-                    input.desc.block_size,
-                )
-            } else {
-                selector::cost(
-                    &self.cfg.cost,
-                    &input_for(overlap),
-                    input.desc.prompt_tokens,
-                    input.desc.block_size,
-                )
-            };
-            t.overlap_blocks = overlap;
-            costs.push(t.total_cost);
-            let handle = if approx {
-                &m.approx_handle
-            } else {
-                &m.kv_handle
-            };
-            shares.push(handle.as_ref().map_or(0, TargetHandle::blocks) as f64 / total_entries);
-            terms.push(t);
-        }
-
-        let chosen = match mode {
-            RouterMode::Kv | RouterMode::Approx | RouterMode::LeastLoaded => {
-                selector::apply_balance_bound(&mut terms, self.cfg.cost.balance_bound);
-                // Only candidates within the bound (the least loaded always is).
-                let eligible: Vec<usize> =
-                    (0..terms.len()).filter(|&i| !terms[i].over_bound).collect();
-                let costs: Vec<f64> = eligible.iter().map(|&i| costs[i]).collect();
-                let shares: Vec<f64> = eligible.iter().map(|&i| shares[i]).collect();
-                let ChoiceState { rng, .. } = &mut *choice;
-                eligible[selector::choose(&costs, &shares, self.cfg.cost.temperature, rng)]
-            }
-            RouterMode::RoundRobin => {
-                let i = choice.round_robin % candidates.len();
-                choice.round_robin = choice.round_robin.wrapping_add(1);
-                i
-            }
-            RouterMode::Random => {
-                use rand::Rng;
-                choice.rng.random_range(0..candidates.len())
-            }
-        };
-
+        let Scored {
+            mut terms,
+            costs,
+            shares,
+        } = scored;
+        let chosen = self.choose(&mut choice, &mut terms, &costs, &shares);
         let placement = match &input.commit {
             Commit::DryRun => None,
-            commit => {
-                let m = &candidates[chosen];
-                let overlap = terms[chosen].overlap_blocks;
-                let (key, session, orphaned_at) = match commit {
-                    Commit::Held { key, session } => (key.clone(), *session, None),
-                    _ => {
-                        choice.next_unreleasable += 1;
-                        let key = PlacementKey {
-                            client: Arc::from(""),
-                            id: choice.next_unreleasable,
-                        };
-                        (key, 0, Some(now))
-                    }
-                };
-                let record = PlacementRecord {
-                    id: key.id,
-                    target: m.info.target.clone(),
-                    prefill_tokens: selector::uncached_tokens(
-                        input.desc.prompt_tokens,
-                        overlap,
-                        input.desc.block_size,
-                    ),
-                    block_hashes: Arc::clone(&input.desc.block_hashes),
-                    blocks: u64::from(input.desc.prompt_tokens)
-                        .div_ceil(u64::from(input.desc.block_size)),
-                    started: false,
-                };
-                choice.count(
-                    key,
-                    Counted {
-                        target: record.target.clone(),
-                        load: Arc::clone(&m.load),
-                        shape: record.shape(),
-                        started: false,
-                        session,
-                        orphaned_at,
-                    },
-                );
-                if approx {
-                    self.approx
-                        .record(m.approx_id, &input.desc.block_hashes, now);
-                }
-                Some(record)
-            }
+            commit => Some(self.commit(
+                &mut choice,
+                input,
+                commit,
+                &candidates[chosen],
+                terms[chosen].overlap_blocks,
+                now,
+            )),
         };
         drop(choice);
 
@@ -731,9 +605,184 @@ impl WorkerPool {
                     terms,
                 })
                 .collect(),
-            mode,
+            mode: self.cfg.mode,
             placement,
         })
+    }
+
+    /// The members that may take the request: its model's, less the
+    /// workers it excludes.
+    fn candidates(&self, desc: &RequestDescription) -> Result<Vec<Arc<Member>>, RouterError> {
+        let candidates: Vec<Arc<Member>> = self
+            .members
+            .read()
+            .values()
+            .filter(|m| {
+                (desc.model.is_empty() || m.info.model.is_empty() || m.info.model == desc.model)
+                    && !desc
+                        .exclude_worker_ids
+                        .iter()
+                        .any(|x| *x == *m.info.target.worker_id)
+            })
+            .cloned()
+            .collect();
+        if candidates.is_empty() {
+            return Err(RouterError::NoWorkers {
+                pool: self.kind,
+                model: desc.model.clone(),
+            });
+        }
+        Ok(candidates)
+    }
+
+    /// Each candidate's cost terms (its cached overlap from the index the
+    /// mode uses, or from `external`, and its load), and its share of the
+    /// index's entries.
+    fn score(
+        &self,
+        desc: &RequestDescription,
+        candidates: &[Arc<Member>],
+        now: Instant,
+        external: Option<&dyn Fn(&Target) -> u32>,
+    ) -> Scored {
+        let mode = self.cfg.mode;
+        let approx = mode == RouterMode::Approx;
+        let (scores, index): (OverlapScores, &KvIndexer) = if external.is_some() {
+            (OverlapScores::default(), &self.indexer)
+        } else if approx {
+            self.approx.expire(now);
+            (
+                self.approx.find_matches(&desc.block_hashes),
+                self.approx.index(),
+            )
+        } else {
+            (self.indexer.find_matches(&desc.block_hashes), &self.indexer)
+        };
+        let id_of = |m: &Member| if approx { m.approx_id } else { m.kv_id };
+        let total_entries = index.entry_count().max(1) as f64;
+        let mut scored = Scored {
+            terms: Vec::with_capacity(candidates.len()),
+            costs: Vec::with_capacity(candidates.len()),
+            shares: Vec::with_capacity(candidates.len()),
+        };
+        for m in candidates {
+            let overlap = match external {
+                Some(f) => f(&m.info.target),
+                None => scores.get(id_of(m)),
+            };
+            let load = m.load.lock().effective();
+            // Least-loaded: load only, costed as if nothing were cached.
+            let counted_overlap = if mode == RouterMode::LeastLoaded {
+                0
+            } else {
+                overlap
+            };
+            let mut t = selector::cost(
+                &self.cfg.cost,
+                &CostInput {
+                    overlap_blocks: counted_overlap,
+                    active_prefill_tokens: load.active_prefill_tokens,
+                    active_decode_blocks: load.active_decode_blocks,
+                    active_requests: load.active_requests,
+                },
+                desc.prompt_tokens,
+                desc.block_size,
+            );
+            t.overlap_blocks = overlap;
+            scored.costs.push(t.total_cost);
+            let handle = if approx {
+                &m.approx_handle
+            } else {
+                &m.kv_handle
+            };
+            scored
+                .shares
+                .push(handle.as_ref().map_or(0, TargetHandle::blocks) as f64 / total_entries);
+            scored.terms.push(t);
+        }
+        scored
+    }
+
+    /// The chosen candidate's position: the cheapest within the balance
+    /// bound (kv, approx, least-loaded; over-bound ones are marked in
+    /// `terms`), the next in turn, or a random one.
+    fn choose(
+        &self,
+        choice: &mut ChoiceState,
+        terms: &mut [CostTerms],
+        costs: &[f64],
+        shares: &[f64],
+    ) -> usize {
+        match self.cfg.mode {
+            RouterMode::Kv | RouterMode::Approx | RouterMode::LeastLoaded => {
+                selector::apply_balance_bound(terms, self.cfg.cost.balance_bound);
+                // Only candidates within the bound (the least loaded always is).
+                let eligible: Vec<usize> =
+                    (0..terms.len()).filter(|&i| !terms[i].over_bound).collect();
+                let costs: Vec<f64> = eligible.iter().map(|&i| costs[i]).collect();
+                let shares: Vec<f64> = eligible.iter().map(|&i| shares[i]).collect();
+                eligible
+                    [selector::choose(&costs, &shares, self.cfg.cost.temperature, &mut choice.rng)]
+            }
+            RouterMode::RoundRobin => {
+                let i = choice.round_robin % terms.len();
+                choice.round_robin = choice.round_robin.wrapping_add(1);
+                i
+            }
+            RouterMode::Random => {
+                use rand::Rng;
+                choice.rng.random_range(0..terms.len())
+            }
+        }
+    }
+
+    /// Counts the placement on `member` until it is released (held by a
+    /// session) or ages out (unreleasable), and returns its record.
+    fn commit(
+        &self,
+        choice: &mut ChoiceState,
+        input: &RouteInput,
+        commit: &Commit,
+        member: &Member,
+        overlap: u32,
+        now: Instant,
+    ) -> PlacementRecord {
+        let desc = &input.desc;
+        let (key, session, orphaned_at) = match commit {
+            Commit::Held { key, session } => (key.clone(), *session, None),
+            _ => {
+                choice.next_unreleasable += 1;
+                let key = PlacementKey {
+                    client: Arc::from(""),
+                    id: choice.next_unreleasable,
+                };
+                (key, 0, Some(now))
+            }
+        };
+        let record = PlacementRecord {
+            id: key.id,
+            target: member.info.target.clone(),
+            prefill_tokens: selector::uncached_tokens(desc.prompt_tokens, overlap, desc.block_size),
+            block_hashes: Arc::clone(&desc.block_hashes),
+            blocks: u64::from(desc.prompt_tokens).div_ceil(u64::from(desc.block_size)),
+            started: false,
+        };
+        choice.count(
+            key,
+            Counted {
+                target: record.target.clone(),
+                load: Arc::clone(&member.load),
+                shape: record.shape(),
+                started: false,
+                session,
+                orphaned_at,
+            },
+        );
+        if self.cfg.mode == RouterMode::Approx {
+            self.approx
+                .record(member.approx_id, &desc.block_hashes, now);
+        }
+        record
     }
 }
 
