@@ -45,7 +45,7 @@ impl PrefillWorkers {
         let mut watch = discovery
             .watch(sluice_runtime::discovery::WorkerRole::Prefill.as_str())
             .await
-            .map_err(|e| WorkerError::Startup(format!("watching prefill workers: {e}")))?;
+            .map_err(WorkerError::startup("watching prefill workers"))?;
         let workers = Arc::new(Self::default());
         let w = Arc::clone(&workers);
         tokio::spawn(async move {

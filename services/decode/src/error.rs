@@ -25,8 +25,9 @@ pub enum WorkerError {
         role: sluice_runtime::discovery::WorkerRole,
         rpc: &'static str,
     },
+    /// Start-up found something missing (no underlying error).
     #[error("start-up: {0}")]
-    Startup(String),
+    Startup(&'static str),
     /// Start-up failed on an underlying error, kept as the source.
     #[error("start-up: {what}")]
     StartupFailed {

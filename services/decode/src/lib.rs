@@ -83,7 +83,7 @@ pub async fn run_worker(
     let engine = core
         .engines
         .first()
-        .ok_or(WorkerError::Startup("no engine rank".into()))?;
+        .ok_or(WorkerError::Startup("no engine rank"))?;
     let layout = engine.kv_layout();
     let mut instance =
         ctx.instance(core.role.as_str(), &listener)

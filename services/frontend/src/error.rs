@@ -62,6 +62,14 @@ pub enum FrontendError {
     Tokens(#[from] sluice_tokens::TokensError),
     #[error("internal error")]
     Internal { detail: String },
+    /// An internal step failed on an underlying error (kept as the
+    /// source, logged, not shown to the client).
+    #[error("internal error")]
+    Broken {
+        what: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// The frontend could not start: what it was doing, and why.
     #[error("starting the frontend: {what}")]
     Startup {
@@ -72,6 +80,18 @@ pub enum FrontendError {
 }
 
 impl FrontendError {
+    /// Wraps an error an internal step (`what`) met.
+    pub(crate) fn broken<E>(what: impl Into<String>) -> impl FnOnce(E) -> Self
+    where
+        E: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let what = what.into();
+        move |e| Self::Broken {
+            what,
+            source: e.into(),
+        }
+    }
+
     /// Wraps an error met while starting, doing `what`.
     pub(crate) fn startup<E>(what: &'static str) -> impl FnOnce(E) -> Self
     where
@@ -151,7 +171,9 @@ impl FrontendError {
             Self::NoWorkers { .. } | Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Self::Deadline => StatusCode::GATEWAY_TIMEOUT,
             Self::Cancelled => StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST),
-            Self::Internal { .. } | Self::Startup { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::Internal { .. } | Self::Broken { .. } | Self::Startup { .. } => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
         }
     }
 
@@ -172,7 +194,9 @@ impl FrontendError {
             Self::Unavailable { .. } => ("service_unavailable", "unavailable"),
             Self::Deadline => ("timeout", "deadline_exceeded"),
             Self::Cancelled => ("cancelled", "cancelled"),
-            Self::Internal { .. } | Self::Startup { .. } => ("server_error", "internal_error"),
+            Self::Internal { .. } | Self::Broken { .. } | Self::Startup { .. } => {
+                ("server_error", "internal_error")
+            }
         }
     }
 
@@ -212,8 +236,12 @@ impl FrontendError {
 
 impl IntoResponse for FrontendError {
     fn into_response(self) -> Response {
-        if let Self::Internal { detail } = &self {
-            tracing::error!(%detail, "internal error");
+        match &self {
+            Self::Internal { detail } => tracing::error!(%detail, "internal error"),
+            Self::Broken { what, source } => {
+                tracing::error!(what = %what, error = %source, "internal error");
+            }
+            _ => {}
         }
         let mut resp = (self.status(), Json(self.body())).into_response();
         if let Some(secs) = self.retry_after_secs() {
@@ -245,6 +273,10 @@ impl From<FrontendError> for tonic::Status {
             FrontendError::Cancelled => Code::Cancelled,
             FrontendError::Internal { detail } => {
                 tracing::error!(%detail, "internal error");
+                Code::Internal
+            }
+            FrontendError::Broken { what, source } => {
+                tracing::error!(what = %what, error = %source, "internal error");
                 Code::Internal
             }
             FrontendError::Startup { .. } => Code::Internal,

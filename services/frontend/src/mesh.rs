@@ -164,9 +164,9 @@ impl Channels {
         let c = self
             .security
             .channel(endpoint)
-            .map_err(|e| FrontendError::Internal {
-                detail: format!("channel to {endpoint}: {e}"),
-            })?;
+            .map_err(FrontendError::broken(format!(
+                "opening a channel to {endpoint}"
+            )))?;
         self.by_endpoint
             .write()
             .insert(endpoint.to_string(), c.clone());

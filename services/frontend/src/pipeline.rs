@@ -425,9 +425,7 @@ impl Pipeline {
             }
         })
         .await
-        .map_err(|e| FrontendError::Internal {
-            detail: format!("tokenization task: {e}"),
-        })?
+        .map_err(FrontendError::broken("the tokenization task"))?
     }
 
     /// Takes the admission lease and opens the worker stream. Errors before
