@@ -572,9 +572,11 @@ impl WorkerPool {
             ));
         }
         let candidates = self.candidates(&input.desc)?;
-        let scored = self.score(&input.desc, &candidates, now, external);
+        // Loads are read, and the placement counted, under one lock: a
+        // concurrent burst sees each earlier placement of it.
         let mut choice = self.choice.lock();
         choice.expire(now, self.cfg.placement_max_age);
+        let scored = self.score(&input.desc, &candidates, now, external);
         let Scored {
             mut terms,
             costs,
