@@ -7,7 +7,8 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use sluice_tests::http::{get, open};
 use sluice_tests::mesh::{Mesh, MeshOptions};
-use tokio::io::{AsyncBufReadExt, AsyncReadExt};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
+use tokio::net::TcpStream;
 
 fn completion(max_tokens: u32, priority: i32) -> Value {
     json!({"model": "sluice-tiny", "prompt": [5, 6, 7, 8], "max_tokens": max_tokens,
@@ -36,6 +37,29 @@ fn spawn_open(
     })
 }
 
+/// Opens a streaming completion of `max_tokens` at `priority` and reads
+/// its first event (it runs); dropping the reader ends it.
+async fn start_stream(
+    mesh: &Mesh,
+    max_tokens: u32,
+    priority: i32,
+) -> anyhow::Result<BufReader<TcpStream>> {
+    let mut body = completion(max_tokens, priority);
+    body["stream"] = json!(true);
+    let (status, head, mut reader) = open(
+        &mesh.http,
+        "POST",
+        "/v1/completions",
+        Some(body.to_string()),
+        &[],
+    )
+    .await?;
+    anyhow::ensure!(status == 200, "{head}");
+    let mut line = String::new();
+    reader.read_line(&mut line).await?;
+    Ok(reader)
+}
+
 fn retry_after(head: &str) -> Option<u64> {
     head.lines().find_map(|l| {
         l.to_ascii_lowercase()
@@ -53,19 +77,7 @@ async fn a_full_queue_sheds_its_lowest_priority_with_429_and_retry_after() -> an
     let mesh = Mesh::start(opts).await?;
 
     // One request runs (the only active slot) and streams for a while.
-    let mut long = completion(400, 0);
-    long["stream"] = json!(true);
-    let (status, head, mut running) = open(
-        &mesh.http,
-        "POST",
-        "/v1/completions",
-        Some(long.to_string()),
-        &[],
-    )
-    .await?;
-    assert_eq!(status, 200, "{head}");
-    let mut line = String::new();
-    running.read_line(&mut line).await?;
+    let running = start_stream(&mesh, 400, 0).await?;
 
     // A priority-0 request is held: the queue is now full.
     let low = spawn_open(&mesh, completion(2, 0));
@@ -135,20 +147,7 @@ async fn default_flags_shed_a_sustained_burst_by_priority() -> anyhow::Result<()
     // Two long priority-3 requests (about 10 s each) take both engine slots.
     let mut fillers = Vec::new();
     for _ in 0..2 {
-        let mut long = completion(1500, 3);
-        long["stream"] = json!(true);
-        let (status, head, mut reader) = open(
-            &mesh.http,
-            "POST",
-            "/v1/completions",
-            Some(long.to_string()),
-            &[],
-        )
-        .await?;
-        assert_eq!(status, 200, "{head}");
-        let mut line = String::new();
-        reader.read_line(&mut line).await?;
-        fillers.push(reader);
+        fillers.push(start_stream(&mesh, 1500, 3).await?);
     }
     // The queue learns the worker's max_num_seqs from the router's load view.
     queue_sees_a_worker(&mesh).await?;
