@@ -524,10 +524,8 @@ async fn offer(
 
 #[tokio::test(start_paused = true)]
 async fn standing_overload_holds_a_short_backlog_and_bursts_wait_again_after_it() {
-    let mut cfg = config(Policy::Fcfs);
-    cfg.backlog_secs = 0.5;
-    cfg.standing_backlog_secs = 0.05;
-    let h = Harness::start(cfg);
+    // `config` holds bursts for 0.5 s, a standing backlog for 0.05 s.
+    let h = Harness::start(config(Policy::Fcfs));
     h.queue.update_load(slots(2, 0));
     let (mut live, mut released) = (HashMap::new(), 0);
     // 50 arrivals/s against 10 grants/s for 3 s.
@@ -553,10 +551,8 @@ async fn standing_overload_holds_a_short_backlog_and_bursts_wait_again_after_it(
 
 #[tokio::test(start_paused = true)]
 async fn standing_overload_refuses_the_priorities_the_higher_ones_crowd_out() {
-    let mut cfg = config(Policy::Fcfs);
-    cfg.backlog_secs = 0.5;
-    cfg.standing_backlog_secs = 0.05;
-    let h = Harness::start(cfg);
+    // `config` holds bursts for 0.5 s, a standing backlog for 0.05 s.
+    let h = Harness::start(config(Policy::Fcfs));
     h.queue.update_load(slots(2, 0));
     let (mut live, mut released) = (HashMap::new(), 0);
     // Priority 3 alone (20/s) outruns the grants (10/s); 1 and 0 come too.
