@@ -36,7 +36,7 @@ impl DrainRate {
     /// Whole seconds until `ahead` requests and this one drain at the
     /// current rate: 1 to 60, 1 when nothing was granted yet.
     pub(super) fn retry_after(&self, ahead: usize, now: Instant) -> Duration {
-        let rate = self.decayed(now) / DRAIN_TAU;
+        let rate = self.per_sec(now);
         let secs = if rate > 0.0 {
             ((ahead as f64 + 1.0) / rate).ceil()
         } else {
@@ -145,9 +145,8 @@ pub(super) struct ModelQueue {
     pub(super) published: Option<(Instant, HoldReason)>,
     /// How fast this model's grants drain its backlog.
     pub(super) drained: DrainRate,
-    /// How fast requests for this model arrive, refused ones included.
-    pub(super) arrived: DrainRate,
-    /// The same, by priority.
+    /// How fast requests for this model arrive, refused ones included, by
+    /// priority (their sum is the model's arrival rate).
     pub(super) arrived_by_priority: BTreeMap<i32, DrainRate>,
     /// Since when requests have arrived faster than grants drain them
     /// (`None`: they have not).
@@ -167,7 +166,6 @@ impl ModelQueue {
             hold: None,
             published: None,
             drained: DrainRate::default(),
-            arrived: DrainRate::default(),
             arrived_by_priority: BTreeMap::new(),
             overloaded_since: None,
         }
@@ -179,13 +177,17 @@ impl ModelQueue {
     /// fall behind grants, not when a few grants at once empty the backlog
     /// for a moment.
     pub(super) fn arrival(&mut self, priority: i32, now: Instant) {
-        let over = self.arrived.per_sec(now) > self.drained.per_sec(now) * OVERLOAD_MARGIN;
+        let arriving: f64 = self
+            .arrived_by_priority
+            .values()
+            .map(|rate| rate.per_sec(now))
+            .sum();
+        let over = arriving > self.drained.per_sec(now) * OVERLOAD_MARGIN;
         if !over {
             self.overloaded_since = None;
         } else if !self.order.is_empty() {
             self.overloaded_since.get_or_insert(now);
         }
-        self.arrived.grant(now);
         self.arrived_by_priority
             .retain(|_, rate| rate.decayed(now) >= FORGOTTEN);
         self.arrived_by_priority
