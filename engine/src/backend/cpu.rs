@@ -243,27 +243,45 @@ impl CpuBackend {
         )
     }
 
+    /// The forward pass of a non-empty batch: embed, every layer's
+    /// attention and MLP blocks, then the logits of the rows that need them.
     fn run(&mut self, batch: &ForwardBatch) -> Vec<f32> {
-        let w = &*self.weights;
-        let c = &w.config;
-        let (hidden, head_dim) = (c.hidden_size, c.head_dim);
-        let (nh, nkv) = (c.num_attention_heads, c.num_key_value_heads);
-        let (q_dim, kv_dim, qkv_dim) = (nh * head_dim, nkv * head_dim, c.qkv_dim());
-        let inter = c.intermediate_size;
-        let half = head_dim / 2;
-        let n: usize = batch.seqs.iter().map(|s| s.tokens.len()).sum();
-        let s = &mut self.scratch;
+        let CpuBackend {
+            weights,
+            kv,
+            scratch: s,
+        } = self;
+        let w = &**weights;
+        let n = s.embed(w, batch);
+        let tables: Vec<&[u32]> = batch
+            .seqs
+            .iter()
+            .map(|s| s.block_table.as_slice())
+            .collect();
+        for (l, layer) in w.layers.iter().enumerate() {
+            s.attention(w, layer, kv, l, &tables, n);
+            s.mlp(w, layer, n);
+        }
+        s.logits(w, batch)
+    }
+}
 
-        // Token positions, RoPE tables and embeddings.
-        s.tokens.clear();
-        let cos = resize(&mut s.cos, n * half);
-        let sin = resize(&mut s.sin, n * half);
-        let x = resize(&mut s.x, n * hidden);
+impl Scratch {
+    /// Lays out the batch's new tokens: their positions, RoPE tables and
+    /// embeddings into the residual stream. Returns the token count.
+    fn embed(&mut self, w: &CpuWeights, batch: &ForwardBatch) -> usize {
+        let hidden = w.config.hidden_size;
+        let half = w.config.head_dim / 2;
+        let n: usize = batch.seqs.iter().map(|s| s.tokens.len()).sum();
+        self.tokens.clear();
+        let cos = resize(&mut self.cos, n * half);
+        let sin = resize(&mut self.sin, n * half);
+        let x = resize(&mut self.x, n * hidden);
         let mut t = 0;
         for (i, seq) in batch.seqs.iter().enumerate() {
             let len = seq.tokens.len();
             let positions = seq.start_pos..seq.start_pos + len;
-            s.tokens
+            self.tokens
                 .extend(positions.clone().map(|pos| TokenPos { seq: i, pos }));
             w.rope.fill(
                 positions,
@@ -277,77 +295,101 @@ impl CpuBackend {
             }
             t += len;
         }
-        let layout = self.kv.layout;
-        let tables: Vec<&[u32]> = batch
-            .seqs
-            .iter()
-            .map(|s| s.block_table.as_slice())
-            .collect();
+        n
+    }
+
+    /// Layer `l`'s attention block over the `n` new tokens: norm, QKV
+    /// projection, RoPE, K/V stored into the paged cache, paged attention,
+    /// output projection added into the residual stream.
+    fn attention(
+        &mut self,
+        w: &CpuWeights,
+        layer: &Layer,
+        kv: &mut PagedKv,
+        l: usize,
+        tables: &[&[u32]],
+        n: usize,
+    ) {
+        let c = &w.config;
+        let (hidden, head_dim) = (c.hidden_size, c.head_dim);
+        let (nh, nkv) = (c.num_attention_heads, c.num_key_value_heads);
+        let (q_dim, kv_dim, qkv_dim) = (nh * head_dim, nkv * head_dim, c.qkv_dim());
+        let half = head_dim / 2;
+        let block_size = kv.layout.block_size;
+        let x = &mut self.x[..n * hidden];
+        let (cos, sin) = (&self.cos[..n * half], &self.sin[..n * half]);
+        let h = resize(&mut self.h, n * hidden);
+        let qkv = resize(&mut self.qkv, n * qkv_dim);
+        let attn = resize(&mut self.attn, n * q_dim);
+        rms_norm(h, x, &layer.input_norm, hidden, c.rms_norm_eps);
+        matmul(qkv, h, &layer.qkv, n, hidden, qkv_dim, false);
+        if let Some(b) = &layer.qkv_bias {
+            add_bias(qkv, b);
+        }
+        let (mut k_slab, mut v_slab) = kv.slabs_mut(l);
+        for (t, tp) in self.tokens.iter().enumerate() {
+            let row = &mut qkv[t * qkv_dim..(t + 1) * qkv_dim];
+            let (cs, sn) = (
+                &cos[t * half..(t + 1) * half],
+                &sin[t * half..(t + 1) * half],
+            );
+            apply_rope(&mut row[..q_dim + kv_dim], head_dim, cs, sn);
+            let block = tables[tp.seq][tp.pos / block_size];
+            let slot = (tp.pos % block_size) * kv_dim;
+            k_slab.block_mut(block)[slot..slot + kv_dim]
+                .copy_from_slice(&row[q_dim..q_dim + kv_dim]);
+            v_slab.block_mut(block)[slot..slot + kv_dim].copy_from_slice(&row[q_dim + kv_dim..]);
+        }
         let shape = AttnShape {
             num_heads: nh,
             num_kv_heads: nkv,
             head_dim,
-            block_size: layout.block_size,
+            block_size,
             qkv_dim,
         };
-
-        let h = resize(&mut s.h, n * hidden);
-        let qkv = resize(&mut s.qkv, n * qkv_dim);
-        let attn = resize(&mut s.attn, n * q_dim);
-        let gate_up = resize(&mut s.gate_up, n * 2 * inter);
-        let act = resize(&mut s.act, n * inter);
-        for (l, layer) in w.layers.iter().enumerate() {
-            // Attention block.
-            rms_norm(h, x, &layer.input_norm, hidden, c.rms_norm_eps);
-            matmul(qkv, h, &layer.qkv, n, hidden, qkv_dim, false);
-            if let Some(b) = &layer.qkv_bias {
-                add_bias(qkv, b);
-            }
-            let (mut k_slab, mut v_slab) = self.kv.slabs_mut(l);
-            for (t, tp) in s.tokens.iter().enumerate() {
-                let row = &mut qkv[t * qkv_dim..(t + 1) * qkv_dim];
-                let (cs, sn) = (
-                    &cos[t * half..(t + 1) * half],
-                    &sin[t * half..(t + 1) * half],
-                );
-                apply_rope(&mut row[..q_dim + kv_dim], head_dim, cs, sn);
-                let block = tables[tp.seq][tp.pos / layout.block_size];
-                let slot = (tp.pos % layout.block_size) * kv_dim;
-                k_slab.block_mut(block)[slot..slot + kv_dim]
-                    .copy_from_slice(&row[q_dim..q_dim + kv_dim]);
-                v_slab.block_mut(block)[slot..slot + kv_dim]
-                    .copy_from_slice(&row[q_dim + kv_dim..]);
-            }
-            let (k_view, v_view) = (k_slab.view(), v_slab.view());
-            paged_attention(attn, qkv, k_view, v_view, &s.tokens, &tables, shape);
-            matmul(x, attn, &layer.o, n, q_dim, hidden, true);
-            if let Some(b) = &layer.o_bias {
-                add_bias(x, b);
-            }
-            // MLP block.
-            rms_norm(h, x, &layer.post_norm, hidden, c.rms_norm_eps);
-            matmul(gate_up, h, &layer.gate_up, n, hidden, 2 * inter, false);
-            if let Some(b) = &layer.gate_up_bias {
-                add_bias(gate_up, b);
-            }
-            swiglu(act, gate_up, inter);
-            matmul(x, act, &layer.down, n, inter, hidden, true);
-            if let Some(b) = &layer.down_bias {
-                add_bias(x, b);
-            }
+        let (k_view, v_view) = (k_slab.view(), v_slab.view());
+        paged_attention(attn, qkv, k_view, v_view, &self.tokens, tables, shape);
+        matmul(x, attn, &layer.o, n, q_dim, hidden, true);
+        if let Some(b) = &layer.o_bias {
+            add_bias(x, b);
         }
+    }
 
-        // Final norm and lm_head, only for the rows that need logits.
+    /// A layer's MLP block: norm, gate/up projection, SwiGLU, down
+    /// projection added into the residual stream.
+    fn mlp(&mut self, w: &CpuWeights, layer: &Layer, n: usize) {
+        let c = &w.config;
+        let (hidden, inter) = (c.hidden_size, c.intermediate_size);
+        let x = &mut self.x[..n * hidden];
+        let h = resize(&mut self.h, n * hidden);
+        let gate_up = resize(&mut self.gate_up, n * 2 * inter);
+        let act = resize(&mut self.act, n * inter);
+        rms_norm(h, x, &layer.post_norm, hidden, c.rms_norm_eps);
+        matmul(gate_up, h, &layer.gate_up, n, hidden, 2 * inter, false);
+        if let Some(b) = &layer.gate_up_bias {
+            add_bias(gate_up, b);
+        }
+        swiglu(act, gate_up, inter);
+        matmul(x, act, &layer.down, n, inter, hidden, true);
+        if let Some(b) = &layer.down_bias {
+            add_bias(x, b);
+        }
+    }
+
+    /// The final norm and lm_head, only for the rows that need logits.
+    fn logits(&mut self, w: &CpuWeights, batch: &ForwardBatch) -> Vec<f32> {
+        let c = &w.config;
+        let hidden = c.hidden_size;
         let mut rows = Vec::new();
         let mut end = 0;
         for seq in &batch.seqs {
             end += seq.tokens.len();
             if seq.needs_logits {
-                rows.extend_from_slice(&x[(end - 1) * hidden..end * hidden]);
+                rows.extend_from_slice(&self.x[(end - 1) * hidden..end * hidden]);
             }
         }
         let r = rows.len() / hidden;
-        let normed = resize(&mut s.h, r * hidden);
+        let normed = resize(&mut self.h, r * hidden);
         rms_norm(normed, &rows, &w.final_norm, hidden, c.rms_norm_eps);
         let vocab = c.vocab_size;
         let mut logits = vec![0.0; r * vocab];

@@ -79,7 +79,7 @@ mod imp {
     use super::device::{Arg, Device, driver};
     use super::plan::{self, StepPlan};
     use super::source::KernelConfig;
-    use super::weights::DeviceWeights;
+    use super::weights::{DeviceLayer, DeviceWeights};
     use crate::backend::{Backend, ForwardBatch, ForwardOutput, KvBlockLayout, validate_batch};
     use crate::error::EngineError;
     use crate::model::{Model, ModelConfig};
@@ -239,6 +239,11 @@ mod imp {
                 Arg::U64(total as u64),
             ],
         )
+    }
+
+    /// The device address of an optional bias, or 0 (none).
+    fn optional_addr(d: &Device, b: &Option<CudaSlice<f32>>) -> u64 {
+        b.as_ref().map_or(0, |b| d.addr(b, 0))
     }
 
     /// One block's way between the device and the host.
@@ -705,211 +710,221 @@ mod imp {
         }
 
         /// Enqueues the whole forward pass of the planned step (up to the
-        /// logits GEMM) on the stream.
+        /// logits GEMM) on the stream: embed, every layer's attention and
+        /// MLP blocks, then the final norm and lm_head for the logit rows.
         fn enqueue(&self, a: &StepAddrs) -> Result<(), EngineError> {
-            let c = &self.weights.config;
-            let (hidden, head_dim, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
-            let (nh, nkv, vocab) = (c.num_attention_heads, c.num_key_value_heads, c.vocab_size);
-            let (q_dim, qkv_dim) = (nh * head_dim, c.qkv_dim());
-            let bs = self.layout.block_size;
             let d = &self.device;
-            let k = &d.kernels;
-            let w = &self.weights;
-            let opt = |b: &Option<CudaSlice<f32>>| b.as_ref().map_or(0, |b| d.addr(b, 0));
-            let eps = c.rms_norm_eps;
-            let scale = 1.0 / (head_dim as f32).sqrt();
-            let StepAddrs {
-                n,
-                r,
-                max_blocks,
-                tokens,
-                token_seq,
-                token_pos,
-                slots,
-                logit_rows,
-                tables,
-                cos,
-                sin,
-                rope_rows,
-                x,
-                h,
-                qkv,
-                attn,
-                gate_up,
-                act,
-                split,
-                part_acc,
-                part_ml,
-                ..
-            } = *a;
-
+            let hidden = self.weights.config.hidden_size;
             d.launch(
-                &k.embed_gather,
-                plan::per_row(n, hidden),
+                &d.kernels.embed_gather,
+                plan::per_row(a.n, hidden),
                 &[
-                    Arg::Ptr(x),
-                    Arg::Ptr(d.addr(&w.embed, 0)),
-                    Arg::Ptr(tokens),
+                    Arg::Ptr(a.x),
+                    Arg::Ptr(d.addr(&self.weights.embed, 0)),
+                    Arg::Ptr(a.tokens),
                     Arg::I32(hidden as i32),
                 ],
             )?;
-            for (li, layer) in w.layers.iter().enumerate() {
-                let (k_slab, v_slab) = (
-                    d.addr(&self.kv, 2 * li * self.num_blocks * self.chunk),
-                    d.addr(&self.kv, (2 * li + 1) * self.num_blocks * self.chunk),
-                );
-                // Attention block.
-                d.launch(
-                    &k.rms_norm,
-                    plan::per_row(n, hidden),
-                    &[
-                        Arg::Ptr(h),
-                        Arg::Ptr(x),
-                        Arg::Ptr(d.addr(&layer.input_norm, 0)),
-                        Arg::Ptr(0),
-                        Arg::I32(hidden as i32),
-                        Arg::F32(eps),
-                    ],
-                )?;
-                // SAFETY: h is [n, hidden] bf16, the weight [qkv_dim, hidden], qkv [n, qkv_dim] f32.
-                unsafe {
-                    d.linear(
-                        qkv,
-                        h,
-                        d.addr(&layer.qkv.weight, 0),
-                        n,
-                        hidden,
-                        qkv_dim,
-                        false,
-                    )
-                }?;
-                d.launch(
-                    &k.qkv_rope_store,
-                    plan::per_row(n, qkv_dim),
-                    &[
-                        Arg::Ptr(qkv),
-                        Arg::Ptr(opt(&layer.qkv.bias)),
-                        Arg::Ptr(cos),
-                        Arg::Ptr(sin),
-                        Arg::Ptr(rope_rows),
-                        Arg::Ptr(slots),
-                        Arg::Ptr(k_slab),
-                        Arg::Ptr(v_slab),
-                        Arg::I32(nh as i32),
-                        Arg::I32(nkv as i32),
-                        Arg::I32(head_dim as i32),
-                    ],
-                )?;
-                d.launch(
-                    &k.paged_attention,
-                    plan::attention(n, nkv, split),
-                    &[
-                        Arg::Ptr(attn),
-                        Arg::Ptr(qkv),
-                        Arg::Ptr(k_slab),
-                        Arg::Ptr(v_slab),
-                        Arg::Ptr(tables),
-                        Arg::Ptr(token_seq),
-                        Arg::Ptr(token_pos),
-                        Arg::I32(max_blocks as i32),
-                        Arg::I32(qkv_dim as i32),
-                        Arg::I32(nkv as i32),
-                        Arg::I32(bs as i32),
-                        Arg::F32(scale),
-                        Arg::I32(split.part_len as i32),
-                        Arg::Ptr(part_acc),
-                        Arg::Ptr(part_ml),
-                    ],
-                )?;
-                if split.splits > 1 {
-                    d.launch(
-                        &k.attention_combine,
-                        plan::attention_combine(n, nkv),
-                        &[
-                            Arg::Ptr(attn),
-                            Arg::Ptr(part_acc),
-                            Arg::Ptr(part_ml),
-                            Arg::I32(nkv as i32),
-                            Arg::I32(split.splits as i32),
-                        ],
-                    )?;
-                }
-                // SAFETY: attn is [n, q_dim] bf16, o is [hidden, q_dim], x is [n, hidden] f32.
-                unsafe { d.linear(x, attn, d.addr(&layer.o.weight, 0), n, q_dim, hidden, true) }?;
-                if let Some(b) = &layer.o.bias {
-                    add_bias(d, x, d.addr(b, 0), hidden, n * hidden)?;
-                }
-                // MLP block.
-                d.launch(
-                    &k.rms_norm,
-                    plan::per_row(n, hidden),
-                    &[
-                        Arg::Ptr(h),
-                        Arg::Ptr(x),
-                        Arg::Ptr(d.addr(&layer.post_norm, 0)),
-                        Arg::Ptr(0),
-                        Arg::I32(hidden as i32),
-                        Arg::F32(eps),
-                    ],
-                )?;
-                // SAFETY: h is [n, hidden], gate_up [2·inter, hidden], out [n, 2·inter] f32.
-                unsafe {
-                    d.linear(
-                        gate_up,
-                        h,
-                        d.addr(&layer.gate_up.weight, 0),
-                        n,
-                        hidden,
-                        2 * inter,
-                        false,
-                    )
-                }?;
-                d.launch(
-                    &k.swiglu,
-                    plan::grid_stride(n * inter, d.max_blocks),
-                    &[
-                        Arg::Ptr(act),
-                        Arg::Ptr(gate_up),
-                        Arg::Ptr(opt(&layer.gate_up.bias)),
-                        Arg::I32(inter as i32),
-                        Arg::I32(n as i32),
-                    ],
-                )?;
-                // SAFETY: act is [n, inter] bf16, down [hidden, inter], x [n, hidden] f32.
-                unsafe {
-                    d.linear(
-                        x,
-                        act,
-                        d.addr(&layer.down.weight, 0),
-                        n,
-                        inter,
-                        hidden,
-                        true,
-                    )
-                }?;
-                if let Some(b) = &layer.down.bias {
-                    add_bias(d, x, d.addr(b, 0), hidden, n * hidden)?;
-                }
+            for (li, layer) in self.weights.layers.iter().enumerate() {
+                self.enqueue_attention(li, layer, a)?;
+                self.enqueue_mlp(layer, a)?;
             }
-            if r == 0 {
+            self.enqueue_logits(a)
+        }
+
+        /// Normalises the rows of `x` (or the rows `rows` names, when not
+        /// 0) into `h` with the norm weight `norm`.
+        fn enqueue_rms_norm(
+            &self,
+            a: &StepAddrs,
+            count: usize,
+            norm: &CudaSlice<f32>,
+            rows: u64,
+        ) -> Result<(), EngineError> {
+            let (d, c) = (&self.device, &self.weights.config);
+            d.launch(
+                &d.kernels.rms_norm,
+                plan::per_row(count, c.hidden_size),
+                &[
+                    Arg::Ptr(a.h),
+                    Arg::Ptr(a.x),
+                    Arg::Ptr(d.addr(norm, 0)),
+                    Arg::Ptr(rows),
+                    Arg::I32(c.hidden_size as i32),
+                    Arg::F32(c.rms_norm_eps),
+                ],
+            )
+        }
+
+        /// Layer `li`'s attention block: norm, QKV projection, RoPE and
+        /// the store of K/V into the paged cache, paged attention (split
+        /// and combined when the plan says so), output projection added
+        /// into the residual `x`.
+        fn enqueue_attention(
+            &self,
+            li: usize,
+            layer: &DeviceLayer,
+            a: &StepAddrs,
+        ) -> Result<(), EngineError> {
+            let c = &self.weights.config;
+            let (hidden, head_dim) = (c.hidden_size, c.head_dim);
+            let (nh, nkv) = (c.num_attention_heads, c.num_key_value_heads);
+            let (q_dim, qkv_dim) = (nh * head_dim, c.qkv_dim());
+            let (d, n, split) = (&self.device, a.n, a.split);
+            let k = &d.kernels;
+            let k_slab = d.addr(&self.kv, 2 * li * self.num_blocks * self.chunk);
+            let v_slab = d.addr(&self.kv, (2 * li + 1) * self.num_blocks * self.chunk);
+            self.enqueue_rms_norm(a, n, &layer.input_norm, 0)?;
+            // SAFETY: h is [n, hidden] bf16, the weight [qkv_dim, hidden], qkv [n, qkv_dim] f32.
+            unsafe {
+                d.linear(
+                    a.qkv,
+                    a.h,
+                    d.addr(&layer.qkv.weight, 0),
+                    n,
+                    hidden,
+                    qkv_dim,
+                    false,
+                )
+            }?;
+            d.launch(
+                &k.qkv_rope_store,
+                plan::per_row(n, qkv_dim),
+                &[
+                    Arg::Ptr(a.qkv),
+                    Arg::Ptr(optional_addr(d, &layer.qkv.bias)),
+                    Arg::Ptr(a.cos),
+                    Arg::Ptr(a.sin),
+                    Arg::Ptr(a.rope_rows),
+                    Arg::Ptr(a.slots),
+                    Arg::Ptr(k_slab),
+                    Arg::Ptr(v_slab),
+                    Arg::I32(nh as i32),
+                    Arg::I32(nkv as i32),
+                    Arg::I32(head_dim as i32),
+                ],
+            )?;
+            d.launch(
+                &k.paged_attention,
+                plan::attention(n, nkv, split),
+                &[
+                    Arg::Ptr(a.attn),
+                    Arg::Ptr(a.qkv),
+                    Arg::Ptr(k_slab),
+                    Arg::Ptr(v_slab),
+                    Arg::Ptr(a.tables),
+                    Arg::Ptr(a.token_seq),
+                    Arg::Ptr(a.token_pos),
+                    Arg::I32(a.max_blocks as i32),
+                    Arg::I32(qkv_dim as i32),
+                    Arg::I32(nkv as i32),
+                    Arg::I32(self.layout.block_size as i32),
+                    Arg::F32(1.0 / (head_dim as f32).sqrt()),
+                    Arg::I32(split.part_len as i32),
+                    Arg::Ptr(a.part_acc),
+                    Arg::Ptr(a.part_ml),
+                ],
+            )?;
+            if split.splits > 1 {
+                d.launch(
+                    &k.attention_combine,
+                    plan::attention_combine(n, nkv),
+                    &[
+                        Arg::Ptr(a.attn),
+                        Arg::Ptr(a.part_acc),
+                        Arg::Ptr(a.part_ml),
+                        Arg::I32(nkv as i32),
+                        Arg::I32(split.splits as i32),
+                    ],
+                )?;
+            }
+            // SAFETY: attn is [n, q_dim] bf16, o is [hidden, q_dim], x is [n, hidden] f32.
+            unsafe {
+                d.linear(
+                    a.x,
+                    a.attn,
+                    d.addr(&layer.o.weight, 0),
+                    n,
+                    q_dim,
+                    hidden,
+                    true,
+                )
+            }?;
+            if let Some(b) = &layer.o.bias {
+                add_bias(d, a.x, d.addr(b, 0), hidden, n * hidden)?;
+            }
+            Ok(())
+        }
+
+        /// A layer's MLP block: norm, gate/up projection, SwiGLU, down
+        /// projection added into the residual `x`.
+        fn enqueue_mlp(&self, layer: &DeviceLayer, a: &StepAddrs) -> Result<(), EngineError> {
+            let c = &self.weights.config;
+            let (hidden, inter) = (c.hidden_size, c.intermediate_size);
+            let (d, n) = (&self.device, a.n);
+            self.enqueue_rms_norm(a, n, &layer.post_norm, 0)?;
+            // SAFETY: h is [n, hidden], gate_up [2·inter, hidden], out [n, 2·inter] f32.
+            unsafe {
+                d.linear(
+                    a.gate_up,
+                    a.h,
+                    d.addr(&layer.gate_up.weight, 0),
+                    n,
+                    hidden,
+                    2 * inter,
+                    false,
+                )
+            }?;
+            d.launch(
+                &d.kernels.swiglu,
+                plan::grid_stride(n * inter, d.max_blocks),
+                &[
+                    Arg::Ptr(a.act),
+                    Arg::Ptr(a.gate_up),
+                    Arg::Ptr(optional_addr(d, &layer.gate_up.bias)),
+                    Arg::I32(inter as i32),
+                    Arg::I32(n as i32),
+                ],
+            )?;
+            // SAFETY: act is [n, inter] bf16, down [hidden, inter], x [n, hidden] f32.
+            unsafe {
+                d.linear(
+                    a.x,
+                    a.act,
+                    d.addr(&layer.down.weight, 0),
+                    n,
+                    inter,
+                    hidden,
+                    true,
+                )
+            }?;
+            if let Some(b) = &layer.down.bias {
+                add_bias(d, a.x, d.addr(b, 0), hidden, n * hidden)?;
+            }
+            Ok(())
+        }
+
+        /// The final norm of the rows that need logits, then lm_head into
+        /// `logits`; nothing when no row does.
+        fn enqueue_logits(&self, a: &StepAddrs) -> Result<(), EngineError> {
+            if a.r == 0 {
                 return Ok(());
             }
-            // Final norm of the rows that need logits, then lm_head.
-            d.launch(
-                &k.rms_norm,
-                plan::per_row(r, hidden),
-                &[
-                    Arg::Ptr(h),
-                    Arg::Ptr(x),
-                    Arg::Ptr(d.addr(&w.final_norm, 0)),
-                    Arg::Ptr(logit_rows),
-                    Arg::I32(hidden as i32),
-                    Arg::F32(eps),
-                ],
-            )?;
+            let (d, w) = (&self.device, &self.weights);
+            let (hidden, vocab) = (w.config.hidden_size, w.config.vocab_size);
+            self.enqueue_rms_norm(a, a.r, &w.final_norm, a.logit_rows)?;
             // SAFETY: h holds r normalised rows, lm_head is [vocab, hidden], logits [r, vocab] f32.
-            unsafe { d.linear(a.logits, h, d.addr(w.lm_head(), 0), r, hidden, vocab, false) }?;
-            Ok(())
+            unsafe {
+                d.linear(
+                    a.logits,
+                    a.h,
+                    d.addr(w.lm_head(), 0),
+                    a.r,
+                    hidden,
+                    vocab,
+                    false,
+                )
+            }
         }
 
         /// The arguments of `kv_pack`/`kv_unpack` for block `id`.
