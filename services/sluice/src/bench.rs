@@ -421,27 +421,10 @@ impl Run {
         }
         if let Some((kind, detail)) = cut {
             tasks.abort_all();
-            let now = Instant::now();
-            for (_, mut rec) in in_flight.drain() {
-                rec.e2e_ms = (now - start).as_secs_f64() * 1000.0 - rec.sent_ms;
-                rec.error = Some(RequestError {
-                    kind: kind.into(),
-                    detail: detail.clone(),
-                    retry_after: None,
-                });
-                records.push(rec);
-            }
-            for p in pending {
-                let mut rec = RequestRecord::unanswered(&p, start, now);
-                rec.sent_ms = f64::NAN;
-                rec.error = Some(RequestError {
-                    kind: "not_sent".into(),
-                    detail: format!("{detail} first"),
-                    retry_after: None,
-                });
-                records.push(rec);
-            }
-            last_done = now;
+            last_done = Instant::now();
+            records.extend(cut_short(
+                in_flight, pending, kind, &detail, start, last_done,
+            ));
         }
         if self.progress {
             progress_line(
@@ -457,6 +440,39 @@ impl Run {
         let duration = last_done.saturating_duration_since(first_sent.unwrap_or(start));
         (records, duration.as_secs_f64())
     }
+}
+
+/// The records of a run cut short at `now` (by its deadline or a signal):
+/// the requests in flight fail with `kind`, those never sent fail as
+/// `not_sent`, both saying why.
+fn cut_short(
+    in_flight: HashMap<usize, RequestRecord>,
+    pending: impl Iterator<Item = Planned>,
+    kind: &str,
+    detail: &str,
+    start: Instant,
+    now: Instant,
+) -> Vec<RequestRecord> {
+    let error = |kind: &str, detail: String| {
+        Some(RequestError {
+            kind: kind.into(),
+            detail,
+            retry_after: None,
+        })
+    };
+    let mut records = Vec::new();
+    for (_, mut rec) in in_flight {
+        rec.e2e_ms = (now - start).as_secs_f64() * 1000.0 - rec.sent_ms;
+        rec.error = error(kind, detail.to_string());
+        records.push(rec);
+    }
+    for p in pending {
+        let mut rec = RequestRecord::unanswered(&p, start, now);
+        rec.sent_ms = f64::NAN;
+        rec.error = error("not_sent", format!("{detail} first"));
+        records.push(rec);
+    }
+    records
 }
 
 /// One stderr line, rewritten in place.

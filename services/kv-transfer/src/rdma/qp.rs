@@ -177,6 +177,93 @@ pub struct Connection {
     state: Mutex<WriteState>,
 }
 
+/// The options' port of `device`, checked active, and the GID to use on it
+/// (zero where the link is InfiniBand and no GID was asked for).
+fn active_port(
+    device: &Device,
+    options: &ConnectionOptions,
+) -> Result<(PortInfo, [u8; 16]), KvTransferError> {
+    let port = device.query_port(options.port)?;
+    if !port.is_active() {
+        return Err(rdma_err(format!(
+            "port {} of {} is not active (state {})",
+            options.port,
+            device.name(),
+            super::port_state_name(port.state)
+        )));
+    }
+    let gid = if port.is_ethernet() || options.use_gid {
+        device.query_gid(options.port, options.sgid_index)?
+    } else {
+        [0; 16]
+    };
+    Ok((port, gid))
+}
+
+/// A completion queue on `device` deep enough for the options' send WRs
+/// and the receive queue. The caller owns it (`ibv_destroy_cq`).
+fn create_cq(
+    device: &Device,
+    options: &ConnectionOptions,
+) -> Result<*mut ffi::IbvCq, KvTransferError> {
+    let cqe = c_int::try_from(options.max_send_wr.saturating_add(MAX_RECV_WR))
+        .map_err(|_| rdma_err(format!("max_send_wr {} is too large", options.max_send_wr)))?;
+    // SAFETY: the context is live; no completion channel, vector 0.
+    let cq = unsafe {
+        ffi::ibv_create_cq(
+            device.inner.context,
+            cqe,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            0,
+        )
+    };
+    if cq.is_null() {
+        return Err(rdma_err(format!(
+            "ibv_create_cq({cqe}) on {}: {}",
+            device.name(),
+            std::io::Error::last_os_error()
+        )));
+    }
+    Ok(cq)
+}
+
+/// An RC queue pair on `device`'s PD whose send and receive completions
+/// go to `cq`. On failure `cq` is destroyed; on success the caller owns
+/// both (`ibv_destroy_qp`, then `ibv_destroy_cq`).
+fn create_qp(
+    device: &Device,
+    cq: *mut ffi::IbvCq,
+    options: &ConnectionOptions,
+) -> Result<*mut ffi::IbvQp, KvTransferError> {
+    let mut init = ffi::IbvQpInitAttr::zeroed();
+    init.send_cq = cq;
+    init.recv_cq = cq;
+    init.cap = ffi::IbvQpCap {
+        max_send_wr: options.max_send_wr,
+        max_recv_wr: MAX_RECV_WR,
+        max_send_sge: MAX_SEND_SGE,
+        max_recv_sge: MAX_RECV_SGE,
+        max_inline_data: 0,
+    };
+    init.qp_type = ffi::IBV_QPT_RC;
+    init.sq_sig_all = 0;
+    // SAFETY: the PD and `cq` are live; `init` is a filled-in
+    // `ibv_qp_init_attr` the call may write the granted caps back into.
+    let qp = unsafe { ffi::ibv_create_qp(device.inner.pd, &mut init) };
+    if qp.is_null() {
+        let why = std::io::Error::last_os_error();
+        // SAFETY: `cq` was created by `create_cq` and nothing else uses it.
+        unsafe { ffi::ibv_destroy_cq(cq) };
+        return Err(rdma_err(format!(
+            "ibv_create_qp(RC, {} send WRs) on {}: {why}",
+            options.max_send_wr,
+            device.name()
+        )));
+    }
+    Ok(qp)
+}
+
 // SAFETY: verbs QP and CQ handles may be used from any thread (providers
 // lock their queues). `connect` takes `&mut self`; `write`, the only other
 // user of the handles, holds `state`'s lock throughout, so the send queue and
@@ -201,67 +288,9 @@ impl Connection {
         if options.max_send_wr == 0 {
             return Err(rdma_err("max_send_wr must be at least 1"));
         }
-        let cqe = c_int::try_from(options.max_send_wr.saturating_add(MAX_RECV_WR))
-            .map_err(|_| rdma_err(format!("max_send_wr {} is too large", options.max_send_wr)))?;
-
-        let port = device.query_port(options.port)?;
-        if !port.is_active() {
-            return Err(rdma_err(format!(
-                "port {} of {} is not active (state {})",
-                options.port,
-                device.name(),
-                super::port_state_name(port.state)
-            )));
-        }
-        let gid = if port.is_ethernet() || options.use_gid {
-            device.query_gid(options.port, options.sgid_index)?
-        } else {
-            [0; 16]
-        };
-
-        // SAFETY: the context is live; no completion channel, vector 0.
-        let cq = unsafe {
-            ffi::ibv_create_cq(
-                device.inner.context,
-                cqe,
-                std::ptr::null_mut(),
-                std::ptr::null_mut(),
-                0,
-            )
-        };
-        if cq.is_null() {
-            return Err(rdma_err(format!(
-                "ibv_create_cq({cqe}) on {}: {}",
-                device.name(),
-                std::io::Error::last_os_error()
-            )));
-        }
-
-        let mut init = ffi::IbvQpInitAttr::zeroed();
-        init.send_cq = cq;
-        init.recv_cq = cq;
-        init.cap = ffi::IbvQpCap {
-            max_send_wr: options.max_send_wr,
-            max_recv_wr: MAX_RECV_WR,
-            max_send_sge: MAX_SEND_SGE,
-            max_recv_sge: MAX_RECV_SGE,
-            max_inline_data: 0,
-        };
-        init.qp_type = ffi::IBV_QPT_RC;
-        init.sq_sig_all = 0;
-        // SAFETY: the PD and `cq` are live; `init` is a filled-in
-        // `ibv_qp_init_attr` the call may write the granted caps back into.
-        let qp = unsafe { ffi::ibv_create_qp(device.inner.pd, &mut init) };
-        if qp.is_null() {
-            let why = std::io::Error::last_os_error();
-            // SAFETY: `cq` was created above and nothing else uses it.
-            unsafe { ffi::ibv_destroy_cq(cq) };
-            return Err(rdma_err(format!(
-                "ibv_create_qp(RC, {} send WRs) on {}: {why}",
-                options.max_send_wr,
-                device.name()
-            )));
-        }
+        let (port, gid) = active_port(device, &options)?;
+        let cq = create_cq(device, &options)?;
+        let qp = create_qp(device, cq, &options)?;
         // SAFETY: `qp` is a live `struct ibv_qp` just returned.
         let qpn = unsafe { (*qp).qp_num };
 
@@ -284,23 +313,27 @@ impl Connection {
                 broken: None,
             }),
         };
+        conn.to_init()?;
+        let local = conn.local;
+        Ok((conn, local))
+    }
 
+    /// Moves the fresh QP to INIT on its port, open to remote writes.
+    fn to_init(&self) -> Result<(), KvTransferError> {
         let mut attr = ffi::IbvQpAttr::zeroed();
         attr.qp_state = ffi::IBV_QPS_INIT;
         attr.pkey_index = 0;
-        attr.port_num = conn.options.port;
+        attr.port_num = self.options.port;
         attr.qp_access_flags =
             (ffi::IBV_ACCESS_LOCAL_WRITE | ffi::IBV_ACCESS_REMOTE_WRITE) as c_uint;
-        conn.modify(
+        self.modify(
             "INIT",
             &mut attr,
             ffi::IBV_QP_STATE
                 | ffi::IBV_QP_PKEY_INDEX
                 | ffi::IBV_QP_PORT
                 | ffi::IBV_QP_ACCESS_FLAGS,
-        )?;
-        let local = conn.local;
-        Ok((conn, local))
+        )
     }
 
     /// What this side sends the peer (also returned by `new`).
