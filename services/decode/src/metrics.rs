@@ -2,11 +2,9 @@
 //! remote prefill outcomes and known prefill peers, preemptions by request priority and the tokens
 //! they made the engine compute again, and each rank's scheduler load.
 
-use prometheus::{
-    GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry,
-};
+use prometheus::{GaugeVec, Histogram, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Registry};
 use sluice_engine::LoadStats;
+use sluice_runtime::metrics::Registrar;
 
 /// Every metric one worker exports, in its own registry.
 #[derive(Debug, Clone)]
@@ -43,96 +41,67 @@ impl WorkerMetrics {
     pub fn new(worker_id: &str) -> Result<Self, prometheus::Error> {
         let labels = [("worker_id".to_owned(), worker_id.to_owned())].into();
         let registry = Registry::new_custom(None, Some(labels))?;
-        let requests = IntCounterVec::new(
-            Opts::new(
-                "sluice_worker_requests_total",
-                "Finished requests by reason",
-            ),
-            &["reason"],
-        )?;
-        let generated_tokens =
-            IntCounter::new("sluice_worker_generated_tokens_total", "Tokens generated")?;
-        let ttft = Histogram::with_opts(
-            HistogramOpts::new(
-                "sluice_worker_ttft_seconds",
-                "Time from Generate to the first token on this worker",
-            )
-            .buckets(vec![
-                0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-            ]),
-        )?;
-        let remote_prefill = IntCounterVec::new(
-            Opts::new(
-                "sluice_worker_remote_prefill_total",
-                "Remote prefill attempts by outcome (ok, fallback reason)",
-            ),
-            &["outcome"],
-        )?;
-        let prefill_peers = IntGauge::new(
-            "sluice_worker_prefill_peers",
-            "Prefill workers known from discovery (the only ones this worker dials)",
-        )?;
-        let rank_gauge =
-            |name: &str, help: &str| IntGaugeVec::new(Opts::new(name, help), &["rank"]);
-        let running = rank_gauge(
-            "sluice_worker_running_sequences",
-            "Running sequences, by engine rank",
-        )?;
-        let waiting = rank_gauge(
-            "sluice_worker_waiting_sequences",
-            "Waiting sequences, by engine rank",
-        )?;
-        let kv_usage = GaugeVec::new(
-            Opts::new(
-                "sluice_worker_kv_usage",
-                "Fraction of KV blocks in use, by engine rank",
-            ),
-            &["rank"],
-        )?;
-        let balance_held_steps = rank_gauge(
-            "sluice_worker_balance_held_steps",
-            "Steps where balance scheduling held admission back (cumulative), by engine rank",
-        )?;
-        let preemptions = rank_gauge(
-            "sluice_worker_preemptions",
-            "Preemptions so far, by engine rank",
-        )?;
-        let preemptions_total = IntCounterVec::new(
-            Opts::new(
+        let r = Registrar(&registry);
+        let rank = &["rank"];
+        Ok(Self {
+            preemptions_total: r.counter_vec(
                 "sluice_worker_preemptions_total",
                 "Preemptions of requests, by request priority",
-            ),
-            &["priority"],
-        )?;
-        let recomputed_tokens = IntCounter::new(
-            "sluice_worker_recomputed_tokens_total",
-            "Tokens computed again after a preemption",
-        )?;
-        registry.register(Box::new(preemptions_total.clone()))?;
-        registry.register(Box::new(recomputed_tokens.clone()))?;
-        for m in [&running, &waiting, &balance_held_steps, &preemptions] {
-            registry.register(Box::new(m.clone()))?;
-        }
-        registry.register(Box::new(kv_usage.clone()))?;
-        registry.register(Box::new(requests.clone()))?;
-        registry.register(Box::new(generated_tokens.clone()))?;
-        registry.register(Box::new(ttft.clone()))?;
-        registry.register(Box::new(remote_prefill.clone()))?;
-        registry.register(Box::new(prefill_peers.clone()))?;
-        Ok(Self {
+                &["priority"],
+            )?,
+            recomputed_tokens: r.counter(
+                "sluice_worker_recomputed_tokens_total",
+                "Tokens computed again after a preemption",
+            )?,
+            running: r.gauge_vec(
+                "sluice_worker_running_sequences",
+                "Running sequences, by engine rank",
+                rank,
+            )?,
+            waiting: r.gauge_vec(
+                "sluice_worker_waiting_sequences",
+                "Waiting sequences, by engine rank",
+                rank,
+            )?,
+            balance_held_steps: r.gauge_vec(
+                "sluice_worker_balance_held_steps",
+                "Steps where balance scheduling held admission back (cumulative), by engine rank",
+                rank,
+            )?,
+            preemptions: r.gauge_vec(
+                "sluice_worker_preemptions",
+                "Preemptions so far, by engine rank",
+                rank,
+            )?,
+            kv_usage: r.float_gauge_vec(
+                "sluice_worker_kv_usage",
+                "Fraction of KV blocks in use, by engine rank",
+                rank,
+            )?,
+            requests: r.counter_vec(
+                "sluice_worker_requests_total",
+                "Finished requests by reason",
+                &["reason"],
+            )?,
+            generated_tokens: r
+                .counter("sluice_worker_generated_tokens_total", "Tokens generated")?,
+            ttft: r.histogram(
+                "sluice_worker_ttft_seconds",
+                "Time from Generate to the first token on this worker",
+                &[
+                    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                ],
+            )?,
+            remote_prefill: r.counter_vec(
+                "sluice_worker_remote_prefill_total",
+                "Remote prefill attempts by outcome (ok, fallback reason)",
+                &["outcome"],
+            )?,
+            prefill_peers: r.gauge(
+                "sluice_worker_prefill_peers",
+                "Prefill workers known from discovery (the only ones this worker dials)",
+            )?,
             registry,
-            requests,
-            generated_tokens,
-            ttft,
-            remote_prefill,
-            prefill_peers,
-            running,
-            waiting,
-            kv_usage,
-            balance_held_steps,
-            preemptions,
-            preemptions_total,
-            recomputed_tokens,
         })
     }
 }

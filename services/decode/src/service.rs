@@ -196,103 +196,112 @@ fn response_stream(
     admitted: Admitted,
     span: tracing::Span,
 ) -> BoxStream<pb::GenerateResponse> {
-    let Admitted {
-        prompt_tokens,
-        cached_tokens,
-        prefill_worker_id,
-        unplaced,
-        priority,
-    } = admitted;
-    struct St {
-        core: Arc<WorkerCore>,
-        stream: GenerateStream,
-        first: bool,
-        done: bool,
-        prefill_worker_id: String,
-        prompt_tokens: usize,
-        cached_tokens: usize,
-        started: Instant,
-        /// Dropped with the stream: the request's end.
-        unplaced: Option<UnplacedGuard>,
-        /// The request's priority, as the preemption counter's label.
-        priority: String,
-        /// Preemption cost already counted.
-        preemption: sluice_engine::Preemption,
-        span: tracing::Span,
-    }
-    let st = St {
+    let reply = Reply {
         core,
         stream,
         first: true,
         done: false,
-        prefill_worker_id,
-        prompt_tokens,
-        cached_tokens,
         started: Instant::now(),
-        unplaced,
-        priority: priority.to_string(),
+        priority: admitted.priority.to_string(),
+        admitted,
         preemption: Default::default(),
         span,
     };
-    Box::pin(futures::stream::unfold(st, |mut st| async move {
-        if st.done {
+    Box::pin(futures::stream::unfold(reply, |mut reply| async move {
+        if reply.done {
             return None;
         }
-        let out = st.stream.recv().await?;
-        let p = out.preemption;
-        if p.count > st.preemption.count || p.recomputed_tokens > st.preemption.recomputed_tokens {
-            st.core
-                .metrics
-                .record_preemption(&st.priority, st.preemption, p);
-            st.preemption = p;
-            record_preemption(&st.span, p);
-        }
+        let out = reply.stream.recv().await?;
+        let msg = reply.message(out);
+        Some((Ok(msg), reply))
+    }))
+}
+
+/// One request's stream of replies, as it is written.
+struct Reply {
+    core: Arc<WorkerCore>,
+    stream: GenerateStream,
+    first: bool,
+    done: bool,
+    /// What admission learned; its `unplaced` guard is dropped with the
+    /// stream: the request's end.
+    admitted: Admitted,
+    started: Instant,
+    /// The request's priority, as the preemption counter's label.
+    priority: String,
+    /// Preemption cost already counted.
+    preemption: sluice_engine::Preemption,
+    span: tracing::Span,
+}
+
+impl Reply {
+    /// The wire message for one engine output, counting what it reports.
+    fn message(&mut self, out: sluice_engine::Output) -> pb::GenerateResponse {
+        self.note_preemption(out.preemption);
         let mut msg = pb::GenerateResponse {
             token_ids: out.token_ids,
             logprobs: out.logprobs.iter().map(convert::logprobs_to_wire).collect(),
-            worker_id: st.core.id.clone(),
+            worker_id: self.core.id.clone(),
             ..Default::default()
         };
-        if st.first {
-            st.first = false;
-            if let Some(u) = st.unplaced.as_mut() {
-                u.started();
-            }
-            st.core
-                .metrics
-                .ttft
-                .observe(st.started.elapsed().as_secs_f64());
-            msg.usage = Some(sluice_proto::common::v1::Usage {
-                prompt_tokens: st.prompt_tokens as u32,
-                completion_tokens: 0,
-                cached_tokens: st.cached_tokens as u32,
-            });
-            msg.prefill_worker_id = st.prefill_worker_id.clone();
+        if self.first {
+            self.first = false;
+            self.first_token(&mut msg);
         }
         if let Some(f) = out.finished {
-            st.done = true;
-            msg.finish_reason = convert::finish_reason(f.reason) as i32;
-            let mut usage = convert::usage(f.usage);
-            if !st.prefill_worker_id.is_empty() {
-                usage.cached_tokens = usage.cached_tokens.max(st.cached_tokens as u32);
-            }
-            msg.usage = Some(usage);
-            msg.prefill_worker_id = st.prefill_worker_id.clone();
-            st.core
-                .metrics
-                .requests
-                .with_label_values(&[finish_label(f.reason)])
-                .inc();
-            st.core
-                .metrics
-                .generated_tokens
-                .inc_by(f.usage.completion_tokens as u64);
-            st.span
-                .record("completion_tokens", f.usage.completion_tokens);
-            record_preemption(&st.span, st.preemption);
+            self.done = true;
+            self.finished(&mut msg, f);
         }
-        Some((Ok(msg), st))
-    }))
+        msg
+    }
+
+    /// Counts preemptions and recomputed tokens as they grow.
+    fn note_preemption(&mut self, p: sluice_engine::Preemption) {
+        let seen = self.preemption;
+        if p.count > seen.count || p.recomputed_tokens > seen.recomputed_tokens {
+            self.core.metrics.record_preemption(&self.priority, seen, p);
+            self.preemption = p;
+            record_preemption(&self.span, p);
+        }
+    }
+
+    /// The first message: TTFT observed, the usage known at admission.
+    fn first_token(&mut self, msg: &mut pb::GenerateResponse) {
+        let a = &mut self.admitted;
+        if let Some(u) = a.unplaced.as_mut() {
+            u.started();
+        }
+        self.core
+            .metrics
+            .ttft
+            .observe(self.started.elapsed().as_secs_f64());
+        msg.usage = Some(sluice_proto::common::v1::Usage {
+            prompt_tokens: a.prompt_tokens as u32,
+            completion_tokens: 0,
+            cached_tokens: a.cached_tokens as u32,
+        });
+        msg.prefill_worker_id = a.prefill_worker_id.clone();
+    }
+
+    /// The last message: final usage and finish reason, counted.
+    fn finished(&mut self, msg: &mut pb::GenerateResponse, f: sluice_engine::Finished) {
+        let a = &self.admitted;
+        msg.finish_reason = convert::finish_reason(f.reason) as i32;
+        let mut usage = convert::usage(f.usage);
+        if !a.prefill_worker_id.is_empty() {
+            usage.cached_tokens = usage.cached_tokens.max(a.cached_tokens as u32);
+        }
+        msg.usage = Some(usage);
+        msg.prefill_worker_id = a.prefill_worker_id.clone();
+        let m = &self.core.metrics;
+        m.requests
+            .with_label_values(&[finish_label(f.reason)])
+            .inc();
+        m.generated_tokens.inc_by(f.usage.completion_tokens as u64);
+        self.span
+            .record("completion_tokens", f.usage.completion_tokens);
+        record_preemption(&self.span, self.preemption);
+    }
 }
 
 /// Puts a request's preemption cost on its `worker.generate` span.

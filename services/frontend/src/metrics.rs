@@ -4,7 +4,8 @@
 
 use std::sync::Arc;
 
-use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::{HistogramVec, IntCounterVec, IntGauge, Registry};
+use sluice_runtime::metrics::Registrar;
 use sluice_runtime::tenant_labels::TenantLabels;
 
 /// Tenants with a label of their own in the per-tenant metrics.
@@ -32,78 +33,49 @@ const LATENCY_BUCKETS: &[f64] = &[
 impl Metrics {
     pub(crate) fn new() -> Result<Self, prometheus::Error> {
         let registry = Registry::new();
-        let h = |name: &str, help: &str| {
-            HistogramVec::new(
-                HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec()),
-                &["priority"],
-            )
-        };
-        let ttft = h(
-            "sluice_frontend_ttft_seconds",
-            "Time to first token, by request priority",
-        )?;
-        let itl = h(
-            "sluice_frontend_itl_seconds",
-            "Inter-token latency, by request priority",
-        )?;
-        let e2e = h(
-            "sluice_frontend_e2e_seconds",
-            "End-to-end request latency, by request priority",
-        )?;
-        let queue_wait = h(
-            "sluice_frontend_queue_wait_seconds",
-            "Time held by the admission queue, by priority",
-        )?;
-        let requests = IntCounterVec::new(
-            Opts::new(
-                "sluice_frontend_requests_total",
-                "Requests by endpoint and status code",
-            ),
-            &["endpoint", "code"],
-        )?;
-        let inflight = IntGauge::new("sluice_frontend_inflight_requests", "Requests being served")?;
-        let migrations = IntCounterVec::new(
-            Opts::new(
-                "sluice_frontend_migrations_total",
-                "Requests moved to another decode worker after theirs failed mid-stream, by outcome",
-            ),
-            &["outcome"],
-        )?;
-        let tenant_ttft = HistogramVec::new(
-            HistogramOpts::new(
+        let r = Registrar(&registry);
+        let latency =
+            |name: &str, help: &str| r.histogram_vec(name, help, LATENCY_BUCKETS, &["priority"]);
+        Ok(Self {
+            tenant_ttft: r.histogram_vec(
                 "sluice_frontend_tenant_ttft_seconds",
                 "Time to first token, by tenant (the top tenants by tokens, the rest as `other`)",
-            )
-            .buckets(LATENCY_BUCKETS.to_vec()),
-            &["tenant"],
-        )?;
-        registry.register(Box::new(tenant_ttft.clone()))?;
-        registry.register(Box::new(ttft.clone()))?;
-        registry.register(Box::new(itl.clone()))?;
-        registry.register(Box::new(e2e.clone()))?;
-        registry.register(Box::new(queue_wait.clone()))?;
-        registry.register(Box::new(requests.clone()))?;
-        registry.register(Box::new(inflight.clone()))?;
-        let failovers = IntCounterVec::new(
-            Opts::new(
+                LATENCY_BUCKETS,
+                &["tenant"],
+            )?,
+            ttft: latency(
+                "sluice_frontend_ttft_seconds",
+                "Time to first token, by request priority",
+            )?,
+            itl: latency(
+                "sluice_frontend_itl_seconds",
+                "Inter-token latency, by request priority",
+            )?,
+            e2e: latency(
+                "sluice_frontend_e2e_seconds",
+                "End-to-end request latency, by request priority",
+            )?,
+            queue_wait: latency(
+                "sluice_frontend_queue_wait_seconds",
+                "Time held by the admission queue, by priority",
+            )?,
+            requests: r.counter_vec(
+                "sluice_frontend_requests_total",
+                "Requests by endpoint and status code",
+                &["endpoint", "code"],
+            )?,
+            inflight: r.gauge("sluice_frontend_inflight_requests", "Requests being served")?,
+            migrations: r.counter_vec(
+                "sluice_frontend_migrations_total",
+                "Requests moved to another decode worker after theirs failed mid-stream, by outcome",
+                &["outcome"],
+            )?,
+            failovers: r.counter_vec(
                 "sluice_frontend_failovers_total",
                 "Calls that failed at one replica of a service and were tried at another, by service",
-            ),
-            &["service"],
-        )?;
-        registry.register(Box::new(migrations.clone()))?;
-        registry.register(Box::new(failovers.clone()))?;
-        Ok(Self {
+                &["service"],
+            )?,
             registry,
-            ttft,
-            itl,
-            e2e,
-            queue_wait,
-            requests,
-            inflight,
-            migrations,
-            failovers,
-            tenant_ttft,
             tenants: Arc::new(TenantLabels::new(TOP_TENANTS)),
         })
     }

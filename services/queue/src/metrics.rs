@@ -9,9 +9,8 @@
 
 use std::sync::Arc;
 
-use prometheus::{
-    HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
-};
+use prometheus::{HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Registry};
+use sluice_runtime::metrics::Registrar;
 use sluice_runtime::tenant_labels::TenantLabels;
 
 /// Tenants with a label of their own in the per-tenant metrics.
@@ -63,108 +62,68 @@ const WAIT_BUCKETS: &[f64] = &[
 impl QueueMetrics {
     /// Creates the collectors and registers them in `registry`.
     pub fn new(registry: &Registry) -> Result<Self, prometheus::Error> {
-        let pending_requests = IntGaugeVec::new(
-            Opts::new(
-                "sluice_queue_pending_requests",
-                "Requests held or being placed, by priority.",
-            ),
-            &["priority"],
-        )?;
-        let pending_tokens = IntGaugeVec::new(
-            Opts::new(
-                "sluice_queue_pending_tokens",
-                "Prompt tokens of pending requests, by priority.",
-            ),
-            &["priority"],
-        )?;
-        let wait_seconds = HistogramVec::new(
-            HistogramOpts::new(
-                "sluice_queue_wait_seconds",
-                "Time from admission to grant, by priority.",
-            )
-            .buckets(WAIT_BUCKETS.to_vec()),
-            &["priority"],
-        )?;
-        let grants = IntCounterVec::new(
-            Opts::new(
-                "sluice_queue_grants_total",
-                "Requests granted, by priority.",
-            ),
-            &["priority"],
-        )?;
-        let rejections = IntCounterVec::new(
-            Opts::new(
-                "sluice_queue_rejections_total",
-                "Requests refused or failed, by reason.",
-            ),
-            &["reason"],
-        )?;
-        let expiries = IntCounter::new(
-            "sluice_queue_expiries_total",
-            "Requests whose deadline passed while held.",
-        )?;
-        let cancellations = IntCounter::new(
-            "sluice_queue_cancellations_total",
-            "Requests whose client left before the grant.",
-        )?;
-        let active_leases = IntGauge::new(
-            "sluice_queue_active_leases",
-            "Granted leases not yet released.",
-        )?;
-        let tenant_tokens = IntCounterVec::new(
-            Opts::new(
+        let r = Registrar(registry);
+        let priority = &["priority"];
+        Ok(Self {
+            tenant_tokens: r.counter_vec(
                 "sluice_queue_tenant_served_tokens_total",
                 "Tokens charged to a tenant: prompt tokens not cached (kind=prompt) and output tokens (kind=output); top tenants by volume, the rest as `other`.",
-            ),
-            &["tenant", "kind"],
-        )?;
-        let tenant_wait = HistogramVec::new(
-            HistogramOpts::new(
+                &["tenant", "kind"],
+            )?,
+            tenant_wait: r.histogram_vec(
                 "sluice_queue_tenant_wait_seconds",
                 "Time from admission to grant, by tenant (top tenants, the rest as `other`).",
-            )
-            .buckets(WAIT_BUCKETS.to_vec()),
-            &["tenant"],
-        )?;
-        let tenant_rejections = IntCounterVec::new(
-            Opts::new(
+                WAIT_BUCKETS,
+                &["tenant"],
+            )?,
+            tenant_rejections: r.counter_vec(
                 "sluice_queue_tenant_rejections_total",
                 "Requests refused or failed, by tenant (top tenants, the rest as `other`) and reason.",
-            ),
-            &["tenant", "reason"],
-        )?;
-        registry.register(Box::new(tenant_tokens.clone()))?;
-        registry.register(Box::new(tenant_wait.clone()))?;
-        registry.register(Box::new(tenant_rejections.clone()))?;
-        registry.register(Box::new(pending_requests.clone()))?;
-        registry.register(Box::new(pending_tokens.clone()))?;
-        registry.register(Box::new(wait_seconds.clone()))?;
-        registry.register(Box::new(grants.clone()))?;
-        registry.register(Box::new(rejections.clone()))?;
-        registry.register(Box::new(expiries.clone()))?;
-        registry.register(Box::new(cancellations.clone()))?;
-        registry.register(Box::new(active_leases.clone()))?;
-        let view_workers = IntGaugeVec::new(
-            Opts::new(
+                &["tenant", "reason"],
+            )?,
+            pending_requests: r.gauge_vec(
+                "sluice_queue_pending_requests",
+                "Requests held or being placed, by priority.",
+                priority,
+            )?,
+            pending_tokens: r.gauge_vec(
+                "sluice_queue_pending_tokens",
+                "Prompt tokens of pending requests, by priority.",
+                priority,
+            )?,
+            wait_seconds: r.histogram_vec(
+                "sluice_queue_wait_seconds",
+                "Time from admission to grant, by priority.",
+                WAIT_BUCKETS,
+                priority,
+            )?,
+            grants: r.counter_vec(
+                "sluice_queue_grants_total",
+                "Requests granted, by priority.",
+                priority,
+            )?,
+            rejections: r.counter_vec(
+                "sluice_queue_rejections_total",
+                "Requests refused or failed, by reason.",
+                &["reason"],
+            )?,
+            expiries: r.counter(
+                "sluice_queue_expiries_total",
+                "Requests whose deadline passed while held.",
+            )?,
+            cancellations: r.counter(
+                "sluice_queue_cancellations_total",
+                "Requests whose client left before the grant.",
+            )?,
+            active_leases: r.gauge(
+                "sluice_queue_active_leases",
+                "Granted leases not yet released.",
+            )?,
+            view_workers: r.gauge_vec(
                 "sluice_queue_load_view_workers",
                 "Worker ranks in the latest load view from the router, by role",
-            ),
-            &["role"],
-        )?;
-        registry.register(Box::new(view_workers.clone()))?;
-        Ok(Self {
-            pending_requests,
-            pending_tokens,
-            wait_seconds,
-            grants,
-            rejections,
-            expiries,
-            cancellations,
-            active_leases,
-            view_workers,
-            tenant_tokens,
-            tenant_wait,
-            tenant_rejections,
+                &["role"],
+            )?,
             tenants: Arc::new(TenantLabels::new(TOP_TENANTS)),
         })
     }

@@ -37,11 +37,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use prometheus::{IntCounterVec, Opts, Registry};
+use prometheus::{IntCounterVec, Registry};
 use sluice_proto::router::v1 as router_pb;
 use sluice_proto::router::v1::place_request::Msg as PlaceMsg;
 use sluice_proto::router::v1::router_client::RouterClient;
 use sluice_runtime::grpc::TracedChannel;
+use sluice_runtime::metrics::Registrar;
 use sluice_runtime::{Discovery, DiscoveryEvent, Security};
 use tokio::sync::{Notify, mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
@@ -517,14 +518,11 @@ pub(crate) struct RouterPlacer {
 impl RouterPlacer {
     /// Places on `routers`; its failover counter goes into `registry`.
     pub(crate) fn new(routers: Routers, registry: &Registry) -> Result<Self, QueueError> {
-        let failovers = IntCounterVec::new(
-            Opts::new(
-                "sluice_queue_failovers_total",
-                "Placements a router failed (broke, no answer in time) that were asked of another router, by service",
-            ),
+        let failovers = Registrar(registry).counter_vec(
+            "sluice_queue_failovers_total",
+            "Placements a router failed (broke, no answer in time) that were asked of another router, by service",
             &["service"],
         )?;
-        registry.register(Box::new(failovers.clone()))?;
         Ok(Self {
             routers,
             prefill_models: Arc::default(),

@@ -1,9 +1,8 @@
 //! The router's Prometheus metrics, in its own [`Registry`] (several
 //! services in one process keep theirs apart).
 
-use prometheus::{
-    Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry,
-};
+use prometheus::{Histogram, HistogramVec, IntCounterVec, IntGaugeVec, Registry};
+use sluice_runtime::metrics::Registrar;
 
 use crate::pool::WorkerPool;
 
@@ -49,138 +48,82 @@ impl RouterMetrics {
     /// Creates and registers every metric in a fresh registry.
     pub fn new() -> Result<Self, prometheus::Error> {
         let registry = Registry::new();
-        let placements = IntCounterVec::new(
-            Opts::new(
-                "sluice_router_placements_total",
-                "Placements by pool, worker and mode.",
-            ),
-            &["pool", "worker", "mode"],
-        )?;
-        let block_buckets = vec![
+        let r = Registrar(&registry);
+        let pool = &["pool"];
+        let block_buckets = [
             0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0,
         ];
-        let overlap_blocks = HistogramVec::new(
-            HistogramOpts::new(
-                "sluice_router_overlap_blocks",
-                "Prompt blocks cached on the chosen worker.",
-            )
-            .buckets(block_buckets),
-            &["pool"],
-        )?;
-        let hit_rate = HistogramVec::new(
-            HistogramOpts::new(
-                "sluice_router_hit_rate",
-                "Fraction of prompt blocks cached on the chosen worker.",
-            )
-            .buckets(vec![0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]),
-            &["pool"],
-        )?;
-        let decision_seconds = Histogram::with_opts(
-            HistogramOpts::new(
-                "sluice_router_decision_seconds",
-                "Seconds per placement decision.",
-            )
-            .buckets(vec![
-                1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 1e-2,
-            ]),
-        )?;
-        let index_blocks = IntGaugeVec::new(
-            Opts::new("sluice_router_index_blocks", "Distinct blocks indexed."),
-            &["pool"],
-        )?;
-        let index_entries = IntGaugeVec::new(
-            Opts::new(
-                "sluice_router_index_entries",
-                "(worker, block) pairs indexed.",
-            ),
-            &["pool"],
-        )?;
-        let index_bytes = IntGaugeVec::new(
-            Opts::new(
-                "sluice_router_index_bytes",
-                "Estimated heap bytes of the block index.",
-            ),
-            &["pool"],
-        )?;
-        let workers = IntGaugeVec::new(
-            Opts::new("sluice_router_workers", "Targets in the pool."),
-            &["pool"],
-        )?;
-        let workers_joining = IntGaugeVec::new(
-            Opts::new(
-                "sluice_router_workers_joining",
-                "Targets whose first KV snapshot is still outstanding (not yet placeable on cache).",
-            ),
-            &["pool"],
-        )?;
-        let events_applied = IntCounterVec::new(
-            Opts::new("sluice_router_kv_events_total", "KV events applied."),
-            &["pool"],
-        )?;
-        let event_lag = Histogram::with_opts(
-            HistogramOpts::new(
-                "sluice_router_event_lag_seconds",
-                "Seconds from receiving a KV event batch to having applied it.",
-            )
-            .buckets(vec![1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1, 1.0]),
-        )?;
-        let resyncs = IntCounterVec::new(
-            Opts::new("sluice_router_resyncs_total", "Snapshot resyncs by reason."),
-            &["pool", "reason"],
-        )?;
-        let departures = IntCounterVec::new(
-            Opts::new(
-                "sluice_router_departures_total",
-                "Workers forgotten by reason.",
-            ),
-            &["pool", "reason"],
-        )?;
-        let placement_ends = IntCounterVec::new(
-            Opts::new(
+        let fractions = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0];
+        let decision_buckets = [
+            1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 1e-2,
+        ];
+        Ok(Self {
+            placement_ends: r.counter_vec(
                 "sluice_router_placement_ends_total",
                 "Placements that stopped counting as load, by reason (released by their client, expired orphans).",
-            ),
-            &["reason"],
-        )?;
-        let live_placements = IntGaugeVec::new(
-            Opts::new(
+                &["reason"],
+            )?,
+            live_placements: r.gauge_vec(
                 "sluice_router_live_placements",
                 "Placements counted as load now (orphans included).",
-            ),
-            &["pool"],
-        )?;
-        registry.register(Box::new(placement_ends.clone()))?;
-        registry.register(Box::new(live_placements.clone()))?;
-        registry.register(Box::new(placements.clone()))?;
-        registry.register(Box::new(overlap_blocks.clone()))?;
-        registry.register(Box::new(hit_rate.clone()))?;
-        registry.register(Box::new(decision_seconds.clone()))?;
-        registry.register(Box::new(index_blocks.clone()))?;
-        registry.register(Box::new(index_entries.clone()))?;
-        registry.register(Box::new(index_bytes.clone()))?;
-        registry.register(Box::new(workers.clone()))?;
-        registry.register(Box::new(workers_joining.clone()))?;
-        registry.register(Box::new(events_applied.clone()))?;
-        registry.register(Box::new(event_lag.clone()))?;
-        registry.register(Box::new(resyncs.clone()))?;
-        registry.register(Box::new(departures.clone()))?;
-        Ok(Self {
+                pool,
+            )?,
+            placements: r.counter_vec(
+                "sluice_router_placements_total",
+                "Placements by pool, worker and mode.",
+                &["pool", "worker", "mode"],
+            )?,
+            overlap_blocks: r.histogram_vec(
+                "sluice_router_overlap_blocks",
+                "Prompt blocks cached on the chosen worker.",
+                &block_buckets,
+                pool,
+            )?,
+            hit_rate: r.histogram_vec(
+                "sluice_router_hit_rate",
+                "Fraction of prompt blocks cached on the chosen worker.",
+                &fractions,
+                pool,
+            )?,
+            decision_seconds: r.histogram(
+                "sluice_router_decision_seconds",
+                "Seconds per placement decision.",
+                &decision_buckets,
+            )?,
+            index_blocks: r.gauge_vec("sluice_router_index_blocks", "Distinct blocks indexed.", pool)?,
+            index_entries: r.gauge_vec(
+                "sluice_router_index_entries",
+                "(worker, block) pairs indexed.",
+                pool,
+            )?,
+            index_bytes: r.gauge_vec(
+                "sluice_router_index_bytes",
+                "Estimated heap bytes of the block index.",
+                pool,
+            )?,
+            workers: r.gauge_vec("sluice_router_workers", "Targets in the pool.", pool)?,
+            workers_joining: r.gauge_vec(
+                "sluice_router_workers_joining",
+                "Targets whose first KV snapshot is still outstanding (not yet placeable on cache).",
+                pool,
+            )?,
+            events_applied: r.counter_vec("sluice_router_kv_events_total", "KV events applied.", pool)?,
+            event_lag: r.histogram(
+                "sluice_router_event_lag_seconds",
+                "Seconds from receiving a KV event batch to having applied it.",
+                &[1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1, 1.0],
+            )?,
+            resyncs: r.counter_vec(
+                "sluice_router_resyncs_total",
+                "Snapshot resyncs by reason.",
+                &["pool", "reason"],
+            )?,
+            departures: r.counter_vec(
+                "sluice_router_departures_total",
+                "Workers forgotten by reason.",
+                &["pool", "reason"],
+            )?,
             registry,
-            placements,
-            overlap_blocks,
-            hit_rate,
-            decision_seconds,
-            index_blocks,
-            index_entries,
-            index_bytes,
-            workers,
-            workers_joining,
-            events_applied,
-            event_lag,
-            resyncs,
-            departures,
-            placement_ends,
-            live_placements,
         })
     }
 

@@ -19,8 +19,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use axum::{Router, extract::State, http::header, response::IntoResponse, routing::get};
 use parking_lot::Mutex;
+use prometheus::core::Collector;
 use prometheus::proto::MetricFamily;
-use prometheus::{Encoder, Registry, TextEncoder};
+use prometheus::{
+    Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
+};
 
 /// Every registry of the services this process runs, by registration id.
 static PROCESS: LazyLock<Mutex<BTreeMap<u64, Vec<Registry>>>> = LazyLock::new(Default::default);
@@ -95,10 +99,78 @@ async fn metrics_handler(State(registries): State<Vec<Registry>>) -> impl IntoRe
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body)
 }
 
+/// Creates metrics registered in one registry, one call a metric, so a
+/// service's metrics constructor reads as the list of its series: name,
+/// help, labels (and buckets).
+#[derive(Debug, Clone, Copy)]
+pub struct Registrar<'a>(pub &'a Registry);
+
+impl Registrar<'_> {
+    fn add<M: Collector + Clone + 'static>(&self, metric: M) -> Result<M, prometheus::Error> {
+        self.0.register(Box::new(metric.clone()))?;
+        Ok(metric)
+    }
+
+    pub fn counter(&self, name: &str, help: &str) -> Result<IntCounter, prometheus::Error> {
+        self.add(IntCounter::new(name, help)?)
+    }
+
+    pub fn counter_vec(
+        &self,
+        name: &str,
+        help: &str,
+        labels: &[&str],
+    ) -> Result<IntCounterVec, prometheus::Error> {
+        self.add(IntCounterVec::new(Opts::new(name, help), labels)?)
+    }
+
+    pub fn gauge(&self, name: &str, help: &str) -> Result<IntGauge, prometheus::Error> {
+        self.add(IntGauge::new(name, help)?)
+    }
+
+    pub fn gauge_vec(
+        &self,
+        name: &str,
+        help: &str,
+        labels: &[&str],
+    ) -> Result<IntGaugeVec, prometheus::Error> {
+        self.add(IntGaugeVec::new(Opts::new(name, help), labels)?)
+    }
+
+    /// A gauge vector of fractional values.
+    pub fn float_gauge_vec(
+        &self,
+        name: &str,
+        help: &str,
+        labels: &[&str],
+    ) -> Result<GaugeVec, prometheus::Error> {
+        self.add(GaugeVec::new(Opts::new(name, help), labels)?)
+    }
+
+    pub fn histogram(
+        &self,
+        name: &str,
+        help: &str,
+        buckets: &[f64],
+    ) -> Result<Histogram, prometheus::Error> {
+        let opts = HistogramOpts::new(name, help).buckets(buckets.to_vec());
+        self.add(Histogram::with_opts(opts)?)
+    }
+
+    pub fn histogram_vec(
+        &self,
+        name: &str,
+        help: &str,
+        buckets: &[f64],
+        labels: &[&str],
+    ) -> Result<HistogramVec, prometheus::Error> {
+        let opts = HistogramOpts::new(name, help).buckets(buckets.to_vec());
+        self.add(HistogramVec::new(opts, labels)?)
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use prometheus::{IntCounter, Opts};
-
     use super::*;
 
     fn worker_registry(id: &str, count: u64) -> Registry {
@@ -127,6 +199,18 @@ mod tests {
             text.contains("sluice_test_requests_total{worker_id=\"w1\"} 5"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn a_registrar_registers_what_it_creates_and_refuses_a_second_of_a_name() {
+        let r = Registry::new();
+        let reg = Registrar(&r);
+        let c = reg
+            .counter_vec("sluice_test_x_total", "X.", &["kind"])
+            .expect("counter");
+        c.with_label_values(&["a"]).inc();
+        assert!(render(std::slice::from_ref(&r)).contains("sluice_test_x_total{kind=\"a\"} 1"));
+        assert!(reg.counter("sluice_test_x_total", "Again.").is_err());
     }
 
     #[test]
