@@ -226,28 +226,33 @@ async fn transfer_on(side: &DecodeSide, receiver: &Arc<Receiver>, n: usize, salt
     }
 }
 
-fn main() {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let mut c = Criterion::default()
-        .sample_size(10)
-        .warm_up_time(Duration::from_millis(300))
-        .measurement_time(Duration::from_secs(1))
-        .configure_from_args();
-    let results = Results::default();
-    let side = rt.block_on(decode_side());
-    let source = source_engine();
-    let block_bytes = side.engine.kv_layout().block_bytes();
-    let mut salt = 0u32;
-    for n in SIZES {
-        let bytes = n * block_bytes;
-        let data = payload(n, block_bytes);
-        let mut g = c.benchmark_group(format!("kv_transfer/{n}_blocks"));
-        g.throughput(Throughput::Bytes(bytes as u64));
+/// What one size's benches share: the runtime, both engines, the payload
+/// and where every figure goes.
+struct Size<'a> {
+    rt: &'a tokio::runtime::Runtime,
+    side: &'a DecodeSide,
+    source: &'a EngineHandle,
+    results: &'a Results,
+    /// Blocks per transfer.
+    n: usize,
+    block_bytes: usize,
+    data: Vec<Vec<u8>>,
+}
 
+type Group<'a> = criterion::BenchmarkGroup<'a, criterion::measurement::WallTime>;
+
+impl Size<'_> {
+    fn bytes(&self) -> usize {
+        self.n * self.block_bytes
+    }
+
+    /// The memcpy baselines: from fresh copies of the blocks, as every
+    /// transport gets them (the prefill worker's `read_blocks` makes new
+    /// buffers), and from the same long-lived buffers every time
+    /// (`memcpy_hot`).
+    fn memcpy(&self, g: &mut Group<'_>) {
+        let (n, block_bytes, bytes) = (self.n, self.block_bytes, self.bytes());
+        let (data, results) = (&self.data, self.results);
         // Half a page between source and destination offsets: a destination
         // a few bytes ahead of its source within a page (what two fresh
         // allocations give) makes `rep movsb` ten times slower, which
@@ -255,9 +260,6 @@ fn main() {
         let mut buf = vec![0u8; bytes + 8192];
         let skew = (data[0].as_ptr() as usize + 2048).wrapping_sub(buf.as_ptr() as usize) % 4096;
         let dst = &mut buf[skew..skew + bytes];
-        // From fresh copies of the blocks, as every transport gets them
-        // (the prefill worker's `read_blocks` makes new buffers), and from
-        // the same long-lived buffers every time (`memcpy_hot`).
         g.bench_function("memcpy", |b| {
             b.iter_custom(|iters| {
                 let mut total = Duration::ZERO;
@@ -288,7 +290,12 @@ fn main() {
                 e
             })
         });
+    }
 
+    /// The raw loopback baseline: the same bytes through one connection,
+    /// a one-byte reply.
+    fn tcp_raw(&self, g: &mut Group<'_>) {
+        let (rt, n, bytes, data) = (self.rt, self.n, self.bytes(), &self.data);
         let (mut tx, mut rx) = rt.block_on(loopback_pair()).expect("loopback pair");
         g.bench_function("tcp_raw", |b| {
             b.iter_custom(|iters| {
@@ -301,7 +308,7 @@ fn main() {
                             rx.write_all(&[1]).await.expect("reply");
                         };
                         let write = async {
-                            for d in &data {
+                            for d in data {
                                 tx.write_all(d).await.expect("write");
                             }
                             let mut one = [0u8; 1];
@@ -311,13 +318,16 @@ fn main() {
                     }
                     t.elapsed()
                 });
-                results.add("tcp_raw", n, e, iters);
+                self.results.add("tcp_raw", n, e, iters);
                 e
             })
         });
+    }
 
-        salt += 1;
-        let t = rt.block_on(transfer(&side, n, salt));
+    /// The receiver's verify-and-copy into the KV memory alone.
+    fn engine(&self, g: &mut Group<'_>, salt: u32) {
+        let (rt, side, data) = (self.rt, self.side, &self.data);
+        let t = rt.block_on(transfer(side, self.n, salt));
         g.bench_function("engine", |b| {
             b.iter_custom(|iters| {
                 let e = rt.block_on(async {
@@ -331,57 +341,57 @@ fn main() {
                     }
                     total
                 });
-                results.add("engine", n, e, iters);
+                self.results.add("engine", self.n, e, iters);
                 e
             })
         });
+    }
 
-        let senders: [(&str, TransportKind, Box<dyn KvSender>); 4] = [
-            ("shm", TransportKind::Shm, Box::new(ShmSender::default())),
-            (
-                "shm_xxh3",
-                TransportKind::Shm,
-                Box::new(ShmSender::default()),
-            ),
-            ("tcp", TransportKind::Tcp, Box::new(TcpSender::default())),
-            ("grpc", TransportKind::Grpc, Box::new(GrpcSender::default())),
-        ];
-        for (series, kind, sender) in senders {
-            salt += 1;
-            let receiver = if series == "shm_xxh3" {
-                &side.checking
-            } else {
-                &side.receiver
-            };
-            let t = rt.block_on(transfer_on(&side, receiver, n, salt));
-            let region = t.region(kind);
-            let checked = sender.needs_checksums(&region);
-            g.bench_function(BenchmarkId::new(series, n), |b| {
-                b.iter_custom(|iters| {
-                    let e = rt.block_on(async {
-                        let mut total = Duration::ZERO;
-                        for _ in 0..iters {
-                            let copies = data.clone();
-                            let start = Instant::now();
-                            // What the prefill worker does with its blocks.
-                            let blocks = t.blocks(copies, checked);
-                            let sent = sender.write(&region, &t.id, blocks).await.expect("written");
-                            let done = t.exp.finish(kind).await.expect("finished");
-                            total += start.elapsed();
-                            assert_eq!(sent as usize, n);
-                            assert!(done >= n);
-                        }
-                        total
-                    });
-                    results.add(series, n, e, iters);
-                    e
-                })
-            });
-        }
-        // The prefill worker's real path: straight from its engine's KV
-        // memory into the destination (no buffers in between).
-        salt += 1;
-        let t = rt.block_on(transfer(&side, n, salt));
+    /// One transport end to end, from the sender's blocks to a completed
+    /// transfer in the engine's KV memory.
+    fn sender(
+        &self,
+        g: &mut Group<'_>,
+        (series, kind, sender): (&str, TransportKind, Box<dyn KvSender>),
+        salt: u32,
+    ) {
+        let (rt, side, n, data) = (self.rt, self.side, self.n, &self.data);
+        let receiver = if series == "shm_xxh3" {
+            &side.checking
+        } else {
+            &side.receiver
+        };
+        let t = rt.block_on(transfer_on(side, receiver, n, salt));
+        let region = t.region(kind);
+        let checked = sender.needs_checksums(&region);
+        g.bench_function(BenchmarkId::new(series, n), |b| {
+            b.iter_custom(|iters| {
+                let e = rt.block_on(async {
+                    let mut total = Duration::ZERO;
+                    for _ in 0..iters {
+                        let copies = data.clone();
+                        let start = Instant::now();
+                        // What the prefill worker does with its blocks.
+                        let blocks = t.blocks(copies, checked);
+                        let sent = sender.write(&region, &t.id, blocks).await.expect("written");
+                        let done = t.exp.finish(kind).await.expect("finished");
+                        total += start.elapsed();
+                        assert_eq!(sent as usize, n);
+                        assert!(done >= n);
+                    }
+                    total
+                });
+                self.results.add(series, n, e, iters);
+                e
+            })
+        });
+    }
+
+    /// The prefill worker's real path: straight from its engine's KV
+    /// memory into the destination (no buffers in between).
+    fn arena_senders(&self, g: &mut Group<'_>, salt: u32) {
+        let (rt, source, n) = (self.rt, self.source, self.n);
+        let t = rt.block_on(transfer(self.side, n, salt));
         let (src, pairs) = rt.block_on(async {
             let held = source
                 .reserve_remote(request(n, salt))
@@ -391,7 +401,7 @@ fn main() {
             source
                 .write_blocks(
                     held.id(),
-                    src_ids.iter().copied().zip(data.clone()).collect(),
+                    src_ids.iter().copied().zip(self.data.clone()).collect(),
                 )
                 .await
                 .expect("source blocks");
@@ -428,15 +438,71 @@ fn main() {
                         }
                         start.elapsed()
                     });
-                    results.add(series, n, e, iters);
+                    self.results.add(series, n, e, iters);
                     e
                 })
             });
         }
         drop(src);
+    }
+}
+
+fn main() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let mut c = Criterion::default()
+        .sample_size(10)
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(1))
+        .configure_from_args();
+    let results = Results::default();
+    let side = rt.block_on(decode_side());
+    let source = source_engine();
+    let block_bytes = side.engine.kv_layout().block_bytes();
+    let mut salt = 0u32;
+    for n in SIZES {
+        let size = Size {
+            rt: &rt,
+            side: &side,
+            source: &source,
+            results: &results,
+            n,
+            block_bytes,
+            data: payload(n, block_bytes),
+        };
+        let mut g = c.benchmark_group(format!("kv_transfer/{n}_blocks"));
+        g.throughput(Throughput::Bytes(size.bytes() as u64));
+        size.memcpy(&mut g);
+        size.tcp_raw(&mut g);
+        salt += 1;
+        size.engine(&mut g, salt);
+        let senders: [(&str, TransportKind, Box<dyn KvSender>); 4] = [
+            ("shm", TransportKind::Shm, Box::new(ShmSender::default())),
+            (
+                "shm_xxh3",
+                TransportKind::Shm,
+                Box::new(ShmSender::default()),
+            ),
+            ("tcp", TransportKind::Tcp, Box::new(TcpSender::default())),
+            ("grpc", TransportKind::Grpc, Box::new(GrpcSender::default())),
+        ];
+        for sender in senders {
+            salt += 1;
+            size.sender(&mut g, sender, salt);
+        }
+        salt += 1;
+        size.arena_senders(&mut g, salt);
         g.finish();
     }
+    print_table(&results, block_bytes);
+    c.final_summary();
+}
 
+/// The GB/s table, each transport beside its baseline.
+fn print_table(results: &Results, block_bytes: usize) {
     println!();
     println!(
         "KV transfer, {} KiB blocks, GB/s. memcpy: the same bytes from fresh buffers (as every \
@@ -494,5 +560,4 @@ fn main() {
         ];
         println!("{}", row.join(" "));
     }
-    c.final_summary();
 }
