@@ -21,7 +21,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use sluice_router::{
     Commit, KvEvent, KvEventKind, KvIndexer, LoadReport, MemberInfo, PlacementKey, PlacementState,
-    PoolConfig, PoolKind, RouteInput, Target, WorkerPool,
+    PoolConfig, PoolKind, RouteInput, Target, TargetId, WorkerPool,
 };
 use sluice_runtime::RequestDescription;
 use sluice_tokens::block_hash::chain_hash;
@@ -116,23 +116,14 @@ struct Row {
     bytes_per_entry: f64,
 }
 
-fn run(workers: usize, entries: usize, queries: usize, seed: u64) -> Row {
-    let mut rng = StdRng::seed_from_u64(seed);
-    let c = corpus(workers, entries, &mut rng);
-    let pool = WorkerPool::with_seed(PoolKind::Decode, PoolConfig::default(), seed);
-    let ids: Vec<_> = (0..workers)
-        .map(|w| {
-            pool.add_member(MemberInfo {
-                target: Target::new(format!("worker-{w}"), 0),
-                endpoint: format!("10.0.0.{w}:9000"),
-                model: "m".into(),
-                role: sluice_runtime::discovery::WorkerRole::Decode,
-            })
-        })
-        .collect();
-    let idx: &KvIndexer = pool.indexer();
-
-    // Events applied per second (single writer).
+/// Applies every prompt's stored events as its worker's (single writer):
+/// returns the events, the blocks they stored, and the seconds it took.
+fn apply_corpus(
+    idx: &KvIndexer,
+    ids: &[TargetId],
+    c: &Corpus,
+    workers: usize,
+) -> (usize, usize, f64) {
     let events: Vec<(usize, KvEventKind)> = c
         .prompts
         .iter()
@@ -152,28 +143,31 @@ fn run(workers: usize, entries: usize, queries: usize, seed: u64) -> Row {
         };
         let _ = idx.apply(ids[*w], &ev);
     }
-    let apply_time = started.elapsed().as_secs_f64();
-    let stats = idx.stats();
+    (events.len(), blocks, started.elapsed().as_secs_f64())
+}
 
-    // Index lookups.
-    let qs: Vec<Vec<u64>> = (0..queries).map(|_| query(&c, &mut rng)).collect();
-    let mut lat = Vec::with_capacity(queries);
+/// Index lookups of every query: total seconds, p50 and p99.
+fn lookups(idx: &KvIndexer, qs: &[Vec<u64>]) -> (f64, Duration, Duration) {
+    let mut lat = Vec::with_capacity(qs.len());
     let started = Instant::now();
-    for q in &qs {
+    for q in qs {
         let t = Instant::now();
         std::hint::black_box(idx.find_matches(q));
         lat.push(t.elapsed());
     }
-    let lookup_time = started.elapsed().as_secs_f64();
+    let secs = started.elapsed().as_secs_f64();
     lat.sort_unstable();
-    let (lookup_p50, lookup_p99) = (percentile(&lat, 0.5), percentile(&lat, 0.99));
+    (secs, percentile(&lat, 0.5), percentile(&lat, 0.99))
+}
 
-    // Full route decisions (lookup + load + cost over every worker + commit),
-    // with every worker reporting every 64 decisions and 64 requests live
-    // (each placement released 64 decisions later).
+/// Full route decisions (lookup + load + cost over every worker + commit),
+/// with every worker reporting every 64 decisions and 64 requests live
+/// (each placement released 64 decisions later): total seconds and the
+/// sorted latencies.
+fn routes(pool: &WorkerPool, qs: &[Vec<u64>], workers: usize) -> (f64, Vec<Duration>) {
     let mut now = Instant::now();
     let tokens = (PROMPT_BLOCKS as u32 + 4) * BLOCK;
-    let mut lat = Vec::with_capacity(queries);
+    let mut lat = Vec::with_capacity(qs.len());
     let started = Instant::now();
     for (i, q) in qs.iter().enumerate() {
         if i % 64 == 0 {
@@ -216,13 +210,36 @@ fn run(workers: usize, entries: usize, queries: usize, seed: u64) -> Row {
             pool.update(&key(i - 64), PlacementState::Released);
         }
     }
-    let route_time = started.elapsed().as_secs_f64();
+    let secs = started.elapsed().as_secs_f64();
     lat.sort_unstable();
+    (secs, lat)
+}
+
+fn run(workers: usize, entries: usize, queries: usize, seed: u64) -> Row {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let c = corpus(workers, entries, &mut rng);
+    let pool = WorkerPool::with_seed(PoolKind::Decode, PoolConfig::default(), seed);
+    let ids: Vec<_> = (0..workers)
+        .map(|w| {
+            pool.add_member(MemberInfo {
+                target: Target::new(format!("worker-{w}"), 0),
+                endpoint: format!("10.0.0.{w}:9000"),
+                model: "m".into(),
+                role: sluice_runtime::discovery::WorkerRole::Decode,
+            })
+        })
+        .collect();
+    let idx: &KvIndexer = pool.indexer();
+    let (events, blocks, apply_time) = apply_corpus(idx, &ids, &c, workers);
+    let stats = idx.stats();
+    let qs: Vec<Vec<u64>> = (0..queries).map(|_| query(&c, &mut rng)).collect();
+    let (lookup_time, lookup_p50, lookup_p99) = lookups(idx, &qs);
+    let (route_time, lat) = routes(&pool, &qs, workers);
 
     Row {
         workers,
         entries: stats.entries,
-        events_per_s: events.len() as f64 / apply_time,
+        events_per_s: events as f64 / apply_time,
         blocks_per_s: blocks as f64 / apply_time,
         lookups_per_s: queries as f64 / lookup_time,
         lookup_p50,
