@@ -33,8 +33,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use sluice_engine::backend::{Backend, BeforeStep, ForwardBatch};
 use sluice_engine::{
-    BalanceGroup, EngineConfig, EngineHandle, MockerBackend, MockerConfig, Request, SamplingParams,
-    SchedulerConfig,
+    BalanceGroup, EngineConfig, EngineHandle, GenerateStream, MockerBackend, MockerConfig, Request,
+    SamplingParams, SchedulerConfig,
 };
 
 const BLOCK_SIZE: usize = 16;
@@ -362,6 +362,38 @@ fn spawn_ranks(
     (engines, group, clock)
 }
 
+/// Reads one request's stream to its end: when its first and last tokens
+/// came, in wall time and in the group's lockstep steps.
+async fn follow(
+    mut stream: GenerateStream,
+    group: &BalanceGroup,
+    arrived: Instant,
+    arrived_step: u64,
+) -> Timeline {
+    let mut first = None;
+    let mut tokens = 0;
+    while let Some(out) = stream.recv().await {
+        if !out.token_ids.is_empty() {
+            first.get_or_insert_with(|| (Instant::now(), group.lockstep_steps()));
+            tokens += out.token_ids.len();
+        }
+        if out.finished.is_some() {
+            break;
+        }
+    }
+    let last = (Instant::now(), group.lockstep_steps());
+    let first = first.unwrap_or(last);
+    Timeline {
+        arrived,
+        first: first.0,
+        last: last.0,
+        arrived_step,
+        first_step: first.1,
+        last_step: last.1,
+        tokens,
+    }
+}
+
 /// Runs one scenario; `placement` replays a previous run's ranks.
 fn run(sc: &Scenario, balance: bool, speedup: f64, placement: Option<&[usize]>) -> RunResult {
     let mut rng = StdRng::seed_from_u64(5212);
@@ -409,32 +441,12 @@ fn run(sc: &Scenario, balance: bool, speedup: f64, placement: Option<&[usize]>) 
             let arrived = Instant::now();
             let arrived_step = group.lockstep_steps();
             let group = group.clone();
-            let mut stream = engines[rank].generate(req).expect("request fits");
+            let stream = engines[rank].generate(req).expect("request fits");
             let outstanding = outstanding.clone();
             tasks.push(tokio::spawn(async move {
-                let mut first = None;
-                let mut tokens = 0;
-                while let Some(out) = stream.recv().await {
-                    if !out.token_ids.is_empty() {
-                        first.get_or_insert_with(|| (Instant::now(), group.lockstep_steps()));
-                        tokens += out.token_ids.len();
-                    }
-                    if out.finished.is_some() {
-                        break;
-                    }
-                }
-                let last = (Instant::now(), group.lockstep_steps());
+                let timeline = follow(stream, &group, arrived, arrived_step).await;
                 outstanding[rank].fetch_sub(1, Ordering::Relaxed);
-                let first = first.unwrap_or(last);
-                Timeline {
-                    arrived,
-                    first: first.0,
-                    last: last.0,
-                    arrived_step,
-                    first_step: first.1,
-                    last_step: last.1,
-                    tokens,
-                }
+                timeline
             }));
         }
         let mut timelines = Vec::with_capacity(tasks.len());

@@ -23,8 +23,8 @@ use std::time::{Duration, Instant};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use sluice_engine::{
-    EngineConfig, EngineHandle, KvEvent as EngineEvent, MockerBackend, MockerConfig, Request,
-    SamplingParams, SchedulerConfig,
+    EngineConfig, EngineHandle, GenerateStream, KvEvent as EngineEvent, MockerBackend,
+    MockerConfig, Request, SamplingParams, SchedulerConfig,
 };
 use sluice_router::{
     Commit, KvEvent, KvEventKind, LoadReport, MemberInfo, PlacementKey, PlacementState, PoolConfig,
@@ -227,8 +227,9 @@ fn follow(
     });
 }
 
-async fn replay(mode: Mode, reqs: &[TraceRequest]) -> Vec<Outcome> {
-    let engines: Arc<Vec<EngineHandle>> = Arc::new((0..WORKERS).map(|_| engine()).collect());
+/// The pool the replay places with: `mode`'s (the oracle scores with kv's
+/// cost), every worker a member.
+fn pool_of(mode: Mode) -> Arc<WorkerPool> {
     let router_mode = match mode {
         Mode::Router(m) => m,
         Mode::Oracle => RouterMode::Kv,
@@ -249,6 +250,36 @@ async fn replay(mode: Mode, reqs: &[TraceRequest]) -> Vec<Outcome> {
             role: sluice_runtime::discovery::WorkerRole::Decode,
         });
     }
+    pool
+}
+
+/// Reads a placed request's stream to its end, telling the pool when it
+/// started and ended (as the queue's lease does): its TTFT and the prompt
+/// tokens it found cached.
+async fn follow_stream(
+    mut stream: GenerateStream,
+    pool: &WorkerPool,
+    key: &PlacementKey,
+    sent: Instant,
+) -> (Duration, usize) {
+    let mut ttft = None;
+    let mut cached = 0;
+    while let Some(out) = stream.recv().await {
+        if ttft.is_none() && !out.token_ids.is_empty() {
+            ttft = Some(sent.elapsed());
+            pool.update(key, PlacementState::Started);
+        }
+        if let Some(f) = out.finished {
+            cached = f.usage.cached_tokens;
+        }
+    }
+    pool.update(key, PlacementState::Released);
+    (ttft.unwrap_or_else(|| sent.elapsed()), cached)
+}
+
+async fn replay(mode: Mode, reqs: &[TraceRequest]) -> Vec<Outcome> {
+    let engines: Arc<Vec<EngineHandle>> = Arc::new((0..WORKERS).map(|_| engine()).collect());
+    let pool = pool_of(mode);
     let stop = tokio_util::sync::CancellationToken::new();
     for (i, e) in engines.iter().enumerate() {
         follow(e, &pool, i, &stop);
@@ -296,7 +327,7 @@ async fn replay(mode: Mode, reqs: &[TraceRequest]) -> Vec<Outcome> {
             .parse()
             .expect("w<i>");
         let prompt_tokens = tokens.len();
-        let mut stream = engines[worker]
+        let stream = engines[worker]
             .generate(Request {
                 request_id,
                 prompt: tokens,
@@ -311,22 +342,11 @@ async fn replay(mode: Mode, reqs: &[TraceRequest]) -> Vec<Outcome> {
         let sent = Instant::now();
         let pool = Arc::clone(&pool);
         tasks.push(tokio::spawn(async move {
-            let mut ttft = None;
-            let mut cached = 0;
-            while let Some(out) = stream.recv().await {
-                if ttft.is_none() && !out.token_ids.is_empty() {
-                    ttft = Some(sent.elapsed());
-                    pool.update(&key, PlacementState::Started);
-                }
-                if let Some(f) = out.finished {
-                    cached = f.usage.cached_tokens;
-                }
-            }
-            pool.update(&key, PlacementState::Released);
+            let (ttft, cached_tokens) = follow_stream(stream, &pool, &key, sent).await;
             Outcome {
                 prompt_tokens,
-                cached_tokens: cached,
-                ttft: ttft.unwrap_or_else(|| sent.elapsed()),
+                cached_tokens,
+                ttft,
                 worker,
             }
         }));
