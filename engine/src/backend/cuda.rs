@@ -79,7 +79,7 @@ mod imp {
     use super::device::{Arg, Device, driver};
     use super::plan::{self, StepPlan};
     use super::source::KernelConfig;
-    use super::weights::{DeviceLayer, DeviceWeights};
+    use super::weights::{DeviceLayer, DeviceLinear, DeviceWeights};
     use crate::backend::{Backend, ForwardBatch, ForwardOutput, KvBlockLayout, validate_batch};
     use crate::error::EngineError;
     use crate::model::{Model, ModelConfig};
@@ -839,21 +839,7 @@ mod imp {
                 )?;
             }
             // SAFETY: attn is [n, q_dim] bf16, o is [hidden, q_dim], x is [n, hidden] f32.
-            unsafe {
-                d.linear(
-                    a.x,
-                    a.attn,
-                    d.addr(&layer.o.weight, 0),
-                    n,
-                    q_dim,
-                    hidden,
-                    true,
-                )
-            }?;
-            if let Some(b) = &layer.o.bias {
-                add_bias(d, a.x, d.addr(b, 0), hidden, n * hidden)?;
-            }
-            Ok(())
+            unsafe { self.add_linear(a, a.attn, &layer.o, q_dim) }
         }
 
         /// A layer's MLP block: norm, gate/up projection, SwiGLU, down
@@ -887,18 +873,26 @@ mod imp {
                 ],
             )?;
             // SAFETY: act is [n, inter] bf16, down [hidden, inter], x [n, hidden] f32.
-            unsafe {
-                d.linear(
-                    a.x,
-                    a.act,
-                    d.addr(&layer.down.weight, 0),
-                    n,
-                    inter,
-                    hidden,
-                    true,
-                )
-            }?;
-            if let Some(b) = &layer.down.bias {
+            unsafe { self.add_linear(a, a.act, &layer.down, inter) }
+        }
+
+        /// `x[n, hidden] += input[n, inputs] · lin.weightᵀ (+ lin.bias)`:
+        /// a projection back into the residual stream.
+        ///
+        /// # Safety
+        /// `input` must hold `[n, inputs]` bf16 and `lin.weight`
+        /// `[hidden, inputs]` on this device.
+        unsafe fn add_linear(
+            &self,
+            a: &StepAddrs,
+            input: u64,
+            lin: &DeviceLinear,
+            inputs: usize,
+        ) -> Result<(), EngineError> {
+            let (d, hidden, n) = (&self.device, self.weights.config.hidden_size, a.n);
+            // SAFETY: the caller's shapes; `a.x` is the [n, hidden] f32 residual.
+            unsafe { d.linear(a.x, input, d.addr(&lin.weight, 0), n, inputs, hidden, true) }?;
+            if let Some(b) = &lin.bias {
                 add_bias(d, a.x, d.addr(b, 0), hidden, n * hidden)?;
             }
             Ok(())
