@@ -10,14 +10,13 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use anyhow::Context as _;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use sluice_runtime::grpc::GrpcServer;
 use sluice_runtime::security::certs::{PkiFiles, TestCa, write};
 use sluice_runtime::security::{ConnectionLimits, MESH_TOKEN_HEADER};
 use sluice_runtime::{RuntimeError, Security, SecurityArgs, Shutdown};
-use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use tonic::server::NamedService;
 use tower::Service;
@@ -82,48 +81,7 @@ async fn request<S: AsyncRead + AsyncWrite + Unpin>(
     path: &str,
     headers: &[(&str, &str)],
 ) -> anyhow::Result<(u16, String)> {
-    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: test\r\nContent-Length: 0\r\n");
-    for (k, v) in headers {
-        req.push_str(&format!("{k}: {v}\r\n"));
-    }
-    req.push_str("\r\n");
-    io.get_mut().write_all(req.as_bytes()).await?;
-    let mut head = String::new();
-    loop {
-        let mut line = String::new();
-        anyhow::ensure!(io.read_line(&mut line).await? > 0, "closed in the head");
-        if line == "\r\n" {
-            break;
-        }
-        head.push_str(&line);
-    }
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .context("status line")?;
-    let lower = head.to_ascii_lowercase();
-    if let Some(len) = lower
-        .lines()
-        .find_map(|l| l.strip_prefix("content-length:"))
-        .and_then(|v| v.trim().parse::<usize>().ok())
-    {
-        let mut body = vec![0; len];
-        io.read_exact(&mut body).await?;
-    } else if lower.contains("transfer-encoding: chunked") {
-        // Bodies here are empty or tiny: read chunks to the terminating one.
-        loop {
-            let mut size = String::new();
-            io.read_line(&mut size).await?;
-            let n = usize::from_str_radix(size.trim(), 16)?;
-            let mut chunk = vec![0; n + 2];
-            io.read_exact(&mut chunk).await?;
-            if n == 0 {
-                break;
-            }
-        }
-    }
-    Ok((status, head))
+    sluice_tests::http::exchange(io, method, path, headers).await
 }
 
 fn refused(head: &str) -> bool {
