@@ -60,15 +60,13 @@ pub enum FrontendError {
     Cancelled,
     #[error("tokenizer")]
     Tokens(#[from] sluice_tokens::TokensError),
+    /// An internal step (`what`) failed, on an underlying error when there
+    /// is one (kept as the source); logged, not shown to the client.
     #[error("internal error")]
-    Internal { detail: String },
-    /// An internal step failed on an underlying error (kept as the
-    /// source, logged, not shown to the client).
-    #[error("internal error")]
-    Broken {
+    Internal {
         what: String,
         #[source]
-        source: Box<dyn std::error::Error + Send + Sync>,
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
     },
     /// The frontend could not start: what it was doing, and why.
     #[error("starting the frontend: {what}")]
@@ -86,9 +84,28 @@ impl FrontendError {
         E: Into<Box<dyn std::error::Error + Send + Sync>>,
     {
         let what = what.into();
-        move |e| Self::Broken {
+        move |e| Self::Internal {
             what,
-            source: e.into(),
+            source: Some(e.into()),
+        }
+    }
+
+    /// An internal condition with no underlying error: `what` went wrong.
+    pub(crate) fn internal(what: impl Into<String>) -> Self {
+        Self::Internal {
+            what: what.into(),
+            source: None,
+        }
+    }
+
+    /// Logs an internal error (its step and source) where it meets the
+    /// client; the client sees only "internal error".
+    fn log_internal(&self) {
+        if let Self::Internal { what, source } = self {
+            match source {
+                Some(source) => tracing::error!(what = %what, error = %source, "internal error"),
+                None => tracing::error!(what = %what, "internal error"),
+            }
         }
     }
 
@@ -151,9 +168,7 @@ impl FrontendError {
                 component,
                 message: s.message().to_string(),
             },
-            _ => Self::Internal {
-                detail: format!("{component}: {s}"),
-            },
+            _ => Self::broken(component)(s),
         }
     }
 
@@ -171,9 +186,7 @@ impl FrontendError {
             Self::NoWorkers { .. } | Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Self::Deadline => StatusCode::GATEWAY_TIMEOUT,
             Self::Cancelled => StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST),
-            Self::Internal { .. } | Self::Broken { .. } | Self::Startup { .. } => {
-                StatusCode::INTERNAL_SERVER_ERROR
-            }
+            Self::Internal { .. } | Self::Startup { .. } => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -194,9 +207,7 @@ impl FrontendError {
             Self::Unavailable { .. } => ("service_unavailable", "unavailable"),
             Self::Deadline => ("timeout", "deadline_exceeded"),
             Self::Cancelled => ("cancelled", "cancelled"),
-            Self::Internal { .. } | Self::Broken { .. } | Self::Startup { .. } => {
-                ("server_error", "internal_error")
-            }
+            Self::Internal { .. } | Self::Startup { .. } => ("server_error", "internal_error"),
         }
     }
 
@@ -236,13 +247,7 @@ impl FrontendError {
 
 impl IntoResponse for FrontendError {
     fn into_response(self) -> Response {
-        match &self {
-            Self::Internal { detail } => tracing::error!(%detail, "internal error"),
-            Self::Broken { what, source } => {
-                tracing::error!(what = %what, error = %source, "internal error");
-            }
-            _ => {}
-        }
+        self.log_internal();
         let mut resp = (self.status(), Json(self.body())).into_response();
         if let Some(secs) = self.retry_after_secs() {
             resp.headers_mut()
@@ -271,15 +276,10 @@ impl From<FrontendError> for tonic::Status {
             }
             FrontendError::Deadline => Code::DeadlineExceeded,
             FrontendError::Cancelled => Code::Cancelled,
-            FrontendError::Internal { detail } => {
-                tracing::error!(%detail, "internal error");
+            FrontendError::Internal { .. } | FrontendError::Startup { .. } => {
+                e.log_internal();
                 Code::Internal
             }
-            FrontendError::Broken { what, source } => {
-                tracing::error!(what = %what, error = %source, "internal error");
-                Code::Internal
-            }
-            FrontendError::Startup { .. } => Code::Internal,
         };
         let mut status = tonic::Status::new(code, e.public_message());
         if let Some(secs) = e.retry_after_secs() {

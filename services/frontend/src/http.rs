@@ -587,7 +587,7 @@ async fn collect(out: Output, mut generation: Generation) -> Result<Value, Front
             }
         }
     }
-    Err(FrontendError::Internal {
-        detail: "generation ended without a final event".into(),
-    })
+    Err(FrontendError::internal(
+        "generation ended without a final event",
+    ))
 }

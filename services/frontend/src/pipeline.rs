@@ -402,9 +402,7 @@ impl Pipeline {
             .tokenize_slots
             .acquire()
             .await
-            .map_err(|_| FrontendError::Internal {
-                detail: "the tokenization pool is closed".into(),
-            })?;
+            .map_err(FrontendError::broken("the tokenization pool is closed"))?;
         let (tokenizer, template, prompt) = (
             self.tokenizer.clone(),
             self.template.clone(),
@@ -644,9 +642,7 @@ impl Pipeline {
             msg: Some(qpb::admit_request::Msg::Open(open)),
         })
         .await
-        .map_err(|_| FrontendError::Internal {
-            detail: "admission stream closed before open".into(),
-        })?;
+        .map_err(|_| FrontendError::internal("admission stream closed before open"))?;
         // The queue answers (opens the lease) as soon as it has the request,
         // before any hold: one that does not within the timeout is hung or
         // frozen (its connection may still be open) and another one may
@@ -911,10 +907,7 @@ impl Generation {
     /// stream is a worker failure (the request may move).
     async fn next_message(&mut self) -> Result<wpb::GenerateResponse, Failure> {
         let Some(stream) = self.stream.as_mut() else {
-            return Err(FrontendError::Internal {
-                detail: "worker stream already closed".into(),
-            }
-            .into());
+            return Err(FrontendError::internal("worker stream already closed").into());
         };
         match tokio::time::timeout_at(self.deadline.into(), stream.message()).await {
             Err(_) => Err(FrontendError::Deadline.into()),
