@@ -65,9 +65,12 @@ impl PromptLimits {
     }
 
     /// The context a prompt must fit, output included: the smallest of the
-    /// model's and every serving worker's (`max_model_len` in discovery).
+    /// serving workers' (`max_model_len` in discovery, which each worker
+    /// has already capped by what its engine can hold: the model's
+    /// positions for a real one, not for the mocker), or the model's own
+    /// when no worker says.
     pub(crate) fn context(&self, workers: impl IntoIterator<Item = usize>) -> Option<usize> {
-        workers.into_iter().chain(self.model_context).min()
+        workers.into_iter().min().or(self.model_context)
     }
 
     /// Bytes of prompt text that cannot fit `context` tokens.
@@ -83,10 +86,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_context_is_the_smallest_known_and_bytes_scale_with_it() {
+    fn the_context_is_the_smallest_worker_s_or_the_model_s_and_bytes_scale_with_it() {
         let l = PromptLimits::fixed(2048, 16);
         assert_eq!(l.context([]), Some(2048));
         assert_eq!(l.context([4096, 1024]), Some(1024));
+        // A mocker worker serves beyond the model's positions (`--max-model-len`).
+        assert_eq!(l.context([32768]), Some(32768));
         assert_eq!(l.max_bytes(1024), 1024 * 16 * 2);
         let unknown = PromptLimits {
             model_context: None,
