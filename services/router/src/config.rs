@@ -40,6 +40,13 @@ pub struct Args {
     #[arg(long, env = "SLUICE_BALANCE_BOUND", default_value_t = 2.0)]
     pub balance_bound: f64,
 
+    /// A worker whose queued prefill is more than this many of its engine
+    /// steps (`--max-num-batched-tokens`) longer than the shortest queue is
+    /// not chosen, whatever it holds cached: the most a cache hit may make
+    /// a request wait; 0 = no bound.
+    #[arg(long, env = "SLUICE_PREFILL_QUEUE_BOUND", default_value_t = 0.0)]
+    pub prefill_queue_bound: f64,
+
     /// Cost per active request on a worker.
     #[arg(long, env = "SLUICE_ACTIVE_REQUEST_WEIGHT", default_value_t = 0.0)]
     pub active_request_weight: f64,
@@ -88,6 +95,7 @@ impl Default for Args {
             overlap_credit: 8.0,
             active_request_weight: 0.0,
             balance_bound: 2.0,
+            prefill_queue_bound: 0.0,
             approx_ttl_secs: 120,
             placement_max_age_secs: 10,
             load_min_interval_ms: 20,
@@ -116,6 +124,7 @@ impl Args {
         finite_non_negative("--overlap-credit", self.overlap_credit)?;
         finite_non_negative("--active-request-weight", self.active_request_weight)?;
         finite_non_negative("--balance-bound", self.balance_bound)?;
+        finite_non_negative("--prefill-queue-bound", self.prefill_queue_bound)?;
         if self.approx_ttl_secs == 0 {
             return Err(RouterError::Config(
                 "--approx-ttl-secs must be at least 1".into(),
@@ -150,6 +159,7 @@ impl Args {
                 overlap_credit: self.overlap_credit,
                 active_request_weight: self.active_request_weight,
                 balance_bound: self.balance_bound,
+                prefill_queue_bound: self.prefill_queue_bound,
                 temperature: self.router_temperature,
             },
             approx_ttl: Duration::from_secs(self.approx_ttl_secs),

@@ -119,6 +119,7 @@ fn candidate(c: &Candidate) -> pb::Candidate {
         total_cost: c.terms.total_cost,
         active_requests: c.terms.active_requests,
         over_bound: c.terms.over_bound,
+        queued_prefill_tokens: c.terms.queued_prefill_tokens,
     }
 }
 

@@ -686,6 +686,7 @@ impl WorkerPool {
                     active_prefill_tokens: load.active_prefill_tokens,
                     active_decode_blocks: load.active_decode_blocks,
                     active_requests: load.active_requests,
+                    step_tokens: load.report.max_num_batched_tokens,
                 },
                 desc.prompt_tokens,
                 desc.block_size,
@@ -717,7 +718,8 @@ impl WorkerPool {
     ) -> usize {
         match self.cfg.mode {
             RouterMode::Kv | RouterMode::Approx | RouterMode::LeastLoaded => {
-                selector::apply_balance_bound(terms, self.cfg.cost.balance_bound);
+                let c = &self.cfg.cost;
+                selector::apply_bounds(terms, c.balance_bound, c.prefill_queue_bound);
                 // Only candidates within the bound (the least loaded always is).
                 let eligible: Vec<usize> =
                     (0..terms.len()).filter(|&i| !terms[i].over_bound).collect();

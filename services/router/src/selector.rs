@@ -28,6 +28,14 @@
 //! requests are at most `B × mean + 1` (the mean over every candidate) may
 //! be chosen, so however strongly a cached prefix pulls, no worker carries
 //! more than about B times its share of the live requests.
+//!
+//! Prefill queue bound: with `prefill_queue_bound` S > 0, only candidates
+//! whose queued prefill tokens exceed the shortest queue by at most S of
+//! their steps (`max_num_batched_tokens`) may be chosen. The overlap credit
+//! grows with the cached prefix, so without it a request with a long cached
+//! prefix waits behind any queue up to `(1 + credit)` times that prefix
+//! (seconds, at a mocker's 0.125 speed) to save a recompute of a fraction
+//! of that; the bound caps the wait a cache hit may cost at S steps.
 //! Owns no state: the pool supplies loads, overlaps and the random source.
 
 use rand::Rng;
@@ -93,6 +101,9 @@ pub struct CostParams {
     /// Candidates above this many times the mean active requests (plus one)
     /// are not chosen; 0 = no bound.
     pub balance_bound: f64,
+    /// Candidates whose queued prefill exceeds the shortest queue by more
+    /// than this many of their steps are not chosen; 0 = no bound.
+    pub prefill_queue_bound: f64,
     /// 0 = lowest cost; > 0 = softmax sampling.
     pub temperature: f64,
 }
@@ -105,6 +116,7 @@ impl Default for CostParams {
             overlap_credit: 0.0,
             active_request_weight: 0.0,
             balance_bound: 0.0,
+            prefill_queue_bound: 0.0,
             temperature: 0.0,
         }
     }
@@ -121,6 +133,9 @@ pub struct CostInput {
     pub active_decode_blocks: u64,
     /// Active requests there.
     pub active_requests: u32,
+    /// Tokens one engine step there may take (`max_num_batched_tokens`;
+    /// 0 = not reported).
+    pub step_tokens: u32,
 }
 
 /// One candidate's cost terms (the proto `Candidate` without its target).
@@ -136,7 +151,12 @@ pub struct CostTerms {
     pub total_cost: f64,
     /// Active requests.
     pub active_requests: u32,
-    /// Above the balance bound: not eligible for this request.
+    /// Prefill tokens queued there ahead of this request.
+    pub queued_prefill_tokens: u64,
+    /// Tokens one engine step there may take (0 = not reported).
+    pub step_tokens: u32,
+    /// Above the balance or prefill queue bound: not eligible for this
+    /// request.
     pub over_bound: bool,
 }
 
@@ -167,24 +187,40 @@ pub fn cost(
         decode_cost,
         total_cost,
         active_requests: input.active_requests,
+        queued_prefill_tokens: input.active_prefill_tokens,
+        step_tokens: input.step_tokens,
         over_bound: false,
     }
 }
 
-/// Marks the candidates above the balance bound (see the module docs);
-/// none when `bound` is 0.
-pub fn apply_balance_bound(terms: &mut [CostTerms], bound: f64) {
-    if bound <= 0.0 || terms.is_empty() {
+/// Marks the candidates above the balance bound and the prefill queue
+/// bound (see the module docs); neither marks anything when it is 0. The
+/// least loaded candidate (fewest requests, shortest queue) is never marked.
+pub fn apply_bounds(terms: &mut [CostTerms], balance_bound: f64, prefill_queue_bound: f64) {
+    if terms.is_empty() {
         return;
     }
-    let mean = terms
-        .iter()
-        .map(|t| f64::from(t.active_requests))
-        .sum::<f64>()
-        / terms.len() as f64;
-    let limit = bound * mean + 1.0;
-    for t in terms.iter_mut() {
-        t.over_bound = f64::from(t.active_requests) > limit;
+    if balance_bound > 0.0 {
+        let mean = terms
+            .iter()
+            .map(|t| f64::from(t.active_requests))
+            .sum::<f64>()
+            / terms.len() as f64;
+        let limit = balance_bound * mean + 1.0;
+        for t in terms.iter_mut() {
+            t.over_bound |= f64::from(t.active_requests) > limit;
+        }
+    }
+    if prefill_queue_bound > 0.0 {
+        let shortest = terms
+            .iter()
+            .map(|t| t.queued_prefill_tokens)
+            .min()
+            .unwrap_or(0);
+        for t in terms.iter_mut().filter(|t| t.step_tokens > 0) {
+            let extra = t.queued_prefill_tokens.saturating_sub(shortest) as f64;
+            t.over_bound |= extra > prefill_queue_bound * f64::from(t.step_tokens);
+        }
     }
 }
 
@@ -265,6 +301,7 @@ mod tests {
                 active_prefill_tokens: 32,
                 active_decode_blocks: 7,
                 active_requests: 3,
+                ..CostInput::default()
             },
             100,
             16,
@@ -282,8 +319,7 @@ mod tests {
             decode_load_scale: 1.0,
             overlap_credit: 1.0,
             active_request_weight: 0.5,
-            balance_bound: 0.0,
-            temperature: 0.0,
+            ..CostParams::default()
         };
         let c = cost(
             &p,
@@ -292,6 +328,7 @@ mod tests {
                 active_prefill_tokens: 0,
                 active_decode_blocks: 1,
                 active_requests: 4,
+                ..CostInput::default()
             },
             100,
             16,
@@ -353,16 +390,61 @@ mod tests {
                 ..CostTerms::default()
             })
             .collect();
-        apply_balance_bound(&mut terms, 1.5);
+        apply_bounds(&mut terms, 1.5, 0.0);
         // mean 4: limit 1.5 × 4 + 1 = 7.
         let over: Vec<bool> = terms.iter().map(|t| t.over_bound).collect();
         assert_eq!(over, [false, false, false, true]);
-        apply_balance_bound(&mut terms, 0.0);
+        apply_bounds(&mut terms, 0.0, 0.0);
         assert_eq!(
             terms.iter().filter(|t| t.over_bound).count(),
             1,
             "0 leaves marks alone"
         );
+    }
+
+    #[test]
+    fn the_prefill_queue_bound_marks_queues_more_than_s_steps_longer_than_the_shortest() {
+        let mut terms: Vec<CostTerms> = [(500u64, 1024u32), (2500, 1024), (4700, 1024), (9000, 0)]
+            .iter()
+            .map(|&(queued, step)| CostTerms {
+                queued_prefill_tokens: queued,
+                step_tokens: step,
+                ..CostTerms::default()
+            })
+            .collect();
+        apply_bounds(&mut terms, 0.0, 4.0);
+        // Shortest 500: up to 500 + 4 × 1024 = 4596 may be chosen; a worker
+        // that does not report its step size is not bounded.
+        let over: Vec<bool> = terms.iter().map(|t| t.over_bound).collect();
+        assert_eq!(over, [false, false, true, false]);
+    }
+
+    #[test]
+    fn a_long_cached_prefix_behind_a_long_queue_loses_to_a_short_queue_under_the_bound() {
+        let p = CostParams {
+            overlap_credit: 8.0,
+            prefill_queue_bound: 4.0,
+            ..CostParams::default()
+        };
+        // 1,811-token prompt, 27 blocks of 64 cached on a worker with
+        // 15,000 tokens queued; nothing cached on an idle one.
+        let cached = CostInput {
+            overlap_blocks: 27,
+            active_prefill_tokens: 15_000,
+            step_tokens: 1024,
+            ..CostInput::default()
+        };
+        let idle = CostInput {
+            step_tokens: 1024,
+            ..CostInput::default()
+        };
+        let mut terms = vec![cost(&p, &cached, 1811, 64), cost(&p, &idle, 1811, 64)];
+        assert!(
+            terms[0].total_cost < terms[1].total_cost,
+            "the credit alone prefers the queue"
+        );
+        apply_bounds(&mut terms, p.balance_bound, p.prefill_queue_bound);
+        assert!(terms[0].over_bound && !terms[1].over_bound);
     }
 
     #[test]

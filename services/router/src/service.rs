@@ -270,10 +270,11 @@ fn candidates_field(d: &Decision) -> String {
         }
         let _ = write!(
             s,
-            "{}{} overlap={} prefill={:.2} decode={:.2} total={:.2} active={}{}",
+            "{}{} overlap={} queued={} prefill={:.2} decode={:.2} total={:.2} active={}{}",
             c.target,
             if i == d.chosen { "*" } else { "" },
             c.terms.overlap_blocks,
+            c.terms.queued_prefill_tokens,
             c.terms.prefill_cost,
             c.terms.decode_cost,
             c.terms.total_cost,
@@ -510,11 +511,11 @@ mod tests {
         assert_eq!(f.get("request_id").map(String::as_str), Some("req-1"));
         let candidates = f.get("candidates").expect("candidates recorded");
         assert!(
-            candidates.contains("w0/0 overlap=0 prefill=3.00"),
+            candidates.contains("w0/0 overlap=0 queued=0 prefill=3.00"),
             "{candidates}"
         );
         assert!(
-            candidates.contains("w1/0* overlap=3 prefill=0.00"),
+            candidates.contains("w1/0* overlap=3 queued=0 prefill=0.00"),
             "{candidates}"
         );
         let placed = metrics
