@@ -66,6 +66,9 @@ pub(crate) struct RequestRecord {
     /// `nvext.queue_wait_ms` of the final chunk, if the server sends it.
     pub queue_wait_ms: Option<f64>,
     pub worker_id: Option<String>,
+    /// `nvext.routed_overlap_tokens`: the prompt tokens the router expected
+    /// cached on the worker it chose (beside `cached_tokens`, what was).
+    pub routed_overlap_tokens: Option<u64>,
     pub error: Option<RequestError>,
 }
 
@@ -84,6 +87,7 @@ impl RequestRecord {
             cached_tokens: None,
             queue_wait_ms: None,
             worker_id: None,
+            routed_overlap_tokens: None,
             error: None,
         }
     }
@@ -314,6 +318,8 @@ impl Target {
                         .get("worker_id")
                         .and_then(Value::as_str)
                         .map(str::to_owned);
+                    rec.routed_overlap_tokens =
+                        nv.get("routed_overlap_tokens").and_then(Value::as_u64);
                 }
             }
         }

@@ -169,6 +169,7 @@ mod tests {
             cached_tokens: Some(0),
             queue_wait_ms: Some(1.0),
             worker_id: Some("w".into()),
+            routed_overlap_tokens: None,
             error: error.then(|| RequestError {
                 kind: "503".into(),
                 detail: "busy".into(),

@@ -188,6 +188,7 @@ mod tests {
             cached_tokens: None,
             queue_wait_ms: None,
             worker_id: None,
+            routed_overlap_tokens: None,
             error: error.map(|k| RequestError {
                 kind: k.into(),
                 detail: String::new(),
