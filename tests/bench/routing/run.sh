@@ -18,6 +18,9 @@
 #   SLUICE_BIN   a built `sluice` [builds target/release/sluice]
 #   MODES        ["kv approx round-robin random"]
 #   ROUTER_FLAGS extra flags for every `sluice up` (cost weights to try) [""]
+#   REPEATS      runs per mode [1]; with more, the table gives each figure's
+#                mean over the runs and its range (a single run's hit rate
+#                moves by about ±0.03 on this slice)
 #   PORT [18471] OUT [target/bench/routing]
 #   RESULT       [tests/bench/results/routing.md]; "-" prints only
 set -euo pipefail
@@ -25,6 +28,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)
 cd "$ROOT"
 MODES=${MODES:-"kv approx round-robin random"}
+REPEATS=${REPEATS:-1}
 ROUTER_FLAGS=${ROUTER_FLAGS:-}
 PORT=${PORT:-18471}
 OUT=${OUT:-$ROOT/target/bench/routing}
@@ -61,25 +65,28 @@ UP_FLAGS="--engine mocker --workers 4 --block-size 64 --num-gpu-blocks 1000 --sp
 BENCH_FLAGS="--trace $SLICE --trace-scale 8 --timeout-secs 900 --no-progress"
 started=$(date +%s)
 for mode in $MODES; do
-  dir=$OUT/$mode
-  rm -rf "$dir"; mkdir -p "$dir"
-  # shellcheck disable=SC2086
-  RUST_LOG=${RUST_LOG:-warn} "$SLUICE_BIN" up $UP_FLAGS --router-mode "$mode" $ROUTER_FLAGS \
-    --http-port "$PORT" >"$dir/server.log" 2>&1 &
-  server_pid=$!
-  wait_ready "http://127.0.0.1:$PORT" "$server_pid" "$dir/server.log"
-  echo "== $mode"
-  # shellcheck disable=SC2086
-  "$SLUICE_BIN" bench --url "http://127.0.0.1:$PORT" --model sluice-tiny $BENCH_FLAGS \
-    --out "$dir" >"$dir/table.md"
-  kill "$server_pid"; wait "$server_pid" 2>/dev/null || true; server_pid=""
+  for rep in $(seq 1 "$REPEATS"); do
+    dir=$OUT/$mode/run$rep
+    rm -rf "$dir"; mkdir -p "$dir"
+    # shellcheck disable=SC2086
+    RUST_LOG=${RUST_LOG:-warn} "$SLUICE_BIN" up $UP_FLAGS --router-mode "$mode" $ROUTER_FLAGS \
+      --http-port "$PORT" >"$dir/server.log" 2>&1 &
+    server_pid=$!
+    wait_ready "http://127.0.0.1:$PORT" "$server_pid" "$dir/server.log"
+    echo "== $mode (run $rep of $REPEATS)"
+    # shellcheck disable=SC2086
+    "$SLUICE_BIN" bench --url "http://127.0.0.1:$PORT" --model sluice-tiny $BENCH_FLAGS \
+      --out "$dir" >"$dir/table.md"
+    kill "$server_pid"; wait "$server_pid" 2>/dev/null || true; server_pid=""
+  done
 done
 elapsed=$(( $(date +%s) - started ))
 
 python3 - "$OUT" "$SLICE" "$RESULT" "$elapsed" "$MODES" "$ROUTER_FLAGS" "$UP_FLAGS" "$BENCH_FLAGS" \
-  "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" <<'EOF'
-import json, math, statistics, sys, datetime
-out, slice_path, result, elapsed, modes, router_flags, up_flags, bench_flags, commit = sys.argv[1:10]
+  "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" "$REPEATS" <<'EOF'
+import json, math, os, statistics, sys, datetime
+out, slice_path, result, elapsed, modes, router_flags, up_flags, bench_flags, commit, repeats = sys.argv[1:11]
+repeats = int(repeats)
 rows = [json.loads(l) for l in open(slice_path)]
 # The oracle: one shared infinite cache of 64-token blocks, in arrival order.
 seen, cached, total = set(), 0, 0
@@ -100,9 +107,8 @@ def pct(v, q):
     v = sorted(v)
     return v[min(len(v) - 1, int(q * len(v)))] if v else float("nan")
 
-lines = []
-for mode in modes.split():
-    recs = [json.loads(l) for l in open(f"{out}/{mode}/requests.jsonl")]
+def run_figures(path):
+    recs = [json.loads(l) for l in open(path)]
     ok = [r for r in recs if not r.get("error")]
     prompt = sum(r["input_tokens"] for r in ok)
     hit = sum(r.get("cached_tokens") or 0 for r in ok) / max(1, prompt)
@@ -112,9 +118,24 @@ for mode in modes.split():
         per[r.get("worker_id") or "?"] = per.get(r.get("worker_id") or "?", 0) + 1
     counts = sorted(per.values(), reverse=True)
     ratio = counts[0] / counts[-1] if counts and counts[-1] else float("inf")
+    return hit, statistics.mean(ttft), pct(ttft, 0.9), counts, ratio, len(recs) - len(ok)
+
+def spread(values, fmt):
+    """The mean, and the range when there is more than one run."""
+    m = fmt.format(statistics.mean(values))
+    if len(values) == 1:
+        return m
+    return f"{m} ({fmt.format(min(values))}–{fmt.format(max(values))})"
+
+lines = []
+for mode in modes.split():
+    runs = [run_figures(f"{out}/{mode}/run{i}/requests.jsonl") for i in range(1, repeats + 1)]
+    hits = [r[0] for r in runs]
+    counts = " ; ".join(" / ".join(map(str, r[3])) for r in runs)
     lines.append(
-        f"| {mode} | {hit:.3f} | {hit / oracle:.0%} | {statistics.mean(ttft):.0f} | {pct(ttft, 0.9):.0f} "
-        f"| {' / '.join(map(str, counts))} | {ratio:.2f} | {len(recs) - len(ok)} |")
+        f"| {mode} | {spread(hits, '{:.3f}')} | {statistics.mean(hits) / oracle:.0%} "
+        f"| {spread([r[1] for r in runs], '{:.0f}')} | {spread([r[2] for r in runs], '{:.0f}')} "
+        f"| {counts} | {spread([r[4] for r in runs], '{:.2f}')} | {sum(r[5] for r in runs)} |")
 
 table = "\n".join([
     "| router | hit rate | of oracle | TTFT mean ms | TTFT p90 ms | requests per worker | max/min | errors |",
@@ -126,10 +147,17 @@ print(table)
 if result == "-":
     sys.exit(0)
 now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+# Notes written by hand below this marker survive a rerun.
+MARKER = "<!-- notes: kept by run.sh -->"
+notes = ""
+if os.path.exists(result):
+    old = open(result).read()
+    if MARKER in old:
+        notes = old[old.index(MARKER) + len(MARKER):]
 doc = f"""# Routing on the Mooncake conversation trace, live mesh
 
 Written by `tests/bench/routing/run.sh` ({now}, commit {commit}, {elapsed} s):
-`MODES="{modes}" ROUTER_FLAGS="{router_flags}" tests/bench/routing/run.sh`.
+`MODES="{modes}" ROUTER_FLAGS="{router_flags}" REPEATS={repeats} tests/bench/routing/run.sh`.
 
 The reference slice: every conversation of
 `tests/bench/traces/mooncake_conversation_trace.jsonl` whose `hash_ids[1] % 16 == 0`
@@ -144,7 +172,9 @@ Reference (issue #14, measured with aiperf through `sluice up` in the same sitti
 NVIDIA Dynamo 1.6.1 on this slice): Dynamo kv 0.243 (TTFT mean 810 ms), round-robin
 0.161, random 0.129; Sluice before this change kv 0.224 (1,025 ms), round-robin 0.163.
 An ideal per-conversation split with 1,000-block LRU caches reaches 0.325.
-"""
+With REPEATS > 1 each figure is the mean over the runs, with its range in brackets.
+
+{MARKER}{notes}"""
 open(result, "w").write(doc)
 print(f"wrote {result}", file=sys.stderr)
 EOF
