@@ -67,6 +67,13 @@ pub struct SchedulerConfig {
     /// Data-parallel balance: admit only while the largest running count
     /// across ranks is below `max_num_seqs - 1` (vLLM-Ascend patch 5212).
     pub balance_scheduling: bool,
+    /// With chunked prefill: a prefill chunk takes at most this many tokens
+    /// until every other scheduled sequence and admissible waiting one has
+    /// had its turn; what is left of the step's budget then tops the held
+    /// chunks up. A short prompt is not starved behind a long one's
+    /// prefill, and a long prefill alone still fills the step. 0 = off
+    /// (vLLM's `long_prefill_token_threshold`, made work-conserving).
+    pub long_prefill_token_threshold: usize,
 }
 
 impl Default for SchedulerConfig {
@@ -80,6 +87,7 @@ impl Default for SchedulerConfig {
             preempt_on_seq_limit: true,
             keep_preempted_order: true,
             balance_scheduling: false,
+            long_prefill_token_threshold: 0,
         }
     }
 }

@@ -406,7 +406,43 @@ impl Scheduler {
         };
         let deferred = self.schedule_running(&mut plan);
         self.admit_waiting(&mut plan, deferred);
+        self.top_up(&mut plan);
         self.build_batch(plan)
+    }
+
+    /// The tokens a sequence with `remaining` to compute takes in a step's
+    /// first pass: what the budget allows, and for a prefill chunk at most
+    /// `long_prefill_token_threshold` (see [`SchedulerConfig`]).
+    fn first_pass_tokens(&self, remaining: usize, budget: usize) -> usize {
+        let threshold = self.cfg.long_prefill_token_threshold;
+        let n = remaining.min(budget);
+        if threshold > 0 && self.cfg.enable_chunked_prefill && remaining > 1 {
+            n.min(threshold)
+        } else {
+            n
+        }
+    }
+
+    /// Gives what is left of the step's budget to the prefill chunks the
+    /// first pass held back, in schedule order, as far as KV memory allows
+    /// without preempting anyone.
+    fn top_up(&mut self, plan: &mut Plan) {
+        if self.cfg.long_prefill_token_threshold == 0 {
+            return;
+        }
+        for entry in &mut plan.sched {
+            if plan.budget == 0 {
+                break;
+            }
+            let (id, n) = *entry;
+            let seq = &self.seqs[&id];
+            let start = seq.num_computed + n;
+            let extra = (seq.tokens.len() - start).min(plan.budget);
+            if extra > 0 && self.kv.allocate(id, start + extra).is_ok() {
+                entry.1 += extra;
+                plan.budget -= extra;
+            }
+        }
     }
 
     /// Schedules the running sequences' next tokens, in admission order,
@@ -418,7 +454,7 @@ impl Scheduler {
         while i < self.running.len() && plan.budget > 0 {
             let id = self.running[i];
             let seq = &self.seqs[&id];
-            let n = (seq.tokens.len() - seq.num_computed).min(plan.budget);
+            let n = self.first_pass_tokens(seq.tokens.len() - seq.num_computed, plan.budget);
             if n == 0 {
                 i += 1;
                 continue;
@@ -511,7 +547,7 @@ impl Scheduler {
             }
             let seq = &self.seqs[&id];
             let remaining = seq.tokens.len() - seq.num_computed;
-            let n = remaining.min(plan.budget);
+            let n = self.first_pass_tokens(remaining, plan.budget);
             let target = seq.num_computed + n;
             let fits_whole = n == remaining || self.cfg.enable_chunked_prefill;
             if fits_whole && self.kv.allocate(id, target).is_ok() {

@@ -79,6 +79,8 @@ struct Setup {
     chunked: bool,
     preempt_on_seq_limit: bool,
     caching: bool,
+    /// `long_prefill_token_threshold` (0 = off).
+    long_prefill: usize,
 }
 
 fn setup() -> impl Strategy<Value = Setup> {
@@ -94,6 +96,7 @@ fn setup() -> impl Strategy<Value = Setup> {
         any::<bool>(),
         any::<bool>(),
         any::<bool>(),
+        prop_oneof![Just(0usize), Just(1), Just(3), Just(8)],
     )
         .prop_map(
             |(
@@ -105,6 +108,7 @@ fn setup() -> impl Strategy<Value = Setup> {
                 chunked,
                 seq_limit,
                 caching,
+                long_prefill,
             )| {
                 Setup {
                     policy,
@@ -115,6 +119,7 @@ fn setup() -> impl Strategy<Value = Setup> {
                     chunked,
                     preempt_on_seq_limit: seq_limit,
                     caching,
+                    long_prefill,
                 }
             },
         )
@@ -173,6 +178,7 @@ impl Harness {
             preempt_on_seq_limit: st.preempt_on_seq_limit,
             keep_preempted_order: true,
             balance_scheduling: false,
+            long_prefill_token_threshold: st.long_prefill,
         };
         let events = Arc::new(KvEventLog::new(1 << 16));
         let kv = KvCache::new(st.num_blocks, st.block_size, st.caching, events.clone());

@@ -913,3 +913,38 @@ fn mocker_charges_a_resume_only_for_the_tokens_it_computes() {
     assert_eq!(st.seqs.len(), 1);
     assert!((ms(&st) - prefill_ms(3)).abs() < 1e-5, "{} ms", ms(&st));
 }
+
+fn new_tokens(st: &ScheduledStep, id: SeqId) -> usize {
+    st.seqs
+        .iter()
+        .find(|s| s.seq_id == id)
+        .map_or(0, |s| s.num_new_tokens)
+}
+
+#[test]
+fn a_short_prompt_is_not_starved_behind_a_long_prefill_and_a_long_one_alone_fills_the_step() {
+    let mut c = cfg(4, 32, SchedulingPolicy::Fcfs);
+    c.long_prefill_token_threshold = 8;
+    let mut s = sched(c, 64);
+    s.add(1, req_with(100, 1, 0, 1)).expect("valid");
+    // Alone, the long prefill takes the whole budget (the top-up).
+    let (st, _) = step(&mut s);
+    assert_eq!(new_tokens(&st, 1), 32);
+    // A 5-token prompt arrives: it is prefilled in the next step, next to
+    // the long one, which gets its 8 and then what is left (32 − 8 − 5).
+    s.add(2, req_with(5, 1, 0, 500)).expect("valid");
+    let (st, out) = step(&mut s);
+    assert_eq!((new_tokens(&st, 1), new_tokens(&st, 2)), (27, 5));
+    assert!(
+        out.iter().any(|o| o.seq_id == 2),
+        "the short prompt has its first token"
+    );
+
+    // Without the threshold the short prompt waits for the long prefill.
+    let mut s = sched(cfg(4, 32, SchedulingPolicy::Fcfs), 64);
+    s.add(1, req_with(100, 1, 0, 1)).expect("valid");
+    step(&mut s);
+    s.add(2, req_with(5, 1, 0, 500)).expect("valid");
+    let (st, _) = step(&mut s);
+    assert_eq!((new_tokens(&st, 1), new_tokens(&st, 2)), (32, 0));
+}

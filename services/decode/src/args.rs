@@ -105,6 +105,15 @@ pub struct WorkerArgs {
     #[arg(long, env = "SLUICE_MAX_NUM_BATCHED_TOKENS", default_value_t = 2048)]
     pub max_num_batched_tokens: usize,
 
+    /// With chunked prefill, the most tokens one prompt's prefill chunk takes
+    /// before the other sequences of the step (and waiting short prompts)
+    /// have had theirs; what is left of the step then goes back to it, so a
+    /// long prompt alone still fills the step while a short one arriving
+    /// behind it is not held up for the whole prefill. Default: a quarter
+    /// of --max-num-batched-tokens; 0 = off (vLLM's behaviour).
+    #[arg(long, env = "SLUICE_LONG_PREFILL_TOKEN_THRESHOLD")]
+    pub long_prefill_token_threshold: Option<usize>,
+
     /// Longest sequence (prompt + output); default: the model's limit. The
     /// mocker, which computes no positions, may go past that limit (to
     /// simulate a long-context deployment of a small model's config).
@@ -202,6 +211,7 @@ impl Default for WorkerArgs {
             num_gpu_blocks: 2048,
             max_num_seqs: 64,
             max_num_batched_tokens: 2048,
+            long_prefill_token_threshold: None,
             max_model_len: None,
             scheduling_policy: "fcfs".into(),
             no_preempt_on_seq_limit: false,
@@ -364,6 +374,9 @@ impl WorkerArgs {
                 policy: self.policy()?,
                 balance_scheduling: self.balance_scheduling,
                 preempt_on_seq_limit: !self.no_preempt_on_seq_limit,
+                long_prefill_token_threshold: self
+                    .long_prefill_token_threshold
+                    .unwrap_or(self.max_num_batched_tokens / 4),
                 ..SchedulerConfig::default()
             },
             enable_prefix_caching: !self.no_prefix_caching,
