@@ -70,9 +70,12 @@ pub struct SchedulerConfig {
     /// With chunked prefill: a prefill chunk takes at most this many tokens
     /// until every other scheduled sequence and admissible waiting one has
     /// had its turn; what is left of the step's budget then tops the held
-    /// chunks up. A short prompt is not starved behind a long one's
-    /// prefill, and a long prefill alone still fills the step. 0 = off
-    /// (vLLM's `long_prefill_token_threshold`, made work-conserving).
+    /// chunks up. Prompts longer than this prefill one at a time, in order
+    /// (vLLM's `max_long_partial_prefills` 1); shorter ones go next to
+    /// them. A short prompt is not starved behind a long one's prefill, a
+    /// long prefill alone still fills the step, and long ones are not
+    /// interleaved. 0 = off (vLLM's `long_prefill_token_threshold`, made
+    /// work-conserving).
     pub long_prefill_token_threshold: usize,
 }
 

@@ -423,6 +423,21 @@ impl Scheduler {
         }
     }
 
+    /// Whether a waiting prompt with `remaining` tokens to prefill must wait
+    /// for the long prefill this step already carries: long prefills (more
+    /// than the threshold) go one at a time, in order, so they are not
+    /// interleaved into each other's way; short prompts go next to them.
+    fn waits_for_long_prefill(&self, plan: &Plan, remaining: usize) -> bool {
+        let threshold = self.cfg.long_prefill_token_threshold;
+        threshold > 0
+            && self.cfg.enable_chunked_prefill
+            && remaining > threshold
+            && plan.sched.iter().any(|(id, _)| {
+                let s = &self.seqs[id];
+                s.tokens.len() - s.num_computed > threshold
+            })
+    }
+
     /// Gives what is left of the step's budget to the prefill chunks the
     /// first pass held back, in schedule order, as far as KV memory allows
     /// without preempting anyone.
@@ -547,6 +562,9 @@ impl Scheduler {
             }
             let seq = &self.seqs[&id];
             let remaining = seq.tokens.len() - seq.num_computed;
+            if self.waits_for_long_prefill(plan, remaining) {
+                break;
+            }
             let n = self.first_pass_tokens(remaining, plan.budget);
             let target = seq.num_computed + n;
             let fits_whole = n == remaining || self.cfg.enable_chunked_prefill;

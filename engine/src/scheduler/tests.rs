@@ -939,6 +939,11 @@ fn a_short_prompt_is_not_starved_behind_a_long_prefill_and_a_long_one_alone_fill
         out.iter().any(|o| o.seq_id == 2),
         "the short prompt has its first token"
     );
+    // A second long prompt waits for the first long prefill to finish
+    // instead of sharing the steps with it.
+    s.add(3, req_with(60, 1, 0, 900)).expect("valid");
+    let (st, _) = step(&mut s);
+    assert_eq!((new_tokens(&st, 1), new_tokens(&st, 3)), (32, 0));
 
     // Without the threshold the short prompt waits for the long prefill.
     let mut s = sched(cfg(4, 32, SchedulingPolicy::Fcfs), 64);

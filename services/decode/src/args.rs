@@ -109,8 +109,9 @@ pub struct WorkerArgs {
     /// before the other sequences of the step (and waiting short prompts)
     /// have had theirs; what is left of the step then goes back to it, so a
     /// long prompt alone still fills the step while a short one arriving
-    /// behind it is not held up for the whole prefill. Default: a quarter
-    /// of --max-num-batched-tokens; 0 = off (vLLM's behaviour).
+    /// behind it is not held up for the whole prefill. Prompts longer than
+    /// this prefill one at a time. Default: a quarter of
+    /// --max-num-batched-tokens; 0 = off (vLLM's behaviour).
     #[arg(long, env = "SLUICE_LONG_PREFILL_TOKEN_THRESHOLD")]
     pub long_prefill_token_threshold: Option<usize>,
 
