@@ -410,16 +410,21 @@ impl Scheduler {
         self.build_batch(plan)
     }
 
+    /// `long_prefill_token_threshold` where it applies: set, with chunked
+    /// prefill (see [`SchedulerConfig`]).
+    fn long_prefill_cap(&self) -> Option<usize> {
+        let threshold = self.cfg.long_prefill_token_threshold;
+        (threshold > 0 && self.cfg.enable_chunked_prefill).then_some(threshold)
+    }
+
     /// The tokens a sequence with `remaining` to compute takes in a step's
     /// first pass: what the budget allows, and for a prefill chunk at most
-    /// `long_prefill_token_threshold` (see [`SchedulerConfig`]).
+    /// the long-prefill cap.
     fn first_pass_tokens(&self, remaining: usize, budget: usize) -> usize {
-        let threshold = self.cfg.long_prefill_token_threshold;
         let n = remaining.min(budget);
-        if threshold > 0 && self.cfg.enable_chunked_prefill && remaining > 1 {
-            n.min(threshold)
-        } else {
-            n
+        match self.long_prefill_cap() {
+            Some(cap) if remaining > 1 => n.min(cap),
+            _ => n,
         }
     }
 
@@ -428,21 +433,20 @@ impl Scheduler {
     /// than the threshold) go one at a time, in order, so they are not
     /// interleaved into each other's way; short prompts go next to them.
     fn waits_for_long_prefill(&self, plan: &Plan, remaining: usize) -> bool {
-        let threshold = self.cfg.long_prefill_token_threshold;
-        threshold > 0
-            && self.cfg.enable_chunked_prefill
-            && remaining > threshold
-            && plan.sched.iter().any(|(id, _)| {
-                let s = &self.seqs[id];
-                s.tokens.len() - s.num_computed > threshold
-            })
+        self.long_prefill_cap().is_some_and(|cap| {
+            remaining > cap
+                && plan.sched.iter().any(|(id, _)| {
+                    let s = &self.seqs[id];
+                    s.tokens.len() - s.num_computed > cap
+                })
+        })
     }
 
     /// Gives what is left of the step's budget to the prefill chunks the
     /// first pass held back, in schedule order, as far as KV memory allows
     /// without preempting anyone.
     fn top_up(&mut self, plan: &mut Plan) {
-        if self.cfg.long_prefill_token_threshold == 0 {
+        if self.long_prefill_cap().is_none() {
             return;
         }
         for entry in &mut plan.sched {
