@@ -549,7 +549,7 @@ mod tests {
                                     .expect("write");
                                 tokio::time::sleep(Duration::from_millis(10)).await;
                             }
-                            let fin = r#"{"choices":[],"usage":{"prompt_tokens":4,"completion_tokens":3},"nvext":{"worker_id":"w1","queue_wait_ms":1.5}}"#;
+                            let fin = r#"{"choices":[],"usage":{"prompt_tokens":4,"completion_tokens":3},"nvext":{"worker_id":"w1","queue_wait_ms":1.5,"routed_overlap_tokens":64}}"#;
                             sock.write_all(format!("data: {fin}\n\ndata: [DONE]\n\n").as_bytes())
                                 .await
                                 .expect("write");
@@ -613,6 +613,7 @@ mod tests {
             assert_eq!(r.input_tokens, 4);
             assert_eq!(r.worker_id.as_deref(), Some("w1"));
             assert_eq!(r.queue_wait_ms, Some(1.5));
+            assert_eq!(r.routed_overlap_tokens, Some(64));
             assert!(r.itl_ms().expect("itl") > 0.0);
         }
         assert!(records[3].sent_ms >= 100.0);
