@@ -441,6 +441,7 @@ impl Queue {
                 fair: None,
                 weight,
                 output: 0,
+                prefill: None,
             },
         );
         st.unread.push(seq);
@@ -599,10 +600,16 @@ impl Ticket {
 
     /// Tells the router, through the placement's lease, that the granted
     /// request produced its first token. No-op before the grant.
+    ///
+    /// The prompt's prefill also leaves this queue's own view of that
+    /// worker's load at once, and held requests are looked at again: the
+    /// next release waits for no load report (which the router sends at
+    /// most every `--load-min-interval-ms`) to learn the worker is free.
     pub fn started(&self) {
-        let st = self.shared.state.lock();
-        if let Some(lease) = st.slots.get(&self.seq).and_then(|s| s.lease.as_ref()) {
-            lease.started();
+        let mut st = self.shared.state.lock();
+        if st.started(self.seq) {
+            drop(st);
+            self.shared.wake.notify_one();
         }
     }
 
@@ -674,6 +681,10 @@ struct Slot {
     weight: u32,
     /// Output tokens charged so far.
     output: u32,
+    /// Once granted and until its first token: the worker rank whose local
+    /// load figure carries this request's uncached prompt, and how many
+    /// tokens (taken off again when the request starts).
+    prefill: Option<((String, u32), u64)>,
 }
 
 #[derive(Debug, Default)]

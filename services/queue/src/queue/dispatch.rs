@@ -373,7 +373,8 @@ impl State {
             now,
         );
         let busy = placement.prefill.as_ref().unwrap_or(&placement.worker);
-        if let Some(load) = self.load.get_mut(&(busy.worker_id.clone(), busy.dp_rank)) {
+        let busy = (busy.worker_id.clone(), busy.dp_rank);
+        if let Some(load) = self.load.get_mut(&busy) {
             load.active_prefill_tokens += u64::from(uncached);
         }
         let waited = now.saturating_duration_since(entry.arrival);
@@ -393,6 +394,7 @@ impl State {
         );
         if let Some(slot) = self.slots.get_mut(&seq) {
             slot.phase = Phase::Active;
+            slot.prefill = Some((busy, u64::from(uncached)));
             slot.lease = lease;
             slot.tx
                 .send_replace(TicketState::Granted(Grant { placement, waited }));
@@ -441,6 +443,12 @@ impl State {
                 self.active -= 1;
                 if let Some(model) = self.models.get_mut(&slot.entry.desc.model) {
                     model.active -= 1;
+                }
+                // Ended before its first token: its prefill is not coming.
+                if let Some((worker, tokens)) = &slot.prefill
+                    && let Some(load) = self.load.get_mut(worker)
+                {
+                    load.active_prefill_tokens = load.active_prefill_tokens.saturating_sub(*tokens);
                 }
                 metrics.released();
             }
@@ -547,6 +555,26 @@ impl State {
 
     /// Charges the output tokens a granted request produced since the last
     /// report.
+    /// The granted request produced its first token: the router hears it
+    /// through the lease, and the uncached prompt this queue added to the
+    /// worker's load at the grant comes off. Returns whether held requests
+    /// should be looked at again.
+    pub(super) fn started(&mut self, seq: u64) -> bool {
+        let Some(slot) = self.slots.get_mut(&seq) else {
+            return false;
+        };
+        if let Some(lease) = &slot.lease {
+            lease.started();
+        }
+        let Some((worker, tokens)) = slot.prefill.take() else {
+            return false;
+        };
+        if let Some(load) = self.load.get_mut(&worker) {
+            load.active_prefill_tokens = load.active_prefill_tokens.saturating_sub(tokens);
+        }
+        true
+    }
+
     pub(super) fn progress(
         &mut self,
         seq: u64,

@@ -671,6 +671,40 @@ async fn threshold_holds_while_every_worker_is_busy_and_releases_one_per_capacit
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_first_token_frees_the_worker_for_the_next_release_without_a_load_report() {
+    let mut cfg = config(Policy::Fcfs);
+    cfg.queue_threshold = Some(0.5); // busy above 50 of 100 tokens
+    let h = Harness::start(cfg);
+    h.queue.update_load(load(0));
+    let t = Instant::now();
+    let mut a = h.admit(entry("a", 0, 0, 60, at(t, 0)));
+    let mut b = h.admit(entry("b", 0, 0, 60, at(t, 1)));
+    let mut c = h.admit(entry("c", 0, 0, 60, at(t, 2)));
+    a.granted().await.expect("a granted");
+    settle().await;
+    // a's 60 uncached tokens make w0 busy: b and c are held.
+    assert_eq!(h.placer.placed(), ["a"]);
+    assert!(matches!(
+        b.next().await.expect("held"),
+        TicketEvent::Held(HeldStatus {
+            reason: HoldReason::AboveThreshold,
+            ..
+        })
+    ));
+    // a's first token: its prefill is done, and b goes at once, with the
+    // same (stale) load report.
+    a.started();
+    b.granted().await.expect("b granted");
+    settle().await;
+    assert_eq!(h.placer.placed(), ["a", "b"]);
+    // b ends before its first token: its prefill is not coming either.
+    drop(b);
+    c.granted().await.expect("c granted");
+    settle().await;
+    assert_eq!(h.placer.placed(), ["a", "b", "c"]);
+}
+
+#[tokio::test(start_paused = true)]
 async fn one_worker_below_threshold_is_enough_and_prefill_pool_decides_when_present() {
     let mut cfg = config(Policy::Fcfs);
     cfg.queue_threshold = Some(0.0);
