@@ -626,16 +626,25 @@ async fn threshold_unset_ignores_prefill_tokens_and_unknown_seq_limits_hold_noth
     assert_eq!((stats.pending, stats.active), (0, 30));
 }
 
+/// A queue holding above 50 of 100 prefill tokens on one worker whose
+/// report says `reported` tokens are queued, and three 60-token requests
+/// admitted in order.
+fn three_at_threshold(reported: u64) -> (Harness, [Ticket; 3]) {
+    let mut cfg = config(Policy::Fcfs);
+    cfg.queue_threshold = Some(0.5);
+    let h = Harness::start(cfg);
+    h.queue.update_load(load(reported));
+    let t = Instant::now();
+    let tickets = ["a", "b", "c"].map(|id| {
+        let i = id.as_bytes()[0] - b'a';
+        h.admit(entry(id, 0, 0, 60, at(t, u64::from(i))))
+    });
+    (h, tickets)
+}
+
 #[tokio::test(start_paused = true)]
 async fn threshold_holds_while_every_worker_is_busy_and_releases_one_per_capacity() {
-    let mut cfg = config(Policy::Fcfs);
-    cfg.queue_threshold = Some(0.5); // busy above 50 of 100 tokens
-    let h = Harness::start(cfg);
-    h.queue.update_load(load(80));
-    let t = Instant::now();
-    let mut a = h.admit(entry("a", 0, 0, 60, at(t, 0)));
-    let mut b = h.admit(entry("b", 0, 0, 60, at(t, 1)));
-    let mut c = h.admit(entry("c", 0, 0, 60, at(t, 2)));
+    let (h, [mut a, mut b, mut c]) = three_at_threshold(80);
     for (ticket, position) in [(&mut a, 0), (&mut b, 1), (&mut c, 2)] {
         let event = ticket.next().await.expect("held");
         assert_eq!(
@@ -672,14 +681,7 @@ async fn threshold_holds_while_every_worker_is_busy_and_releases_one_per_capacit
 
 #[tokio::test(start_paused = true)]
 async fn a_first_token_frees_the_worker_for_the_next_release_without_a_load_report() {
-    let mut cfg = config(Policy::Fcfs);
-    cfg.queue_threshold = Some(0.5); // busy above 50 of 100 tokens
-    let h = Harness::start(cfg);
-    h.queue.update_load(load(0));
-    let t = Instant::now();
-    let mut a = h.admit(entry("a", 0, 0, 60, at(t, 0)));
-    let mut b = h.admit(entry("b", 0, 0, 60, at(t, 1)));
-    let mut c = h.admit(entry("c", 0, 0, 60, at(t, 2)));
+    let (h, [mut a, mut b, mut c]) = three_at_threshold(0);
     a.granted().await.expect("a granted");
     settle().await;
     // a's 60 uncached tokens make w0 busy: b and c are held.
