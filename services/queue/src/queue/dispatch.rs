@@ -445,10 +445,8 @@ impl State {
                     model.active -= 1;
                 }
                 // Ended before its first token: its prefill is not coming.
-                if let Some((worker, tokens)) = &slot.prefill
-                    && let Some(load) = self.load.get_mut(worker)
-                {
-                    load.active_prefill_tokens = load.active_prefill_tokens.saturating_sub(*tokens);
+                if let Some(prefill) = &slot.prefill {
+                    self.prefill_done(prefill);
                 }
                 metrics.released();
             }
@@ -553,8 +551,6 @@ impl State {
         }
     }
 
-    /// Charges the output tokens a granted request produced since the last
-    /// report.
     /// The granted request produced its first token: the router hears it
     /// through the lease, and the uncached prompt this queue added to the
     /// worker's load at the grant comes off. Returns whether held requests
@@ -566,15 +562,23 @@ impl State {
         if let Some(lease) = &slot.lease {
             lease.started();
         }
-        let Some((worker, tokens)) = slot.prefill.take() else {
+        let Some(prefill) = slot.prefill.take() else {
             return false;
         };
-        if let Some(load) = self.load.get_mut(&worker) {
-            load.active_prefill_tokens = load.active_prefill_tokens.saturating_sub(tokens);
-        }
+        self.prefill_done(&prefill);
         true
     }
 
+    /// Takes a granted prompt's uncached tokens off this queue's view of
+    /// its worker's queued prefill (the grant added them).
+    fn prefill_done(&mut self, (worker, tokens): &((String, u32), u64)) {
+        if let Some(load) = self.load.get_mut(worker) {
+            load.active_prefill_tokens = load.active_prefill_tokens.saturating_sub(*tokens);
+        }
+    }
+
+    /// Charges the output tokens a granted request produced since the last
+    /// report.
     pub(super) fn progress(
         &mut self,
         seq: u64,

@@ -695,13 +695,21 @@ async fn a_first_token_frees_the_worker_for_the_next_release_without_a_load_repo
     ));
     // a's first token: its prefill is done, and b goes at once, with the
     // same (stale) load report.
+    // (Bounded waits: without the release, the grant would never come.)
+    let soon = Duration::from_secs(1);
     a.started();
-    b.granted().await.expect("b granted");
+    tokio::time::timeout(soon, b.granted())
+        .await
+        .expect("b released without a new load report")
+        .expect("b granted");
     settle().await;
     assert_eq!(h.placer.placed(), ["a", "b"]);
     // b ends before its first token: its prefill is not coming either.
     drop(b);
-    c.granted().await.expect("c granted");
+    tokio::time::timeout(soon, c.granted())
+        .await
+        .expect("c released once b left")
+        .expect("c granted");
     settle().await;
     assert_eq!(h.placer.placed(), ["a", "b", "c"]);
 }
