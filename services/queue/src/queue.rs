@@ -442,6 +442,8 @@ impl Queue {
                 weight,
                 output: 0,
                 prefill: None,
+                starting: false,
+                express: false,
             },
         );
         st.unread.push(seq);
@@ -685,6 +687,11 @@ struct Slot {
     /// load figure carries this request's uncached prompt, and how many
     /// tokens (taken off again when the request starts).
     prefill: Option<((String, u32), u64)>,
+    /// Released, and no first token yet (counted in its model's
+    /// `starting` under `wfq`/`fair`).
+    starting: bool,
+    /// Released past a busy threshold ([`ModelQueue::express_head`]).
+    express: bool,
 }
 
 #[derive(Debug, Default)]

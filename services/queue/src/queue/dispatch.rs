@@ -133,10 +133,14 @@ impl State {
         for (model_name, model) in &mut self.models {
             model.hold = None;
             while let Some(seq) = model.order.head() {
+                let mut express = false;
                 if let Some(reason) = hold_reason(cfg, model, model_name, &self.load, self.replicas)
                 {
-                    model.hold = Some(reason);
-                    break;
+                    if !model.express_head(reason) {
+                        model.hold = Some(reason);
+                        break;
+                    }
+                    express = true;
                 }
                 let Some(slot) = self.slots.get_mut(&seq) else {
                     // Unreachable by the invariants; drop the stray id.
@@ -160,7 +164,19 @@ impl State {
                     continue;
                 }
                 if let Some((_, released)) = model.order.pop_head() {
+                    if let Some(released) = &released {
+                        *model
+                            .starting
+                            .entry(Arc::clone(&released.class))
+                            .or_default() += 1;
+                    }
                     slot.fair = released;
+                }
+                slot.starting = true;
+                slot.express = express;
+                if express {
+                    model.express += 1;
+                    tracing::debug!(request_id = %slot.entry.desc.request_id, "released past the threshold: its tenant has nothing starting");
                 }
                 if let Some(deadline) = slot.entry.deadline {
                     self.deadlines.remove(&(deadline, seq));
@@ -541,6 +557,11 @@ impl State {
             );
         }
         self.quotas.release(&entry.desc.tenant, now);
+        if slot.starting
+            && let Some(model) = self.models.get_mut(&entry.desc.model)
+        {
+            model.first_token(slot.fair.as_ref().map(|r| &*r.class), slot.express);
+        }
         if let Some(released) = &slot.fair
             && let Some(model) = self.models.get_mut(&entry.desc.model)
         {
@@ -562,8 +583,17 @@ impl State {
         if let Some(lease) = &slot.lease {
             lease.started();
         }
+        let mut wake = false;
+        if std::mem::take(&mut slot.starting) {
+            let class = slot.fair.as_ref().map(|r| Arc::clone(&r.class));
+            let express = slot.express;
+            if let Some(model) = self.models.get_mut(&slot.entry.desc.model) {
+                model.first_token(class.as_deref(), express);
+                wake = true;
+            }
+        }
         let Some(prefill) = slot.prefill.take() else {
-            return false;
+            return wake;
         };
         self.prefill_done(&prefill);
         true

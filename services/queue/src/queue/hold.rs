@@ -151,6 +151,11 @@ pub(super) struct ModelQueue {
     /// Since when requests have arrived faster than grants drain them
     /// (`None`: they have not).
     pub(super) overloaded_since: Option<Instant>,
+    /// Under `wfq`/`fair`: released requests without a first token yet, by
+    /// class.
+    pub(super) starting: HashMap<Arc<str>, usize>,
+    /// Of those, the ones released past a busy threshold (at most one).
+    pub(super) express: usize,
 }
 
 impl ModelQueue {
@@ -168,6 +173,45 @@ impl ModelQueue {
             drained: DrainRate::default(),
             arrived_by_priority: BTreeMap::new(),
             overloaded_since: None,
+            starting: HashMap::new(),
+            express: 0,
+        }
+    }
+
+    /// Whether the head may be released although the threshold holds
+    /// (`reason`): under `wfq`/`fair`, when its class has no released
+    /// request still waiting for its first token, and no other request
+    /// went past the threshold since the last first token. A tenant
+    /// coming back from idle then reaches the engine while the busy
+    /// tenant's prefill runs, and is in the engine's next step, instead of
+    /// waiting here for that prefill to end and then for the step the
+    /// engine starts meanwhile. The threshold is exceeded by at most one
+    /// request per model.
+    pub(super) fn express_head(&self, reason: HoldReason) -> bool {
+        matches!(
+            reason,
+            HoldReason::AboveThreshold | HoldReason::PlacementInFlight
+        ) && self.express == 0
+            && self
+                .order
+                .head_class()
+                .is_some_and(|class| !self.starting.contains_key(class))
+    }
+
+    /// A released request reached its first token or ended: it no longer
+    /// counts as starting in `class` (its `wfq`/`fair` class, if any) nor,
+    /// if it was, as the request past the threshold.
+    pub(super) fn first_token(&mut self, class: Option<&str>, express: bool) {
+        if express {
+            self.express = self.express.saturating_sub(1);
+        }
+        if let Some(class) = class
+            && let Some(n) = self.starting.get_mut(class)
+        {
+            *n -= 1;
+            if *n == 0 {
+                self.starting.remove(class);
+            }
         }
     }
 

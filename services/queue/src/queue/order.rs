@@ -251,6 +251,14 @@ impl Order {
         }
     }
 
+    /// The next request's class under `wfq`/`fair` (`None` otherwise).
+    pub(super) fn head_class(&self) -> Option<&str> {
+        match self {
+            Order::Keyed(_) => None,
+            Order::Fair(bands) => bands.values().find_map(fair::Band::head_class),
+        }
+    }
+
     /// Every held request in release order.
     pub(super) fn sequence(&self) -> Vec<u64> {
         match self {

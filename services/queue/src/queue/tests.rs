@@ -1452,3 +1452,63 @@ async fn a_light_tenant_behind_a_heavy_backlog_is_released_next() {
     assert_eq!(h.placer.placed()[2], "heavy-1", "then heavy again");
     drop(heavy);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_tenant_with_nothing_starting_passes_a_busy_threshold_one_request_at_a_time() {
+    let mut cfg = config(Policy::Fair);
+    cfg.queue_threshold = Some(0.0);
+    let h = Harness::start(cfg);
+    h.queue.update_load(load(0));
+    let tenant_entry = |id: &str, tenant: &str| {
+        let mut e = entry(id, 0, 0, 60, Instant::now());
+        e.desc.tenant = tenant.into();
+        e
+    };
+    // (Bounded waits: a release that never comes fails the test.)
+    let soon = Duration::from_secs(1);
+    let mut heavy0 = h.admit(tenant_entry("heavy-0", "heavy"));
+    heavy0.granted().await.expect("heavy-0 granted");
+    // heavy-0's prompt makes w0 busy: heavy's next waits for its first token.
+    let mut heavy1 = h.admit(tenant_entry("heavy-1", "heavy"));
+    assert!(matches!(
+        heavy1.next().await.expect("held"),
+        TicketEvent::Held(HeldStatus {
+            reason: HoldReason::AboveThreshold,
+            ..
+        })
+    ));
+    // light has nothing starting: its request goes past the busy worker
+    // at once, to be in the engine's next step...
+    let mut light0 = h.admit(tenant_entry("light-0", "light"));
+    tokio::time::timeout(soon, light0.granted())
+        .await
+        .expect("light-0 released while w0 is busy")
+        .expect("light-0 granted");
+    // ...but one at a time: light's second request waits like everyone.
+    let light1 = h.admit(tenant_entry("light-1", "light"));
+    settle().await;
+    assert_eq!(h.placer.placed(), ["heavy-0", "light-0"]);
+    // light-0's first token: heavy-1 is next in fair order, and heavy still
+    // has heavy-0 starting, so nothing passes the threshold.
+    light0.started();
+    settle().await;
+    assert_eq!(h.placer.placed(), ["heavy-0", "light-0"]);
+    // heavy-0's first token frees w0: heavy-1 goes as usual.
+    heavy0.started();
+    tokio::time::timeout(soon, heavy1.granted())
+        .await
+        .expect("heavy-1 released once w0 is free")
+        .expect("heavy-1 granted");
+    // heavy-1 makes w0 busy again, and light has nothing starting any
+    // more: light-1 passes as light-0 did.
+    let mut light1 = light1;
+    tokio::time::timeout(soon, light1.granted())
+        .await
+        .expect("light-1 released while w0 is busy")
+        .expect("light-1 granted");
+    settle().await;
+    assert_eq!(
+        h.placer.placed(),
+        ["heavy-0", "light-0", "heavy-1", "light-1"]
+    );
+}

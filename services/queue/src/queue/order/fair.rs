@@ -108,6 +108,11 @@ impl Band {
         self.classes.get(name)?.fifo.front().map(|&(seq, _)| seq)
     }
 
+    /// The next request's class.
+    pub(crate) fn head_class(&self) -> Option<&str> {
+        self.ready.first().map(|(_, _, name)| &**name)
+    }
+
     /// Releases the head: charges its cost and counts it as running until
     /// [`Band::finish`]. Returns it, its class and the cost charged.
     pub(crate) fn pop(&mut self) -> Option<(u64, Arc<str>, f64)> {
