@@ -53,7 +53,11 @@
 //! per model: the next request is released only after the previous placement
 //! came back and its uncached prompt tokens were added to the chosen worker's
 //! load, so one load snapshot cannot release a burst. The next `LoadView`
-//! from the router replaces those local additions. `--max-active` (per
+//! from the router replaces those local additions. Under `wfq`/`fair` one
+//! exception: a class (tenant) with no released request waiting for its
+//! first token may send its head past the threshold, one such request per
+//! model at a time (`ModelQueue::express_head`), so a tenant coming back
+//! from idle is in the engine's next step. `--max-active` (per
 //! model) holds further requests while that many leases are granted or
 //! being placed.
 //!
@@ -690,7 +694,7 @@ struct Slot {
     /// Released, and no first token yet (counted in its model's
     /// `starting` under `wfq`/`fair`).
     starting: bool,
-    /// Released past a busy threshold ([`ModelQueue::express_head`]).
+    /// Released past a busy threshold (`ModelQueue::express_head`).
     express: bool,
 }
 
