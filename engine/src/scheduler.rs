@@ -41,6 +41,7 @@ mod sequence;
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, HashMap};
+use std::ops::Bound::{Excluded, Unbounded};
 
 pub use sequence::{FinishReason, Finished, Preemption, Request, StepOutput, Usage};
 use sequence::{Sequence, Status};
@@ -431,7 +432,8 @@ impl Scheduler {
     /// Whether a waiting prompt with `remaining` tokens to prefill must wait
     /// for the long prefill this step already carries: long prefills (more
     /// than the threshold) go one at a time, in order, so they are not
-    /// interleaved into each other's way; short prompts go next to them.
+    /// interleaved into each other's way; short prompts go next to them,
+    /// also those queued behind a long prompt that waits.
     fn waits_for_long_prefill(&self, plan: &Plan, remaining: usize) -> bool {
         self.long_prefill_cap().is_some_and(|cap| {
             remaining > cap
@@ -533,8 +535,16 @@ impl Scheduler {
         // A waiting sequence whose cached prefix this step took references
         // on; released if it is not admitted after all.
         let mut acquired_for: Option<SeqId> = None;
+        // Waiting prompts passed over this step: only long ones that must
+        // wait for the long prefill in progress; everything else that
+        // cannot go stops the pass (FCFS for slots and memory).
+        let mut after = None;
         while admit && plan.budget > 0 {
-            let Some((&key, &id)) = self.waiting.first_key_value() else {
+            let next = match after {
+                None => self.waiting.first_key_value(),
+                Some(k) => self.waiting.range((Excluded(k), Unbounded)).next(),
+            };
+            let Some((&key, &id)) = next else {
                 break;
             };
             if plan.step.preempted.contains(&id) {
@@ -567,7 +577,16 @@ impl Scheduler {
             let seq = &self.seqs[&id];
             let remaining = seq.tokens.len() - seq.num_computed;
             if self.waits_for_long_prefill(plan, remaining) {
-                break;
+                // Shorter prompts behind it still go next to the long one.
+                if acquired_for.take() == Some(id) {
+                    self.kv.free(id);
+                    self.seqs
+                        .get_mut(&id)
+                        .expect("waiting ids are known")
+                        .num_computed = 0;
+                }
+                after = Some(key);
+                continue;
             }
             let n = self.first_pass_tokens(remaining, plan.budget);
             let target = seq.num_computed + n;
