@@ -331,8 +331,22 @@ impl Harness {
             prop_assert!(!c.tokens.is_empty());
         }
         // Admission follows the policy: nothing admitted ranks below a
-        // sequence left waiting.
-        let waiting: Vec<SeqId> = self.s.waiting_ids().collect();
+        // sequence left waiting, except a long prompt passed over while
+        // this step carries a long prefill (long prefills go one at a
+        // time; shorter prompts behind them do not wait for that).
+        let cap = (self.cfg.enable_chunked_prefill && self.cfg.long_prefill_token_threshold > 0)
+            .then_some(self.cfg.long_prefill_token_threshold);
+        let long_in_step = cap.is_some_and(|cap| {
+            st.seqs
+                .iter()
+                .zip(&st.batch.seqs)
+                .any(|(s, c)| self.tokens[&s.seq_id].len() - c.start_pos > cap)
+        });
+        let waiting: Vec<SeqId> = self
+            .s
+            .waiting_ids()
+            .filter(|w| !(long_in_step && cap.is_some_and(|cap| self.tokens[w].len() > cap)))
+            .collect();
         for a in &st.admitted {
             for w in &waiting {
                 prop_assert!(
