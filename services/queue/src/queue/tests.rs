@@ -1377,17 +1377,19 @@ async fn a_cached_prefix_is_not_charged_and_output_is_charged_as_reported() {
     );
 }
 
+/// A priority-0 request of `tenant` with a `prompt`-token prompt, arriving now.
+fn tenant_entry(id: &str, tenant: &str, prompt: u32) -> Entry {
+    let mut e = entry(id, 0, 0, prompt, Instant::now());
+    e.desc.tenant = tenant.into();
+    e
+}
+
 #[tokio::test(start_paused = true)]
 async fn quotas_refuse_with_retry_after_and_refund_what_never_ran() {
     let mut cfg = config(Policy::Fair);
     cfg.max_active = 1;
     cfg.tenant_limits = Some("a tpm=600\nb concurrency=1\n".parse().expect("limits"));
     let h = Harness::start(cfg);
-    let tenant_entry = |id: &str, tenant: &str, prompt: u32| {
-        let mut e = entry(id, 0, 0, prompt, Instant::now());
-        e.desc.tenant = tenant.into();
-        e
-    };
     let mut first = h.admit(tenant_entry("a1", "a", 500));
     first.granted().await.expect("granted");
     first.progress(200); // 600 - 500 - 200 = -100
@@ -1429,11 +1431,6 @@ async fn a_light_tenant_behind_a_heavy_backlog_is_released_next() {
     let mut cfg = config(Policy::Fair);
     cfg.max_active = 1;
     let h = Harness::start(cfg);
-    let tenant_entry = |id: &str, tenant: &str, prompt: u32| {
-        let mut e = entry(id, 0, 0, prompt, Instant::now());
-        e.desc.tenant = tenant.into();
-        e
-    };
     let mut first = h.admit(tenant_entry("heavy-0", "heavy", 800));
     first.granted().await.expect("granted");
     let heavy: Vec<Ticket> = (1..5)
@@ -1459,17 +1456,12 @@ async fn a_tenant_with_nothing_starting_passes_a_busy_threshold_one_request_at_a
     cfg.queue_threshold = Some(0.0);
     let h = Harness::start(cfg);
     h.queue.update_load(load(0));
-    let tenant_entry = |id: &str, tenant: &str| {
-        let mut e = entry(id, 0, 0, 60, Instant::now());
-        e.desc.tenant = tenant.into();
-        e
-    };
     // (Bounded waits: a release that never comes fails the test.)
     let soon = Duration::from_secs(1);
-    let mut heavy0 = h.admit(tenant_entry("heavy-0", "heavy"));
+    let mut heavy0 = h.admit(tenant_entry("heavy-0", "heavy", 60));
     heavy0.granted().await.expect("heavy-0 granted");
     // heavy-0's prompt makes w0 busy: heavy's next waits for its first token.
-    let mut heavy1 = h.admit(tenant_entry("heavy-1", "heavy"));
+    let mut heavy1 = h.admit(tenant_entry("heavy-1", "heavy", 60));
     assert!(matches!(
         heavy1.next().await.expect("held"),
         TicketEvent::Held(HeldStatus {
@@ -1479,13 +1471,13 @@ async fn a_tenant_with_nothing_starting_passes_a_busy_threshold_one_request_at_a
     ));
     // light has nothing starting: its request goes past the busy worker
     // at once, to be in the engine's next step...
-    let mut light0 = h.admit(tenant_entry("light-0", "light"));
+    let mut light0 = h.admit(tenant_entry("light-0", "light", 60));
     tokio::time::timeout(soon, light0.granted())
         .await
         .expect("light-0 released while w0 is busy")
         .expect("light-0 granted");
     // ...but one at a time: light's second request waits like everyone.
-    let light1 = h.admit(tenant_entry("light-1", "light"));
+    let light1 = h.admit(tenant_entry("light-1", "light", 60));
     settle().await;
     assert_eq!(h.placer.placed(), ["heavy-0", "light-0"]);
     // light-0's first token: heavy-1 is next in fair order, and heavy still
