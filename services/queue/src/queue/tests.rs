@@ -1147,6 +1147,9 @@ async fn random_traffic_keeps_counts_and_gauges_consistent() {
                     5 | 6 if !tickets.is_empty() => {
                         let i = rng.random_range(0..tickets.len());
                         let ticket = tickets.swap_remove(i);
+                        if rng.random_bool(0.5) {
+                            ticket.started();
+                        }
                         ticket.progress(rng.random_range(0..300));
                         drop(ticket);
                     }
@@ -1194,6 +1197,10 @@ async fn random_traffic_keeps_counts_and_gauges_consistent() {
                 if let Order::Fair(bands) = &model.order {
                     assert!(bands.is_empty(), "{policy} seed {seed}: bands idle");
                 }
+                assert!(
+                    model.starting.is_empty() && model.express == 0,
+                    "{policy} seed {seed}: nothing left starting"
+                );
             }
         }
     }
