@@ -446,7 +446,6 @@ impl Queue {
                 weight,
                 output: 0,
                 prefill: None,
-                starting: false,
                 express: false,
             },
         );
@@ -691,11 +690,16 @@ struct Slot {
     /// load figure carries this request's uncached prompt, and how many
     /// tokens (taken off again when the request starts).
     prefill: Option<((String, u32), u64)>,
-    /// Released, and no first token yet (counted in its model's
-    /// `starting` under `wfq`/`fair`).
-    starting: bool,
     /// Released past a busy threshold (`ModelQueue::express_head`).
     express: bool,
+}
+
+impl Slot {
+    /// Released and no first token yet: being placed, or granted with its
+    /// prefill still to come.
+    fn starting(&self) -> bool {
+        self.phase == Phase::Placing || self.prefill.is_some()
+    }
 }
 
 #[derive(Debug, Default)]

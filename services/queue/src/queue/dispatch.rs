@@ -172,10 +172,9 @@ impl State {
                     }
                     slot.fair = released;
                 }
-                slot.starting = true;
                 slot.express = express;
                 if express {
-                    model.express += 1;
+                    model.express = true;
                     tracing::debug!(request_id = %slot.entry.desc.request_id, "released past the threshold: its tenant has nothing starting");
                 }
                 if let Some(deadline) = slot.entry.deadline {
@@ -460,10 +459,6 @@ impl State {
                 if let Some(model) = self.models.get_mut(&slot.entry.desc.model) {
                     model.active -= 1;
                 }
-                // Ended before its first token: its prefill is not coming.
-                if let Some(prefill) = &slot.prefill {
-                    self.prefill_done(prefill);
-                }
                 metrics.released();
             }
         }
@@ -545,7 +540,9 @@ impl State {
     /// A slot left the queue: its tenant's quota gets its in-flight count
     /// back, and, when it never ran (`granted` false), the prompt it was
     /// charged; a released request stops counting as running in its band
-    /// (refunding its release cost when it never ran).
+    /// (refunding its release cost when it never ran), and one that had no
+    /// first token yet stops counting as starting, its prompt off this
+    /// queue's load view.
     pub(super) fn retire(&mut self, slot: &Slot, granted: bool, now: Instant) {
         let entry = &slot.entry;
         if !granted {
@@ -557,10 +554,14 @@ impl State {
             );
         }
         self.quotas.release(&entry.desc.tenant, now);
-        if slot.starting
+        if slot.starting()
             && let Some(model) = self.models.get_mut(&entry.desc.model)
         {
             model.first_token(slot.fair.as_ref().map(|r| &*r.class), slot.express);
+        }
+        // Ended before its first token: its prefill is not coming.
+        if let Some(prefill) = &slot.prefill {
+            self.prefill_done(prefill);
         }
         if let Some(released) = &slot.fair
             && let Some(model) = self.models.get_mut(&entry.desc.model)
@@ -583,18 +584,12 @@ impl State {
         if let Some(lease) = &slot.lease {
             lease.started();
         }
-        let mut wake = false;
-        if std::mem::take(&mut slot.starting) {
-            let class = slot.fair.as_ref().map(|r| Arc::clone(&r.class));
-            let express = slot.express;
-            if let Some(model) = self.models.get_mut(&slot.entry.desc.model) {
-                model.first_token(class.as_deref(), express);
-                wake = true;
-            }
-        }
         let Some(prefill) = slot.prefill.take() else {
-            return wake;
+            return false;
         };
+        if let Some(model) = self.models.get_mut(&slot.entry.desc.model) {
+            model.first_token(slot.fair.as_ref().map(|r| &*r.class), slot.express);
+        }
         self.prefill_done(&prefill);
         true
     }

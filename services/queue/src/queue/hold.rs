@@ -154,8 +154,8 @@ pub(super) struct ModelQueue {
     /// Under `wfq`/`fair`: released requests without a first token yet, by
     /// class.
     pub(super) starting: HashMap<Arc<str>, usize>,
-    /// Of those, the ones released past a busy threshold (at most one).
-    pub(super) express: usize,
+    /// One of those was released past a busy threshold.
+    pub(super) express: bool,
 }
 
 impl ModelQueue {
@@ -174,7 +174,7 @@ impl ModelQueue {
             arrived_by_priority: BTreeMap::new(),
             overloaded_since: None,
             starting: HashMap::new(),
-            express: 0,
+            express: false,
         }
     }
 
@@ -191,7 +191,7 @@ impl ModelQueue {
         matches!(
             reason,
             HoldReason::AboveThreshold | HoldReason::PlacementInFlight
-        ) && self.express == 0
+        ) && !self.express
             && self
                 .order
                 .head_class()
@@ -203,7 +203,7 @@ impl ModelQueue {
     /// if it was, as the request past the threshold.
     pub(super) fn first_token(&mut self, class: Option<&str>, express: bool) {
         if express {
-            self.express = self.express.saturating_sub(1);
+            self.express = false;
         }
         if let Some(class) = class
             && let Some(n) = self.starting.get_mut(class)

@@ -1198,7 +1198,7 @@ async fn random_traffic_keeps_counts_and_gauges_consistent() {
                     assert!(bands.is_empty(), "{policy} seed {seed}: bands idle");
                 }
                 assert!(
-                    model.starting.is_empty() && model.express == 0,
+                    model.starting.is_empty() && !model.express,
                     "{policy} seed {seed}: nothing left starting"
                 );
             }
@@ -1457,12 +1457,18 @@ async fn a_light_tenant_behind_a_heavy_backlog_is_released_next() {
     drop(heavy);
 }
 
-#[tokio::test(start_paused = true)]
-async fn a_tenant_with_nothing_starting_passes_a_busy_threshold_one_request_at_a_time() {
+/// A `fair` queue that holds while its one worker has any prefill queued.
+fn fair_with_threshold_zero() -> Harness {
     let mut cfg = config(Policy::Fair);
     cfg.queue_threshold = Some(0.0);
     let h = Harness::start(cfg);
     h.queue.update_load(load(0));
+    h
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_tenant_with_nothing_starting_passes_a_busy_threshold_one_request_at_a_time() {
+    let h = fair_with_threshold_zero();
     // (Bounded waits: a release that never comes fails the test.)
     let soon = Duration::from_secs(1);
     let mut heavy0 = h.admit(tenant_entry("heavy-0", "heavy", 60));
@@ -1510,4 +1516,36 @@ async fn a_tenant_with_nothing_starting_passes_a_busy_threshold_one_request_at_a
         h.placer.placed(),
         ["heavy-0", "light-0", "heavy-1", "light-1"]
     );
+}
+
+#[tokio::test(start_paused = true)]
+async fn one_request_per_model_passes_a_busy_threshold_at_a_time() {
+    let h = fair_with_threshold_zero();
+    let soon = Duration::from_secs(1);
+    let mut heavy0 = h.admit(tenant_entry("heavy-0", "heavy", 60));
+    heavy0.granted().await.expect("heavy-0 granted");
+    let mut light0 = h.admit(tenant_entry("light-0", "light", 60));
+    tokio::time::timeout(soon, light0.granted())
+        .await
+        .expect("light-0 released while w0 is busy")
+        .expect("light-0 granted");
+    // A third tenant with nothing starting is next, but light-0 is past
+    // the threshold without its first token: it waits.
+    let mut other0 = h.admit(tenant_entry("other-0", "other", 60));
+    assert!(matches!(
+        other0.next().await.expect("held"),
+        TicketEvent::Held(HeldStatus {
+            reason: HoldReason::AboveThreshold,
+            ..
+        })
+    ));
+    settle().await;
+    assert_eq!(h.placer.placed(), ["heavy-0", "light-0"]);
+    // light-0's first token: the next one may pass.
+    light0.started();
+    tokio::time::timeout(soon, other0.granted())
+        .await
+        .expect("other-0 released once light-0 started")
+        .expect("other-0 granted");
+    assert_eq!(h.placer.placed(), ["heavy-0", "light-0", "other-0"]);
 }
