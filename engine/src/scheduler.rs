@@ -579,11 +579,7 @@ impl Scheduler {
             if self.waits_for_long_prefill(plan, remaining) {
                 // Shorter prompts behind it still go next to the long one.
                 if acquired_for.take() == Some(id) {
-                    self.kv.free(id);
-                    self.seqs
-                        .get_mut(&id)
-                        .expect("waiting ids are known")
-                        .num_computed = 0;
+                    self.give_back_prefix(id);
                 }
                 after = Some(key);
                 continue;
@@ -633,8 +629,16 @@ impl Scheduler {
                 .get(&id)
                 .is_some_and(|s| s.status == Status::Waiting)
         {
-            self.kv.free(id);
-            self.seqs.get_mut(&id).expect("checked above").num_computed = 0;
+            self.give_back_prefix(id);
+        }
+    }
+
+    /// A waiting sequence not admitted after all gives back the cached
+    /// prefix this step took references on.
+    fn give_back_prefix(&mut self, id: SeqId) {
+        self.kv.free(id);
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            seq.num_computed = 0;
         }
     }
 
