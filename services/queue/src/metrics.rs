@@ -43,6 +43,7 @@ pub struct QueueMetrics {
     pending_tokens: IntGaugeVec,
     wait_seconds: HistogramVec,
     grants: IntCounterVec,
+    express: IntCounter,
     rejections: IntCounterVec,
     expiries: IntCounter,
     cancellations: IntCounter,
@@ -101,6 +102,10 @@ impl QueueMetrics {
                 "sluice_queue_grants_total",
                 "Requests granted, by priority.",
                 priority,
+            )?,
+            express: r.counter(
+                "sluice_queue_express_grants_total",
+                "Requests granted past a busy threshold because their tenant had nothing starting (fair/wfq with --queue-threshold; at most one per model at a time).",
             )?,
             rejections: r.counter_vec(
                 "sluice_queue_rejections_total",
@@ -181,9 +186,12 @@ impl QueueMetrics {
             .add(delta * i64::from(prompt_tokens));
     }
 
-    pub(crate) fn granted(&self, priority: i32, tenant: &str, waited_secs: f64) {
+    pub(crate) fn granted(&self, priority: i32, tenant: &str, waited_secs: f64, express: bool) {
         let label = priority_label(priority);
         self.grants.with_label_values(&[label.as_str()]).inc();
+        if express {
+            self.express.inc();
+        }
         self.wait_seconds
             .with_label_values(&[label.as_str()])
             .observe(waited_secs);
@@ -262,7 +270,7 @@ mod tests {
     fn grants_rejections_and_expiries_count() {
         let registry = Registry::new();
         let m = QueueMetrics::new(&registry).expect("register");
-        m.granted(0, "t", 0.2);
+        m.granted(0, "t", 0.2, false);
         m.rejected("t", "queue_full");
         m.expired("t");
         m.cancelled();
@@ -286,7 +294,7 @@ mod tests {
         }
         m.served("small", "output", 5);
         m.rejected("small", "quota_tokens");
-        m.granted(0, "t0", 0.1);
+        m.granted(0, "t0", 0.1, false);
         let text = render(&registry);
         assert!(
             text.contains(

@@ -202,6 +202,9 @@ pub struct Grant {
     pub placement: Placement,
     /// Time from arrival to grant.
     pub waited: Duration,
+    /// Released past a busy threshold because its tenant had nothing
+    /// starting (`ModelQueue::express_head`).
+    pub express: bool,
 }
 
 /// Why a model's queue is holding.

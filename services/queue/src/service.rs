@@ -89,6 +89,9 @@ impl Lease {
                     self.granted = true;
                     self.span.record("worker_id", grant.placement.worker.worker_id.as_str());
                     self.span.record("queue_wait_ms", grant.waited.as_secs_f64() * 1000.0);
+                    if grant.express {
+                        self.span.record("express", true);
+                    }
                     Some(Ok(convert::grant_response(&grant)))
                 }
                 Err(err) => {
@@ -152,6 +155,7 @@ impl pb::queue_server::Queue for QueueService {
             prompt_tokens = entry.desc.prompt_tokens,
             worker_id = tracing::field::Empty,
             queue_wait_ms = tracing::field::Empty,
+            express = tracing::field::Empty,
             error = tracing::field::Empty,
         );
         entry.span = span.clone();

@@ -363,6 +363,7 @@ impl State {
         };
         let entry = slot.entry.clone();
         let released = slot.fair.clone();
+        let express = slot.express;
         self.active += 1;
         self.forget_pending(&entry, metrics);
         let uncached = entry
@@ -399,6 +400,7 @@ impl State {
             entry.desc.priority,
             &entry.desc.tenant,
             waited.as_secs_f64(),
+            express,
         );
         tracing::debug!(
             request_id = %entry.desc.request_id,
@@ -411,8 +413,11 @@ impl State {
             slot.phase = Phase::Active;
             slot.prefill = Some((busy, u64::from(uncached)));
             slot.lease = lease;
-            slot.tx
-                .send_replace(TicketState::Granted(Grant { placement, waited }));
+            slot.tx.send_replace(TicketState::Granted(Grant {
+                placement,
+                waited,
+                express,
+            }));
         }
     }
 

@@ -1472,7 +1472,8 @@ async fn a_tenant_with_nothing_starting_passes_a_busy_threshold_one_request_at_a
     // (Bounded waits: a release that never comes fails the test.)
     let soon = Duration::from_secs(1);
     let mut heavy0 = h.admit(tenant_entry("heavy-0", "heavy", 60));
-    heavy0.granted().await.expect("heavy-0 granted");
+    let grant = heavy0.granted().await.expect("heavy-0 granted");
+    assert!(!grant.express, "w0 was idle: an ordinary release");
     // heavy-0's prompt makes w0 busy: heavy's next waits for its first token.
     let mut heavy1 = h.admit(tenant_entry("heavy-1", "heavy", 60));
     assert!(matches!(
@@ -1485,10 +1486,11 @@ async fn a_tenant_with_nothing_starting_passes_a_busy_threshold_one_request_at_a
     // light has nothing starting: its request goes past the busy worker
     // at once, to be in the engine's next step...
     let mut light0 = h.admit(tenant_entry("light-0", "light", 60));
-    tokio::time::timeout(soon, light0.granted())
+    let grant = tokio::time::timeout(soon, light0.granted())
         .await
         .expect("light-0 released while w0 is busy")
         .expect("light-0 granted");
+    assert!(grant.express, "the grant says it passed the threshold");
     // ...but one at a time: light's second request waits like everyone.
     let light1 = h.admit(tenant_entry("light-1", "light", 60));
     settle().await;
@@ -1500,22 +1502,25 @@ async fn a_tenant_with_nothing_starting_passes_a_busy_threshold_one_request_at_a
     assert_eq!(h.placer.placed(), ["heavy-0", "light-0"]);
     // heavy-0's first token frees w0: heavy-1 goes as usual.
     heavy0.started();
-    tokio::time::timeout(soon, heavy1.granted())
+    let grant = tokio::time::timeout(soon, heavy1.granted())
         .await
         .expect("heavy-1 released once w0 is free")
         .expect("heavy-1 granted");
+    assert!(!grant.express);
     // heavy-1 makes w0 busy again, and light has nothing starting any
     // more: light-1 passes as light-0 did.
     let mut light1 = light1;
-    tokio::time::timeout(soon, light1.granted())
+    let grant = tokio::time::timeout(soon, light1.granted())
         .await
         .expect("light-1 released while w0 is busy")
         .expect("light-1 granted");
+    assert!(grant.express);
     settle().await;
     assert_eq!(
         h.placer.placed(),
         ["heavy-0", "light-0", "heavy-1", "light-1"]
     );
+    assert_eq!(h.metric("sluice_queue_express_grants_total"), 2.0);
 }
 
 #[tokio::test(start_paused = true)]
