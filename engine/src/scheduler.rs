@@ -74,6 +74,10 @@ pub struct ScheduledStep {
     pub preempted: Vec<SeqId>,
     /// Sequences moved from waiting to running this step, in admission order.
     pub admitted: Vec<SeqId>,
+    /// Waiting prompts passed over this step because a long prefill is in
+    /// progress (long prefills go one at a time); prompts behind them could
+    /// still be admitted.
+    pub passed_over: Vec<SeqId>,
     /// Whether balance scheduling held admission back this step.
     pub balance_held: bool,
 }
@@ -581,6 +585,7 @@ impl Scheduler {
                 if acquired_for.take() == Some(id) {
                     self.give_back_prefix(id);
                 }
+                plan.step.passed_over.push(id);
                 after = Some(key);
                 continue;
             }

@@ -342,10 +342,24 @@ impl Harness {
                 .zip(&st.batch.seqs)
                 .any(|(s, c)| self.tokens[&s.seq_id].len() - c.start_pos > cap)
         });
+        for p in &st.passed_over {
+            prop_assert!(
+                long_in_step,
+                "{p} passed over with no long prefill in the step"
+            );
+            prop_assert!(
+                cap.is_some_and(|cap| self.tokens[p].len() > cap),
+                "{p} passed over but not long"
+            );
+            prop_assert!(
+                self.s.waiting_ids().any(|w| w == *p),
+                "{p} passed over yet not waiting"
+            );
+        }
         let waiting: Vec<SeqId> = self
             .s
             .waiting_ids()
-            .filter(|w| !(long_in_step && cap.is_some_and(|cap| self.tokens[w].len() > cap)))
+            .filter(|w| !st.passed_over.contains(w))
             .collect();
         for a in &st.admitted {
             for w in &waiting {

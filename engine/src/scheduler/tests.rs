@@ -944,6 +944,7 @@ fn a_short_prompt_is_not_starved_behind_a_long_prefill_and_a_long_one_alone_fill
     s.add(3, req_with(60, 1, 0, 900)).expect("valid");
     let (st, _) = step(&mut s);
     assert_eq!((new_tokens(&st, 1), new_tokens(&st, 3)), (32, 0));
+    assert_eq!(st.passed_over, [3]);
     // A short prompt queued behind that waiting long one is not held up
     // by it: it goes next to the long prefill in progress.
     s.add(4, req_with(5, 1, 0, 1300)).expect("valid");
@@ -952,6 +953,7 @@ fn a_short_prompt_is_not_starved_behind_a_long_prefill_and_a_long_one_alone_fill
         (new_tokens(&st, 1), new_tokens(&st, 3), new_tokens(&st, 4)),
         (9, 0, 5)
     );
+    assert_eq!(st.passed_over, [3], "passed over, and said so");
     assert!(
         out.iter().any(|o| o.seq_id == 4),
         "first token of the short one"
