@@ -146,11 +146,13 @@ pub struct Sampler {
 }
 
 impl Sampler {
-    /// A sampler seeded with `seed`, or from OS entropy.
+    /// A sampler seeded with `seed`, or from the thread's generator (itself
+    /// seeded and periodically reseeded from OS entropy; one system call per
+    /// sequence cost a `getrandom` per request).
     pub fn new(seed: Option<u64>) -> Self {
         let rng = match seed {
             Some(s) => StdRng::seed_from_u64(s),
-            None => StdRng::from_os_rng(),
+            None => StdRng::from_rng(&mut rand::rng()),
         };
         Self { rng }
     }

@@ -68,7 +68,8 @@ pub struct Args {
 
     /// Prompts tokenized at once, on a pool off the async runtime (a long
     /// prompt never delays other requests' I/O); others wait their turn.
-    /// Default: the machine's cores.
+    /// Prompts of at most 128 bytes are tokenized in place, outside this
+    /// bound. Default: the machine's cores.
     #[arg(long, env = "SLUICE_TOKENIZE_CONCURRENCY")]
     pub tokenize_concurrency: Option<usize>,
 }

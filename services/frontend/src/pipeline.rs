@@ -390,13 +390,18 @@ impl Pipeline {
 
     /// The prompt's token ids. Templating and tokenizing run on the blocking
     /// pool, at most `--tokenize-concurrency` at once, so a long prompt
-    /// costs its own request time, never the runtime's.
+    /// costs its own request time, never the runtime's. A prompt of at most
+    /// [`INLINE_TOKENIZE_BYTES`] is tokenized where it is (tens of
+    /// microseconds, less than the hand-off to the pool and back costs).
     async fn tokenize(&self, prompt: &Prompt) -> Result<Vec<u32>, FrontendError> {
         if let Prompt::Tokens(ids) = prompt {
             let vocab = self.tokenizer.vocab_size();
             sluice_runtime::limits::check_token_ids("prompt", ids, vocab)
                 .map_err(|e| FrontendError::invalid(e.field, e.message))?;
             return Ok(ids.clone());
+        }
+        if prompt_bytes(prompt) <= INLINE_TOKENIZE_BYTES {
+            return tokenize_now(&self.tokenizer, &self.template, prompt);
         }
         let _slot = self
             .tokenize_slots
@@ -411,16 +416,7 @@ impl Pipeline {
         let span = tracing::Span::current();
         tokio::task::spawn_blocking(move || {
             let _entered = span.enter();
-            match prompt {
-                Prompt::Text(t) => Ok(tokenizer.encode(&t, true)?),
-                Prompt::Chat(messages) => {
-                    let text = template.render(messages.as_slice(), true).map_err(|e| {
-                        FrontendError::invalid("messages", format!("chat template: {e}"))
-                    })?;
-                    Ok(tokenizer.encode(&text, false)?)
-                }
-                Prompt::Tokens(ids) => Ok(ids),
-            }
+            tokenize_now(&tokenizer, &template, &prompt)
         })
         .await
         .map_err(FrontendError::broken("the tokenization task"))?
@@ -1180,5 +1176,39 @@ impl Pipeline {
                 .map(|t| (self.token_text(t.token_id), t.logprob))
                 .collect(),
         }
+    }
+}
+
+/// Prompts up to this many bytes of text are tokenized on the request's
+/// own task instead of the blocking pool.
+const INLINE_TOKENIZE_BYTES: usize = 128;
+
+/// The prompt's text size in bytes (chat: the messages' contents).
+fn prompt_bytes(prompt: &Prompt) -> usize {
+    match prompt {
+        Prompt::Text(t) => t.len(),
+        Prompt::Chat(messages) => messages
+            .iter()
+            .map(|m| m.content.len() + m.role.len())
+            .sum(),
+        Prompt::Tokens(_) => 0,
+    }
+}
+
+/// Templates (chat) and tokenizes a prompt on the calling thread.
+fn tokenize_now(
+    tokenizer: &Tokenizer,
+    template: &ChatTemplate,
+    prompt: &Prompt,
+) -> Result<Vec<u32>, FrontendError> {
+    match prompt {
+        Prompt::Text(t) => Ok(tokenizer.encode(t, true)?),
+        Prompt::Chat(messages) => {
+            let text = template
+                .render(messages.as_slice(), true)
+                .map_err(|e| FrontendError::invalid("messages", format!("chat template: {e}")))?;
+            Ok(tokenizer.encode(&text, false)?)
+        }
+        Prompt::Tokens(ids) => Ok(ids.clone()),
     }
 }
