@@ -110,6 +110,10 @@ pub struct LoadStats {
     pub cached_blocks: usize,
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
+    /// The scheduler orders waiting sequences by priority
+    /// (`SchedulingPolicy::Priority`): a lower-priority prompt waiting here
+    /// does not delay a higher one's prefill.
+    pub priority_scheduling: bool,
     /// Steps scheduled so far.
     pub steps: u64,
     /// Preemptions so far.
@@ -392,6 +396,7 @@ impl Scheduler {
             cached_blocks: self.kv.num_cached_blocks(),
             max_num_seqs: self.cfg.max_num_seqs,
             max_num_batched_tokens: self.cfg.max_num_batched_tokens,
+            priority_scheduling: self.cfg.policy == SchedulingPolicy::Priority,
             steps: self.steps,
             preemptions: self.preemptions,
             recomputed_tokens: self.recomputed_tokens,

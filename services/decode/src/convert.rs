@@ -149,6 +149,7 @@ pub(crate) fn load(rank: u32, l: &engine::LoadStats, prefill_queue: u32) -> pb::
         pending_prefill_tokens: l.pending_prefill_tokens as u64,
         max_num_seqs: l.max_num_seqs as u32,
         max_num_batched_tokens: l.max_num_batched_tokens as u32,
+        priority_scheduling: l.priority_scheduling,
         prefill_queue,
         ..Default::default()
     }

@@ -148,7 +148,9 @@ pub struct Args {
     pub queue_policy: Policy,
 
     /// Hold requests while every eligible worker has more than
-    /// F × max_num_batched_tokens active prefill tokens. Unset (and no
+    /// F × max_num_batched_tokens active prefill tokens ahead of the request
+    /// (on a worker whose engine schedules by priority, lower-priority
+    /// prefill granted by this queue is not ahead). Unset (and no
     /// `--max-active`): default holding, by the workers' `max_num_seqs`.
     #[arg(long, env = "SLUICE_QUEUE_THRESHOLD", allow_negative_numbers = true)]
     pub queue_threshold: Option<f64>,

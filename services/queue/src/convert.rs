@@ -130,6 +130,7 @@ impl From<router_pb::LoadView> for LoadView {
                     max_num_batched_tokens: w.max_num_batched_tokens,
                     max_num_seqs: w.max_num_seqs,
                     unplaced_requests: w.unplaced_requests,
+                    priority_scheduling: w.priority_scheduling,
                 }
             })
             .collect();

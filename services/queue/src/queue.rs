@@ -53,7 +53,11 @@
 //! per model: the next request is released only after the previous placement
 //! came back and its uncached prompt tokens were added to the chosen worker's
 //! load, so one load snapshot cannot release a burst. The next `LoadView`
-//! from the router replaces those local additions. Under `wfq`/`fair` one
+//! from the router replaces those local additions. On a worker whose engine
+//! schedules by priority (its load report says so), the prefill of this
+//! queue's granted lower-priority requests still waiting for their first
+//! token does not count against a higher-priority head: the engine runs the
+//! head first (`LoadCheck::prefill_ahead`). Under `wfq`/`fair` one
 //! exception: a class (tenant) with no released request waiting for its
 //! first token may send its head past the threshold, one such request per
 //! model at a time (`ModelQueue::express_head`), so a tenant coming back
@@ -144,7 +148,7 @@ mod hold;
 mod order;
 
 use dispatch::Outcome;
-use hold::{DrainRate, ModelQueue, default_holding, hold_reason};
+use hold::{DrainRate, LoadCheck, ModelQueue, default_holding, hold_reason};
 use order::{Order, Released, tokens_cost};
 
 /// One request asking for admission.
@@ -279,6 +283,9 @@ pub struct WorkerLoad {
     /// Requests running on the worker that no router placed (they take
     /// engine slots the queue did not grant).
     pub unplaced_requests: u32,
+    /// Its engine orders waiting requests by priority: prefill of lower
+    /// priority queued there does not delay a higher-priority request.
+    pub priority_scheduling: bool,
 }
 
 /// Every worker's load; each view replaces the previous one.
@@ -717,6 +724,11 @@ struct State {
     /// Admitted since the last pass; `wspt` reads their overlap if held.
     unread: Vec<u64>,
     load: HashMap<(String, u32), WorkerLoad>,
+    /// This queue's granted requests still waiting for their first token:
+    /// uncached prompt tokens by worker rank and priority (also counted in
+    /// `load`), so a higher-priority request need not wait behind them on a
+    /// worker whose engine schedules by priority.
+    starting_prefill: HashMap<(String, u32), BTreeMap<i32, u64>>,
     draining: bool,
     /// Tenants' quotas and what they used.
     quotas: Quotas,

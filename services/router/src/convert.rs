@@ -153,6 +153,7 @@ pub(crate) fn worker_load(m: &MemberLoad) -> pb::WorkerLoad {
         total_blocks: m.load.report.total_blocks,
         placements: m.load.placements,
         unplaced_requests: m.load.report.unplaced_requests,
+        priority_scheduling: m.load.report.priority_scheduling,
     }
 }
 
@@ -185,6 +186,7 @@ pub(crate) fn load_report(r: &wpb::LoadReport) -> LoadReport {
         unplaced_requests: r.unplaced_requests,
         unplaced_prefill_tokens: r.unplaced_prefill_tokens,
         unplaced_blocks: r.unplaced_blocks,
+        priority_scheduling: r.priority_scheduling,
     }
 }
 

@@ -37,6 +37,8 @@ pub struct LoadReport {
     pub unplaced_prefill_tokens: u64,
     /// Their prompt blocks.
     pub unplaced_blocks: u64,
+    /// The engine orders waiting requests by priority.
+    pub priority_scheduling: bool,
 }
 
 /// A target's effective load: placements plus the unplaced report.

@@ -535,6 +535,7 @@ async fn watch_load_sends_a_view_then_one_per_report_and_bad_requests_are_invali
         unplaced_requests: 3,
         unplaced_blocks: 42,
         unplaced_prefill_tokens: 7,
+        priority_scheduling: true,
         ..Default::default()
     });
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
@@ -548,6 +549,10 @@ async fn watch_load_sends_a_view_then_one_per_report_and_bad_requests_are_invali
             assert_eq!(v.workers[0].active_prefill_tokens, 7);
             assert_eq!(v.workers[0].unplaced_requests, 3);
             assert_eq!(v.workers[0].role(), wpb::WorkerRole::Decode);
+            assert!(
+                v.workers[0].priority_scheduling,
+                "the queue hears how the engine schedules"
+            );
             break;
         }
     }

@@ -134,8 +134,16 @@ impl State {
             model.hold = None;
             while let Some(seq) = model.order.head() {
                 let mut express = false;
-                if let Some(reason) = hold_reason(cfg, model, model_name, &self.load, self.replicas)
-                {
+                let priority = self
+                    .slots
+                    .get(&seq)
+                    .map_or(i32::MIN, |s| s.entry.desc.priority);
+                let load = LoadCheck {
+                    load: &self.load,
+                    starting: &self.starting_prefill,
+                    priority,
+                };
+                if let Some(reason) = hold_reason(cfg, model, model_name, &load, self.replicas) {
                     if !model.express_head(reason) {
                         model.hold = Some(reason);
                         break;
@@ -393,6 +401,12 @@ impl State {
         if let Some(load) = self.load.get_mut(&busy) {
             load.active_prefill_tokens += u64::from(uncached);
         }
+        *self
+            .starting_prefill
+            .entry(busy.clone())
+            .or_default()
+            .entry(entry.desc.priority)
+            .or_default() += u64::from(uncached);
         let waited = now.saturating_duration_since(entry.arrival);
         self.drained.grant(now);
         metrics.served(&entry.desc.tenant, "prompt", u64::from(uncached));
@@ -566,7 +580,7 @@ impl State {
         }
         // Ended before its first token: its prefill is not coming.
         if let Some(prefill) = &slot.prefill {
-            self.prefill_done(prefill);
+            self.prefill_done(prefill, entry.desc.priority);
         }
         if let Some(released) = &slot.fair
             && let Some(model) = self.models.get_mut(&entry.desc.model)
@@ -595,15 +609,27 @@ impl State {
         if let Some(model) = self.models.get_mut(&slot.entry.desc.model) {
             model.first_token(slot.fair.as_ref().map(|r| &*r.class), slot.express);
         }
-        self.prefill_done(&prefill);
+        let priority = slot.entry.desc.priority;
+        self.prefill_done(&prefill, priority);
         true
     }
 
     /// Takes a granted prompt's uncached tokens off this queue's view of
     /// its worker's queued prefill (the grant added them).
-    fn prefill_done(&mut self, (worker, tokens): &((String, u32), u64)) {
+    fn prefill_done(&mut self, (worker, tokens): &((String, u32), u64), priority: i32) {
         if let Some(load) = self.load.get_mut(worker) {
             load.active_prefill_tokens = load.active_prefill_tokens.saturating_sub(*tokens);
+        }
+        if let Some(by_priority) = self.starting_prefill.get_mut(worker) {
+            if let Some(left) = by_priority.get_mut(&priority) {
+                *left = left.saturating_sub(*tokens);
+                if *left == 0 {
+                    by_priority.remove(&priority);
+                }
+            }
+            if by_priority.is_empty() {
+                self.starting_prefill.remove(worker);
+            }
         }
     }
 

@@ -87,13 +87,41 @@ pub(super) fn capacity(
     any.then(|| total.div_ceil(replicas))
 }
 
+/// What the hold rules read about the workers for one held request.
+pub(super) struct LoadCheck<'a> {
+    /// Every worker rank's load (the router's view plus this queue's grants).
+    pub(super) load: &'a HashMap<(String, u32), WorkerLoad>,
+    /// This queue's granted requests without a first token, by worker rank
+    /// and priority.
+    pub(super) starting: &'a HashMap<(String, u32), BTreeMap<i32, u64>>,
+    /// The priority of the request to release.
+    pub(super) priority: i32,
+}
+
+impl LoadCheck<'_> {
+    /// The prefill queued on `key` ahead of the request: all of it, less
+    /// this queue's lower-priority grants when the worker's engine
+    /// schedules by priority (they wait behind the request there).
+    fn prefill_ahead(&self, key: &(String, u32), w: &WorkerLoad) -> u64 {
+        let behind = if w.priority_scheduling {
+            self.starting
+                .get(key)
+                .map_or(0, |m| m.range(..self.priority).map(|(_, t)| t).sum())
+        } else {
+            0
+        };
+        w.active_prefill_tokens.saturating_sub(behind)
+    }
+}
+
 pub(super) fn hold_reason(
     cfg: &Args,
     model: &ModelQueue,
     model_name: &str,
-    load: &HashMap<(String, u32), WorkerLoad>,
+    check: &LoadCheck<'_>,
     replicas: u32,
 ) -> Option<HoldReason> {
+    let load = check.load;
     if cfg.max_active > 0 && model.active + model.placing >= cfg.max_active {
         return Some(HoldReason::ActiveLimit);
     }
@@ -102,35 +130,34 @@ pub(super) fn hold_reason(
         return (model.active + model.placing >= cap).then_some(HoldReason::AtCapacity);
     }
     let threshold = cfg.queue_threshold?;
-    if all_busy(model_name, load, threshold) {
+    if all_busy(model_name, check, threshold) {
         return Some(HoldReason::AboveThreshold);
     }
     // Serial under a threshold: the next release waits for this one's load.
     (model.placing > 0).then_some(HoldReason::PlacementInFlight)
 }
 
-/// Dynamo's rule: busy when every eligible worker is above the threshold.
-pub(super) fn all_busy(
-    model: &str,
-    load: &HashMap<(String, u32), WorkerLoad>,
-    threshold: f64,
-) -> bool {
+/// Dynamo's rule: busy when every eligible worker is above the threshold,
+/// counting the prefill queued ahead of the request
+/// ([`LoadCheck::prefill_ahead`]).
+pub(super) fn all_busy(model: &str, check: &LoadCheck<'_>, threshold: f64) -> bool {
+    let load = check.load;
     let serves = |w: &&WorkerLoad| model.is_empty() || w.model.is_empty() || w.model == model;
     let has_prefill = load
         .values()
         .filter(serves)
         .any(|w| w.role == WorkerRole::Prefill);
     let mut eligible = load
-        .values()
-        .filter(serves)
-        .filter(|w| (w.role == WorkerRole::Prefill) == has_prefill)
+        .iter()
+        .filter(|(_, w)| serves(w))
+        .filter(|(_, w)| (w.role == WorkerRole::Prefill) == has_prefill)
         .peekable();
     if eligible.peek().is_none() {
         return false;
     }
-    eligible.all(|w| {
+    eligible.all(|(key, w)| {
         w.max_num_batched_tokens > 0
-            && w.active_prefill_tokens as f64 > threshold * f64::from(w.max_num_batched_tokens)
+            && check.prefill_ahead(key, w) as f64 > threshold * f64::from(w.max_num_batched_tokens)
     })
 }
 

@@ -192,6 +192,7 @@ fn worker(id: &str, model: &str, role: WorkerRole, active: u64) -> WorkerLoad {
         max_num_batched_tokens: 100,
         max_num_seqs: 0,
         unplaced_requests: 0,
+        priority_scheduling: false,
     }
 }
 
@@ -1153,7 +1154,11 @@ async fn random_traffic_keeps_counts_and_gauges_consistent() {
                         ticket.progress(rng.random_range(0..300));
                         drop(ticket);
                     }
-                    7 | 8 => h.queue.update_load(load(rng.random_range(0..120))),
+                    7 | 8 => {
+                        let mut view = load(rng.random_range(0..120));
+                        view.workers[0].priority_scheduling = rng.random_bool(0.5);
+                        h.queue.update_load(view);
+                    }
                     _ => tokio::time::sleep(Duration::from_millis(rng.random_range(0..80))).await,
                 }
                 settle().await;
@@ -1189,6 +1194,10 @@ async fn random_traffic_keeps_counts_and_gauges_consistent() {
             assert_eq!(h.metric("sluice_queue_pending_tokens"), 0.0);
             let st = h.queue.shared.state.lock();
             assert!(st.slots.is_empty() && st.tenants.is_empty() && st.deadlines.is_empty());
+            assert!(
+                st.starting_prefill.is_empty(),
+                "{policy} seed {seed}: no grant left counted as starting"
+            );
             for (name, model) in &st.models {
                 assert!(
                     model.order.is_empty(),
@@ -1553,4 +1562,93 @@ async fn one_request_per_model_passes_a_busy_threshold_at_a_time() {
         .expect("other-0 released once light-0 started")
         .expect("other-0 granted");
     assert_eq!(h.placer.placed(), ["heavy-0", "light-0", "other-0"]);
+}
+
+/// A `strict` queue with threshold 0.25 (25 of the worker's 100-token
+/// budget) over one worker whose engine may or may not schedule by priority.
+fn strict_threshold_over(priority_scheduling: bool) -> Harness {
+    let mut cfg = config(Policy::Strict);
+    cfg.queue_threshold = Some(0.25);
+    let h = Harness::start(cfg);
+    let mut view = load(0);
+    view.workers[0].priority_scheduling = priority_scheduling;
+    h.queue.update_load(view);
+    h
+}
+
+#[tokio::test(start_paused = true)]
+async fn lower_priority_prefill_does_not_hold_a_request_on_a_priority_scheduled_worker() {
+    let soon = Duration::from_secs(1);
+    let t0 = Instant::now();
+    let h = strict_threshold_over(true);
+    let mut low0 = h.admit(entry("low-0", 0, 0, 60, t0));
+    low0.granted()
+        .await
+        .expect("low-0 granted: the worker was idle");
+    // low-0's 60 prompt tokens are queued on w0: a request of the same
+    // priority waits for them, as the threshold says...
+    let mut low1 = h.admit(entry("low-1", 0, 0, 60, t0));
+    assert!(matches!(
+        low1.next().await.expect("held"),
+        TicketEvent::Held(HeldStatus {
+            reason: HoldReason::AboveThreshold,
+            ..
+        })
+    ));
+    // ...but the worker's engine runs a higher priority first: low-0's
+    // prefill is not ahead of it, so it is not held for it.
+    let mut high0 = h.admit(entry("high-0", 3, 0, 60, t0));
+    tokio::time::timeout(soon, high0.granted())
+        .await
+        .expect("high-0 released past lower-priority prefill")
+        .expect("high-0 granted");
+    // Another of the same high priority waits for high-0's prefill.
+    let mut high1 = h.admit(entry("high-1", 3, 0, 60, t0));
+    assert!(matches!(
+        high1.next().await.expect("held"),
+        TicketEvent::Held(HeldStatus {
+            reason: HoldReason::AboveThreshold,
+            ..
+        })
+    ));
+    settle().await;
+    assert_eq!(h.placer.placed(), ["low-0", "high-0"]);
+    // high-0's first token: only lower-priority prefill is left on w0.
+    high0.started();
+    tokio::time::timeout(soon, high1.granted())
+        .await
+        .expect("high-1 released once high-0 started")
+        .expect("high-1 granted");
+    // low-0 and high-1 start: everything is computed, low-1 goes.
+    low0.started();
+    high1.started();
+    tokio::time::timeout(soon, low1.granted())
+        .await
+        .expect("low-1 released once w0's prefill is done")
+        .expect("low-1 granted");
+}
+
+#[tokio::test(start_paused = true)]
+async fn lower_priority_prefill_holds_a_request_on_a_fcfs_worker() {
+    let t0 = Instant::now();
+    let h = strict_threshold_over(false);
+    let mut low0 = h.admit(entry("low-0", 0, 0, 60, t0));
+    low0.granted()
+        .await
+        .expect("low-0 granted: the worker was idle");
+    // The engine serves in arrival order: low-0's prefill is ahead of
+    // anything sent now, whatever its priority.
+    let mut high0 = h.admit(entry("high-0", 3, 0, 60, t0));
+    assert!(matches!(
+        high0.next().await.expect("held"),
+        TicketEvent::Held(HeldStatus {
+            reason: HoldReason::AboveThreshold,
+            ..
+        })
+    ));
+    low0.started();
+    high0
+        .granted()
+        .await
+        .expect("high-0 granted once low-0 started");
 }
