@@ -196,6 +196,17 @@ fn worker(id: &str, model: &str, role: WorkerRole, active: u64) -> WorkerLoad {
     }
 }
 
+/// The ticket's next event says it is held because every worker is busy.
+async fn held_above_threshold(ticket: &mut Ticket) {
+    assert!(matches!(
+        ticket.next().await.expect("held"),
+        TicketEvent::Held(HeldStatus {
+            reason: HoldReason::AboveThreshold,
+            ..
+        })
+    ));
+}
+
 /// Lets the dispatcher catch up (time is paused and auto-advances).
 async fn settle() {
     tokio::time::sleep(Duration::from_millis(1)).await;
@@ -687,13 +698,7 @@ async fn a_first_token_frees_the_worker_for_the_next_release_without_a_load_repo
     settle().await;
     // a's 60 uncached tokens make w0 busy: b and c are held.
     assert_eq!(h.placer.placed(), ["a"]);
-    assert!(matches!(
-        b.next().await.expect("held"),
-        TicketEvent::Held(HeldStatus {
-            reason: HoldReason::AboveThreshold,
-            ..
-        })
-    ));
+    held_above_threshold(&mut b).await;
     // a's first token: its prefill is done, and b goes at once, with the
     // same (stale) load report.
     // (Bounded waits: without the release, the grant would never come.)
@@ -1485,13 +1490,7 @@ async fn a_tenant_with_nothing_starting_passes_a_busy_threshold_one_request_at_a
     assert!(!grant.express, "w0 was idle: an ordinary release");
     // heavy-0's prompt makes w0 busy: heavy's next waits for its first token.
     let mut heavy1 = h.admit(tenant_entry("heavy-1", "heavy", 60));
-    assert!(matches!(
-        heavy1.next().await.expect("held"),
-        TicketEvent::Held(HeldStatus {
-            reason: HoldReason::AboveThreshold,
-            ..
-        })
-    ));
+    held_above_threshold(&mut heavy1).await;
     // light has nothing starting: its request goes past the busy worker
     // at once, to be in the engine's next step...
     let mut light0 = h.admit(tenant_entry("light-0", "light", 60));
@@ -1546,13 +1545,7 @@ async fn one_request_per_model_passes_a_busy_threshold_at_a_time() {
     // A third tenant with nothing starting is next, but light-0 is past
     // the threshold without its first token: it waits.
     let mut other0 = h.admit(tenant_entry("other-0", "other", 60));
-    assert!(matches!(
-        other0.next().await.expect("held"),
-        TicketEvent::Held(HeldStatus {
-            reason: HoldReason::AboveThreshold,
-            ..
-        })
-    ));
+    held_above_threshold(&mut other0).await;
     settle().await;
     assert_eq!(h.placer.placed(), ["heavy-0", "light-0"]);
     // light-0's first token: the next one may pass.
@@ -1588,13 +1581,7 @@ async fn lower_priority_prefill_does_not_hold_a_request_on_a_priority_scheduled_
     // low-0's 60 prompt tokens are queued on w0: a request of the same
     // priority waits for them, as the threshold says...
     let mut low1 = h.admit(entry("low-1", 0, 0, 60, t0));
-    assert!(matches!(
-        low1.next().await.expect("held"),
-        TicketEvent::Held(HeldStatus {
-            reason: HoldReason::AboveThreshold,
-            ..
-        })
-    ));
+    held_above_threshold(&mut low1).await;
     // ...but the worker's engine runs a higher priority first: low-0's
     // prefill is not ahead of it, so it is not held for it.
     let mut high0 = h.admit(entry("high-0", 3, 0, 60, t0));
@@ -1604,13 +1591,7 @@ async fn lower_priority_prefill_does_not_hold_a_request_on_a_priority_scheduled_
         .expect("high-0 granted");
     // Another of the same high priority waits for high-0's prefill.
     let mut high1 = h.admit(entry("high-1", 3, 0, 60, t0));
-    assert!(matches!(
-        high1.next().await.expect("held"),
-        TicketEvent::Held(HeldStatus {
-            reason: HoldReason::AboveThreshold,
-            ..
-        })
-    ));
+    held_above_threshold(&mut high1).await;
     settle().await;
     assert_eq!(h.placer.placed(), ["low-0", "high-0"]);
     // high-0's first token: only lower-priority prefill is left on w0.
@@ -1639,13 +1620,7 @@ async fn lower_priority_prefill_holds_a_request_on_a_fcfs_worker() {
     // The engine serves in arrival order: low-0's prefill is ahead of
     // anything sent now, whatever its priority.
     let mut high0 = h.admit(entry("high-0", 3, 0, 60, t0));
-    assert!(matches!(
-        high0.next().await.expect("held"),
-        TicketEvent::Held(HeldStatus {
-            reason: HoldReason::AboveThreshold,
-            ..
-        })
-    ));
+    held_above_threshold(&mut high0).await;
     low0.started();
     high0
         .granted()
