@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
-"""Per-tenant load for the fairness bench (standard library only).
+"""Per-tenant load for the fairness bench, through the `openai` package.
 
 Each `--tenant NAME:KEY:MODE:ISL:OSL:PRIORITY` sends streaming
-`/v1/completions` requests as the tenant whose API key is KEY:
+`/v1/completions` requests with the `openai` client as the tenant whose API
+key is KEY, from a process of its own (so one tenant's chunk parsing never
+delays another's clock readings):
 
   MODE = `rate=R`    open loop, Poisson arrivals at R requests/s
   MODE = `closed=K`  closed loop, K requests in flight at all times
@@ -20,13 +22,15 @@ output token when its chunk arrives (one chunk per token).
 """
 
 import argparse
-import http.client
 import json
+import multiprocessing
 import random
 import sys
 import threading
 import time
-from urllib.parse import urlparse
+
+import httpx
+import openai
 
 
 def percentile(values, q):
@@ -53,43 +57,27 @@ class Tenant:
         self.records = []  # (start, first_token or None, [token times], status)
 
 
-def one_request(url, tenant, rng_seed, vocab):
+def one_request(client, tenant, rng_seed, vocab):
     rng = random.Random(rng_seed)
     prompt = [rng.randrange(10, vocab) for _ in range(tenant.isl)]
-    body = json.dumps({
-        "model": "sluice-tiny", "prompt": prompt, "max_tokens": tenant.osl,
-        "min_tokens": tenant.osl, "ignore_eos": True, "temperature": 0,
-        "stream": True, "nvext": {"agent_hints": {"priority": tenant.priority}},
-    })
-    headers = {"content-type": "application/json"}
-    if tenant.key:
-        headers["authorization"] = f"Bearer {tenant.key}"
     start = time.monotonic()
-    first, tokens, status = None, [], 0
+    first, tokens, status = None, [], 200
     try:
-        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=600)
-        conn.request("POST", "/v1/completions", body=body, headers=headers)
-        resp = conn.getresponse()
-        status = resp.status
-        if status != 200:
-            resp.read()
-        else:
-            while True:
-                line = resp.readline()
-                if not line:
-                    break
-                line = line.strip()
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                    continue
-                msg = json.loads(line[6:])
-                choices = msg.get("choices") or []
-                if choices and choices[0].get("finish_reason") is None:
-                    now = time.monotonic()
-                    if first is None:
-                        first = now
-                    tokens.append(now)
-        conn.close()
-    except (OSError, http.client.HTTPException, ValueError) as e:
+        stream = client.completions.create(
+            model="sluice-tiny", prompt=prompt, max_tokens=tenant.osl, temperature=0,
+            stream=True,
+            extra_body={"min_tokens": tenant.osl, "ignore_eos": True,
+                        "nvext": {"agent_hints": {"priority": tenant.priority}}},
+        )
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].finish_reason is None:
+                now = time.monotonic()
+                if first is None:
+                    first = now
+                tokens.append(now)
+    except openai.APIStatusError as e:
+        status = e.status_code
+    except openai.APIError as e:
         print(f"{tenant.name}: {e}", file=sys.stderr)
         status = -1
     with tenant.lock:
@@ -97,12 +85,12 @@ def one_request(url, tenant, rng_seed, vocab):
     return status
 
 
-def drive(url, tenant, t0, duration, seed, vocab, threads):
+def drive(client, tenant, t0, duration, seed, vocab, threads):
     rng = random.Random(seed)
     end = t0 + duration
 
     def spawn(i):
-        t = threading.Thread(target=one_request, args=(url, tenant, seed * 1_000_003 + i, vocab), daemon=True)
+        t = threading.Thread(target=one_request, args=(client, tenant, seed * 1_000_003 + i, vocab), daemon=True)
         t.start()
         threads.append(t)
         return t
@@ -126,13 +114,34 @@ def drive(url, tenant, t0, duration, seed, vocab, threads):
                 with tenant.lock:
                     n = i
                     i += 1
-                if one_request(url, tenant, seed * 1_000_003 + n, vocab) != 200:
+                if one_request(client, tenant, seed * 1_000_003 + n, vocab) != 200:
                     time.sleep(0.1)  # a refusal is not a reason to spin
 
         for slot in range(k):
             t = threading.Thread(target=loop, args=(slot,), daemon=True)
             t.start()
             threads.append(t)
+
+
+def tenant_process(url, spec, t0, args, n, results):
+    """One tenant's load, in a process of its own; its records go back on
+    `results`."""
+    tenant = Tenant(spec)
+    # Enough connections that no request waits for one (httpx's default
+    # pool of 100 would hold requests back under the heaviest cases).
+    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=tenant.key or "none",
+                           max_retries=0, timeout=600.0,
+                           http_client=openai.DefaultHttpxClient(limits=limits))
+    threads = []
+    time.sleep(max(0.0, t0 - time.monotonic()))
+    drive(client, tenant, t0, args.duration, args.seed + n, args.vocab, threads)
+    deadline = t0 + args.duration + args.drain
+    for t in list(threads):
+        t.join(max(0.0, deadline - time.monotonic()))
+    with tenant.lock:
+        records = list(tenant.records)
+    results.put((tenant.name, records))
 
 
 def main():
@@ -146,21 +155,26 @@ def main():
     ap.add_argument("--vocab", type=int, default=2000)
     ap.add_argument("--out")
     args = ap.parse_args()
-    url = urlparse(args.url)
     tenants = [Tenant(s) for s in args.tenant]
-    threads = []
-    t0 = time.monotonic()
-    drivers = [
-        threading.Thread(target=drive, args=(url, t, t0, args.duration, args.seed + n, args.vocab, threads), daemon=True)
-        for n, t in enumerate(tenants)
+    # CLOCK_MONOTONIC is one clock for every process: each tenant's process
+    # starts its load at t0 and sends back its records.
+    t0 = time.monotonic() + 2.0
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=tenant_process, args=(args.url, spec, t0, args, n, results), daemon=True)
+        for n, spec in enumerate(args.tenant)
     ]
-    for d in drivers:
-        d.start()
-    for d in drivers:
-        d.join()
-    deadline = t0 + args.duration + args.drain
-    for t in list(threads):
-        t.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        p.start()
+    by_name = {}
+    for _ in procs:
+        name, records = results.get(timeout=args.duration + args.drain + 60)
+        by_name[name] = records
+    for p in procs:
+        p.join()
+    for t in tenants:
+        t.records = by_name.get(t.name, [])
     w0, w1 = t0 + args.warmup, t0 + args.duration
     report = {"window_s": w1 - w0, "tenants": {}}
     total = 0

@@ -3,8 +3,9 @@
 # with one worker; the queue holds what the worker cannot take
 # (`--queue-threshold`) and releases it under `--queue-policy fair`.
 # Tenants are API keys (`--api-key-file`); the load comes from
-# tests/bench/fairness/load.py (standard-library Python, streaming
-# /v1/completions, random prompts so nothing is cached).
+# tests/bench/fairness/load.py (the `openai` package from the venv `make
+# deps` creates, one process per tenant, streaming /v1/completions, random
+# prompts so nothing is cached).
 #
 # Cases (each its own `sluice up`):
 #   alone       the light tenant alone: LIGHT_RATE req/s, ISL/OSL
@@ -26,7 +27,7 @@
 #
 # Environment (defaults in brackets):
 #   SLUICE_BIN   a built `sluice` binary [builds target/release/sluice]
-#   PYTHON [python3]  DURATION [30] WARMUP [5] seconds per case
+#   PYTHON [.venv/bin/python]  DURATION [30] WARMUP [5] seconds per case
 #   SPEEDUP [0.5]     mocker --speedup-ratio (below 1: a slower worker, so
 #                     the load generator needs fewer requests per second)
 #   THRESHOLD [0.1]   --queue-threshold (fraction of max_num_batched_tokens
@@ -38,7 +39,8 @@ set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)
 cd "$ROOT"
-PYTHON=${PYTHON:-python3}
+PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
+"$PYTHON" -c 'import openai' 2>/dev/null || { echo "$PYTHON has no openai package: run 'make deps' (or set PYTHON)" >&2; exit 1; }
 DURATION=${DURATION:-30}
 WARMUP=${WARMUP:-5}
 SPEEDUP=${SPEEDUP:-0.5}
@@ -138,7 +140,7 @@ with open(result, "w") as f:
     f.write("Reproduce: \`tests/bench/fairness/run.sh\` (\`sluice up --engine mocker\`, one worker, "
             f"\`--speedup-ratio $SPEEDUP --queue-threshold $THRESHOLD --max-num-seqs 128\`, API keys "
             "\`sk-light light 1\`, \`sk-heavy heavy W\`, \`sk-vip vip 1\`; load from "
-            "\`tests/bench/fairness/load.py\`, streaming \`/v1/completions\`, random prompts). "
+            "\`tests/bench/fairness/load.py\` (the \`openai\` package, one process per tenant), streaming \`/v1/completions\`, random prompts). "
             f"Each case {res['alone']['window_s'] + $WARMUP:.0f} s, measured after a $WARMUP s warm-up; "
             f"whole run {elapsed} s.\n\n")
     f.write("## Goals\n\n" + "\n".join(lines) + "\n\n")
