@@ -394,12 +394,7 @@ impl Pipeline {
     /// [`INLINE_TOKENIZE_BYTES`] is tokenized where it is (tens of
     /// microseconds, less than the hand-off to the pool and back costs).
     async fn tokenize(&self, prompt: &Prompt) -> Result<Vec<u32>, FrontendError> {
-        if let Prompt::Tokens(ids) = prompt {
-            let vocab = self.tokenizer.vocab_size();
-            sluice_runtime::limits::check_token_ids("prompt", ids, vocab)
-                .map_err(|e| FrontendError::invalid(e.field, e.message))?;
-            return Ok(ids.clone());
-        }
+        // Token ids count 0 bytes: they are only checked.
         if prompt_bytes(prompt) <= INLINE_TOKENIZE_BYTES {
             return tokenize_now(&self.tokenizer, &self.template, prompt);
         }
@@ -1183,7 +1178,8 @@ impl Pipeline {
 /// own task instead of the blocking pool.
 const INLINE_TOKENIZE_BYTES: usize = 128;
 
-/// The prompt's text size in bytes (chat: the messages' contents).
+/// The prompt's text size in bytes (chat: the messages' roles and
+/// contents, before the template); 0 for token ids.
 fn prompt_bytes(prompt: &Prompt) -> usize {
     match prompt {
         Prompt::Text(t) => t.len(),
@@ -1195,7 +1191,8 @@ fn prompt_bytes(prompt: &Prompt) -> usize {
     }
 }
 
-/// Templates (chat) and tokenizes a prompt on the calling thread.
+/// Templates (chat) and tokenizes a prompt on the calling thread; token
+/// ids are checked against the vocabulary.
 fn tokenize_now(
     tokenizer: &Tokenizer,
     template: &ChatTemplate,
@@ -1209,6 +1206,10 @@ fn tokenize_now(
                 .map_err(|e| FrontendError::invalid("messages", format!("chat template: {e}")))?;
             Ok(tokenizer.encode(&text, false)?)
         }
-        Prompt::Tokens(ids) => Ok(ids.clone()),
+        Prompt::Tokens(ids) => {
+            sluice_runtime::limits::check_token_ids("prompt", ids, tokenizer.vocab_size())
+                .map_err(|e| FrontendError::invalid(e.field, e.message))?;
+            Ok(ids.clone())
+        }
     }
 }
