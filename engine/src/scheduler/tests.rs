@@ -167,6 +167,14 @@ fn kv_pressure_preempts_lowest_priority_latest_arrival() {
 }
 
 #[test]
+fn the_load_says_whether_waiting_sequences_go_by_priority() {
+    let fcfs = sched(cfg(4, 32, SchedulingPolicy::Fcfs), 8);
+    let priority = sched(cfg(4, 32, SchedulingPolicy::Priority), 8);
+    assert!(!fcfs.load().priority_scheduling);
+    assert!(priority.load().priority_scheduling);
+}
+
+#[test]
 fn fcfs_kv_pressure_preempts_latest_admitted_and_recompute_reuses_prefix() {
     let mut s = sched(cfg(8, 100, SchedulingPolicy::Fcfs), 5);
     s.add(1, req_with(8, 6, 0, 100)).expect("valid");

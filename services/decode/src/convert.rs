@@ -160,6 +160,16 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_load_report_carries_the_scheduling_policy() {
+        let priority = engine::LoadStats {
+            priority_scheduling: true,
+            ..Default::default()
+        };
+        assert!(load(0, &priority, 0).priority_scheduling);
+        assert!(!load(0, &engine::LoadStats::default(), 0).priority_scheduling);
+    }
+
+    #[test]
     fn logprobs_go_to_the_wire_and_back_unchanged() {
         let token = |token_id, logprob| engine::TokenLogprob { token_id, logprob };
         let position = engine::PositionLogprobs {
