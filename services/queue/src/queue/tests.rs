@@ -196,6 +196,15 @@ fn worker(id: &str, model: &str, role: WorkerRole, active: u64) -> WorkerLoad {
     }
 }
 
+/// The ticket's grant, which must come within a second of (paused) time:
+/// a release that never comes fails the test instead of hanging it.
+async fn granted_soon(ticket: &mut Ticket, why: &str) -> Grant {
+    tokio::time::timeout(Duration::from_secs(1), ticket.granted())
+        .await
+        .unwrap_or_else(|_| panic!("no grant: {why}"))
+        .unwrap_or_else(|e| panic!("{why}: {e}"))
+}
+
 /// The ticket's next event says it is held because every worker is busy.
 async fn held_above_threshold(ticket: &mut Ticket) {
     assert!(matches!(
@@ -701,21 +710,13 @@ async fn a_first_token_frees_the_worker_for_the_next_release_without_a_load_repo
     held_above_threshold(&mut b).await;
     // a's first token: its prefill is done, and b goes at once, with the
     // same (stale) load report.
-    // (Bounded waits: without the release, the grant would never come.)
-    let soon = Duration::from_secs(1);
     a.started();
-    tokio::time::timeout(soon, b.granted())
-        .await
-        .expect("b released without a new load report")
-        .expect("b granted");
+    granted_soon(&mut b, "b released without a new load report").await;
     settle().await;
     assert_eq!(h.placer.placed(), ["a", "b"]);
     // b ends before its first token: its prefill is not coming either.
     drop(b);
-    tokio::time::timeout(soon, c.granted())
-        .await
-        .expect("c released once b left")
-        .expect("c granted");
+    granted_soon(&mut c, "c released once b left").await;
     settle().await;
     assert_eq!(h.placer.placed(), ["a", "b", "c"]);
 }
@@ -1483,8 +1484,6 @@ fn fair_with_threshold_zero() -> Harness {
 #[tokio::test(start_paused = true)]
 async fn a_tenant_with_nothing_starting_passes_a_busy_threshold_one_request_at_a_time() {
     let h = fair_with_threshold_zero();
-    // (Bounded waits: a release that never comes fails the test.)
-    let soon = Duration::from_secs(1);
     let mut heavy0 = h.admit(tenant_entry("heavy-0", "heavy", 60));
     let grant = heavy0.granted().await.expect("heavy-0 granted");
     assert!(!grant.express, "w0 was idle: an ordinary release");
@@ -1494,10 +1493,7 @@ async fn a_tenant_with_nothing_starting_passes_a_busy_threshold_one_request_at_a
     // light has nothing starting: its request goes past the busy worker
     // at once, to be in the engine's next step...
     let mut light0 = h.admit(tenant_entry("light-0", "light", 60));
-    let grant = tokio::time::timeout(soon, light0.granted())
-        .await
-        .expect("light-0 released while w0 is busy")
-        .expect("light-0 granted");
+    let grant = granted_soon(&mut light0, "light-0 released while w0 is busy").await;
     assert!(grant.express, "the grant says it passed the threshold");
     // ...but one at a time: light's second request waits like everyone.
     let light1 = h.admit(tenant_entry("light-1", "light", 60));
@@ -1510,18 +1506,12 @@ async fn a_tenant_with_nothing_starting_passes_a_busy_threshold_one_request_at_a
     assert_eq!(h.placer.placed(), ["heavy-0", "light-0"]);
     // heavy-0's first token frees w0: heavy-1 goes as usual.
     heavy0.started();
-    let grant = tokio::time::timeout(soon, heavy1.granted())
-        .await
-        .expect("heavy-1 released once w0 is free")
-        .expect("heavy-1 granted");
+    let grant = granted_soon(&mut heavy1, "heavy-1 released once w0 is free").await;
     assert!(!grant.express);
     // heavy-1 makes w0 busy again, and light has nothing starting any
     // more: light-1 passes as light-0 did.
     let mut light1 = light1;
-    let grant = tokio::time::timeout(soon, light1.granted())
-        .await
-        .expect("light-1 released while w0 is busy")
-        .expect("light-1 granted");
+    let grant = granted_soon(&mut light1, "light-1 released while w0 is busy").await;
     assert!(grant.express);
     settle().await;
     assert_eq!(
@@ -1534,14 +1524,10 @@ async fn a_tenant_with_nothing_starting_passes_a_busy_threshold_one_request_at_a
 #[tokio::test(start_paused = true)]
 async fn one_request_per_model_passes_a_busy_threshold_at_a_time() {
     let h = fair_with_threshold_zero();
-    let soon = Duration::from_secs(1);
     let mut heavy0 = h.admit(tenant_entry("heavy-0", "heavy", 60));
     heavy0.granted().await.expect("heavy-0 granted");
     let mut light0 = h.admit(tenant_entry("light-0", "light", 60));
-    tokio::time::timeout(soon, light0.granted())
-        .await
-        .expect("light-0 released while w0 is busy")
-        .expect("light-0 granted");
+    granted_soon(&mut light0, "light-0 released while w0 is busy").await;
     // A third tenant with nothing starting is next, but light-0 is past
     // the threshold without its first token: it waits.
     let mut other0 = h.admit(tenant_entry("other-0", "other", 60));
@@ -1550,34 +1536,32 @@ async fn one_request_per_model_passes_a_busy_threshold_at_a_time() {
     assert_eq!(h.placer.placed(), ["heavy-0", "light-0"]);
     // light-0's first token: the next one may pass.
     light0.started();
-    tokio::time::timeout(soon, other0.granted())
-        .await
-        .expect("other-0 released once light-0 started")
-        .expect("other-0 granted");
+    granted_soon(&mut other0, "other-0 released once light-0 started").await;
     assert_eq!(h.placer.placed(), ["heavy-0", "light-0", "other-0"]);
 }
 
 /// A `strict` queue with threshold 0.25 (25 of the worker's 100-token
-/// budget) over one worker whose engine may or may not schedule by priority.
-fn strict_threshold_over(priority_scheduling: bool) -> Harness {
+/// budget) over one worker whose engine may or may not schedule by
+/// priority, with `low-0` (priority 0, 60 prompt tokens) granted on the
+/// idle worker: its prefill is queued there, above the threshold.
+async fn low_prefill_queued(priority_scheduling: bool) -> (Harness, Ticket) {
     let mut cfg = config(Policy::Strict);
     cfg.queue_threshold = Some(0.25);
     let h = Harness::start(cfg);
     let mut view = load(0);
     view.workers[0].priority_scheduling = priority_scheduling;
     h.queue.update_load(view);
-    h
+    let mut low0 = h.admit(entry("low-0", 0, 0, 60, Instant::now()));
+    low0.granted()
+        .await
+        .expect("low-0 granted: the worker was idle");
+    (h, low0)
 }
 
 #[tokio::test(start_paused = true)]
 async fn lower_priority_prefill_does_not_hold_a_request_on_a_priority_scheduled_worker() {
-    let soon = Duration::from_secs(1);
     let t0 = Instant::now();
-    let h = strict_threshold_over(true);
-    let mut low0 = h.admit(entry("low-0", 0, 0, 60, t0));
-    low0.granted()
-        .await
-        .expect("low-0 granted: the worker was idle");
+    let (h, low0) = low_prefill_queued(true).await;
     // low-0's 60 prompt tokens are queued on w0: a request of the same
     // priority waits for them, as the threshold says...
     let mut low1 = h.admit(entry("low-1", 0, 0, 60, t0));
@@ -1585,10 +1569,7 @@ async fn lower_priority_prefill_does_not_hold_a_request_on_a_priority_scheduled_
     // ...but the worker's engine runs a higher priority first: low-0's
     // prefill is not ahead of it, so it is not held for it.
     let mut high0 = h.admit(entry("high-0", 3, 0, 60, t0));
-    tokio::time::timeout(soon, high0.granted())
-        .await
-        .expect("high-0 released past lower-priority prefill")
-        .expect("high-0 granted");
+    granted_soon(&mut high0, "high-0 released past lower-priority prefill").await;
     // Another of the same high priority waits for high-0's prefill.
     let mut high1 = h.admit(entry("high-1", 3, 0, 60, t0));
     held_above_threshold(&mut high1).await;
@@ -1596,27 +1577,17 @@ async fn lower_priority_prefill_does_not_hold_a_request_on_a_priority_scheduled_
     assert_eq!(h.placer.placed(), ["low-0", "high-0"]);
     // high-0's first token: only lower-priority prefill is left on w0.
     high0.started();
-    tokio::time::timeout(soon, high1.granted())
-        .await
-        .expect("high-1 released once high-0 started")
-        .expect("high-1 granted");
+    granted_soon(&mut high1, "high-1 released once high-0 started").await;
     // low-0 and high-1 start: everything is computed, low-1 goes.
     low0.started();
     high1.started();
-    tokio::time::timeout(soon, low1.granted())
-        .await
-        .expect("low-1 released once w0's prefill is done")
-        .expect("low-1 granted");
+    granted_soon(&mut low1, "low-1 released once w0's prefill is done").await;
 }
 
 #[tokio::test(start_paused = true)]
 async fn lower_priority_prefill_holds_a_request_on_a_fcfs_worker() {
     let t0 = Instant::now();
-    let h = strict_threshold_over(false);
-    let mut low0 = h.admit(entry("low-0", 0, 0, 60, t0));
-    low0.granted()
-        .await
-        .expect("low-0 granted: the worker was idle");
+    let (h, low0) = low_prefill_queued(false).await;
     // The engine serves in arrival order: low-0's prefill is ahead of
     // anything sent now, whatever its priority.
     let mut high0 = h.admit(entry("high-0", 3, 0, 60, t0));
