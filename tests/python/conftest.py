@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import tempfile
@@ -51,7 +52,11 @@ def sluice_up():
     except subprocess.TimeoutExpired:
         proc.kill()
         raise
-    assert proc.returncode == 0, f"sluice up did not shut down cleanly; log: {open(log.name).read()}"
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    output = open(log.name).read()
+    os.unlink(log.name)
+    assert proc.returncode == 0, f"sluice up did not shut down cleanly; log: {output}"
 
 
 @pytest.fixture(scope="session")

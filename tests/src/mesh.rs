@@ -14,20 +14,46 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
 /// The built-in tiny model, written once per process.
+///
+/// A `TempDir` in a static is never dropped, so each test binary used to
+/// leave its 15 MB copy in the temp dir for good (hundreds of them on a
+/// machine that runs the suite often). The copy now lives under
+/// `$TMPDIR/sluice-test-models/<pid>`, and the first call in a process
+/// removes the copies of processes that are gone.
 pub fn builtin_model_dir() -> anyhow::Result<PathBuf> {
-    static DIR: OnceLock<Result<tempfile::TempDir, String>> = OnceLock::new();
+    static DIR: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     let dir = DIR.get_or_init(|| {
-        let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let root = std::env::temp_dir().join("sluice-test-models");
+        remove_copies_of_exited_processes(&root);
+        let dir = root.join(std::process::id().to_string());
+        let model = dir.join("sluice-tiny");
         sluice_engine::builtin::write_builtin_model(
-            &dir.path().join("sluice-tiny"),
+            &model,
             sluice_engine::builtin::BuiltinSize::Tiny,
         )
         .map_err(|e| e.to_string())?;
-        Ok(dir)
+        Ok(model)
     });
     match dir {
-        Ok(d) => Ok(d.path().join("sluice-tiny")),
+        Ok(d) => Ok(d.clone()),
         Err(e) => anyhow::bail!("writing the built-in model: {e}"),
+    }
+}
+
+/// Removes `root/<pid>` for every pid with no `/proc/<pid>`: copies left by
+/// test processes that have exited. Best effort; a failure only leaves files.
+fn remove_copies_of_exited_processes(root: &std::path::Path) {
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        if pid != std::process::id() && !std::path::Path::new("/proc").join(pid.to_string()).exists() {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
     }
 }
 
