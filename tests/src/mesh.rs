@@ -51,7 +51,9 @@ fn remove_copies_of_exited_processes(root: &std::path::Path) {
         let Some(pid) = name.to_str().and_then(|n| n.parse::<u32>().ok()) else {
             continue;
         };
-        if pid != std::process::id() && !std::path::Path::new("/proc").join(pid.to_string()).exists() {
+        if pid != std::process::id()
+            && !std::path::Path::new("/proc").join(pid.to_string()).exists()
+        {
             let _ = std::fs::remove_dir_all(entry.path());
         }
     }

@@ -117,6 +117,47 @@ pub fn decode_ms(a: f64) -> f64 {
 pub struct MockerBackend {
     cfg: MockerConfig,
     memory: Memory,
+    pacer: Pacer,
+}
+
+/// Keeps the mocker's steps on the timing model's clock without sleeping
+/// for each one.
+///
+/// A sleep shorter than the kernel's timer slack (50 µs for a normal
+/// thread) lasts about the slack, not what was asked: at a high
+/// `speedup_ratio` a 6 ns decode step slept ~55 µs, parked the engine
+/// thread once per step and woke it by a timer (about three context
+/// switches per request in `sluice up` at 16 streams), and at a low one
+/// every step overslept by the same ~50 µs. The pacer keeps the model's
+/// clock: each step ends `d` after the previous step's modelled end (or
+/// after now, when the engine was idle longer than [`Pacer::IDLE_GAP`]),
+/// and the thread sleeps only once it is [`Pacer::MIN_SLEEP`] ahead of that
+/// clock. Short steps then cost no sleep until they add up, and a late
+/// wake-up is made good on the next step instead of adding to the run.
+#[derive(Debug, Clone, Copy, Default)]
+struct Pacer {
+    /// Where the model's clock stands: the end of the last step.
+    clock: Option<std::time::Instant>,
+}
+
+impl Pacer {
+    /// The engine may run this far ahead of the model's clock unslept.
+    const MIN_SLEEP: Duration = Duration::from_micros(200);
+    /// A gap longer than this since the last step's modelled end is idle
+    /// time (no step was due), not a late wake-up to make good.
+    const IDLE_GAP: Duration = Duration::from_micros(200);
+
+    /// A step of modelled length `d` starts at `now`: how long to sleep.
+    fn step(&mut self, now: std::time::Instant, d: Duration) -> Option<Duration> {
+        let start = match self.clock {
+            Some(clock) if clock + Self::IDLE_GAP >= now => clock,
+            _ => now,
+        };
+        let end = start + d;
+        self.clock = Some(end);
+        let ahead = end.saturating_duration_since(now);
+        (ahead >= Self::MIN_SLEEP).then_some(ahead)
+    }
 }
 
 /// Where the mocker keeps written blocks.
@@ -147,6 +188,7 @@ impl MockerBackend {
         Ok(Self {
             cfg,
             memory: Memory::Sparse(HashMap::new()),
+            pacer: Pacer::default(),
         })
     }
 
@@ -205,8 +247,10 @@ impl MockerBackend {
 
 impl Backend for MockerBackend {
     fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOutput, EngineError> {
-        let pause = self.step_duration(batch);
-        if !pause.is_zero() {
+        let step = self.step_duration(batch);
+        if !step.is_zero()
+            && let Some(pause) = self.pacer.step(std::time::Instant::now(), step)
+        {
             std::thread::sleep(pause);
         }
         let tokens: Vec<u32> = batch
@@ -355,6 +399,32 @@ mod tests {
             block_table: vec![0],
             needs_logits: true,
         }
+    }
+
+    #[test]
+    fn the_pacer_sleeps_once_short_steps_add_up_and_keeps_the_model_clock() {
+        let t0 = std::time::Instant::now();
+        let us = Duration::from_micros;
+        let mut p = Pacer::default();
+        // 1 µs steps run back to back: no sleep until 200 µs are owed.
+        for i in 0..199 {
+            assert_eq!(p.step(t0, us(1)), None, "step {i}");
+        }
+        assert_eq!(p.step(t0, us(1)), Some(us(200)));
+        // Woken 50 µs late (timer slack): the next 3 ms step sleeps 50 µs
+        // less, so the run's length stays the model's.
+        let mut p = Pacer::default();
+        assert_eq!(p.step(t0, us(3000)), Some(us(3000)));
+        assert_eq!(p.step(t0 + us(3050), us(3000)), Some(us(2950)));
+        // Idle for longer than the gap: the next step starts from now.
+        let later = t0 + us(6000) + us(10_000);
+        assert_eq!(p.step(later, us(3000)), Some(us(3000)));
+        // Real time past the model's clock (within the gap) is made good:
+        // the engine runs on unslept until it is ahead again.
+        let mut p = Pacer::default();
+        assert_eq!(p.step(t0, us(100)), None);
+        assert_eq!(p.step(t0 + us(150), us(100)), None);
+        assert_eq!(p.step(t0 + us(150), us(200)), Some(us(250)));
     }
 
     #[test]
