@@ -153,7 +153,17 @@ fn body_bytes(
     })
 }
 
+/// The request body as `T`. Every request type denies unknown fields, and a
+/// priority in the wrong place is an unknown field or a wrong type, so a
+/// body the typed parse accepts is one the checked path accepts too: only a
+/// rejected body pays for the JSON tree that names its error precisely.
 fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, FrontendError> {
+    serde_json::from_slice(body).or_else(|_| parse_checked(body))
+}
+
+/// The body through a JSON tree: the priority's placement is checked first,
+/// so its error names the right path instead of "unknown field".
+fn parse_checked<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, FrontendError> {
     let value: Value = serde_json::from_slice(body)
         .map_err(|e| FrontendError::invalid("body", format!("the body is not valid JSON: {e}")))?;
     openai::check_priority_placement(&value)?;
@@ -390,28 +400,78 @@ impl Output {
         v
     }
 
-    fn delta_choice(
+    /// One streamed delta as its JSON text, serialized straight from
+    /// borrowed fields: a chunk per token is the stream's hot path, and
+    /// building it as a `serde_json::Value` tree cost some twenty
+    /// allocations each. Same bytes as [`Output::chunk`] would give.
+    fn delta_chunk(
         &self,
         text: &str,
         lps: &[TokenLogprob],
         first: bool,
         want_lp: bool,
         offset: usize,
-    ) -> Value {
-        match self.api {
-            Api::Chat => {
-                let mut delta = json!({ "content": text });
-                if first && let Some(o) = delta.as_object_mut() {
-                    o.insert("role".into(), json!("assistant"));
-                }
-                json!({ "index": 0, "delta": delta, "logprobs": if want_lp { chat_logprobs(lps) } else { Value::Null }, "finish_reason": null })
-            }
-            Api::Completion => json!({
-                "index": 0, "text": text,
-                "logprobs": if want_lp { completion_logprobs(lps, offset) } else { Value::Null },
-                "finish_reason": null,
-            }),
+    ) -> String {
+        #[derive(serde::Serialize)]
+        struct Chunk<'a, C> {
+            id: &'a str,
+            object: &'static str,
+            created: i64,
+            model: &'a str,
+            choices: [C; 1],
         }
+        #[derive(serde::Serialize)]
+        struct ChatDelta<'a> {
+            content: &'a str,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            role: Option<&'static str>,
+        }
+        #[derive(serde::Serialize)]
+        struct ChatChoice<'a> {
+            index: u32,
+            delta: ChatDelta<'a>,
+            logprobs: Option<Value>,
+            finish_reason: Option<&'static str>,
+        }
+        #[derive(serde::Serialize)]
+        struct CompletionChoice<'a> {
+            index: u32,
+            text: &'a str,
+            logprobs: Option<Value>,
+            finish_reason: Option<&'static str>,
+        }
+        let (id, created, model) = (self.id.as_str(), self.created, self.model.as_str());
+        let written = match self.api {
+            Api::Chat => serde_json::to_string(&Chunk {
+                id,
+                object: "chat.completion.chunk",
+                created,
+                model,
+                choices: [ChatChoice {
+                    index: 0,
+                    delta: ChatDelta {
+                        content: text,
+                        role: first.then_some("assistant"),
+                    },
+                    logprobs: want_lp.then(|| chat_logprobs(lps)),
+                    finish_reason: None,
+                }],
+            }),
+            Api::Completion => serde_json::to_string(&Chunk {
+                id,
+                object: "text_completion",
+                created,
+                model,
+                choices: [CompletionChoice {
+                    index: 0,
+                    text,
+                    logprobs: want_lp.then(|| completion_logprobs(lps, offset)),
+                    finish_reason: None,
+                }],
+            }),
+        };
+        // Borrowed strings, integers and a `Value` cannot fail to serialize.
+        written.unwrap_or_default()
     }
 
     fn final_choice(&self, reason: &str) -> Value {
@@ -496,13 +556,12 @@ fn sse_stream(
                     if text.is_empty() && logprobs.is_empty() && !st.first {
                         continue;
                     }
-                    let choice = st
+                    let data = st
                         .out
-                        .delta_choice(&text, &logprobs, st.first, want_lp, st.offset);
+                        .delta_chunk(&text, &logprobs, st.first, want_lp, st.offset);
                     st.offset += text.len();
                     st.first = false;
-                    let v = st.out.chunk(choice, None);
-                    return Some((Ok(SseEvent::default().data(v.to_string())), st));
+                    return Some((Ok(SseEvent::default().data(data)), st));
                 }
                 Some(Ok(Event::Done {
                     finish_reason,
@@ -590,4 +649,99 @@ async fn collect(out: Output, mut generation: Generation) -> Result<Value, Front
     Err(FrontendError::internal(
         "generation ended without a final event",
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The chunk as it was built before `delta_chunk`: a `Value` tree.
+    fn delta_as_tree(
+        out: &Output,
+        text: &str,
+        lps: &[TokenLogprob],
+        first: bool,
+        want_lp: bool,
+        offset: usize,
+    ) -> String {
+        let choice = match out.api {
+            Api::Chat => {
+                let mut delta = json!({ "content": text });
+                if first && let Some(o) = delta.as_object_mut() {
+                    o.insert("role".into(), json!("assistant"));
+                }
+                json!({ "index": 0, "delta": delta, "logprobs": if want_lp { chat_logprobs(lps) } else { Value::Null }, "finish_reason": null })
+            }
+            Api::Completion => json!({
+                "index": 0, "text": text,
+                "logprobs": if want_lp { completion_logprobs(lps, offset) } else { Value::Null },
+                "finish_reason": null,
+            }),
+        };
+        out.chunk(choice, None).to_string()
+    }
+
+    #[test]
+    fn a_streamed_delta_is_the_same_json_as_the_value_tree_gave() {
+        let lps = [TokenLogprob {
+            wire: Default::default(),
+            token: " river\"\n".into(),
+            logprob: -0.25,
+            top: vec![(" river\"\n".into(), -0.25), (" sea".into(), -1.5)],
+        }];
+        for api in [Api::Chat, Api::Completion] {
+            let out = Output {
+                api,
+                id: "chatcmpl-1\u{e9}".into(),
+                model: "sluice-tiny".into(),
+                created: 1_790_000_000,
+            };
+            for (text, first, want_lp, offset) in [
+                ("The", true, false, 0),
+                (" river\"\n", false, false, 3),
+                (" river\"\n", false, true, 3),
+                ("", true, true, 0),
+            ] {
+                let lps = if want_lp { &lps[..] } else { &[] };
+                assert_eq!(
+                    out.delta_chunk(text, lps, first, want_lp, offset),
+                    delta_as_tree(&out, text, lps, first, want_lp, offset),
+                    "{:?} {text:?} first={first} logprobs={want_lp}",
+                    api.endpoint()
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_typed_parse_accepts_and_rejects_what_the_checked_parse_does() {
+        let bodies = [
+            r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}"#,
+            r#"{"model":"m","messages":[],"nvext":{"agent_hints":{"priority":-3,"osl":8}}}"#,
+            r#"{"model":"m","messages":[],"nvext":{"agent_hints":{"priority":null}}}"#,
+            r#"{"model":"m","messages":[],"nvext":{"agent_hints":{"priority":"high"}}}"#,
+            r#"{"model":"m","messages":[],"nvext":{"agent_hints":{"priority":1.5}}}"#,
+            r#"{"model":"m","messages":[],"nvext":{"agent_hints":{"priority":4294967296}}}"#,
+            r#"{"model":"m","messages":[],"nvext":{"priority":5}}"#,
+            r#"{"model":"m","messages":[],"priority":5}"#,
+            r#"{"model":"m","messages":[],"extra":{"nvext":{"agent_hints":{"priority":5}}}}"#,
+            r#"{"model":"m","messages":[],"extra_body":{"priority":5}}"#,
+            r#"{"model":"m","messages":[],"temprature":0.5}"#,
+            r#"{"model":"m","model":"n","messages":[]}"#,
+            r#"{"messages":[]}"#,
+            r#"[1, 2]"#,
+            r#"{"model":"m","messages":[]"#,
+        ];
+        for body in bodies {
+            let bytes = Bytes::from_static(body.as_bytes());
+            let fast = parse::<crate::openai::ChatRequest>(&bytes).map(|r| format!("{r:?}"));
+            let checked =
+                parse_checked::<crate::openai::ChatRequest>(&bytes).map(|r| format!("{r:?}"));
+            assert_eq!(
+                fast.map_err(|e| format!("{e:?}")),
+                checked.map_err(|e| format!("{e:?}")),
+                "{body}"
+            );
+        }
+    }
 }
