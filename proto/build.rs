@@ -14,6 +14,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     ];
     let out = PathBuf::from(std::env::var("OUT_DIR")?);
     tonic_prost_build::configure()
+        // Prost's codec with smaller starting buffers (see `Codec` in lib.rs).
+        .codec_path("crate::Codec")
         .file_descriptor_set_path(out.join("sluice_descriptor.bin"))
         .compile_protos(&protos, &["."])?;
     for p in protos {
