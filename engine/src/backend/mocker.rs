@@ -134,6 +134,9 @@ pub struct MockerBackend {
 /// and the thread sleeps only once it is [`Pacer::MIN_SLEEP`] ahead of that
 /// clock. Short steps then cost no sleep until they add up, and a late
 /// wake-up is made good on the next step instead of adding to the run.
+/// Real time spent between steps (the scheduler's own work) counts against
+/// the next step's modelled length the same way, up to the gap, as in an
+/// engine that schedules the next step while the current one computes.
 #[derive(Debug, Clone, Copy, Default)]
 struct Pacer {
     /// Where the model's clock stands: the end of the last step.
