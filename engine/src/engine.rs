@@ -151,6 +151,27 @@ impl GenerateStream {
         self.rx.recv().await
     }
 
+    /// The next output merged with every output already waiting behind it,
+    /// up to and including a finishing one. Never waits beyond the first:
+    /// a consumer that keeps up gets one output per step as from
+    /// [`GenerateStream::recv`], and one that fell behind the engine (a busy
+    /// runtime, a fast engine) catches up in one message instead of one per
+    /// step. Tokens and logprobs are concatenated in order; the preemption
+    /// counts are the latest (they only grow).
+    pub async fn recv_ready(&mut self) -> Option<Output> {
+        let mut out = self.rx.recv().await?;
+        while out.finished.is_none() {
+            let Ok(next) = self.rx.try_recv() else {
+                break;
+            };
+            out.token_ids.extend(next.token_ids);
+            out.logprobs.extend(next.logprobs);
+            out.finished = next.finished;
+            out.preemption = next.preemption;
+        }
+        Some(out)
+    }
+
     /// [`GenerateStream::recv`] for synchronous callers (not inside a runtime).
     pub fn blocking_recv(&mut self) -> Option<Output> {
         self.rx.blocking_recv()
@@ -498,5 +519,76 @@ impl EngineHandle {
 
     fn send(&self, cmd: Command) -> Result<(), EngineError> {
         self.shared.tx.send(cmd).map_err(|_| EngineError::Shutdown)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sampler::TokenLogprob;
+    use crate::scheduler::{FinishReason, Usage};
+
+    fn output(tokens: &[u32], preempted: usize, finished: bool) -> Output {
+        Output {
+            token_ids: tokens.to_vec(),
+            logprobs: tokens
+                .iter()
+                .map(|&t| PositionLogprobs {
+                    chosen: TokenLogprob {
+                        token_id: t,
+                        logprob: -(t as f32),
+                    },
+                    top: Vec::new(),
+                })
+                .collect(),
+            finished: finished.then(|| Finished {
+                reason: FinishReason::Length,
+                usage: Usage::default(),
+            }),
+            preemption: Preemption {
+                count: preempted,
+                recomputed_tokens: 0,
+            },
+        }
+    }
+
+    #[tokio::test]
+    async fn recv_ready_merges_what_waits_up_to_the_finish_and_never_waits_for_more() {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (commands, _keep) = std_mpsc::channel();
+        let mut stream = GenerateStream::new(7, rx, commands);
+
+        // One output waiting: as from recv.
+        tx.send(output(&[1], 0, false)).expect("open");
+        assert_eq!(stream.recv_ready().await, Some(output(&[1], 0, false)));
+
+        // Three waiting, the last after a preemption: one output, in order,
+        // with the latest counts.
+        tx.send(output(&[2], 0, false)).expect("open");
+        tx.send(output(&[], 1, false)).expect("open");
+        tx.send(output(&[3, 4], 1, false)).expect("open");
+        let merged = stream.recv_ready().await.expect("an output");
+        assert_eq!(merged.token_ids, [2, 3, 4]);
+        let logprob_ids: Vec<u32> = merged.logprobs.iter().map(|l| l.chosen.token_id).collect();
+        assert_eq!(logprob_ids, [2, 3, 4]);
+        assert_eq!(merged.preemption.count, 1);
+        assert!(merged.finished.is_none());
+
+        // Nothing is merged past the finishing output.
+        tx.send(output(&[5], 1, true)).expect("open");
+        tx.send(output(&[6], 1, false)).expect("open");
+        let last = stream.recv_ready().await.expect("an output");
+        assert_eq!(last.token_ids, [5]);
+        assert!(last.finished.is_some());
+        assert_eq!(stream.recv_ready().await, Some(output(&[6], 1, false)));
+
+        // Nothing waiting after the first: it returns at once.
+        tx.send(output(&[8], 1, false)).expect("open");
+        let alone = tokio::time::timeout(std::time::Duration::from_secs(5), stream.recv_ready())
+            .await
+            .expect("does not wait for a second output");
+        assert_eq!(alone, Some(output(&[8], 1, false)));
+        drop(tx);
+        assert_eq!(stream.recv_ready().await, None);
     }
 }

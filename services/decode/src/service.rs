@@ -211,7 +211,9 @@ fn response_stream(
         if reply.done {
             return None;
         }
-        let out = reply.stream.recv().await?;
+        // What the engine produced while this stream was not polled goes
+        // out as one message: one frame and one wake-up for the reader.
+        let out = reply.stream.recv_ready().await?;
         let msg = reply.message(out);
         Some((Ok(msg), reply))
     }))
