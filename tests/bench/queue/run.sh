@@ -37,6 +37,11 @@
 #   OUT             raw results per case [target/bench/queue]
 #   ONLY            `burst` or `colo` to run one experiment (the other's
 #                   section is then left out of the results file)
+#   BURST_CASES     burst cases to run, by name (e.g. "engine"); the
+#                   priority-off baseline (off, off-again) always runs, and
+#                   the table lists only the cases that ran [all]
+#   RESULT          where the results file goes [tests/bench/results/queue.md];
+#                   a trimmed run (BURST_CASES, ONLY) can write elsewhere
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)
@@ -60,7 +65,7 @@ ONLY=${ONLY:-}
 TIERS="0:1,1:1,2:1,3:1"
 URL="http://127.0.0.1:$PORT"
 OUT=${OUT:-$ROOT/target/bench/queue}
-RESULT=$ROOT/tests/bench/results/queue.md
+RESULT=${RESULT:-$ROOT/tests/bench/results/queue.md}
 
 # shellcheck source=../lib.sh
 . "$ROOT/tests/bench/lib.sh"
@@ -91,6 +96,7 @@ stop_server() {
 
 burst_case() { # name, repetition, then the extra `sluice up` flags
   local name=$1 rep=$2; shift 2
+  case " off off-again ${BURST_CASES:-$name} " in *" $name "*) ;; *) return 0 ;; esac
   local dir=$OUT/burst/$name/$rep
   rm -rf "$dir"; mkdir -p "$dir"
   echo "$*" >"$OUT/burst/$name/flags"
@@ -198,6 +204,8 @@ if only != "colo":
         ("active32-strict", "no threshold, \`--max-active\` = slots in all, strict; engine fcfs"),
         ("off-again", "priority off again, last: the baseline's run-to-run noise"),
     ]
+    # Only the cases that ran (BURST_CASES); the baseline always does.
+    bursts = [b for b in bursts if os.path.isdir(os.path.join(out, "burst", b[0]))]
     runs = {c: [load(f"burst/{c}/{i}") for i in range(1, repeats + 1)] for c, _ in bursts}
     def tier(r, p):
         return next(t for t in r["tiers"] if t["priority"] == p)
