@@ -468,6 +468,7 @@ impl Pipeline {
             deadline,
             pending: VecDeque::new(),
             finished: false,
+            failed: None,
             span: opened.span,
             generated: Vec::new(),
             lease_base: 0,
@@ -742,6 +743,8 @@ pub(crate) struct Generation {
     deadline: Instant,
     pending: VecDeque<Event>,
     finished: bool,
+    /// The error the request ended in, given after the events still pending.
+    failed: Option<FrontendError>,
     span: Span,
     /// The request as first placed (a migration continues it).
     request: Prepared,
@@ -764,7 +767,7 @@ impl Generation {
                 return Some(Ok(e));
             }
             if self.finished {
-                return None;
+                return self.failed.take().map(Err);
             }
             if let Err(failure) = self.read().await {
                 if let Failure::Worker { error, .. } = &failure
@@ -775,7 +778,8 @@ impl Generation {
                 let e = failure.into_error();
                 self.finished = true;
                 self.record_end(&e);
-                return Some(Err(e));
+                // What the failing message carried goes out first.
+                self.failed = Some(e);
             }
         }
     }
@@ -862,7 +866,24 @@ impl Generation {
         let (mut delta, stopped) = self.take_tokens(&msg)?;
         let reason = match stopped {
             Some(r) => Some(r),
-            None => self.finish_reason(&msg)?,
+            None => match self.finish_reason(&msg) {
+                Ok(r) => r,
+                Err(failure) => {
+                    // Tokens that ride with the worker's failure (a worker
+                    // sends what its engine produced before the failing
+                    // step in one message when its reader fell behind)
+                    // were produced and counted: the client gets their
+                    // text before the request moves on.
+                    if !delta.text.is_empty() || !delta.token_ids.is_empty() {
+                        self.pending.push_back(Event::Delta {
+                            text: delta.text,
+                            token_ids: delta.token_ids,
+                            logprobs: delta.logprobs,
+                        });
+                    }
+                    return Err(failure);
+                }
+            },
         };
         if reason.is_some() && stopped.is_none() {
             self.worker_done = true;
