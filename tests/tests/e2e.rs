@@ -502,12 +502,25 @@ async fn more_requests_than_h2_reset_limit_all_succeed() -> anyhow::Result<()> {
 /// gives.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_error_mid_stream_is_migrated_like_a_worker_failure() -> anyhow::Result<()> {
+    engine_error_mid_stream_migrates(None).await
+}
+
+/// The same when the worker reads its engine late, so the tokens before
+/// the failing step and the error end reach the frontend in one message:
+/// their text must still reach the client (it was lost once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_that_arrive_with_an_engine_error_reach_the_client() -> anyhow::Result<()> {
+    engine_error_mid_stream_migrates(Some(Duration::from_millis(30))).await
+}
+
+async fn engine_error_mid_stream_migrates(reply_lag: Option<Duration>) -> anyhow::Result<()> {
     use sluice_decode::fault::StepFault;
     let fault = std::sync::Arc::new(StepFault::default());
     let mut opts = MeshOptions {
         decode_workers: 2,
         ..MeshOptions::default()
     };
+    opts.worker.reply_lag = reply_lag;
     // The mocker's tokens depend only on the sequence, so a continuation on
     // another worker gives exactly the unbroken run's tokens.
     opts.worker.engine = sluice_decode::EngineKind::Mocker;

@@ -202,6 +202,13 @@ pub struct WorkerArgs {
     #[cfg(feature = "fault-injection")]
     #[arg(skip)]
     pub step_fault: Option<Arc<crate::fault::StepFault>>,
+
+    /// Tests only (feature `fault-injection`; no flag): every `Generate`
+    /// reply stream waits this long before each read of the engine, so the
+    /// engine's outputs pile up and go out merged, as behind a busy runtime.
+    #[cfg(feature = "fault-injection")]
+    #[arg(skip)]
+    pub reply_lag: Option<std::time::Duration>,
 }
 
 impl Default for WorkerArgs {
@@ -229,6 +236,8 @@ impl Default for WorkerArgs {
             kv_shm_checksums: false,
             #[cfg(feature = "fault-injection")]
             step_fault: None,
+            #[cfg(feature = "fault-injection")]
+            reply_lag: None,
         }
     }
 }

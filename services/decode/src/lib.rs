@@ -67,6 +67,8 @@ pub fn build_core(
         metrics,
         remote_prefills: AtomicU32::new(0),
         unplaced: Arc::default(),
+        #[cfg(feature = "fault-injection")]
+        reply_lag: args.reply_lag,
     }))
 }
 

@@ -59,6 +59,9 @@ pub struct WorkerCore {
     pub remote_prefills: AtomicU32,
     /// Requests that came without a router's placement.
     pub unplaced: Arc<UnplacedLoad>,
+    /// Tests only: see `WorkerArgs::reply_lag`.
+    #[cfg(feature = "fault-injection")]
+    pub reply_lag: Option<std::time::Duration>,
 }
 
 /// The requests a worker received without `placed`: no router counts them,
@@ -210,6 +213,10 @@ fn response_stream(
     Box::pin(futures::stream::unfold(reply, |mut reply| async move {
         if reply.done {
             return None;
+        }
+        #[cfg(feature = "fault-injection")]
+        if let Some(lag) = reply.core.reply_lag {
+            tokio::time::sleep(lag).await;
         }
         // What the engine produced while this stream was not polled goes
         // out as one message: one frame and one wake-up for the reader.
