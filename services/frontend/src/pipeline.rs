@@ -865,33 +865,21 @@ impl Generation {
         self.note_timing(&msg);
         let (mut delta, stopped) = self.take_tokens(&msg)?;
         let reason = match stopped {
-            Some(r) => Some(r),
-            None => match self.finish_reason(&msg) {
-                Ok(r) => r,
-                Err(failure) => {
-                    // Tokens that ride with the worker's failure (a worker
-                    // sends what its engine produced before the failing
-                    // step in one message when its reader fell behind)
-                    // were produced and counted: the client gets their
-                    // text before the request moves on.
-                    if !delta.text.is_empty() || !delta.token_ids.is_empty() {
-                        self.pending.push_back(Event::Delta {
-                            text: delta.text,
-                            token_ids: delta.token_ids,
-                            logprobs: delta.logprobs,
-                        });
-                    }
-                    return Err(failure);
-                }
-            },
+            Some(r) => Ok(Some(r)),
+            None => self.finish_reason(&msg),
         };
-        if reason.is_some() && stopped.is_none() {
-            self.worker_done = true;
-            delta.text.push_str(&self.detok.flush()?.text);
+        match reason {
+            Ok(Some(_)) if stopped.is_none() => {
+                self.worker_done = true;
+                delta.text.push_str(&self.detok.flush()?.text);
+            }
+            Ok(None) => self.report_progress(),
+            _ => {}
         }
-        if reason.is_none() {
-            self.report_progress();
-        }
+        // Tokens that ride with a worker's failure (a worker sends what its
+        // engine produced before the failing step in one message when its
+        // reader fell behind) were produced and counted: the client gets
+        // their text before the request moves on.
         if !delta.text.is_empty() || !delta.token_ids.is_empty() {
             self.pending.push_back(Event::Delta {
                 text: delta.text,
@@ -899,6 +887,7 @@ impl Generation {
                 logprobs: delta.logprobs,
             });
         }
+        let reason = reason?;
         if let Some(r) = reason {
             self.finished = true;
             // The lease ends before the client hears of the end, so the
