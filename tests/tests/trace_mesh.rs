@@ -44,8 +44,7 @@ async fn disaggregated_request_is_one_trace_across_every_hop() -> anyhow::Result
     let wanted = [
         "completions",                      // frontend root (http.request)
         "queue.admit",                      // frontend → queue
-        "sluice.queue.v1.Queue/Admit",      // queue server
-        "queue.lease",                      // the queue's lease
+        "queue.lease",                      // the queue's lease (on the frontend's session)
         "route",                            // router's placement (on the queue's session)
         "sluice.worker.v1.Worker/Generate", // decode worker server
         "kv.remote_prefill",                // decode worker's remote prefill
@@ -85,6 +84,12 @@ async fn disaggregated_request_is_one_trace_across_every_hop() -> anyhow::Result
     assert_eq!(
         attr(by_name["queue.lease"], "tenant").as_deref(),
         Some("tracer")
+    );
+    // The lease rides the frontend's session to the queue, yet its span is
+    // the frontend's admission's child, not the session's.
+    assert_eq!(
+        by_name["queue.lease"].parent_span_id, by_name["queue.admit"].span_id,
+        "queue.lease is a child of queue.admit"
     );
     assert!(attr(root, "worker_id").is_some_and(|w| w.starts_with("decode-")));
     // One `route` span per pool; the decode one chose the serving worker.

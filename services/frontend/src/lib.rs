@@ -12,6 +12,7 @@ mod auth;
 mod error;
 mod grpc;
 mod http;
+mod lease;
 mod mesh;
 mod metrics;
 mod openai;
@@ -176,6 +177,7 @@ pub async fn serve(
         request_timeout: Duration::from_secs(args.request_timeout),
         migration_limit: args.migration_limit,
         queue_answer_timeout: Duration::from_millis(args.queue_answer_timeout_ms),
+        leases: lease::LeaseSessions::default(),
         api_keys,
         prompt_limits: limits,
         tokenize_slots: Arc::new(tokio::sync::Semaphore::new(tokenize_concurrency)),

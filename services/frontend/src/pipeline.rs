@@ -22,12 +22,11 @@ use sluice_proto::queue::v1 as qpb;
 use sluice_proto::worker::v1 as wpb;
 use sluice_runtime::RequestDescription;
 use sluice_tokens::{ChatTemplate, IncrementalDetokenizer, Tokenizer};
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 use tracing::{Instrument, Span};
 
 use crate::auth::Identity;
 use crate::error::FrontendError;
+use crate::lease::{LeaseEvent, LeaseSessions, QueueLease};
 use crate::mesh::{Channels, Members};
 use crate::metrics::Metrics;
 use crate::openai::{GenerateParams, Prompt};
@@ -59,6 +58,8 @@ pub(crate) struct Pipeline {
     /// How long a queue has to open an admission lease
     /// (`--queue-answer-timeout-ms`).
     pub queue_answer_timeout: Duration,
+    /// Admission leases, one session per queue.
+    pub leases: LeaseSessions,
     /// `--api-key-file`'s keys; `None`: open.
     pub api_keys: Option<crate::auth::ApiKeys>,
     /// The model's context, for the prompt's size checks.
@@ -253,12 +254,8 @@ impl From<sluice_tokens::TokensError> for Failure {
 /// Metadata key on the queue's errors naming why (`QueueError::reason`).
 const REASON_HEADER: &str = "sluice-reason";
 
-/// The lease's request side, the queue's answers and the grant.
-type Admitted = (
-    mpsc::Sender<qpb::AdmitRequest>,
-    tonic::Streaming<qpb::AdmitResponse>,
-    qpb::Grant,
-);
+/// The lease and its grant.
+type Admitted = (QueueLease, qpb::Grant);
 
 /// Why admission at one queue failed: the queue failed (another may admit
 /// the request), or it answered (no other would answer differently).
@@ -275,8 +272,7 @@ impl From<FrontendError> for QueueFailure {
 
 /// A placed request: its lease, the worker's stream and the grant.
 struct Opened {
-    lease_tx: mpsc::Sender<qpb::AdmitRequest>,
-    lease_rx: tonic::Streaming<qpb::AdmitResponse>,
+    lease: QueueLease,
     grant: qpb::Grant,
     stream: tonic::Streaming<wpb::GenerateResponse>,
     span: Span,
@@ -451,8 +447,7 @@ impl Pipeline {
                 routed_overlap_tokens: grant.overlap_tokens,
                 migrations: failed.len() as u32,
             },
-            lease: Some(opened.lease_tx),
-            lease_responses: Some(opened.lease_rx),
+            lease: Some(opened.lease),
             stream: Some(opened.stream),
             worker_done: false,
             detok,
@@ -516,7 +511,7 @@ impl Pipeline {
             priority = p.desc.priority,
             tenant = %p.desc.tenant,
         ));
-        let (lease_tx, lease_rx, grant) = tokio::time::timeout_at(deadline.into(), admit)
+        let (lease, grant) = tokio::time::timeout_at(deadline.into(), admit)
             .await
             .map_err(|_| FrontendError::Deadline)??;
         self.metrics
@@ -554,15 +549,14 @@ impl Pipeline {
         let stream = match answer {
             Ok(r) => r.into_inner(),
             Err(s) => {
-                close_lease(Some(lease_tx), Some(lease_rx), None, 0);
+                close_lease(Some(lease), None, 0);
                 let failed = worker_failed(&s);
                 let error = FrontendError::from_status("worker", s, &self.model);
                 return Err(Failure::of_worker(&grant.worker_id, failed, error));
             }
         };
         Ok(Opened {
-            lease_tx,
-            lease_rx,
+            lease,
             grant,
             stream,
             span,
@@ -616,8 +610,7 @@ impl Pipeline {
         p: &Prepared,
         exclude: &[String],
     ) -> Result<Admitted, QueueFailure> {
-        let mut client = qpb::queue_client::QueueClient::new(self.channels.get(&queue.endpoint)?);
-        let (tx, rx) = mpsc::channel(2);
+        let channel = self.channels.get(&queue.endpoint)?;
         let remaining = p
             .params
             .timeout
@@ -630,52 +623,41 @@ impl Pipeline {
                 .map(|d| d.as_millis().min(u128::from(u32::MAX)) as u32)
                 .unwrap_or(0),
         };
-        tx.send(qpb::AdmitRequest {
-            msg: Some(qpb::admit_request::Msg::Open(open)),
-        })
-        .await
-        .map_err(|_| FrontendError::internal("admission stream closed before open"))?;
-        // The queue answers (opens the lease) as soon as it has the request,
-        // before any hold: one that does not within the timeout is hung or
-        // frozen (its connection may still be open) and another one may
-        // admit the request. A queue that hangs later, while it holds the
-        // request, is found by the channel's keepalive.
-        let answer = tokio::time::timeout(
-            self.queue_answer_timeout,
-            client.admit(ReceiverStream::new(rx)),
-        )
-        .await
-        .map_err(|_| {
-            QueueFailure::Queue(FrontendError::Unavailable {
-                component: "queue",
-                message: format!(
-                    "the queue did not answer the admission within {} ms",
-                    self.queue_answer_timeout.as_millis()
-                ),
-            })
-        })?;
-        let mut responses = answer.map_err(|s| self.queue_failure(s))?.into_inner();
+        let mut lease = self.leases.open(&queue.endpoint, channel, open);
+        // The queue answers as soon as it has the request, before any hold
+        // (`opened` when nothing else is ready at once): one that does not
+        // within the timeout is hung or frozen (its connection may still be
+        // open) and another one may admit the request. A queue that hangs
+        // later, while it holds the request, is found by the channel's
+        // keepalive.
+        let first = tokio::time::timeout(self.queue_answer_timeout, lease.next())
+            .await
+            .map_err(|_| {
+                QueueFailure::Queue(FrontendError::Unavailable {
+                    component: "queue",
+                    message: format!(
+                        "the queue did not answer the admission within {} ms",
+                        self.queue_answer_timeout.as_millis()
+                    ),
+                })
+            })?;
+        let mut event = first;
         loop {
-            match responses.message().await {
-                Ok(Some(qpb::AdmitResponse {
-                    msg: Some(qpb::admit_response::Msg::Grant(g)),
-                })) => {
-                    return Ok((tx, responses, g));
-                }
-                Ok(Some(qpb::AdmitResponse {
-                    msg: Some(qpb::admit_response::Msg::Held(h)),
-                })) => {
+            match event {
+                Some(LeaseEvent::Grant(g)) => return Ok((lease, g)),
+                Some(LeaseEvent::Held(h)) => {
                     tracing::debug!(position = h.position, pending = h.pending, reason = %h.reason, "held by the queue");
                 }
-                Ok(Some(_)) => continue,
-                Ok(None) => {
+                Some(LeaseEvent::Opened) => {}
+                Some(LeaseEvent::Failed(s)) => return Err(self.queue_failure(s)),
+                None => {
                     return Err(QueueFailure::Queue(FrontendError::Unavailable {
                         component: "queue",
                         message: "the queue closed the lease without a grant".into(),
                     }));
                 }
-                Err(s) => return Err(self.queue_failure(s)),
             }
+            event = lease.next().await;
         }
     }
 
@@ -725,10 +707,8 @@ impl Pipeline {
 #[derive(Debug)]
 pub(crate) struct Generation {
     pipeline: Arc<Pipeline>,
-    /// The lease's request side and the queue's answers; both are closed
-    /// cleanly on drop (see `Drop`).
-    lease: Option<mpsc::Sender<qpb::AdmitRequest>>,
-    lease_responses: Option<tonic::Streaming<qpb::AdmitResponse>>,
+    /// The admission lease, ended with `done` on drop (see `Drop`).
+    lease: Option<QueueLease>,
     stream: Option<tonic::Streaming<wpb::GenerateResponse>>,
     /// The worker finished the sequence itself: its stream only has its
     /// trailers left, so it is drained rather than reset on drop.
@@ -821,12 +801,7 @@ impl Generation {
         // The failed worker's stream is gone; its lease ends now.
         self.stream = None;
         let on_lease = self.on_lease();
-        close_lease(
-            self.lease.take(),
-            self.lease_responses.take(),
-            None,
-            on_lease,
-        );
+        close_lease(self.lease.take(), None, on_lease);
         self.lease_base = self.usage.completion_tokens;
         self.reported = 0;
         let retries = p
@@ -841,8 +816,7 @@ impl Generation {
                 self.serving.worker_id = opened.grant.worker_id.clone();
                 self.serving.dp_rank = opened.grant.dp_rank;
                 self.serving.queue_wait_ms += opened.grant.queue_wait_ms;
-                self.lease = Some(opened.lease_tx);
-                self.lease_responses = Some(opened.lease_rx);
+                self.lease = Some(opened.lease);
                 self.stream = Some(opened.stream);
                 self.worker_done = false;
                 self.span = opened.span;
@@ -959,10 +933,7 @@ impl Generation {
                     .observe(ttft);
                 m.tenant_ttft(&self.serving.tenant, self.usage.prompt_tokens, ttft);
                 if let Some(lease) = &self.lease {
-                    let _ = lease.try_send(qpb::AdmitRequest {
-                        msg: Some(qpb::admit_request::Msg::Started(qpb::AdmitStarted {})),
-                    });
-                    nudge(self.lease_responses.as_mut());
+                    lease.started();
                 }
             }
             Some(prev) => {
@@ -1034,32 +1005,19 @@ impl Generation {
     /// produced under it; `worker` is the worker stream to drain with it.
     fn end_lease(&mut self, worker: Option<tonic::Streaming<wpb::GenerateResponse>>) {
         let on_lease = self.on_lease();
-        close_lease(
-            self.lease.take(),
-            self.lease_responses.take(),
-            worker,
-            on_lease,
-        );
+        close_lease(self.lease.take(), worker, on_lease);
     }
 
     /// Tells the queue the lease's output so far, at most once per
-    /// [`PROGRESS_TOKENS`]; a full lease channel skips a report (the next
-    /// one carries the running total).
+    /// [`PROGRESS_TOKENS`].
     fn report_progress(&mut self) {
         let on_lease = self.on_lease();
         if on_lease < self.reported + PROGRESS_TOKENS {
             return;
         }
         if let Some(lease) = &self.lease {
-            let msg = qpb::AdmitRequest {
-                msg: Some(qpb::admit_request::Msg::Progress(qpb::AdmitProgress {
-                    completion_tokens: on_lease,
-                })),
-            };
-            if lease.try_send(msg).is_ok() {
-                self.reported = on_lease;
-                nudge(self.lease_responses.as_mut());
-            }
+            lease.progress(on_lease);
+            self.reported = on_lease;
         }
     }
 
@@ -1113,56 +1071,24 @@ fn worker_failed(s: &tonic::Status) -> bool {
     )
 }
 
-/// Polls a lease's answers once, without waiting. After the grant the
-/// queue sends nothing more, but a queue in this process (`sluice up`)
-/// reads what the lease sends (`started`, `progress`, `done`) only while
-/// its answers are polled: one poll right after a send lets it take the
-/// message at once. Over the network it finds nothing and costs nothing.
-fn nudge(responses: Option<&mut tonic::Streaming<qpb::AdmitResponse>>) {
-    if let Some(r) = responses {
-        let _ = futures::FutureExt::now_or_never(r.message());
-    }
-}
-
-/// Ends a lease cleanly — `done` with the lease's `completion_tokens` now,
-/// then in the background half-close and read the queue's end of stream —
-/// and drains `worker`, a stream its worker finished.
+/// Ends a lease — `done` with the lease's `completion_tokens` — and drains
+/// `worker`, a stream its worker finished, in the background.
 fn close_lease(
-    lease: Option<mpsc::Sender<qpb::AdmitRequest>>,
-    responses: Option<tonic::Streaming<qpb::AdmitResponse>>,
+    lease: Option<QueueLease>,
     worker: Option<tonic::Streaming<wpb::GenerateResponse>>,
     completion_tokens: u32,
 ) {
-    let done = move || qpb::AdmitRequest {
-        msg: Some(qpb::admit_request::Msg::Done(qpb::AdmitDone {
-            completion_tokens,
-        })),
+    if let Some(lease) = lease {
+        lease.done(completion_tokens);
+    }
+    let Some(mut worker) = worker else {
+        return;
     };
-    // Sent at once where there is room: the queue learns of the end before
-    // anything this task does next.
-    let mut responses = responses;
-    let lease = lease.and_then(|l| match l.try_send(done()) {
-        Ok(()) => {
-            nudge(responses.as_mut());
-            None
-        }
-        Err(_) => Some(l),
-    });
     let Ok(rt) = tokio::runtime::Handle::try_current() else {
         return;
     };
     rt.spawn(async move {
-        let drain = async {
-            if let Some(lease) = lease {
-                let _ = lease.send(done()).await;
-            }
-            if let Some(mut r) = responses {
-                while let Ok(Some(_)) = r.message().await {}
-            }
-            if let Some(mut w) = worker {
-                while let Ok(Some(_)) = w.message().await {}
-            }
-        };
+        let drain = async { while let Ok(Some(_)) = worker.message().await {} };
         let _ = tokio::time::timeout(Duration::from_secs(5), drain).await;
     });
 }

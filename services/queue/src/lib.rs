@@ -107,7 +107,10 @@ pub async fn serve(
     }
 
     let server = GrpcServer::new()?
-        .add_service(QueueServer::new(service::QueueService::new(queue)))
+        .add_service(QueueServer::new(service::QueueService::new(
+            queue,
+            background.clone(),
+        )))
         .with_metrics(vec![registry]);
     let served = ctx.run(server, listener, instance).await;
     background.cancel();

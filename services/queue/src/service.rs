@@ -1,19 +1,28 @@
 //! The tonic `Queue` service: convert → call the queue → map the error.
 //!
-//! `Admit` is the request's lease. The ticket moves into the response stream
-//! and drops with it: the client sending `done`, closing its side, or the
-//! connection dropping ends the stream and so releases the slot (or cancels
-//! a request still held) and ends the placement at the router. `started`
+//! A lease lives on its own `Admit` stream or, many of them, on one
+//! `Leases` session (what the frontend uses: no HTTP/2 stream, headers or
+//! trailers per request). The ticket moves into the lease and drops with
+//! it: the client sending `done`, closing (or, on a session, dropping) the
+//! lease, or the stream or session ending releases the slot (or cancels a
+//! request still held) and ends the placement at the router. `started`
 //! after the grant tells the router the request's prefill is done;
 //! `progress` and `done` carry the output tokens the queue charges to the
 //! request's tenant.
 
+use std::collections::HashMap;
 use std::pin::Pin;
+use std::time::Duration;
 
-use futures::Stream;
+use futures::future::BoxFuture;
+use futures::stream::FuturesUnordered;
+use futures::{Stream, StreamExt};
 use sluice_proto::queue::v1 as pb;
 use sluice_proto::queue::v1::admit_request::Msg as InMsg;
+use tokio::sync::mpsc;
 use tokio::time::Instant;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
 
@@ -21,26 +30,51 @@ use crate::convert;
 use crate::error::QueueError;
 use crate::queue::{Queue, Ticket, TicketEvent};
 
+/// A session lease with no answer this long is sent `opened`, so a client
+/// that times out silent queues can tell a held request from a hung queue.
+const OPENED_AFTER: Duration = Duration::from_millis(20);
+
 /// The gRPC face of a [`Queue`].
 #[derive(Debug, Clone)]
 pub(crate) struct QueueService {
     queue: Queue,
+    /// Sessions end once this fires and their leases are over.
+    shutdown: CancellationToken,
 }
 
 impl QueueService {
-    pub(crate) fn new(queue: Queue) -> Self {
-        Self { queue }
+    pub(crate) fn new(queue: Queue, shutdown: CancellationToken) -> Self {
+        Self { queue, shutdown }
     }
 }
 
 type AdmitStream = Pin<Box<dyn Stream<Item = Result<pb::AdmitResponse, Status>> + Send>>;
+type LeasesStream = UnboundedReceiverStream<Result<pb::LeaseResponse, Status>>;
+
+/// A lease's messages from its client: its own `Admit` stream, or its
+/// share of a `Leases` session.
+enum Inbound {
+    Stream(Streaming<pb::AdmitRequest>),
+    Session(mpsc::UnboundedReceiver<pb::AdmitRequest>),
+}
+
+impl Inbound {
+    /// The next message; `None` once the client is done with the lease
+    /// (closed or dropped it, or its connection failed).
+    async fn message(&mut self) -> Option<pb::AdmitRequest> {
+        match self {
+            Inbound::Stream(s) => s.message().await.ok().flatten(),
+            Inbound::Session(rx) => rx.recv().await,
+        }
+    }
+}
 
 /// One lease's stream state; dropping it drops the ticket (and closes the
 /// `queue.lease` span, whose length is the lease's).
 struct Lease {
     ticket: Ticket,
     span: tracing::Span,
-    inbound: Streaming<pb::AdmitRequest>,
+    inbound: Inbound,
     granted: bool,
     finished: bool,
 }
@@ -55,9 +89,9 @@ impl Lease {
             // Hold the lease until the client is done or gone.
             loop {
                 match self.inbound.message().await {
-                    Ok(Some(pb::AdmitRequest {
+                    Some(pb::AdmitRequest {
                         msg: Some(InMsg::Open(_)),
-                    })) => {
+                    }) => {
                         self.finished = true;
                         return Some(Err(QueueError::InvalidArgument {
                             field: "open",
@@ -65,20 +99,20 @@ impl Lease {
                         }
                         .into()));
                     }
-                    Ok(Some(pb::AdmitRequest {
+                    Some(pb::AdmitRequest {
                         msg: Some(InMsg::Started(_)),
-                    })) => self.ticket.started(),
-                    Ok(Some(pb::AdmitRequest {
+                    }) => self.ticket.started(),
+                    Some(pb::AdmitRequest {
                         msg: Some(InMsg::Progress(p)),
-                    })) => self.ticket.progress(p.completion_tokens),
-                    Ok(Some(pb::AdmitRequest {
+                    }) => self.ticket.progress(p.completion_tokens),
+                    Some(pb::AdmitRequest {
                         msg: Some(InMsg::Done(done)),
-                    })) => {
+                    }) => {
                         self.ticket.progress(done.completion_tokens);
                         return None;
                     }
-                    Ok(Some(pb::AdmitRequest { msg: None })) => continue,
-                    Ok(None) | Err(_) => return None,
+                    Some(pb::AdmitRequest { msg: None }) => continue,
+                    None => return None,
                 }
             }
         }
@@ -103,7 +137,7 @@ impl Lease {
             // Anything from the client before the grant ends the request:
             // `done` or a close cancels it while held.
             message = self.inbound.message() => match message {
-                Ok(Some(pb::AdmitRequest { msg: Some(InMsg::Open(_)) })) => {
+                Some(pb::AdmitRequest { msg: Some(InMsg::Open(_)) }) => {
                     self.finished = true;
                     Some(Err(QueueError::InvalidArgument {
                         field: "open",
@@ -117,9 +151,195 @@ impl Lease {
     }
 }
 
+impl QueueService {
+    /// Enters the request `open` describes into the queue as a lease fed by
+    /// `inbound`. Its `queue.lease` span is a child of the current span (an
+    /// `Admit` call's), or of `traceparent` on a session.
+    fn open_lease(
+        &self,
+        open: pb::AdmitOpen,
+        inbound: Inbound,
+        traceparent: Option<&str>,
+    ) -> Result<Lease, Status> {
+        let mut entry = convert::entry_from_open(open, Instant::now())?;
+        let parent = match traceparent {
+            Some(_) => None,
+            None => tracing::Span::current().id(),
+        };
+        let span = tracing::info_span!(
+            parent: parent,
+            "queue.lease",
+            request_id = %entry.desc.request_id,
+            priority = entry.desc.priority,
+            strict_tier = entry.desc.strict_priority,
+            tenant = %entry.desc.tenant,
+            prompt_tokens = entry.desc.prompt_tokens,
+            worker_id = tracing::field::Empty,
+            queue_wait_ms = tracing::field::Empty,
+            express = tracing::field::Empty,
+            error = tracing::field::Empty,
+        );
+        if let Some(tp) = traceparent {
+            sluice_runtime::telemetry::set_parent_from_traceparent(tp, &span);
+        }
+        entry.span = span.clone();
+        let ticket = span
+            .in_scope(|| self.queue.admit(entry))
+            .inspect_err(|err| {
+                span.record("error", tracing::field::display(err));
+            })?;
+        Ok(Lease {
+            ticket,
+            span,
+            inbound,
+            granted: false,
+            finished: false,
+        })
+    }
+}
+
+/// One `Leases` session's live leases: lease id → (generation, its inbound).
+type SessionLeases = HashMap<u64, (u64, mpsc::UnboundedSender<pb::AdmitRequest>)>;
+type Answers = mpsc::UnboundedSender<Result<pb::LeaseResponse, Status>>;
+
+/// Serves one `Leases` session until the client ends it, or until shutdown
+/// once its leases are over. Every lease runs on this task; ending it drops
+/// them all.
+async fn run_session(svc: QueueService, mut inbound: Streaming<pb::LeaseRequest>, out: Answers) {
+    let mut leases = SessionLeases::new();
+    let mut running: FuturesUnordered<BoxFuture<'static, (u64, u64)>> = FuturesUnordered::new();
+    let mut generation = 0u64;
+    let mut draining = false;
+    loop {
+        tokio::select! {
+            () = svc.shutdown.cancelled(), if !draining => draining = true,
+            Some((id, g)) = running.next(), if !running.is_empty() => {
+                if leases.get(&id).is_some_and(|(lg, _)| *lg == g) {
+                    leases.remove(&id);
+                }
+            }
+            msg = inbound.message() => match msg {
+                Ok(Some(m)) => {
+                    let id = m.lease_id;
+                    let Some(req) = m.request else {
+                        // Dropped by the client: closing its inbound ends it.
+                        leases.remove(&id);
+                        continue;
+                    };
+                    match req.msg {
+                        Some(InMsg::Open(open)) => {
+                            if leases.contains_key(&id) {
+                                let err = QueueError::InvalidArgument {
+                                    field: "lease_id",
+                                    reason: format!("lease {id} is already open on this session"),
+                                };
+                                let _ = out.send(Ok(lease_error(id, &err.into())));
+                                continue;
+                            }
+                            let (tx, rx) = mpsc::unbounded_channel();
+                            match svc.open_lease(open, Inbound::Session(rx), Some(&m.traceparent)) {
+                                Ok(lease) => {
+                                    generation += 1;
+                                    leases.insert(id, (generation, tx));
+                                    running.push(Box::pin(run_lease(id, generation, lease, out.clone())));
+                                }
+                                Err(status) => {
+                                    let _ = out.send(Ok(lease_error(id, &status)));
+                                }
+                            }
+                        }
+                        Some(msg) => {
+                            let done = matches!(msg, InMsg::Done(_));
+                            if let Some((_, tx)) = leases.get(&id) {
+                                let _ = tx.send(pb::AdmitRequest { msg: Some(msg) });
+                            }
+                            if done {
+                                leases.remove(&id);
+                            }
+                        }
+                        None => {}
+                    }
+                }
+                Ok(None) | Err(_) => break,
+            },
+        }
+        if draining && running.is_empty() {
+            break;
+        }
+    }
+}
+
+/// Drives one session lease, sending its answers tagged with `id`;
+/// returns `(id, generation)` once it is over.
+async fn run_lease(id: u64, generation: u64, mut lease: Lease, out: Answers) -> (u64, u64) {
+    let span = lease.span.clone();
+    let mut answered = false;
+    loop {
+        let next = lease.next().instrument(span.clone());
+        let item = if answered {
+            next.await
+        } else {
+            tokio::pin!(next);
+            tokio::select! {
+                biased;
+                item = &mut next => item,
+                () = tokio::time::sleep(OPENED_AFTER) => {
+                    let opened = pb::LeaseResponse {
+                        lease_id: id,
+                        msg: Some(pb::lease_response::Msg::Opened(pb::LeaseOpened {})),
+                    };
+                    let _ = out.send(Ok(opened));
+                    next.await
+                }
+            }
+        };
+        answered = true;
+        let Some(item) = item else { break };
+        let msg = match item {
+            Ok(pb::AdmitResponse { msg: Some(m) }) => pb::LeaseResponse {
+                lease_id: id,
+                msg: Some(match m {
+                    pb::admit_response::Msg::Held(h) => pb::lease_response::Msg::Held(h),
+                    pb::admit_response::Msg::Grant(g) => pb::lease_response::Msg::Grant(g),
+                }),
+            },
+            Ok(pb::AdmitResponse { msg: None }) => continue,
+            Err(status) => lease_error(id, &status),
+        };
+        if out.send(Ok(msg)).is_err() {
+            break;
+        }
+    }
+    (id, generation)
+}
+
+/// A lease's error as a session message: the status `Admit` would end with,
+/// its metadata included.
+fn lease_error(id: u64, status: &Status) -> pb::LeaseResponse {
+    let metadata = status
+        .metadata()
+        .iter()
+        .filter_map(|kv| match kv {
+            tonic::metadata::KeyAndValueRef::Ascii(k, v) => {
+                Some((k.as_str().to_owned(), v.to_str().ok()?.to_owned()))
+            }
+            tonic::metadata::KeyAndValueRef::Binary(..) => None,
+        })
+        .collect();
+    pb::LeaseResponse {
+        lease_id: id,
+        msg: Some(pb::lease_response::Msg::Error(pb::LeaseError {
+            code: status.code() as i32,
+            message: status.message().to_owned(),
+            metadata,
+        })),
+    }
+}
+
 #[tonic::async_trait]
 impl pb::queue_server::Queue for QueueService {
     type AdmitStream = AdmitStream;
+    type LeasesStream = LeasesStream;
 
     async fn admit(
         &self,
@@ -145,38 +365,22 @@ impl pb::queue_server::Queue for QueueService {
                 .into());
             }
         };
-        let mut entry = convert::entry_from_open(open, Instant::now())?;
-        let span = tracing::info_span!(
-            "queue.lease",
-            request_id = %entry.desc.request_id,
-            priority = entry.desc.priority,
-            strict_tier = entry.desc.strict_priority,
-            tenant = %entry.desc.tenant,
-            prompt_tokens = entry.desc.prompt_tokens,
-            worker_id = tracing::field::Empty,
-            queue_wait_ms = tracing::field::Empty,
-            express = tracing::field::Empty,
-            error = tracing::field::Empty,
-        );
-        entry.span = span.clone();
-        let ticket = span
-            .in_scope(|| self.queue.admit(entry))
-            .inspect_err(|err| {
-                span.record("error", tracing::field::display(err));
-            })?;
-        let lease = Lease {
-            ticket,
-            span,
-            inbound,
-            granted: false,
-            finished: false,
-        };
+        let lease = self.open_lease(open, Inbound::Stream(inbound), None)?;
         let stream = futures::stream::unfold(lease, |mut lease| async move {
             let span = lease.span.clone();
             let item = lease.next().instrument(span).await?;
             Some((item, lease))
         });
         Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn leases(
+        &self,
+        request: Request<Streaming<pb::LeaseRequest>>,
+    ) -> Result<Response<Self::LeasesStream>, Status> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        tokio::spawn(run_session(self.clone(), request.into_inner(), tx));
+        Ok(Response::new(UnboundedReceiverStream::new(rx)))
     }
 
     async fn stats(

@@ -768,3 +768,138 @@ async fn every_router_hears_each_placement_its_start_and_its_end() -> anyhow::Re
     wait_events(&events_b, &[&released]).await?;
     mesh.stop().await
 }
+
+/// One message on a `Leases` session.
+fn lease_msg(id: u64, msg: Option<pb::admit_request::Msg>) -> pb::LeaseRequest {
+    pb::LeaseRequest {
+        lease_id: id,
+        request: msg.map(|m| pb::AdmitRequest { msg: Some(m) }),
+        traceparent: String::new(),
+    }
+}
+
+/// The next answer on a session other than `opened`: (lease id, answer).
+async fn next_answer(
+    answers: &mut Streaming<pb::LeaseResponse>,
+) -> anyhow::Result<(u64, pb::lease_response::Msg)> {
+    loop {
+        let answer = tokio::time::timeout(Duration::from_secs(5), answers.message())
+            .await
+            .context("timed out")??
+            .context("session ended")?;
+        match answer.msg.context("empty answer")? {
+            pb::lease_response::Msg::Opened(_) => continue,
+            m => return Ok((answer.lease_id, m)),
+        }
+    }
+}
+
+#[tokio::test]
+async fn leases_share_one_session_and_each_ends_on_its_own() -> anyhow::Result<()> {
+    use pb::admit_request::Msg as In;
+    use pb::lease_response::Msg as Out;
+    let mesh = Mesh::start(
+        &[
+            "--max-active",
+            "1",
+            "--max-pending",
+            "1",
+            "--shed-protect-fraction",
+            "0",
+        ],
+        view(vec![worker("w0", WorkerRole::Aggregated, 0)]),
+    )
+    .await?;
+    let (tx, rx) = mpsc::unbounded_channel();
+    tx.send(lease_msg(1, Some(In::Open(open("a", 0)))))?;
+    let mut answers = mesh
+        .queue
+        .clone()
+        .leases(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+        .await?
+        .into_inner();
+    let (id, Out::Grant(grant)) = next_answer(&mut answers).await? else {
+        anyhow::bail!("a not granted at once");
+    };
+    assert_eq!((id, grant.worker_id.as_str()), (1, "w0"));
+
+    // A second lease on the same session waits for the first's slot.
+    tx.send(lease_msg(2, Some(In::Open(open("b", 0)))))?;
+    let (id, Out::Held(held)) = next_answer(&mut answers).await? else {
+        anyhow::bail!("b not held");
+    };
+    assert_eq!((id, held.reason.as_str()), (2, "active leases at limit"));
+
+    // A third finds the queue full: its error names the reason and the
+    // retry, as `Admit`'s status would, and ends that lease only.
+    tx.send(lease_msg(3, Some(In::Open(open("c", 0)))))?;
+    let (id, Out::Error(err)) = next_answer(&mut answers).await? else {
+        anyhow::bail!("c not refused");
+    };
+    assert_eq!(id, 3);
+    assert_eq!(err.code, Code::ResourceExhausted as i32);
+    assert!(err.message.contains("--max-pending"), "{}", err.message);
+    assert_eq!(
+        err.metadata.get("sluice-reason").map(String::as_str),
+        Some("queue_full")
+    );
+    assert!(err.metadata.contains_key("retry-after"), "{err:?}");
+
+    // Opening a live lease's id again is refused for that message alone.
+    tx.send(lease_msg(1, Some(In::Open(open("a-again", 0)))))?;
+    let (id, Out::Error(err)) = next_answer(&mut answers).await? else {
+        anyhow::bail!("a reused id was accepted");
+    };
+    assert_eq!((id, err.code), (1, Code::InvalidArgument as i32));
+
+    // `done` on the first releases its slot to the second.
+    tx.send(lease_msg(1, Some(In::Done(pb::AdmitDone::default()))))?;
+    let (id, Out::Grant(_)) = next_answer(&mut answers).await? else {
+        anyhow::bail!("b not granted after a's done");
+    };
+    assert_eq!(id, 2);
+
+    // A message without a request drops the lease, as closing `Admit` does.
+    tx.send(lease_msg(2, None))?;
+    mesh.eventually(|s| s.active == 0 && s.pending == 0).await?;
+
+    // Ending the session drops every lease still on it.
+    tx.send(lease_msg(4, Some(In::Open(open("d", 0)))))?;
+    let (4, Out::Grant(_)) = next_answer(&mut answers).await? else {
+        anyhow::bail!("d not granted");
+    };
+    mesh.eventually(|s| s.active == 1).await?;
+    drop((tx, answers));
+    mesh.eventually(|s| s.active == 0 && s.pending == 0).await?;
+    let released = |mesh: &Mesh| {
+        mesh.events
+            .lock()
+            .iter()
+            .filter(|e| e.starts_with("released:"))
+            .count()
+    };
+    for _ in 0..300 {
+        if released(&mesh) == 3 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(released(&mesh), 3, "{:?}", mesh.events.lock());
+
+    // An idle session does not hold up shutdown: the queue ends it.
+    let (idle_tx, idle_rx) = mpsc::unbounded_channel::<pb::LeaseRequest>();
+    let mut idle = mesh
+        .queue
+        .clone()
+        .leases(tokio_stream::wrappers::UnboundedReceiverStream::new(
+            idle_rx,
+        ))
+        .await?
+        .into_inner();
+    tokio::time::timeout(Duration::from_secs(10), mesh.stop())
+        .await
+        .context("shutdown waited on an idle session")??;
+    assert!(matches!(idle.message().await, Ok(None) | Err(_)));
+    drop(idle_tx);
+    Ok(())
+}

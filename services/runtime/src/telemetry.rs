@@ -264,6 +264,7 @@ const QUIET_PATHS: &[&str] = &[
     "/sluice.worker.v1.Worker/SubscribeKvEvents",
     "/sluice.router.v1.Router/WatchLoad",
     "/sluice.router.v1.Router/Place",
+    "/sluice.queue.v1.Queue/Leases",
 ];
 
 /// The server span for one request (gRPC or HTTP on a gRPC port), child of

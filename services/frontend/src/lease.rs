@@ -1,0 +1,263 @@
+//! Admission leases on `Queue.Leases` sessions: one long-lived stream from
+//! this frontend to each queue carries every lease it holds there, so a
+//! request costs the queue hop a few small messages instead of an HTTP/2
+//! stream of its own (headers, trailers, a server task and codec buffers
+//! at both ends). A lease behaves as on `Queue.Admit`: `open`, held
+//! updates, then a grant or an error; `started`, `progress` and `done`
+//! after the grant; dropping it without `done` cancels it.
+//!
+//! The session opens with its first lease (the `open` is already queued
+//! when the call starts, so the first lease pays no extra round trip). A
+//! session that ends — the queue restarted, its connection broke, it shut
+//! down — fails every lease still waiting for an answer with the status it
+//! ended in, and the next lease opens a new one.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+use sluice_proto::queue::v1 as qpb;
+use sluice_runtime::grpc::TracedChannel;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+
+/// What a lease hears from its queue before and at the grant.
+#[derive(Debug)]
+pub(crate) enum LeaseEvent {
+    /// The queue has the request (no other answer was ready at once).
+    Opened,
+    Held(qpb::Held),
+    Grant(qpb::Grant),
+    /// The lease is over: the queue's error (with its metadata), or the
+    /// session's end.
+    Failed(tonic::Status),
+}
+
+/// Every queue's session, by endpoint.
+#[derive(Debug, Default)]
+pub(crate) struct LeaseSessions {
+    sessions: Mutex<HashMap<String, Arc<Session>>>,
+}
+
+#[derive(Debug)]
+struct Session {
+    tx: mpsc::UnboundedSender<qpb::LeaseRequest>,
+    state: Mutex<SessionState>,
+    next_id: AtomicU64,
+}
+
+#[derive(Debug, Default)]
+struct SessionState {
+    /// Leases waiting for their grant (or error), by id.
+    waiting: HashMap<u64, mpsc::UnboundedSender<LeaseEvent>>,
+    /// The session ended; new leases need a new one.
+    closed: bool,
+}
+
+/// One admission lease. Dropping it without [`QueueLease::done`] cancels it
+/// (releases the slot, or takes a held request out of the queue).
+#[derive(Debug)]
+pub(crate) struct QueueLease {
+    session: Arc<Session>,
+    id: u64,
+    events: mpsc::UnboundedReceiver<LeaseEvent>,
+    /// The queue has no more to do with it: `done` sent, or it failed.
+    ended: bool,
+}
+
+impl LeaseSessions {
+    /// Opens a lease for `open` on the session to `endpoint` (opening the
+    /// session on `channel` if there is none). Its events say what the
+    /// queue made of it; the caller's span is its trace parent.
+    pub(crate) fn open(
+        &self,
+        endpoint: &str,
+        channel: TracedChannel,
+        open: qpb::AdmitOpen,
+    ) -> QueueLease {
+        let session = {
+            let mut sessions = self.sessions.lock();
+            match sessions.get(endpoint) {
+                Some(s) if !s.state.lock().closed => Arc::clone(s),
+                _ => {
+                    let (tx, rx) = mpsc::unbounded_channel();
+                    let s = Arc::new(Session {
+                        tx,
+                        state: Mutex::new(SessionState::default()),
+                        next_id: AtomicU64::new(1),
+                    });
+                    sessions.insert(endpoint.to_owned(), Arc::clone(&s));
+                    // The lease below is queued before the call starts.
+                    tokio::spawn(run(
+                        Arc::clone(&s),
+                        qpb::queue_client::QueueClient::new(channel),
+                        rx,
+                    ));
+                    s
+                }
+            }
+        };
+        let id = session.next_id.fetch_add(1, Ordering::Relaxed);
+        let (events_tx, events) = mpsc::unbounded_channel();
+        let mut lease = QueueLease {
+            session: Arc::clone(&session),
+            id,
+            events,
+            ended: false,
+        };
+        {
+            let mut state = session.state.lock();
+            if state.closed {
+                lease.ended = true;
+                let _ = events_tx.send(LeaseEvent::Failed(session_closed()));
+                return lease;
+            }
+            state.waiting.insert(id, events_tx);
+        }
+        let _ = session.tx.send(qpb::LeaseRequest {
+            lease_id: id,
+            request: Some(qpb::AdmitRequest {
+                msg: Some(qpb::admit_request::Msg::Open(open)),
+            }),
+            traceparent: sluice_runtime::telemetry::traceparent(),
+        });
+        lease
+    }
+}
+
+fn session_closed() -> tonic::Status {
+    tonic::Status::unavailable("the queue ended the lease session")
+}
+
+impl Session {
+    /// Hands an answer to its lease; a grant or an error is its last.
+    fn dispatch(&self, answer: qpb::LeaseResponse) {
+        use qpb::lease_response::Msg;
+        let event = match answer.msg {
+            Some(Msg::Opened(_)) => LeaseEvent::Opened,
+            Some(Msg::Held(h)) => LeaseEvent::Held(h),
+            Some(Msg::Grant(g)) => LeaseEvent::Grant(g),
+            Some(Msg::Error(e)) => LeaseEvent::Failed(status_of(e)),
+            None => return,
+        };
+        let last = matches!(event, LeaseEvent::Grant(_) | LeaseEvent::Failed(_));
+        let mut state = self.state.lock();
+        if let Some(tx) = state.waiting.get(&answer.lease_id) {
+            let _ = tx.send(event);
+        }
+        if last {
+            state.waiting.remove(&answer.lease_id);
+        }
+    }
+
+    /// The session is over: every lease still waiting fails with `status`.
+    fn close(&self, status: &tonic::Status) {
+        let waiting = {
+            let mut state = self.state.lock();
+            state.closed = true;
+            std::mem::take(&mut state.waiting)
+        };
+        for tx in waiting.into_values() {
+            let _ = tx.send(LeaseEvent::Failed(status.clone()));
+        }
+    }
+
+    fn send(&self, id: u64, request: Option<qpb::admit_request::Msg>) {
+        let _ = self.tx.send(qpb::LeaseRequest {
+            lease_id: id,
+            request: request.map(|msg| qpb::AdmitRequest { msg: Some(msg) }),
+            traceparent: String::new(),
+        });
+    }
+}
+
+/// The status a queue's lease error stands for, metadata included
+/// (`sluice-reason`, `retry-after`, `sluice-quota`).
+fn status_of(e: qpb::LeaseError) -> tonic::Status {
+    let mut status = tonic::Status::new(e.code.into(), e.message);
+    for (k, v) in e.metadata {
+        if let (Ok(key), Ok(value)) = (
+            tonic::metadata::MetadataKey::from_bytes(k.as_bytes()),
+            tonic::metadata::MetadataValue::try_from(v.as_str()),
+        ) {
+            status.metadata_mut().insert(key, value);
+        }
+    }
+    status
+}
+
+/// Runs one session: opens the call with what is queued, then hands each
+/// answer to its lease until the stream ends.
+async fn run(
+    session: Arc<Session>,
+    mut client: qpb::queue_client::QueueClient<TracedChannel>,
+    rx: mpsc::UnboundedReceiver<qpb::LeaseRequest>,
+) {
+    let ended = match client.leases(UnboundedReceiverStream::new(rx)).await {
+        Ok(response) => {
+            let mut answers = response.into_inner();
+            loop {
+                match answers.message().await {
+                    Ok(Some(answer)) => session.dispatch(answer),
+                    Ok(None) => break session_closed(),
+                    Err(status) => break status,
+                }
+            }
+        }
+        Err(status) => status,
+    };
+    tracing::debug!(code = ?ended.code(), message = ended.message(), "lease session ended");
+    session.close(&ended);
+}
+
+impl QueueLease {
+    /// The queue's next answer before the grant; `None` once there is no
+    /// more (after the grant, or the lease failed).
+    pub(crate) async fn next(&mut self) -> Option<LeaseEvent> {
+        let event = self.events.recv().await;
+        if matches!(event, Some(LeaseEvent::Failed(_))) {
+            self.ended = true;
+        }
+        event
+    }
+
+    /// After the grant: the request produced its first token.
+    pub(crate) fn started(&self) {
+        self.session.send(
+            self.id,
+            Some(qpb::admit_request::Msg::Started(qpb::AdmitStarted {})),
+        );
+    }
+
+    /// After the grant: output tokens produced on this lease so far.
+    pub(crate) fn progress(&self, completion_tokens: u32) {
+        self.session.send(
+            self.id,
+            Some(qpb::admit_request::Msg::Progress(qpb::AdmitProgress {
+                completion_tokens,
+            })),
+        );
+    }
+
+    /// The request finished with `completion_tokens` output tokens on this
+    /// lease: the queue releases it.
+    pub(crate) fn done(mut self, completion_tokens: u32) {
+        self.session.send(
+            self.id,
+            Some(qpb::admit_request::Msg::Done(qpb::AdmitDone {
+                completion_tokens,
+            })),
+        );
+        self.ended = true;
+    }
+}
+
+impl Drop for QueueLease {
+    fn drop(&mut self) {
+        self.session.state.lock().waiting.remove(&self.id);
+        if !self.ended {
+            self.session.send(self.id, None);
+        }
+    }
+}
