@@ -705,21 +705,37 @@ async fn generated_grpc_messages_never_panic_or_get_internal() -> anyhow::Result
                         .map(drop)
                         .map_err(|s| (s, "Stats".into()));
                 }
+                let admit = |rng: &mut StdRng| {
+                    let msg = match rng.random_range(0..6) {
+                        0 => None,
+                        1 => Some(qpb::admit_request::Msg::Done(qpb::AdmitDone {
+                            completion_tokens: *pick(rng, &[0, 8, u32::MAX]),
+                        })),
+                        2 => Some(qpb::admit_request::Msg::Started(qpb::AdmitStarted {})),
+                        _ => Some(qpb::admit_request::Msg::Open(qpb::AdmitOpen {
+                            description: rng.random_bool(0.95).then(|| description(rng)),
+                            deadline_ms: *pick(rng, &[0, 1, 50, u32::MAX]),
+                        })),
+                    };
+                    qpb::AdmitRequest { msg }
+                };
+                if rng.random_bool(0.3) {
+                    // Many leases on one session: ids collide, messages
+                    // come before `open` or after `done`.
+                    let msgs: Vec<qpb::LeaseRequest> = (0..rng.random_range(0..6))
+                        .map(|_| qpb::LeaseRequest {
+                            lease_id: *pick(&mut rng, &[0, 1, 2, u64::MAX]),
+                            request: rng.random_bool(0.9).then(|| admit(&mut rng)),
+                            traceparent: string(&mut rng),
+                        })
+                        .collect();
+                    let input = shown(&msgs);
+                    return sample_stream(c.leases(futures::stream::iter(msgs)).await, false)
+                        .await
+                        .map_err(|s| (s, input));
+                }
                 let msgs: Vec<qpb::AdmitRequest> = (0..rng.random_range(0..4))
-                    .map(|_| {
-                        let msg = match rng.random_range(0..6) {
-                            0 => None,
-                            1 => Some(qpb::admit_request::Msg::Done(qpb::AdmitDone {
-                                completion_tokens: *pick(&mut rng, &[0, 8, u32::MAX]),
-                            })),
-                            2 => Some(qpb::admit_request::Msg::Started(qpb::AdmitStarted {})),
-                            _ => Some(qpb::admit_request::Msg::Open(qpb::AdmitOpen {
-                                description: rng.random_bool(0.95).then(|| description(&mut rng)),
-                                deadline_ms: *pick(&mut rng, &[0, 1, 50, u32::MAX]),
-                            })),
-                        };
-                        qpb::AdmitRequest { msg }
-                    })
+                    .map(|_| admit(&mut rng))
                     .collect();
                 let input = shown(&msgs);
                 sample_stream(c.admit(futures::stream::iter(msgs)).await, false)

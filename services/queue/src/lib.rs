@@ -1,8 +1,9 @@
-//! The priority admission queue (`sluice queue`): each request's `Admit`
-//! stream is its lease. The queue holds requests while every eligible worker
-//! is above the load threshold, releases them in policy order (`fcfs`, `wspt`,
-//! `strict`, `wfq`, `fair`, strict tiers first), asks the router for a
-//! placement, and counts the lease until the stream ends. It refuses work it
+//! The priority admission queue (`sluice queue`): each request holds a
+//! lease, on its own `Admit` stream or on a frontend's `Leases` session.
+//! The queue holds requests while every eligible worker is above the load
+//! threshold, releases them in policy order (`fcfs`, `wspt`, `strict`,
+//! `wfq`, `fair`, strict tiers first), asks the router for a placement,
+//! and counts the lease until it ends. It refuses work it
 //! cannot hold (`--max-pending`, per tenant, a share reserved for protected
 //! priorities) and tenants over a quota (`--tenant-limits`, see `tenants.rs`)
 //! with `RESOURCE_EXHAUSTED` (quotas with a `retry-after`).
