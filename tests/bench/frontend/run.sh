@@ -26,6 +26,8 @@
 #   SLUICE_BIN   a built release `sluice` [builds target/release/sluice]
 #   MESHES ["up procs"]  MODES ["round-robin kv"]  CONCS ["1 16 64 256"]
 #   DUR [10] seconds per point   WARMUP [3] seconds at C=16 per server
+#   ROUNDS [1] sweeps of CONCS per server, interleaved (16 64 256 16 64 256 …),
+#          so a comparison between concurrencies is not one noisy point each
 #   OSL [8]  PORT [18493]  OUT [target/bench/frontend]
 #   DYNAMO_BENCH  path of Dynamo's bench_overhead.sh (optional)
 set -euo pipefail
@@ -36,6 +38,7 @@ MESHES=${MESHES:-"up procs"}
 MODES=${MODES:-"round-robin kv"}
 CONCS=${CONCS:-"1 16 64 256"}
 DUR=${DUR:-10}
+ROUNDS=${ROUNDS:-1}
 WARMUP=${WARMUP:-3}
 OSL=${OSL:-8}
 PORT=${PORT:-18493}
@@ -117,7 +120,7 @@ for mesh in $MESHES; do
     "start_$mesh" "$mode" "$dir"
     wait_listed "$dir"
     wrk_run 16 "$WARMUP" >/dev/null
-    for c in $CONCS; do
+    for round in $(seq "$ROUNDS"); do for c in $CONCS; do
       declare -A before=()
       for np in "${pids[@]}"; do before[${np%%=*}]=$(cpu_ticks "${np#*=}"); done
       line=$(wrk_run "$c" "$DUR")
@@ -127,9 +130,9 @@ for mesh in $MESHES; do
         cpu+="\"$name\": $(( after - before[$name] )),"
       done
       cpu="${cpu%,}}"
-      echo "{\"mesh\":\"$mesh\",\"mode\":\"$mode\",\"c\":$c,\"wrk\":$line,\"ticks\":$cpu}" >>"$OUT/points.jsonl"
-      echo "== $mesh $mode C=$c: $line"
-    done
+      echo "{\"mesh\":\"$mesh\",\"mode\":\"$mode\",\"c\":$c,\"round\":$round,\"wrk\":$line,\"ticks\":$cpu}" >>"$OUT/points.jsonl"
+      echo "== $mesh $mode C=$c round $round: $line"
+    done; done
     # TTFT and e2e at C=1 with a streaming client that reads each chunk.
     "$SLUICE_BIN" bench --url "http://127.0.0.1:$PORT" --model sluice-tiny --endpoint chat \
       --requests 2000 --burst --concurrency 1 --isl-mean 17 --osl-mean "$OSL" --seed 1 \
@@ -138,9 +141,10 @@ for mesh in $MESHES; do
   done
 done
 
-python3 - "$OUT" "$RESULT" "$TCK" "$MESHES" "$MODES" "$CONCS" "$DUR" "$OSL" <<'EOF'
+python3 - "$OUT" "$RESULT" "$TCK" "$MESHES" "$MODES" "$CONCS" "$DUR" "$OSL" "$ROUNDS" <<'EOF'
 import json, sys, datetime, subprocess, os, glob
-out, result, tck, meshes, modes, concs, dur, osl = sys.argv[1:9]
+out, result, tck, meshes, modes, concs, dur, osl, rounds = sys.argv[1:10]
+rounds = int(rounds)
 tck = int(tck)
 points = [json.loads(l) for l in open(f"{out}/points.jsonl")]
 commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -150,22 +154,36 @@ w = L.append
 w("# The mesh's own cost per request (near-zero compute)")
 w("")
 w(f"Written by `tests/bench/frontend/run.sh` ({now}, commit {commit}, {os.cpu_count()} CPUs shared with the client):")
-w(f'`MESHES="{meshes}" MODES="{modes}" CONCS="{concs}" DUR={dur} OSL={osl} tests/bench/frontend/run.sh`.')
+w(f'`MESHES="{meshes}" MODES="{modes}" CONCS="{concs}" DUR={dur} ROUNDS={rounds} OSL={osl} tests/bench/frontend/run.sh`.')
 w("")
 w("One mocker worker at `--speedup-ratio 1e6`; `up` = `sluice up` (one process), `procs` = router, queue,")
 w("decode worker and frontend as separate processes with etcd on loopback. wrk: streaming chat, ~17 prompt")
 w(f"tokens, {osl} output tokens (ignore_eos), a closed loop of C connections for {dur} s after a warm-up;")
 w("latency is wrk's (request to last byte). CPU ms per request: the mesh's processes' CPU time over the run")
 w("(etcd included for procs) divided by the requests served; the client's own CPU is not counted.")
+if rounds > 1:
+    w(f"Each server ran {rounds} sweeps of the concurrencies in turn ({concs}, then again); a row gives")
+    w("the mean over its sweeps, req/s per sweep in brackets.")
 w("")
 w("| mesh | router | C | req/s | p50 ms | p99 ms | errors | CPU ms/req | per process |")
 w("|---|---|---:|---:|---:|---:|---:|---:|---|")
+groups = {}
 for p in points:
-    r = p["wrk"]; n = max(1, r["requests"])
-    per = {k: v / tck * 1000 / n for k, v in p["ticks"].items()}
+    groups.setdefault((p["mesh"], p["mode"], p["c"]), []).append(p)
+mean = lambda xs: sum(xs) / len(xs)
+for (mesh, mode, c), ps in groups.items():
+    rps = [p["wrk"]["rps"] for p in ps]
+    pers = []
+    for p in ps:
+        n = max(1, p["wrk"]["requests"])
+        pers.append({k: v / tck * 1000 / n for k, v in p["ticks"].items()})
+    per = {k: mean([q[k] for q in pers]) for k in pers[0]}
     total = sum(per.values())
     detail = ", ".join(f"{k} {v:.2f}" for k, v in per.items()) if len(per) > 1 else ""
-    w(f"| {p['mesh']} | {p['mode']} | {p['c']} | {r['rps']:.0f} | {r['lat_p50_ms']:.2f} | {r['lat_p99_ms']:.2f} | {r['errors']} | {total:.2f} | {detail} |")
+    each = f" ({' / '.join(f'{x:.0f}' for x in rps)})" if len(rps) > 1 else ""
+    p50 = mean([p["wrk"]["lat_p50_ms"] for p in ps]); p99 = mean([p["wrk"]["lat_p99_ms"] for p in ps])
+    errors = sum(p["wrk"]["errors"] for p in ps)
+    w(f"| {mesh} | {mode} | {c} | {mean(rps):.0f}{each} | {p50:.2f} | {p99:.2f} | {errors} | {total:.2f} | {detail} |")
 w("")
 w("At C=1, `sluice bench --endpoint chat --concurrency 1` (2,000 streaming requests):")
 w("")
