@@ -22,16 +22,18 @@ use sluice_runtime::grpc::TracedChannel;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
-/// What a lease hears from its queue before and at the grant.
+/// What a lease hears from its queue before and at the grant. Boxed, so a
+/// lease's channel costs a few hundred bytes rather than a block of 32
+/// whole grants.
 #[derive(Debug)]
 pub(crate) enum LeaseEvent {
     /// The queue has the request (no other answer was ready at once).
     Opened,
-    Held(qpb::Held),
-    Grant(qpb::Grant),
+    Held(Box<qpb::Held>),
+    Grant(Box<qpb::Grant>),
     /// The lease is over: the queue's error (with its metadata), or the
     /// session's end.
-    Failed(tonic::Status),
+    Failed(Box<tonic::Status>),
 }
 
 /// Every queue's session, by endpoint.
@@ -110,7 +112,7 @@ impl LeaseSessions {
             let mut state = session.state.lock();
             if state.closed {
                 lease.ended = true;
-                let _ = events_tx.send(LeaseEvent::Failed(session_closed()));
+                let _ = events_tx.send(LeaseEvent::Failed(Box::new(session_closed())));
                 return lease;
             }
             state.waiting.insert(id, events_tx);
@@ -136,9 +138,9 @@ impl Session {
         use qpb::lease_response::Msg;
         let event = match answer.msg {
             Some(Msg::Opened(_)) => LeaseEvent::Opened,
-            Some(Msg::Held(h)) => LeaseEvent::Held(h),
-            Some(Msg::Grant(g)) => LeaseEvent::Grant(g),
-            Some(Msg::Error(e)) => LeaseEvent::Failed(status_of(e)),
+            Some(Msg::Held(h)) => LeaseEvent::Held(Box::new(h)),
+            Some(Msg::Grant(g)) => LeaseEvent::Grant(Box::new(g)),
+            Some(Msg::Error(e)) => LeaseEvent::Failed(Box::new(status_of(e))),
             None => return,
         };
         let last = matches!(event, LeaseEvent::Grant(_) | LeaseEvent::Failed(_));
@@ -159,7 +161,7 @@ impl Session {
             std::mem::take(&mut state.waiting)
         };
         for tx in waiting.into_values() {
-            let _ = tx.send(LeaseEvent::Failed(status.clone()));
+            let _ = tx.send(LeaseEvent::Failed(Box::new(status.clone())));
         }
     }
 

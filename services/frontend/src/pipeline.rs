@@ -644,12 +644,12 @@ impl Pipeline {
         let mut event = first;
         loop {
             match event {
-                Some(LeaseEvent::Grant(g)) => return Ok((lease, g)),
+                Some(LeaseEvent::Grant(g)) => return Ok((lease, *g)),
                 Some(LeaseEvent::Held(h)) => {
                     tracing::debug!(position = h.position, pending = h.pending, reason = %h.reason, "held by the queue");
                 }
                 Some(LeaseEvent::Opened) => {}
-                Some(LeaseEvent::Failed(s)) => return Err(self.queue_failure(s)),
+                Some(LeaseEvent::Failed(s)) => return Err(self.queue_failure(*s)),
                 None => {
                     return Err(QueueFailure::Queue(FrontendError::Unavailable {
                         component: "queue",

@@ -54,16 +54,43 @@ type LeasesStream = UnboundedReceiverStream<Result<pb::LeaseResponse, Status>>;
 /// A lease's messages from its client: its own `Admit` stream, or its
 /// share of a `Leases` session.
 enum Inbound {
-    Stream(Streaming<pb::AdmitRequest>),
-    Session(mpsc::UnboundedReceiver<pb::AdmitRequest>),
+    Stream(Box<Streaming<pb::AdmitRequest>>),
+    Session(mpsc::UnboundedReceiver<Input>),
+}
+
+/// What a client says on an open lease (small, so a session lease's
+/// channel costs a few hundred bytes, not a block of whole requests).
+#[derive(Debug, Clone, Copy)]
+enum Input {
+    /// `open` again: refused.
+    Open,
+    Started,
+    Progress(u32),
+    Done(u32),
+    /// A message without a body: ignored.
+    Empty,
+}
+
+impl From<InMsg> for Input {
+    fn from(msg: InMsg) -> Self {
+        match msg {
+            InMsg::Open(_) => Input::Open,
+            InMsg::Started(_) => Input::Started,
+            InMsg::Progress(p) => Input::Progress(p.completion_tokens),
+            InMsg::Done(d) => Input::Done(d.completion_tokens),
+        }
+    }
 }
 
 impl Inbound {
     /// The next message; `None` once the client is done with the lease
     /// (closed or dropped it, or its connection failed).
-    async fn message(&mut self) -> Option<pb::AdmitRequest> {
+    async fn message(&mut self) -> Option<Input> {
         match self {
-            Inbound::Stream(s) => s.message().await.ok().flatten(),
+            Inbound::Stream(s) => {
+                let msg = s.message().await.ok().flatten()?;
+                Some(msg.msg.map_or(Input::Empty, Input::from))
+            }
             Inbound::Session(rx) => rx.recv().await,
         }
     }
@@ -89,9 +116,7 @@ impl Lease {
             // Hold the lease until the client is done or gone.
             loop {
                 match self.inbound.message().await {
-                    Some(pb::AdmitRequest {
-                        msg: Some(InMsg::Open(_)),
-                    }) => {
+                    Some(Input::Open) => {
                         self.finished = true;
                         return Some(Err(QueueError::InvalidArgument {
                             field: "open",
@@ -99,19 +124,13 @@ impl Lease {
                         }
                         .into()));
                     }
-                    Some(pb::AdmitRequest {
-                        msg: Some(InMsg::Started(_)),
-                    }) => self.ticket.started(),
-                    Some(pb::AdmitRequest {
-                        msg: Some(InMsg::Progress(p)),
-                    }) => self.ticket.progress(p.completion_tokens),
-                    Some(pb::AdmitRequest {
-                        msg: Some(InMsg::Done(done)),
-                    }) => {
-                        self.ticket.progress(done.completion_tokens);
+                    Some(Input::Started) => self.ticket.started(),
+                    Some(Input::Progress(tokens)) => self.ticket.progress(tokens),
+                    Some(Input::Done(tokens)) => {
+                        self.ticket.progress(tokens);
                         return None;
                     }
-                    Some(pb::AdmitRequest { msg: None }) => continue,
+                    Some(Input::Empty) => continue,
                     None => return None,
                 }
             }
@@ -137,7 +156,7 @@ impl Lease {
             // Anything from the client before the grant ends the request:
             // `done` or a close cancels it while held.
             message = self.inbound.message() => match message {
-                Some(pb::AdmitRequest { msg: Some(InMsg::Open(_)) }) => {
+                Some(Input::Open) => {
                     self.finished = true;
                     Some(Err(QueueError::InvalidArgument {
                         field: "open",
@@ -199,7 +218,7 @@ impl QueueService {
 }
 
 /// One `Leases` session's live leases: lease id → (generation, its inbound).
-type SessionLeases = HashMap<u64, (u64, mpsc::UnboundedSender<pb::AdmitRequest>)>;
+type SessionLeases = HashMap<u64, (u64, mpsc::UnboundedSender<Input>)>;
 type Answers = mpsc::UnboundedSender<Result<pb::LeaseResponse, Status>>;
 
 /// Serves one `Leases` session until the client ends it, or until shutdown
@@ -249,9 +268,10 @@ async fn run_session(svc: QueueService, mut inbound: Streaming<pb::LeaseRequest>
                             }
                         }
                         Some(msg) => {
-                            let done = matches!(msg, InMsg::Done(_));
+                            let input = Input::from(msg);
+                            let done = matches!(input, Input::Done(_));
                             if let Some((_, tx)) = leases.get(&id) {
-                                let _ = tx.send(pb::AdmitRequest { msg: Some(msg) });
+                                let _ = tx.send(input);
                             }
                             if done {
                                 leases.remove(&id);
@@ -365,7 +385,7 @@ impl pb::queue_server::Queue for QueueService {
                 .into());
             }
         };
-        let lease = self.open_lease(open, Inbound::Stream(inbound), None)?;
+        let lease = self.open_lease(open, Inbound::Stream(Box::new(inbound)), None)?;
         let stream = futures::stream::unfold(lease, |mut lease| async move {
             let span = lease.span.clone();
             let item = lease.next().instrument(span).await?;
