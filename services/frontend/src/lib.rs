@@ -49,10 +49,10 @@ pub struct Args {
     pub migration_limit: u32,
 
     /// Milliseconds a queue has to answer an admission (open the lease;
-    /// it answers at once, before any hold) before it is suspected and the
-    /// request is admitted at another queue: a frozen or hung queue whose
-    /// connections are still open costs a request this much, not its whole
-    /// deadline.
+    /// it answers within 20 ms, before any hold) before it is suspected and
+    /// the request is admitted at another queue: a frozen or hung queue
+    /// whose connections are still open costs a request this much, not its
+    /// whole deadline. At least 100.
     #[arg(long, env = "SLUICE_QUEUE_ANSWER_TIMEOUT_MS", default_value_t = 2000)]
     pub queue_answer_timeout_ms: u64,
 
@@ -104,10 +104,10 @@ impl Args {
                 "must be at least 1 second",
             ));
         }
-        if self.queue_answer_timeout_ms == 0 {
+        if self.queue_answer_timeout_ms < 100 {
             return Err(FrontendError::invalid(
                 "--queue-answer-timeout-ms",
-                "must be at least 1",
+                "must be at least 100 (a queue answers a lease it holds within 20 ms)",
             ));
         }
         if self.max_body_bytes < 1024 {
@@ -202,4 +202,21 @@ pub async fn serve(
     ctx.run(server, listener, instance)
         .await
         .map_err(FrontendError::startup("serving"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_queue_answer_timeout_leaves_room_for_a_held_lease_to_be_answered() {
+        let args = |ms| Args {
+            queue_answer_timeout_ms: ms,
+            ..Args::default()
+        };
+        let err = args(50).validate().expect_err("under the queue's 20 ms");
+        assert!(err.to_string().contains("at least 100"), "{err}");
+        assert!(args(100).validate().is_ok());
+        assert!(Args::default().validate().is_ok());
+    }
 }
