@@ -263,3 +263,56 @@ impl Drop for QueueLease {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tonic::Code;
+
+    use super::*;
+
+    #[test]
+    fn a_lease_error_becomes_the_status_admit_would_have_ended_with() {
+        let status = status_of(qpb::LeaseError {
+            code: Code::ResourceExhausted as i32,
+            message: "queue full".into(),
+            metadata: [
+                ("sluice-reason".to_owned(), "queue_full".to_owned()),
+                ("retry-after".to_owned(), "3".to_owned()),
+                ("not a header".to_owned(), "dropped".to_owned()),
+            ]
+            .into(),
+        });
+        assert_eq!(status.code(), Code::ResourceExhausted);
+        assert_eq!(status.message(), "queue full");
+        let meta = |k| status.metadata().get(k).and_then(|v| v.to_str().ok());
+        assert_eq!(meta("sluice-reason"), Some("queue_full"));
+        assert_eq!(meta("retry-after"), Some("3"));
+        assert_eq!(status.metadata().len(), 2);
+    }
+
+    #[tokio::test]
+    async fn leases_on_a_session_that_cannot_open_fail_and_the_next_lease_tries_again() {
+        // Nothing listens on port 1.
+        let endpoint = "127.0.0.1:1";
+        let sessions = LeaseSessions::default();
+        for _ in 0..2 {
+            let channel = sluice_runtime::grpc::channel(endpoint).expect("channel");
+            let mut lease = sessions.open(endpoint, channel, qpb::AdmitOpen::default());
+            let event = tokio::time::timeout(Duration::from_secs(10), lease.next())
+                .await
+                .expect("an answer in time");
+            let Some(LeaseEvent::Failed(status)) = event else {
+                panic!("expected a failure, got {event:?}");
+            };
+            // A transport failure, not a queue's answer: no sluice-reason,
+            // so the frontend tries another queue.
+            assert!(status.metadata().get("sluice-reason").is_none());
+            // Each lease met the connection's own failure: the second one
+            // opened a new session rather than finding the dead one.
+            assert_ne!(status.message(), session_closed().message(), "{status:?}");
+            assert!(lease.ended, "a failed lease sends no cancel");
+        }
+    }
+}
