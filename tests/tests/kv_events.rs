@@ -1,6 +1,7 @@
-//! A worker's KV event stream over gRPC: a late subscriber replays from the
-//! ring, a too-late one is told to take a snapshot, and snapshot + stream
-//! agree.
+//! A worker's streams over gRPC. KV events: a late subscriber replays from
+//! the ring, a too-late one is told to take a snapshot, and snapshot +
+//! stream agree. `Generate`: the worker is named on the first and the last
+//! message only.
 
 use std::collections::BTreeSet;
 
@@ -124,4 +125,39 @@ async fn late_subscriber_replays_and_too_late_one_resyncs_from_a_snapshot() -> a
     }
     drop(live);
     mesh.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_generate_stream_names_its_worker_on_the_first_and_last_message() -> anyhow::Result<()> {
+    let mesh = Mesh::start(MeshOptions::default()).await?;
+    let worker = mesh.endpoints("decode").await?.remove(0);
+    let mut client = wpb::worker_client::WorkerClient::connect(format!("http://{worker}")).await?;
+    let mut stream = client
+        .generate(wpb::GenerateRequest {
+            request_id: "named".into(),
+            model: "sluice-tiny".into(),
+            prompt_token_ids: (0..24u32).map(|t| t * 11 % 900 + 4).collect(),
+            sampling: Some(sluice_proto::common::v1::SamplingParams {
+                max_tokens: 6,
+                ignore_eos: true,
+                temperature: Some(0.0),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    let mut messages = Vec::new();
+    while let Some(m) = stream.message().await? {
+        messages.push(m);
+    }
+    let tokens: usize = messages.iter().map(|m| m.token_ids.len()).sum();
+    assert_eq!(tokens, 6);
+    let (first, last) = (&messages[0], &messages[messages.len() - 1]);
+    assert!(first.worker_id.starts_with("decode-"), "{first:?}");
+    assert_eq!(last.worker_id, first.worker_id);
+    for m in &messages[1..messages.len() - 1] {
+        assert!(m.worker_id.is_empty(), "a middle message repeats it: {m:?}");
+    }
+    Ok(())
 }

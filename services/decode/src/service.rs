@@ -250,16 +250,22 @@ impl Reply {
         let mut msg = pb::GenerateResponse {
             token_ids: out.token_ids,
             logprobs: out.logprobs.iter().map(convert::logprobs_to_wire).collect(),
-            worker_id: self.core.id.clone(),
             ..Default::default()
         };
-        if self.first {
+        let first = self.first;
+        if first {
             self.first = false;
             self.first_token(&mut msg);
         }
+        let last = out.finished.is_some();
         if let Some(f) = out.finished {
             self.done = true;
             self.finished(&mut msg, f);
+        }
+        // Who served it, on the first and the last message, not on every
+        // token in between.
+        if first || last {
+            msg.worker_id = self.core.id.clone();
         }
         msg
     }
