@@ -83,6 +83,9 @@ impl LeaseSessions {
             match sessions.get(endpoint) {
                 Some(s) if !s.state.lock().closed => Arc::clone(s),
                 _ => {
+                    // Sessions that ended stay only until the next one opens
+                    // (queues come and go under new endpoints).
+                    sessions.retain(|_, s| !s.state.lock().closed);
                     let (tx, rx) = mpsc::unbounded_channel();
                     let s = Arc::new(Session {
                         tx,
@@ -314,5 +317,10 @@ mod tests {
             assert_ne!(status.message(), session_closed().message(), "{status:?}");
             assert!(lease.ended, "a failed lease sends no cancel");
         }
+        assert_eq!(
+            sessions.sessions.lock().len(),
+            1,
+            "ended sessions are dropped"
+        );
     }
 }
