@@ -213,7 +213,20 @@ async fn run(
         Err(status) => status,
     };
     tracing::debug!(code = ?ended.code(), message = ended.message(), "lease session ended");
-    session.close(&ended);
+    session.close(&ended_status(ended));
+}
+
+/// What the leases of a session that ended with `status` fail with. A
+/// queue of an older release, without `Leases`, is a queue that cannot
+/// admit (another may): said so, rather than as an unknown method.
+fn ended_status(status: tonic::Status) -> tonic::Status {
+    if status.code() == tonic::Code::Unimplemented {
+        return tonic::Status::unavailable(format!(
+            "the queue does not serve Queue.Leases (an older release?): {}",
+            status.message()
+        ));
+    }
+    status
 }
 
 impl QueueLease {
@@ -293,6 +306,15 @@ mod tests {
         assert_eq!(meta("sluice-reason"), Some("queue_full"));
         assert_eq!(meta("retry-after"), Some("3"));
         assert_eq!(status.metadata().len(), 2);
+    }
+
+    #[test]
+    fn a_queue_without_leases_is_a_queue_that_cannot_admit() {
+        let status = ended_status(tonic::Status::unimplemented("unknown method Leases"));
+        assert_eq!(status.code(), Code::Unavailable);
+        assert!(status.message().contains("Queue.Leases"), "{status:?}");
+        let other = ended_status(tonic::Status::cancelled("reset"));
+        assert_eq!(other.code(), Code::Cancelled);
     }
 
     #[tokio::test]
