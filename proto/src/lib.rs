@@ -1,6 +1,8 @@
 //! Sluice's wire contracts, generated from `proto/sluice/**`. Services import
 //! a package as `use sluice_proto::queue::v1 as pb;` so wire types stay
-//! visibly apart from domain types. Nothing here has behaviour beyond prost's.
+//! visibly apart from domain types. Beyond prost's code: the codec every
+//! client and server uses, and the one mapping between a lease's error and
+//! the gRPC status it stands for.
 
 #![allow(unreachable_pub, clippy::all)] // generated code
 
@@ -43,6 +45,46 @@ pub mod worker {
 pub mod kv {
     pub mod v1 {
         tonic::include_proto!("sluice.kv.v1");
+    }
+}
+
+/// A lease's error on a `Queue.Leases` session is the status an `Admit`
+/// stream would have ended with: code, message and ASCII metadata
+/// (`sluice-reason`, `retry-after`, `sluice-quota`). Both directions live
+/// here so the queue and the frontend cannot disagree on the mapping.
+impl queue::v1::LeaseError {
+    /// The error a session sends for `status`; binary metadata is dropped.
+    pub fn from_status(status: &tonic::Status) -> Self {
+        let metadata = status
+            .metadata()
+            .iter()
+            .filter_map(|kv| match kv {
+                tonic::metadata::KeyAndValueRef::Ascii(k, v) => {
+                    Some((k.as_str().to_owned(), v.to_str().ok()?.to_owned()))
+                }
+                tonic::metadata::KeyAndValueRef::Binary(..) => None,
+            })
+            .collect();
+        Self {
+            code: status.code() as i32,
+            message: status.message().to_owned(),
+            metadata,
+        }
+    }
+
+    /// The status this error stands for; entries that are not valid
+    /// metadata are dropped.
+    pub fn into_status(self) -> tonic::Status {
+        let mut status = tonic::Status::new(self.code.into(), self.message);
+        for (k, v) in self.metadata {
+            if let (Ok(key), Ok(value)) = (
+                tonic::metadata::MetadataKey::from_bytes(k.as_bytes()),
+                tonic::metadata::MetadataValue::try_from(v.as_str()),
+            ) {
+                status.metadata_mut().insert(key, value);
+            }
+        }
+        status
     }
 }
 
@@ -98,5 +140,43 @@ where
             CODEC_BUFFER_BYTES,
             CODEC_YIELD_BYTES,
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tonic::Code;
+
+    use super::queue::v1::LeaseError;
+
+    #[test]
+    fn a_lease_error_becomes_the_status_admit_would_have_ended_with() {
+        let status = LeaseError {
+            code: Code::ResourceExhausted as i32,
+            message: "queue full".into(),
+            metadata: [
+                ("sluice-reason".to_owned(), "queue_full".to_owned()),
+                ("retry-after".to_owned(), "3".to_owned()),
+                ("not a header".to_owned(), "dropped".to_owned()),
+            ]
+            .into(),
+        }
+        .into_status();
+        assert_eq!(status.code(), Code::ResourceExhausted);
+        assert_eq!(status.message(), "queue full");
+        let meta = |k| status.metadata().get(k).and_then(|v| v.to_str().ok());
+        assert_eq!(meta("sluice-reason"), Some("queue_full"));
+        assert_eq!(meta("retry-after"), Some("3"));
+        assert_eq!(status.metadata().len(), 2);
+
+        // And back: what the queue sends for that status.
+        let again = LeaseError::from_status(&status);
+        assert_eq!(again.code, Code::ResourceExhausted as i32);
+        assert_eq!(again.message, "queue full");
+        assert_eq!(again.metadata.len(), 2);
+        assert_eq!(
+            again.metadata.get("retry-after").map(String::as_str),
+            Some("3")
+        );
     }
 }

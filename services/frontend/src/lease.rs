@@ -143,7 +143,7 @@ impl Session {
             Some(Msg::Opened(_)) => LeaseEvent::Opened,
             Some(Msg::Held(h)) => LeaseEvent::Held(Box::new(h)),
             Some(Msg::Grant(g)) => LeaseEvent::Grant(Box::new(g)),
-            Some(Msg::Error(e)) => LeaseEvent::Failed(Box::new(status_of(e))),
+            Some(Msg::Error(e)) => LeaseEvent::Failed(Box::new(e.into_status())),
             None => return,
         };
         let last = matches!(event, LeaseEvent::Grant(_) | LeaseEvent::Failed(_));
@@ -175,21 +175,6 @@ impl Session {
             traceparent: String::new(),
         });
     }
-}
-
-/// The status a queue's lease error stands for, metadata included
-/// (`sluice-reason`, `retry-after`, `sluice-quota`).
-fn status_of(e: qpb::LeaseError) -> tonic::Status {
-    let mut status = tonic::Status::new(e.code.into(), e.message);
-    for (k, v) in e.metadata {
-        if let (Ok(key), Ok(value)) = (
-            tonic::metadata::MetadataKey::from_bytes(k.as_bytes()),
-            tonic::metadata::MetadataValue::try_from(v.as_str()),
-        ) {
-            status.metadata_mut().insert(key, value);
-        }
-    }
-    status
 }
 
 /// Runs one session: opens the call with what is queued, then hands each
@@ -287,26 +272,6 @@ mod tests {
     use tonic::Code;
 
     use super::*;
-
-    #[test]
-    fn a_lease_error_becomes_the_status_admit_would_have_ended_with() {
-        let status = status_of(qpb::LeaseError {
-            code: Code::ResourceExhausted as i32,
-            message: "queue full".into(),
-            metadata: [
-                ("sluice-reason".to_owned(), "queue_full".to_owned()),
-                ("retry-after".to_owned(), "3".to_owned()),
-                ("not a header".to_owned(), "dropped".to_owned()),
-            ]
-            .into(),
-        });
-        assert_eq!(status.code(), Code::ResourceExhausted);
-        assert_eq!(status.message(), "queue full");
-        let meta = |k| status.metadata().get(k).and_then(|v| v.to_str().ok());
-        assert_eq!(meta("sluice-reason"), Some("queue_full"));
-        assert_eq!(meta("retry-after"), Some("3"));
-        assert_eq!(status.metadata().len(), 2);
-    }
 
     #[test]
     fn a_queue_without_leases_is_a_queue_that_cannot_admit() {

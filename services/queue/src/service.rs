@@ -333,26 +333,13 @@ async fn run_lease(id: u64, generation: u64, mut lease: Lease, out: Answers) -> 
     (id, generation)
 }
 
-/// A lease's error as a session message: the status `Admit` would end with,
-/// its metadata included.
+/// A lease's error as a session message.
 fn lease_error(id: u64, status: &Status) -> pb::LeaseResponse {
-    let metadata = status
-        .metadata()
-        .iter()
-        .filter_map(|kv| match kv {
-            tonic::metadata::KeyAndValueRef::Ascii(k, v) => {
-                Some((k.as_str().to_owned(), v.to_str().ok()?.to_owned()))
-            }
-            tonic::metadata::KeyAndValueRef::Binary(..) => None,
-        })
-        .collect();
     pb::LeaseResponse {
         lease_id: id,
-        msg: Some(pb::lease_response::Msg::Error(pb::LeaseError {
-            code: status.code() as i32,
-            message: status.message().to_owned(),
-            metadata,
-        })),
+        msg: Some(pb::lease_response::Msg::Error(pb::LeaseError::from_status(
+            status,
+        ))),
     }
 }
 
