@@ -217,73 +217,101 @@ impl QueueService {
     }
 }
 
-/// One `Leases` session's live leases: lease id → (generation, its inbound).
-type SessionLeases = HashMap<u64, (u64, mpsc::UnboundedSender<Input>)>;
 type Answers = mpsc::UnboundedSender<Result<pb::LeaseResponse, Status>>;
+
+/// One `Leases` session's leases, all driven by the session's task.
+#[derive(Default)]
+struct Session {
+    /// Lease id → (generation, its inbound). The generation tells a lease
+    /// from an earlier one the client opened under the same id.
+    leases: HashMap<u64, (u64, mpsc::UnboundedSender<Input>)>,
+    /// Each lease's driver; yields `(id, generation)` when the lease is over.
+    running: FuturesUnordered<BoxFuture<'static, (u64, u64)>>,
+    generation: u64,
+}
+
+impl Session {
+    /// Applies one message from the client.
+    fn on_message(&mut self, svc: &QueueService, m: pb::LeaseRequest, out: &Answers) {
+        let id = m.lease_id;
+        let Some(req) = m.request else {
+            // Dropped by the client: closing its inbound ends it.
+            self.leases.remove(&id);
+            return;
+        };
+        match req.msg {
+            Some(InMsg::Open(open)) => self.open(svc, id, open, &m.traceparent, out),
+            Some(msg) => {
+                let input = Input::from(msg);
+                if let Some((_, tx)) = self.leases.get(&id) {
+                    let _ = tx.send(input);
+                }
+                if matches!(input, Input::Done(_)) {
+                    self.leases.remove(&id);
+                }
+            }
+            None => {}
+        }
+    }
+
+    /// Opens lease `id`, or answers why not.
+    fn open(
+        &mut self,
+        svc: &QueueService,
+        id: u64,
+        open: pb::AdmitOpen,
+        traceparent: &str,
+        out: &Answers,
+    ) {
+        if self.leases.contains_key(&id) {
+            let err = QueueError::InvalidArgument {
+                field: "lease_id",
+                reason: format!("lease {id} is already open on this session"),
+            };
+            let _ = out.send(Ok(lease_error(id, &err.into())));
+            return;
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        match svc.open_lease(open, Inbound::Session(rx), Some(traceparent)) {
+            Ok(lease) => {
+                self.generation += 1;
+                self.leases.insert(id, (self.generation, tx));
+                self.running
+                    .push(Box::pin(run_lease(id, self.generation, lease, out.clone())));
+            }
+            Err(status) => {
+                let _ = out.send(Ok(lease_error(id, &status)));
+            }
+        }
+    }
+
+    /// Lease `id` of `generation` is over: forget it, unless the id now
+    /// names a newer lease.
+    fn ended(&mut self, id: u64, generation: u64) {
+        if self.leases.get(&id).is_some_and(|(g, _)| *g == generation) {
+            self.leases.remove(&id);
+        }
+    }
+}
 
 /// Serves one `Leases` session until the client ends it, or until shutdown
 /// once its leases are over. Every lease runs on this task; ending it drops
 /// them all.
 async fn run_session(svc: QueueService, mut inbound: Streaming<pb::LeaseRequest>, out: Answers) {
-    let mut leases = SessionLeases::new();
-    let mut running: FuturesUnordered<BoxFuture<'static, (u64, u64)>> = FuturesUnordered::new();
-    let mut generation = 0u64;
+    let mut session = Session::default();
     let mut draining = false;
     loop {
         tokio::select! {
             () = svc.shutdown.cancelled(), if !draining => draining = true,
-            Some((id, g)) = running.next(), if !running.is_empty() => {
-                if leases.get(&id).is_some_and(|(lg, _)| *lg == g) {
-                    leases.remove(&id);
-                }
+            Some((id, g)) = session.running.next(), if !session.running.is_empty() => {
+                session.ended(id, g);
             }
             msg = inbound.message() => match msg {
-                Ok(Some(m)) => {
-                    let id = m.lease_id;
-                    let Some(req) = m.request else {
-                        // Dropped by the client: closing its inbound ends it.
-                        leases.remove(&id);
-                        continue;
-                    };
-                    match req.msg {
-                        Some(InMsg::Open(open)) => {
-                            if leases.contains_key(&id) {
-                                let err = QueueError::InvalidArgument {
-                                    field: "lease_id",
-                                    reason: format!("lease {id} is already open on this session"),
-                                };
-                                let _ = out.send(Ok(lease_error(id, &err.into())));
-                                continue;
-                            }
-                            let (tx, rx) = mpsc::unbounded_channel();
-                            match svc.open_lease(open, Inbound::Session(rx), Some(&m.traceparent)) {
-                                Ok(lease) => {
-                                    generation += 1;
-                                    leases.insert(id, (generation, tx));
-                                    running.push(Box::pin(run_lease(id, generation, lease, out.clone())));
-                                }
-                                Err(status) => {
-                                    let _ = out.send(Ok(lease_error(id, &status)));
-                                }
-                            }
-                        }
-                        Some(msg) => {
-                            let input = Input::from(msg);
-                            let done = matches!(input, Input::Done(_));
-                            if let Some((_, tx)) = leases.get(&id) {
-                                let _ = tx.send(input);
-                            }
-                            if done {
-                                leases.remove(&id);
-                            }
-                        }
-                        None => {}
-                    }
-                }
+                Ok(Some(m)) => session.on_message(&svc, m, &out),
                 Ok(None) | Err(_) => break,
             },
         }
-        if draining && running.is_empty() {
+        if draining && session.running.is_empty() {
             break;
         }
     }
