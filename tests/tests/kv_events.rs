@@ -129,7 +129,12 @@ async fn late_subscriber_replays_and_too_late_one_resyncs_from_a_snapshot() -> a
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_generate_stream_names_its_worker_on_the_first_and_last_message() -> anyhow::Result<()> {
-    let mesh = Mesh::start(MeshOptions::default()).await?;
+    // The mocker at its modelled speed: steps milliseconds apart, so the
+    // stream has middle messages (a reader that falls behind would get
+    // them merged).
+    let mut opts = MeshOptions::default();
+    opts.worker.engine = sluice_decode::EngineKind::Mocker;
+    let mesh = Mesh::start(opts).await?;
     let worker = mesh.endpoints("decode").await?.remove(0);
     let mut client = wpb::worker_client::WorkerClient::connect(format!("http://{worker}")).await?;
     let mut stream = client
@@ -138,7 +143,7 @@ async fn a_generate_stream_names_its_worker_on_the_first_and_last_message() -> a
             model: "sluice-tiny".into(),
             prompt_token_ids: (0..24u32).map(|t| t * 11 % 900 + 4).collect(),
             sampling: Some(sluice_proto::common::v1::SamplingParams {
-                max_tokens: 6,
+                max_tokens: 32,
                 ignore_eos: true,
                 temperature: Some(0.0),
                 ..Default::default()
@@ -152,7 +157,8 @@ async fn a_generate_stream_names_its_worker_on_the_first_and_last_message() -> a
         messages.push(m);
     }
     let tokens: usize = messages.iter().map(|m| m.token_ids.len()).sum();
-    assert_eq!(tokens, 6);
+    assert_eq!(tokens, 32);
+    assert!(messages.len() >= 3, "no middle message: {messages:?}");
     let (first, last) = (&messages[0], &messages[messages.len() - 1]);
     assert!(first.worker_id.starts_with("decode-"), "{first:?}");
     assert_eq!(last.worker_id, first.worker_id);

@@ -630,7 +630,7 @@ impl Pipeline {
         // open) and another one may admit the request. A queue that hangs
         // later, while it holds the request, is found by the channel's
         // keepalive.
-        let first = tokio::time::timeout(self.queue_answer_timeout, lease.next())
+        let mut event = tokio::time::timeout(self.queue_answer_timeout, lease.next())
             .await
             .map_err(|_| {
                 QueueFailure::Queue(FrontendError::Unavailable {
@@ -641,7 +641,6 @@ impl Pipeline {
                     ),
                 })
             })?;
-        let mut event = first;
         loop {
             match event {
                 Some(LeaseEvent::Grant(g)) => return Ok((lease, *g)),

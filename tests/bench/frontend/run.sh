@@ -26,7 +26,7 @@
 #   SLUICE_BIN   a built release `sluice` [builds target/release/sluice]
 #   MESHES ["up procs"]  MODES ["round-robin kv"]  CONCS ["1 16 64 256"]
 #   DUR [10] seconds per point   WARMUP [3] seconds at C=16 per server
-#   ROUNDS [1] sweeps of CONCS per server, interleaved (16 64 256 16 64 256 …),
+#   ROUNDS [2] sweeps of CONCS per server, interleaved (16 64 256 16 64 256 …),
 #          so a comparison between concurrencies is not one noisy point each
 #   OSL [8]  PORT [18493]  OUT [target/bench/frontend]
 #   DYNAMO_BENCH  path of Dynamo's bench_overhead.sh (optional)
@@ -38,7 +38,7 @@ MESHES=${MESHES:-"up procs"}
 MODES=${MODES:-"round-robin kv"}
 CONCS=${CONCS:-"1 16 64 256"}
 DUR=${DUR:-10}
-ROUNDS=${ROUNDS:-1}
+ROUNDS=${ROUNDS:-2}
 WARMUP=${WARMUP:-3}
 OSL=${OSL:-8}
 PORT=${PORT:-18493}
