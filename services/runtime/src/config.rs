@@ -42,6 +42,12 @@ pub struct CommonArgs {
     /// re-register within a second or two. 0: drop it at once.
     #[arg(long, env = "SLUICE_DISCOVERY_GRACE", default_value_t = 10)]
     pub discovery_grace: u64,
+    /// Threads of this process's async runtime. Unset: the role's default,
+    /// one for the queue and the router (their work per message is small,
+    /// and one thread saves the wake-ups between threads that cost them more
+    /// than the work at low load), one per core for every other role.
+    #[arg(long, env = "SLUICE_WORKER_THREADS")]
+    pub worker_threads: Option<usize>,
     /// TLS, mesh authentication and connection limits.
     #[command(flatten)]
     pub security: SecurityArgs,
@@ -56,6 +62,12 @@ impl CommonArgs {
                 message: format!("{:?} must be non-empty and contain no '/'", self.namespace),
             });
         }
+        if self.worker_threads == Some(0) {
+            return Err(RuntimeError::InvalidFlag {
+                flag: "--worker-threads",
+                message: "must be at least 1 (leave it unset for the role's default)".into(),
+            });
+        }
         if self.lease_ttl < 1 {
             return Err(RuntimeError::InvalidFlag {
                 flag: "--lease-ttl",
@@ -63,6 +75,12 @@ impl CommonArgs {
             });
         }
         Ok(())
+    }
+
+    /// The async runtime's thread count: `--worker-threads`, else
+    /// `role_default` (`None`: one per core).
+    pub fn runtime_threads(&self, role_default: Option<usize>) -> Option<usize> {
+        self.worker_threads.or(role_default)
     }
 
     /// [`Self::discovery_grace`] as a duration.
@@ -86,6 +104,7 @@ impl Default for CommonArgs {
             lease_ttl: 5,
             drain_timeout: 10,
             discovery_grace: 10,
+            worker_threads: None,
             security: SecurityArgs::default(),
         }
     }

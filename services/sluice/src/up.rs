@@ -40,7 +40,7 @@ pub(crate) struct UpArgs {
     model_cache: Option<PathBuf>,
 
     #[command(flatten)]
-    common: CommonArgs,
+    pub(crate) common: CommonArgs,
     #[command(flatten)]
     model: ModelArgs,
     #[command(flatten)]
