@@ -323,7 +323,7 @@ mod tests {
             Some(2)
         );
         let zero = threads(&["sluice", "queue", "--worker-threads", "0"]);
-        let message = format!("{:#}", zero.err().expect("0 threads is refused"));
+        let message = format!("{:#}", zero.expect_err("0 threads is refused"));
         assert!(message.contains("--worker-threads"), "{message}");
         Ok(())
     }
