@@ -48,11 +48,12 @@ pub mod kv {
     }
 }
 
-/// A lease's error on a `Queue.Leases` session is the status an `Admit`
-/// stream would have ended with: code, message and ASCII metadata
-/// (`sluice-reason`, `retry-after`, `sluice-quota`). Both directions live
-/// here so the queue and the frontend cannot disagree on the mapping.
-impl queue::v1::LeaseError {
+/// A request's error on a session (`Queue.Leases`, `Worker.GenerateSession`)
+/// is the status its own call (`Admit`, `Generate`) would have ended with:
+/// code, message and ASCII metadata (`sluice-reason`, `retry-after`,
+/// `sluice-quota`). Both directions live here so the two ends of a session
+/// cannot disagree on the mapping.
+impl common::v1::RpcStatus {
     /// The error a session sends for `status`; binary metadata is dropped.
     pub fn from_status(status: &tonic::Status) -> Self {
         let metadata = status
@@ -147,11 +148,11 @@ where
 mod tests {
     use tonic::Code;
 
-    use super::queue::v1::LeaseError;
+    use super::common::v1::RpcStatus;
 
     #[test]
-    fn a_lease_error_becomes_the_status_admit_would_have_ended_with() {
-        let status = LeaseError {
+    fn a_session_error_becomes_the_status_its_own_call_would_have_ended_with() {
+        let status = RpcStatus {
             code: Code::ResourceExhausted as i32,
             message: "queue full".into(),
             metadata: [
@@ -170,7 +171,7 @@ mod tests {
         assert_eq!(status.metadata().len(), 2);
 
         // And back: what the queue sends for that status.
-        let again = LeaseError::from_status(&status);
+        let again = RpcStatus::from_status(&status);
         assert_eq!(again.code, Code::ResourceExhausted as i32);
         assert_eq!(again.message, "queue full");
         assert_eq!(again.metadata.len(), 2);

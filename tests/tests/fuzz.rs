@@ -494,6 +494,32 @@ async fn sample_stream<T>(
     }
 }
 
+/// Sends `msgs` on a `GenerateSession` that stays open, and reads its
+/// answers for a while: each generation's error is checked like a call's
+/// status.
+async fn session_answers(
+    c: &mut wpb::worker_client::WorkerClient<sluice_runtime::grpc::TracedChannel>,
+    msgs: Vec<wpb::GenerateSessionRequest>,
+) -> Result<(), tonic::Status> {
+    use wpb::generate_session_response::Msg;
+    let outbound = futures::stream::iter(msgs).chain(futures::stream::pending());
+    let mut answers = c.generate_session(outbound).await?.into_inner();
+    let read = async {
+        while let Some(answer) = answers.message().await? {
+            if let Some(Msg::Error(e)) = answer.msg {
+                let status = e.into_status();
+                if bad(&status) {
+                    return Err(status);
+                }
+            }
+        }
+        Ok(())
+    };
+    tokio::time::timeout(Duration::from_millis(500), read)
+        .await
+        .unwrap_or(Ok(()))
+}
+
 /// Sends `count` generated messages through `call`; the first failures,
 /// and one more if none was served at all (the generator must reach the
 /// handlers, not only the checks in front of them).
@@ -620,12 +646,27 @@ async fn generated_grpc_messages_never_panic_or_get_internal() -> anyhow::Result
             let decode = decode.clone();
             async move {
                 match rng.random_range(0..10) {
-                    0..=5 => {
+                    0..=4 => {
                         let req = worker_generate(&mut rng, &decode);
                         let input = shown(&req);
                         sample_stream(c.generate(req).await, true)
                             .await
                             .map_err(|s| (s, input))
+                    }
+                    5 => {
+                        // Many generations on one session: ids collide,
+                        // aborts come before, after or instead of a request.
+                        let msgs: Vec<wpb::GenerateSessionRequest> = (0..rng.random_range(0..6))
+                            .map(|_| wpb::GenerateSessionRequest {
+                                id: *pick(&mut rng, &[0, 1, 2, u64::MAX]),
+                                request: rng
+                                    .random_bool(0.8)
+                                    .then(|| worker_generate(&mut rng, &decode)),
+                                traceparent: string(&mut rng),
+                            })
+                            .collect();
+                        let input = shown(&msgs);
+                        session_answers(&mut c, msgs).await.map_err(|s| (s, input))
                     }
                     6 => {
                         let req = wpb::PrefillRequest {

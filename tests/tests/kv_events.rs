@@ -1,7 +1,8 @@
 //! A worker's streams over gRPC. KV events: a late subscriber replays from
 //! the ring, a too-late one is told to take a snapshot, and snapshot +
 //! stream agree. `Generate`: the worker is named on the first and the last
-//! message only.
+//! message only. `GenerateSession`: generations share one stream, each
+//! ending on its own.
 
 use std::collections::BTreeSet;
 
@@ -165,5 +166,220 @@ async fn a_generate_stream_names_its_worker_on_the_first_and_last_message() -> a
     for m in &messages[1..messages.len() - 1] {
         assert!(m.worker_id.is_empty(), "a middle message repeats it: {m:?}");
     }
+    Ok(())
+}
+
+fn session_request(max_tokens: u32) -> wpb::GenerateRequest {
+    wpb::GenerateRequest {
+        request_id: "session".into(),
+        model: "sluice-tiny".into(),
+        prompt_token_ids: (0..24u32).map(|t| t * 11 % 900 + 4).collect(),
+        sampling: Some(sluice_proto::common::v1::SamplingParams {
+            max_tokens,
+            ignore_eos: true,
+            temperature: Some(0.0),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generations_share_one_session_and_each_ends_on_its_own() -> anyhow::Result<()> {
+    use std::collections::HashMap;
+    use std::time::Duration;
+
+    use wpb::generate_session_response::Msg;
+
+    let mut opts = MeshOptions::default();
+    opts.worker.engine = sluice_decode::EngineKind::Mocker;
+    let mesh = Mesh::start(opts).await?;
+    let worker = mesh.endpoints("decode").await?.remove(0);
+    let mut client = wpb::worker_client::WorkerClient::connect(format!("http://{worker}")).await?;
+
+    // What `Generate` gives for the request.
+    let mut reference = Vec::new();
+    let mut stream = client.generate(session_request(16)).await?.into_inner();
+    while let Some(m) = stream.message().await? {
+        reference.extend(m.token_ids);
+    }
+
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let send = |id: u64, request: Option<wpb::GenerateRequest>| {
+        tx.send(wpb::GenerateSessionRequest {
+            id,
+            request,
+            traceparent: String::new(),
+        })
+        .map_err(|_| anyhow::anyhow!("the session's outbound channel is closed"))
+    };
+    send(1, Some(session_request(16)))?;
+    // Long enough to be aborted while it runs (the mocker at its modelled
+    // speed takes milliseconds a step).
+    send(2, Some(session_request(5_000)))?;
+    send(
+        3,
+        Some(wpb::GenerateRequest {
+            model: "another-model".into(),
+            ..session_request(4)
+        }),
+    )?;
+    // Id 1 is live: this message alone is refused.
+    send(1, Some(session_request(4)))?;
+    let mut answers = client
+        .generate_session(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+        .await?
+        .into_inner();
+
+    let mut tokens: HashMap<u64, Vec<u32>> = HashMap::new();
+    let mut errors: HashMap<u64, Vec<tonic::Code>> = HashMap::new();
+    let mut finished = Vec::new();
+    let mut aborted = false;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while !(finished.contains(&1) && errors.len() == 2 && aborted && finished.contains(&4)) {
+        let answer = tokio::time::timeout_at(deadline, answers.message())
+            .await??
+            .expect("the session stays open");
+        match answer.msg.expect("a response or an error") {
+            Msg::Response(r) => {
+                tokens.entry(answer.id).or_default().extend(&r.token_ids);
+                if r.finish_reason != 0 {
+                    finished.push(answer.id);
+                }
+                if answer.id == 2 && !aborted {
+                    // Generation 2 runs: abort it, then start 4 on the same
+                    // session, which must still work.
+                    send(2, None)?;
+                    send(4, Some(session_request(8)))?;
+                    aborted = true;
+                }
+            }
+            Msg::Error(e) => errors.entry(answer.id).or_default().push(e.code.into()),
+        }
+    }
+    assert_eq!(
+        tokens[&1], reference,
+        "a session generates what Generate does"
+    );
+    assert_eq!(tokens[&4].len(), 8);
+    assert_eq!(errors[&3], [tonic::Code::NotFound], "{errors:?}");
+    assert_eq!(errors[&1], [tonic::Code::InvalidArgument], "{errors:?}");
+    assert!(
+        !finished.contains(&2),
+        "the aborted generation ran to its end"
+    );
+
+    // The abort freed the engine: nothing runs once 1 and 4 are done.
+    let mut load = client
+        .load(wpb::LoadRequest {
+            min_interval_ms: 10,
+            max_interval_ms: 50,
+        })
+        .await?
+        .into_inner();
+    let idle = async {
+        while let Some(report) = load.message().await? {
+            if report.running == 0 && report.waiting == 0 {
+                return anyhow::Ok(());
+            }
+        }
+        anyhow::bail!("the load stream ended")
+    };
+    tokio::time::timeout(Duration::from_secs(10), idle).await??;
+    assert!(!finished.contains(&2));
+    drop(tx);
+    mesh.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_worker_refuses_new_generations_and_finishes_its_own() -> anyhow::Result<()> {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use sluice_runtime::discovery::MemoryDiscovery;
+    use sluice_runtime::{Discovery, ModelArgs, ServiceContext, Shutdown};
+    use wpb::generate_session_response::Msg;
+
+    // A worker of its own, so that it alone drains.
+    let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new("drain"));
+    let shutdown = Shutdown::new();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let endpoint = listener.local_addr()?.to_string();
+    let args = sluice_decode::WorkerArgs {
+        engine: sluice_decode::EngineKind::Mocker,
+        num_gpu_blocks: 512,
+        ..Default::default()
+    };
+    let model = ModelArgs {
+        model: Some(sluice_tests::mesh::builtin_model_dir()?),
+        served_model_name: Some("sluice-tiny".into()),
+    };
+    let ctx = ServiceContext::new(discovery, shutdown.clone());
+    let worker = tokio::spawn(sluice_decode::serve(listener, args, model, ctx));
+
+    let mut client = None;
+    for _ in 0..100 {
+        match wpb::worker_client::WorkerClient::connect(format!("http://{endpoint}")).await {
+            Ok(c) => {
+                client = Some(c);
+                break;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+    let mut client = client.expect("the worker listens");
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let send = |id: u64, request: wpb::GenerateRequest| {
+        tx.send(wpb::GenerateSessionRequest {
+            id,
+            request: Some(request),
+            traceparent: String::new(),
+        })
+        .map_err(|_| anyhow::anyhow!("the session's outbound channel is closed"))
+    };
+    send(1, session_request(200))?;
+    let mut answers = client
+        .generate_session(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+        .await?
+        .into_inner();
+    let within = Duration::from_secs(30);
+    let first = tokio::time::timeout(within, answers.message()).await??;
+    assert!(
+        matches!(
+            first,
+            Some(wpb::GenerateSessionResponse {
+                id: 1,
+                msg: Some(Msg::Response(_))
+            })
+        ),
+        "{first:?}"
+    );
+
+    shutdown.cancel();
+    // Give the session the drain signal before the next request.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    send(2, session_request(4))?;
+    let mut tokens = first.map_or(0, |a| match a.msg {
+        Some(Msg::Response(r)) => r.token_ids.len(),
+        _ => 0,
+    });
+    let mut refused = None;
+    let mut finished = false;
+    while let Some(answer) = tokio::time::timeout(within, answers.message()).await?? {
+        match (answer.id, answer.msg.expect("a response or an error")) {
+            (1, Msg::Response(r)) => {
+                tokens += r.token_ids.len();
+                finished |= r.finish_reason != 0;
+            }
+            (2, Msg::Error(e)) => refused = Some(tonic::Code::from(e.code)),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    // The session ended on its own once generation 1 was over.
+    assert!(finished, "the running generation finished");
+    assert_eq!(tokens, 200);
+    assert_eq!(refused, Some(tonic::Code::Unavailable));
+    drop(tx);
+    tokio::time::timeout(within, worker).await???;
     Ok(())
 }

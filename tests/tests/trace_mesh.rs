@@ -42,14 +42,14 @@ async fn disaggregated_request_is_one_trace_across_every_hop() -> anyhow::Result
     telemetry.flush().await;
 
     let wanted = [
-        "completions",                      // frontend root (http.request)
-        "queue.admit",                      // frontend → queue
-        "queue.lease",                      // the queue's lease (on the frontend's session)
-        "route",                            // router's placement (on the queue's session)
-        "sluice.worker.v1.Worker/Generate", // decode worker server
-        "kv.remote_prefill",                // decode worker's remote prefill
-        "sluice.worker.v1.Worker/Prefill",  // prefill worker server
-        "kv.transfer",                      // KV blocks sent
+        "completions",                     // frontend root (http.request)
+        "queue.admit",                     // frontend → queue
+        "queue.lease",                     // the queue's lease (on the frontend's session)
+        "route",                           // router's placement (on the queue's session)
+        "worker.generate",                 // frontend's call and the decode worker's generation
+        "kv.remote_prefill",               // decode worker's remote prefill
+        "sluice.worker.v1.Worker/Prefill", // prefill worker server
+        "kv.transfer",                     // KV blocks sent
     ];
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     let (spans, trace_id) = loop {
@@ -92,6 +92,24 @@ async fn disaggregated_request_is_one_trace_across_every_hop() -> anyhow::Result
         "queue.lease is a child of queue.admit"
     );
     assert!(attr(root, "worker_id").is_some_and(|w| w.starts_with("decode-")));
+    // The generation rides the frontend's session to the worker, yet the
+    // worker's span is the child of the frontend's span for this request.
+    let generate: Vec<&Span> = spans
+        .iter()
+        .filter(|s| s.name == "worker.generate")
+        .collect();
+    let served = generate
+        .iter()
+        .find(|s| attr(s, "prefill").as_deref() == Some("remote"))
+        .expect("the decode worker's generation span");
+    let called = generate
+        .iter()
+        .find(|s| attr(s, "prefill").is_none())
+        .expect("the frontend's generation span");
+    assert_eq!(
+        served.parent_span_id, called.span_id,
+        "the worker's generation is a child of the frontend's"
+    );
     // One `route` span per pool; the decode one chose the serving worker.
     let route = spans
         .iter()

@@ -16,6 +16,7 @@ mod error;
 pub mod fault;
 mod metrics;
 mod service;
+mod session;
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicU32;
@@ -208,6 +209,7 @@ pub async fn serve(
         core,
         prefill: None,
         remote: Some(Arc::new(remote)),
+        draining: ctx.shutdown.clone(),
     };
     run_worker(listener, &args, service, Some(receiver), ctx).await
 }

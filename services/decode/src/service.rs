@@ -15,7 +15,7 @@ use sluice_runtime::discovery::WorkerRole;
 use tokio::sync::broadcast::error::RecvError;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::{Request, Response, Status};
+use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
 
 use crate::convert;
@@ -175,9 +175,18 @@ pub struct WorkerService {
     pub core: Arc<WorkerCore>,
     pub prefill: Option<Arc<dyn PrefillHandler>>,
     pub remote: Option<Arc<dyn RemotePrefill>>,
+    /// Cancelled when the worker starts to drain: sessions then take no new
+    /// generations.
+    pub draining: sluice_runtime::Shutdown,
 }
 
-type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+pub(crate) type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+/// Messages a `GenerateSession` may have waiting to be written. When the
+/// caller reads slower than the engine produces, the generations wait for
+/// room, and each one's outputs meanwhile merge into its next message (see
+/// `response_stream`), as on a `Generate` stream under HTTP/2 flow control.
+const SESSION_OUTBOUND: usize = 64;
 
 /// What a generation's wire stream reports besides the engine's tokens.
 struct Admitted {
@@ -395,17 +404,16 @@ fn kv_event_stream(engine: &EngineHandle, rank: u32, from_seq: u64) -> BoxStream
     Box::pin(ReceiverStream::new(rx))
 }
 
-#[tonic::async_trait]
-impl pb::worker_server::Worker for WorkerService {
-    type GenerateStream = BoxStream<pb::GenerateResponse>;
-    type SubscribeKvEventsStream = BoxStream<pb::KvEventBatch>;
-    type LoadStream = BoxStream<pb::LoadReport>;
-
-    async fn generate(
+impl WorkerService {
+    /// Admits one generation and returns its wire stream: the body of
+    /// `Generate`, and of each generation on a `GenerateSession`. Its
+    /// `worker.generate` span is a child of the current span (a `Generate`
+    /// call's), or of `traceparent` on a session.
+    pub(crate) async fn start(
         &self,
-        request: Request<pb::GenerateRequest>,
-    ) -> Result<Response<Self::GenerateStream>, Status> {
-        let req = request.into_inner();
+        req: pb::GenerateRequest,
+        traceparent: Option<&str>,
+    ) -> Result<BoxStream<pb::GenerateResponse>, Status> {
         let core = &self.core;
         if core.role == Role::Prefill {
             return Err(WorkerError::WrongRole {
@@ -418,7 +426,12 @@ impl pb::worker_server::Worker for WorkerService {
         let engine = core.engine(req.dp_rank)?;
         let engine_req = convert::request(&req, engine)?;
         let cached = engine.cached_prefix_tokens(&engine_req.prompt);
+        let parent = match traceparent {
+            Some(_) => None,
+            None => tracing::Span::current().id(),
+        };
         let span = tracing::info_span!(
+            parent: parent,
             "worker.generate",
             worker_id = %core.id,
             request_id = %req.request_id,
@@ -431,6 +444,9 @@ impl pb::worker_server::Worker for WorkerService {
             preemptions = tracing::field::Empty,
             recomputed_tokens = tracing::field::Empty,
         );
+        if let Some(tp) = traceparent {
+            sluice_runtime::telemetry::set_parent_from_traceparent(tp, &span);
+        }
         let prompt_tokens = engine_req.prompt.len();
         let unplaced = (!req.placed).then(|| {
             let bs = engine.kv_layout().block_size.max(1);
@@ -461,7 +477,7 @@ impl pb::worker_server::Worker for WorkerService {
                 )
             }
         };
-        Ok(Response::new(response_stream(
+        Ok(response_stream(
             Arc::clone(core),
             stream,
             Admitted {
@@ -472,7 +488,31 @@ impl pb::worker_server::Worker for WorkerService {
                 priority: req.priority,
             },
             span,
-        )))
+        ))
+    }
+}
+
+#[tonic::async_trait]
+impl pb::worker_server::Worker for WorkerService {
+    type GenerateStream = BoxStream<pb::GenerateResponse>;
+    type GenerateSessionStream = BoxStream<pb::GenerateSessionResponse>;
+    type SubscribeKvEventsStream = BoxStream<pb::KvEventBatch>;
+    type LoadStream = BoxStream<pb::LoadReport>;
+
+    async fn generate(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        Ok(Response::new(self.start(request.into_inner(), None).await?))
+    }
+
+    async fn generate_session(
+        &self,
+        request: Request<Streaming<pb::GenerateSessionRequest>>,
+    ) -> Result<Response<Self::GenerateSessionStream>, Status> {
+        let (tx, rx) = mpsc::channel(SESSION_OUTBOUND);
+        tokio::spawn(crate::session::run(self.clone(), request.into_inner(), tx));
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
     async fn prefill(

@@ -10,6 +10,7 @@
 
 mod auth;
 mod error;
+mod generation;
 mod grpc;
 mod http;
 mod lease;
@@ -178,6 +179,7 @@ pub async fn serve(
         migration_limit: args.migration_limit,
         queue_answer_timeout: Duration::from_millis(args.queue_answer_timeout_ms),
         leases: lease::LeaseSessions::default(),
+        generations: generation::GenerateSessions::default(),
         api_keys,
         prompt_limits: limits,
         tokenize_slots: Arc::new(tokio::sync::Semaphore::new(tokenize_concurrency)),

@@ -26,6 +26,7 @@ use tracing::{Instrument, Span};
 
 use crate::auth::Identity;
 use crate::error::FrontendError;
+use crate::generation::{GenerateSessions, WorkerStream};
 use crate::lease::{LeaseEvent, LeaseSessions, QueueLease};
 use crate::mesh::{Channels, Members};
 use crate::metrics::Metrics;
@@ -60,6 +61,8 @@ pub(crate) struct Pipeline {
     pub queue_answer_timeout: Duration,
     /// Admission leases, one session per queue.
     pub leases: LeaseSessions,
+    /// Generations, one session per worker.
+    pub generations: GenerateSessions,
     /// `--api-key-file`'s keys; `None`: open.
     pub api_keys: Option<crate::auth::ApiKeys>,
     /// The model's context, for the prompt's size checks.
@@ -274,7 +277,7 @@ impl From<FrontendError> for QueueFailure {
 struct Opened {
     lease: QueueLease,
     grant: qpb::Grant,
-    stream: tonic::Streaming<wpb::GenerateResponse>,
+    stream: WorkerStream,
     span: Span,
 }
 
@@ -449,7 +452,6 @@ impl Pipeline {
             },
             lease: Some(opened.lease),
             stream: Some(opened.stream),
-            worker_done: false,
             detok,
             usage: common::Usage {
                 prompt_tokens: p.prompt_ids.len() as u32,
@@ -527,7 +529,6 @@ impl Pipeline {
             cached_tokens = tracing::field::Empty,
         );
         let channel = self.channels.get(&grant.worker_endpoint)?;
-        let mut client = wpb::worker_client::WorkerClient::new(channel);
         let req = wpb::GenerateRequest {
             request_id: p.desc.request_id.clone(),
             model: self.model.clone(),
@@ -540,21 +541,20 @@ impl Pipeline {
             // The router counts this request's load until its lease ends.
             placed: true,
         };
-        let answer = tokio::time::timeout_at(
-            deadline.into(),
-            client.generate(req).instrument(span.clone()),
-        )
-        .await
-        .map_err(|_| FrontendError::Deadline)?;
-        let stream = match answer {
-            Ok(r) => r.into_inner(),
-            Err(s) => {
-                close_lease(Some(lease), None, 0);
-                let failed = worker_failed(&s);
-                let error = FrontendError::from_status("worker", s, &self.model);
-                return Err(Failure::of_worker(&grant.worker_id, failed, error));
-            }
-        };
+        let mut stream =
+            span.in_scope(|| self.generations.start(&grant.worker_endpoint, channel, req));
+        // The worker's first message (or its refusal) before the request
+        // counts as started: a worker that cannot take it leaves the
+        // request free to be placed again.
+        let answer = tokio::time::timeout_at(deadline.into(), stream.first())
+            .await
+            .map_err(|_| FrontendError::Deadline)?;
+        if let Err(s) = answer {
+            close_lease(Some(lease), 0);
+            let failed = worker_failed(&s);
+            let error = FrontendError::from_status("worker", s, &self.model);
+            return Err(Failure::of_worker(&grant.worker_id, failed, error));
+        }
         Ok(Opened {
             lease,
             grant,
@@ -708,10 +708,8 @@ pub(crate) struct Generation {
     pipeline: Arc<Pipeline>,
     /// The admission lease, ended with `done` on drop (see `Drop`).
     lease: Option<QueueLease>,
-    stream: Option<tonic::Streaming<wpb::GenerateResponse>>,
-    /// The worker finished the sequence itself: its stream only has its
-    /// trailers left, so it is drained rather than reset on drop.
-    worker_done: bool,
+    /// The worker's stream; dropping it unfinished aborts the sequence.
+    stream: Option<WorkerStream>,
     detok: IncrementalDetokenizer,
     serving: Serving,
     usage: common::Usage,
@@ -800,7 +798,7 @@ impl Generation {
         // The failed worker's stream is gone; its lease ends now.
         self.stream = None;
         let on_lease = self.on_lease();
-        close_lease(self.lease.take(), None, on_lease);
+        close_lease(self.lease.take(), on_lease);
         self.lease_base = self.usage.completion_tokens;
         self.reported = 0;
         let retries = p
@@ -817,7 +815,6 @@ impl Generation {
                 self.serving.queue_wait_ms += opened.grant.queue_wait_ms;
                 self.lease = Some(opened.lease);
                 self.stream = Some(opened.stream);
-                self.worker_done = false;
                 self.span = opened.span;
                 "ok"
             }
@@ -843,7 +840,6 @@ impl Generation {
         };
         match reason {
             Ok(Some(_)) if stopped.is_none() => {
-                self.worker_done = true;
                 delta.text.push_str(&self.detok.flush()?.text);
             }
             Ok(None) => self.report_progress(),
@@ -866,7 +862,7 @@ impl Generation {
             // The lease ends before the client hears of the end, so the
             // router has stopped counting this request by the time the
             // client's next one (a conversation's next turn) arrives.
-            self.end_lease(None);
+            self.end_lease();
             self.pending.push_back(Event::Done {
                 finish_reason: r,
                 usage: self.usage,
@@ -1001,10 +997,10 @@ impl Generation {
     }
 
     /// Ends the admission lease (if still held), reporting the tokens
-    /// produced under it; `worker` is the worker stream to drain with it.
-    fn end_lease(&mut self, worker: Option<tonic::Streaming<wpb::GenerateResponse>>) {
+    /// produced under it.
+    fn end_lease(&mut self) {
         let on_lease = self.on_lease();
-        close_lease(self.lease.take(), worker, on_lease);
+        close_lease(self.lease.take(), on_lease);
     }
 
     /// Tells the queue the lease's output so far, at most once per
@@ -1037,21 +1033,12 @@ impl Generation {
 }
 
 impl Drop for Generation {
-    /// Closes the lease cleanly — `done`, half-close, read the queue's end of
-    /// stream — and drains a worker stream the worker already finished. An
-    /// unfinished worker stream (client gone, stop string, deadline) is
-    /// dropped: that reset is the cancellation. Dropping finished streams
-    /// mid-frame instead would make h2 reset them too, and a connection
-    /// counts such library resets until it gives up on itself (1,024 by
-    /// default): every request after that on the shared channel would fail.
+    /// Ends the lease with `done`. An unfinished worker stream (client
+    /// gone, stop string, deadline) is dropped with it: that is the
+    /// cancellation.
     fn drop(&mut self) {
         self.pipeline.metrics.inflight.dec();
-        let worker = if self.worker_done {
-            self.stream.take()
-        } else {
-            None
-        };
-        self.end_lease(worker);
+        self.end_lease();
     }
 }
 
@@ -1070,26 +1057,11 @@ fn worker_failed(s: &tonic::Status) -> bool {
     )
 }
 
-/// Ends a lease — `done` with the lease's `completion_tokens` — and drains
-/// `worker`, a stream its worker finished, in the background.
-fn close_lease(
-    lease: Option<QueueLease>,
-    worker: Option<tonic::Streaming<wpb::GenerateResponse>>,
-    completion_tokens: u32,
-) {
+/// Ends a lease: `done` with the lease's `completion_tokens`.
+fn close_lease(lease: Option<QueueLease>, completion_tokens: u32) {
     if let Some(lease) = lease {
         lease.done(completion_tokens);
     }
-    let Some(mut worker) = worker else {
-        return;
-    };
-    let Ok(rt) = tokio::runtime::Handle::try_current() else {
-        return;
-    };
-    rt.spawn(async move {
-        let drain = async { while let Ok(Some(_)) = worker.message().await {} };
-        let _ = tokio::time::timeout(Duration::from_secs(5), drain).await;
-    });
 }
 
 impl Pipeline {

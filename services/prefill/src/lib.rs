@@ -278,6 +278,7 @@ pub async fn serve_with(
         core,
         prefill: Some(Arc::new(handler)),
         remote: None,
+        draining: ctx.shutdown.clone(),
     };
     sluice_decode::run_worker(listener, &args, service, None, ctx).await
 }

@@ -365,9 +365,9 @@ async fn run_lease(id: u64, generation: u64, mut lease: Lease, out: Answers) -> 
 fn lease_error(id: u64, status: &Status) -> pb::LeaseResponse {
     pb::LeaseResponse {
         lease_id: id,
-        msg: Some(pb::lease_response::Msg::Error(pb::LeaseError::from_status(
-            status,
-        ))),
+        msg: Some(pb::lease_response::Msg::Error(
+            sluice_proto::common::v1::RpcStatus::from_status(status),
+        )),
     }
 }
 

@@ -265,6 +265,7 @@ const QUIET_PATHS: &[&str] = &[
     "/sluice.router.v1.Router/WatchLoad",
     "/sluice.router.v1.Router/Place",
     "/sluice.queue.v1.Queue/Leases",
+    "/sluice.worker.v1.Worker/GenerateSession",
 ];
 
 /// The server span for one request (gRPC or HTTP on a gRPC port), child of
