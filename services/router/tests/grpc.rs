@@ -128,6 +128,14 @@ impl Worker for FakeWorker {
         Err(Status::unimplemented("fake worker"))
     }
 
+    type GenerateSessionStream = BoxStream<wpb::GenerateSessionResponse>;
+    async fn generate_session(
+        &self,
+        _: Request<tonic::Streaming<wpb::GenerateSessionRequest>>,
+    ) -> Result<Response<Self::GenerateSessionStream>, Status> {
+        Err(Status::unimplemented("fake worker"))
+    }
+
     async fn prefill(
         &self,
         _: Request<wpb::PrefillRequest>,
