@@ -1,68 +1,87 @@
-//! Generations on `Worker.GenerateSession` sessions: one long-lived stream
-//! from this frontend to each worker carries every generation it runs
-//! there, so a request costs the worker hop a few small messages instead of
-//! an HTTP/2 stream of its own (headers, trailers, a server task and codec
-//! buffers at both ends). A generation reads like a `Generate` stream: the
-//! worker's messages, the last one finishing it, or an error; dropping it
-//! unfinished aborts the sequence on the worker.
-//!
-//! The session opens with its first generation (the request is already
-//! queued when the call starts, so it pays no extra round trip). A session
-//! that ends — the worker died, its connection broke, it drained — fails
-//! every generation still on it with the status it ended in (a worker
-//! failure: the request moves), and the next generation opens a new one.
-//!
-//! Each generation's messages wait in an unbounded channel until its
-//! reader takes them: one slow HTTP client must not hold up the others on
-//! the session. What waits is bounded by the request's `max_tokens`.
+//! Generations on `Worker.GenerateSession` sessions (see
+//! [`crate::session`]): one long-lived stream from this frontend to each
+//! worker carries every generation it runs there. A generation reads like a
+//! `Generate` stream: the worker's messages, the last one finishing it, or
+//! an error; dropping it unfinished aborts the sequence on the worker. A
+//! session that ends (the worker died, its connection broke, it drained)
+//! fails every generation still on it: a worker failure, so the request
+//! moves.
 
-use std::collections::HashMap;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-
-use parking_lot::Mutex;
+use futures::FutureExt;
 use sluice_proto::worker::v1 as wpb;
 use sluice_runtime::grpc::TracedChannel;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::UnboundedReceiverStream;
 
-type Item = Result<wpb::GenerateResponse, Box<tonic::Status>>;
+use crate::session::{Member, Protocol, Sessions};
 
-/// Every worker's session, by endpoint.
-#[derive(Debug, Default)]
-pub(crate) struct GenerateSessions {
-    sessions: Mutex<HashMap<String, Arc<Session>>>,
-}
+/// A worker's message to a generation, or the error that ends it (boxed:
+/// the channel's slots stay small).
+type Event = Result<wpb::GenerateResponse, Box<tonic::Status>>;
 
+/// `Worker.GenerateSession`.
 #[derive(Debug)]
-struct Session {
-    tx: mpsc::UnboundedSender<wpb::GenerateSessionRequest>,
-    state: Mutex<SessionState>,
-    next_id: AtomicU64,
+pub(crate) struct Generations;
+
+impl Protocol for Generations {
+    type Out = wpb::GenerateSessionRequest;
+    type In = wpb::GenerateSessionResponse;
+    type Event = Event;
+    const PEER: &'static str = "worker";
+    const METHOD: &'static str = "Worker.GenerateSession";
+    const MEMBER: &'static str = "generation";
+
+    fn call(
+        channel: TracedChannel,
+        outbound: tokio_stream::wrappers::UnboundedReceiverStream<Self::Out>,
+    ) -> futures::future::BoxFuture<'static, Result<tonic::Streaming<Self::In>, tonic::Status>>
+    {
+        async move {
+            let mut client = wpb::worker_client::WorkerClient::new(channel);
+            Ok(client.generate_session(outbound).await?.into_inner())
+        }
+        .boxed()
+    }
+
+    fn event(answer: wpb::GenerateSessionResponse) -> Option<(u64, Event, bool)> {
+        use wpb::generate_session_response::Msg;
+        let event = match answer.msg? {
+            Msg::Response(r) => Ok(r),
+            Msg::Error(e) => Err(Box::new(e.into_status())),
+        };
+        let last = Self::ends(&event);
+        Some((answer.id, event, last))
+    }
+
+    fn failure(status: tonic::Status) -> Event {
+        Err(Box::new(status))
+    }
+
+    /// The message that finishes the sequence, or an error, is its last.
+    fn ends(event: &Event) -> bool {
+        event.as_ref().is_ok_and(|r| r.finish_reason != 0) || event.is_err()
+    }
+
+    fn cancel(id: u64) -> wpb::GenerateSessionRequest {
+        wpb::GenerateSessionRequest {
+            id,
+            request: None,
+            traceparent: String::new(),
+        }
+    }
 }
 
-#[derive(Debug, Default)]
-struct SessionState {
-    /// Generations not over yet, by id.
-    live: HashMap<u64, mpsc::UnboundedSender<Item>>,
-    /// The session ended; new generations need a new one.
-    closed: bool,
-}
+/// Every worker's generation session, by endpoint.
+pub(crate) type GenerateSessions = Sessions<Generations>;
 
 /// One generation on a worker. Dropping it before its last message aborts
 /// the sequence on the worker.
 #[derive(Debug)]
 pub(crate) struct WorkerStream {
-    session: Arc<Session>,
-    id: u64,
-    messages: mpsc::UnboundedReceiver<Item>,
+    member: Member<Generations>,
     /// A message taken early (see [`WorkerStream::first`]).
     peeked: Option<wpb::GenerateResponse>,
-    /// Its last message (or error) has arrived: nothing to abort.
-    ended: bool,
 }
 
-impl GenerateSessions {
+impl Sessions<Generations> {
     /// Starts `request` on the session to `endpoint` (opening the session
     /// on `channel` if there is none). The caller's span is its trace
     /// parent.
@@ -72,135 +91,16 @@ impl GenerateSessions {
         channel: TracedChannel,
         request: wpb::GenerateRequest,
     ) -> WorkerStream {
-        let session = {
-            let mut sessions = self.sessions.lock();
-            match sessions.get(endpoint) {
-                Some(s) if !s.state.lock().closed => Arc::clone(s),
-                _ => {
-                    // Sessions that ended stay only until the next one opens
-                    // (workers come and go under new endpoints).
-                    sessions.retain(|_, s| !s.state.lock().closed);
-                    let (tx, rx) = mpsc::unbounded_channel();
-                    let s = Arc::new(Session {
-                        tx,
-                        state: Mutex::new(SessionState::default()),
-                        next_id: AtomicU64::new(1),
-                    });
-                    sessions.insert(endpoint.to_owned(), Arc::clone(&s));
-                    // The generation below is queued before the call starts.
-                    tokio::spawn(run(
-                        Arc::clone(&s),
-                        wpb::worker_client::WorkerClient::new(channel),
-                        rx,
-                    ));
-                    s
-                }
-            }
-        };
-        let id = session.next_id.fetch_add(1, Ordering::Relaxed);
-        let (tx, messages) = mpsc::unbounded_channel();
-        let mut stream = WorkerStream {
-            session: Arc::clone(&session),
-            id,
-            messages,
-            peeked: None,
-            ended: false,
-        };
-        {
-            let mut state = session.state.lock();
-            if state.closed {
-                stream.ended = true;
-                let _ = tx.send(Err(Box::new(session_closed())));
-                return stream;
-            }
-            state.live.insert(id, tx);
-        }
-        let _ = session.tx.send(wpb::GenerateSessionRequest {
+        let member = self.join(endpoint, channel, |id| wpb::GenerateSessionRequest {
             id,
             request: Some(request),
             traceparent: sluice_runtime::telemetry::traceparent(),
         });
-        stream
-    }
-}
-
-fn session_closed() -> tonic::Status {
-    tonic::Status::unavailable("the worker ended the generation session")
-}
-
-impl Session {
-    /// Hands a message to its generation; a finishing one or an error is
-    /// its last.
-    fn dispatch(&self, answer: wpb::GenerateSessionResponse) {
-        use wpb::generate_session_response::Msg;
-        let (item, last) = match answer.msg {
-            Some(Msg::Response(r)) => {
-                let last = r.finish_reason != 0;
-                (Ok(r), last)
-            }
-            Some(Msg::Error(e)) => (Err(Box::new(e.into_status())), true),
-            None => return,
-        };
-        let mut state = self.state.lock();
-        if let Some(tx) = state.live.get(&answer.id) {
-            let _ = tx.send(item);
-        }
-        if last {
-            state.live.remove(&answer.id);
+        WorkerStream {
+            member,
+            peeked: None,
         }
     }
-
-    /// The session is over: every generation still on it fails with `status`.
-    fn close(&self, status: &tonic::Status) {
-        let live = {
-            let mut state = self.state.lock();
-            state.closed = true;
-            std::mem::take(&mut state.live)
-        };
-        for tx in live.into_values() {
-            let _ = tx.send(Err(Box::new(status.clone())));
-        }
-    }
-}
-
-/// Runs one session: opens the call with what is queued, then hands each
-/// message to its generation until the stream ends.
-async fn run(
-    session: Arc<Session>,
-    mut client: wpb::worker_client::WorkerClient<TracedChannel>,
-    rx: mpsc::UnboundedReceiver<wpb::GenerateSessionRequest>,
-) {
-    let ended = match client
-        .generate_session(UnboundedReceiverStream::new(rx))
-        .await
-    {
-        Ok(response) => {
-            let mut answers = response.into_inner();
-            loop {
-                match answers.message().await {
-                    Ok(Some(answer)) => session.dispatch(answer),
-                    Ok(None) => break session_closed(),
-                    Err(status) => break status,
-                }
-            }
-        }
-        Err(status) => status,
-    };
-    tracing::debug!(code = ?ended.code(), message = ended.message(), "generation session ended");
-    session.close(&ended_status(ended));
-}
-
-/// What the generations of a session that ended with `status` fail with. A
-/// worker of an older release, without `GenerateSession`, is a worker that
-/// cannot serve (another may): said so, rather than as an unknown method.
-fn ended_status(status: tonic::Status) -> tonic::Status {
-    if status.code() == tonic::Code::Unimplemented {
-        return tonic::Status::unavailable(format!(
-            "the worker does not serve Worker.GenerateSession (an older release?): {}",
-            status.message()
-        ));
-    }
-    status
 }
 
 impl WorkerStream {
@@ -221,31 +121,10 @@ impl WorkerStream {
         if let Some(m) = self.peeked.take() {
             return Ok(Some(m));
         }
-        match self.messages.recv().await {
-            Some(Ok(m)) => {
-                if m.finish_reason != 0 {
-                    self.ended = true;
-                }
-                Ok(Some(m))
-            }
-            Some(Err(status)) => {
-                self.ended = true;
-                Err(*status)
-            }
+        match self.member.next().await {
+            Some(Ok(m)) => Ok(Some(m)),
+            Some(Err(status)) => Err(*status),
             None => Ok(None),
-        }
-    }
-}
-
-impl Drop for WorkerStream {
-    fn drop(&mut self) {
-        self.session.state.lock().live.remove(&self.id);
-        if !self.ended {
-            let _ = self.session.tx.send(wpb::GenerateSessionRequest {
-                id: self.id,
-                request: None,
-                traceparent: String::new(),
-            });
         }
     }
 }
@@ -257,16 +136,17 @@ mod tests {
     use tonic::Code;
 
     use super::*;
+    use crate::session::{closed, ended_status};
 
     #[test]
     fn a_worker_without_sessions_is_a_worker_that_cannot_serve() {
-        let status = ended_status(tonic::Status::unimplemented("unknown method"));
+        let status = ended_status::<Generations>(tonic::Status::unimplemented("unknown method"));
         assert_eq!(status.code(), Code::Unavailable);
         assert!(
             status.message().contains("Worker.GenerateSession"),
             "{status:?}"
         );
-        let other = ended_status(tonic::Status::cancelled("reset"));
+        let other = ended_status::<Generations>(tonic::Status::cancelled("reset"));
         assert_eq!(other.code(), Code::Cancelled);
     }
 
@@ -284,13 +164,13 @@ mod tests {
             let status = answer.expect_err("nothing listens there");
             // The connection's own failure, a worker failure: the request
             // is placed again.
-            assert_ne!(status.message(), session_closed().message(), "{status:?}");
-            assert!(stream.ended, "a failed generation sends no abort");
+            assert_ne!(
+                status.message(),
+                closed::<Generations>().message(),
+                "{status:?}"
+            );
+            assert!(stream.member.ended(), "a failed generation sends no abort");
         }
-        assert_eq!(
-            sessions.sessions.lock().len(),
-            1,
-            "ended sessions are dropped"
-        );
+        assert_eq!(sessions.count(), 1, "ended sessions are dropped");
     }
 }

@@ -1,26 +1,16 @@
-//! Admission leases on `Queue.Leases` sessions: one long-lived stream from
-//! this frontend to each queue carries every lease it holds there, so a
-//! request costs the queue hop a few small messages instead of an HTTP/2
-//! stream of its own (headers, trailers, a server task and codec buffers
-//! at both ends). A lease behaves as on `Queue.Admit`: `open`, held
+//! Admission leases on `Queue.Leases` sessions (see [`crate::session`]):
+//! one long-lived stream from this frontend to each queue carries every
+//! lease it holds there. A lease behaves as on `Queue.Admit`: `open`, held
 //! updates, then a grant or an error; `started`, `progress` and `done`
-//! after the grant; dropping it without `done` cancels it.
-//!
-//! The session opens with its first lease (the `open` is already queued
-//! when the call starts, so the first lease pays no extra round trip). A
-//! session that ends — the queue restarted, its connection broke, it shut
-//! down — fails every lease still waiting for an answer with the status it
-//! ended in, and the next lease opens a new one.
+//! after the grant; dropping it without `done` cancels it. A session that
+//! ends fails every lease still waiting for an answer (another queue
+//! admits it).
 
-use std::collections::HashMap;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-
-use parking_lot::Mutex;
+use futures::FutureExt;
 use sluice_proto::queue::v1 as qpb;
 use sluice_runtime::grpc::TracedChannel;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::UnboundedReceiverStream;
+
+use crate::session::{Member, Protocol, Sessions};
 
 /// What a lease hears from its queue before and at the grant. Boxed, so a
 /// lease's channel costs a few hundred bytes rather than a block of 32
@@ -36,39 +26,74 @@ pub(crate) enum LeaseEvent {
     Failed(Box<tonic::Status>),
 }
 
-/// Every queue's session, by endpoint.
-#[derive(Debug, Default)]
-pub(crate) struct LeaseSessions {
-    sessions: Mutex<HashMap<String, Arc<Session>>>,
-}
-
+/// `Queue.Leases`.
 #[derive(Debug)]
-struct Session {
-    tx: mpsc::UnboundedSender<qpb::LeaseRequest>,
-    state: Mutex<SessionState>,
-    next_id: AtomicU64,
+pub(crate) struct Leases;
+
+impl Protocol for Leases {
+    type Out = qpb::LeaseRequest;
+    type In = qpb::LeaseResponse;
+    type Event = LeaseEvent;
+    const PEER: &'static str = "queue";
+    const METHOD: &'static str = "Queue.Leases";
+    const MEMBER: &'static str = "lease";
+
+    fn call(
+        channel: TracedChannel,
+        outbound: tokio_stream::wrappers::UnboundedReceiverStream<Self::Out>,
+    ) -> futures::future::BoxFuture<'static, Result<tonic::Streaming<Self::In>, tonic::Status>>
+    {
+        async move {
+            let mut client = qpb::queue_client::QueueClient::new(channel);
+            Ok(client.leases(outbound).await?.into_inner())
+        }
+        .boxed()
+    }
+
+    /// A grant or an error is the queue's last answer to a lease.
+    fn event(answer: qpb::LeaseResponse) -> Option<(u64, LeaseEvent, bool)> {
+        use qpb::lease_response::Msg;
+        let event = match answer.msg? {
+            Msg::Opened(_) => LeaseEvent::Opened,
+            Msg::Held(h) => LeaseEvent::Held(Box::new(h)),
+            Msg::Grant(g) => LeaseEvent::Grant(Box::new(g)),
+            Msg::Error(e) => LeaseEvent::Failed(Box::new(e.into_status())),
+        };
+        let last = matches!(event, LeaseEvent::Grant(_) | LeaseEvent::Failed(_));
+        Some((answer.lease_id, event, last))
+    }
+
+    fn failure(status: tonic::Status) -> LeaseEvent {
+        LeaseEvent::Failed(Box::new(status))
+    }
+
+    /// A granted lease lives on until `done` (or its drop cancels it).
+    fn ends(event: &LeaseEvent) -> bool {
+        matches!(event, LeaseEvent::Failed(_))
+    }
+
+    fn cancel(id: u64) -> qpb::LeaseRequest {
+        lease_message(id, None)
+    }
 }
 
-#[derive(Debug, Default)]
-struct SessionState {
-    /// Leases waiting for their grant (or error), by id.
-    waiting: HashMap<u64, mpsc::UnboundedSender<LeaseEvent>>,
-    /// The session ended; new leases need a new one.
-    closed: bool,
+fn lease_message(id: u64, msg: Option<qpb::admit_request::Msg>) -> qpb::LeaseRequest {
+    qpb::LeaseRequest {
+        lease_id: id,
+        request: msg.map(|msg| qpb::AdmitRequest { msg: Some(msg) }),
+        traceparent: String::new(),
+    }
 }
+
+/// Every queue's lease session, by endpoint.
+pub(crate) type LeaseSessions = Sessions<Leases>;
 
 /// One admission lease. Dropping it without [`QueueLease::done`] cancels it
 /// (releases the slot, or takes a held request out of the queue).
 #[derive(Debug)]
-pub(crate) struct QueueLease {
-    session: Arc<Session>,
-    id: u64,
-    events: mpsc::UnboundedReceiver<LeaseEvent>,
-    /// The queue has no more to do with it: `done` sent, or it failed.
-    ended: bool,
-}
+pub(crate) struct QueueLease(Member<Leases>);
 
-impl LeaseSessions {
+impl Sessions<Leases> {
     /// Opens a lease for `open` on the session to `endpoint` (opening the
     /// session on `channel` if there is none). Its events say what the
     /// queue made of it; the caller's span is its trace parent.
@@ -78,190 +103,54 @@ impl LeaseSessions {
         channel: TracedChannel,
         open: qpb::AdmitOpen,
     ) -> QueueLease {
-        let session = {
-            let mut sessions = self.sessions.lock();
-            match sessions.get(endpoint) {
-                Some(s) if !s.state.lock().closed => Arc::clone(s),
-                _ => {
-                    // Sessions that ended stay only until the next one opens
-                    // (queues come and go under new endpoints).
-                    sessions.retain(|_, s| !s.state.lock().closed);
-                    let (tx, rx) = mpsc::unbounded_channel();
-                    let s = Arc::new(Session {
-                        tx,
-                        state: Mutex::new(SessionState::default()),
-                        next_id: AtomicU64::new(1),
-                    });
-                    sessions.insert(endpoint.to_owned(), Arc::clone(&s));
-                    // The lease below is queued before the call starts.
-                    tokio::spawn(run(
-                        Arc::clone(&s),
-                        qpb::queue_client::QueueClient::new(channel),
-                        rx,
-                    ));
-                    s
-                }
-            }
-        };
-        let id = session.next_id.fetch_add(1, Ordering::Relaxed);
-        let (events_tx, events) = mpsc::unbounded_channel();
-        let mut lease = QueueLease {
-            session: Arc::clone(&session),
-            id,
-            events,
-            ended: false,
-        };
-        {
-            let mut state = session.state.lock();
-            if state.closed {
-                lease.ended = true;
-                let _ = events_tx.send(LeaseEvent::Failed(Box::new(session_closed())));
-                return lease;
-            }
-            state.waiting.insert(id, events_tx);
-        }
-        let _ = session.tx.send(qpb::LeaseRequest {
-            lease_id: id,
-            request: Some(qpb::AdmitRequest {
-                msg: Some(qpb::admit_request::Msg::Open(open)),
-            }),
+        QueueLease(self.join(endpoint, channel, |id| qpb::LeaseRequest {
             traceparent: sluice_runtime::telemetry::traceparent(),
-        });
-        lease
+            ..lease_message(id, Some(qpb::admit_request::Msg::Open(open)))
+        }))
     }
-}
-
-fn session_closed() -> tonic::Status {
-    tonic::Status::unavailable("the queue ended the lease session")
-}
-
-impl Session {
-    /// Hands an answer to its lease; a grant or an error is its last.
-    fn dispatch(&self, answer: qpb::LeaseResponse) {
-        use qpb::lease_response::Msg;
-        let event = match answer.msg {
-            Some(Msg::Opened(_)) => LeaseEvent::Opened,
-            Some(Msg::Held(h)) => LeaseEvent::Held(Box::new(h)),
-            Some(Msg::Grant(g)) => LeaseEvent::Grant(Box::new(g)),
-            Some(Msg::Error(e)) => LeaseEvent::Failed(Box::new(e.into_status())),
-            None => return,
-        };
-        let last = matches!(event, LeaseEvent::Grant(_) | LeaseEvent::Failed(_));
-        let mut state = self.state.lock();
-        if let Some(tx) = state.waiting.get(&answer.lease_id) {
-            let _ = tx.send(event);
-        }
-        if last {
-            state.waiting.remove(&answer.lease_id);
-        }
-    }
-
-    /// The session is over: every lease still waiting fails with `status`.
-    fn close(&self, status: &tonic::Status) {
-        let waiting = {
-            let mut state = self.state.lock();
-            state.closed = true;
-            std::mem::take(&mut state.waiting)
-        };
-        for tx in waiting.into_values() {
-            let _ = tx.send(LeaseEvent::Failed(Box::new(status.clone())));
-        }
-    }
-
-    fn send(&self, id: u64, request: Option<qpb::admit_request::Msg>) {
-        let _ = self.tx.send(qpb::LeaseRequest {
-            lease_id: id,
-            request: request.map(|msg| qpb::AdmitRequest { msg: Some(msg) }),
-            traceparent: String::new(),
-        });
-    }
-}
-
-/// Runs one session: opens the call with what is queued, then hands each
-/// answer to its lease until the stream ends.
-async fn run(
-    session: Arc<Session>,
-    mut client: qpb::queue_client::QueueClient<TracedChannel>,
-    rx: mpsc::UnboundedReceiver<qpb::LeaseRequest>,
-) {
-    let ended = match client.leases(UnboundedReceiverStream::new(rx)).await {
-        Ok(response) => {
-            let mut answers = response.into_inner();
-            loop {
-                match answers.message().await {
-                    Ok(Some(answer)) => session.dispatch(answer),
-                    Ok(None) => break session_closed(),
-                    Err(status) => break status,
-                }
-            }
-        }
-        Err(status) => status,
-    };
-    tracing::debug!(code = ?ended.code(), message = ended.message(), "lease session ended");
-    session.close(&ended_status(ended));
-}
-
-/// What the leases of a session that ended with `status` fail with. A
-/// queue of an older release, without `Leases`, is a queue that cannot
-/// admit (another may): said so, rather than as an unknown method.
-fn ended_status(status: tonic::Status) -> tonic::Status {
-    if status.code() == tonic::Code::Unimplemented {
-        return tonic::Status::unavailable(format!(
-            "the queue does not serve Queue.Leases (an older release?): {}",
-            status.message()
-        ));
-    }
-    status
 }
 
 impl QueueLease {
     /// The queue's next answer before the grant; `None` once there is no
     /// more (after the grant, or the lease failed).
     pub(crate) async fn next(&mut self) -> Option<LeaseEvent> {
-        let event = self.events.recv().await;
-        if matches!(event, Some(LeaseEvent::Failed(_))) {
-            self.ended = true;
-        }
-        event
+        self.0.next().await
     }
 
     /// After the grant: the request produced its first token.
     pub(crate) fn started(&self) {
-        self.session.send(
-            self.id,
-            Some(qpb::admit_request::Msg::Started(qpb::AdmitStarted {})),
-        );
+        self.0.send(|id| {
+            lease_message(
+                id,
+                Some(qpb::admit_request::Msg::Started(qpb::AdmitStarted {})),
+            )
+        });
     }
 
     /// After the grant: output tokens produced on this lease so far.
     pub(crate) fn progress(&self, completion_tokens: u32) {
-        self.session.send(
-            self.id,
-            Some(qpb::admit_request::Msg::Progress(qpb::AdmitProgress {
-                completion_tokens,
-            })),
-        );
+        self.0.send(|id| {
+            lease_message(
+                id,
+                Some(qpb::admit_request::Msg::Progress(qpb::AdmitProgress {
+                    completion_tokens,
+                })),
+            )
+        });
     }
 
     /// The request finished with `completion_tokens` output tokens on this
     /// lease: the queue releases it.
     pub(crate) fn done(mut self, completion_tokens: u32) {
-        self.session.send(
-            self.id,
-            Some(qpb::admit_request::Msg::Done(qpb::AdmitDone {
-                completion_tokens,
-            })),
-        );
-        self.ended = true;
-    }
-}
-
-impl Drop for QueueLease {
-    fn drop(&mut self) {
-        self.session.state.lock().waiting.remove(&self.id);
-        if !self.ended {
-            self.session.send(self.id, None);
-        }
+        self.0.send(|id| {
+            lease_message(
+                id,
+                Some(qpb::admit_request::Msg::Done(qpb::AdmitDone {
+                    completion_tokens,
+                })),
+            )
+        });
+        self.0.end();
     }
 }
 
@@ -272,13 +161,14 @@ mod tests {
     use tonic::Code;
 
     use super::*;
+    use crate::session::{closed, ended_status};
 
     #[test]
     fn a_queue_without_leases_is_a_queue_that_cannot_admit() {
-        let status = ended_status(tonic::Status::unimplemented("unknown method Leases"));
+        let status = ended_status::<Leases>(tonic::Status::unimplemented("unknown method Leases"));
         assert_eq!(status.code(), Code::Unavailable);
         assert!(status.message().contains("Queue.Leases"), "{status:?}");
-        let other = ended_status(tonic::Status::cancelled("reset"));
+        let other = ended_status::<Leases>(tonic::Status::cancelled("reset"));
         assert_eq!(other.code(), Code::Cancelled);
     }
 
@@ -301,13 +191,9 @@ mod tests {
             assert!(status.metadata().get("sluice-reason").is_none());
             // Each lease met the connection's own failure: the second one
             // opened a new session rather than finding the dead one.
-            assert_ne!(status.message(), session_closed().message(), "{status:?}");
-            assert!(lease.ended, "a failed lease sends no cancel");
+            assert_ne!(status.message(), closed::<Leases>().message(), "{status:?}");
+            assert!(lease.0.ended(), "a failed lease sends no cancel");
         }
-        assert_eq!(
-            sessions.sessions.lock().len(),
-            1,
-            "ended sessions are dropped"
-        );
+        assert_eq!(sessions.count(), 1, "ended sessions are dropped");
     }
 }

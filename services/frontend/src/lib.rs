@@ -19,6 +19,7 @@ mod metrics;
 mod openai;
 mod pipeline;
 mod prompt;
+mod session;
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
