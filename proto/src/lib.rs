@@ -89,6 +89,14 @@ impl common::v1::RpcStatus {
     }
 }
 
+impl worker::v1::GenerateResponse {
+    /// Whether this message ends its generation (`finish_reason` is set):
+    /// the one rule for both ends of a `Worker.GenerateSession`.
+    pub fn finishes(&self) -> bool {
+        self.finish_reason != common::v1::FinishReason::Unspecified as i32
+    }
+}
+
 /// Encoded `FileDescriptorSet` of every Sluice package, for gRPC reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("sluice_descriptor");
 

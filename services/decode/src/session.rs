@@ -144,7 +144,7 @@ async fn generate(
     while let Some(item) = stream.next().await {
         let (msg, last) = match item {
             Ok(r) => {
-                let last = r.finish_reason != 0;
+                let last = r.finishes();
                 let msg = pb::GenerateSessionResponse {
                     id,
                     msg: Some(pb::generate_session_response::Msg::Response(r)),

@@ -57,7 +57,7 @@ impl Protocol for Generations {
 
     /// The message that finishes the sequence, or an error, is its last.
     fn ends(event: &Event) -> bool {
-        event.as_ref().is_ok_and(|r| r.finish_reason != 0) || event.is_err()
+        event.as_ref().is_ok_and(|r| r.finishes()) || event.is_err()
     }
 
     fn cancel(id: u64) -> wpb::GenerateSessionRequest {

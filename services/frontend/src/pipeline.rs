@@ -550,7 +550,7 @@ impl Pipeline {
             .await
             .map_err(|_| FrontendError::Deadline)?;
         if let Err(s) = answer {
-            close_lease(Some(lease), 0);
+            lease.done(0);
             let failed = worker_failed(&s);
             let error = FrontendError::from_status("worker", s, &self.model);
             return Err(Failure::of_worker(&grant.worker_id, failed, error));
@@ -767,7 +767,8 @@ impl Generation {
     /// tokens still to come. The client's stream goes on. `false` when the
     /// limit is reached, the deadline has passed or no worker takes it.
     async fn migrate(&mut self, cause: &FrontendError) -> bool {
-        let p = &self.pipeline;
+        // Its own handle (a migration is rare): `self` ends the lease below.
+        let p = Arc::clone(&self.pipeline);
         let done = self.generated.len() as u32;
         let wanted = self.request.params.sampling.max_tokens;
         if self.failed_workers.len() as u32 >= p.migration_limit
@@ -797,8 +798,7 @@ impl Generation {
         );
         // The failed worker's stream is gone; its lease ends now.
         self.stream = None;
-        let on_lease = self.on_lease();
-        close_lease(self.lease.take(), on_lease);
+        self.end_lease();
         self.lease_base = self.usage.completion_tokens;
         self.reported = 0;
         let retries = p
@@ -1000,7 +1000,9 @@ impl Generation {
     /// produced under it.
     fn end_lease(&mut self) {
         let on_lease = self.on_lease();
-        close_lease(self.lease.take(), on_lease);
+        if let Some(lease) = self.lease.take() {
+            lease.done(on_lease);
+        }
     }
 
     /// Tells the queue the lease's output so far, at most once per
@@ -1055,13 +1057,6 @@ fn worker_failed(s: &tonic::Status) -> bool {
             | Code::Aborted
             | Code::DataLoss
     )
-}
-
-/// Ends a lease: `done` with the lease's `completion_tokens`.
-fn close_lease(lease: Option<QueueLease>, completion_tokens: u32) {
-    if let Some(lease) = lease {
-        lease.done(completion_tokens);
-    }
 }
 
 impl Pipeline {
