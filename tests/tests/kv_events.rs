@@ -128,6 +128,22 @@ async fn late_subscriber_replays_and_too_late_one_resyncs_from_a_snapshot() -> a
     mesh.stop().await
 }
 
+/// A greedy 24-token prompt run to `max_tokens` on the worker directly.
+fn generate_request(max_tokens: u32) -> wpb::GenerateRequest {
+    wpb::GenerateRequest {
+        request_id: "worker-stream".into(),
+        model: "sluice-tiny".into(),
+        prompt_token_ids: (0..24u32).map(|t| t * 11 % 900 + 4).collect(),
+        sampling: Some(sluice_proto::common::v1::SamplingParams {
+            max_tokens,
+            ignore_eos: true,
+            temperature: Some(0.0),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_generate_stream_names_its_worker_on_the_first_and_last_message() -> anyhow::Result<()> {
     // The mocker at its modelled speed: steps milliseconds apart, so the
@@ -138,21 +154,7 @@ async fn a_generate_stream_names_its_worker_on_the_first_and_last_message() -> a
     let mesh = Mesh::start(opts).await?;
     let worker = mesh.endpoints("decode").await?.remove(0);
     let mut client = wpb::worker_client::WorkerClient::connect(format!("http://{worker}")).await?;
-    let mut stream = client
-        .generate(wpb::GenerateRequest {
-            request_id: "named".into(),
-            model: "sluice-tiny".into(),
-            prompt_token_ids: (0..24u32).map(|t| t * 11 % 900 + 4).collect(),
-            sampling: Some(sluice_proto::common::v1::SamplingParams {
-                max_tokens: 32,
-                ignore_eos: true,
-                temperature: Some(0.0),
-                ..Default::default()
-            }),
-            ..Default::default()
-        })
-        .await?
-        .into_inner();
+    let mut stream = client.generate(generate_request(32)).await?.into_inner();
     let mut messages = Vec::new();
     while let Some(m) = stream.message().await? {
         messages.push(m);
@@ -167,21 +169,6 @@ async fn a_generate_stream_names_its_worker_on_the_first_and_last_message() -> a
         assert!(m.worker_id.is_empty(), "a middle message repeats it: {m:?}");
     }
     Ok(())
-}
-
-fn session_request(max_tokens: u32) -> wpb::GenerateRequest {
-    wpb::GenerateRequest {
-        request_id: "session".into(),
-        model: "sluice-tiny".into(),
-        prompt_token_ids: (0..24u32).map(|t| t * 11 % 900 + 4).collect(),
-        sampling: Some(sluice_proto::common::v1::SamplingParams {
-            max_tokens,
-            ignore_eos: true,
-            temperature: Some(0.0),
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -199,7 +186,7 @@ async fn generations_share_one_session_and_each_ends_on_its_own() -> anyhow::Res
 
     // What `Generate` gives for the request.
     let mut reference = Vec::new();
-    let mut stream = client.generate(session_request(16)).await?.into_inner();
+    let mut stream = client.generate(generate_request(16)).await?.into_inner();
     while let Some(m) = stream.message().await? {
         reference.extend(m.token_ids);
     }
@@ -213,19 +200,19 @@ async fn generations_share_one_session_and_each_ends_on_its_own() -> anyhow::Res
         })
         .map_err(|_| anyhow::anyhow!("the session's outbound channel is closed"))
     };
-    send(1, Some(session_request(16)))?;
+    send(1, Some(generate_request(16)))?;
     // Long enough to be aborted while it runs (the mocker at its modelled
     // speed takes milliseconds a step).
-    send(2, Some(session_request(5_000)))?;
+    send(2, Some(generate_request(5_000)))?;
     send(
         3,
         Some(wpb::GenerateRequest {
             model: "another-model".into(),
-            ..session_request(4)
+            ..generate_request(4)
         }),
     )?;
     // Id 1 is live: this message alone is refused.
-    send(1, Some(session_request(4)))?;
+    send(1, Some(generate_request(4)))?;
     let mut answers = client
         .generate_session(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
         .await?
@@ -250,7 +237,7 @@ async fn generations_share_one_session_and_each_ends_on_its_own() -> anyhow::Res
                     // Generation 2 runs: abort it, then start 4 on the same
                     // session, which must still work.
                     send(2, None)?;
-                    send(4, Some(session_request(8)))?;
+                    send(4, Some(generate_request(8)))?;
                     aborted = true;
                 }
             }
@@ -317,17 +304,12 @@ async fn a_draining_worker_refuses_new_generations_and_finishes_its_own() -> any
     let ctx = ServiceContext::new(discovery, shutdown.clone());
     let worker = tokio::spawn(sluice_decode::serve(listener, args, model, ctx));
 
-    let mut client = None;
-    for _ in 0..100 {
-        match wpb::worker_client::WorkerClient::connect(format!("http://{endpoint}")).await {
-            Ok(c) => {
-                client = Some(c);
-                break;
-            }
-            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-        }
-    }
-    let mut client = client.expect("the worker listens");
+    let mut client =
+        sluice_tests::wait::until("the worker to listen", Duration::from_secs(5), || {
+            let url = format!("http://{endpoint}");
+            async move { Ok(wpb::worker_client::WorkerClient::connect(url).await.ok()) }
+        })
+        .await?;
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     let send = |id: u64, request: wpb::GenerateRequest| {
         tx.send(wpb::GenerateSessionRequest {
@@ -337,7 +319,7 @@ async fn a_draining_worker_refuses_new_generations_and_finishes_its_own() -> any
         })
         .map_err(|_| anyhow::anyhow!("the session's outbound channel is closed"))
     };
-    send(1, session_request(200))?;
+    send(1, generate_request(200))?;
     let mut answers = client
         .generate_session(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
         .await?
@@ -358,7 +340,7 @@ async fn a_draining_worker_refuses_new_generations_and_finishes_its_own() -> any
     shutdown.cancel();
     // Give the session the drain signal before the next request.
     tokio::time::sleep(Duration::from_millis(100)).await;
-    send(2, session_request(4))?;
+    send(2, generate_request(4))?;
     let mut tokens = first.map_or(0, |a| match a.msg {
         Some(Msg::Response(r)) => r.token_ids.len(),
         _ => 0,
