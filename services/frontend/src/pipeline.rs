@@ -470,6 +470,7 @@ impl Pipeline {
             generated: Vec::new(),
             lease_base: 0,
             reported: 0,
+            lease_started: false,
             failed_workers: failed,
             request: p,
         })
@@ -732,6 +733,9 @@ pub(crate) struct Generation {
     lease_base: u32,
     /// Output tokens last reported on the current lease (`progress`).
     reported: u32,
+    /// Whether the current lease has heard `started` (a migrated request's
+    /// new lease hears it at its first tokens from the new worker).
+    lease_started: bool,
     /// Workers that failed this request mid-stream.
     failed_workers: Vec<String>,
 }
@@ -801,6 +805,7 @@ impl Generation {
         self.end_lease();
         self.lease_base = self.usage.completion_tokens;
         self.reported = 0;
+        self.lease_started = false;
         let retries = p
             .migration_limit
             .saturating_sub(self.failed_workers.len() as u32);
@@ -911,12 +916,18 @@ impl Generation {
         }
     }
 
-    /// TTFT at the first tokens (and the lease's `started`, so the router
-    /// stops counting the prompt as prefill work), inter-token latency
-    /// after.
+    /// TTFT at the first tokens, inter-token latency after; the lease's
+    /// `started` at its first tokens, so the queue and the router stop
+    /// counting the prompt as prefill work.
     fn note_timing(&mut self, msg: &wpb::GenerateResponse) {
         if msg.token_ids.is_empty() {
             return;
+        }
+        if !self.lease_started
+            && let Some(lease) = &self.lease
+        {
+            lease.started();
+            self.lease_started = true;
         }
         let now = Instant::now();
         let m = &self.pipeline.metrics;
@@ -927,9 +938,6 @@ impl Generation {
                     .with_label_values(&[&self.priority_label])
                     .observe(ttft);
                 m.tenant_ttft(&self.serving.tenant, self.usage.prompt_tokens, ttft);
-                if let Some(lease) = &self.lease {
-                    lease.started();
-                }
             }
             Some(prev) => {
                 let per = (now - prev).as_secs_f64() / msg.token_ids.len() as f64;
