@@ -190,6 +190,12 @@ async fn listen(
     let listener = tokio::net::TcpListener::bind(common.listen)
         .await
         .with_context(|| format!("binding --listen {}", common.listen))?;
+    // A line before discovery, so a start that stalls there says so.
+    tracing::info!(
+        listen = %listener.local_addr()?,
+        etcd = common.etcd.as_deref().unwrap_or("none"),
+        "listening; joining discovery"
+    );
     let discovery = discovery::from_args(&common, None).await?;
     if common.etcd.is_none() {
         tracing::warn!("no --etcd: in-process discovery only sees services in this process");

@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use etcd_client::{Client, EventType, GetOptions, PutOptions, WatchOptions};
+use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
@@ -17,6 +17,9 @@ use super::{
     parse_entry, settle,
 };
 use crate::RuntimeError;
+
+/// How long one attempt to connect to etcd may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 const RETRY: Duration = Duration::from_millis(500);
 
@@ -43,13 +46,16 @@ impl EtcdDiscovery {
     /// Connects to `endpoint` (e.g. `http://127.0.0.1:2379`). Watches drop a
     /// member whose lease was lost at once; see [`Self::with_grace`].
     pub async fn connect(endpoint: &str, namespace: &str) -> Result<Self, RuntimeError> {
-        let client =
-            Client::connect([endpoint], None)
-                .await
-                .map_err(|source| RuntimeError::Etcd {
-                    endpoint: endpoint.to_string(),
-                    source,
-                })?;
+        // The client connects on first use; a connection attempt that
+        // hangs (a filtered port, a stalled listener) fails after this
+        // instead of holding the call for good.
+        let options = ConnectOptions::new().with_connect_timeout(CONNECT_TIMEOUT);
+        let client = Client::connect([endpoint], Some(options))
+            .await
+            .map_err(|source| RuntimeError::Etcd {
+                endpoint: endpoint.to_string(),
+                source,
+            })?;
         Ok(Self {
             client,
             endpoint: endpoint.into(),
