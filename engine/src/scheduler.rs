@@ -114,6 +114,10 @@ pub struct LoadStats {
     /// (`SchedulingPolicy::Priority`): a lower-priority prompt waiting here
     /// does not delay a higher one's prefill.
     pub priority_scheduling: bool,
+    /// Prompts with more than this many tokens left to prefill go one at a
+    /// time, and a shorter one waiting behind one is admitted next to it
+    /// (0 = no such rule; see [`SchedulerConfig`]).
+    pub long_prefill_token_threshold: usize,
     /// Steps scheduled so far.
     pub steps: u64,
     /// Preemptions so far.
@@ -397,6 +401,7 @@ impl Scheduler {
             max_num_seqs: self.cfg.max_num_seqs,
             max_num_batched_tokens: self.cfg.max_num_batched_tokens,
             priority_scheduling: self.cfg.policy == SchedulingPolicy::Priority,
+            long_prefill_token_threshold: self.long_prefill_cap().unwrap_or(0),
             steps: self.steps,
             preemptions: self.preemptions,
             recomputed_tokens: self.recomputed_tokens,

@@ -934,6 +934,8 @@ fn a_short_prompt_is_not_starved_behind_a_long_prefill_and_a_long_one_alone_fill
     let mut c = cfg(4, 32, SchedulingPolicy::Fcfs);
     c.long_prefill_token_threshold = 8;
     let mut s = sched(c, 64);
+    // Routers read the rule from the load report.
+    assert_eq!(s.load().long_prefill_token_threshold, 8);
     s.add(1, req_with(100, 1, 0, 1)).expect("valid");
     // Alone, the long prefill takes the whole budget (the top-up).
     let (st, _) = step(&mut s);

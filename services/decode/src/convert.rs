@@ -150,6 +150,7 @@ pub(crate) fn load(rank: u32, l: &engine::LoadStats, prefill_queue: u32) -> pb::
         max_num_seqs: l.max_num_seqs as u32,
         max_num_batched_tokens: l.max_num_batched_tokens as u32,
         priority_scheduling: l.priority_scheduling,
+        long_prefill_token_threshold: l.long_prefill_token_threshold as u32,
         prefill_queue,
         ..Default::default()
     }
@@ -167,6 +168,15 @@ mod tests {
         };
         assert!(load(0, &priority, 0).priority_scheduling);
         assert!(!load(0, &engine::LoadStats::default(), 0).priority_scheduling);
+    }
+
+    #[test]
+    fn the_load_report_carries_the_long_prefill_threshold() {
+        let stats = engine::LoadStats {
+            long_prefill_token_threshold: 256,
+            ..Default::default()
+        };
+        assert_eq!(load(0, &stats, 0).long_prefill_token_threshold, 256);
     }
 
     #[test]

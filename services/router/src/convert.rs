@@ -187,6 +187,7 @@ pub(crate) fn load_report(r: &wpb::LoadReport) -> LoadReport {
         unplaced_prefill_tokens: r.unplaced_prefill_tokens,
         unplaced_blocks: r.unplaced_blocks,
         priority_scheduling: r.priority_scheduling,
+        long_prefill_token_threshold: r.long_prefill_token_threshold,
     }
 }
 

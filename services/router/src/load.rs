@@ -11,7 +11,7 @@
 //! only the requests it received without `placed`, estimated the same way,
 //! so no request is ever counted twice and none lingers after it ends.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
 
 /// The figures of one worker load report the router uses.
@@ -39,6 +39,9 @@ pub struct LoadReport {
     pub unplaced_blocks: u64,
     /// The engine orders waiting requests by priority.
     pub priority_scheduling: bool,
+    /// Prompts with more than this many tokens to prefill go one at a time
+    /// there, and shorter ones pass them (0 = no such rule).
+    pub long_prefill_token_threshold: u32,
 }
 
 /// A target's effective load: placements plus the unplaced report.
@@ -46,6 +49,9 @@ pub struct LoadReport {
 pub struct EffectiveLoad {
     /// Prefill tokens placed (or admitted unplaced) not yet computed.
     pub active_prefill_tokens: u64,
+    /// The part of them in placements longer than the report's
+    /// `long_prefill_token_threshold` (none without one).
+    pub long_prefill_tokens: u64,
     /// Decode blocks of live requests.
     pub active_decode_blocks: u64,
     /// Live requests.
@@ -82,6 +88,9 @@ pub(crate) struct TargetLoad {
     placements: u32,
     /// Prefill tokens of placements not yet started.
     prefill_tokens: u64,
+    /// Placements not yet started by their prefill tokens: how many of
+    /// each size (a long prefill is told from a short one by the report).
+    unstarted: BTreeMap<u64, u32>,
     /// Live placements per block hash: a block counts once however many
     /// placements share it.
     block_refs: HashMap<u64, u32>,
@@ -94,6 +103,7 @@ impl TargetLoad {
         self.placements += 1;
         if !started {
             self.prefill_tokens += shape.prefill_tokens;
+            *self.unstarted.entry(shape.prefill_tokens).or_insert(0) += 1;
         }
         for &h in shape.hashes.iter() {
             *self.block_refs.entry(h).or_insert(0) += 1;
@@ -104,6 +114,12 @@ impl TargetLoad {
     /// The placement produced its first token: its prefill work is done.
     pub(crate) fn start(&mut self, shape: &Shape) {
         self.prefill_tokens = self.prefill_tokens.saturating_sub(shape.prefill_tokens);
+        if let Some(n) = self.unstarted.get_mut(&shape.prefill_tokens) {
+            *n -= 1;
+            if *n == 0 {
+                self.unstarted.remove(&shape.prefill_tokens);
+            }
+        }
     }
 
     /// The placement ended (`started`: its prefill was already taken off).
@@ -137,8 +153,19 @@ impl TargetLoad {
     /// Placements plus the unplaced part of the report.
     pub(crate) fn effective(&self) -> EffectiveLoad {
         let r = &self.report;
+        // Unplaced requests' sizes are not known one by one: they count as
+        // short (the whole of them delays every prompt).
+        let long_prefill_tokens = match r.long_prefill_token_threshold {
+            0 => 0,
+            t => self
+                .unstarted
+                .range(u64::from(t) + 1..)
+                .map(|(&tokens, &n)| tokens * u64::from(n))
+                .sum(),
+        };
         EffectiveLoad {
             active_prefill_tokens: self.prefill_tokens + r.unplaced_prefill_tokens,
+            long_prefill_tokens,
             active_decode_blocks: self.block_refs.len() as u64
                 + self.unshared_blocks
                 + r.unplaced_blocks,
@@ -195,6 +222,36 @@ mod tests {
         l.remove(&turn1, false);
         assert_eq!(l.effective().active_decode_blocks, 6);
         assert_eq!(l.effective().active_prefill_tokens, 16);
+    }
+
+    #[test]
+    fn placements_longer_than_the_reported_threshold_count_as_long_prefill_until_they_start() {
+        let mut l = TargetLoad::default();
+        let long = shape(5_000, &[1], 80);
+        let short = shape(200, &[2], 4);
+        let other_long = shape(3_000, &[3], 50);
+        l.add(&long, false);
+        l.add(&short, false);
+        l.add(&other_long, false);
+        // No report yet (or an engine without the rule): nothing is long.
+        assert_eq!(l.effective().long_prefill_tokens, 0);
+        l.report(
+            LoadReport {
+                long_prefill_token_threshold: 256,
+                unplaced_prefill_tokens: 1_000,
+                ..Default::default()
+            },
+            Instant::now(),
+        );
+        let e = l.effective();
+        assert_eq!(e.active_prefill_tokens, 9_200);
+        assert_eq!(e.long_prefill_tokens, 8_000);
+        l.start(&long);
+        assert_eq!(l.effective().long_prefill_tokens, 3_000);
+        l.remove(&other_long, false);
+        l.remove(&short, false);
+        let e = l.effective();
+        assert_eq!((e.active_prefill_tokens, e.long_prefill_tokens), (1_000, 0));
     }
 
     #[test]

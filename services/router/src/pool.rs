@@ -684,6 +684,8 @@ impl WorkerPool {
                 &CostInput {
                     overlap_blocks: counted_overlap,
                     active_prefill_tokens: load.active_prefill_tokens,
+                    long_prefill_tokens: load.long_prefill_tokens,
+                    long_prefill_threshold: load.report.long_prefill_token_threshold,
                     active_decode_blocks: load.active_decode_blocks,
                     active_requests: load.active_requests,
                     step_tokens: load.report.max_num_batched_tokens,

@@ -3,11 +3,19 @@
 //! Cost per candidate, in Dynamo's form so results compare:
 //!
 //! ```text
-//! prefill_blocks = (active prefill tokens + uncached prompt tokens) / block_size
+//! prefill_blocks = (queued prefill tokens + uncached prompt tokens) / block_size
 //! prefill_cost   = prefill_load_scale × (prefill_blocks − overlap_credit × overlap_blocks)
 //! decode_cost    = decode_load_scale × active decode blocks
 //! total          = prefill_cost + decode_cost + active_request_weight × active_requests
 //! ```
+//!
+//! Queued prefill tokens are the prefill placed (or admitted) there and not
+//! yet computed, as the worker's engine would make this request wait for it:
+//! where the engine prefills long prompts one at a time and lets a short one
+//! go next to them (its `long_prefill_token_threshold` T > 0), a request
+//! with at most T uncached tokens waits for the short prefills queued there
+//! and one chunk of the long ones (T tokens at most), not for their whole
+//! length; a longer request waits for all of it.
 //!
 //! With `prefill_load_scale` 1, `decode_load_scale` 1, `overlap_credit` 0
 //! and `active_request_weight` 0 this is exactly Dynamo's
@@ -129,6 +137,10 @@ pub struct CostInput {
     pub overlap_blocks: u32,
     /// Prefill tokens admitted or placed there, not yet computed.
     pub active_prefill_tokens: u64,
+    /// The part of them in prompts longer than `long_prefill_threshold`.
+    pub long_prefill_tokens: u64,
+    /// The engine's `long_prefill_token_threshold` there (0 = none).
+    pub long_prefill_threshold: u32,
     /// Decode blocks in use or placed there.
     pub active_decode_blocks: u64,
     /// Active requests there.
@@ -151,7 +163,8 @@ pub struct CostTerms {
     pub total_cost: f64,
     /// Active requests.
     pub active_requests: u32,
-    /// Prefill tokens queued there ahead of this request.
+    /// Prefill tokens queued there that this request waits for (see the
+    /// module docs).
     pub queued_prefill_tokens: u64,
     /// Tokens one engine step there may take (0 = not reported).
     pub step_tokens: u32,
@@ -174,7 +187,8 @@ pub fn cost(
 ) -> CostTerms {
     let bs = f64::from(block_size.max(1));
     let uncached = uncached_tokens(prompt_tokens, input.overlap_blocks, block_size);
-    let prefill_blocks = (input.active_prefill_tokens + uncached) as f64 / bs;
+    let queued = queued_prefill_tokens(input, uncached);
+    let prefill_blocks = (queued + uncached) as f64 / bs;
     let credited = prefill_blocks - params.overlap_credit * f64::from(input.overlap_blocks);
     let prefill_cost = params.prefill_load_scale * credited;
     let decode_cost = params.decode_load_scale * input.active_decode_blocks as f64;
@@ -187,9 +201,21 @@ pub fn cost(
         decode_cost,
         total_cost,
         active_requests: input.active_requests,
-        queued_prefill_tokens: input.active_prefill_tokens,
+        queued_prefill_tokens: queued,
         step_tokens: input.step_tokens,
         over_bound: false,
+    }
+}
+
+/// The queued prefill a request with `uncached` tokens to prefill waits for
+/// on the candidate (see the module docs).
+fn queued_prefill_tokens(input: &CostInput, uncached: u64) -> u64 {
+    let threshold = u64::from(input.long_prefill_threshold);
+    let long = input.long_prefill_tokens.min(input.active_prefill_tokens);
+    if threshold > 0 && uncached <= threshold {
+        input.active_prefill_tokens - long + long.min(threshold)
+    } else {
+        input.active_prefill_tokens
     }
 }
 
@@ -445,6 +471,56 @@ mod tests {
         );
         apply_bounds(&mut terms, p.balance_bound, p.prefill_queue_bound);
         assert!(terms[0].over_bound && !terms[1].over_bound);
+    }
+
+    #[test]
+    fn a_short_prompt_waits_for_one_chunk_of_a_long_prefill_and_a_long_one_for_all_of_it() {
+        let p = CostParams::default();
+        // 15,000 tokens of one long prompt and 300 of short ones queued on
+        // an engine that lets prompts of at most 256 tokens pass long ones.
+        let busy = CostInput {
+            active_prefill_tokens: 15_300,
+            long_prefill_tokens: 15_000,
+            long_prefill_threshold: 256,
+            ..CostInput::default()
+        };
+        // A 200-token prompt: the short ones and one 256-token chunk.
+        assert_eq!(cost(&p, &busy, 200, 64).queued_prefill_tokens, 556);
+        // Its 200 uncached of 1,000 (800 cached) are short too.
+        let cached = CostInput {
+            overlap_blocks: 12,
+            ..busy
+        };
+        assert_eq!(cost(&p, &cached, 1000, 64).queued_prefill_tokens, 556);
+        // A 1,000-token prompt waits for all of it.
+        assert_eq!(cost(&p, &busy, 1000, 64).queued_prefill_tokens, 15_300);
+        // Without the rule every prompt waits for all of it.
+        let fcfs = CostInput {
+            long_prefill_threshold: 0,
+            ..busy
+        };
+        assert_eq!(cost(&p, &fcfs, 200, 64).queued_prefill_tokens, 15_300);
+        // A follow-up whose prefix sits behind a long prefill goes there:
+        // 13 blocks of a 14-block prompt cached behind 15,000 queued tokens
+        // against an idle worker holding nothing.
+        let p = CostParams {
+            overlap_credit: 8.0,
+            ..CostParams::default()
+        };
+        let holder = CostInput {
+            overlap_blocks: 13,
+            ..busy
+        };
+        let idle = CostInput {
+            long_prefill_threshold: 256,
+            ..CostInput::default()
+        };
+        assert!(cost(&p, &holder, 896, 64).total_cost < cost(&p, &idle, 896, 64).total_cost);
+        let no_rule = CostInput {
+            long_prefill_threshold: 0,
+            ..holder
+        };
+        assert!(cost(&p, &no_rule, 896, 64).total_cost > cost(&p, &idle, 896, 64).total_cost);
     }
 
     #[test]
