@@ -43,6 +43,7 @@ use std::collections::{HashMap, HashSet};
 use std::hash::{BuildHasher, Hasher};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock};
 
@@ -188,6 +189,12 @@ impl TargetHandle {
     pub fn blocks(&self) -> usize {
         self.0.blocks.load(Ordering::Relaxed)
     }
+
+    /// Blocks it newly stored lately, halved every 30 s of age: how fast
+    /// its cache turns over.
+    pub fn recent_stores(&self, now: Instant) -> f64 {
+        self.0.state.lock().inflow.at(now)
+    }
 }
 
 impl std::fmt::Debug for TargetHandle {
@@ -228,6 +235,36 @@ struct TargetState {
     /// Set on a gap; cleared by a snapshot.
     needs_snapshot: bool,
     hashes: HashSet<u64, MixHasher>,
+    /// Blocks newly stored lately (see [`Inflow`]).
+    inflow: Inflow,
+}
+
+/// How fast the blocks a target stored stop counting as recent.
+const INFLOW_HALF_LIFE: Duration = Duration::from_secs(30);
+
+/// Blocks stored lately, each counting less as it ages (halved every
+/// [`INFLOW_HALF_LIFE`]): how fast the target's cache is turning over.
+#[derive(Debug, Default, Clone, Copy)]
+struct Inflow {
+    value: f64,
+    at: Option<Instant>,
+}
+
+impl Inflow {
+    fn at(&self, now: Instant) -> f64 {
+        let Some(at) = self.at else {
+            return 0.0;
+        };
+        let age = now.saturating_duration_since(at).as_secs_f64();
+        self.value * 0.5f64.powf(age / INFLOW_HALF_LIFE.as_secs_f64())
+    }
+
+    fn add(&mut self, blocks: usize, now: Instant) {
+        if blocks > 0 {
+            self.value = self.at(now) + blocks as f64;
+            self.at = Some(now);
+        }
+    }
 }
 
 impl Default for KvIndexer {
@@ -288,6 +325,7 @@ impl KvIndexer {
                 next_seq: 1,
                 needs_snapshot: false,
                 hashes: HashSet::with_hasher(self.hasher),
+                inflow: Inflow::default(),
             }),
         });
         self.targets.write().insert(id, entry);
@@ -549,11 +587,14 @@ impl KvIndexer {
         {
             self.orphan_stores.fetch_add(1, Ordering::Relaxed);
         }
+        let mut new = 0;
         for &h in hashes {
             if state.hashes.insert(h) {
                 self.link(h, id);
+                new += 1;
             }
         }
+        state.inflow.add(new, Instant::now());
         entry.blocks.store(state.hashes.len(), Ordering::Relaxed);
     }
 
@@ -755,6 +796,28 @@ mod tests {
 
     fn prompt(seed: u32, len: usize) -> Vec<u32> {
         (0..len as u32).map(|i| seed * 100_000 + i).collect()
+    }
+
+    #[test]
+    fn recent_stores_count_new_blocks_only_and_halve_every_half_life() {
+        let idx = KvIndexer::new();
+        let a = idx.register(Target::new("a", 0));
+        let h = sequence_block_hashes(&prompt(1, 8 * 16), 16);
+        idx.apply(a, &stored(1, None, &h[..6])).expect("apply");
+        // Stored again with two more: only the two are new.
+        idx.apply(a, &stored(2, None, &h)).expect("apply");
+        let handle = idx.handle(a).expect("handle");
+        let now = Instant::now();
+        let fresh = handle.recent_stores(now);
+        assert!((7.99..=8.0).contains(&fresh), "{fresh}");
+        let later = handle.recent_stores(now + INFLOW_HALF_LIFE);
+        assert!((3.99..=4.0).contains(&later), "{later}");
+        let mut inflow = Inflow::default();
+        assert_eq!(inflow.at(now), 0.0);
+        inflow.add(10, now);
+        inflow.add(0, now + INFLOW_HALF_LIFE);
+        inflow.add(5, now + INFLOW_HALF_LIFE * 2);
+        assert!((inflow.at(now + INFLOW_HALF_LIFE * 2) - 7.5).abs() < 1e-9);
     }
 
     #[test]

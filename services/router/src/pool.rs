@@ -241,12 +241,17 @@ struct Counted {
     orphaned_at: Option<Instant>,
 }
 
-/// The candidates' cost terms, their total costs and their shares of the
-/// index, in candidate order.
+/// The candidates' cost terms, their total costs and what spreads the cache
+/// among the cheapest (see [`selector::choose`]), in candidate order.
 struct Scored {
     terms: Vec<CostTerms>,
     costs: Vec<f64>,
-    shares: Vec<f64>,
+    /// A prompt no candidate holds more of than another: the blocks each
+    /// stored lately; otherwise each one's share of the index.
+    spread: Vec<f64>,
+    /// How far above the cheapest a candidate may cost and still be chosen
+    /// for its lower `spread`: such a prompt's uncached blocks, else 0.
+    tolerance: f64,
 }
 
 struct ChoiceState {
@@ -580,9 +585,10 @@ impl WorkerPool {
         let Scored {
             mut terms,
             costs,
-            shares,
+            spread,
+            tolerance,
         } = scored;
-        let chosen = self.choose(&mut choice, &mut terms, &costs, &shares);
+        let chosen = self.choose(&mut choice, &mut terms, &costs, &spread, tolerance);
         let placement = match &input.commit {
             Commit::DryRun => None,
             commit => Some(self.commit(
@@ -665,8 +671,10 @@ impl WorkerPool {
         let mut scored = Scored {
             terms: Vec::with_capacity(candidates.len()),
             costs: Vec::with_capacity(candidates.len()),
-            shares: Vec::with_capacity(candidates.len()),
+            spread: Vec::with_capacity(candidates.len()),
+            tolerance: 0.0,
         };
+        let mut recent = Vec::with_capacity(candidates.len());
         for m in candidates {
             let overlap = match external {
                 Some(f) => f(&m.info.target),
@@ -701,9 +709,26 @@ impl WorkerPool {
                 &m.kv_handle
             };
             scored
-                .shares
+                .spread
                 .push(handle.as_ref().map_or(0, TargetHandle::blocks) as f64 / total_entries);
+            recent.push(handle.as_ref().map_or(0.0, |h| h.recent_stores(now)));
             scored.terms.push(t);
+        }
+        // A new prompt (a new conversation, say) evicts as much wherever it
+        // goes: among the workers about as cheap, the one whose cache turned
+        // over least lately loses the least (its blocks are older), and the
+        // ones that just stored a lot keep it for the follow-ups to come.
+        // The tolerance is what the prompt will store: a prompt every
+        // candidate holds whole stores nothing and is placed by cost alone.
+        let overlaps = scored.terms.iter().map(|t| t.overlap_blocks);
+        let (least, most) = (overlaps.clone().min(), overlaps.max());
+        if let Some(overlap) = least.filter(|_| least == most)
+            && matches!(mode, RouterMode::Kv | RouterMode::Approx)
+        {
+            let uncached = selector::uncached_tokens(desc.prompt_tokens, overlap, desc.block_size);
+            scored.tolerance = self.cfg.cost.prefill_load_scale * uncached as f64
+                / f64::from(desc.block_size.max(1));
+            scored.spread = recent;
         }
         scored
     }
@@ -716,7 +741,8 @@ impl WorkerPool {
         choice: &mut ChoiceState,
         terms: &mut [CostTerms],
         costs: &[f64],
-        shares: &[f64],
+        spread: &[f64],
+        tolerance: f64,
     ) -> usize {
         match self.cfg.mode {
             RouterMode::Kv | RouterMode::Approx | RouterMode::LeastLoaded => {
@@ -726,9 +752,14 @@ impl WorkerPool {
                 let eligible: Vec<usize> =
                     (0..terms.len()).filter(|&i| !terms[i].over_bound).collect();
                 let costs: Vec<f64> = eligible.iter().map(|&i| costs[i]).collect();
-                let shares: Vec<f64> = eligible.iter().map(|&i| shares[i]).collect();
-                eligible
-                    [selector::choose(&costs, &shares, self.cfg.cost.temperature, &mut choice.rng)]
+                let spread: Vec<f64> = eligible.iter().map(|&i| spread[i]).collect();
+                eligible[selector::choose(
+                    &costs,
+                    &spread,
+                    tolerance,
+                    self.cfg.cost.temperature,
+                    &mut choice.rng,
+                )]
             }
             RouterMode::RoundRobin => {
                 let i = choice.round_robin % terms.len();
@@ -1014,6 +1045,45 @@ mod tests {
         p.record_load(&target(2), busy(200), now);
         let d = p.route(&input(&h, 512), now).expect("route");
         assert_eq!(chosen(&d), "w1");
+    }
+
+    #[test]
+    fn a_new_prompt_goes_where_the_cache_turned_over_least_among_the_near_cheapest() {
+        let p = pool(RouterMode::Kv, 3);
+        let now = Instant::now();
+        idle(&p, 3, now);
+        // Other conversations stored lately: 300, 50 and 200 blocks.
+        let mut held = Vec::new();
+        for (i, blocks) in [(0, 300), (1, 50), (2, 200)] {
+            let h = sequence_block_hashes(&tokens(10 + i as u32, blocks * BS), BS as usize);
+            store(&p, i, 1, &h);
+            held.push(h);
+        }
+        let busy = |blocks| LoadReport {
+            unplaced_requests: 1,
+            unplaced_blocks: blocks,
+            ..Default::default()
+        };
+        // w1 runs a little more (10 blocks, under the prompt's 32): it
+        // still gets the new prompt, having stored the least.
+        p.record_load(&target(1), busy(10), now);
+        let h = sequence_block_hashes(&tokens(20, 512), BS as usize);
+        let d = p.route(&input(&h, 512), now).expect("route");
+        assert_eq!(chosen(&d), "w1");
+        // Far busier (100 blocks more): one of the cheapest, of which w2
+        // stored less.
+        p.record_load(&target(1), busy(100), now);
+        let h = sequence_block_hashes(&tokens(21, 512), BS as usize);
+        let d = p.route(&input(&h, 512), now).expect("route");
+        assert_eq!(chosen(&d), "w2");
+        // A prompt with a cached prefix still goes to its holder, however
+        // much that one stored.
+        let mut next = tokens(10, 300 * BS);
+        next.extend(tokens(30, 64));
+        let h = sequence_block_hashes(&next, BS as usize);
+        assert_eq!(h[..300], held[0][..]);
+        let d = p.route(&input(&h, 300 * BS + 64), now).expect("route");
+        assert_eq!(chosen(&d), "w0");
     }
 
     #[test]

@@ -30,7 +30,13 @@
 //!
 //! Choice: temperature 0 takes the lowest cost; ties go to the candidate
 //! holding the smaller share of the index (spreading cache), then at random.
-//! Temperature > 0 samples a softmax over costs min-max normalised to [0, 1].
+//! A new prompt (no candidate holds more of it than another) instead goes,
+//! among the candidates within its own prefill blocks of the lowest cost, to
+//! the one that stored the fewest blocks lately (its cache turns over
+//! slowest, so what the prompt evicts there is oldest; the workers that just
+//! stored a lot keep it for their conversations' next turns), then to the
+//! cheapest of those, then at random. Temperature > 0 samples a softmax over
+//! costs min-max normalised to [0, 1].
 //!
 //! Balance bound: with `balance_bound` B > 0, only candidates whose active
 //! requests are at most `B × mean + 1` (the mean over every candidate) may
@@ -253,11 +259,14 @@ pub fn apply_bounds(terms: &mut [CostTerms], balance_bound: f64, prefill_queue_b
 /// Costs closer than this are a tie.
 const TIE_EPSILON: f64 = 1e-9;
 
-/// Chooses an index into `costs` (non-empty) per the module docs. `shares`
-/// holds each candidate's share of the index, for tie-breaking.
+/// Chooses an index into `costs` (non-empty) per the module docs: among
+/// the candidates within `tolerance` of the lowest cost, the one with the
+/// lowest `spread` (each one's share of the index, or for a new prompt the
+/// blocks it stored lately), then at random.
 pub fn choose<R: Rng + ?Sized>(
     costs: &[f64],
-    shares: &[f64],
+    spread: &[f64],
+    tolerance: f64,
     temperature: f64,
     rng: &mut R,
 ) -> usize {
@@ -267,20 +276,32 @@ pub fn choose<R: Rng + ?Sized>(
     if temperature > 0.0 {
         softmax_sample(costs, temperature, rng)
     } else {
-        lowest(costs, shares, rng)
+        lowest(costs, spread, tolerance, rng)
     }
 }
 
-fn lowest<R: Rng + ?Sized>(costs: &[f64], shares: &[f64], rng: &mut R) -> usize {
+fn lowest<R: Rng + ?Sized>(costs: &[f64], spread: &[f64], tolerance: f64, rng: &mut R) -> usize {
     let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
-    let tied: Vec<usize> = (0..costs.len())
-        .filter(|&i| costs[i] - min <= TIE_EPSILON)
+    let near: Vec<usize> = (0..costs.len())
+        .filter(|&i| costs[i] - min <= tolerance.max(TIE_EPSILON))
         .collect();
-    let share = |i: usize| shares.get(i).copied().unwrap_or(0.0);
-    let min_share = tied.iter().map(|&i| share(i)).fold(f64::INFINITY, f64::min);
-    let tied: Vec<usize> = tied
+    let spread = |i: usize| spread.get(i).copied().unwrap_or(0.0);
+    let min_spread = near
+        .iter()
+        .map(|&i| spread(i))
+        .fold(f64::INFINITY, f64::min);
+    let least: Vec<usize> = near
         .into_iter()
-        .filter(|&i| share(i) - min_share <= TIE_EPSILON)
+        .filter(|&i| spread(i) - min_spread <= TIE_EPSILON)
+        .collect();
+    // Equal spread (a burst before any of it is stored): the cheapest.
+    let min_cost = least
+        .iter()
+        .map(|&i| costs[i])
+        .fold(f64::INFINITY, f64::min);
+    let tied: Vec<usize> = least
+        .into_iter()
+        .filter(|&i| costs[i] - min_cost <= TIE_EPSILON)
         .collect();
     match tied.len() {
         0 => 0,
@@ -378,9 +399,12 @@ mod tests {
     #[test]
     fn lowest_cost_wins_and_ties_go_to_the_smaller_index_share() {
         let mut rng = StdRng::seed_from_u64(1);
-        assert_eq!(choose(&[3.0, 1.0, 2.0], &[0.0; 3], 0.0, &mut rng), 1);
+        assert_eq!(choose(&[3.0, 1.0, 2.0], &[0.0; 3], 0.0, 0.0, &mut rng), 1);
         for _ in 0..50 {
-            assert_eq!(choose(&[1.0, 1.0, 1.0], &[0.5, 0.1, 0.4], 0.0, &mut rng), 1);
+            assert_eq!(
+                choose(&[1.0, 1.0, 1.0], &[0.5, 0.1, 0.4], 0.0, 0.0, &mut rng),
+                1
+            );
         }
     }
 
@@ -389,7 +413,7 @@ mod tests {
         let mut rng = StdRng::seed_from_u64(2);
         let mut seen = [0usize; 4];
         for _ in 0..400 {
-            seen[choose(&[5.0; 4], &[0.0; 4], 0.0, &mut rng)] += 1;
+            seen[choose(&[5.0; 4], &[0.0; 4], 0.0, 0.0, &mut rng)] += 1;
         }
         assert!(seen.iter().all(|&n| n > 50), "{seen:?}");
     }
@@ -399,7 +423,7 @@ mod tests {
         let mut rng = StdRng::seed_from_u64(3);
         let mut seen = [0usize; 3];
         for _ in 0..3000 {
-            seen[choose(&[0.0, 10.0, 20.0], &[0.0; 3], 0.5, &mut rng)] += 1;
+            seen[choose(&[0.0, 10.0, 20.0], &[0.0; 3], 0.0, 0.5, &mut rng)] += 1;
         }
         assert!(
             seen[0] > seen[1] && seen[1] > seen[2] && seen[2] > 0,
@@ -521,6 +545,26 @@ mod tests {
             ..holder
         };
         assert!(cost(&p, &no_rule, 896, 64).total_cost > cost(&p, &idle, 896, 64).total_cost);
+    }
+
+    #[test]
+    fn within_the_tolerance_the_least_spread_wins_then_the_cheapest() {
+        let mut rng = StdRng::seed_from_u64(3);
+        let costs = [10.0, 14.0, 30.0, 10.0];
+        let stored = [80.0, 20.0, 0.0, 80.0];
+        // Within 8 of the cheapest: 0, 1 and 3; 1 stored least.
+        assert_eq!(choose(&costs, &stored, 8.0, 0.0, &mut rng), 1);
+        // No tolerance: the cheapest two tie on spread too, at random.
+        let mut seen = [0; 4];
+        for _ in 0..64 {
+            seen[choose(&costs, &stored, 0.0, 0.0, &mut rng)] += 1;
+        }
+        assert!(seen[0] > 0 && seen[3] > 0 && seen[1] == 0, "{seen:?}");
+        // Equal spread (nothing stored yet): the cheapest within it.
+        assert_eq!(
+            choose(&[12.0, 10.0, 11.0], &[0.0; 3], 8.0, 0.0, &mut rng),
+            1
+        );
     }
 
     #[test]
