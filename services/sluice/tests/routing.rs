@@ -208,10 +208,12 @@ impl Score {
     }
 }
 
-/// Sequential conversations, then eight with four in flight.
+/// Sequential conversations, then eight with three in flight. (Not four:
+/// four conversations in lockstep over four round-robin workers each meet
+/// the same worker every turn, so round-robin would look like kv.)
 async fn multi_turn(http: &str, base: u32) -> anyhow::Result<(Score, Score)> {
     let sequential = conversations(http, base..base + 4, 4, 1).await?;
-    let concurrent = conversations(http, base + 100..base + 108, 4, 4).await?;
+    let concurrent = conversations(http, base + 100..base + 108, 4, 3).await?;
     Ok((Score::of(&sequential), Score::of(&concurrent)))
 }
 
@@ -247,9 +249,9 @@ async fn round_robin_scatters_the_same_conversations() -> anyhow::Result<()> {
         "sequential: {sequential:?}"
     );
     assert!(sequential.coverage <= 0.6, "sequential: {sequential:?}");
-    // Four conversations in lockstep over four workers may keep meeting the
-    // worker of an earlier turn (the rotation and the arrival order can line
-    // up), so only the difference from kv routing's ≥ 95% is checked.
+    // Three conversations in lockstep over four workers move one worker
+    // back each turn; arrival order can still line some up, so only the
+    // difference from kv routing's ≥ 95% is checked.
     assert!(
         concurrent.hit_fraction() <= 0.75,
         "concurrent: {concurrent:?}"
