@@ -86,8 +86,6 @@ pub(crate) struct TargetLoad {
     report: LoadReport,
     reported_at: Option<Instant>,
     placements: u32,
-    /// Prefill tokens of placements not yet started.
-    prefill_tokens: u64,
     /// Placements not yet started by their prefill tokens: how many of
     /// each size (a long prefill is told from a short one by the report).
     unstarted: BTreeMap<u64, u32>,
@@ -102,7 +100,6 @@ impl TargetLoad {
     pub(crate) fn add(&mut self, shape: &Shape, started: bool) {
         self.placements += 1;
         if !started {
-            self.prefill_tokens += shape.prefill_tokens;
             *self.unstarted.entry(shape.prefill_tokens).or_insert(0) += 1;
         }
         for &h in shape.hashes.iter() {
@@ -113,7 +110,6 @@ impl TargetLoad {
 
     /// The placement produced its first token: its prefill work is done.
     pub(crate) fn start(&mut self, shape: &Shape) {
-        self.prefill_tokens = self.prefill_tokens.saturating_sub(shape.prefill_tokens);
         if let Some(n) = self.unstarted.get_mut(&shape.prefill_tokens) {
             *n -= 1;
             if *n == 0 {
@@ -153,18 +149,16 @@ impl TargetLoad {
     /// Placements plus the unplaced part of the report.
     pub(crate) fn effective(&self) -> EffectiveLoad {
         let r = &self.report;
+        let tokens = |(&size, &n): (&u64, &u32)| size * u64::from(n);
+        let prefill_tokens: u64 = self.unstarted.iter().map(tokens).sum();
         // Unplaced requests' sizes are not known one by one: they count as
         // short (the whole of them delays every prompt).
         let long_prefill_tokens = match r.long_prefill_token_threshold {
             0 => 0,
-            t => self
-                .unstarted
-                .range(u64::from(t) + 1..)
-                .map(|(&tokens, &n)| tokens * u64::from(n))
-                .sum(),
+            t => self.unstarted.range(u64::from(t) + 1..).map(tokens).sum(),
         };
         EffectiveLoad {
-            active_prefill_tokens: self.prefill_tokens + r.unplaced_prefill_tokens,
+            active_prefill_tokens: prefill_tokens + r.unplaced_prefill_tokens,
             long_prefill_tokens,
             active_decode_blocks: self.block_refs.len() as u64
                 + self.unshared_blocks

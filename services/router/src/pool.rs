@@ -179,6 +179,17 @@ struct Member {
     load: Arc<Mutex<TargetLoad>>,
 }
 
+impl Member {
+    /// Its handle in the index the mode uses (`approx`: the predicted one).
+    fn handle(&self, approx: bool) -> Option<&TargetHandle> {
+        if approx {
+            self.approx_handle.as_ref()
+        } else {
+            self.kv_handle.as_ref()
+        }
+    }
+}
+
 /// One request's placement question.
 #[derive(Debug, Clone)]
 pub struct RouteInput {
@@ -674,7 +685,6 @@ impl WorkerPool {
             spread: Vec::with_capacity(candidates.len()),
             tolerance: 0.0,
         };
-        let mut recent = Vec::with_capacity(candidates.len());
         for m in candidates {
             let overlap = match external {
                 Some(f) => f(&m.info.target),
@@ -703,15 +713,9 @@ impl WorkerPool {
             );
             t.overlap_blocks = overlap;
             scored.costs.push(t.total_cost);
-            let handle = if approx {
-                &m.approx_handle
-            } else {
-                &m.kv_handle
-            };
             scored
                 .spread
-                .push(handle.as_ref().map_or(0, TargetHandle::blocks) as f64 / total_entries);
-            recent.push(handle.as_ref().map_or(0.0, |h| h.recent_stores(now)));
+                .push(m.handle(approx).map_or(0, TargetHandle::blocks) as f64 / total_entries);
             scored.terms.push(t);
         }
         // A new prompt (a new conversation, say) evicts as much wherever it
@@ -728,7 +732,10 @@ impl WorkerPool {
             let uncached = selector::uncached_tokens(desc.prompt_tokens, overlap, desc.block_size);
             scored.tolerance = self.cfg.cost.prefill_load_scale * uncached as f64
                 / f64::from(desc.block_size.max(1));
-            scored.spread = recent;
+            scored.spread = candidates
+                .iter()
+                .map(|m| m.handle(approx).map_or(0.0, |h| h.recent_stores(now)))
+                .collect();
         }
         scored
     }
