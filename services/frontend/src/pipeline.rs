@@ -470,7 +470,6 @@ impl Pipeline {
             generated: Vec::new(),
             lease_base: 0,
             reported: 0,
-            lease_started: false,
             failed_workers: failed,
             request: p,
         })
@@ -733,9 +732,6 @@ pub(crate) struct Generation {
     lease_base: u32,
     /// Output tokens last reported on the current lease (`progress`).
     reported: u32,
-    /// Whether the current lease has heard `started` (a migrated request's
-    /// new lease hears it at its first tokens from the new worker).
-    lease_started: bool,
     /// Workers that failed this request mid-stream.
     failed_workers: Vec<String>,
 }
@@ -805,7 +801,6 @@ impl Generation {
         self.end_lease();
         self.lease_base = self.usage.completion_tokens;
         self.reported = 0;
-        self.lease_started = false;
         let retries = p
             .migration_limit
             .saturating_sub(self.failed_workers.len() as u32);
@@ -923,11 +918,13 @@ impl Generation {
         if msg.token_ids.is_empty() {
             return;
         }
-        if !self.lease_started
+        // The first tokens on this lease (a migrated request's new lease
+        // hears it at its first tokens from the new worker); `take_tokens`
+        // counts them after this.
+        if self.on_lease() == 0
             && let Some(lease) = &self.lease
         {
             lease.started();
-            self.lease_started = true;
         }
         let now = Instant::now();
         let m = &self.pipeline.metrics;
