@@ -11,7 +11,10 @@
 //! blocks of 16 tokens and the mocker's timing at `--speedup 2`. Printed per
 //! policy: modelled makespan and output throughput, steps and steps with a
 //! prefill row (each pays the prefill polynomial's constant), preemptions,
-//! recomputed tokens, and the tier-3 / tier-0 mean-TTFT ratio.
+//! recomputed tokens, and the tier-3 / tier-0 mean-TTFT ratio. With
+//! `--admission-wait-steps N` every policy also runs with admissions
+//! waiting up to N steps to share a prefill step
+//! (`SchedulerConfig::admission_wait_steps`).
 //!
 //! `cargo run --release -p sluice-engine --example preemption_replay -- --spread-ms 200`
 
@@ -32,6 +35,7 @@ struct Opts {
     spread_ms: f64,
     speedup: f64,
     seed: u64,
+    admission_wait_steps: usize,
 }
 
 fn parse() -> Result<Opts, String> {
@@ -42,6 +46,7 @@ fn parse() -> Result<Opts, String> {
         spread_ms: 200.0,
         speedup: 2.0,
         seed: 1,
+        admission_wait_steps: 0,
     };
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
@@ -54,6 +59,9 @@ fn parse() -> Result<Opts, String> {
             "--spread-ms" => o.spread_ms = value.parse().map_err(|e| bad(&e))?,
             "--speedup" => o.speedup = value.parse().map_err(|e| bad(&e))?,
             "--seed" => o.seed = value.parse().map_err(|e| bad(&e))?,
+            "--admission-wait-steps" => {
+                o.admission_wait_steps = value.parse().map_err(|e| bad(&e))?
+            }
             other => return Err(format!("unknown flag {other}")),
         }
     }
@@ -78,7 +86,12 @@ fn prefill_tokens(batch: &ForwardBatch) -> usize {
         .sum()
 }
 
-fn replay(o: Opts, policy: SchedulingPolicy, seq_limit: bool) -> Result<String, EngineError> {
+fn replay(
+    o: Opts,
+    policy: SchedulingPolicy,
+    seq_limit: bool,
+    admission_wait_steps: usize,
+) -> Result<String, EngineError> {
     let block_size = 16;
     let num_blocks = 2048;
     let cfg = SchedulerConfig {
@@ -87,6 +100,7 @@ fn replay(o: Opts, policy: SchedulingPolicy, seq_limit: bool) -> Result<String, 
         max_model_len: num_blocks * block_size,
         policy,
         preempt_on_seq_limit: seq_limit,
+        admission_wait_steps,
         ..SchedulerConfig::default()
     };
     let kv = KvCache::new(
@@ -186,16 +200,26 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "{} requests ({} + {} tokens) over {} ms, seed {}, mocker speed-up {}",
         o.requests, o.isl, o.osl, o.spread_ms, o.seed, o.speedup
     );
-    for (name, policy, seq_limit) in [
-        ("fcfs", SchedulingPolicy::Fcfs, true),
-        ("priority", SchedulingPolicy::Priority, true),
-        (
-            "priority --no-preempt-on-seq-limit",
-            SchedulingPolicy::Priority,
-            false,
-        ),
-    ] {
-        println!("  {name:36} {}", replay(o, policy, seq_limit)?);
+    let waits = if o.admission_wait_steps > 0 {
+        vec![0, o.admission_wait_steps]
+    } else {
+        vec![0]
+    };
+    for wait in waits {
+        if wait > 0 {
+            println!("with --admission-wait-steps {wait}:");
+        }
+        for (name, policy, seq_limit) in [
+            ("fcfs", SchedulingPolicy::Fcfs, true),
+            ("priority", SchedulingPolicy::Priority, true),
+            (
+                "priority --no-preempt-on-seq-limit",
+                SchedulingPolicy::Priority,
+                false,
+            ),
+        ] {
+            println!("  {name:36} {}", replay(o, policy, seq_limit, wait)?);
+        }
     }
     Ok(())
 }

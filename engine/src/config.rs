@@ -77,6 +77,17 @@ pub struct SchedulerConfig {
     /// interleaved. 0 = off (vLLM's `long_prefill_token_threshold`, made
     /// work-conserving).
     pub long_prefill_token_threshold: usize,
+    /// Admissions share prefill steps: when fewer than a quarter of the
+    /// slots are free, no running sequence is prefilling and a running one
+    /// reaches its `max_tokens` within this many steps, waiting prompts that
+    /// outrank no running sequence wait (at most this many steps in a row)
+    /// to be admitted with the slots about to free, in one prefill step
+    /// instead of one each. Each step with a prefill pays that prefill's
+    /// fixed cost; this keeps slots that fell out of step with the others
+    /// (after a preemption, or prompts admitted a step apart) from paying it
+    /// alone ever after. 0 = off (vLLM's behaviour; TensorRT-LLM's
+    /// `batch_wait_timeout_iters` is the like of it).
+    pub admission_wait_steps: usize,
 }
 
 impl Default for SchedulerConfig {
@@ -91,6 +102,7 @@ impl Default for SchedulerConfig {
             keep_preempted_order: true,
             balance_scheduling: false,
             long_prefill_token_threshold: 0,
+            admission_wait_steps: 0,
         }
     }
 }

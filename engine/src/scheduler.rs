@@ -80,6 +80,9 @@ pub struct ScheduledStep {
     pub passed_over: Vec<SeqId>,
     /// Whether balance scheduling held admission back this step.
     pub balance_held: bool,
+    /// Whether admission waited this step for slots about to free
+    /// (`SchedulerConfig::admission_wait_steps`).
+    pub admission_held: bool,
 }
 
 impl ScheduledStep {
@@ -126,6 +129,8 @@ pub struct LoadStats {
     pub recomputed_tokens: u64,
     /// Steps where balance scheduling held admission back.
     pub balance_held_steps: u64,
+    /// Steps where admission waited for slots about to free.
+    pub admission_held_steps: u64,
 }
 
 /// Where a remote prefill must write a prompt's KV.
@@ -158,6 +163,9 @@ pub struct Scheduler {
     preemptions: u64,
     recomputed_tokens: u64,
     balance_held_steps: u64,
+    admission_held_steps: u64,
+    /// Steps in a row admission has waited for slots about to free.
+    admission_waited: usize,
 }
 
 impl Scheduler {
@@ -178,6 +186,8 @@ impl Scheduler {
             preemptions: 0,
             recomputed_tokens: 0,
             balance_held_steps: 0,
+            admission_held_steps: 0,
+            admission_waited: 0,
         }
     }
 
@@ -406,6 +416,7 @@ impl Scheduler {
             preemptions: self.preemptions,
             recomputed_tokens: self.recomputed_tokens,
             balance_held_steps: self.balance_held_steps,
+            admission_held_steps: self.admission_held_steps,
         }
     }
 
@@ -545,7 +556,15 @@ impl Scheduler {
             self.balance_held_steps += 1;
         }
         let priority = self.cfg.policy == SchedulingPolicy::Priority;
-        let admit = plan.step.preempted.is_empty() && !deferred && balance_ok;
+        let mut admit = plan.step.preempted.is_empty() && !deferred && balance_ok;
+        if admit && self.admission_waits(plan) {
+            plan.step.admission_held = true;
+            self.admission_held_steps += 1;
+            self.admission_waited += 1;
+            admit = false;
+        } else {
+            self.admission_waited = 0;
+        }
         // A waiting sequence whose cached prefix this step took references
         // on; released if it is not admitted after all.
         let mut acquired_for: Option<SeqId> = None;
@@ -646,6 +665,36 @@ impl Scheduler {
         {
             self.give_back_prefix(id);
         }
+    }
+
+    /// Whether this step's admissions wait for the slots about to free, to
+    /// share their prefill step (see `SchedulerConfig::admission_wait_steps`):
+    /// the engine is nearly full, nothing running is prefilling, a running
+    /// sequence ends within the wait, the wait has not run out, and the
+    /// next waiting prompt outranks no running sequence.
+    fn admission_waits(&self, plan: &Plan) -> bool {
+        let wait = self.cfg.admission_wait_steps;
+        let max = self.cfg.max_num_seqs;
+        let free = max.saturating_sub(self.running.len());
+        let Some(head) = self.waiting.values().next().map(|id| &self.seqs[id]) else {
+            return false;
+        };
+        if wait == 0 || self.admission_waited >= wait || free == 0 || free * 4 >= max {
+            return false;
+        }
+        let prefilling = plan
+            .sched
+            .iter()
+            .any(|(id, _)| self.seqs[id].pending_prefill() > 0);
+        let running = || self.running.iter().map(|id| &self.seqs[id]);
+        let outranks = self.cfg.policy == SchedulingPolicy::Priority
+            && running().any(|s| s.priority < head.priority);
+        let slot_frees_soon = running().any(|s| {
+            s.sampling
+                .max_tokens
+                .is_some_and(|m| s.num_generated() + wait >= m)
+        });
+        !prefilling && !outranks && slot_frees_soon
     }
 
     /// A waiting sequence not admitted after all gives back the cached

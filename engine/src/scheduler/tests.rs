@@ -979,3 +979,83 @@ fn a_short_prompt_is_not_starved_behind_a_long_prefill_and_a_long_one_alone_fill
     let (st, _) = step(&mut s);
     assert_eq!((new_tokens(&st, 1), new_tokens(&st, 2)), (32, 0));
 }
+
+/// An engine with one sequence running per output length in `lengths` (ids
+/// from 1) and one more that ended after its second token, leaving one slot
+/// free after two steps; then the `waiting` prompts (id, priority) arrive.
+fn nearly_full(c: SchedulerConfig, lengths: &[usize], waiting: &[(SeqId, i32)]) -> Scheduler {
+    let mut s = sched(c, 1024);
+    for (i, &len) in lengths.iter().enumerate() {
+        s.add(i as SeqId + 1, req_with(4, len, 0, 10 * i as u32))
+            .expect("valid");
+    }
+    s.add(lengths.len() as SeqId + 1, req(4, 2, 0))
+        .expect("valid");
+    step(&mut s);
+    step(&mut s);
+    assert_eq!(s.num_running(), lengths.len(), "one slot is free");
+    for &(id, priority) in waiting {
+        s.add(id, req_with(4, 3, priority, 1000 + id as u32))
+            .expect("valid");
+    }
+    s
+}
+
+#[test]
+fn admission_waits_for_slots_about_to_free_to_share_their_prefill_step() {
+    let waiting: Vec<(SeqId, i32)> = (9..=16).map(|id| (id, 0)).collect();
+    // Off: the prompt takes the free slot at once, in a prefill step of its
+    // own; the seven freed two steps later make another.
+    let mut off = nearly_full(cfg(8, 1000, SchedulingPolicy::Fcfs), &[5; 7], &waiting);
+    let (st, _) = step(&mut off);
+    assert_eq!(st.admitted, vec![9]);
+    assert!(!st.admission_held);
+
+    // On: the seven running ones end within three steps; the prompt waits
+    // for them and all eight are admitted in one step.
+    let mut c = cfg(8, 1000, SchedulingPolicy::Fcfs);
+    c.admission_wait_steps = 3;
+    let mut s = nearly_full(c, &[5; 7], &waiting);
+    for _ in 0..3 {
+        let (st, _) = step(&mut s);
+        assert!(st.admitted.is_empty() && st.admission_held);
+    }
+    assert_eq!(s.num_running(), 0);
+    let (st, _) = step(&mut s);
+    assert_eq!(st.admitted, (9..=16).collect::<Vec<_>>());
+    assert_eq!(s.load().admission_held_steps, 3);
+    let outs = run_to_completion(&mut s);
+    assert!((9..=16).all(|id| finished(&outs, id).is_some()));
+}
+
+#[test]
+fn admission_does_not_wait_when_no_slot_frees_soon_or_past_its_limit() {
+    // Nothing running ends within the wait: admitted at once.
+    let mut c = cfg(8, 1000, SchedulingPolicy::Fcfs);
+    c.admission_wait_steps = 3;
+    let mut s = nearly_full(c, &[20; 7], &[(9, 0)]);
+    assert_eq!(step(&mut s).0.admitted, vec![9]);
+
+    // Running sequences end one a step, so one always ends soon: the prompt
+    // still waits no more than the limit.
+    let mut c = cfg(64, 1000, SchedulingPolicy::Fcfs);
+    c.admission_wait_steps = 2;
+    let lengths: Vec<usize> = (4..4 + 63).collect();
+    let mut s = nearly_full(c, &lengths, &[(100, 0)]);
+    for _ in 0..2 {
+        assert!(step(&mut s).0.admission_held);
+    }
+    assert_eq!(step(&mut s).0.admitted, vec![100]);
+    assert_eq!(s.load().admission_held_steps, 2);
+}
+
+#[test]
+fn a_prompt_that_outranks_a_running_sequence_never_waits_for_a_slot() {
+    let mut c = cfg(8, 1000, SchedulingPolicy::Priority);
+    c.admission_wait_steps = 3;
+    let mut s = nearly_full(c.clone(), &[5; 7], &[(9, 1)]);
+    assert_eq!(step(&mut s).0.admitted, vec![9]);
+    // Of the running sequences' priority, it waits like under fcfs.
+    let mut s = nearly_full(c, &[5; 7], &[(9, 0)]);
+    assert!(step(&mut s).0.admission_held);
+}

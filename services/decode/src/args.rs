@@ -115,6 +115,14 @@ pub struct WorkerArgs {
     #[arg(long, env = "SLUICE_LONG_PREFILL_TOKEN_THRESHOLD")]
     pub long_prefill_token_threshold: Option<usize>,
 
+    /// Steps waiting prompts may wait, when the engine is nearly full and
+    /// running sequences reach their `max_tokens` within that many steps, to
+    /// be admitted together with the slots those free: one prefill step (and
+    /// its fixed cost) for all of them instead of one each. Prompts that
+    /// outrank a running sequence never wait. 0 = off (vLLM's behaviour).
+    #[arg(long, env = "SLUICE_ADMISSION_WAIT_STEPS", default_value_t = 0)]
+    pub admission_wait_steps: usize,
+
     /// Longest sequence (prompt + output); default: the model's limit. The
     /// mocker, which computes no positions, may go past that limit (to
     /// simulate a long-context deployment of a small model's config).
@@ -220,6 +228,7 @@ impl Default for WorkerArgs {
             max_num_seqs: 64,
             max_num_batched_tokens: 2048,
             long_prefill_token_threshold: None,
+            admission_wait_steps: 0,
             max_model_len: None,
             scheduling_policy: "fcfs".into(),
             no_preempt_on_seq_limit: false,
@@ -387,6 +396,7 @@ impl WorkerArgs {
                 long_prefill_token_threshold: self
                     .long_prefill_token_threshold
                     .unwrap_or(self.max_num_batched_tokens / 4),
+                admission_wait_steps: self.admission_wait_steps,
                 ..SchedulerConfig::default()
             },
             enable_prefix_caching: !self.no_prefix_caching,

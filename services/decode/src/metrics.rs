@@ -25,6 +25,7 @@ pub struct WorkerMetrics {
     /// Per engine rank: steps where balance scheduling held admission back,
     /// and preemptions (both cumulative, as the engine counts them).
     pub balance_held_steps: IntGaugeVec,
+    pub admission_held_steps: IntGaugeVec,
     pub preemptions: IntGaugeVec,
     /// Preemptions of this worker's requests, by the request's priority;
     /// counted as the request's stream learns of them (its next token or
@@ -66,6 +67,11 @@ impl WorkerMetrics {
             balance_held_steps: r.gauge_vec(
                 "sluice_worker_balance_held_steps",
                 "Steps where balance scheduling held admission back (cumulative), by engine rank",
+                rank,
+            )?,
+            admission_held_steps: r.gauge_vec(
+                "sluice_worker_admission_held_steps",
+                "Steps where waiting prompts waited for slots about to free, to share a prefill step (cumulative), by engine rank",
                 rank,
             )?,
             preemptions: r.gauge_vec(
@@ -137,6 +143,9 @@ impl WorkerMetrics {
         self.balance_held_steps
             .with_label_values(&r)
             .set(l.balance_held_steps as i64);
+        self.admission_held_steps
+            .with_label_values(&r)
+            .set(l.admission_held_steps as i64);
         self.preemptions
             .with_label_values(&r)
             .set(l.preemptions as i64);
