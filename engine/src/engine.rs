@@ -129,7 +129,7 @@ impl std::fmt::Debug for Command {
 pub struct GenerateStream {
     id: SeqId,
     rx: mpsc::UnboundedReceiver<Output>,
-    _abort: AbortOnDrop,
+    abort: AbortOnDrop,
 }
 
 impl GenerateStream {
@@ -137,7 +137,7 @@ impl GenerateStream {
         Self {
             id,
             rx,
-            _abort: AbortOnDrop::new(id, tx),
+            abort: AbortOnDrop::new(id, tx),
         }
     }
 
@@ -148,7 +148,18 @@ impl GenerateStream {
 
     /// The next output; `None` after the finishing one.
     pub async fn recv(&mut self) -> Option<Output> {
-        self.rx.recv().await
+        let out = self.rx.recv().await;
+        self.note(&out);
+        out
+    }
+
+    /// Once the finishing output is out, the engine has freed the sequence:
+    /// dropping the stream then sends no `Abort` (one engine wake-up less per
+    /// request).
+    fn note(&mut self, out: &Option<Output>) {
+        if out.as_ref().is_some_and(|o| o.finished.is_some()) {
+            self.abort.disarm();
+        }
     }
 
     /// The next output merged with every output already waiting behind it,
@@ -169,17 +180,25 @@ impl GenerateStream {
             out.finished = next.finished;
             out.preemption = next.preemption;
         }
-        Some(out)
+        let out = Some(out);
+        self.note(&out);
+        out
     }
 
     /// [`GenerateStream::recv`] for synchronous callers (not inside a runtime).
     pub fn blocking_recv(&mut self) -> Option<Output> {
-        self.rx.blocking_recv()
+        let out = self.rx.blocking_recv();
+        self.note(&out);
+        out
     }
 
     /// Poll form of [`GenerateStream::recv`], for adapting to `Stream`.
     pub fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<Output>> {
-        self.rx.poll_recv(cx)
+        let poll = self.rx.poll_recv(cx);
+        if let Poll::Ready(out) = &poll {
+            self.note(out);
+        }
+        poll
     }
 
     /// Every token until the end, with the finish (`None` if the engine
@@ -549,6 +568,24 @@ mod tests {
                 count: preempted,
                 recomputed_tokens: 0,
             },
+        }
+    }
+
+    #[tokio::test]
+    async fn a_stream_dropped_after_its_finish_sends_no_abort_and_one_dropped_before_does() {
+        let (commands, received) = std_mpsc::channel();
+        for (finish, abort) in [(true, false), (false, true)] {
+            let (tx, rx) = mpsc::unbounded_channel();
+            let mut stream = GenerateStream::new(3, rx, commands.clone());
+            tx.send(output(&[1], 0, finish)).expect("open");
+            assert!(stream.recv().await.is_some());
+            drop(stream);
+            let sent = received.try_recv().ok();
+            assert_eq!(
+                matches!(sent, Some(Command::Abort(3))),
+                abort,
+                "finished: {finish}"
+            );
         }
     }
 
