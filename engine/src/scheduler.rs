@@ -671,7 +671,9 @@ impl Scheduler {
     /// share their prefill step (see `SchedulerConfig::admission_wait_steps`):
     /// the engine is nearly full, nothing running is prefilling, a running
     /// sequence ends within the wait, the wait has not run out, and the
-    /// next waiting prompt outranks no running sequence.
+    /// next waiting sequence is a prompt to prefill (a parked victim or a
+    /// remotely prefilled sequence resumes in a decode row, which costs no
+    /// prefill step) that outranks no running sequence.
     fn admission_waits(&self, plan: &Plan) -> bool {
         let wait = self.cfg.admission_wait_steps;
         let max = self.cfg.max_num_seqs;
@@ -679,7 +681,8 @@ impl Scheduler {
         let Some(head) = self.waiting.values().next().map(|id| &self.seqs[id]) else {
             return false;
         };
-        if wait == 0 || self.admission_waited >= wait || free == 0 || free * 4 >= max {
+        let prefill = head.tokens.len() - head.num_computed > 1;
+        if wait == 0 || self.admission_waited >= wait || free == 0 || free * 4 >= max || !prefill {
             return false;
         }
         let prefilling = plan

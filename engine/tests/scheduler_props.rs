@@ -81,6 +81,8 @@ struct Setup {
     caching: bool,
     /// `long_prefill_token_threshold` (0 = off).
     long_prefill: usize,
+    /// `admission_wait_steps` (0 = off).
+    admission_wait: usize,
 }
 
 fn setup() -> impl Strategy<Value = Setup> {
@@ -97,6 +99,7 @@ fn setup() -> impl Strategy<Value = Setup> {
         any::<bool>(),
         any::<bool>(),
         prop_oneof![Just(0usize), Just(1), Just(3), Just(8)],
+        prop_oneof![Just(0usize), Just(2)],
     )
         .prop_map(
             |(
@@ -109,6 +112,7 @@ fn setup() -> impl Strategy<Value = Setup> {
                 seq_limit,
                 caching,
                 long_prefill,
+                admission_wait,
             )| {
                 Setup {
                     policy,
@@ -120,6 +124,7 @@ fn setup() -> impl Strategy<Value = Setup> {
                     preempt_on_seq_limit: seq_limit,
                     caching,
                     long_prefill,
+                    admission_wait,
                 }
             },
         )
@@ -163,6 +168,8 @@ struct Harness {
     reserved: Vec<(SeqId, usize)>,
     next_id: SeqId,
     events: Arc<KvEventLog>,
+    /// Steps in a row whose admission waited for slots about to free.
+    held_in_a_row: usize,
 }
 
 impl Harness {
@@ -179,6 +186,7 @@ impl Harness {
             keep_preempted_order: true,
             balance_scheduling: false,
             long_prefill_token_threshold: st.long_prefill,
+            admission_wait_steps: st.admission_wait,
         };
         let events = Arc::new(KvEventLog::new(1 << 16));
         let kv = KvCache::new(st.num_blocks, st.block_size, st.caching, events.clone());
@@ -196,6 +204,7 @@ impl Harness {
             reserved: Vec::new(),
             next_id: 1,
             events,
+            held_in_a_row: 0,
         }
     }
 
@@ -355,6 +364,14 @@ impl Harness {
                 self.s.waiting_ids().any(|w| w == *p),
                 "{p} passed over yet not waiting"
             );
+        }
+        // A step whose admission waits admits nothing, and waits are bounded.
+        if st.admission_held {
+            prop_assert!(st.admitted.is_empty());
+            self.held_in_a_row += 1;
+            prop_assert!(self.held_in_a_row <= self.cfg.admission_wait_steps);
+        } else {
+            self.held_in_a_row = 0;
         }
         let waiting: Vec<SeqId> = self
             .s

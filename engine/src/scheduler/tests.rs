@@ -1059,3 +1059,28 @@ fn a_prompt_that_outranks_a_running_sequence_never_waits_for_a_slot() {
     let mut s = nearly_full(c, &[5; 7], &[(9, 0)]);
     assert!(step(&mut s).0.admission_held);
 }
+
+#[test]
+fn a_parked_victim_resumes_without_waiting_for_slots_about_to_free() {
+    let mut c = cfg(8, 1000, SchedulingPolicy::Priority);
+    c.admission_wait_steps = 3;
+    let mut s = sched(c, 1024);
+    for id in 1..=6 {
+        s.add(id, req_with(4, 5, 0, 10 * id as u32)).expect("valid");
+    }
+    s.add(7, req_with(4, 2, 0, 70)).expect("valid");
+    s.add(8, req_with(4, 20, 0, 80)).expect("valid");
+    step(&mut s);
+    // A higher priority takes the last arrival's slot; 7 ends in the same step.
+    s.add(9, req_with(4, 3, 1, 90)).expect("valid");
+    let (st, _) = step(&mut s);
+    assert_eq!(
+        (st.preempted.as_slice(), st.admitted.as_slice()),
+        (&[8][..], &[9][..])
+    );
+    // Six end within the wait, but 8 resumes in a decode row: no prefill
+    // step to share, so it takes the free slot at once.
+    let (st, _) = step(&mut s);
+    assert_eq!(st.admitted, vec![8]);
+    assert!(!st.admission_held);
+}
