@@ -336,3 +336,31 @@ async fn etcd_departure_is_seen_at_once_and_a_lost_member_after_the_grace() -> a
     );
     Ok(())
 }
+
+#[tokio::test]
+async fn etcd_calls_to_a_listener_that_never_answers_fail_instead_of_hanging() {
+    // Accepts connections and says nothing, like a stalled etcd or a proxy
+    // in front of a dead one.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((conn, _)) = listener.accept().await {
+            held.push(conn);
+        }
+    });
+    let started = Instant::now();
+    let outcome = tokio::time::timeout(Duration::from_secs(60), async {
+        let d = EtcdDiscovery::connect(&format!("http://{addr}"), "stalled").await?;
+        d.list("decode").await
+    })
+    .await;
+    let waited = started.elapsed();
+    assert!(
+        matches!(outcome, Ok(Err(_))),
+        "expected an error, got {outcome:?} after {waited:?}"
+    );
+    assert!(waited < Duration::from_secs(30), "took {waited:?}");
+}
