@@ -151,7 +151,7 @@ if [ "$ONLY" != colo ]; then
     burst_case off "$rep"
     burst_case engine "$rep" --scheduling-policy priority
     burst_case engine-nopreempt "$rep" --scheduling-policy priority --no-preempt-on-seq-limit
-    burst_case engine-wait "$rep" --scheduling-policy priority --admission-wait-steps 4
+    burst_case engine-nowait "$rep" --scheduling-policy priority --admission-wait-steps 0
     burst_case off-wait "$rep" --admission-wait-steps 4
     burst_case q025-strict "$rep" --queue-threshold 0.25 --queue-policy strict
     burst_case q0-strict "$rep" --queue-threshold 0.0 --queue-policy strict
@@ -196,10 +196,10 @@ w("")
 if only != "colo":
     bursts = [
         ("off", "priority off: no threshold (nothing held), engine fcfs"),
-        ("engine", "engine \`--scheduling-policy priority\` only"),
+        ("engine", "engine \`--scheduling-policy priority\` only (with it, by default, prompts wait up to 4 steps for slots about to free to share their prefill step: \`--admission-wait-steps\`)"),
         ("engine-nopreempt", "engine priority without preemption at the seq limit (\`--no-preempt-on-seq-limit\`)"),
-        ("engine-wait", "engine priority, and prompts wait up to 4 steps for slots about to free to share their prefill step (\`--admission-wait-steps 4\`)"),
-        ("off-wait", "priority off with \`--admission-wait-steps 4\`: engine-wait's own baseline"),
+        ("engine-nowait", "engine priority without the admission wait (\`--admission-wait-steps 0\`; the default before 2026-11-25)"),
+        ("off-wait", "priority off with the admission wait priority has by default (\`--admission-wait-steps 4\`): a second baseline"),
         ("q025-strict", "queue threshold 0.25, strict; engine fcfs"),
         ("q0-strict", "queue threshold 0.0, strict; engine fcfs"),
         ("q1-strict", "queue threshold 1.0, strict; engine fcfs"),
@@ -255,9 +255,11 @@ if only != "colo":
     w("")
     w(f"Priority-off throughput over its {len(offs)} runs: {min(offs):.0f}..{max(offs):.0f} out tok/s "
       f"({(max(offs) / min(offs) - 1) * 100:.1f}% apart): differences of that size are noise of the shared machine.")
-    if "engine-wait" in runs and "off-wait" in runs:
-        per = [thr(a) / thr(b) - 1 for a, b in zip(runs["engine-wait"], runs["off-wait"])]
-        w("engine-wait against off-wait of the same round: " + ", ".join(f"{x * 100:+.1f}%" for x in per) + ".")
+    if "engine" in runs:
+        for c in ("off", "off-again", "off-wait"):
+            if c in runs:
+                per = [thr(a) / thr(b) - 1 for a, b in zip(runs["engine"], runs[c])]
+                w(f"engine against {c} of the same round: " + ", ".join(f"{x * 100:+.1f}%" for x in per) + ".")
     w("")
     w("Cases:")
     for c, d in bursts:
