@@ -31,6 +31,14 @@
 //!   its original arrival (flag `keep_preempted_order`, on by default), so it
 //!   resumes ahead of later arrivals of its priority.
 //!
+//! Admissions may wait (`admission_wait_steps`): each step with a prefill
+//! pays that prefill's fixed cost, and slots that fell out of step with the
+//! others (after a preemption at the slot limit, above all) would otherwise
+//! admit alone ever after. When the engine is nearly full, nothing is
+//! prefilling and running sequences reach `max_tokens` within the wait, a
+//! prompt that outranks no running sequence waits for their slots and
+//! shares their prefill step.
+//!
 //! Abort at any point frees every block. Tokens computed again after a
 //! preemption are counted per sequence ([`Preemption`]) and in [`LoadStats`].
 //!
