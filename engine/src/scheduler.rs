@@ -570,6 +570,14 @@ impl Scheduler {
             self.admission_held_steps += 1;
             self.admission_waited += 1;
             admit = false;
+            // The prompts the free slots would have taken this step.
+            let free = self.cfg.max_num_seqs.saturating_sub(self.running.len());
+            let held: Vec<SeqId> = self.waiting.values().take(free).copied().collect();
+            for id in held {
+                if let Some(seq) = self.seqs.get_mut(&id) {
+                    seq.admission_held_steps += 1;
+                }
+            }
         } else {
             self.admission_waited = 0;
         }

@@ -50,6 +50,9 @@ pub struct Usage {
     /// Prompt tokens served from the prefix cache at first admission.
     pub cached_tokens: usize,
     pub preemption: Preemption,
+    /// Steps its admission waited for slots about to free, to share their
+    /// prefill step (`SchedulerConfig::admission_wait_steps`).
+    pub admission_held_steps: usize,
 }
 
 /// The end of a sequence.
@@ -99,6 +102,8 @@ pub(crate) struct Sequence {
     /// Arrival order (kept or renewed on preemption, per config).
     pub(crate) arrival: u64,
     pub(crate) cached_tokens: Option<usize>,
+    /// Steps its admission was held back by the admission wait.
+    pub(crate) admission_held_steps: usize,
     pub(crate) status: Status,
     /// Prefill only: keep the blocks when the first token is out.
     pub(crate) hold_on_finish: bool,
@@ -122,6 +127,7 @@ impl Sequence {
             priority: req.priority,
             arrival,
             cached_tokens: None,
+            admission_held_steps: 0,
             status: Status::Waiting,
             hold_on_finish,
             preemption: Preemption::default(),
@@ -143,6 +149,7 @@ impl Sequence {
             completion_tokens: self.num_generated(),
             cached_tokens: self.cached_tokens.unwrap_or(0),
             preemption: self.preemption,
+            admission_held_steps: self.admission_held_steps,
         }
     }
 

@@ -324,6 +324,10 @@ impl Reply {
         m.generated_tokens.inc_by(f.usage.completion_tokens as u64);
         self.span
             .record("completion_tokens", f.usage.completion_tokens);
+        if f.usage.admission_held_steps > 0 {
+            self.span
+                .record("admission_held_steps", f.usage.admission_held_steps);
+        }
         record_preemption(&self.span, self.preemption);
     }
 }
@@ -443,6 +447,7 @@ impl WorkerService {
             completion_tokens = tracing::field::Empty,
             preemptions = tracing::field::Empty,
             recomputed_tokens = tracing::field::Empty,
+            admission_held_steps = tracing::field::Empty,
         );
         if let Some(tp) = traceparent {
             sluice_runtime::telemetry::set_parent_from_traceparent(tp, &span);
