@@ -281,33 +281,25 @@ pub fn choose<R: Rng + ?Sized>(
 }
 
 fn lowest<R: Rng + ?Sized>(costs: &[f64], spread: &[f64], tolerance: f64, rng: &mut R) -> usize {
-    let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
-    let near: Vec<usize> = (0..costs.len())
-        .filter(|&i| costs[i] - min <= tolerance.max(TIE_EPSILON))
-        .collect();
+    let cost = |i: usize| costs[i];
     let spread = |i: usize| spread.get(i).copied().unwrap_or(0.0);
-    let min_spread = near
-        .iter()
-        .map(|&i| spread(i))
-        .fold(f64::INFINITY, f64::min);
-    let least: Vec<usize> = near
-        .into_iter()
-        .filter(|&i| spread(i) - min_spread <= TIE_EPSILON)
-        .collect();
+    let near = near_lowest((0..costs.len()).collect(), cost, tolerance.max(TIE_EPSILON));
+    let least = near_lowest(near, spread, TIE_EPSILON);
     // Equal spread (a burst before any of it is stored): the cheapest.
-    let min_cost = least
-        .iter()
-        .map(|&i| costs[i])
-        .fold(f64::INFINITY, f64::min);
-    let tied: Vec<usize> = least
-        .into_iter()
-        .filter(|&i| costs[i] - min_cost <= TIE_EPSILON)
-        .collect();
+    let tied = near_lowest(least, cost, TIE_EPSILON);
     match tied.len() {
         0 => 0,
         1 => tied[0],
         n => tied[rng.random_range(0..n)],
     }
+}
+
+/// The indices in `ids` whose `key` is within `within` of the lowest among them.
+fn near_lowest(ids: Vec<usize>, key: impl Fn(usize) -> f64, within: f64) -> Vec<usize> {
+    let min = ids.iter().map(|&i| key(i)).fold(f64::INFINITY, f64::min);
+    ids.into_iter()
+        .filter(|&i| key(i) - min <= within)
+        .collect()
 }
 
 fn softmax_sample<R: Rng + ?Sized>(costs: &[f64], temperature: f64, rng: &mut R) -> usize {
