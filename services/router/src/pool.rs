@@ -682,7 +682,7 @@ impl WorkerPool {
         let mut scored = Scored {
             terms: Vec::with_capacity(candidates.len()),
             costs: Vec::with_capacity(candidates.len()),
-            spread: Vec::with_capacity(candidates.len()),
+            spread: Vec::new(),
             tolerance: 0.0,
         };
         for m in candidates {
@@ -713,9 +713,6 @@ impl WorkerPool {
             );
             t.overlap_blocks = overlap;
             scored.costs.push(t.total_cost);
-            scored
-                .spread
-                .push(m.handle(approx).map_or(0, TargetHandle::blocks) as f64 / total_entries);
             scored.terms.push(t);
         }
         // A new prompt (a new conversation, say) evicts as much wherever it
@@ -735,6 +732,12 @@ impl WorkerPool {
             scored.spread = candidates
                 .iter()
                 .map(|m| m.handle(approx).map_or(0.0, |h| h.recent_stores(now)))
+                .collect();
+        } else {
+            // Otherwise ties go to the smaller share of the index.
+            scored.spread = candidates
+                .iter()
+                .map(|m| m.handle(approx).map_or(0, TargetHandle::blocks) as f64 / total_entries)
                 .collect();
         }
         scored
