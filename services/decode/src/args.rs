@@ -294,13 +294,13 @@ impl WorkerArgs {
         Ok(())
     }
 
-    /// `--admission-wait-steps`, or its default for the policy.
-    fn admission_wait_steps(&self) -> Result<usize, WorkerError> {
-        let default = match self.policy()? {
+    /// `--admission-wait-steps`, or its default for `policy`.
+    fn admission_wait_steps(&self, policy: SchedulingPolicy) -> usize {
+        let default = match policy {
             SchedulingPolicy::Priority => PRIORITY_ADMISSION_WAIT_STEPS,
             SchedulingPolicy::Fcfs => 0,
         };
-        Ok(self.admission_wait_steps.unwrap_or(default))
+        self.admission_wait_steps.unwrap_or(default)
     }
 
     fn policy(&self) -> Result<SchedulingPolicy, WorkerError> {
@@ -399,6 +399,7 @@ impl WorkerArgs {
         if let Some(fault) = &self.step_fault {
             backend = crate::fault::faulty(backend, Arc::clone(fault));
         }
+        let policy = self.policy()?;
         let cfg = EngineConfig {
             block_size: self.block_size,
             num_blocks: Some(self.num_gpu_blocks),
@@ -406,13 +407,13 @@ impl WorkerArgs {
                 max_num_seqs: self.max_num_seqs,
                 max_num_batched_tokens: self.max_num_batched_tokens,
                 max_model_len,
-                policy: self.policy()?,
+                policy,
                 balance_scheduling: self.balance_scheduling,
                 preempt_on_seq_limit: !self.no_preempt_on_seq_limit,
                 long_prefill_token_threshold: self
                     .long_prefill_token_threshold
                     .unwrap_or(self.max_num_batched_tokens / 4),
-                admission_wait_steps: self.admission_wait_steps()?,
+                admission_wait_steps: self.admission_wait_steps(policy),
                 ..SchedulerConfig::default()
             },
             enable_prefix_caching: !self.no_prefix_caching,
@@ -431,13 +432,14 @@ mod tests {
     #[test]
     fn admission_wait_defaults_on_with_priority_scheduling_only() {
         let mut args = WorkerArgs::default();
-        assert_eq!(args.admission_wait_steps().ok(), Some(0));
+        let policy = |a: &WorkerArgs| a.policy().expect("a known policy");
+        assert_eq!(args.admission_wait_steps(policy(&args)), 0);
         args.scheduling_policy = "priority".into();
         assert_eq!(
-            args.admission_wait_steps().ok(),
-            Some(PRIORITY_ADMISSION_WAIT_STEPS)
+            args.admission_wait_steps(policy(&args)),
+            PRIORITY_ADMISSION_WAIT_STEPS
         );
         args.admission_wait_steps = Some(0);
-        assert_eq!(args.admission_wait_steps().ok(), Some(0));
+        assert_eq!(args.admission_wait_steps(policy(&args)), 0);
     }
 }
