@@ -578,7 +578,10 @@ impl Scheduler {
                     seq.admission_held_steps += 1;
                 }
             }
-        } else {
+        } else if admit {
+            // Admission goes ahead: the next wait starts afresh. A step held
+            // for another reason (a preemption, balance) does not reset it,
+            // so waits between admissions add up to the limit at most.
             self.admission_waited = 0;
         }
         // A waiting sequence whose cached prefix this step took references
