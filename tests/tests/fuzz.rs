@@ -35,6 +35,11 @@ const GRPC_MESSAGES: usize = 10_000;
 const IN_FLIGHT: usize = 16;
 /// One input's time limit: generated requests ask for few tokens.
 const EACH: Duration = Duration::from_secs(30);
+/// One loop's time limit, with room for a slow machine: here each loop
+/// takes well under a minute. Past it no new input starts, and the test
+/// fails saying how far it got (a mesh that slowed to a crawl is a finding,
+/// and a CI run that never ends says nothing).
+const LOOP_LIMIT: Duration = Duration::from_secs(420);
 
 fn seed() -> u64 {
     std::env::var("SLUICE_FUZZ_SEED")
@@ -292,10 +297,15 @@ async fn generated_http_bodies_never_panic_or_get_a_5xx() -> anyhow::Result<()> 
     let mesh = mesh().await?;
     let channel = sluice_runtime::grpc::channel(&mesh.http)?;
     let seed = seed();
+    let started = std::time::Instant::now();
     let ok = std::sync::atomic::AtomicUsize::new(0);
     let ok = &ok;
-    let failures = futures::stream::iter(0..HTTP_BODIES)
+    let ran = std::sync::atomic::AtomicUsize::new(0);
+    let ran = &ran;
+    let mut failures = futures::stream::iter(0..HTTP_BODIES)
+        .take_until(tokio::time::sleep(LOOP_LIMIT))
         .map(|i| {
+            ran.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let channel = channel.clone();
             async move {
                 let mut rng = StdRng::seed_from_u64(seed ^ (i as u64).wrapping_mul(0x9e37_79b9));
@@ -345,16 +355,95 @@ async fn generated_http_bodies_never_panic_or_get_a_5xx() -> anyhow::Result<()> 
         .take(5)
         .collect::<Vec<_>>()
         .await;
+    let ran = ran.load(std::sync::atomic::Ordering::Relaxed);
+    if ran < HTTP_BODIES && failures.len() < 5 {
+        failures.push(format!(
+            "only {ran} of {HTTP_BODIES} generated requests started in {LOOP_LIMIT:?}"
+        ));
+    }
     assert!(failures.is_empty(), "seed {seed}:\n{}", failures.join("\n"));
     let ok = ok.load(std::sync::atomic::Ordering::Relaxed);
-    eprintln!("{ok} of {HTTP_BODIES} generated requests were served (2xx)");
+    eprintln!(
+        "{ok} of {HTTP_BODIES} generated requests were served (2xx), in {:.1?}",
+        started.elapsed()
+    );
     assert!(
         ok > HTTP_BODIES / 100,
         "the generator hardly reaches generation: {ok} served"
     );
     // Still serving.
-    mesh.complete_tokens(&[5, 6, 7], 2).await?;
+    still_serves(&mesh).await?;
     mesh.stop().await
+}
+
+/// After the generated inputs, nothing they did is still held (a lease
+/// left open, a sequence never freed) and an ordinary request is served.
+/// Each wait is bounded; a failure shows the services' gauges.
+async fn still_serves(mesh: &Mesh) -> anyhow::Result<()> {
+    const LIMIT: Duration = Duration::from_secs(60);
+    let held = [
+        ("queue", "sluice_queue_active_leases"),
+        ("queue", "sluice_queue_pending_requests"),
+        ("decode", "sluice_worker_running_sequences"),
+        ("decode", "sluice_worker_waiting_sequences"),
+    ];
+    let deadline = tokio::time::Instant::now() + LIMIT;
+    loop {
+        let mut still = Vec::new();
+        for (component, gauge) in held {
+            let page = metrics(mesh, component).await;
+            let value: f64 = page
+                .lines()
+                .filter(|l| l.starts_with(gauge))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum();
+            if value != 0.0 {
+                still.push(format!("{gauge} {value}"));
+            }
+        }
+        if still.is_empty() {
+            break;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            anyhow::bail!(
+                "{LIMIT:?} after the generated inputs, they still hold {}; the services' gauges:\n{}",
+                still.join(", "),
+                gauges(mesh).await
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    match tokio::time::timeout(LIMIT, mesh.complete_tokens(&[5, 6, 7], 2)).await {
+        Ok(r) => r.map(drop),
+        Err(_) => anyhow::bail!(
+            "after the generated inputs, an ordinary completion got no answer in {LIMIT:?}; the services' gauges:\n{}",
+            gauges(mesh).await
+        ),
+    }
+}
+
+/// A service's `/metrics` page, or why there is none (bounded).
+async fn metrics(mesh: &Mesh, component: &str) -> String {
+    tokio::time::timeout(Duration::from_secs(10), mesh.metrics(component))
+        .await
+        .map_err(anyhow::Error::from)
+        .and_then(|r| r)
+        .unwrap_or_else(|e| format!("(no metrics: {e})"))
+}
+
+/// Every series of the queue, router and first worker but histograms.
+async fn gauges(mesh: &Mesh) -> String {
+    let mut out = String::new();
+    for component in ["queue", "router", "decode"] {
+        let page = metrics(mesh, component).await;
+        for line in page
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.contains("_bucket"))
+        {
+            out.push_str(&format!("  {component}: {line}\n"));
+        }
+    }
+    out
 }
 
 // ---------------------------------------------------------------- gRPC
@@ -529,10 +618,15 @@ where
     Fut: Future<Output = Result<(), (tonic::Status, String)>>,
 {
     let seed = seed();
+    let started = std::time::Instant::now();
     let served = std::sync::atomic::AtomicUsize::new(0);
     let served = &served;
+    let ran = std::sync::atomic::AtomicUsize::new(0);
+    let ran = &ran;
     let mut failures: Vec<String> = futures::stream::iter(0..count)
+        .take_until(tokio::time::sleep(LOOP_LIMIT))
         .map(|i| {
+            ran.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let rng = StdRng::seed_from_u64(seed ^ (i as u64 + 1).wrapping_mul(0x2545_f491));
             let fut = call(rng);
             async move {
@@ -555,7 +649,14 @@ where
         .collect()
         .await;
     let served = served.load(std::sync::atomic::Ordering::Relaxed);
-    eprintln!("{name}: {served} of {count} generated inputs served");
+    let ran = ran.load(std::sync::atomic::Ordering::Relaxed);
+    let took = started.elapsed();
+    eprintln!("{name}: {served} of {count} generated inputs served, in {took:.1?}");
+    if ran < count && failures.len() < 5 {
+        failures.push(format!(
+            "{name}: only {ran} of {count} generated inputs started in {LOOP_LIMIT:?}"
+        ));
+    }
     if served == 0 {
         failures.push(format!(
             "{name}: none of {count} generated inputs was served"
@@ -866,6 +967,6 @@ async fn generated_grpc_messages_never_panic_or_get_internal() -> anyhow::Result
         seed(),
         failures.join("\n")
     );
-    mesh.complete_tokens(&[5, 6, 7], 2).await?;
+    still_serves(&mesh).await?;
     mesh.stop().await
 }
