@@ -39,7 +39,48 @@ const EACH: Duration = Duration::from_secs(30);
 /// takes well under a minute. Past it no new input starts, and the test
 /// fails saying how far it got (a mesh that slowed to a crawl is a finding,
 /// and a CI run that never ends says nothing).
-const LOOP_LIMIT: Duration = Duration::from_secs(420);
+const LOOP_LIMIT: Duration = Duration::from_secs(300);
+/// A whole test's time limit, past every bound above: a test still running
+/// then is stuck where no timer fires (a blocked runtime), and the process
+/// ends saying where.
+const WATCHDOG: Duration = Duration::from_secs(40 * 60);
+
+/// Where each test is, for the watchdog.
+static PHASES: std::sync::Mutex<Vec<(&str, String)>> = std::sync::Mutex::new(Vec::new());
+
+fn phase(test: &'static str, what: impl Into<String>) {
+    let what = what.into();
+    let mut phases = PHASES.lock().unwrap_or_else(|e| e.into_inner());
+    match phases.iter_mut().find(|(t, _)| *t == test) {
+        Some(p) => p.1 = what,
+        None => phases.push((test, what)),
+    }
+}
+
+/// Ends the process if `test` is still running after [`WATCHDOG`], saying
+/// where every test is (straight to stderr: the test harness captures
+/// what `eprintln!` prints). Dropping the guard stops it.
+fn watchdog(test: &'static str) -> impl Drop {
+    struct Guard(std::sync::mpsc::Sender<()>);
+    impl Drop for Guard {
+        fn drop(&mut self) {
+            let _ = self.0.send(());
+        }
+    }
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    std::thread::spawn(move || {
+        if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(WATCHDOG) {
+            use std::io::Write;
+            let phases = PHASES.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            let _ = writeln!(
+                std::io::stderr(),
+                "fuzz watchdog: {test} still running after {WATCHDOG:?}; where each test is: {phases:?}"
+            );
+            std::process::exit(101);
+        }
+    });
+    Guard(tx)
+}
 
 fn seed() -> u64 {
     std::env::var("SLUICE_FUZZ_SEED")
@@ -294,7 +335,11 @@ fn http_request(rng: &mut StdRng) -> (http::Method, &'static str, Vec<(String, S
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn generated_http_bodies_never_panic_or_get_a_5xx() -> anyhow::Result<()> {
+    const TEST: &str = "http";
+    let _watchdog = watchdog(TEST);
+    phase(TEST, "starting the mesh");
     let mesh = mesh().await?;
+    phase(TEST, "generated bodies");
     let channel = sluice_runtime::grpc::channel(&mesh.http)?;
     let seed = seed();
     let started = std::time::Instant::now();
@@ -372,7 +417,9 @@ async fn generated_http_bodies_never_panic_or_get_a_5xx() -> anyhow::Result<()> 
         "the generator hardly reaches generation: {ok} served"
     );
     // Still serving.
+    phase(TEST, "checking the mesh still serves");
     still_serves(&mesh).await?;
+    phase(TEST, "stopping the mesh");
     mesh.stop().await
 }
 
@@ -612,12 +659,15 @@ async fn session_answers(
 /// Sends `count` generated messages through `call`; the first failures,
 /// and one more if none was served at all (the generator must reach the
 /// handlers, not only the checks in front of them).
+const GRPC: &str = "grpc";
+
 async fn drive<F, Fut>(name: &str, count: usize, call: F) -> Vec<String>
 where
     F: Fn(StdRng) -> Fut,
     Fut: Future<Output = Result<(), (tonic::Status, String)>>,
 {
     let seed = seed();
+    phase(GRPC, format!("{name} messages"));
     let started = std::time::Instant::now();
     let served = std::sync::atomic::AtomicUsize::new(0);
     let served = &served;
@@ -683,6 +733,8 @@ fn shown<T: std::fmt::Debug>(m: &T) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn generated_grpc_messages_never_panic_or_get_internal() -> anyhow::Result<()> {
+    let _watchdog = watchdog(GRPC);
+    phase(GRPC, "starting the mesh");
     let mesh = mesh().await?;
     let ch = sluice_runtime::grpc::channel;
     let decode = mesh.endpoints("decode").await?.remove(0);
@@ -967,6 +1019,8 @@ async fn generated_grpc_messages_never_panic_or_get_internal() -> anyhow::Result
         seed(),
         failures.join("\n")
     );
+    phase(GRPC, "checking the mesh still serves");
     still_serves(&mesh).await?;
+    phase(GRPC, "stopping the mesh");
     mesh.stop().await
 }
