@@ -21,11 +21,14 @@ use crate::RuntimeError;
 /// How long one attempt to connect to etcd may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// HTTP/2 pings on the connection to etcd, idle or not: a connection whose
-/// peer stopped answering (a stalled etcd, a proxy in front of a dead one)
-/// fails its calls after about both together instead of holding them for
-/// good. etcd turns away clients that ping more often than every 5 s
-/// (`--grpc-keepalive-min-time`).
+/// HTTP/2 pings on the connection to etcd while a call is open: a
+/// connection whose peer stopped answering (a stalled etcd, a proxy in
+/// front of a dead one) fails its calls after about both together instead
+/// of holding them for good. etcd turns away clients that ping more often
+/// than every 5 s with a call open (`--grpc-keepalive-min-time`), or at all
+/// within 2 h without one (gRPC's enforcement policy: after three such
+/// pings it closes the connection with `too_many_pings`), so an idle
+/// connection does not ping.
 const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(10);
 const KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -55,12 +58,12 @@ impl EtcdDiscovery {
     /// member whose lease was lost at once; see [`Self::with_grace`].
     pub async fn connect(endpoint: &str, namespace: &str) -> Result<Self, RuntimeError> {
         // The client connects on first use. A connection attempt that hangs
-        // (a filtered port) fails after the connect timeout; a connection
-        // that opens but never answers, after the keep-alive's.
+        // (a filtered port) fails after the connect timeout; a call on a
+        // connection that opens but never answers, after the keep-alive's.
         let options = ConnectOptions::new()
             .with_connect_timeout(CONNECT_TIMEOUT)
             .with_keep_alive(KEEP_ALIVE_INTERVAL, KEEP_ALIVE_TIMEOUT)
-            .with_keep_alive_while_idle(true);
+            .with_keep_alive_while_idle(false);
         let client = Client::connect([endpoint], Some(options))
             .await
             .map_err(|source| RuntimeError::Etcd {
