@@ -40,6 +40,9 @@ const EACH: Duration = Duration::from_secs(30);
 /// fails saying how far it got (a mesh that slowed to a crawl is a finding,
 /// and a CI run that never ends says nothing).
 const LOOP_LIMIT: Duration = Duration::from_secs(300);
+/// An input slower than this is counted (and the slowest named) in a loop's
+/// summary.
+const SLOW: Duration = Duration::from_secs(2);
 /// A whole test's time limit, past every bound above: a test still running
 /// then is stuck where no timer fires (a blocked runtime), and the process
 /// ends saying where.
@@ -656,11 +659,11 @@ async fn session_answers(
         .unwrap_or(Ok(()))
 }
 
+const GRPC: &str = "grpc";
+
 /// Sends `count` generated messages through `call`; the first failures,
 /// and one more if none was served at all (the generator must reach the
 /// handlers, not only the checks in front of them).
-const GRPC: &str = "grpc";
-
 async fn drive<F, Fut>(name: &str, count: usize, call: F) -> Vec<String>
 where
     F: Fn(StdRng) -> Fut,
@@ -673,6 +676,10 @@ where
     let served = &served;
     let ran = std::sync::atomic::AtomicUsize::new(0);
     let ran = &ran;
+    // Inputs that took over SLOW, and the slowest: a loop that crawls
+    // (every input waiting out some timeout before a refusal) shows here.
+    let slow = std::sync::Mutex::new((0usize, Duration::ZERO, String::new()));
+    let slow = &slow;
     let mut failures: Vec<String> = futures::stream::iter(0..count)
         .take_until(tokio::time::sleep(LOOP_LIMIT))
         .map(|i| {
@@ -680,7 +687,22 @@ where
             let rng = StdRng::seed_from_u64(seed ^ (i as u64 + 1).wrapping_mul(0x2545_f491));
             let fut = call(rng);
             async move {
-                match tokio::time::timeout(EACH, fut).await {
+                let t0 = std::time::Instant::now();
+                let answer = tokio::time::timeout(EACH, fut).await;
+                let took = t0.elapsed();
+                if took > SLOW {
+                    let mut s = slow.lock().unwrap_or_else(|e| e.into_inner());
+                    s.0 += 1;
+                    if took > s.1 {
+                        let code = match &answer {
+                            Ok(Err((status, _))) => format!("{:?}", status.code()),
+                            Ok(Ok(())) => "served".into(),
+                            Err(_) => "no answer".into(),
+                        };
+                        *s = (s.0, took, format!("#{i} ({code})"));
+                    }
+                }
+                match answer {
                     Err(_) => Some(format!("{name} #{i}: no answer in {EACH:?}")),
                     Ok(Err((status, input))) if bad(&status) || hung(&status) => {
                         Some(format!("{name} #{i}: {status:?}\n  for {input}"))
@@ -701,7 +723,11 @@ where
     let served = served.load(std::sync::atomic::Ordering::Relaxed);
     let ran = ran.load(std::sync::atomic::Ordering::Relaxed);
     let took = started.elapsed();
-    eprintln!("{name}: {served} of {count} generated inputs served, in {took:.1?}");
+    let (slow_inputs, slowest, which) = slow.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    eprintln!(
+        "{name}: {served} of {count} generated inputs served, in {took:.1?}; \
+         {slow_inputs} took over {SLOW:?}, the slowest {slowest:.1?} {which}"
+    );
     if ran < count && failures.len() < 5 {
         failures.push(format!(
             "{name}: only {ran} of {count} generated inputs started in {LOOP_LIMIT:?}"

@@ -2,7 +2,7 @@
 //! the ring, a too-late one is told to take a snapshot, and snapshot +
 //! stream agree. `Generate`: the worker is named on the first and the last
 //! message only. `GenerateSession`: generations share one stream, each
-//! ending on its own.
+//! ending on its own; a session whose caller stops reading ends.
 
 use std::collections::BTreeSet;
 
@@ -275,6 +275,67 @@ async fn generations_share_one_session_and_each_ends_on_its_own() -> anyhow::Res
     tokio::time::timeout(Duration::from_secs(10), idle).await??;
     assert!(!finished.contains(&2));
     drop(tx);
+    mesh.stop().await
+}
+
+/// The value of a gauge on the first worker's `/metrics` (summed over its
+/// label sets).
+async fn worker_gauge(mesh: &Mesh, name: &str) -> anyhow::Result<f64> {
+    let page = mesh.metrics("decode").await?;
+    Ok(page
+        .lines()
+        .filter(|l| l.starts_with(name))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_whose_caller_stops_reading_ends_and_frees_its_generations() -> anyhow::Result<()>
+{
+    use std::time::Duration;
+
+    use futures::StreamExt;
+
+    let mut opts = MeshOptions::default();
+    opts.worker.engine = sluice_decode::EngineKind::Mocker;
+    let mesh = Mesh::start(opts).await?;
+    let worker = mesh.endpoints("decode").await?.remove(0);
+    // A caller in this process: no socket, so no reset tells the worker
+    // that the caller left. Its requests never end either.
+    let mut client = wpb::worker_client::WorkerClient::new(sluice_runtime::grpc::channel(&worker)?);
+    let before = worker_gauge(&mesh, "sluice_worker_generate_sessions").await?;
+    let outbound = futures::stream::iter([wpb::GenerateSessionRequest {
+        id: 1,
+        // Long enough to be running when the caller leaves.
+        request: Some(generate_request(5_000)),
+        traceparent: String::new(),
+    }])
+    .chain(futures::stream::pending());
+    let mut answers = client.generate_session(outbound).await?.into_inner();
+    answers
+        .message()
+        .await?
+        .expect("the generation's first answer");
+    assert_eq!(
+        worker_gauge(&mesh, "sluice_worker_generate_sessions").await?,
+        before + 1.0
+    );
+
+    drop(answers);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let open = worker_gauge(&mesh, "sluice_worker_generate_sessions").await?;
+        let running = worker_gauge(&mesh, "sluice_worker_running_sequences").await?
+            + worker_gauge(&mesh, "sluice_worker_waiting_sequences").await?;
+        if open == before && running == 0.0 {
+            break;
+        }
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "10 s after its caller stopped reading, {open} sessions are open (was {before}) and {running} sequences run"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     mesh.stop().await
 }
 

@@ -33,6 +33,8 @@ pub struct WorkerMetrics {
     pub preemptions_total: IntCounterVec,
     /// Tokens computed again after a preemption (K/V computed once, lost, recomputed).
     pub recomputed_tokens: IntCounter,
+    /// `GenerateSession` streams open (a frontend keeps one per worker).
+    pub generate_sessions: IntGauge,
 }
 
 impl WorkerMetrics {
@@ -102,6 +104,10 @@ impl WorkerMetrics {
                 "sluice_worker_remote_prefill_total",
                 "Remote prefill attempts by outcome (ok, fallback reason)",
                 &["outcome"],
+            )?,
+            generate_sessions: r.gauge(
+                "sluice_worker_generate_sessions",
+                "GenerateSession streams open (a frontend keeps one per worker)",
             )?,
             prefill_peers: r.gauge(
                 "sluice_worker_prefill_peers",

@@ -601,7 +601,12 @@ impl pb::worker_server::Worker for WorkerService {
                     if tx.send(Ok(report)).await.is_err() {
                         return;
                     }
-                    tokio::time::sleep(min).await;
+                    // A caller that left while this waits (the interval is
+                    // the caller's, up to days) ends it now, not after.
+                    tokio::select! {
+                        _ = tx.closed() => return,
+                        () = tokio::time::sleep(min) => {}
+                    }
                     tokio::select! {
                         _ = tx.closed() => return,
                         changed = watch.changed() => if changed.is_err() { return },

@@ -27,13 +27,14 @@ use crate::service::WorkerService;
 
 type Out = mpsc::Sender<Result<pb::GenerateSessionResponse, Status>>;
 
-/// Serves one session until the caller ends it, or, once the worker drains,
-/// until its generations are over.
+/// Serves one session until the caller ends it or stops reading its
+/// answers, or, once the worker drains, until its generations are over.
 pub(crate) async fn run(
     svc: WorkerService,
     mut inbound: Streaming<pb::GenerateSessionRequest>,
     out: Out,
 ) {
+    let _open = Open::new(&svc.core.metrics.generate_sessions);
     let mut session = Session::default();
     let mut draining = svc.draining.is_cancelled();
     loop {
@@ -46,10 +47,30 @@ pub(crate) async fn run(
                 Ok(Some(m)) => session.on_message(&svc, m, &out, draining),
                 Ok(None) | Err(_) => break,
             },
+            // Nobody reads the answers any more (a caller in this process
+            // dropped them without ending its requests, which a socket
+            // would have reset).
+            () = out.closed() => break,
         }
         if draining && session.running.is_empty() {
             break;
         }
+    }
+}
+
+/// Counts a session as open while alive.
+struct Open(prometheus::IntGauge);
+
+impl Open {
+    fn new(gauge: &prometheus::IntGauge) -> Self {
+        gauge.inc();
+        Self(gauge.clone())
+    }
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.dec();
     }
 }
 

@@ -310,6 +310,9 @@ async fn run_session(svc: QueueService, mut inbound: Streaming<pb::LeaseRequest>
                 Ok(Some(m)) => session.on_message(&svc, m, &out),
                 Ok(None) | Err(_) => break,
             },
+            // Nobody reads the answers any more (a caller in this process
+            // dropped them without ending its requests).
+            () = out.closed() => break,
         }
         if draining && session.running.is_empty() {
             break;

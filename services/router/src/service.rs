@@ -336,6 +336,9 @@ impl pb::router_server::Router for RouterService {
             loop {
                 let msg = tokio::select! {
                     () = svc.shutdown.cancelled() => break,
+                    // Nobody reads the answers any more (a client in this
+                    // process dropped them without ending its requests).
+                    () = tx.closed() => break,
                     m = inbound.message() => m,
                 };
                 match msg {
