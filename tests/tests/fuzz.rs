@@ -43,6 +43,8 @@ const LOOP_LIMIT: Duration = Duration::from_secs(300);
 /// An input slower than this is counted (and the slowest named) in a loop's
 /// summary.
 const SLOW: Duration = Duration::from_secs(2);
+/// An input slower than this fails the loop.
+const TOO_SLOW: Duration = Duration::from_secs(10);
 /// A whole test's time limit, past every bound above: a test still running
 /// then is stuck where no timer fires (a blocked runtime), and the process
 /// ends saying where.
@@ -704,6 +706,15 @@ where
                 }
                 match answer {
                     Err(_) => Some(format!("{name} #{i}: no answer in {EACH:?}")),
+                    // Here the slowest input takes well under SLOW: one that
+                    // waits this long for whatever answer is a finding.
+                    Ok(r) if took > TOO_SLOW => Some(format!(
+                        "{name} #{i}: an answer took {took:.1?} ({})",
+                        match r {
+                            Ok(()) => "served".to_string(),
+                            Err((status, input)) => format!("{status:?}\n  for {input}"),
+                        }
+                    )),
                     Ok(Err((status, input))) if bad(&status) || hung(&status) => {
                         Some(format!("{name} #{i}: {status:?}\n  for {input}"))
                     }
