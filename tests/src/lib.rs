@@ -7,6 +7,8 @@
 //! - [`http`]: a raw HTTP/1.1 client that can drop a stream mid-way.
 //! - [`process::Proc`]: a child process, killed when dropped.
 //! - [`wait`]: poll a condition with a deadline instead of sleeping.
+//! - [`watchdog`]: end a test process stuck where no timer fires; every
+//!   [`mesh::Mesh`] has one.
 
 pub mod etcd;
 pub mod http;
@@ -14,6 +16,7 @@ pub mod mesh;
 pub mod otlp;
 pub mod process;
 pub mod wait;
+pub mod watchdog;
 
 use std::net::TcpListener;
 

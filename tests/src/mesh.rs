@@ -106,7 +106,13 @@ pub struct Mesh {
     pub shutdown: Shutdown,
     pub model: String,
     tasks: Vec<JoinHandle<()>>,
+    /// Ends the test process if this mesh is still up after [`MESH_LIMIT`].
+    _watchdog: crate::watchdog::Watchdog,
 }
+
+/// How long a test may keep one mesh: far past the longest test's own
+/// bounds (the fuzz tests', about half an hour at worst).
+const MESH_LIMIT: Duration = Duration::from_secs(45 * 60);
 
 async fn listener() -> anyhow::Result<TcpListener> {
     Ok(TcpListener::bind("127.0.0.1:0").await?)
@@ -186,12 +192,17 @@ impl Mesh {
             )
         }));
 
+        // libtest names each test's thread after the test.
+        let test = std::thread::current().name().unwrap_or("a test").to_owned();
         let mesh = Self {
             http,
             discovery,
             shutdown,
             model: model.name(),
             tasks,
+            _watchdog: crate::watchdog::watchdog(MESH_LIMIT, move || {
+                format!("the mesh {test} started is still up")
+            }),
         };
         mesh.wait_ready(
             opts.decode_workers,

@@ -63,28 +63,12 @@ fn phase(test: &'static str, what: impl Into<String>) {
 }
 
 /// Ends the process if `test` is still running after [`WATCHDOG`], saying
-/// where every test is (straight to stderr: the test harness captures
-/// what `eprintln!` prints). Dropping the guard stops it.
-fn watchdog(test: &'static str) -> impl Drop {
-    struct Guard(std::sync::mpsc::Sender<()>);
-    impl Drop for Guard {
-        fn drop(&mut self) {
-            let _ = self.0.send(());
-        }
-    }
-    let (tx, rx) = std::sync::mpsc::channel::<()>();
-    std::thread::spawn(move || {
-        if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(WATCHDOG) {
-            use std::io::Write;
-            let phases = PHASES.lock().unwrap_or_else(|e| e.into_inner()).clone();
-            let _ = writeln!(
-                std::io::stderr(),
-                "fuzz watchdog: {test} still running after {WATCHDOG:?}; where each test is: {phases:?}"
-            );
-            std::process::exit(101);
-        }
-    });
-    Guard(tx)
+/// where every test is.
+fn watchdog(test: &'static str) -> sluice_tests::watchdog::Watchdog {
+    sluice_tests::watchdog::watchdog(WATCHDOG, move || {
+        let phases = PHASES.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        format!("fuzz test {test}; where each test is: {phases:?}")
+    })
 }
 
 fn seed() -> u64 {
@@ -443,12 +427,7 @@ async fn still_serves(mesh: &Mesh) -> anyhow::Result<()> {
     loop {
         let mut still = Vec::new();
         for (component, gauge) in held {
-            let page = metrics(mesh, component).await;
-            let value: f64 = page
-                .lines()
-                .filter(|l| l.starts_with(gauge))
-                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                .sum();
+            let value = sluice_tests::wait::sum(&metrics(mesh, component).await, gauge);
             if value != 0.0 {
                 still.push(format!("{gauge} {value}"));
             }

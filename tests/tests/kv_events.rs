@@ -278,15 +278,13 @@ async fn generations_share_one_session_and_each_ends_on_its_own() -> anyhow::Res
     mesh.stop().await
 }
 
-/// The value of a gauge on the first worker's `/metrics` (summed over its
+/// The value of a metric on the first worker's `/metrics` (summed over its
 /// label sets).
 async fn worker_gauge(mesh: &Mesh, name: &str) -> anyhow::Result<f64> {
-    let page = mesh.metrics("decode").await?;
-    Ok(page
-        .lines()
-        .filter(|l| l.starts_with(name))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum())
+    Ok(sluice_tests::wait::total(
+        &mesh.metrics("decode").await?,
+        name,
+    ))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -322,20 +320,21 @@ async fn a_session_whose_caller_stops_reading_ends_and_frees_its_generations() -
     );
 
     drop(answers);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let open = worker_gauge(&mesh, "sluice_worker_generate_sessions").await?;
-        let running = worker_gauge(&mesh, "sluice_worker_running_sequences").await?
-            + worker_gauge(&mesh, "sluice_worker_waiting_sequences").await?;
-        if open == before && running == 0.0 {
-            break;
-        }
-        anyhow::ensure!(
-            tokio::time::Instant::now() < deadline,
-            "10 s after its caller stopped reading, {open} sessions are open (was {before}) and {running} sequences run"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    sluice_tests::wait::until(
+        "the session and its generation to end once nobody reads its answers",
+        Duration::from_secs(10),
+        || async {
+            let open = worker_gauge(&mesh, "sluice_worker_generate_sessions").await?;
+            let running = worker_gauge(&mesh, "sluice_worker_running_sequences").await?
+                + worker_gauge(&mesh, "sluice_worker_waiting_sequences").await?;
+            anyhow::ensure!(
+                open == before && running == 0.0,
+                "{open} sessions open (was {before}), {running} sequences"
+            );
+            Ok(Some(()))
+        },
+    )
+    .await?;
     mesh.stop().await
 }
 
