@@ -795,6 +795,42 @@ async fn next_answer(
 }
 
 #[tokio::test]
+async fn a_session_whose_caller_stops_reading_drops_its_leases() -> anyhow::Result<()> {
+    use pb::admit_request::Msg as In;
+    use pb::lease_response::Msg as Out;
+    let mesh = Mesh::start(&[], view(vec![worker("w0", WorkerRole::Aggregated, 0)])).await?;
+    // A caller in this process: no socket, so no reset tells the queue that
+    // the caller left.
+    let endpoint = mesh.addr.to_string();
+    for _ in 0..500 {
+        if sluice_runtime::local::is_local(&endpoint) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    anyhow::ensure!(
+        sluice_runtime::local::is_local(&endpoint),
+        "the queue never became callable in this process"
+    );
+    let mut queue = QueueClient::new(sluice_runtime::grpc::channel(&endpoint)?);
+    let (tx, rx) = mpsc::unbounded_channel();
+    tx.send(lease_msg(1, Some(In::Open(open("a", 0)))))?;
+    let mut answers = queue
+        .leases(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+        .await?
+        .into_inner();
+    let (1, Out::Grant(_)) = next_answer(&mut answers).await? else {
+        anyhow::bail!("a not granted at once");
+    };
+    mesh.eventually(|s| s.active == 1).await?;
+    // The answers go unread while the requests stay open (`tx` lives).
+    drop(answers);
+    mesh.eventually(|s| s.active == 0 && s.pending == 0).await?;
+    drop(tx);
+    mesh.stop().await
+}
+
+#[tokio::test]
 async fn leases_share_one_session_and_each_ends_on_its_own() -> anyhow::Result<()> {
     use pb::admit_request::Msg as In;
     use pb::lease_response::Msg as Out;
