@@ -423,26 +423,21 @@ async fn still_serves(mesh: &Mesh) -> anyhow::Result<()> {
         ("decode", "sluice_worker_running_sequences"),
         ("decode", "sluice_worker_waiting_sequences"),
     ];
-    let deadline = tokio::time::Instant::now() + LIMIT;
-    loop {
-        let mut still = Vec::new();
-        for (component, gauge) in held {
-            let value = sluice_tests::wait::sum(&metrics(mesh, component).await, gauge);
-            if value != 0.0 {
-                still.push(format!("{gauge} {value}"));
+    let drained =
+        sluice_tests::wait::until("the generated inputs to hold nothing", LIMIT, || async {
+            let mut still = Vec::new();
+            for (component, gauge) in held {
+                let value = sluice_tests::wait::sum(&metrics(mesh, component).await, gauge);
+                if value != 0.0 {
+                    still.push(format!("{gauge} {value}"));
+                }
             }
-        }
-        if still.is_empty() {
-            break;
-        }
-        if tokio::time::Instant::now() >= deadline {
-            anyhow::bail!(
-                "{LIMIT:?} after the generated inputs, they still hold {}; the services' gauges:\n{}",
-                still.join(", "),
-                gauges(mesh).await
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
+            anyhow::ensure!(still.is_empty(), "they still hold {}", still.join(", "));
+            Ok(Some(()))
+        })
+        .await;
+    if let Err(e) = drained {
+        anyhow::bail!("{e:#}; the services' gauges:\n{}", gauges(mesh).await);
     }
     match tokio::time::timeout(LIMIT, mesh.complete_tokens(&[5, 6, 7], 2)).await {
         Ok(r) => r.map(drop),
