@@ -30,6 +30,9 @@
 #          so a comparison between concurrencies is not one noisy point each
 #   OSL [8]  PORT [18493]  OUT [target/bench/frontend]
 #   DYNAMO_BENCH  path of Dynamo's bench_overhead.sh (optional)
+#   FLOOR [1]    also run `tests/examples/grpc_floor.rs` (a bare gRPC ping-pong
+#                between two processes: what one crossing costs at the least)
+#                and write its table beside the meshes'; GRPC_FLOOR_BIN a built one
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)
@@ -141,6 +144,15 @@ for mesh in $MESHES; do
   done
 done
 
+if [ "${FLOOR:-1}" = 1 ]; then
+  if [ -z "${GRPC_FLOOR_BIN:-}" ]; then
+    cargo build --release -p sluice-tests --example grpc_floor
+    GRPC_FLOOR_BIN=${CARGO_TARGET_DIR:-$ROOT/target}/release/examples/grpc_floor
+  fi
+  echo "== the floor of one gRPC crossing"
+  "$GRPC_FLOOR_BIN" 30000 3 | tee "$OUT/floor.md"
+fi
+
 python3 - "$OUT" "$RESULT" "$TCK" "$MESHES" "$MODES" "$CONCS" "$DUR" "$OSL" "$ROUNDS" <<'EOF'
 import json, sys, datetime, subprocess, os, glob
 out, result, tck, meshes, modes, concs, dur, osl, rounds = sys.argv[1:10]
@@ -203,6 +215,13 @@ if dyn:
     w("NVIDIA Dynamo 1.6.1 (frontend + mocker, same wrk request), run first in this sitting:")
     w("")
     L.extend(l.rstrip("\n") for l in open(dyn[-1]) if l.startswith("|"))
+if os.path.exists(f"{out}/floor.md"):
+    w("")
+    w("The floor of one gRPC crossing, same sitting (`tests/examples/grpc_floor.rs`: a bidirectional stream")
+    w("between two processes on loopback, each message of ~150 bytes echoed straight back, nothing but tonic;")
+    w("the runtime flavour is both ends'; `current` = one thread, `1`/`2` = tokio's multi-thread runtime):")
+    w("")
+    L.extend(l.rstrip("\n") for l in open(f"{out}/floor.md") if l.startswith("|"))
 MARK = "<!-- notes: kept by run.sh -->"
 notes = ""
 if os.path.exists(result):
