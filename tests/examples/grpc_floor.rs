@@ -43,7 +43,10 @@ fn runtime(flavour: &str) -> anyhow::Result<tokio::runtime::Runtime> {
         "current" => tokio::runtime::Builder::new_current_thread(),
         n => {
             let mut b = tokio::runtime::Builder::new_multi_thread();
-            b.worker_threads(n.parse().context("a flavour is `current` or a thread count")?);
+            b.worker_threads(
+                n.parse()
+                    .context("a flavour is `current` or a thread count")?,
+            );
             b
         }
     };
@@ -162,9 +165,8 @@ fn measure(flavour: &str, round_trips: u32) -> anyhow::Result<String> {
         let before = cpu_seconds(&pid)?;
         // The client's work runs on a runtime worker, as a service's does.
         let rt = runtime(flavour)?;
-        let (wall, client) = rt.block_on(async move {
-            tokio::spawn(ping_pong(port, round_trips)).await?
-        })?;
+        let (wall, client) =
+            rt.block_on(async move { tokio::spawn(ping_pong(port, round_trips)).await? })?;
         let server_cpu = cpu_seconds(&pid)? - before;
         let per = |s: f64| s * 1e6 / f64::from(round_trips);
         Ok(format!(

@@ -20,6 +20,7 @@ use futures::future::BoxFuture;
 use futures::stream::FuturesUnordered;
 use sluice_proto::common::v1::RpcStatus;
 use sluice_proto::worker::v1 as pb;
+use sluice_runtime::metrics::Open;
 use tokio::sync::{mpsc, oneshot};
 use tonic::{Status, Streaming};
 
@@ -55,22 +56,6 @@ pub(crate) async fn run(
         if draining && session.running.is_empty() {
             break;
         }
-    }
-}
-
-/// Counts a session as open while alive.
-struct Open(prometheus::IntGauge);
-
-impl Open {
-    fn new(gauge: &prometheus::IntGauge) -> Self {
-        gauge.inc();
-        Self(gauge.clone())
-    }
-}
-
-impl Drop for Open {
-    fn drop(&mut self) {
-        self.0.dec();
     }
 }
 

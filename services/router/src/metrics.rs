@@ -1,7 +1,7 @@
 //! The router's Prometheus metrics, in its own [`Registry`] (several
 //! services in one process keep theirs apart).
 
-use prometheus::{Histogram, HistogramVec, IntCounterVec, IntGaugeVec, Registry};
+use prometheus::{Histogram, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Registry};
 use sluice_runtime::metrics::Registrar;
 
 use crate::pool::WorkerPool;
@@ -42,6 +42,8 @@ pub struct RouterMetrics {
     pub(crate) placement_ends: IntCounterVec,
     /// Placements counted now (orphans included), by pool.
     pub(crate) live_placements: IntGaugeVec,
+    /// `Place` sessions open now (one per queue replica, normally).
+    pub(crate) place_sessions: IntGauge,
 }
 
 impl RouterMetrics {
@@ -67,6 +69,10 @@ impl RouterMetrics {
                 "sluice_router_live_placements",
                 "Placements counted as load now (orphans included).",
                 pool,
+            )?,
+            place_sessions: r.gauge(
+                "sluice_router_place_sessions",
+                "Place sessions open now (normally one per queue replica).",
             )?,
             placements: r.counter_vec(
                 "sluice_router_placements_total",

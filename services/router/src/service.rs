@@ -19,6 +19,7 @@ use futures::Stream;
 use sluice_proto::router::v1 as pb;
 use sluice_proto::router::v1::place_request::Msg as PlaceMsg;
 use sluice_runtime::RequestDescription;
+use sluice_runtime::metrics::Open;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
@@ -333,6 +334,7 @@ impl pb::router_server::Router for RouterService {
         let (tx, rx) = mpsc::channel(PLACE_BACKLOG);
         let svc = self.clone();
         tokio::spawn(async move {
+            let _open = Open::new(&svc.metrics.place_sessions);
             loop {
                 let msg = tokio::select! {
                     () = svc.shutdown.cancelled() => break,

@@ -279,6 +279,7 @@ async fn start_worker(discovery: &Arc<dyn Discovery>) -> Result<RunningWorker> {
 
 struct RunningRouter {
     client: RouterClient<tonic::transport::Channel>,
+    addr: std::net::SocketAddr,
     stop: Shutdown,
     task: tokio::task::JoinHandle<Result<(), sluice_router::RouterError>>,
 }
@@ -304,10 +305,36 @@ async fn start_router(discovery: &Arc<dyn Discovery>, mode: RouterMode) -> Resul
     .await
     .context("router never registered")?;
     let client = RouterClient::connect(format!("http://{addr}")).await?;
-    Ok(RunningRouter { client, stop, task })
+    Ok(RunningRouter {
+        client,
+        addr,
+        stop,
+        task,
+    })
 }
 
 impl RunningRouter {
+    /// A gauge or counter of the router's `/metrics` (HTTP/1.1 on its port).
+    async fn metric(&self, name: &str) -> Result<Option<f64>> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut conn = tokio::net::TcpStream::connect(self.addr).await?;
+        conn.write_all(
+            format!(
+                "GET /metrics HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n",
+                self.addr
+            )
+            .as_bytes(),
+        )
+        .await?;
+        let mut page = String::new();
+        conn.read_to_string(&mut page).await?;
+        Ok(page.lines().find_map(|l| {
+            l.strip_prefix(name)
+                .filter(|rest| rest.starts_with(' '))
+                .and_then(|v| v.trim().parse().ok())
+        }))
+    }
+
     async fn stop(self) -> Result<()> {
         self.stop.cancel();
         self.task.await??;
@@ -521,6 +548,47 @@ async fn a_restarted_router_routes_as_before_from_its_first_request() -> Result<
         w.stop.cancel();
     }
     Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_place_session_whose_caller_stops_reading_ends() -> Result<()> {
+    use sluice_proto::router::v1::place_request::Msg as PlaceMsg;
+    let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new("test"));
+    let router = start_router(&discovery, RouterMode::RoundRobin).await?;
+    // A caller in this process: no socket, so no reset tells the router
+    // that the caller left.
+    let endpoint = router.addr.to_string();
+    wait_for(Duration::from_secs(5), || async {
+        Ok(sluice_runtime::local::is_local(&endpoint))
+    })
+    .await
+    .context("the router never became callable in this process")?;
+    let mut client = RouterClient::new(sluice_runtime::grpc::channel(&endpoint)?);
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tx.send(pb::PlaceRequest {
+        msg: Some(PlaceMsg::Hello(pb::PlaceHello {
+            client_id: "queue-a".into(),
+        })),
+    })?;
+    let answers = client
+        .place(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+        .await?
+        .into_inner();
+    let sessions = "sluice_router_place_sessions";
+    wait_for(Duration::from_secs(5), || async {
+        Ok(router.metric(sessions).await? == Some(1.0))
+    })
+    .await
+    .context("the session never counted as open")?;
+    // The answers go unread while the requests stay open (`tx` lives).
+    drop(answers);
+    wait_for(Duration::from_secs(10), || async {
+        Ok(router.metric(sessions).await? == Some(0.0))
+    })
+    .await
+    .context("the session outlived its reader")?;
+    drop(tx);
+    router.stop().await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -99,6 +99,25 @@ async fn metrics_handler(State(registries): State<Vec<Registry>>) -> impl IntoRe
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body)
 }
 
+/// Counts one thing open in a gauge while alive: incremented when made,
+/// decremented when dropped, however its holder ends (a session's task
+/// that returns, breaks or unwinds).
+#[derive(Debug)]
+pub struct Open(IntGauge);
+
+impl Open {
+    pub fn new(gauge: &IntGauge) -> Self {
+        gauge.inc();
+        Self(gauge.clone())
+    }
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
 /// Creates metrics registered in one registry, one call a metric, so a
 /// service's metrics constructor reads as the list of its series: name,
 /// help, labels (and buckets).
