@@ -48,6 +48,7 @@ pub struct QueueMetrics {
     expiries: IntCounter,
     cancellations: IntCounter,
     active_leases: IntGauge,
+    lease_sessions: IntGauge,
     view_workers: IntGaugeVec,
     tenant_tokens: IntCounterVec,
     tenant_wait: HistogramVec,
@@ -124,6 +125,10 @@ impl QueueMetrics {
                 "sluice_queue_active_leases",
                 "Granted leases not yet released.",
             )?,
+            lease_sessions: r.gauge(
+                "sluice_queue_lease_sessions",
+                "Leases sessions open now (normally one per frontend).",
+            )?,
             view_workers: r.gauge_vec(
                 "sluice_queue_load_view_workers",
                 "Worker ranks in the latest load view from the router, by role",
@@ -131,6 +136,11 @@ impl QueueMetrics {
             )?,
             tenants: Arc::new(TenantLabels::new(TOP_TENANTS)),
         })
+    }
+
+    /// Counts a `Leases` session as open while the guard lives.
+    pub(crate) fn lease_session(&self) -> sluice_runtime::metrics::Open {
+        sluice_runtime::metrics::Open::new(&self.lease_sessions)
     }
 
     /// A new load view: its worker ranks by role.

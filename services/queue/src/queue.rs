@@ -396,6 +396,10 @@ impl Queue {
         &self.shared.cfg
     }
 
+    pub(crate) fn metrics(&self) -> &QueueMetrics {
+        &self.shared.metrics
+    }
+
     /// Admits `entry` or refuses it at once (`QueueFull`, `TenantFull`,
     /// `Shed`, `DeadlineExceeded`, `Draining`). Dropping the ticket cancels
     /// a held request or, once granted, releases its lease.

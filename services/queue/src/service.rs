@@ -298,6 +298,7 @@ impl Session {
 /// once its leases are over. Every lease runs on this task; ending it drops
 /// them all.
 async fn run_session(svc: QueueService, mut inbound: Streaming<pb::LeaseRequest>, out: Answers) {
+    let _open = svc.queue.metrics().lease_session();
     let mut session = Session::default();
     let mut draining = false;
     loop {

@@ -634,19 +634,26 @@ async fn held_request_whose_client_disconnects_never_reaches_the_router() -> any
     mesh.stop().await
 }
 
+/// The queue's `/metrics` page (HTTP/1.1 on its gRPC port), status line
+/// and headers included.
+async fn scrape(addr: std::net::SocketAddr) -> anyhow::Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut conn = tokio::net::TcpStream::connect(addr).await?;
+    conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: queue\r\nConnection: close\r\n\r\n")
+        .await?;
+    let mut body = String::new();
+    conn.read_to_string(&mut body).await?;
+    Ok(body)
+}
+
 #[tokio::test]
 async fn metrics_are_served_on_the_grpc_port() -> anyhow::Result<()> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mesh = Mesh::start(&[], view(vec![worker("w0", WorkerRole::Aggregated, 0)])).await?;
     let (tx, mut stream) = mesh.admit(open("counted", 2)).await?;
     let pb::admit_response::Msg::Grant(_) = next_msg(&mut stream).await? else {
         anyhow::bail!("not granted");
     };
-    let mut conn = tokio::net::TcpStream::connect(mesh.addr).await?;
-    conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: queue\r\nConnection: close\r\n\r\n")
-        .await?;
-    let mut body = String::new();
-    conn.read_to_string(&mut body).await?;
+    let body = scrape(mesh.addr).await?;
     assert!(body.starts_with("HTTP/1.1 200"), "{body}");
     assert!(
         body.contains("sluice_queue_grants_total{priority=\"2\"} 1"),
@@ -823,9 +830,26 @@ async fn a_session_whose_caller_stops_reading_drops_its_leases() -> anyhow::Resu
         anyhow::bail!("a not granted at once");
     };
     mesh.eventually(|s| s.active == 1).await?;
+    anyhow::ensure!(
+        scrape(mesh.addr)
+            .await?
+            .contains("\nsluice_queue_lease_sessions 1\n")
+    );
     // The answers go unread while the requests stay open (`tx` lives).
     drop(answers);
     mesh.eventually(|s| s.active == 0 && s.pending == 0).await?;
+    let mut page = String::new();
+    for _ in 0..200 {
+        page = scrape(mesh.addr).await?;
+        if page.contains("\nsluice_queue_lease_sessions 0\n") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    anyhow::ensure!(
+        page.contains("\nsluice_queue_lease_sessions 0\n"),
+        "the session outlived its reader: {page}"
+    );
     drop(tx);
     mesh.stop().await
 }
