@@ -13,7 +13,7 @@
 //! workers; a service with one thread per core runs the latter here).
 //!
 //! ```text
-//! cargo run --release -p sluice-tests --example grpc_floor -- [ROUND_TRIPS] [REPEATS]
+//! cargo run --release -p sluice-tests --example grpc_floor -- [ROUND_TRIPS] [REPEATS] [FLAVOURS]
 //! ```
 //!
 //! `tests/bench/results/frontend.md` uses it to bound what the separate-
@@ -188,12 +188,15 @@ fn main() -> anyhow::Result<()> {
     }
     let round_trips: u32 = args.first().map_or(Ok(30_000), |a| a.parse())?;
     let repeats: u32 = args.get(1).map_or(Ok(3), |a| a.parse())?;
+    let flavours: Vec<&str> = args
+        .get(2)
+        .map_or(FLAVOURS.to_vec(), |a| a.split(',').collect());
     println!(
         "| runtime (both ends) | round trips | wall µs per round trip | client CPU µs per round trip | server CPU µs per round trip | CPU µs per one-way crossing |"
     );
     println!("|---|---:|---:|---:|---:|---:|");
     for _ in 0..repeats {
-        for flavour in FLAVOURS {
+        for flavour in &flavours {
             println!("{}", measure(flavour, round_trips)?);
         }
     }
