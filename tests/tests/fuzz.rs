@@ -334,67 +334,52 @@ async fn generated_http_bodies_never_panic_or_get_a_5xx() -> anyhow::Result<()> 
     let started = std::time::Instant::now();
     let ok = std::sync::atomic::AtomicUsize::new(0);
     let ok = &ok;
-    let ran = std::sync::atomic::AtomicUsize::new(0);
-    let ran = &ran;
-    let mut failures = futures::stream::iter(0..HTTP_BODIES)
-        .take_until(tokio::time::sleep(LOOP_LIMIT))
-        .map(|i| {
-            ran.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let channel = channel.clone();
-            async move {
-                let mut rng = StdRng::seed_from_u64(seed ^ (i as u64).wrapping_mul(0x9e37_79b9));
-                let (method, path, headers, body) = http_request(&mut rng);
-                let shown = String::from_utf8_lossy(&body[..body.len().min(600)]).into_owned();
-                let mut req = http::Request::builder().method(method).uri(path);
-                for (k, v) in &headers {
-                    if let Ok(v) = http::HeaderValue::from_str(v) {
-                        req = req.header(k.as_str(), v);
-                    }
+    let failures = bounded(TEST, HTTP_BODIES, |i| {
+        let channel = channel.clone();
+        async move {
+            let mut rng = StdRng::seed_from_u64(seed ^ (i as u64).wrapping_mul(0x9e37_79b9));
+            let (method, path, headers, body) = http_request(&mut rng);
+            let shown = String::from_utf8_lossy(&body[..body.len().min(600)]).into_owned();
+            let mut req = http::Request::builder().method(method).uri(path);
+            for (k, v) in &headers {
+                if let Ok(v) = http::HeaderValue::from_str(v) {
+                    req = req.header(k.as_str(), v);
                 }
-                let req = match req.body(tonic::body::Body::new(Full::new(Bytes::from(body)))) {
-                    Ok(r) => r,
-                    Err(e) => return Some(format!("#{i}: building the request: {e}")),
-                };
-                let answer = tokio::time::timeout(EACH, async {
-                    let resp = channel.oneshot(req).await.map_err(|e| e.to_string())?;
-                    let status = resp.status();
-                    let body = resp
-                        .into_body()
-                        .collect()
-                        .await
-                        .map_err(|e| format!("reading the body: {e}"))?
-                        .to_bytes();
-                    Ok::<_, String>((status, body))
-                })
-                .await;
-                let (status, body) = match answer {
-                    Err(_) => return Some(format!("#{i} {path}: no answer in {EACH:?}: {shown}")),
-                    Ok(Err(e)) => return Some(format!("#{i} {path}: {e}: {shown}")),
-                    Ok(Ok(a)) => a,
-                };
-                let text = String::from_utf8_lossy(&body);
-                if status.is_server_error() || text.contains("\"server_error\"") {
-                    return Some(format!(
-                        "#{i} {path}: {status} {text}\n  for {headers:?} {shown}"
-                    ));
-                }
-                if status.is_success() {
-                    ok.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                }
-                None
             }
-        })
-        .buffer_unordered(IN_FLIGHT)
-        .filter_map(|f| async move { f })
-        .take(5)
-        .collect::<Vec<_>>()
-        .await;
-    let ran = ran.load(std::sync::atomic::Ordering::Relaxed);
-    if ran < HTTP_BODIES && failures.len() < 5 {
-        failures.push(format!(
-            "only {ran} of {HTTP_BODIES} generated requests started in {LOOP_LIMIT:?}"
-        ));
-    }
+            let req = match req.body(tonic::body::Body::new(Full::new(Bytes::from(body)))) {
+                Ok(r) => r,
+                Err(e) => return Some(format!("#{i}: building the request: {e}")),
+            };
+            let answer = tokio::time::timeout(EACH, async {
+                let resp = channel.oneshot(req).await.map_err(|e| e.to_string())?;
+                let status = resp.status();
+                let body = resp
+                    .into_body()
+                    .collect()
+                    .await
+                    .map_err(|e| format!("reading the body: {e}"))?
+                    .to_bytes();
+                Ok::<_, String>((status, body))
+            })
+            .await;
+            let (status, body) = match answer {
+                Err(_) => return Some(format!("#{i} {path}: no answer in {EACH:?}: {shown}")),
+                Ok(Err(e)) => return Some(format!("#{i} {path}: {e}: {shown}")),
+                Ok(Ok(a)) => a,
+            };
+            let text = String::from_utf8_lossy(&body);
+            if status.is_server_error() || text.contains("\"server_error\"") {
+                return Some(format!(
+                    "#{i} {path}: {status} {text}\n  for {headers:?} {shown}"
+                ));
+            }
+            if status.is_success() {
+                ok.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            None
+        }
+    })
+    .await;
     assert!(failures.is_empty(), "seed {seed}:\n{}", failures.join("\n"));
     let ok = ok.load(std::sync::atomic::Ordering::Relaxed);
     eprintln!(
@@ -637,6 +622,36 @@ async fn session_answers(
 
 const GRPC: &str = "grpc";
 
+/// Runs `input(i)` for `i` in `0..count`, `IN_FLIGHT` at a time, starting
+/// none after `LOOP_LIMIT`; returns the first five failures (an input's
+/// `Some`), and one more if the limit cut the loop short.
+async fn bounded<F, Fut>(what: &str, count: usize, input: F) -> Vec<String>
+where
+    F: Fn(usize) -> Fut,
+    Fut: Future<Output = Option<String>>,
+{
+    let ran = std::sync::atomic::AtomicUsize::new(0);
+    let ran = &ran;
+    let mut failures: Vec<String> = futures::stream::iter(0..count)
+        .take_until(tokio::time::sleep(LOOP_LIMIT))
+        .map(|i| {
+            ran.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            input(i)
+        })
+        .buffer_unordered(IN_FLIGHT)
+        .filter_map(|f| async move { f })
+        .take(5)
+        .collect()
+        .await;
+    let ran = ran.load(std::sync::atomic::Ordering::Relaxed);
+    if ran < count && failures.len() < 5 {
+        failures.push(format!(
+            "{what}: only {ran} of {count} generated inputs started in {LOOP_LIMIT:?}"
+        ));
+    }
+    failures
+}
+
 /// Sends `count` generated messages through `call`; the first failures,
 /// and one more if none was served at all (the generator must reach the
 /// handlers, not only the checks in front of them).
@@ -650,74 +665,59 @@ where
     let started = std::time::Instant::now();
     let served = std::sync::atomic::AtomicUsize::new(0);
     let served = &served;
-    let ran = std::sync::atomic::AtomicUsize::new(0);
-    let ran = &ran;
     // Inputs that took over SLOW, and the slowest: a loop that crawls
     // (every input waiting out some timeout before a refusal) shows here.
     let slow = std::sync::Mutex::new((0usize, Duration::ZERO, String::new()));
     let slow = &slow;
-    let mut failures: Vec<String> = futures::stream::iter(0..count)
-        .take_until(tokio::time::sleep(LOOP_LIMIT))
-        .map(|i| {
-            ran.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let rng = StdRng::seed_from_u64(seed ^ (i as u64 + 1).wrapping_mul(0x2545_f491));
-            let fut = call(rng);
-            async move {
-                let t0 = std::time::Instant::now();
-                let answer = tokio::time::timeout(EACH, fut).await;
-                let took = t0.elapsed();
-                if took > SLOW {
-                    let mut s = slow.lock().unwrap_or_else(|e| e.into_inner());
-                    s.0 += 1;
-                    if took > s.1 {
-                        let code = match &answer {
-                            Ok(Err((status, _))) => format!("{:?}", status.code()),
-                            Ok(Ok(())) => "served".into(),
-                            Err(_) => "no answer".into(),
-                        };
-                        *s = (s.0, took, format!("#{i} ({code})"));
-                    }
-                }
-                match answer {
-                    Err(_) => Some(format!("{name} #{i}: no answer in {EACH:?}")),
-                    // Here the slowest input takes well under SLOW: one that
-                    // waits this long for whatever answer is a finding.
-                    Ok(r) if took > TOO_SLOW => Some(format!(
-                        "{name} #{i}: an answer took {took:.1?} ({})",
-                        match r {
-                            Ok(()) => "served".to_string(),
-                            Err((status, input)) => format!("{status:?}\n  for {input}"),
-                        }
-                    )),
-                    Ok(Err((status, input))) if bad(&status) || hung(&status) => {
-                        Some(format!("{name} #{i}: {status:?}\n  for {input}"))
-                    }
-                    Ok(Ok(())) => {
-                        served.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        None
-                    }
-                    Ok(_) => None,
+    let mut failures = bounded(name, count, |i| {
+        let rng = StdRng::seed_from_u64(seed ^ (i as u64 + 1).wrapping_mul(0x2545_f491));
+        let fut = call(rng);
+        async move {
+            let t0 = std::time::Instant::now();
+            let answer = tokio::time::timeout(EACH, fut).await;
+            let took = t0.elapsed();
+            if took > SLOW {
+                let mut s = slow.lock().unwrap_or_else(|e| e.into_inner());
+                s.0 += 1;
+                if took > s.1 {
+                    let code = match &answer {
+                        Ok(Err((status, _))) => format!("{:?}", status.code()),
+                        Ok(Ok(())) => "served".into(),
+                        Err(_) => "no answer".into(),
+                    };
+                    *s = (s.0, took, format!("#{i} ({code})"));
                 }
             }
-        })
-        .buffer_unordered(IN_FLIGHT)
-        .filter_map(|f| async move { f })
-        .take(5)
-        .collect()
-        .await;
+            match answer {
+                Err(_) => Some(format!("{name} #{i}: no answer in {EACH:?}")),
+                // Here the slowest input takes well under SLOW: one that
+                // waits this long for whatever answer is a finding.
+                Ok(r) if took > TOO_SLOW => Some(format!(
+                    "{name} #{i}: an answer took {took:.1?} ({})",
+                    match r {
+                        Ok(()) => "served".to_string(),
+                        Err((status, input)) => format!("{status:?}\n  for {input}"),
+                    }
+                )),
+                Ok(Err((status, input))) if bad(&status) || hung(&status) => {
+                    Some(format!("{name} #{i}: {status:?}\n  for {input}"))
+                }
+                Ok(Ok(())) => {
+                    served.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    None
+                }
+                Ok(_) => None,
+            }
+        }
+    })
+    .await;
     let served = served.load(std::sync::atomic::Ordering::Relaxed);
-    let ran = ran.load(std::sync::atomic::Ordering::Relaxed);
     let took = started.elapsed();
     let (slow_inputs, slowest, which) = slow.lock().unwrap_or_else(|e| e.into_inner()).clone();
     eprintln!(
         "{name}: {served} of {count} generated inputs served, in {took:.1?}; \
          {slow_inputs} took over {SLOW:?}, the slowest {slowest:.1?} {which}"
     );
-    if ran < count && failures.len() < 5 {
-        failures.push(format!(
-            "{name}: only {ran} of {count} generated inputs started in {LOOP_LIMIT:?}"
-        ));
-    }
     if served == 0 {
         failures.push(format!(
             "{name}: none of {count} generated inputs was served"
