@@ -10,10 +10,7 @@
 //! one-way crossing costs at the least: no mesh message can cost less.
 //! Each runtime flavour is run for both ends: `current` (one thread, the
 //! runtime's own), `1` and `2` (tokio's multi-thread runtime with that many
-//! workers; a service with one thread per core runs the latter here). A
-//! flavour ending in `+repoll` (e.g. `2+repoll`) spawns the client's hyper
-//! tasks with `sluice_runtime::repoll::Executor`, as Sluice's channels do
-//! (the server stays tonic's own).
+//! workers; a service with one thread per core runs the latter here).
 //!
 //! ```text
 //! cargo run --release -p sluice-tests --example grpc_floor -- [ROUND_TRIPS] [REPEATS] [FLAVOURS]
@@ -39,11 +36,10 @@ type Message = RpcStatus;
 type BoxFuture<T> = Pin<Box<dyn std::future::Future<Output = T> + Send>>;
 
 const PATH: &str = "/sluice.bench.Echo/Echo";
-const FLAVOURS: [&str; 4] = ["current", "1", "2", "2+repoll"];
+const FLAVOURS: [&str; 3] = ["current", "1", "2"];
 
 fn runtime(flavour: &str) -> anyhow::Result<tokio::runtime::Runtime> {
-    let threads = flavour.trim_end_matches("+repoll");
-    let mut builder = match threads {
+    let mut builder = match flavour {
         "current" => tokio::runtime::Builder::new_current_thread(),
         n => {
             let mut b = tokio::runtime::Builder::new_multi_thread();
@@ -119,15 +115,11 @@ async fn serve() -> anyhow::Result<()> {
 
 /// Round trips on one stream; returns (wall µs per round trip, this
 /// process's CPU seconds over them).
-async fn ping_pong(port: u16, round_trips: u32, repoll: bool) -> anyhow::Result<(f64, f64)> {
-    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port}"))?
-        .tcp_nodelay(true);
-    let endpoint = if repoll {
-        endpoint.executor(sluice_runtime::repoll::Executor)
-    } else {
-        endpoint
-    };
-    let channel = endpoint.connect().await?;
+async fn ping_pong(port: u16, round_trips: u32) -> anyhow::Result<(f64, f64)> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port}"))?
+        .tcp_nodelay(true)
+        .connect()
+        .await?;
     let mut grpc = tonic::client::Grpc::new(channel);
     grpc.ready().await?;
     let (tx, rx) = tokio::sync::mpsc::channel(16);
@@ -162,7 +154,7 @@ async fn ping_pong(port: u16, round_trips: u32, repoll: bool) -> anyhow::Result<
 
 fn measure(flavour: &str, round_trips: u32) -> anyhow::Result<String> {
     let mut server = Command::new(std::env::current_exe()?)
-        .args(["serve", flavour.trim_end_matches("+repoll")])
+        .args(["serve", flavour])
         .stdout(Stdio::piped())
         .spawn()?;
     let mut line = String::new();
@@ -173,9 +165,8 @@ fn measure(flavour: &str, round_trips: u32) -> anyhow::Result<String> {
         let before = cpu_seconds(&pid)?;
         // The client's work runs on a runtime worker, as a service's does.
         let rt = runtime(flavour)?;
-        let repoll = flavour.ends_with("+repoll");
         let (wall, client) =
-            rt.block_on(async move { tokio::spawn(ping_pong(port, round_trips, repoll)).await? })?;
+            rt.block_on(async move { tokio::spawn(ping_pong(port, round_trips)).await? })?;
         let server_cpu = cpu_seconds(&pid)? - before;
         let per = |s: f64| s * 1e6 / f64::from(round_trips);
         Ok(format!(

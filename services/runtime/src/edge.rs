@@ -28,7 +28,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use axum::body::{Body, HttpBody};
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -102,10 +102,10 @@ pub(crate) async fn serve(
                 drain: drain.clone(),
                 hard: hard.clone(),
             };
-            tracker.spawn(crate::repoll::Repoll::new(async move {
+            tracker.spawn(async move {
                 conn.run(tcp).await;
                 drop(slot);
-            }));
+            });
         }
     }
     // Stop accepting before draining: new clients are refused, not hung.
@@ -213,9 +213,7 @@ impl Connection {
             }
             .instrument(span)
         });
-        // hyper's tasks poll again at once when they wake themselves (see
-        // `crate::repoll`), as does this connection's (spawned by `serve`).
-        let mut builder = auto::Builder::new(crate::repoll::Executor);
+        let mut builder = auto::Builder::new(TokioExecutor::new());
         builder
             .http1()
             .timer(TokioTimer::new())

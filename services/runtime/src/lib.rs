@@ -30,7 +30,6 @@ pub mod grpc;
 pub mod limits;
 pub mod local;
 pub mod metrics;
-pub mod repoll;
 pub mod request;
 pub mod security;
 pub mod service;

@@ -483,10 +483,7 @@ impl Security {
             // fail over instead of waiting out their deadlines.
             .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
             .keep_alive_timeout(KEEPALIVE_TIMEOUT)
-            .keep_alive_while_idle(true)
-            // hyper's tasks poll again at once when they wake themselves
-            // (see `crate::repoll`).
-            .executor(crate::repoll::Executor);
+            .keep_alive_while_idle(true);
         let tls = self.tls.as_ref().filter(|t| t.has_ca()).cloned();
         let mesh = MeshChannel::new(host_port, || match tls {
             Some(tls) => ep.connect_with_connector_lazy(tls::Connector::new(tls)),
