@@ -259,16 +259,22 @@ async fn round_robin_scatters_the_same_conversations() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `sluice_router_live_placements{pool="decode"}` on a router's port.
-async fn live_placements(router: &str) -> anyhow::Result<f64> {
+/// A router's decode-pool gauge `name` (`sluice_router_…{pool="decode"}`)
+/// on its port; 0 when absent.
+async fn decode_gauge(router: &str, name: &str) -> anyhow::Result<f64> {
     let (status, body) = get(router, "/metrics").await?;
     anyhow::ensure!(status == 200, "metrics: {status}");
+    let series = format!("{name}{{pool=\"decode\"}} ");
     Ok(body
         .lines()
-        .find(|l| l.starts_with("sluice_router_live_placements{pool=\"decode\"}"))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
+        .find_map(|l| l.strip_prefix(series.as_str()))
+        .and_then(|v| v.trim().parse().ok())
         .unwrap_or(0.0))
+}
+
+/// `sluice_router_live_placements{pool="decode"}` on a router's port.
+async fn live_placements(router: &str) -> anyhow::Result<f64> {
+    decode_gauge(router, "sluice_router_live_placements").await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -316,14 +322,27 @@ async fn two_router_replicas_share_placements_spread_a_burst_and_keep_prefixes()
         "frontend.log",
     )?);
     wait_listed(&http, d).await?;
-    // Every worker known to both routers (each lists four candidates).
+    // Every worker known to the frontend and to both routers, each router
+    // with all four in its pool and none still joining (first snapshot
+    // outstanding): a burst placed earlier would not see them all.
     let deadline = Instant::now() + Duration::from_secs(30);
-    while get(&http, "/ready")
-        .await
-        .map(|(_, b)| !b.contains("\"workers\":4"))
-        .unwrap_or(true)
-    {
-        anyhow::ensure!(Instant::now() < deadline, "four workers never ready");
+    loop {
+        let frontend = get(&http, "/ready")
+            .await
+            .is_ok_and(|(_, b)| b.contains("\"workers\":4"));
+        let mut routers_ready = true;
+        for r in &routers {
+            routers_ready &= decode_gauge(r, "sluice_router_workers").await? == 4.0
+                && decode_gauge(r, "sluice_router_workers_joining").await? == 0.0;
+        }
+        if frontend && routers_ready {
+            break;
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "four workers never ready everywhere; logs in {}",
+            d.display()
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
