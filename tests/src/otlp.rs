@@ -12,6 +12,7 @@ use opentelemetry_proto::tonic::collector::trace::v1::{
 };
 use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
 pub use opentelemetry_proto::tonic::trace::v1::Span;
+use sluice_runtime::telemetry::{LogFormat, Telemetry, TelemetryConfig, init};
 use tokio::sync::Mutex;
 
 /// Spans received so far.
@@ -40,6 +41,49 @@ impl Collector {
     pub async fn spans(&self) -> Vec<Span> {
         self.spans.lock().await.clone()
     }
+
+    /// The workers' `worker.generate` spans (not the frontend's hop of the
+    /// same name), each once (a batch exported twice counts once), waiting
+    /// up to 10 s for at least `n` of them.
+    pub async fn worker_generate_spans(&self, n: usize) -> anyhow::Result<Vec<Span>> {
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            let mut spans: Vec<_> = self
+                .spans()
+                .await
+                .into_iter()
+                .filter(|s| {
+                    s.name == "worker.generate"
+                        && attr(s, "target").as_deref() == Some("sluice_decode::service")
+                })
+                .collect();
+            spans.sort_by(|a, b| a.span_id.cmp(&b.span_id));
+            spans.dedup_by(|a, b| a.span_id == b.span_id);
+            if spans.len() >= n {
+                return Ok(spans);
+            }
+            anyhow::ensure!(
+                tokio::time::Instant::now() < deadline,
+                "{} of {n} worker.generate spans arrived",
+                spans.len()
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    }
+}
+
+/// Starts a collector and points this process's traces at it, as
+/// `service_name` (one per test binary: the subscriber is global). Flush
+/// the returned telemetry before reading the spans.
+pub async fn traced(service_name: &str) -> anyhow::Result<(Collector, Telemetry)> {
+    let (collector, addr) = Collector::start().await?;
+    let telemetry = init(&TelemetryConfig {
+        service_name: service_name.into(),
+        otlp_endpoint: Some(format!("http://{addr}")),
+        log_format: LogFormat::Text,
+        ansi: false,
+    })?;
+    Ok((collector, telemetry))
 }
 
 #[tonic::async_trait]

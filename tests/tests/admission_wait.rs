@@ -9,10 +9,9 @@
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use sluice_runtime::telemetry::{TelemetryConfig, init};
 use sluice_tests::http::{open, post_json};
 use sluice_tests::mesh::{Mesh, MeshOptions};
-use sluice_tests::otlp::{Collector, attr};
+use sluice_tests::otlp::{attr, traced};
 use tokio::io::AsyncBufReadExt;
 
 fn completion(prompt: &str, max_tokens: u32) -> Value {
@@ -22,13 +21,7 @@ fn completion(prompt: &str, max_tokens: u32) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prompt_held_for_slots_about_to_free_says_so_on_its_span() -> anyhow::Result<()> {
-    let (collector, otlp) = Collector::start().await?;
-    let telemetry = init(&TelemetryConfig {
-        service_name: "sluice-test".into(),
-        otlp_endpoint: Some(format!("http://{otlp}")),
-        log_format: sluice_runtime::telemetry::LogFormat::Text,
-        ansi: false,
-    })?;
+    let (collector, telemetry) = traced("sluice-test").await?;
 
     let mut opts = MeshOptions::default();
     opts.worker.engine = sluice_decode::EngineKind::Mocker;
@@ -85,30 +78,7 @@ async fn a_prompt_held_for_slots_about_to_free_says_so_on_its_span() -> anyhow::
     mesh.stop().await?;
     telemetry.flush().await;
 
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    let spans = loop {
-        let mut spans: Vec<_> = collector
-            .spans()
-            .await
-            .into_iter()
-            // The worker's span (the frontend's hop to it has the same name).
-            .filter(|s| {
-                s.name == "worker.generate"
-                    && attr(s, "target").as_deref() == Some("sluice_decode::service")
-            })
-            .collect();
-        // A span exported twice (a batch retried) counts once.
-        spans.sort_by(|a, b| a.span_id.cmp(&b.span_id));
-        spans.dedup_by(|a, b| a.span_id == b.span_id);
-        if spans.len() >= 5 {
-            break spans;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "worker.generate spans missing: {spans:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let spans = collector.worker_generate_spans(5).await?;
     let (late, running): (Vec<_>, Vec<_>) = spans
         .iter()
         .partition(|s| attr(s, "completion_tokens").as_deref() == Some("2"));

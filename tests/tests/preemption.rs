@@ -8,10 +8,9 @@
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use sluice_runtime::telemetry::{TelemetryConfig, init};
 use sluice_tests::http::{get, post_json};
 use sluice_tests::mesh::{Mesh, MeshOptions};
-use sluice_tests::otlp::{Collector, attr};
+use sluice_tests::otlp::{attr, traced};
 use sluice_tests::wait::sample;
 
 fn completion(prompt: &str, max_tokens: u32, priority: i32) -> Value {
@@ -21,13 +20,7 @@ fn completion(prompt: &str, max_tokens: u32, priority: i32) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_preempted_request_shows_in_worker_metrics_and_its_span() -> anyhow::Result<()> {
-    let (collector, otlp) = Collector::start().await?;
-    let telemetry = init(&TelemetryConfig {
-        service_name: "sluice-test".into(),
-        otlp_endpoint: Some(format!("http://{otlp}")),
-        log_format: sluice_runtime::telemetry::LogFormat::Text,
-        ansi: false,
-    })?;
+    let (collector, telemetry) = traced("sluice-test").await?;
 
     let mut opts = MeshOptions::default();
     opts.worker.engine = sluice_decode::EngineKind::Mocker;
@@ -88,27 +81,7 @@ async fn a_preempted_request_shows_in_worker_metrics_and_its_span() -> anyhow::R
     mesh.stop().await?;
     telemetry.flush().await;
 
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    let spans = loop {
-        let spans: Vec<_> = collector
-            .spans()
-            .await
-            .into_iter()
-            // The worker's span (the frontend's hop to it has the same name).
-            .filter(|s| {
-                s.name == "worker.generate"
-                    && attr(s, "target").as_deref() == Some("sluice_decode::service")
-            })
-            .collect();
-        if spans.len() >= 2 {
-            break spans;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "worker.generate spans missing: {spans:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let spans = collector.worker_generate_spans(2).await?;
     let by_priority = |p: &str| {
         spans
             .iter()

@@ -8,20 +8,13 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use serde_json::json;
-use sluice_runtime::telemetry::{TelemetryConfig, init};
 use sluice_tests::http::post_json;
 use sluice_tests::mesh::{Mesh, MeshOptions};
-use sluice_tests::otlp::{Collector, Span, attr, hex};
+use sluice_tests::otlp::{Span, attr, hex, traced};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disaggregated_request_is_one_trace_across_every_hop() -> anyhow::Result<()> {
-    let (collector, otlp) = Collector::start().await?;
-    let telemetry = init(&TelemetryConfig {
-        service_name: "sluice-test".into(),
-        otlp_endpoint: Some(format!("http://{otlp}")),
-        log_format: sluice_runtime::telemetry::LogFormat::Text,
-        ansi: false,
-    })?;
+    let (collector, telemetry) = traced("sluice-test").await?;
 
     let mut opts = MeshOptions {
         prefill_workers: 1,

@@ -6,20 +6,12 @@
 use std::time::Duration;
 
 use sluice_runtime::grpc::{GrpcServer, channel};
-use sluice_runtime::telemetry::{TelemetryConfig, init};
-use sluice_tests::otlp::{Collector, hex};
+use sluice_tests::otlp::{hex, traced};
 use tracing::Instrument;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_and_server_spans_share_one_trace() -> anyhow::Result<()> {
-    let (collector, otlp_addr) = Collector::start().await?;
-
-    let telemetry = init(&TelemetryConfig {
-        service_name: "trace-test".into(),
-        otlp_endpoint: Some(format!("http://{otlp_addr}")),
-        log_format: sluice_runtime::telemetry::LogFormat::Text,
-        ansi: false,
-    })?;
+    let (collector, telemetry) = traced("trace-test").await?;
 
     // A real Sluice gRPC server (health service) and a traced client.
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
