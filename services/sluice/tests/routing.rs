@@ -264,12 +264,7 @@ async fn round_robin_scatters_the_same_conversations() -> anyhow::Result<()> {
 async fn decode_gauge(router: &str, name: &str) -> anyhow::Result<f64> {
     let (status, body) = get(router, "/metrics").await?;
     anyhow::ensure!(status == 200, "metrics: {status}");
-    let series = format!("{name}{{pool=\"decode\"}} ");
-    Ok(body
-        .lines()
-        .find_map(|l| l.strip_prefix(series.as_str()))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0.0))
+    Ok(sluice_tests::wait::sample(&body, &format!("{name}{{pool=\"decode\"}}")).unwrap_or(0.0))
 }
 
 /// `sluice_router_live_placements{pool="decode"}` on a router's port.
