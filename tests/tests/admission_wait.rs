@@ -91,6 +91,7 @@ async fn a_prompt_held_for_slots_about_to_free_says_so_on_its_span() -> anyhow::
         ids(&late),
         ids(&running)
     );
+    // (completion tokens, start ms, end ms) of each, for a failure to show.
     let t0 = spans
         .iter()
         .map(|s| s.start_time_unix_nano)
@@ -106,7 +107,6 @@ async fn a_prompt_held_for_slots_about_to_free_says_so_on_its_span() -> anyhow::
             )
         })
         .collect();
-    // (completion tokens, start ms, end ms) of each, for a failure to show.
     let held: u64 = attr(late[0], "admission_held_steps")
         .unwrap_or_else(|| panic!("the late prompt's span has no admission_held_steps: {times:?}"))
         .parse()?;

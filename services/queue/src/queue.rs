@@ -396,6 +396,7 @@ impl Queue {
         &self.shared.cfg
     }
 
+    /// The queue's metrics (its sessions count themselves there).
     pub(crate) fn metrics(&self) -> &QueueMetrics {
         &self.shared.metrics
     }
