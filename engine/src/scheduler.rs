@@ -137,6 +137,9 @@ pub struct LoadStats {
     pub recomputed_tokens: u64,
     /// Steps where balance scheduling held admission back.
     pub balance_held_steps: u64,
+    /// The engine's recent mean step time in µs (0 before the first step;
+    /// set by the engine loop, not the scheduler).
+    pub step_time_us: u32,
     /// Steps where admission waited for slots about to free.
     pub admission_held_steps: u64,
 }
@@ -425,6 +428,7 @@ impl Scheduler {
             recomputed_tokens: self.recomputed_tokens,
             balance_held_steps: self.balance_held_steps,
             admission_held_steps: self.admission_held_steps,
+            step_time_us: 0,
         }
     }
 

@@ -523,6 +523,7 @@ fn description(rng: &mut StdRng) -> common::RequestDescription {
         tenant_weight: *pick(rng, &[0, 1, 3, u32::MAX]),
         prompt_tokens: *pick(rng, &[0, 5, 64, u32::MAX]),
         expected_output_tokens: rng.random(),
+        ttft_target_ms: *pick(rng, &[0, 1, 1000, u32::MAX]),
         block_hashes: (0..*pick(rng, &[0usize, 1, 4, 5000]))
             .map(|_| rng.random())
             .collect(),

@@ -35,7 +35,13 @@ pub(super) struct EngineCore {
     /// Reserved slot → blocks the sender skips (not writable).
     reserved: HashMap<SeqId, usize>,
     shutting_down: bool,
+    /// Mean duration of a step that computed something, in µs (an
+    /// exponential average; 0 before the first).
+    step_us: f64,
 }
+
+/// Weight of the newest step in [`EngineCore::step_us`].
+const STEP_EWMA: f64 = 0.2;
 
 impl EngineCore {
     pub(super) fn new(
@@ -55,6 +61,7 @@ impl EngineCore {
             prefills: HashMap::new(),
             reserved: HashMap::new(),
             shutting_down: false,
+            step_us: 0.0,
         }
     }
 
@@ -165,9 +172,16 @@ impl EngineCore {
             self.publish_load();
             return true;
         }
+        let started = std::time::Instant::now();
         let result = self
             .forward_isolating(&mut step)
             .and_then(|out| self.sched.update(&step, out));
+        let us = started.elapsed().as_secs_f64() * 1e6;
+        self.step_us = if self.step_us == 0.0 {
+            us
+        } else {
+            self.step_us + STEP_EWMA * (us - self.step_us)
+        };
         // Load first, so whoever sees an output also sees the state after it.
         self.publish_load();
         match result {
@@ -460,7 +474,9 @@ impl EngineCore {
     }
 
     fn publish_load(&self) {
-        self.load_tx.send_replace(self.sched.load());
+        let mut load = self.sched.load();
+        load.step_time_us = self.step_us.round().min(f64::from(u32::MAX)) as u32;
+        self.load_tx.send_replace(load);
     }
 }
 

@@ -131,9 +131,11 @@ pub struct WorkerArgs {
     #[arg(long, env = "SLUICE_MAX_MODEL_LEN")]
     pub max_model_len: Option<usize>,
 
-    /// Engine scheduling policy: `priority` admits higher priority first and
-    /// preempts the lowest-priority running sequence under pressure.
-    #[arg(long, env = "SLUICE_SCHEDULING_POLICY", default_value = "fcfs", value_parser = ["fcfs", "priority"])]
+    /// Engine scheduling policy: `priority` (the default) admits higher
+    /// priority first and preempts the lowest-priority running sequence
+    /// under pressure, keeping its KV; equal priorities are first come,
+    /// first served. `fcfs` turns priority off in the engine.
+    #[arg(long, env = "SLUICE_SCHEDULING_POLICY", default_value = "priority", value_parser = ["fcfs", "priority"])]
     pub scheduling_policy: String,
 
     /// With `--scheduling-policy priority`: never preempt a running sequence
@@ -237,7 +239,7 @@ impl Default for WorkerArgs {
             long_prefill_token_threshold: None,
             admission_wait_steps: None,
             max_model_len: None,
-            scheduling_policy: "fcfs".into(),
+            scheduling_policy: "priority".into(),
             no_preempt_on_seq_limit: false,
             no_prefix_caching: false,
             speedup_ratio: 1.0,
@@ -433,6 +435,8 @@ mod tests {
     fn admission_wait_defaults_on_with_priority_scheduling_only() {
         let mut args = WorkerArgs::default();
         let policy = |a: &WorkerArgs| a.policy().expect("a known policy");
+        assert_eq!(args.scheduling_policy, "priority", "priority by default");
+        args.scheduling_policy = "fcfs".into();
         assert_eq!(args.admission_wait_steps(policy(&args)), 0);
         args.scheduling_policy = "priority".into();
         assert_eq!(

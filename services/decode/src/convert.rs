@@ -151,6 +151,7 @@ pub(crate) fn load(rank: u32, l: &engine::LoadStats, prefill_queue: u32) -> pb::
         max_num_batched_tokens: l.max_num_batched_tokens as u32,
         priority_scheduling: l.priority_scheduling,
         long_prefill_token_threshold: l.long_prefill_token_threshold as u32,
+        step_time_us: l.step_time_us,
         prefill_queue,
         ..Default::default()
     }

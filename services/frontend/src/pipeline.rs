@@ -254,8 +254,7 @@ impl From<sluice_tokens::TokensError> for Failure {
     }
 }
 
-/// Metadata key on the queue's errors naming why (`QueueError::reason`).
-const REASON_HEADER: &str = "sluice-reason";
+use crate::error::REASON_HEADER;
 
 /// The lease and its grant.
 type Admitted = (QueueLease, qpb::Grant);

@@ -132,6 +132,52 @@ impl fmt::Display for WfqWeights {
     }
 }
 
+/// `--ttft-targets`: `PRIORITY=SECS,...`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TtftTargets(pub HashMap<i32, f64>);
+
+impl FromStr for TtftTargets {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let mut targets = HashMap::new();
+        for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+            let (priority, secs) = item
+                .rsplit_once('=')
+                .ok_or_else(|| format!("{item:?} is not PRIORITY=SECS"))?;
+            let priority: i32 = priority
+                .trim()
+                .parse()
+                .map_err(|e| format!("priority {priority:?}: {e}"))?;
+            let secs: f64 = secs
+                .trim()
+                .parse()
+                .map_err(|e| format!("target of priority {priority}: {e}"))?;
+            if !(secs.is_finite() && secs > 0.0) {
+                return Err(format!(
+                    "target of priority {priority} must be a number of seconds > 0, got {secs}"
+                ));
+            }
+            targets.insert(priority, secs);
+        }
+        Ok(Self(targets))
+    }
+}
+
+impl fmt::Display for TtftTargets {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut items: Vec<_> = self.0.iter().collect();
+        items.sort_by_key(|(p, _)| std::cmp::Reverse(**p));
+        for (i, (priority, secs)) in items.into_iter().enumerate() {
+            if i > 0 {
+                f.write_str(",")?;
+            }
+            write!(f, "{priority}={secs}")?;
+        }
+        Ok(())
+    }
+}
+
 /// The queue service's own flags (the common ones are the runtime's
 /// `CommonArgs`): placement source, policy and limits.
 #[derive(Debug, Clone, clap::Args)]
@@ -177,20 +223,24 @@ pub struct Args {
     #[arg(long, env = "SLUICE_NO_DEFAULT_HOLDING")]
     pub no_default_holding: bool,
 
-    /// Default holding: a model holds at most what its grants drain in
-    /// this many seconds (at the rate of the last few seconds, and at least
-    /// one more request per engine slot) beyond its free engine slots; the
-    /// rest is refused, lowest priority first.
-    #[arg(long, env = "SLUICE_BACKLOG_SECS", default_value_t = 2.0)]
-    pub backlog_secs: f64,
+    /// The time to first token a request may wait for when it names no
+    /// target of its own (`nvext.agent_hints.ttft_target_ms`), in seconds.
+    /// A request whose predicted wait in the queue exceeds its target is
+    /// refused at once (429, `Retry-After`); one still held when its target
+    /// passes is released with the same answer. `--ttft-targets` sets it
+    /// per priority.
+    #[arg(long, env = "SLUICE_TTFT_TARGET_SECS", default_value_t = 60.0)]
+    pub ttft_target_secs: f64,
 
-    /// Default holding under standing overload (requests have arrived
-    /// faster than they drain for longer than `--backlog-secs`): a model
-    /// holds at most what drains in this many seconds (at least one
-    /// request) beyond its free engine slots, so served requests wait
-    /// briefly and the rest are refused at once with a Retry-After.
-    #[arg(long, env = "SLUICE_STANDING_BACKLOG_SECS", default_value_t = 0.02)]
-    pub standing_backlog_secs: f64,
+    /// Default TTFT targets by priority, `PRIORITY=SECS,...` (e.g.
+    /// `3=5,0=120`); priorities not listed take `--ttft-target-secs`.
+    #[arg(
+        long,
+        env = "SLUICE_TTFT_TARGETS",
+        default_value_t = TtftTargets::default(),
+        allow_hyphen_values = true
+    )]
+    pub ttft_targets: TtftTargets,
 
     /// Requests with priority above this keep the reserved share of pending
     /// capacity (`--shed-protect-fraction`).
@@ -255,16 +305,10 @@ impl Args {
                 format!("{t} must be a finite number ≥ 0 (leave unset to hold nothing)"),
             );
         }
-        if !(self.backlog_secs.is_finite() && self.backlog_secs >= 0.0) {
+        if !(self.ttft_target_secs.is_finite() && self.ttft_target_secs > 0.0) {
             return err(
-                "--backlog-secs",
-                format!("{} must be a finite number ≥ 0", self.backlog_secs),
-            );
-        }
-        if !(self.standing_backlog_secs.is_finite() && self.standing_backlog_secs >= 0.0) {
-            return err(
-                "--standing-backlog-secs",
-                format!("{} must be a finite number ≥ 0", self.standing_backlog_secs),
+                "--ttft-target-secs",
+                format!("{} must be a finite number > 0", self.ttft_target_secs),
             );
         }
         if self.max_pending == 0 {
@@ -296,6 +340,22 @@ impl Args {
         reserved.min(self.max_pending.saturating_sub(1))
     }
 
+    /// The TTFT target of a request of `priority` that names `requested_ms`
+    /// (0 = none): its own, else `--ttft-targets`' for its priority, else
+    /// `--ttft-target-secs`.
+    pub fn ttft_target(&self, priority: i32, requested_ms: u32) -> Duration {
+        if requested_ms > 0 {
+            return Duration::from_millis(u64::from(requested_ms));
+        }
+        let secs = self
+            .ttft_targets
+            .0
+            .get(&priority)
+            .copied()
+            .unwrap_or(self.ttft_target_secs);
+        Duration::from_secs_f64(secs)
+    }
+
     /// `refresh_interval_ms` as a duration.
     pub fn refresh_interval(&self) -> Duration {
         Duration::from_millis(self.refresh_interval_ms)
@@ -306,10 +366,7 @@ impl Args {
         let threshold = match (self.queue_threshold, self.max_active) {
             (Some(t), _) => format!("{t}"),
             (None, 0) if self.no_default_holding => "unset (nothing held)".into(),
-            (None, 0) => format!(
-                "unset (default holding: workers' max_num_seqs, backlog {} s, {} s when overload stands)",
-                self.backlog_secs, self.standing_backlog_secs
-            ),
+            (None, 0) => "unset (default holding: workers' max_num_seqs)".into(),
             (None, _) => "unset".into(),
         };
         let max_active = match self.max_active {
@@ -318,8 +375,10 @@ impl Args {
         };
         let router = self.router_endpoint.as_deref().unwrap_or("discovery");
         let mut line = format!(
-            "router={router} policy={} threshold={threshold} max_pending={} max_pending_per_tenant={} max_active={max_active} shed_protect_priority={} shed_protect_fraction={} (reserved {} slots) refresh_interval_ms={}",
+            "router={router} policy={} threshold={threshold} ttft_target_secs={} ttft_targets={} max_pending={} max_pending_per_tenant={} max_active={max_active} shed_protect_priority={} shed_protect_fraction={} (reserved {} slots) refresh_interval_ms={}",
             self.queue_policy,
+            self.ttft_target_secs,
+            self.ttft_targets,
             self.max_pending,
             self.max_pending_per_tenant,
             self.shed_protect_priority,
@@ -377,6 +436,20 @@ mod tests {
         assert_eq!(cfg.queue_threshold, None);
         assert!(cfg.validate().is_ok());
         assert_eq!(cfg.reserved_slots(), 820);
+        assert_eq!(cfg.ttft_target(0, 0), Duration::from_secs(60));
+    }
+
+    #[test]
+    fn ttft_targets_by_priority_and_per_request() {
+        let cfg = parse(&["--ttft-targets", "3=5, -1=120", "--ttft-target-secs", "30"]);
+        assert_eq!(cfg.ttft_target(3, 0), Duration::from_secs(5));
+        assert_eq!(cfg.ttft_target(-1, 0), Duration::from_secs(120));
+        assert_eq!(cfg.ttft_target(0, 0), Duration::from_secs(30));
+        assert_eq!(cfg.ttft_target(3, 250), Duration::from_millis(250));
+        assert_eq!(cfg.ttft_targets.to_string(), "3=5,-1=120");
+        assert!("3=0".parse::<TtftTargets>().is_err());
+        assert!("x=1".parse::<TtftTargets>().is_err());
+        assert!(parse(&["--ttft-target-secs", "0"]).validate().is_err());
     }
 
     #[test]

@@ -89,6 +89,8 @@ pub(crate) fn grant_response(grant: &Grant) -> pb::AdmitResponse {
             prefill_worker_endpoint,
             overlap_tokens: placement.overlap_tokens,
             queue_wait_ms: grant.waited.as_secs_f64() * 1000.0,
+            ttft_target_ms: u32::try_from(grant.ttft_target.as_millis()).unwrap_or(u32::MAX),
+            predicted_wait_ms: grant.predicted_wait.map(|d| d.as_secs_f64() * 1000.0),
         })),
     }
 }
@@ -131,6 +133,7 @@ impl From<router_pb::LoadView> for LoadView {
                     max_num_seqs: w.max_num_seqs,
                     unplaced_requests: w.unplaced_requests,
                     priority_scheduling: w.priority_scheduling,
+                    step_time_us: w.step_time_us,
                 }
             })
             .collect();
@@ -179,6 +182,7 @@ mod tests {
             block_hashes: vec![1, 2],
             block_size: 16,
             expected_output_tokens: 0,
+            ttft_target_ms: 1500,
             exclude_worker_ids: vec!["w9".into()],
             tenant_weight: 2,
         }

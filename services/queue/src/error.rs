@@ -49,18 +49,32 @@ pub enum QueueError {
         /// When this replica's share allows a request again.
         retry_after: Duration,
     },
-    /// Default holding under standing overload: higher priorities arrive
-    /// at least as fast as the model's grants drain, so this one's priority
-    /// is refused at once.
+    /// The wait predicted for the request (from the work ahead of it in
+    /// release order and the workers' drain rate) exceeds its TTFT target.
     #[error(
-        "model overloaded: requests of priority {admitted_from} and above arrive faster than they are served, priority {priority} is refused; retry after {} s", retry_after.as_secs()
+        "predicted queue wait {} ms exceeds the request's TTFT target of {} ms (nvext.agent_hints.ttft_target_ms, or the queue's --ttft-target-secs / --ttft-targets for its priority); retry after {} s",
+        predicted.as_millis(), target.as_millis(), retry_after.as_secs()
     )]
-    Overloaded {
-        /// The request's priority.
-        priority: i32,
-        /// The lowest priority still admitted.
-        admitted_from: i32,
-        /// When the held backlog will have drained, at the rate it drains.
+    TargetUnmeetable {
+        /// The predicted wait.
+        predicted: Duration,
+        /// The request's TTFT target.
+        target: Duration,
+        /// When the backlog ahead will have drained enough.
+        retry_after: Duration,
+    },
+    /// The request was still held when its TTFT target passed: it leaves
+    /// before any token instead of being served late.
+    #[error(
+        "held {} ms, past the request's TTFT target of {} ms; retry after {} s",
+        waited.as_millis(), target.as_millis(), retry_after.as_secs()
+    )]
+    TargetMissed {
+        /// How long it was held.
+        waited: Duration,
+        /// The request's TTFT target.
+        target: Duration,
+        /// When the backlog ahead will have drained enough.
         retry_after: Duration,
     },
     /// A low-priority request found only the share reserved for protected
@@ -222,7 +236,8 @@ impl QueueError {
                 ..
             } => "quota_requests",
             Self::Shed { .. } => "shed",
-            Self::Overloaded { .. } => "overload",
+            Self::TargetUnmeetable { .. } => "ttft_target_unmeetable",
+            Self::TargetMissed { .. } => "ttft_target_missed",
             Self::Displaced { .. } => "displaced",
             Self::DeadlineExceeded { .. } => "deadline",
             Self::NoWorkers { .. } => "no_workers",
@@ -267,7 +282,8 @@ fn status_of(err: QueueError) -> tonic::Status {
         QueueError::QueueFull { retry_after, .. }
         | QueueError::TenantFull { retry_after, .. }
         | QueueError::Shed { retry_after, .. }
-        | QueueError::Overloaded { retry_after, .. }
+        | QueueError::TargetUnmeetable { retry_after, .. }
+        | QueueError::TargetMissed { retry_after, .. }
         | QueueError::Displaced { retry_after, .. } => {
             let mut status = Status::resource_exhausted(err.to_string());
             let secs = retry_after.as_secs().max(1);
@@ -348,7 +364,17 @@ mod tests {
             by: 3,
             retry_after: Duration::from_secs(3),
         };
-        for err in [full, shed, tenant, displaced] {
+        let unmeetable = QueueError::TargetUnmeetable {
+            predicted: Duration::from_secs(9),
+            target: Duration::from_secs(6),
+            retry_after: Duration::from_secs(3),
+        };
+        let missed = QueueError::TargetMissed {
+            waited: Duration::from_secs(6),
+            target: Duration::from_secs(6),
+            retry_after: Duration::from_secs(3),
+        };
+        for err in [full, shed, tenant, displaced, unmeetable, missed] {
             let status = tonic::Status::from(err);
             assert_eq!(status.code(), Code::ResourceExhausted);
             let retry = status

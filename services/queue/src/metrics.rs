@@ -24,7 +24,8 @@ const REASONS: &[&str] = &[
     "quota_tokens",
     "quota_requests",
     "shed",
-    "overload",
+    "ttft_target_unmeetable",
+    "ttft_target_missed",
     "displaced",
     "deadline",
     "no_workers",
@@ -45,6 +46,8 @@ pub struct QueueMetrics {
     grants: IntCounterVec,
     express: IntCounter,
     rejections: IntCounterVec,
+    priority_rejections: IntCounterVec,
+    predicted_wait: HistogramVec,
     expiries: IntCounter,
     cancellations: IntCounter,
     active_leases: IntGauge,
@@ -112,6 +115,17 @@ impl QueueMetrics {
                 "sluice_queue_rejections_total",
                 "Requests refused or failed, by reason.",
                 &["reason"],
+            )?,
+            priority_rejections: r.counter_vec(
+                "sluice_queue_priority_rejections_total",
+                "Requests refused or failed, by priority and reason (ttft_target_unmeetable: the predicted wait exceeded the TTFT target at admission; ttft_target_missed: still held when the target passed).",
+                &["priority", "reason"],
+            )?,
+            predicted_wait: r.histogram_vec(
+                "sluice_queue_predicted_wait_seconds",
+                "The wait predicted at admission for requests admitted with a prediction, by priority (compare with sluice_queue_wait_seconds).",
+                WAIT_BUCKETS,
+                priority,
             )?,
             expiries: r.counter(
                 "sluice_queue_expiries_total",
@@ -215,8 +229,11 @@ impl QueueMetrics {
         self.active_leases.dec();
     }
 
-    pub(crate) fn rejected(&self, tenant: &str, reason: &str) {
+    pub(crate) fn rejected(&self, priority: i32, tenant: &str, reason: &str) {
         self.rejections.with_label_values(&[reason]).inc();
+        self.priority_rejections
+            .with_label_values(&[priority_label(priority).as_str(), reason])
+            .inc();
         self.tenant_rejections
             .with_label_values(&[self.tenants.label(tenant).as_str(), reason])
             .inc();
@@ -226,9 +243,16 @@ impl QueueMetrics {
         self.cancellations.inc();
     }
 
-    pub(crate) fn expired(&self, tenant: &str) {
+    pub(crate) fn expired(&self, priority: i32, tenant: &str) {
         self.expiries.inc();
-        self.rejected(tenant, "deadline");
+        self.rejected(priority, tenant, "deadline");
+    }
+
+    /// A request admitted with a predicted wait.
+    pub(crate) fn predicted(&self, priority: i32, wait_secs: f64) {
+        self.predicted_wait
+            .with_label_values(&[priority_label(priority).as_str()])
+            .observe(wait_secs);
     }
 }
 
@@ -281,8 +305,8 @@ mod tests {
         let registry = Registry::new();
         let m = QueueMetrics::new(&registry).expect("register");
         m.granted(0, "t", 0.2, false);
-        m.rejected("t", "queue_full");
-        m.expired("t");
+        m.rejected(0, "t", "queue_full");
+        m.expired(0, "t");
         m.cancelled();
         m.released();
         let text = render(&registry);
@@ -303,7 +327,7 @@ mod tests {
             m.served(&format!("t{i}"), "prompt", 100);
         }
         m.served("small", "output", 5);
-        m.rejected("small", "quota_tokens");
+        m.rejected(0, "small", "quota_tokens");
         m.granted(0, "t0", 0.1, false);
         let text = render(&registry);
         assert!(

@@ -148,7 +148,7 @@ mod hold;
 mod order;
 
 use dispatch::Outcome;
-use hold::{DrainRate, LoadCheck, ModelQueue, default_holding, hold_reason};
+use hold::{DrainRate, LoadCheck, ModelQueue, hold_reason, retry_after_secs};
 use order::{Order, Released, tokens_cost};
 
 /// One request asking for admission.
@@ -206,6 +206,12 @@ pub struct Grant {
     pub placement: Placement,
     /// Time from arrival to grant.
     pub waited: Duration,
+    /// The request's TTFT target (its own, or the default for its
+    /// priority).
+    pub ttft_target: Duration,
+    /// The wait the queue predicted at admission; `None` when it could not
+    /// (the workers' capacity or speed not known yet).
+    pub predicted_wait: Option<Duration>,
     /// Released past a busy threshold because its tenant had nothing
     /// starting (`ModelQueue::express_head`).
     pub express: bool,
@@ -286,6 +292,9 @@ pub struct WorkerLoad {
     /// Its engine orders waiting requests by priority: prefill of lower
     /// priority queued there does not delay a higher-priority request.
     pub priority_scheduling: bool,
+    /// Its engine's recent mean step time in microseconds; 0 = not
+    /// measured yet.
+    pub step_time_us: u32,
 }
 
 /// Every worker's load; each view replaces the previous one.
@@ -410,14 +419,36 @@ impl Queue {
         entry.overlap_tokens = entry.overlap_tokens.min(entry.desc.prompt_tokens);
         let now = Instant::now();
         let mut st = shared.state.lock();
-        if let Some(model) = st.models.get_mut(&entry.desc.model) {
-            model.arrival(entry.desc.priority, now);
-        }
+        let target = cfg.ttft_target(entry.desc.priority, entry.desc.ttft_target_ms);
         let mut checked = st.check_admission(cfg, &entry, now);
         if matches!(checked, Err(QueueError::QueueFull { .. }))
             && st.displace(cfg, shared.epoch, &entry, &shared.metrics, now)
         {
             checked = st.check_admission(cfg, &entry, now);
+        }
+        let predicted = st.predict_wait(cfg, shared.epoch, &entry, now);
+        if checked.is_ok()
+            && let Some(predicted) = predicted
+            && predicted > target
+        {
+            checked = Err(QueueError::TargetUnmeetable {
+                predicted,
+                target,
+                retry_after: retry_after_secs(predicted.saturating_sub(target)),
+            });
+        }
+        entry
+            .span
+            .record("ttft_target_ms", target.as_millis() as u64);
+        if let Some(predicted) = predicted {
+            entry
+                .span
+                .record("predicted_wait_ms", predicted.as_millis() as u64);
+            if checked.is_ok() {
+                shared
+                    .metrics
+                    .predicted(entry.desc.priority, predicted.as_secs_f64());
+            }
         }
         let refused = checked.and_then(|()| {
             st.quotas
@@ -425,7 +456,10 @@ impl Queue {
         });
         if let Err(err) = refused {
             drop(st);
-            shared.metrics.rejected(&entry.desc.tenant, err.reason());
+            entry.span.record("outcome", err.reason());
+            shared
+                .metrics
+                .rejected(entry.desc.priority, &entry.desc.tenant, err.reason());
             return Err(err);
         }
         let seq = st.next_seq;
@@ -440,9 +474,9 @@ impl Queue {
             .entry(entry.desc.model.clone())
             .or_insert_with(|| ModelQueue::new(cfg.queue_policy));
         model.order.insert(cfg, shared.epoch, seq, &entry, weight);
-        if let Some(deadline) = entry.deadline {
-            st.deadlines.insert((deadline, seq));
-        }
+        let target_at = entry.arrival + target;
+        let expiry = entry.deadline.map_or(target_at, |d| d.min(target_at));
+        st.deadlines.insert((expiry, seq));
         *st.tenants.entry(entry.desc.tenant.clone()).or_default() += 1;
         st.pending += 1;
         shared
@@ -462,6 +496,9 @@ impl Queue {
                 output: 0,
                 prefill: None,
                 express: false,
+                expiry,
+                predicted,
+                granted_at: None,
             },
         );
         st.unread.push(seq);
@@ -707,6 +744,13 @@ struct Slot {
     prefill: Option<((String, u32), u64)>,
     /// Released past a busy threshold (`ModelQueue::express_head`).
     express: bool,
+    /// When it leaves unplaced if still held: its TTFT target or its
+    /// deadline, whichever comes first (its key in `State::deadlines`).
+    expiry: Instant,
+    /// The wait predicted at admission (`None`: no prediction).
+    predicted: Option<Duration>,
+    /// When it was granted.
+    granted_at: Option<Instant>,
 }
 
 impl Slot {

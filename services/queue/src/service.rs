@@ -145,10 +145,12 @@ impl Lease {
                     if grant.express {
                         self.span.record("express", true);
                     }
+                    self.span.record("outcome", "granted");
                     Some(Ok(convert::grant_response(&grant)))
                 }
                 Err(err) => {
                     self.finished = true;
+                    self.span.record("outcome", err.reason());
                     self.span.record("error", tracing::field::display(&err));
                     Some(Err(err.into()))
                 }
@@ -196,6 +198,9 @@ impl QueueService {
             worker_id = tracing::field::Empty,
             queue_wait_ms = tracing::field::Empty,
             express = tracing::field::Empty,
+            ttft_target_ms = tracing::field::Empty,
+            predicted_wait_ms = tracing::field::Empty,
+            outcome = tracing::field::Empty,
             error = tracing::field::Empty,
         );
         if let Some(tp) = traceparent {

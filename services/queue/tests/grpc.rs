@@ -337,6 +337,7 @@ fn description(id: &str, priority: i32) -> common::RequestDescription {
         block_hashes: vec![11, 22],
         block_size: 16,
         expected_output_tokens: 0,
+        ttft_target_ms: 0,
         exclude_worker_ids: Vec::new(),
         tenant_weight: 0,
     }

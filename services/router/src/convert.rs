@@ -154,6 +154,7 @@ pub(crate) fn worker_load(m: &MemberLoad) -> pb::WorkerLoad {
         placements: m.load.placements,
         unplaced_requests: m.load.report.unplaced_requests,
         priority_scheduling: m.load.report.priority_scheduling,
+        step_time_us: m.load.report.step_time_us,
     }
 }
 
@@ -188,6 +189,7 @@ pub(crate) fn load_report(r: &wpb::LoadReport) -> LoadReport {
         unplaced_blocks: r.unplaced_blocks,
         priority_scheduling: r.priority_scheduling,
         long_prefill_token_threshold: r.long_prefill_token_threshold,
+        step_time_us: r.step_time_us,
     }
 }
 

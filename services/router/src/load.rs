@@ -42,6 +42,8 @@ pub struct LoadReport {
     /// Prompts with more than this many tokens to prefill go one at a time
     /// there, and shorter ones pass them (0 = no such rule).
     pub long_prefill_token_threshold: u32,
+    /// The engine's recent mean step time in microseconds (0 = none yet).
+    pub step_time_us: u32,
 }
 
 /// A target's effective load: placements plus the unplaced report.

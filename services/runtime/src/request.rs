@@ -38,6 +38,9 @@ pub struct RequestDescription {
     pub prompt_tokens: u32,
     /// Expected output tokens (0 = unknown).
     pub expected_output_tokens: u32,
+    /// The client's TTFT target in milliseconds; 0 = the queue's default
+    /// for the priority.
+    pub ttft_target_ms: u32,
     /// Chained sequence block hashes of the prompt's full blocks.
     pub block_hashes: Arc<[u64]>,
     /// Block size the hashes were computed with, in tokens.
@@ -62,6 +65,7 @@ impl RequestDescription {
             tenant_weight: d.tenant_weight,
             prompt_tokens: d.prompt_tokens,
             expected_output_tokens: d.expected_output_tokens,
+            ttft_target_ms: d.ttft_target_ms,
             block_hashes: Arc::from(d.block_hashes),
             block_size: d.block_size,
             exclude_worker_ids: Arc::from(d.exclude_worker_ids),
@@ -121,6 +125,7 @@ impl RequestDescription {
             tenant_weight: self.tenant_weight,
             prompt_tokens: self.prompt_tokens,
             expected_output_tokens: self.expected_output_tokens,
+            ttft_target_ms: self.ttft_target_ms,
             block_hashes: self.block_hashes.to_vec(),
             block_size: self.block_size,
             exclude_worker_ids: self.exclude_worker_ids.to_vec(),
@@ -142,6 +147,7 @@ mod tests {
             tenant_weight: 2,
             prompt_tokens: 40,
             expected_output_tokens: 7,
+            ttft_target_ms: 1500,
             block_hashes: vec![1, 2],
             block_size: 16,
             exclude_worker_ids: vec!["w9".into()],

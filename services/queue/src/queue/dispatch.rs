@@ -15,6 +15,7 @@ pub(super) enum Outcome {
     Placed {
         seq: u64,
         model: String,
+        priority: i32,
         result: Result<Placed, QueueError>,
     },
     Refreshed {
@@ -32,6 +33,7 @@ impl Op {
                 let result = tracing::Instrument::instrument(placer.place(&entry), span).await;
                 Outcome::Placed {
                     seq,
+                    priority: entry.desc.priority,
                     model: entry.desc.model,
                     result,
                 }
@@ -65,29 +67,6 @@ impl State {
                 pending: self.pending,
                 limit: cfg.max_pending,
                 retry_after,
-            });
-        }
-        if let Some(model) = self.models.get(&entry.desc.model)
-            && default_holding(cfg)
-            && model.standing(cfg, now)
-            && let Some(from) = model.admitted_from(now)
-            && entry.desc.priority < from
-        {
-            return Err(QueueError::Overloaded {
-                priority: entry.desc.priority,
-                admitted_from: from,
-                retry_after: model.drained.retry_after(model.order.len(), now),
-            });
-        }
-        if let Some(model) = self.models.get(&entry.desc.model)
-            && let Some(limit) = self.backlog_limit(cfg, &entry.desc.model, model, now)
-            && model.order.len() >= limit
-        {
-            let held = model.order.len();
-            return Err(QueueError::QueueFull {
-                pending: held,
-                limit,
-                retry_after: model.drained.retry_after(held, now),
             });
         }
         let reserved = cfg.reserved_slots();
@@ -185,11 +164,10 @@ impl State {
                     model.express = true;
                     tracing::debug!(request_id = %slot.entry.desc.request_id, "released past the threshold: its tenant has nothing starting");
                 }
-                if let Some(deadline) = slot.entry.deadline {
-                    self.deadlines.remove(&(deadline, seq));
-                }
+                self.deadlines.remove(&(slot.expiry, seq));
                 slot.phase = Phase::Placing;
                 model.placing += 1;
+                model.run(slot.entry.desc.priority, 1);
                 ops.push(Op::Place(seq, slot.entry.clone()));
             }
         }
@@ -272,16 +250,33 @@ impl State {
             let Some(slot) = self.slots.remove(&seq) else {
                 continue;
             };
+            let mut behind = 0;
             if let Some(model) = self.models.get_mut(&slot.entry.desc.model) {
                 model.order.remove(cfg, epoch, seq, &slot.entry);
+                behind = model.order.len();
             }
             self.forget_pending(&slot.entry, metrics);
             self.retire(&slot, false, now);
-            metrics.expired(&slot.entry.desc.tenant);
-            slot.tx
-                .send_replace(TicketState::Failed(QueueError::DeadlineExceeded {
-                    waited: now.saturating_duration_since(slot.entry.arrival),
-                }));
+            let desc = &slot.entry.desc;
+            let waited = now.saturating_duration_since(slot.entry.arrival);
+            let target = cfg.ttft_target(desc.priority, desc.ttft_target_ms);
+            let err = if waited >= target {
+                // Still held at its TTFT target: it would be served late, so
+                // it leaves now, told when the backlog will have drained.
+                let err = QueueError::TargetMissed {
+                    waited,
+                    target,
+                    retry_after: self.drained.retry_after(behind, now),
+                };
+                metrics.rejected(desc.priority, &desc.tenant, err.reason());
+                err
+            } else {
+                metrics.expired(desc.priority, &desc.tenant);
+                QueueError::DeadlineExceeded { waited }
+            };
+            slot.entry.span.record("outcome", err.reason());
+            tracing::debug!(request_id = %desc.request_id, error = %err, "left unplaced");
+            slot.tx.send_replace(TicketState::Failed(err));
         }
     }
 
@@ -298,11 +293,18 @@ impl State {
             Outcome::Refreshed { seq, model, result } => {
                 self.refreshed(seq, &model, result, cfg, epoch, now);
             }
-            Outcome::Placed { seq, model, result } => {
+            Outcome::Placed {
+                seq,
+                model,
+                priority,
+                result,
+            } => {
                 let Some(queue) = self.models.get_mut(&model) else {
                     return;
                 };
                 queue.placing -= 1;
+                // A granted request runs on (`granted` counts it again).
+                queue.run(priority, -1);
                 if !self.slots.contains_key(&seq) {
                     tracing::debug!(seq, "request cancelled during placement");
                     return;
@@ -384,6 +386,7 @@ impl State {
             - f64::from(entry.overlap_tokens);
         if let Some(queue) = self.models.get_mut(model) {
             queue.active += 1;
+            queue.run(entry.desc.priority, 1);
             queue.drained.grant(now);
             if let Some(released) = &released
                 && tokens_cost(cfg)
@@ -427,10 +430,13 @@ impl State {
             slot.phase = Phase::Active;
             slot.prefill = Some((busy, u64::from(uncached)));
             slot.lease = lease;
+            slot.granted_at = Some(now);
             slot.tx.send_replace(TicketState::Granted(Grant {
                 placement,
                 waited,
                 express,
+                ttft_target: cfg.ttft_target(entry.desc.priority, entry.desc.ttft_target_ms),
+                predicted_wait: slot.predicted,
             }));
         }
     }
@@ -447,7 +453,7 @@ impl State {
             tracing::debug!(request_id = %slot.entry.desc.request_id, error = %err, "placement failed");
             self.forget_pending(&slot.entry, metrics);
             self.retire(&slot, false, now);
-            metrics.rejected(&slot.entry.desc.tenant, err.reason());
+            metrics.rejected(slot.entry.desc.priority, &slot.entry.desc.tenant, err.reason());
             slot.tx.send_replace(TicketState::Failed(err));
         }
     }
@@ -463,9 +469,7 @@ impl State {
                 if let Some(model) = self.models.get_mut(&slot.entry.desc.model) {
                     model.order.remove(cfg, epoch, seq, &slot.entry);
                 }
-                if let Some(deadline) = slot.entry.deadline {
-                    self.deadlines.remove(&(deadline, seq));
-                }
+                self.deadlines.remove(&(slot.expiry, seq));
                 self.forget_pending(&slot.entry, metrics);
                 metrics.cancelled();
             }
@@ -477,6 +481,10 @@ impl State {
                 self.active -= 1;
                 if let Some(model) = self.models.get_mut(&slot.entry.desc.model) {
                     model.active -= 1;
+                    model.run(slot.entry.desc.priority, -1);
+                    if let Some(at) = slot.granted_at {
+                        model.lease_ended(Instant::now().saturating_duration_since(at));
+                    }
                 }
                 metrics.released();
             }
@@ -499,7 +507,7 @@ impl State {
             if let Some(slot) = self.slots.remove(&seq) {
                 self.forget_pending(&slot.entry, metrics);
                 self.retire(&slot, false, Instant::now());
-                metrics.rejected(&slot.entry.desc.tenant, QueueError::Draining.reason());
+                metrics.rejected(slot.entry.desc.priority, &slot.entry.desc.tenant, QueueError::Draining.reason());
                 slot.tx
                     .send_replace(TicketState::Failed(QueueError::Draining));
             }
@@ -519,9 +527,6 @@ impl State {
         metrics: &QueueMetrics,
         now: Instant,
     ) -> bool {
-        // The model's own backlog bound refused it (not `--max-pending`):
-        // only a request of the same model makes room.
-        let same_model = self.pending < cfg.max_pending;
         let rank = |e: &Entry| (e.desc.strict_priority, e.desc.priority);
         let victim = self
             .slots
@@ -529,7 +534,6 @@ impl State {
             .filter(|(_, s)| {
                 s.phase == Phase::Held
                     && rank(&s.entry) < rank(entry)
-                    && (!same_model || s.entry.desc.model == entry.desc.model)
             })
             .min_by_key(|&(&seq, s)| (rank(&s.entry), Reverse(seq)))
             .map(|(&seq, _)| seq);
@@ -541,9 +545,7 @@ impl State {
         if let Some(model) = self.models.get_mut(&slot.entry.desc.model) {
             model.order.remove(cfg, epoch, seq, &slot.entry);
         }
-        if let Some(deadline) = slot.entry.deadline {
-            self.deadlines.remove(&(deadline, seq));
-        }
+        self.deadlines.remove(&(slot.expiry, seq));
         self.forget_pending(&slot.entry, metrics);
         let err = QueueError::Displaced {
             priority: slot.entry.desc.priority,
@@ -551,7 +553,7 @@ impl State {
             retry_after: self.drained.retry_after(self.pending, now),
         };
         tracing::debug!(request_id = %slot.entry.desc.request_id, by = %entry.desc.request_id, "displaced from the full queue");
-        metrics.rejected(&slot.entry.desc.tenant, err.reason());
+        metrics.rejected(slot.entry.desc.priority, &slot.entry.desc.tenant, err.reason());
         slot.tx.send_replace(TicketState::Failed(err));
         true
     }

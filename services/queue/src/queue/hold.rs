@@ -1,6 +1,7 @@
 //! When a model's requests are held: the hold rules (`--max-active`,
-//! default holding by engine slots, `--queue-threshold`), the backlog
-//! bound for bursts and for standing overload, and the rates they use.
+//! default holding by engine slots, `--queue-threshold`), and the wait a
+//! newly admitted request is predicted to have (refused when it exceeds the
+//! request's TTFT target).
 
 use super::*;
 
@@ -37,29 +38,59 @@ impl DrainRate {
     /// current rate: 1 to 60, 1 when nothing was granted yet.
     pub(super) fn retry_after(&self, ahead: usize, now: Instant) -> Duration {
         let rate = self.per_sec(now);
-        let secs = if rate > 0.0 {
-            ((ahead as f64 + 1.0) / rate).ceil()
+        let wait = if rate > 0.0 {
+            Duration::from_secs_f64((ahead as f64 + 1.0) / rate)
         } else {
-            1.0
+            Duration::ZERO
         };
-        Duration::from_secs(secs.clamp(1.0, 60.0) as u64)
+        retry_after_secs(wait)
     }
 }
 
-/// Held requests a model may keep under default holding beyond its free
-/// engine slots, whatever the grant rate.
-pub(super) const BACKLOG_FLOOR: usize = 4;
+/// A `Retry-After` for `wait`: whole seconds, rounded up, 1 to 60.
+pub(crate) fn retry_after_secs(wait: Duration) -> Duration {
+    Duration::from_secs((wait.as_secs_f64().ceil()).clamp(1.0, 60.0) as u64)
+}
 
-/// Arrivals outpace grants when they come this many times faster.
-pub(super) const OVERLOAD_MARGIN: f64 = 1.1;
-
-/// A priority's decayed arrival count below which it is forgotten.
-pub(super) const FORGOTTEN: f64 = 0.01;
+/// Weight of the newest lease in a model's mean lease duration.
+const LEASE_EWMA: f64 = 0.1;
 
 /// Neither `--queue-threshold` nor `--max-active` nor
 /// `--no-default-holding`: hold by engine slots.
 pub(super) fn default_holding(cfg: &Args) -> bool {
     cfg.queue_threshold.is_none() && cfg.max_active == 0 && !cfg.no_default_holding
+}
+
+/// Whether every decode or aggregated rank serving `model` schedules by
+/// priority: its engine admits a higher-priority request ahead of waiting
+/// ones and preempts running lower-priority ones (keeping their KV), so
+/// lower-priority requests running there do not hold a higher one back.
+pub(super) fn preempts(model: &str, load: &HashMap<(String, u32), WorkerLoad>) -> bool {
+    let mut any = false;
+    for w in load.values().filter(|w| {
+        (model.is_empty() || w.model.is_empty() || w.model == model)
+            && w.role != WorkerRole::Prefill
+    }) {
+        if !w.priority_scheduling {
+            return false;
+        }
+        any = true;
+    }
+    any
+}
+
+/// The slowest step time the model's decode or aggregated ranks report, in
+/// seconds (`None`: none measured one yet).
+pub(super) fn step_secs(model: &str, load: &HashMap<(String, u32), WorkerLoad>) -> Option<f64> {
+    load.values()
+        .filter(|w| {
+            (model.is_empty() || w.model.is_empty() || w.model == model)
+                && w.role != WorkerRole::Prefill
+        })
+        .map(|w| w.step_time_us)
+        .max()
+        .filter(|&us| us > 0)
+        .map(|us| f64::from(us) / 1e6)
 }
 
 /// The engine slots this replica may fill for `model`: every decode or
@@ -127,7 +158,8 @@ pub(super) fn hold_reason(
     }
     if default_holding(cfg) {
         let cap = capacity(model_name, load, replicas)?;
-        return (model.active + model.placing >= cap).then_some(HoldReason::AtCapacity);
+        let busy = model.busy_for(check.priority, preempts(model_name, load));
+        return (busy >= cap).then_some(HoldReason::AtCapacity);
     }
     let threshold = cfg.queue_threshold?;
     if all_busy(model_name, check, threshold) {
@@ -172,12 +204,12 @@ pub(super) struct ModelQueue {
     pub(super) published: Option<(Instant, HoldReason)>,
     /// How fast this model's grants drain its backlog.
     pub(super) drained: DrainRate,
-    /// How fast requests for this model arrive, refused ones included, by
-    /// priority (their sum is the model's arrival rate).
-    pub(super) arrived_by_priority: BTreeMap<i32, DrainRate>,
-    /// Since when requests have arrived faster than grants drain them
-    /// (`None`: they have not).
-    pub(super) overloaded_since: Option<Instant>,
+    /// Requests being placed or granted (`placing` + `active`), by
+    /// priority.
+    pub(super) running: BTreeMap<i32, usize>,
+    /// Mean time from grant to the lease's end, in seconds (an exponential
+    /// average; `None` until a lease ended).
+    pub(super) lease_secs: Option<f64>,
     /// Under `wfq`/`fair`: released requests without a first token yet, by
     /// class.
     pub(super) starting: HashMap<Arc<str>, usize>,
@@ -198,8 +230,8 @@ impl ModelQueue {
             hold: None,
             published: None,
             drained: DrainRate::default(),
-            arrived_by_priority: BTreeMap::new(),
-            overloaded_since: None,
+            running: BTreeMap::new(),
+            lease_secs: None,
             starting: HashMap::new(),
             express: false,
         }
@@ -242,55 +274,35 @@ impl ModelQueue {
         }
     }
 
-    /// Notes whether arrivals outpace grants (by [`OVERLOAD_MARGIN`]) while
-    /// requests are held, then counts this arrival, admitted or not.
-    /// Overload starts only with a backlog, and ends only when arrivals
-    /// fall behind grants, not when a few grants at once empty the backlog
-    /// for a moment.
-    pub(super) fn arrival(&mut self, priority: i32, now: Instant) {
-        let arriving: f64 = self
-            .arrived_by_priority
-            .values()
-            .map(|rate| rate.per_sec(now))
-            .sum();
-        let over = arriving > self.drained.per_sec(now) * OVERLOAD_MARGIN;
-        if !over {
-            self.overloaded_since = None;
-        } else if !self.order.is_empty() {
-            self.overloaded_since.get_or_insert(now);
+    /// A request of `priority` is being placed (`delta` 1) or its
+    /// placement or lease ended (`delta` -1).
+    pub(super) fn run(&mut self, priority: i32, delta: isize) {
+        let n = self.running.entry(priority).or_default();
+        *n = n.saturating_add_signed(delta);
+        if *n == 0 {
+            self.running.remove(&priority);
         }
-        self.arrived_by_priority
-            .retain(|_, rate| rate.decayed(now) >= FORGOTTEN);
-        self.arrived_by_priority
-            .entry(priority)
-            .or_default()
-            .grant(now);
     }
 
-    /// The lowest priority admitted under standing overload: priorities,
-    /// from the highest down, while their arrivals together fit in what
-    /// grants drain; the first that does not fit still competes for the
-    /// short backlog, those below it are refused at once. `None`: every
-    /// priority fits.
-    pub(super) fn admitted_from(&self, now: Instant) -> Option<i32> {
-        let drain = self.drained.per_sec(now);
-        let mut offered = 0.0;
-        for (&priority, rate) in self.arrived_by_priority.iter().rev() {
-            offered += rate.per_sec(now);
-            if offered > drain {
-                return Some(priority);
-            }
+    /// Slots taken from a request of `priority`'s point of view: every
+    /// request placed or granted, or, where the engines preempt
+    /// (`preempts`), those of at least its priority (the engine makes room
+    /// by preempting the others).
+    pub(super) fn busy_for(&self, priority: i32, preempts: bool) -> usize {
+        if preempts {
+            self.running.range(priority..).map(|(_, n)| n).sum()
+        } else {
+            self.active + self.placing
         }
-        None
     }
 
-    /// Overload is standing, not a burst: requests have arrived faster than
-    /// they drain for longer than `--backlog-secs`, the wait a burst may
-    /// cost.
-    pub(super) fn standing(&self, cfg: &Args, now: Instant) -> bool {
-        self.overloaded_since.is_some_and(|since| {
-            now.saturating_duration_since(since).as_secs_f64() >= cfg.backlog_secs
-        })
+    /// A lease granted `held` ago ended: it joins the mean lease duration.
+    pub(super) fn lease_ended(&mut self, held: Duration) {
+        let secs = held.as_secs_f64();
+        self.lease_secs = Some(match self.lease_secs {
+            Some(mean) => mean + LEASE_EWMA * (secs - mean),
+            None => secs,
+        });
     }
 
     pub(super) fn is_idle(&self) -> bool {
@@ -299,37 +311,46 @@ impl ModelQueue {
 }
 
 impl State {
-    /// Default holding only (no `--queue-threshold`, no `--max-active`, no
-    /// `--no-default-holding`): the most requests `model` may hold, the
-    /// free engine slots plus what drains in `--backlog-secs` at the
-    /// model's grant rate, at least one request per engine slot and
-    /// [`BACKLOG_FLOOR`]; under standing overload, what drains in
-    /// `--standing-backlog-secs` (at least one). `None`: unbounded here
-    /// (only `--max-pending`), as when the workers' capacity is unknown
-    /// (nothing is held then).
-    pub(super) fn backlog_limit(
+    /// The wait predicted for `entry` if it were admitted now, under
+    /// default holding: the requests that must start before it (held ahead
+    /// of it in release order) beyond the slots free for it, each waiting
+    /// for a lease to end, at the model's mean lease duration spread over
+    /// its slots. Before any lease ended the duration comes from the
+    /// workers' step time and the request's expected output (its `osl`
+    /// hint, else `max_tokens`). `None`: no prediction (holding is off, the
+    /// workers' slots are unknown, or nothing is known of their speed).
+    pub(super) fn predict_wait(
         &self,
         cfg: &Args,
-        name: &str,
-        model: &ModelQueue,
-        now: Instant,
-    ) -> Option<usize> {
+        epoch: Instant,
+        entry: &Entry,
+        _now: Instant,
+    ) -> Option<Duration> {
         if !default_holding(cfg) {
             return None;
         }
-        let slots = capacity(name, &self.load, self.replicas)?;
-        let room = slots.saturating_sub(model.active + model.placing);
-        let rate = model.drained.per_sec(now);
-        if model.standing(cfg, now) {
-            // Sustained overload: hold only what drains in
-            // `--standing-backlog-secs`, so what is served starts soon and
-            // the rest hears at once when to come back.
-            let drains = (rate * cfg.standing_backlog_secs).ceil() as usize;
-            return Some(room + drains.max(1));
+        let name = &entry.desc.model;
+        let cap = capacity(name, &self.load, self.replicas)?;
+        let Some(model) = self.models.get(name) else {
+            return Some(Duration::ZERO);
+        };
+        let busy = model.busy_for(entry.desc.priority, preempts(name, &self.load));
+        let free = cap.saturating_sub(busy);
+        let weight = self
+            .quotas
+            .weight(&entry.desc.tenant)
+            .unwrap_or(entry.desc.tenant_weight);
+        let ahead = model.order.ahead_of(cfg, epoch, entry, weight);
+        if ahead < free {
+            return Some(Duration::ZERO);
         }
-        let drains = (rate * cfg.backlog_secs).ceil() as usize;
-        // A burst into an idle mesh (no grant rate yet) may wait for one
-        // more round of every slot before anything is refused.
-        Some(room + drains.max(slots).max(BACKLOG_FLOOR))
+        let lease = model.lease_secs.or_else(|| {
+            let step = step_secs(name, &self.load)?;
+            let output = entry.desc.expected_output_tokens;
+            (output > 0).then(|| step * f64::from(output))
+        })?;
+        let ends_needed = (ahead + 1 - free) as f64;
+        let secs = ends_needed * lease / cap.max(1) as f64;
+        Some(Duration::from_secs_f64(secs.min(86_400.0)))
     }
 }

@@ -243,6 +243,35 @@ impl Order {
         }
     }
 
+    /// How many held requests would be released before `entry` if it were
+    /// held now (its tenant weighing `tenant_weight`): exact for keyed
+    /// orders; under `wfq`/`fair` every earlier band, and in its own band
+    /// what the other classes release while its class releases its
+    /// backlog and it, in proportion to their weights.
+    pub(super) fn ahead_of(
+        &self,
+        cfg: &Args,
+        epoch: Instant,
+        entry: &Entry,
+        tenant_weight: u32,
+    ) -> usize {
+        match self {
+            Order::Keyed(map) => {
+                let key = order_key(cfg, epoch, u64::MAX, entry);
+                map.range(..key).count()
+            }
+            Order::Fair(bands) => {
+                let (band, class) = band_and_class(cfg, entry);
+                let weight = class_weight(cfg, &class, tenant_weight);
+                let earlier: usize = bands.range(..band).map(|(_, b)| b.len).sum();
+                earlier
+                    + bands
+                        .get(&band)
+                        .map_or(0, |b| b.ahead_of(&class, weight))
+            }
+        }
+    }
+
     /// The next request to release.
     pub(super) fn head(&self) -> Option<u64> {
         match self {

@@ -15,8 +15,8 @@ fn config(policy: Policy) -> Args {
         max_pending_per_tenant: 1000,
         max_active: 0,
         no_default_holding: false,
-        backlog_secs: 0.5,
-        standing_backlog_secs: 0.05,
+        ttft_target_secs: 60.0,
+        ttft_targets: crate::config::TtftTargets::default(),
         shed_protect_priority: 0,
         shed_protect_fraction: 0.0,
         wfq_class: WfqClass::Priority,
@@ -193,6 +193,7 @@ fn worker(id: &str, model: &str, role: WorkerRole, active: u64) -> WorkerLoad {
         max_num_seqs: 0,
         unplaced_requests: 0,
         priority_scheduling: false,
+        step_time_us: 0,
     }
 }
 
@@ -447,8 +448,10 @@ fn slots(seqs: u32, unplaced: u32) -> LoadView {
 }
 
 #[tokio::test(start_paused = true)]
-async fn default_holding_fills_engine_slots_then_holds_a_bounded_backlog_shed_by_priority() {
-    let h = Harness::start(config(Policy::Fcfs));
+async fn default_holding_fills_engine_slots_then_holds_and_a_full_queue_sheds_by_priority() {
+    let mut cfg = config(Policy::Fcfs);
+    cfg.max_pending = 4;
+    let h = Harness::start(cfg);
     // Three slots, one taken by a request no router placed: two to grant.
     h.queue.update_load(slots(3, 1));
     let mut running: Vec<Ticket> = (0..2)
@@ -457,8 +460,7 @@ async fn default_holding_fills_engine_slots_then_holds_a_bounded_backlog_shed_by
     for t in &mut running {
         t.granted().await.expect("a free slot");
     }
-    // The engine is full: the next ones are held, up to the floor (two
-    // grants in the last moment drain far less than 4 in 0.5 s).
+    // The engine is full (and does not preempt): the next ones are held.
     let held: Vec<Ticket> = (0..4)
         .map(|i| h.admit(entry(&format!("low{i}"), 0, 0, 10, Instant::now())))
         .collect();
@@ -469,7 +471,7 @@ async fn default_holding_fills_engine_slots_then_holds_a_bounded_backlog_shed_by
             .all(|t| t.held().is_some_and(|s| s.reason == HoldReason::AtCapacity)),
         "held at capacity"
     );
-    // Full: an equal priority is refused with a retry-after…
+    // `--max-pending` full: an equal priority is refused with a retry-after…
     match h.queue.admit(entry("low4", 0, 0, 10, Instant::now())) {
         Err(QueueError::QueueFull {
             limit, retry_after, ..
@@ -501,117 +503,185 @@ async fn default_holding_fills_engine_slots_then_holds_a_bounded_backlog_shed_by
     drop((running, held, high));
 }
 
-/// Offers one request per entry of `priorities` every 100 ms for `ticks`
-/// ticks while one lease
-/// ends per tick (the oldest granted); returns, per tick, how many were held
-/// after the arrivals and the backlog limit the refused ones were told.
-async fn offer(
-    h: &Harness,
-    live: &mut HashMap<String, Ticket>,
-    released: &mut usize,
-    name: &str,
-    ticks: usize,
-    priorities: &[i32],
-) -> Vec<(usize, Option<usize>)> {
-    let mut out = Vec::new();
-    for tick in 0..ticks {
-        let mut limit = None;
-        for (i, &priority) in priorities.iter().enumerate() {
-            let id = format!("{name}{tick}-{i}");
-            match h.queue.admit(entry(&id, priority, 0, 10, Instant::now())) {
-                Ok(t) => {
-                    live.insert(id, t);
-                }
-                Err(QueueError::QueueFull { limit: l, .. }) => limit = Some(l),
-                Err(QueueError::Overloaded {
-                    priority: p,
-                    admitted_from,
-                    ..
-                }) => assert!(p < admitted_from, "{p} < {admitted_from}"),
-                Err(e) => panic!("{e:?}"),
-            }
-        }
+/// A worker with `seqs` slots whose engine schedules by priority (and so
+/// preempts lower priorities) when `preempts`, stepping every `step_us`.
+fn engine(seqs: u32, preempts: bool, step_us: u32) -> LoadView {
+    let mut w = worker("w0", "m", WorkerRole::Aggregated, 0);
+    w.max_num_seqs = seqs;
+    w.priority_scheduling = preempts;
+    w.step_time_us = step_us;
+    LoadView { workers: vec![w] }
+}
+
+/// A request expecting `output` tokens.
+fn sized(id: &str, priority: i32, output: u32) -> Entry {
+    let mut e = entry(id, priority, 0, 10, Instant::now());
+    e.desc.expected_output_tokens = output;
+    e
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_that_outranks_running_work_on_a_preempting_engine_is_granted_at_once() {
+    for preempts in [true, false] {
+        let h = Harness::start(config(Policy::Fcfs));
+        h.queue.update_load(engine(2, preempts, 0));
+        let mut low: Vec<Ticket> = (0..3)
+            .map(|i| h.admit(entry(&format!("low{i}"), 0, 0, 10, Instant::now())))
+            .collect();
         settle().await;
-        out.push((h.queue.stats().pending, limit));
-        let placed = h.placer.placed();
-        if let Some(oldest) = placed.get(*released) {
-            live.remove(oldest);
-            *released += 1;
+        assert_eq!(h.placer.placed(), ["low0", "low1"], "two slots");
+        // Two priority-3 requests: the engine preempts the priority-0 ones
+        // for them, so the queue does not hold them behind those.
+        let mut high: Vec<Ticket> = (0..3)
+            .map(|i| h.admit(entry(&format!("high{i}"), 3, 0, 10, Instant::now())))
+            .collect();
+        settle().await;
+        if preempts {
+            assert_eq!(
+                h.placer.placed(),
+                ["low0", "low1", "high0", "high1"],
+                "granted past priority-0 work; the third waits for a priority-3 slot"
+            );
+            assert!(high[2].held().is_some());
+            assert!(low[2].held().is_some(), "priority 0 still waits");
+        } else {
+            assert_eq!(
+                h.placer.placed(),
+                ["low0", "low1"],
+                "an engine that does not preempt: held"
+            );
         }
-        tokio::time::sleep(Duration::from_millis(99)).await;
+        // Every slot's worth of work ends: everything left is granted.
+        for t in low.iter_mut().chain(high.iter_mut()).take(2) {
+            t.granted().await.expect("granted");
+        }
+        drop((low, high));
     }
-    out
 }
 
 #[tokio::test(start_paused = true)]
-async fn standing_overload_holds_a_short_backlog_and_bursts_wait_again_after_it() {
-    // `config` holds bursts for 0.5 s, a standing backlog for 0.05 s.
-    let h = Harness::start(config(Policy::Fcfs));
-    h.queue.update_load(slots(2, 0));
-    let (mut live, mut released) = (HashMap::new(), 0);
-    // 50 arrivals/s against 10 grants/s for 3 s.
-    let ticks = offer(&h, &mut live, &mut released, "over", 30, &[0; 5]).await;
-    // A burst first: the backlog reaches the burst bound (≥ 4).
-    assert!(ticks[..3].iter().any(|&(held, _)| held >= 4), "{ticks:?}");
-    // Once overload has stood for 0.5 s, one request (what drains in
-    // 50 ms, at least one) is held and the rest are refused at once.
-    for &(held, limit) in &ticks[15..] {
-        assert!(held <= 1, "{ticks:?}");
-        assert_eq!(limit, Some(1), "{ticks:?}");
+async fn a_request_is_refused_only_when_its_predicted_wait_exceeds_its_target() {
+    let mut cfg = config(Policy::Fcfs);
+    cfg.ttft_target_secs = 3.0;
+    let h = Harness::start(cfg);
+    // Two slots, 10 ms steps: a 100-token request holds a slot for ~1 s,
+    // so the queue drains 2 requests a second.
+    h.queue.update_load(engine(2, true, 10_000));
+    let mut live: Vec<Ticket> = (0..2).map(|i| h.admit(sized(&format!("run{i}"), 0, 100))).collect();
+    settle().await;
+    // The k-th held request (0-based) waits for k + 1 lease ends: (k + 1)/2
+    // seconds. Up to 3 s are admitted: k = 0..=5.
+    for k in 0..6 {
+        live.push(h.admit(sized(&format!("held{k}"), 0, 100)));
     }
-    // Arrivals stop; the held requests drain; later, a burst may wait again.
-    let _ = offer(&h, &mut live, &mut released, "quiet", 40, &[]).await;
-    assert_eq!(h.queue.stats().pending, 0);
-    let burst = offer(&h, &mut live, &mut released, "burst", 1, &[0; 6]).await;
-    assert_eq!(
-        burst[0].1, None,
-        "the burst is held, not refused: {burst:?}"
-    );
-    drop(live);
-}
-
-#[tokio::test(start_paused = true)]
-async fn standing_overload_refuses_the_priorities_the_higher_ones_crowd_out() {
-    // `config` holds bursts for 0.5 s, a standing backlog for 0.05 s.
-    let h = Harness::start(config(Policy::Fcfs));
-    h.queue.update_load(slots(2, 0));
-    let (mut live, mut released) = (HashMap::new(), 0);
-    // Priority 3 alone (20/s) outruns the grants (10/s); 1 and 0 come too.
-    let _ = offer(&h, &mut live, &mut released, "over", 20, &[3, 1, 3, 0]).await;
-    let placed_before = released;
-    let _ = offer(&h, &mut live, &mut released, "late", 20, &[3, 1, 3, 0]).await;
-    for p in [0, 1] {
-        match h.queue.admit(entry("probe", p, 0, 10, Instant::now())) {
-            Err(QueueError::Overloaded {
-                priority,
-                admitted_from: 3,
-                retry_after,
-            }) => {
-                assert_eq!(priority, p);
-                assert!(retry_after.as_secs() >= 1);
-            }
-            other => panic!("priority {p}: {other:?}"),
+    match h.queue.admit(sized("late", 0, 100)) {
+        Err(QueueError::TargetUnmeetable {
+            predicted,
+            target,
+            retry_after,
+        }) => {
+            assert_eq!(predicted, Duration::from_millis(3500));
+            assert_eq!(target, Duration::from_secs(3));
+            assert_eq!(retry_after, Duration::from_secs(1));
         }
+        other => panic!("{other:?}"),
     }
-    // What was granted once the overload stood was priority 3 only.
-    let placed = h.placer.placed();
-    assert!(
-        placed[placed_before..]
+    // Its own longer target is met: admitted.
+    let mut patient = sized("patient", 0, 100);
+    patient.desc.ttft_target_ms = 10_000;
+    live.push(h.admit(patient));
+    // A higher priority waits for none of them (the engine preempts).
+    let mut high = h.admit(sized("high", 3, 100));
+    let grant = granted_soon(&mut high, "preempts").await;
+    assert_eq!(grant.predicted_wait, Some(Duration::ZERO));
+    assert_eq!(grant.ttft_target, Duration::from_secs(3));
+    let refused = |reason: &str| {
+        h.registry
+            .gather()
             .iter()
-            .all(|name| name.ends_with("-0") || name.ends_with("-2")),
-        "{placed:?}"
-    );
-    let overload: f64 = h
-        .registry
-        .gather()
-        .iter()
-        .filter(|f| f.name() == "sluice_queue_rejections_total")
-        .flat_map(|f| f.get_metric().iter())
-        .filter(|m| m.get_label().iter().any(|l| l.value() == "overload"))
-        .map(|m| m.get_counter().get_value())
-        .sum();
-    assert!(overload > 0.0, "rejections by reason overload");
+            .filter(|f| f.name() == "sluice_queue_priority_rejections_total")
+            .flat_map(|f| f.get_metric().iter())
+            .filter(|m| m.get_label().iter().any(|l| l.value() == reason))
+            .map(|m| m.get_counter().get_value())
+            .sum::<f64>()
+    };
+    assert_eq!(refused("ttft_target_unmeetable"), 1.0);
+    drop((live, high));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_cold_mesh_predicts_from_capacity_never_from_zero_and_then_from_leases() {
+    let mut cfg = config(Policy::Fcfs);
+    cfg.ttft_target_secs = 3.0;
+    let h = Harness::start(cfg);
+    // Nothing is known of the workers' speed: a burst of 50 is admitted
+    // (held in order), none refused for a rate of zero.
+    h.queue.update_load(engine(2, true, 0));
+    let mut live: Vec<Ticket> = (0..50).map(|i| h.admit(sized(&format!("b{i}"), 0, 100))).collect();
+    settle().await;
+    assert_eq!(h.queue.stats().pending, 48);
+    drop(live.split_off(2));
+    // The workers report their step time: 2 slots × 1 s per request.
+    h.queue.update_load(engine(2, true, 10_000));
+    for k in 0..6 {
+        live.push(h.admit(sized(&format!("c{k}"), 0, 100)));
+    }
+    assert!(matches!(
+        h.queue.admit(sized("c6", 0, 100)),
+        Err(QueueError::TargetUnmeetable { .. })
+    ));
+    // Leases turn out to last 0.25 s: the mean lease takes over, and four
+    // times as many fit in the target.
     drop(live);
+    let mut live = Vec::new();
+    for round in 0..40 {
+        let mut t = h.admit(sized(&format!("r{round}"), 0, 100));
+        granted_soon(&mut t, "a free slot").await;
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        drop(t);
+    }
+    for i in 0..2 {
+        let mut t = h.admit(sized(&format!("run{i}"), 0, 100));
+        granted_soon(&mut t, "a free slot").await;
+        live.push(t);
+    }
+    for k in 0..20 {
+        live.push(h.admit(sized(&format!("d{k}"), 0, 100)));
+    }
+    assert_eq!(h.queue.stats().pending, 20, "(20 + 1) × 0.25 / 2 ≤ 3 s");
+    drop(live);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_still_held_at_its_target_leaves_with_429_before_any_token() {
+    let h = Harness::start(config(Policy::Fcfs));
+    h.queue.update_load(engine(1, false, 0));
+    let _running = h.admit(entry("run", 0, 0, 10, Instant::now()));
+    let mut e = entry("held", 0, 0, 10, Instant::now());
+    e.desc.ttft_target_ms = 500;
+    let mut held = h.admit(e);
+    let started = Instant::now();
+    match held.granted().await {
+        Err(QueueError::TargetMissed {
+            waited,
+            target,
+            retry_after,
+        }) => {
+            assert_eq!(target, Duration::from_millis(500));
+            assert!(waited >= target && waited < target + Duration::from_millis(10));
+            assert!(retry_after >= Duration::from_secs(1));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(started.elapsed() >= Duration::from_millis(500));
+    assert_eq!(h.queue.stats().pending, 0);
+    assert_eq!(h.placer.placed(), ["run"], "never placed");
+    let status = tonic::Status::from(QueueError::TargetMissed {
+        waited: Duration::from_millis(500),
+        target: Duration::from_millis(500),
+        retry_after: Duration::from_secs(2),
+    });
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted);
 }
 
 #[tokio::test(start_paused = true)]

@@ -102,6 +102,21 @@ impl Band {
         self.len += 1;
     }
 
+    /// Requests of this band released before one more of `class` (weight
+    /// `weight`) held now: its class's backlog, and from every other class
+    /// what it releases meanwhile at its weight (at most its backlog).
+    pub(crate) fn ahead_of(&self, class: &str, weight: u32) -> usize {
+        let own = self.classes.get(class).map_or(0, |c| c.fifo.len());
+        let rounds = (own + 1) as f64 / f64::from(weight.max(1));
+        let others: usize = self
+            .classes
+            .iter()
+            .filter(|(name, _)| &***name != class)
+            .map(|(_, c)| c.fifo.len().min((rounds * c.weight).ceil() as usize))
+            .sum();
+        own + others
+    }
+
     /// The next request to release.
     pub(crate) fn head(&self) -> Option<u64> {
         let (_, _, name) = self.ready.first()?;
