@@ -492,6 +492,7 @@ fn hints(rng: &mut StdRng) -> Option<common::PriorityHints> {
         priority: *pick(rng, &[0, 1, 3, -3, 1000, 1001, i32::MAX, i32::MIN]),
         strict_priority: *pick(rng, &[0, 1, 1000, u32::MAX]),
         osl: rng.random(),
+        ttft_target_ms: *pick(rng, &[0, 1, 500, u32::MAX]),
     })
 }
 

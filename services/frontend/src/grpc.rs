@@ -181,6 +181,10 @@ impl pb::inference_server::Inference for InferenceService {
                                 routed_overlap_tokens: serving.routed_overlap_tokens,
                                 request_id,
                                 tenant: serving.tenant,
+                                ttft_target_ms: serving.ttft_target_ms,
+                                predicted_queue_wait_ms: serving.predicted_queue_wait_ms,
+                                ttft_ms: serving.ttft_ms,
+                                ttft_target_met: serving.ttft_target_met,
                             }),
                             ..Default::default()
                         };

@@ -139,6 +139,28 @@ fn header_priority(headers: &HeaderMap) -> Result<Option<i32>, FrontendError> {
     }
 }
 
+/// The header a gateway sets a request's TTFT target with, in
+/// milliseconds (as `nvext.agent_hints.ttft_target_ms`, which it overrides).
+pub(crate) const TTFT_TARGET_HEADER: &str = "x-sluice-ttft-target-ms";
+
+fn header_ttft_target(headers: &HeaderMap) -> Result<Option<u32>, FrontendError> {
+    match headers.get(TTFT_TARGET_HEADER) {
+        None => Ok(None),
+        Some(v) => v
+            .to_str()
+            .ok()
+            .and_then(|s| s.trim().parse::<u32>().ok())
+            .filter(|&ms| ms > 0)
+            .map(Some)
+            .ok_or_else(|| {
+                FrontendError::invalid(
+                    TTFT_TARGET_HEADER,
+                    format!("header `{TTFT_TARGET_HEADER}` must be a whole number of milliseconds > 0; in the body use `{}`", crate::openai::TTFT_TARGET_PATH),
+                )
+            }),
+    }
+}
+
 /// The body, or the error its reading ended in: over the limit is a 413.
 fn body_bytes(
     body: Result<Bytes, axum::extract::rejection::BytesRejection>,
@@ -256,6 +278,9 @@ async fn serve(
             }
             None => PRIORITY_PATH,
         };
+        if let Some(ms) = header_ttft_target(&headers)? {
+            params.hints.ttft_target_ms = ms;
+        }
         sluice_runtime::limits::check_priority(
             priority_field,
             params.hints.priority,

@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use prometheus::core::Collector;
 use prometheus::{HistogramVec, IntCounterVec, IntGauge, Registry};
 use sluice_runtime::metrics::Registrar;
 use sluice_runtime::tenant_labels::TenantLabels;
@@ -23,6 +24,8 @@ pub(crate) struct Metrics {
     pub migrations: IntCounterVec,
     pub failovers: IntCounterVec,
     tenant_ttft: HistogramVec,
+    slo: IntCounterVec,
+    refusals: IntCounterVec,
     tenants: Arc<TenantLabels>,
 }
 
@@ -75,6 +78,16 @@ impl Metrics {
                 "Calls that failed at one replica of a service and were tried at another, by service",
                 &["service"],
             )?,
+            slo: r.counter_vec(
+                "sluice_frontend_ttft_slo_requests_total",
+                "Requests by priority, tenant (top tenants, the rest as `other`) and outcome against their TTFT target: met, missed (first token after the target) or refused (a 429 before any token, sluice_frontend_refusals_total says why). The rate of `met` is the goodput.",
+                &["priority", "tenant", "outcome"],
+            )?,
+            refusals: r.counter_vec(
+                "sluice_frontend_refusals_total",
+                "Requests refused before any token (429), by priority, tenant and the queue's reason (ttft_target_unmeetable, ttft_target_missed, queue_full, displaced, shed, tenant_full, tokens, requests)",
+                &["priority", "tenant", "reason"],
+            )?,
             registry,
             tenants: Arc::new(TenantLabels::new(TOP_TENANTS)),
         })
@@ -84,7 +97,38 @@ impl Metrics {
     pub(crate) fn tenant_tokens(&self, tenant: &str, tokens: u32) {
         if let Some(evicted) = self.tenants.record(tenant, f64::from(tokens)) {
             let _ = self.tenant_ttft.remove_label_values(&[&evicted]);
+            let gone = |m: &IntCounterVec| {
+                for series in m.collect().iter().flat_map(|f| f.get_metric()) {
+                    let labels: Vec<&str> = series.get_label().iter().map(|l| l.value()).collect();
+                    if labels.get(1) == Some(&evicted.as_str()) {
+                        let _ = m.remove_label_values(&labels);
+                    }
+                }
+            };
+            gone(&self.slo);
+            gone(&self.refusals);
         }
+    }
+
+    /// A request of `priority` and `tenant` got its first token within its
+    /// TTFT target (`met`) or after it (`missed`).
+    pub(crate) fn slo(&self, priority: i32, tenant: &str, outcome: &str) {
+        let label = self.tenants.label(tenant);
+        self.slo
+            .with_label_values(&[&priority.to_string(), label.as_str(), outcome])
+            .inc();
+    }
+
+    /// A request was refused before any token for `reason`.
+    pub(crate) fn refused(&self, priority: i32, tenant: &str, reason: &str) {
+        let label = self.tenants.label(tenant);
+        let priority = priority.to_string();
+        self.slo
+            .with_label_values(&[&priority, label.as_str(), "refused"])
+            .inc();
+        self.refusals
+            .with_label_values(&[&priority, label.as_str(), reason])
+            .inc();
     }
 
     /// A request of `tenant` with `prompt_tokens` got its first token.

@@ -16,6 +16,9 @@ use crate::error::FrontendError;
 /// The one place priority lives in a request body.
 pub(crate) const PRIORITY_PATH: &str = "nvext.agent_hints.priority";
 
+/// Where a request body names its TTFT target, in milliseconds.
+pub(crate) const TTFT_TARGET_PATH: &str = "nvext.agent_hints.ttft_target_ms";
+
 /// What the pipeline serves, whichever API it came from.
 #[derive(Debug, Clone)]
 pub(crate) struct GenerateParams {
@@ -59,6 +62,12 @@ pub(crate) struct AgentHints {
     pub strict_priority: Option<u32>,
     #[serde(default)]
     pub osl: Option<u32>,
+    /// Time to first token wanted, in milliseconds: a request the queue
+    /// predicts cannot get its first token in time is refused at once
+    /// (429) instead of served late. Unset: the queue's default for the
+    /// priority.
+    #[serde(default)]
+    pub ttft_target_ms: Option<u32>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -436,6 +445,7 @@ fn hints(nvext: &Option<Nvext>) -> common::PriorityHints {
         priority: h.and_then(|h| h.priority).unwrap_or(0),
         strict_priority: h.and_then(|h| h.strict_priority).unwrap_or(0),
         osl: h.and_then(|h| h.osl).unwrap_or(0),
+        ttft_target_ms: h.and_then(|h| h.ttft_target_ms).unwrap_or(0),
     }
 }
 

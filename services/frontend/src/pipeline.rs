@@ -135,6 +135,7 @@ impl Prepared {
             tenant_weight: params.tenant_weight,
             prompt_tokens: prompt_ids.len() as u32,
             expected_output_tokens: expected_output_tokens(params),
+            ttft_target_ms: params.hints.ttft_target_ms,
             block_hashes: sluice_tokens::sequence_block_hashes(prompt_ids, block_size).into(),
             block_size: block_size as u32,
             exclude_worker_ids: Arc::from([]),
@@ -206,6 +207,16 @@ pub(crate) struct Serving {
     /// Moves to another worker after a worker failed mid-stream.
     #[serde(skip_serializing_if = "is_zero")]
     pub migrations: u32,
+    /// The TTFT target the queue held the request to (its own, or the
+    /// default for its priority).
+    pub ttft_target_ms: u32,
+    /// The queue wait predicted at admission (absent: no prediction).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub predicted_queue_wait_ms: Option<f64>,
+    /// Time to the first token, as the frontend measured it.
+    pub ttft_ms: f64,
+    /// Whether the first token came within the target.
+    pub ttft_target_met: bool,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -428,7 +439,12 @@ impl Pipeline {
             let outcome = if opened.is_ok() { "ok" } else { "failed" };
             self.metrics.migrations.with_label_values(&[outcome]).inc();
         }
-        let opened = opened?;
+        let opened = opened.inspect_err(|e| {
+            if let Some(reason) = e.refusal_reason() {
+                self.metrics
+                    .refused(p.desc.priority, &p.desc.tenant, reason);
+            }
+        })?;
         let grant = &opened.grant;
         Span::current().record("worker_id", grant.worker_id.as_str());
         let detok =
@@ -448,6 +464,10 @@ impl Pipeline {
                 queue_wait_ms: grant.queue_wait_ms,
                 routed_overlap_tokens: grant.overlap_tokens,
                 migrations: failed.len() as u32,
+                ttft_target_ms: grant.ttft_target_ms,
+                predicted_queue_wait_ms: grant.predicted_wait_ms,
+                ttft_ms: 0.0,
+                ttft_target_met: false,
             },
             lease: Some(opened.lease),
             stream: Some(opened.stream),
@@ -524,6 +544,10 @@ impl Pipeline {
             "worker.generate",
             worker_id = %grant.worker_id,
             prefill_worker_id = %grant.prefill_worker_id,
+            ttft_target_ms = grant.ttft_target_ms,
+            predicted_queue_wait_ms = grant.predicted_wait_ms,
+            ttft_ms = tracing::field::Empty,
+            ttft_target_met = tracing::field::Empty,
             completion_tokens = tracing::field::Empty,
             cached_tokens = tracing::field::Empty,
         );
@@ -934,6 +958,21 @@ impl Generation {
                     .with_label_values(&[&self.priority_label])
                     .observe(ttft);
                 m.tenant_ttft(&self.serving.tenant, self.usage.prompt_tokens, ttft);
+                let serving = &mut self.serving;
+                serving.ttft_ms = ttft * 1000.0;
+                serving.ttft_target_met = serving.ttft_target_ms == 0
+                    || serving.ttft_ms <= f64::from(serving.ttft_target_ms);
+                m.slo(
+                    serving.priority,
+                    &serving.tenant,
+                    if serving.ttft_target_met {
+                        "met"
+                    } else {
+                        "missed"
+                    },
+                );
+                self.span.record("ttft_ms", serving.ttft_ms);
+                self.span.record("ttft_target_met", serving.ttft_target_met);
             }
             Some(prev) => {
                 let per = (now - prev).as_secs_f64() / msg.token_ids.len() as f64;

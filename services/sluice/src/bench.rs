@@ -61,6 +61,27 @@ pub(crate) enum BenchError {
     Encode { what: &'static str, detail: String },
 }
 
+/// `--ttft-targets`: milliseconds by priority.
+pub(crate) type TtftTargets = std::collections::BTreeMap<i32, u32>;
+
+fn parse_ttft_targets(s: &str) -> Result<TtftTargets, String> {
+    let mut targets = TtftTargets::new();
+    for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        let (priority, ms) = item
+            .rsplit_once('=')
+            .ok_or_else(|| format!("{item:?} is not PRIORITY=MS"))?;
+        let priority: i32 = priority
+            .trim()
+            .parse()
+            .map_err(|e| format!("priority {priority:?}: {e}"))?;
+        let ms: u32 = ms.trim().parse().ok().filter(|&ms| ms > 0).ok_or_else(|| {
+            format!("target of priority {priority}: {ms:?} is not milliseconds > 0")
+        })?;
+        targets.insert(priority, ms);
+    }
+    Ok(targets)
+}
+
 /// Flags of `sluice bench`.
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct BenchArgs {
@@ -153,6 +174,14 @@ pub(crate) struct BenchArgs {
     /// "0:1,1:1,2:1,3:1"); with a trace, only rows without a priority get one.
     #[arg(long)]
     priority_tiers: Option<Tiers>,
+
+    /// TTFT targets by priority, `PRIORITY=MS,...` (e.g. "3=1000,0=120000"):
+    /// requests of a listed priority carry `nvext.agent_hints.ttft_target_ms`.
+    /// Others get the server's default, which it reports in `nvext`.
+    /// Attainment and goodput count a request within target when its first
+    /// token came within its target.
+    #[arg(long, value_parser = parse_ttft_targets)]
+    ttft_targets: Option<TtftTargets>,
 
     /// Seed of the synthetic workload and the tier assignment.
     #[arg(long, default_value_t = 0)]
@@ -258,6 +287,7 @@ impl BenchArgs {
             "endpoint": format!("{:?}", self.endpoint).to_lowercase(),
             "concurrency": self.concurrency,
             "priority_tiers": tiers,
+            "ttft_targets_ms": self.ttft_targets,
             "seed": self.seed,
             "timeout_secs": self.timeout_secs,
         });
@@ -304,7 +334,8 @@ pub(crate) async fn run(args: BenchArgs, stop: sluice_runtime::Shutdown) -> anyh
         args.api_key.clone(),
         args.vocab_size,
         args.ca.as_deref(),
-    )?;
+    )?
+    .with_ttft_targets(args.ttft_targets.clone().unwrap_or_default());
     let last = plan.last().map_or(0.0, |p| p.at.as_secs_f64());
     eprintln!(
         "sluice bench: {} requests to {} over {last:.1} s of schedule",

@@ -453,7 +453,11 @@ impl State {
             tracing::debug!(request_id = %slot.entry.desc.request_id, error = %err, "placement failed");
             self.forget_pending(&slot.entry, metrics);
             self.retire(&slot, false, now);
-            metrics.rejected(slot.entry.desc.priority, &slot.entry.desc.tenant, err.reason());
+            metrics.rejected(
+                slot.entry.desc.priority,
+                &slot.entry.desc.tenant,
+                err.reason(),
+            );
             slot.tx.send_replace(TicketState::Failed(err));
         }
     }
@@ -507,7 +511,11 @@ impl State {
             if let Some(slot) = self.slots.remove(&seq) {
                 self.forget_pending(&slot.entry, metrics);
                 self.retire(&slot, false, Instant::now());
-                metrics.rejected(slot.entry.desc.priority, &slot.entry.desc.tenant, QueueError::Draining.reason());
+                metrics.rejected(
+                    slot.entry.desc.priority,
+                    &slot.entry.desc.tenant,
+                    QueueError::Draining.reason(),
+                );
                 slot.tx
                     .send_replace(TicketState::Failed(QueueError::Draining));
             }
@@ -531,10 +539,7 @@ impl State {
         let victim = self
             .slots
             .iter()
-            .filter(|(_, s)| {
-                s.phase == Phase::Held
-                    && rank(&s.entry) < rank(entry)
-            })
+            .filter(|(_, s)| s.phase == Phase::Held && rank(&s.entry) < rank(entry))
             .min_by_key(|&(&seq, s)| (rank(&s.entry), Reverse(seq)))
             .map(|(&seq, _)| seq);
         let Some(slot) = victim.and_then(|seq| self.slots.remove(&seq).map(|s| (seq, s))) else {
@@ -553,7 +558,11 @@ impl State {
             retry_after: self.drained.retry_after(self.pending, now),
         };
         tracing::debug!(request_id = %slot.entry.desc.request_id, by = %entry.desc.request_id, "displaced from the full queue");
-        metrics.rejected(slot.entry.desc.priority, &slot.entry.desc.tenant, err.reason());
+        metrics.rejected(
+            slot.entry.desc.priority,
+            &slot.entry.desc.tenant,
+            err.reason(),
+        );
         slot.tx.send_replace(TicketState::Failed(err));
         true
     }

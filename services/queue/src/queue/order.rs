@@ -264,10 +264,7 @@ impl Order {
                 let (band, class) = band_and_class(cfg, entry);
                 let weight = class_weight(cfg, &class, tenant_weight);
                 let earlier: usize = bands.range(..band).map(|(_, b)| b.len).sum();
-                earlier
-                    + bands
-                        .get(&band)
-                        .map_or(0, |b| b.ahead_of(&class, weight))
+                earlier + bands.get(&band).map_or(0, |b| b.ahead_of(&class, weight))
             }
         }
     }

@@ -567,7 +567,9 @@ async fn a_request_is_refused_only_when_its_predicted_wait_exceeds_its_target() 
     // Two slots, 10 ms steps: a 100-token request holds a slot for ~1 s,
     // so the queue drains 2 requests a second.
     h.queue.update_load(engine(2, true, 10_000));
-    let mut live: Vec<Ticket> = (0..2).map(|i| h.admit(sized(&format!("run{i}"), 0, 100))).collect();
+    let mut live: Vec<Ticket> = (0..2)
+        .map(|i| h.admit(sized(&format!("run{i}"), 0, 100)))
+        .collect();
     settle().await;
     // The k-th held request (0-based) waits for k + 1 lease ends: (k + 1)/2
     // seconds. Up to 3 s are admitted: k = 0..=5.
@@ -617,7 +619,9 @@ async fn a_cold_mesh_predicts_from_capacity_never_from_zero_and_then_from_leases
     // Nothing is known of the workers' speed: a burst of 50 is admitted
     // (held in order), none refused for a rate of zero.
     h.queue.update_load(engine(2, true, 0));
-    let mut live: Vec<Ticket> = (0..50).map(|i| h.admit(sized(&format!("b{i}"), 0, 100))).collect();
+    let mut live: Vec<Ticket> = (0..50)
+        .map(|i| h.admit(sized(&format!("b{i}"), 0, 100)))
+        .collect();
     settle().await;
     assert_eq!(h.queue.stats().pending, 48);
     drop(live.split_off(2));

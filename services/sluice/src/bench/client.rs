@@ -65,6 +65,9 @@ pub(crate) struct RequestRecord {
     pub cached_tokens: Option<u64>,
     /// `nvext.queue_wait_ms` of the final chunk, if the server sends it.
     pub queue_wait_ms: Option<f64>,
+    /// The request's TTFT target in ms: the server's `nvext.ttft_target_ms`
+    /// where it reports one, else the one the bench sent (`--ttft-targets`).
+    pub ttft_target_ms: Option<f64>,
     pub worker_id: Option<String>,
     /// `nvext.routed_overlap_tokens`: the prompt tokens the router expected
     /// cached on the worker it chose (beside `cached_tokens`, what was).
@@ -86,10 +89,22 @@ impl RequestRecord {
             output_tokens: 0,
             cached_tokens: None,
             queue_wait_ms: None,
+            ttft_target_ms: None,
             worker_id: None,
             routed_overlap_tokens: None,
             error: None,
         }
+    }
+
+    /// Served, with its first token within its TTFT target (a request
+    /// without a known target counts when served).
+    pub(crate) fn within_target(&self) -> bool {
+        self.error.is_none()
+            && match (self.ttft_ms, self.ttft_target_ms) {
+                (Some(ttft), Some(target)) => ttft <= target,
+                (Some(_), None) => true,
+                (None, _) => false,
+            }
     }
 
     /// Mean inter-token latency: (e2e − TTFT) / (output tokens − 1).
@@ -108,6 +123,8 @@ pub(crate) struct Target {
     endpoint: Endpoint,
     api_key: Option<String>,
     vocab: u32,
+    /// `--ttft-targets`: ms by priority.
+    ttft_targets: super::TtftTargets,
 }
 
 /// The request URI for `base` (`http(s)://host:port`, with or without `/v1`).
@@ -177,7 +194,14 @@ impl Target {
             endpoint,
             api_key,
             vocab,
+            ttft_targets: super::TtftTargets::new(),
         })
+    }
+
+    /// Requests of the listed priorities carry these TTFT targets (ms).
+    pub(crate) fn with_ttft_targets(mut self, targets: super::TtftTargets) -> Self {
+        self.ttft_targets = targets;
+        self
     }
 
     /// The JSON body for `p`.
@@ -200,11 +224,13 @@ impl Target {
             o.insert("ignore_eos".into(), json!(true));
             o.insert("stream".into(), json!(true));
             o.insert("stream_options".into(), json!({ "include_usage": true }));
-            if p.priority != 0 {
-                o.insert(
-                    "nvext".into(),
-                    json!({ "agent_hints": { "priority": p.priority } }),
-                );
+            let target = self.ttft_targets.get(&p.priority);
+            if p.priority != 0 || target.is_some() {
+                let mut hints = json!({ "priority": p.priority });
+                if let Some(ms) = target {
+                    hints["ttft_target_ms"] = json!(ms);
+                }
+                o.insert("nvext".into(), json!({ "agent_hints": hints }));
             }
         }
         body
@@ -220,6 +246,7 @@ impl Target {
         let body = self.body(p);
         let sent = Instant::now();
         let mut rec = RequestRecord::unanswered(p, start, sent);
+        rec.ttft_target_ms = self.ttft_targets.get(&p.priority).map(|&ms| f64::from(ms));
         let outcome = tokio::time::timeout(timeout, self.stream(body, sent, &mut rec)).await;
         rec.e2e_ms = ms(sent.elapsed());
         let err = match outcome {
@@ -314,6 +341,13 @@ impl Target {
                 }
                 if let Some(nv) = v.get("nvext") {
                     rec.queue_wait_ms = nv.get("queue_wait_ms").and_then(Value::as_f64);
+                    if let Some(target) = nv
+                        .get("ttft_target_ms")
+                        .and_then(Value::as_f64)
+                        .filter(|&ms| ms > 0.0)
+                    {
+                        rec.ttft_target_ms = Some(target);
+                    }
                     rec.worker_id = nv
                         .get("worker_id")
                         .and_then(Value::as_str)

@@ -38,9 +38,9 @@ impl Results {
         let mut s = String::new();
         let _ = writeln!(
             s,
-            "| tier | ok | failed | TTFT ms mean | p50 | p90 | p99 | ITL ms mean | p50 | p90 | p99 | e2e ms mean | p50 | p90 | p99 | req/s | out tok/s |"
+            "| tier | ok | failed | TTFT ms mean | p50 | p90 | p99 | ITL ms mean | p50 | p90 | p99 | e2e ms mean | p50 | p90 | p99 | req/s | out tok/s | TTFT target met | goodput req/s |"
         );
-        let _ = writeln!(s, "|---{}|", "|---:".repeat(16));
+        let _ = writeln!(s, "|---{}|", "|---:".repeat(18));
         let row = |s: &mut String, name: &str, g: &GroupStats| {
             let _ = write!(s, "| {name} | {} | {} |", g.completed, g.failed);
             for m in [&g.ttft_ms, &g.itl_ms, &g.e2e_ms] {
@@ -60,8 +60,11 @@ impl Results {
             }
             let _ = writeln!(
                 s,
-                " {:.2} | {:.1} |",
-                g.request_throughput, g.output_token_throughput
+                " {:.2} | {:.1} | {:.1}% | {:.2} |",
+                g.request_throughput,
+                g.output_token_throughput,
+                g.attainment * 100.0,
+                g.goodput
             );
         };
         row(&mut s, "all", &self.overall);
@@ -168,6 +171,7 @@ mod tests {
             output_tokens: 3,
             cached_tokens: Some(0),
             queue_wait_ms: Some(1.0),
+            ttft_target_ms: Some(15.0),
             worker_id: Some("w".into()),
             routed_overlap_tokens: None,
             error: error.then(|| RequestError {
@@ -190,6 +194,8 @@ mod tests {
         assert!(t.contains("| all | 2 | 1 |"), "{t}");
         assert!(t.contains("| priority 1 | 1 | 0 | 10.0 |"), "{t}");
         assert!(t.contains("503: 1"), "{t}");
+        // One of three within its 15 ms target: the 10 ms one.
+        assert!(t.contains("| 33.3% | 1.00 |"), "{t}");
         assert_eq!(ttft_by_tier(&r).len(), 2);
         assert_eq!(ttft_by_tier(&r)[0].0, "p1");
     }

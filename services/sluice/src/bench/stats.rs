@@ -79,6 +79,13 @@ pub(crate) struct GroupStats {
     pub request_throughput: f64,
     /// Output tokens of completed requests per second of the run.
     pub output_token_throughput: f64,
+    /// Requests served with their first token within their TTFT target.
+    pub within_target: usize,
+    /// `within_target` / requests: refusals and late first tokens count
+    /// against it.
+    pub attainment: f64,
+    /// Requests served within their TTFT target per second of the run.
+    pub goodput: f64,
 }
 
 impl GroupStats {
@@ -99,6 +106,7 @@ impl GroupStats {
             }
         }
         let output_tokens: u64 = ok.iter().map(|r| u64::from(r.output_tokens)).sum();
+        let within_target = records.iter().filter(|r| r.within_target()).count();
         let per_s = |x: f64| {
             if duration_s > 0.0 {
                 x / duration_s
@@ -119,6 +127,13 @@ impl GroupStats {
             output_tokens,
             request_throughput: per_s(ok.len() as f64),
             output_token_throughput: per_s(output_tokens as f64),
+            within_target,
+            attainment: if records.is_empty() {
+                0.0
+            } else {
+                within_target as f64 / records.len() as f64
+            },
+            goodput: per_s(within_target as f64),
         }
     }
 }
@@ -187,6 +202,7 @@ mod tests {
             output_tokens: out,
             cached_tokens: None,
             queue_wait_ms: None,
+            ttft_target_ms: Some(200.0),
             worker_id: None,
             routed_overlap_tokens: None,
             error: error.map(|k| RequestError {
@@ -224,5 +240,12 @@ mod tests {
         let all = GroupStats::of(&rs, 2.0);
         assert_eq!((all.completed, all.failed), (3, 2));
         assert_eq!(all.errors.len(), 2);
+        // Within the 200 ms target: the 100 ms and 10 ms first tokens, not
+        // the 300 ms one nor the refused ones.
+        assert_eq!(
+            (all.within_target, all.attainment, all.goodput),
+            (2, 0.4, 1.0)
+        );
+        assert_eq!(p0.within_target, 1);
     }
 }
