@@ -69,32 +69,42 @@
 //! placed are bounded by its engine slots, the `max_num_seqs` of its decode
 //! and aggregated ranks less the requests on them no router placed, summed
 //! and split evenly across queue replicas (rounded up); so requests wait
-//! here, in policy order, not in an engine's waiting queue. A rank that
-//! reports no `max_num_seqs` makes the model's capacity unknown: nothing is
-//! held. The held backlog is bounded too: the free slots plus what the
-//! model's grants drain in `--backlog-secs` at its recent grant rate, at
-//! least one request per engine slot (a burst into an idle mesh waits one
-//! round) and [`BACKLOG_FLOOR`]; beyond it a request is refused (`QueueFull`)
-//! unless it outranks a held request of the same model (below). Counting
-//! slots, not `active_prefill_tokens`, also avoids the threshold rule's
-//! blind spot: the router counts a request waiting in an engine's queue as
-//! prefill work not yet done, so a backlog inside the engines looks like
-//! prefill load, and one without prefill tokens (fully cached) looks like
-//! none.
+//! here, in policy order, not in an engine's waiting queue. When every such
+//! rank schedules by priority (its load report says so), a request of
+//! priority p counts only the leases of priority ≥ p: the engine preempts
+//! the others for it (keeping their KV), so a request that outranks running
+//! work is granted at once (`ModelQueue::busy_for`). A rank that reports no
+//! `max_num_seqs` makes the model's capacity unknown: nothing is held.
+//! Counting slots, not `active_prefill_tokens`, also avoids the threshold
+//! rule's blind spot: the router counts a request waiting in an engine's
+//! queue as prefill work not yet done, so a backlog inside the engines
+//! looks like prefill load, and one without prefill tokens (fully cached)
+//! looks like none.
 //!
 //! # Refusing
 //!
-//! Past `--max-pending` (or a model's default backlog bound) a request is
-//! refused (`QueueFull`), unless it
+//! Every request has a TTFT target: its own (`ttft_target_ms` in its
+//! description), else `--ttft-targets`' for its priority, else
+//! `--ttft-target-secs`. Under default holding the queue predicts a new
+//! request's wait ([`State::predict_wait`]): the held requests released
+//! before it beyond the slots free for it, each waiting for a lease to end,
+//! at the model's mean lease duration over its slots (before any lease
+//! ended: the workers' reported step time times the request's expected
+//! output; nothing known: no prediction, nothing refused). A request
+//! predicted to miss its target is refused at once (`TargetUnmeetable`);
+//! one still held when its target passes leaves unplaced (`TargetMissed`),
+//! so it is never served late. Past `--max-pending` a request is refused
+//! (`QueueFull`), unless it
 //! outranks a held request: then the held request of the lowest (strict
 //! tier, priority), the newest of them, leaves with `Displaced` and the
 //! newcomer takes its place, so a full queue sheds its lowest priorities
-//! first. Every refusal for room (`QueueFull`, `TenantFull`, `Shed`,
-//! `Displaced`) carries a retry-after: the time the backlog ahead takes to
-//! drain at the rate grants were made over the last few seconds (a grant
-//! count decayed with a 5 s time constant), 1 to 60 s, as gRPC
-//! `retry-after` metadata, which the frontend turns into a 429 with
-//! `Retry-After`.
+//! first. Every refusal for room or time (`QueueFull`, `TenantFull`,
+//! `Shed`, `Displaced`, `TargetUnmeetable`, `TargetMissed`) carries a
+//! retry-after, 1 to 60 s (for `TargetUnmeetable` the predicted wait past
+//! the target; otherwise the time the backlog ahead takes to drain at the
+//! rate grants were made over the last few seconds, a grant count decayed
+//! with a 5 s time constant), as gRPC `retry-after` metadata, which the
+//! frontend turns into a 429 with `Retry-After`.
 //!
 //! # Position updates
 //!
@@ -427,9 +437,15 @@ impl Queue {
             checked = st.check_admission(cfg, &entry, now);
         }
         let predicted = st.predict_wait(cfg, shared.epoch, &entry, now);
+        // A released request takes this long to its first token: it must
+        // leave the queue that much before its target.
+        let lead = st
+            .models
+            .get(&entry.desc.model)
+            .map_or(Duration::ZERO, ModelQueue::start_lead);
         if checked.is_ok()
             && let Some(predicted) = predicted
-            && predicted > target
+            && predicted + lead > target
         {
             checked = Err(QueueError::TargetUnmeetable {
                 predicted,
@@ -474,7 +490,7 @@ impl Queue {
             .entry(entry.desc.model.clone())
             .or_insert_with(|| ModelQueue::new(cfg.queue_policy));
         model.order.insert(cfg, shared.epoch, seq, &entry, weight);
-        let target_at = entry.arrival + target;
+        let target_at = entry.arrival + target.saturating_sub(lead);
         let expiry = entry.deadline.map_or(target_at, |d| d.min(target_at));
         st.deadlines.insert((expiry, seq));
         *st.tenants.entry(entry.desc.tenant.clone()).or_default() += 1;
@@ -498,6 +514,7 @@ impl Queue {
                 express: false,
                 expiry,
                 predicted,
+                released_at: None,
                 granted_at: None,
             },
         );
@@ -749,6 +766,8 @@ struct Slot {
     expiry: Instant,
     /// The wait predicted at admission (`None`: no prediction).
     predicted: Option<Duration>,
+    /// When it was released for placement.
+    released_at: Option<Instant>,
     /// When it was granted.
     granted_at: Option<Instant>,
 }

@@ -4,11 +4,12 @@
 # A burst of 1,005 requests at t=0 in four priority tiers (0..3, equal
 # weights, shuffled), 310 output tokens each (ignore_eos), against one mocker
 # worker with max_num_seqs 64, run four times:
-#   neither  no queue threshold (nothing held: every case runs with
-#            --no-default-holding), engine fcfs
-#   queue    --queue-threshold set, --queue-policy strict; engine fcfs
-#   engine   no queue threshold; engine --scheduling-policy priority
-#   both     threshold + strict queue, and engine priority
+#   off       priority off everywhere (A/B): --scheduling-policy fcfs
+#             --no-default-holding
+#   defaults  no flag: engine priority, default holding
+#   queue     priority in the queue only (A/B): --queue-threshold set,
+#             --queue-policy strict, --scheduling-policy fcfs
+#   both      threshold + strict queue on top of the defaults
 # and writes the per-tier TTFT table to tests/bench/results/ttft_by_priority.md.
 # Higher priority should mean lower TTFT when priority is on anywhere, and
 # the tiers should look alike when it is off; the script checks both and
@@ -56,9 +57,10 @@ run_case() { # name, then the extra `sluice up` flags
   rm -rf "$dir"; mkdir -p "$dir"
   RUST_LOG=${RUST_LOG:-warn,h2::proto::connection=debug} "$SLUICE_BIN" up --engine mocker --http-port "$PORT" \
     --max-num-seqs "$MAX_NUM_SEQS" --num-gpu-blocks "$BLOCKS" \
-    --speedup-ratio "$SPEEDUP" --no-default-holding "$@" >"$dir/server.log" 2>&1 &
+    --speedup-ratio "$SPEEDUP" "$@" >"$dir/server.log" 2>&1 &
   server_pid=$!
   wait_ready "http://127.0.0.1:$PORT" "$server_pid" "$dir/server.log"
+  echo "sluice up --engine mocker --http-port $PORT --max-num-seqs $MAX_NUM_SEQS --num-gpu-blocks $BLOCKS --speedup-ratio $SPEEDUP $*" >"$dir/command"
   echo "== $name: sluice up $*"
   "$SLUICE_BIN" bench --url "http://127.0.0.1:$PORT" --model sluice-tiny \
     --requests "$REQUESTS" --burst --isl-mean "$ISL" --osl-mean "$OSL" \
@@ -66,20 +68,20 @@ run_case() { # name, then the extra `sluice up` flags
   kill "$server_pid"; wait "$server_pid" 2>/dev/null || true; server_pid=""
 }
 
-run_case neither
-run_case queue --queue-threshold "$THRESHOLD" --queue-policy strict
-run_case engine --scheduling-policy priority
-run_case both --queue-threshold "$THRESHOLD" --queue-policy strict --scheduling-policy priority
+run_case off --scheduling-policy fcfs --no-default-holding
+run_case defaults
+run_case queue --queue-threshold "$THRESHOLD" --queue-policy strict --scheduling-policy fcfs
+run_case both --queue-threshold "$THRESHOLD" --queue-policy strict
 elapsed=$(( $(date +%s) - started ))
 
 python3 - "$OUT" "$RESULT" "$elapsed" <<EOF
 import json, sys
 out, result, elapsed = sys.argv[1], sys.argv[2], int(sys.argv[3])
-cases = [("neither", "off", "off"), ("queue", "on", "off"), ("engine", "off", "on"), ("both", "on", "on")]
+cases = [("off", "off", "off"), ("defaults", "default", "on"), ("queue", "on", "off"), ("both", "on", "on")]
 res = {c: json.load(open(f"{out}/{c}/results.json")) for c, _, _ in cases}
 def tier(c, p):
     return next(t for t in res[c]["tiers"] if t["priority"] == p)
-prios = sorted({t["priority"] for t in res["neither"]["tiers"]}, reverse=True)
+prios = sorted({t["priority"] for t in res["off"]["tiers"]}, reverse=True)
 lines = []
 w = lines.append
 w("# TTFT by priority: the field experiment on the mocker")
@@ -91,9 +93,16 @@ w(f"prompts of $ISL token ids, $OSL output tokens each (\`ignore_eos\`), one moc
 w(f"\`--max-num-seqs $MAX_NUM_SEQS --num-gpu-blocks $BLOCKS --speedup-ratio $SPEEDUP\` (every modelled duration")
 w(f"divided by $SPEEDUP so the four runs fit in minutes on 2 cores). TTFTs below are wall-clock ms at that")
 w(f"speed-up; the machine's own overhead (HTTP, gRPC, 1,005 streams on 2 cores) is not divided, so they")
-w(f"are not exactly 1/$SPEEDUP of the modelled times. \"Queue\" is \`--queue-threshold $THRESHOLD --queue-policy strict\`")
-w("(requests held at the queue and released highest priority first); \"engine\" is")
-w("\`--scheduling-policy priority\` (the engine admits waiting sequences highest priority first).")
+w(f"are not exactly 1/$SPEEDUP of the modelled times. \"defaults\" is \`sluice up\` with no flag: the engine")
+w("schedules by priority (admits the highest first, preempts the lowest) and the queue holds by engine slots,")
+w(f"counting only equal or higher priorities. \"queue\" is \`--queue-threshold $THRESHOLD --queue-policy strict\` with the")
+w("engine at fcfs; \"off\" turns priority off everywhere (\`--scheduling-policy fcfs --no-default-holding\`).")
+w("")
+w("Command lines (each case a fresh \`sluice up\`, then the same \`sluice bench\`):")
+w("")
+for c, _, _ in cases:
+    w(f"- {c}: \`" + open(f"{out}/{c}/command").read().strip() + "\`")
+w(f"- bench: \`sluice bench --url http://127.0.0.1:$PORT --model sluice-tiny --requests $REQUESTS --burst --isl-mean $ISL --osl-mean $OSL --priority-tiers $TIERS --seed 1 --timeout-secs 300\`")
 w(f"Four runs took {elapsed} s in all, including start-up.")
 w("")
 w("## Mean TTFT (ms) per tier")
@@ -118,7 +127,7 @@ for c, q, e in cases:
     ratio = means[-1] / means[0]
     fails = res[c]["overall"]["failed"]
     done = res[c]["overall"]["completed"]
-    if q == "on" or e == "on":
+    if q != "off" or e == "on":
         good = all(a < b for a, b in zip(means, means[1:])) and ratio >= 2.0
         want = "gradient: TTFT rises strictly as priority falls, lowest/highest >= 2"
     else:

@@ -165,6 +165,7 @@ impl State {
                     tracing::debug!(request_id = %slot.entry.desc.request_id, "released past the threshold: its tenant has nothing starting");
                 }
                 self.deadlines.remove(&(slot.expiry, seq));
+                slot.released_at = Some(now);
                 slot.phase = Phase::Placing;
                 model.placing += 1;
                 model.run(slot.entry.desc.priority, 1);
@@ -260,9 +261,11 @@ impl State {
             let desc = &slot.entry.desc;
             let waited = now.saturating_duration_since(slot.entry.arrival);
             let target = cfg.ttft_target(desc.priority, desc.ttft_target_ms);
-            let err = if waited >= target {
-                // Still held at its TTFT target: it would be served late, so
-                // it leaves now, told when the backlog will have drained.
+            let err = if slot.entry.deadline.is_none_or(|d| d > now) {
+                // Still held when it had to start to meet its TTFT target
+                // (the target less the mean time from release to first
+                // token): it would be served late, so it leaves now, told
+                // when the backlog will have drained.
                 let err = QueueError::TargetMissed {
                     waited,
                     target,
@@ -619,6 +622,9 @@ impl State {
         };
         if let Some(model) = self.models.get_mut(&slot.entry.desc.model) {
             model.first_token(slot.fair.as_ref().map(|r| &*r.class), slot.express);
+            if let Some(at) = slot.released_at {
+                model.started_after(Instant::now().saturating_duration_since(at));
+            }
         }
         let priority = slot.entry.desc.priority;
         self.prefill_done(&prefill, priority);

@@ -210,6 +210,9 @@ pub(super) struct ModelQueue {
     /// Mean time from grant to the lease's end, in seconds (an exponential
     /// average; `None` until a lease ended).
     pub(super) lease_secs: Option<f64>,
+    /// Mean time from release to the first token, in seconds (an
+    /// exponential average; `None` until a request started).
+    pub(super) start_secs: Option<f64>,
     /// Under `wfq`/`fair`: released requests without a first token yet, by
     /// class.
     pub(super) starting: HashMap<Arc<str>, usize>,
@@ -232,6 +235,7 @@ impl ModelQueue {
             drained: DrainRate::default(),
             running: BTreeMap::new(),
             lease_secs: None,
+            start_secs: None,
             starting: HashMap::new(),
             express: false,
         }
@@ -294,6 +298,22 @@ impl ModelQueue {
         } else {
             self.active + self.placing
         }
+    }
+
+    /// A request released `took` ago produced its first token: it joins
+    /// the mean start time.
+    pub(super) fn started_after(&mut self, took: Duration) {
+        let secs = took.as_secs_f64();
+        self.start_secs = Some(match self.start_secs {
+            Some(mean) => mean + LEASE_EWMA * (secs - mean),
+            None => secs,
+        });
+    }
+
+    /// How long before its TTFT target a held request must be released to
+    /// start in time: the mean time from release to first token.
+    pub(super) fn start_lead(&self) -> Duration {
+        Duration::from_secs_f64(self.start_secs.unwrap_or(0.0).clamp(0.0, 3600.0))
     }
 
     /// A lease granted `held` ago ended: it joins the mean lease duration.

@@ -657,6 +657,31 @@ async fn a_cold_mesh_predicts_from_capacity_never_from_zero_and_then_from_leases
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_held_request_leaves_when_it_could_no_longer_start_within_its_target() {
+    let h = Harness::start(config(Policy::Fcfs));
+    h.queue.update_load(engine(1, false, 0));
+    // Requests take 200 ms from release to their first token.
+    let mut first = h.admit(entry("first", 0, 0, 10, Instant::now()));
+    granted_soon(&mut first, "a free slot").await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    first.started();
+    let mut e = entry("held", 0, 0, 10, Instant::now());
+    e.desc.ttft_target_ms = 1000;
+    let mut held = h.admit(e);
+    let started = Instant::now();
+    assert!(matches!(
+        held.granted().await,
+        Err(QueueError::TargetMissed { .. })
+    ));
+    let left = started.elapsed();
+    assert!(
+        left >= Duration::from_millis(800) && left < Duration::from_millis(810),
+        "left at the target less the start time: {left:?}"
+    );
+    drop(first);
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_request_still_held_at_its_target_leaves_with_429_before_any_token() {
     let h = Harness::start(config(Policy::Fcfs));
     h.queue.update_load(engine(1, false, 0));
@@ -672,7 +697,10 @@ async fn a_request_still_held_at_its_target_leaves_with_429_before_any_token() {
             retry_after,
         }) => {
             assert_eq!(target, Duration::from_millis(500));
-            assert!(waited >= target && waited < target + Duration::from_millis(10));
+            assert!(
+                waited >= target && waited < target + Duration::from_millis(10),
+                "{waited:?}"
+            );
             assert!(retry_after >= Duration::from_secs(1));
         }
         other => panic!("{other:?}"),
