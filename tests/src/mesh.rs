@@ -63,6 +63,8 @@ fn remove_copies_of_exited_processes(root: &std::path::Path) {
 #[derive(Debug, Clone)]
 pub struct MeshOptions {
     pub decode_workers: usize,
+    /// Queue replicas (1 by default).
+    pub queues: usize,
     pub prefill_workers: usize,
     pub worker: sluice_decode::WorkerArgs,
     pub queue: sluice_queue::Args,
@@ -85,6 +87,7 @@ impl Default for MeshOptions {
         let defaults = Q::parse_from(["x"]);
         Self {
             decode_workers: 1,
+            queues: 1,
             prefill_workers: 0,
             worker: sluice_decode::WorkerArgs {
                 num_gpu_blocks: 512,
@@ -171,15 +174,17 @@ impl Mesh {
                     .map_err(|e| format!("{e:?}")),
             )
         }));
-        let (l, a, c) = (listener().await?, opts.queue.clone(), ctx());
-        let done = report("queue");
-        tasks.push(tokio::spawn(async move {
-            done(
-                sluice_queue::serve(l, a, c)
-                    .await
-                    .map_err(|e| format!("{e:?}")),
-            )
-        }));
+        for _ in 0..opts.queues.max(1) {
+            let (l, a, c) = (listener().await?, opts.queue.clone(), ctx());
+            let done = report("queue");
+            tasks.push(tokio::spawn(async move {
+                done(
+                    sluice_queue::serve(l, a, c)
+                        .await
+                        .map_err(|e| format!("{e:?}")),
+                )
+            }));
+        }
         let l = listener().await?;
         let http = format!("127.0.0.1:{}", l.local_addr()?.port());
         let (a, m, c) = (opts.frontend.clone(), model.clone(), ctx());

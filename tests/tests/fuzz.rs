@@ -982,6 +982,7 @@ async fn generated_grpc_messages_never_panic_or_get_internal() -> anyhow::Result
                     5 => {
                         let req = rpb::WatchLoadRequest {
                             model: model(&mut rng),
+                            client_id: string(&mut rng),
                         };
                         let input = shown(&req);
                         sample_stream(c.watch_load(req).await, false)

@@ -137,19 +137,52 @@ async fn a_full_queue_sheds_its_lowest_priority_with_429_and_retry_after() -> an
 /// within the default TTFT target), the higher priorities first.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn default_flags_serve_a_burst_into_a_fresh_mesh_by_priority() -> anyhow::Result<()> {
+    let means = burst_by_priority(1).await?;
+    assert!(
+        means[3] < means[0],
+        "priority 3 ahead of priority 0: mean TTFT by priority {means:?}"
+    );
+    Ok(())
+}
+
+/// The same burst through two queue replicas (the frontend spreads requests
+/// over them round robin, so one holds priorities 0 and 2 and the other 1
+/// and 3): they share the worker's slots and release in one priority order,
+/// so each priority is served before the next lower one, across replicas.
+/// Each replica releasing its own requests in its own order on its own
+/// share of the slots would serve 2 beside 3 and 0 beside 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_queue_replicas_serve_a_burst_in_one_priority_order() -> anyhow::Result<()> {
+    let means = burst_by_priority(2).await?;
+    eprintln!("mean TTFT by priority with two replicas: {means:?}");
+    assert!(
+        means[3] < means[2] && means[2] < means[1] && means[1] < means[0],
+        "each priority ahead of the next lower one: mean TTFT by priority {means:?}"
+    );
+    Ok(())
+}
+
+/// 40 requests at once, priorities 0..3 interleaved, on a mocker worker of
+/// two slots behind `queues` queue replicas, all with default flags: every
+/// one is served within the default target. Returns the mean TTFT (ms) by
+/// priority.
+async fn burst_by_priority(queues: usize) -> anyhow::Result<Vec<f64>> {
     let mut opts = MeshOptions::default();
     opts.worker.engine = sluice_decode::EngineKind::Mocker;
     opts.worker.max_num_seqs = 2;
+    opts.queues = queues;
     assert_eq!(opts.queue.queue_threshold, None, "default flags");
     assert_eq!(opts.queue.max_active, 0, "default flags");
     let mesh = Mesh::start(opts).await?;
-    queue_sees_a_worker(&mesh).await?;
+    queues_see_the_mesh(&mesh, queues).await?;
 
-    // 40 requests at once, priorities 0..3 interleaved: 20 rounds of the
-    // worker's two slots.
-    let burst: Vec<_> = (0..40)
-        .map(|i| (i % 4, spawn_open(&mesh, completion(8, i % 4))))
-        .collect();
+    // 20 rounds of the worker's two slots.
+    let mut burst = Vec::new();
+    for i in 0..40 {
+        burst.push((i % 4, spawn_open(&mesh, completion(8, i % 4))));
+        // One at a time into the frontend's round robin over the replicas.
+        tokio::task::yield_now().await;
+    }
     let mut ttft_ms = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
     for (priority, handle) in burst {
         let (status, head, rest) =
@@ -167,13 +200,34 @@ async fn default_flags_serve_a_burst_into_a_fresh_mesh_by_priority() -> anyhow::
         assert_eq!(nvext["ttft_target_met"], true, "{nvext}");
         ttft_ms[priority as usize].push(nvext["ttft_ms"].as_f64().unwrap_or(f64::MAX));
     }
+    mesh.stop().await?;
     let mean = |v: &Vec<f64>| v.iter().sum::<f64>() / v.len() as f64;
-    let means: Vec<f64> = ttft_ms.iter().map(mean).collect();
-    assert!(
-        means[3] < means[0],
-        "priority 3 ahead of priority 0: mean TTFT by priority {means:?}"
-    );
-    mesh.stop().await
+    Ok(ttft_ms.iter().map(mean).collect())
+}
+
+/// Waits until every one of the `queues` queue replicas lists the worker in
+/// its load view and knows how many replicas there are.
+async fn queues_see_the_mesh(mesh: &Mesh, queues: usize) -> anyhow::Result<()> {
+    sluice_tests::wait::until_true(
+        "every queue replica to see the worker and the other replicas",
+        Duration::from_secs(30),
+        || async {
+            let endpoints = mesh.endpoints("queue").await?;
+            if endpoints.len() < queues {
+                return Ok(false);
+            }
+            for queue in endpoints {
+                let (_, metrics) = get(&queue, "/metrics").await?;
+                let workers = sluice_tests::wait::sum(&metrics, "sluice_queue_load_view_slots");
+                let replicas = sluice_tests::wait::sum(&metrics, "sluice_queue_replicas");
+                if workers < 1.0 || replicas < queues as f64 {
+                    return Ok(false);
+                }
+            }
+            Ok(true)
+        },
+    )
+    .await
 }
 
 /// Waits until the queue's load view from the router lists a worker (so
@@ -181,11 +235,11 @@ async fn default_flags_serve_a_burst_into_a_fresh_mesh_by_priority() -> anyhow::
 async fn queue_sees_a_worker(mesh: &Mesh) -> anyhow::Result<()> {
     let queue = mesh.endpoints("queue").await?.remove(0);
     sluice_tests::wait::until_true(
-        "the queue's load view to list the worker",
+        "the queue's load view to list the worker's slots",
         Duration::from_secs(30),
         || async {
             let (_, metrics) = get(&queue, "/metrics").await?;
-            Ok(sluice_tests::wait::sum(&metrics, "sluice_queue_load_view_workers") >= 1.0)
+            Ok(sluice_tests::wait::sum(&metrics, "sluice_queue_load_view_slots") >= 1.0)
         },
     )
     .await

@@ -2,6 +2,7 @@
 //! `InvalidArgument` naming the field), held statuses and grants to
 //! responses, the router's `LoadView` to the queue's, and `Stats`.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use sluice_proto::queue::v1 as pb;
@@ -12,7 +13,7 @@ use tokio::time::Instant;
 use crate::config::Args;
 use crate::error::QueueError;
 use crate::queue::{
-    Entry, Grant, HeldStatus, LoadView, QueueStats, Target, WorkerLoad, WorkerRole,
+    Entry, Grant, HeldByModel, HeldStatus, LoadView, QueueStats, Target, WorkerLoad, WorkerRole,
 };
 
 fn invalid(field: &'static str, reason: impl Into<String>) -> QueueError {
@@ -105,6 +106,33 @@ impl From<router_pb::Target> for Target {
     }
 }
 
+/// Counts by priority from the wire (a priority named twice adds up).
+fn priority_counts(counts: &[router_pb::PriorityCount]) -> BTreeMap<i32, u32> {
+    let mut out = BTreeMap::new();
+    for c in counts {
+        let n: &mut u32 = out.entry(c.priority).or_default();
+        *n = n.saturating_add(c.count);
+    }
+    out
+}
+
+/// What this queue holds, on the wire.
+pub(crate) fn held_report(held: &HeldByModel) -> router_pb::HeldReport {
+    router_pb::HeldReport {
+        models: held
+            .iter()
+            .map(|(model, by_priority)| router_pb::HeldModel {
+                model: model.clone(),
+                by_priority: by_priority
+                    .iter()
+                    .rev()
+                    .map(|(&priority, &count)| router_pb::PriorityCount { priority, count })
+                    .collect(),
+            })
+            .collect(),
+    }
+}
+
 impl From<router_pb::LoadView> for LoadView {
     fn from(view: router_pb::LoadView) -> Self {
         let workers = view
@@ -134,10 +162,19 @@ impl From<router_pb::LoadView> for LoadView {
                     unplaced_requests: w.unplaced_requests,
                     priority_scheduling: w.priority_scheduling,
                     step_time_us: w.step_time_us,
+                    others_by_priority: priority_counts(&w.others_by_priority),
                 }
             })
             .collect();
-        Self { workers }
+        let held_elsewhere = view
+            .held
+            .iter()
+            .map(|m| (m.model.clone(), priority_counts(&m.by_priority)))
+            .collect();
+        Self {
+            workers,
+            held_elsewhere,
+        }
     }
 }
 
@@ -304,13 +341,33 @@ mod tests {
                 role: worker_pb::WorkerRole::Prefill as i32,
                 active_prefill_tokens: 7,
                 max_num_batched_tokens: 2048,
+                others_by_priority: vec![
+                    router_pb::PriorityCount {
+                        priority: 3,
+                        count: 1,
+                    },
+                    router_pb::PriorityCount {
+                        priority: 3,
+                        count: 2,
+                    },
+                ],
                 ..Default::default()
             }],
+            held: vec![router_pb::HeldModel {
+                model: "m".into(),
+                by_priority: vec![router_pb::PriorityCount {
+                    priority: -1,
+                    count: 4,
+                }],
+            }],
         });
+        assert_eq!(view.workers[0].others_by_priority, BTreeMap::from([(3, 3)]));
+        assert_eq!(view.held_elsewhere["m"], BTreeMap::from([(-1, 4)]));
         let w = &view.workers[0];
         assert_eq!(w.role, WorkerRole::Prefill);
         let unspecified = LoadView::from(router_pb::LoadView {
             workers: vec![router_pb::WorkerLoad::default()],
+            held: Vec::new(),
         });
         assert_eq!(unspecified.workers[0].role, WorkerRole::Aggregated);
         assert_eq!(w.target.dp_rank, 1);

@@ -35,12 +35,12 @@ use sluice_runtime::grpc::GrpcServer;
 use tokio::net::TcpListener;
 use tokio_util::task::TaskTracker;
 
-pub use config::{Args, Policy, WfqClass, WfqCost, WfqWeights};
+pub use config::{Args, Policy, TtftTargets, WfqClass, WfqCost, WfqWeights};
 pub use error::{QueueError, Quota};
 pub use metrics::QueueMetrics;
 pub use queue::{
-    Entry, Grant, HeldStatus, HoldReason, LoadView, Placed, Placement, PlacementLease, Placer,
-    Queue, QueueStats, Target, Ticket, TicketEvent, TierStats, WorkerLoad, WorkerRole,
+    Entry, Grant, HeldByModel, HeldStatus, HoldReason, LoadView, Placed, Placement, PlacementLease,
+    Placer, Queue, QueueStats, Target, Ticket, TicketEvent, TierStats, WorkerLoad, WorkerRole,
 };
 pub use tenants::{DEFAULT_TENANT, Limits, Replicas, TenantLimits};
 
@@ -98,14 +98,13 @@ pub async fn serve(
         let token = background.clone();
         async move { queue.run(placer, token).await }
     });
-    if args.tenant_limits.as_ref().is_some_and(|l| l.has_quotas()) {
-        tracker.spawn(tenants::follow_replicas(
-            queue.clone(),
-            std::sync::Arc::clone(&ctx.discovery),
-            instance.id.clone(),
-            background.clone(),
-        ));
-    }
+    // The replicas split tenants' quotas and share the workers' slots.
+    tracker.spawn(tenants::follow_replicas(
+        queue.clone(),
+        std::sync::Arc::clone(&ctx.discovery),
+        instance.id.clone(),
+        background.clone(),
+    ));
 
     let server = GrpcServer::new()?
         .add_service(QueueServer::new(service::QueueService::new(

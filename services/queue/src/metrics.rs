@@ -52,6 +52,10 @@ pub struct QueueMetrics {
     cancellations: IntCounter,
     active_leases: IntGauge,
     lease_sessions: IntGauge,
+    replicas: IntGauge,
+    view_others_running: IntGauge,
+    view_slots: IntGauge,
+    view_held_elsewhere: IntGauge,
     view_workers: IntGaugeVec,
     tenant_tokens: IntCounterVec,
     tenant_wait: HistogramVec,
@@ -143,6 +147,22 @@ impl QueueMetrics {
                 "sluice_queue_lease_sessions",
                 "Leases sessions open now (normally one per frontend).",
             )?,
+            replicas: r.gauge(
+                "sluice_queue_replicas",
+                "Queue replicas in discovery, this one included (they share the workers' slots and release in one priority order)",
+            )?,
+            view_others_running: r.gauge(
+                "sluice_queue_load_view_other_placements",
+                "Live placements the other queue replicas made, in the latest load view (they take the workers' slots too)",
+            )?,
+            view_slots: r.gauge(
+                "sluice_queue_load_view_slots",
+                "Engine slots (max_num_seqs) of the decode and aggregated ranks in the latest load view",
+            )?,
+            view_held_elsewhere: r.gauge(
+                "sluice_queue_load_view_held_elsewhere",
+                "Requests the other queue replicas hold unplaced, in the latest load view (a higher priority among them goes first)",
+            )?,
             view_workers: r.gauge_vec(
                 "sluice_queue_load_view_workers",
                 "Worker ranks in the latest load view from the router, by role",
@@ -152,13 +172,40 @@ impl QueueMetrics {
         })
     }
 
+    /// The queue replicas in discovery.
+    pub(crate) fn replicas(&self, count: u32) {
+        self.replicas.set(i64::from(count));
+    }
+
     /// Counts a `Leases` session as open while the guard lives.
     pub(crate) fn lease_session(&self) -> sluice_runtime::metrics::Open {
         sluice_runtime::metrics::Open::new(&self.lease_sessions)
     }
 
-    /// A new load view: its worker ranks by role.
-    pub(crate) fn load_view(&self, workers: &[crate::queue::WorkerLoad]) {
+    /// A new load view: its worker ranks by role, the other replicas'
+    /// placements and held requests.
+    pub(crate) fn load_view(&self, view: &crate::queue::LoadView) {
+        let workers = &view.workers;
+        let count = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+        let others: u64 = workers
+            .iter()
+            .flat_map(|w| w.others_by_priority.values())
+            .map(|&n| u64::from(n))
+            .sum();
+        self.view_others_running.set(count(others));
+        let slots: u64 = workers
+            .iter()
+            .filter(|w| w.role != crate::queue::WorkerRole::Prefill)
+            .map(|w| u64::from(w.max_num_seqs))
+            .sum();
+        self.view_slots.set(count(slots));
+        let held: u64 = view
+            .held_elsewhere
+            .values()
+            .flat_map(|m| m.values())
+            .map(|&n| u64::from(n))
+            .sum();
+        self.view_held_elsewhere.set(count(held));
         use crate::queue::WorkerRole;
         for role in [
             WorkerRole::Decode,

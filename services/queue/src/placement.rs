@@ -51,7 +51,8 @@ use tokio_util::task::TaskTracker;
 
 use crate::error::QueueError;
 use crate::queue::{
-    Entry, LoadView, Placed, Placement, PlacementLease, Placer, Queue, Target, WorkerRole,
+    Entry, HeldByModel, LoadView, Placed, Placement, PlacementLease, Placer, Queue, Target,
+    WorkerRole,
 };
 
 /// Discovery component name routers register under.
@@ -94,6 +95,9 @@ struct RoutersInner {
     /// The placements of live leases, by placement id (a request's decode
     /// and prefill placements share it): what a new session is sent first.
     held: Mutex<HashMap<u64, Vec<router_pb::Placement>>>,
+    /// The latest report of what this queue holds unplaced: sent to every
+    /// session as it changes, and to a new one after its placements.
+    unplaced: Mutex<router_pb::HeldReport>,
     /// Placement and call ids.
     next_id: AtomicU64,
     tracker: TaskTracker,
@@ -211,6 +215,7 @@ impl Routers {
                 next: AtomicUsize::new(0),
                 changed: Notify::new(),
                 held: Mutex::new(HashMap::new()),
+                unplaced: Mutex::new(router_pb::HeldReport::default()),
                 next_id: AtomicU64::new(1),
                 tracker: tracker.clone(),
                 shutdown,
@@ -351,6 +356,17 @@ impl RoutersInner {
         }
     }
 
+    /// Tells every router what this queue now holds unplaced (and keeps it
+    /// for sessions that open later).
+    fn report_unplaced(&self, report: router_pb::HeldReport) {
+        let mut unplaced = self.unplaced.lock();
+        let msg = router_pb::PlaceRequest {
+            msg: Some(PlaceMsg::Held(report.clone())),
+        };
+        self.broadcast(&msg, None);
+        *unplaced = report;
+    }
+
     /// Records a granted request's placements and tells every router but
     /// `origin` (which made them) about them.
     fn hold(&self, id: u64, placements: Vec<router_pb::Placement>, origin: &str) {
@@ -426,9 +442,19 @@ async fn run_session(inner: Arc<RoutersInner>, session: Arc<Session>) {
                 };
                 installed &= tx.try_send(msg).is_ok();
             }
+            // Under `unplaced` too: the report is in the snapshot or sent
+            // after it.
+            let unplaced = inner.unplaced.lock();
+            if !unplaced.models.is_empty() {
+                let msg = router_pb::PlaceRequest {
+                    msg: Some(PlaceMsg::Held(unplaced.clone())),
+                };
+                installed &= tx.try_send(msg).is_ok();
+            }
             if installed {
                 *session.tx.lock() = Some(tx);
             }
+            drop(unplaced);
         }
         if installed {
             let mut client = session.client.clone();
@@ -703,6 +729,12 @@ impl Placer for RouterPlacer {
             .ok_or_else(|| QueueError::placement(MissingTarget))?;
         Ok(overlap_tokens(entry, answer))
     }
+
+    fn report_held(&self, held: HeldByModel) {
+        self.routers
+            .inner
+            .report_unplaced(crate::convert::held_report(&held));
+    }
 }
 
 /// Feeds the router's load views into `queue` (and the placer's prefill
@@ -720,6 +752,7 @@ pub(crate) async fn watch_load(
             let mut client = session.client.clone();
             let request = router_pb::WatchLoadRequest {
                 model: String::new(),
+                client_id: routers.inner.client_id.clone(),
             };
             match client.watch_load(request).await {
                 Ok(response) => {

@@ -242,6 +242,9 @@ pub enum HoldReason {
     PlacementInFlight,
     /// The next request's prefix overlap is being re-read (`wspt`).
     RefreshingOverlap,
+    /// Default holding with several queue replicas: the free slots go to
+    /// higher-priority requests another replica holds.
+    HigherElsewhere,
 }
 
 impl HoldReason {
@@ -253,6 +256,7 @@ impl HoldReason {
             Self::AtCapacity => "every worker at max_num_seqs",
             Self::PlacementInFlight => "waiting for an earlier placement",
             Self::RefreshingOverlap => "re-reading the prefix overlap",
+            Self::HigherElsewhere => "higher priorities wait at another queue replica",
         }
     }
 }
@@ -305,13 +309,20 @@ pub struct WorkerLoad {
     /// Its engine's recent mean step time in microseconds; 0 = not
     /// measured yet.
     pub step_time_us: u32,
+    /// Live placements on it made for other queue replicas, by priority.
+    pub others_by_priority: BTreeMap<i32, u32>,
 }
+
+/// Requests held unplaced, by model and priority.
+pub type HeldByModel = HashMap<String, BTreeMap<i32, u32>>;
 
 /// Every worker's load; each view replaces the previous one.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct LoadView {
     /// One entry per worker rank.
     pub workers: Vec<WorkerLoad>,
+    /// What the other queue replicas hold unplaced.
+    pub held_elsewhere: HeldByModel,
 }
 
 /// A placement's life at the router, held by the queue for as long as the
@@ -348,7 +359,14 @@ pub trait Placer: Send + Sync + 'static {
 
     /// Re-reads the prompt tokens cached on the best worker, without placing.
     fn overlap(&self, entry: &Entry) -> impl Future<Output = Result<u32, QueueError>> + Send;
+
+    /// What this queue holds unplaced now, for the other queue replicas
+    /// (sent when it changes, at most every [`HELD_REPORT_INTERVAL`]).
+    fn report_held(&self, _held: HeldByModel) {}
 }
+
+/// Least time between two reports of what the queue holds.
+pub(crate) const HELD_REPORT_INTERVAL: Duration = Duration::from_millis(5);
 
 /// Pending and active counts with the held requests grouped by tier.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -490,6 +508,8 @@ impl Queue {
             .entry(entry.desc.model.clone())
             .or_insert_with(|| ModelQueue::new(cfg.queue_policy));
         model.order.insert(cfg, shared.epoch, seq, &entry, weight);
+        model.count_held(entry.desc.priority, 1);
+        st.held_changed = true;
         let target_at = entry.arrival + target.saturating_sub(lead);
         let expiry = entry.deadline.map_or(target_at, |d| d.min(target_at));
         st.deadlines.insert((expiry, seq));
@@ -532,13 +552,14 @@ impl Queue {
     /// Replaces the load view (the router's latest `LoadView`) and
     /// re-evaluates every model's hold decision.
     pub fn update_load(&self, view: LoadView) {
-        self.shared.metrics.load_view(&view.workers);
+        self.shared.metrics.load_view(&view);
         let mut st = self.shared.state.lock();
         st.load = view
             .workers
             .into_iter()
             .map(|w| ((w.target.worker_id.clone(), w.target.dp_rank), w))
             .collect();
+        st.held_elsewhere = view.held_elsewhere;
         drop(st);
         self.shared.wake.notify_one();
     }
@@ -546,6 +567,7 @@ impl Queue {
     /// The number of queue replicas and this one's rank changed: every
     /// tenant's quota share is rescaled.
     pub fn set_replicas(&self, replicas: Replicas) {
+        self.shared.metrics.replicas(replicas.count.max(1));
         let mut st = self.shared.state.lock();
         st.replicas = replicas.count.max(1);
         st.quotas.set_replicas(replicas);
@@ -589,21 +611,26 @@ impl Queue {
         let placer = Arc::new(placer);
         let mut ops: FuturesUnordered<BoxFuture<'static, Outcome>> = FuturesUnordered::new();
         loop {
-            let (started, next_deadline) = {
+            let (started, next_deadline, held) = {
                 let now = Instant::now();
                 let mut st = shared.state.lock();
                 st.expire(&shared.cfg, shared.epoch, now, &shared.metrics);
                 let started = st.release(&shared.cfg, now);
                 let next_publish = st.publish_positions(now);
+                let (held, next_report) = st.held_report(now);
                 st.models.retain(|_, m| !m.is_idle());
                 let next_deadline = st.deadlines.first().map(|&(d, _)| d);
-                // Wake for whichever comes first: a deadline or a held-back update.
-                let wake_at = match (next_deadline, next_publish) {
-                    (Some(a), Some(b)) => Some(a.min(b)),
-                    (a, b) => a.or(b),
-                };
-                (started, wake_at)
+                // Wake for whichever comes first: a deadline, a held-back
+                // update or a held-back report.
+                let wake_at = [next_deadline, next_publish, next_report]
+                    .into_iter()
+                    .flatten()
+                    .min();
+                (started, wake_at, held)
             };
+            if let Some(held) = held {
+                placer.report_held(held);
+            }
             for op in started {
                 ops.push(op.start(Arc::clone(&placer)));
             }
@@ -802,9 +829,17 @@ struct State {
     quotas: Quotas,
     /// How fast grants drain the backlog.
     drained: DrainRate,
-    /// Queue replicas in discovery (0 until told: counts as 1); default
-    /// holding gives each 1/N of the workers' slots.
+    /// Queue replicas in discovery (0 until told: counts as 1). With one,
+    /// default holding counts its own grants against the workers' slots;
+    /// with several, the others' placements (from the router's view) too,
+    /// and what they hold unplaced.
     replicas: u32,
+    /// What the other queue replicas hold unplaced (the router's view).
+    held_elsewhere: HeldByModel,
+    /// What this queue holds changed since it last reported it.
+    held_changed: bool,
+    /// When it last reported what it holds.
+    held_reported: Option<Instant>,
 }
 
 #[cfg(test)]

@@ -63,6 +63,7 @@ impl TestRouter {
                 blocks: desc.prompt_tokens.div_ceil(desc.block_size.max(1)),
                 block_hashes: desc.block_hashes.clone(),
                 started: false,
+                priority: desc.priority,
             }),
         }
     }
@@ -108,6 +109,10 @@ impl Router for TestRouter {
                         .events
                         .lock()
                         .push(format!("placed:{}", p.placement_id)),
+                    Some(Msg::Held(h)) => router.events.lock().push(format!(
+                        "held:{}",
+                        h.models.iter().map(|m| m.by_priority.len()).sum::<usize>()
+                    )),
                     Some(Msg::Update(u)) => {
                         let what = if u.state == router_pb::PlacementState::Started as i32 {
                             "started"
@@ -154,7 +159,10 @@ fn worker(id: &str, role: WorkerRole, active: u64) -> router_pb::WorkerLoad {
 }
 
 fn view(workers: Vec<router_pb::WorkerLoad>) -> router_pb::LoadView {
-    router_pb::LoadView { workers }
+    router_pb::LoadView {
+        workers,
+        held: Vec::new(),
+    }
 }
 
 struct Mesh {

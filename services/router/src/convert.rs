@@ -1,6 +1,8 @@
 //! Wire ⇄ domain conversions: `pb` types on one side, the index's and the
 //! pool's types on the other. Bad input becomes `RouterError::InvalidArgument`.
 
+use std::collections::BTreeMap;
+
 use sluice_proto::router::v1 as pb;
 use sluice_proto::worker::v1 as wpb;
 use sluice_runtime::RequestDescription;
@@ -9,7 +11,8 @@ use crate::error::RouterError;
 use crate::indexer::{KvEvent, KvEventKind, Target};
 use crate::load::LoadReport;
 use crate::pool::{
-    Candidate, Commit, Decision, MemberLoad, PlacementRecord, PlacementState, PoolKind, RouteInput,
+    Candidate, Commit, Decision, HeldByModel, MemberLoad, PlacementRecord, PlacementState,
+    PoolKind, RouteInput,
 };
 
 /// The pool a request asks for; unspecified means the decode pool.
@@ -58,7 +61,72 @@ pub(crate) fn placement(kind: PoolKind, p: &PlacementRecord, endpoint: &str) -> 
         block_hashes: p.block_hashes.to_vec(),
         blocks: u32::try_from(p.blocks).unwrap_or(u32::MAX),
         started: p.started,
+        priority: p.priority,
     }
+}
+
+/// Counts by priority on the wire, highest first.
+pub(crate) fn priority_counts(by_priority: &BTreeMap<i32, u32>) -> Vec<pb::PriorityCount> {
+    by_priority
+        .iter()
+        .rev()
+        .filter(|(_, n)| **n > 0)
+        .map(|(&priority, &count)| pb::PriorityCount { priority, count })
+        .collect()
+}
+
+/// Held requests by model on the wire.
+pub(crate) fn held_models(held: &HeldByModel) -> Vec<pb::HeldModel> {
+    held.iter()
+        .map(|(model, by_priority)| pb::HeldModel {
+            model: model.clone(),
+            by_priority: priority_counts(by_priority),
+        })
+        .filter(|m| !m.by_priority.is_empty())
+        .collect()
+}
+
+/// A client's report of what it holds: model → priority → requests. A model
+/// named twice or a priority named twice in one model is refused.
+pub(crate) fn held_report(r: &pb::HeldReport) -> Result<HeldByModel, RouterError> {
+    const MAX_MODELS: usize = 1024;
+    const MAX_PRIORITIES: usize = 4096;
+    if r.models.len() > MAX_MODELS {
+        return Err(RouterError::InvalidArgument(format!(
+            "held: {} models, at most {MAX_MODELS}",
+            r.models.len()
+        )));
+    }
+    let mut out = HeldByModel::new();
+    for m in &r.models {
+        if m.by_priority.len() > MAX_PRIORITIES {
+            return Err(RouterError::InvalidArgument(format!(
+                "held: model {:?} names {} priorities, at most {MAX_PRIORITIES}",
+                m.model,
+                m.by_priority.len()
+            )));
+        }
+        if out.contains_key(&m.model) {
+            return Err(RouterError::InvalidArgument(format!(
+                "held: model {:?} named twice",
+                m.model
+            )));
+        }
+        let by_priority = out.entry(m.model.clone()).or_default();
+        for c in &m.by_priority {
+            if by_priority.insert(c.priority, c.count).is_some() {
+                return Err(RouterError::InvalidArgument(format!(
+                    "held: model {:?} names priority {} twice",
+                    m.model, c.priority
+                )));
+            }
+        }
+    }
+    out.retain(|_, by_priority| {
+        by_priority.retain(|_, n| *n > 0);
+        !by_priority.is_empty()
+    });
+    Ok(out)
 }
 
 /// A placement a client sends (a replica's or one it still holds).
@@ -87,6 +155,7 @@ pub(crate) fn placement_record(
             block_hashes: p.block_hashes.as_slice().into(),
             blocks: u64::from(p.blocks),
             started: p.started,
+            priority: p.priority,
         },
     ))
 }
@@ -139,7 +208,10 @@ pub(crate) fn route_response(kind: PoolKind, d: &Decision) -> pb::RouteResponse 
 }
 
 /// One member's line in a `LoadView`.
-pub(crate) fn worker_load(m: &MemberLoad) -> pb::WorkerLoad {
+pub(crate) fn worker_load(
+    m: &MemberLoad,
+    others_by_priority: Option<&BTreeMap<i32, u32>>,
+) -> pb::WorkerLoad {
     pb::WorkerLoad {
         target: Some(target(&m.info.target, &m.info.endpoint)),
         model: m.info.model.clone(),
@@ -155,6 +227,7 @@ pub(crate) fn worker_load(m: &MemberLoad) -> pb::WorkerLoad {
         unplaced_requests: m.load.report.unplaced_requests,
         priority_scheduling: m.load.report.priority_scheduling,
         step_time_us: m.load.report.step_time_us,
+        others_by_priority: others_by_priority.map(priority_counts).unwrap_or_default(),
     }
 }
 
@@ -196,6 +269,38 @@ pub(crate) fn load_report(r: &wpb::LoadReport) -> LoadReport {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_held_report_converts_and_names_what_it_repeats() {
+        let count = |priority, count| pb::PriorityCount { priority, count };
+        let model = |name: &str, by_priority| pb::HeldModel {
+            model: name.into(),
+            by_priority,
+        };
+        let report = pb::HeldReport {
+            models: vec![
+                model("m", vec![count(3, 1), count(0, 2), count(1, 0)]),
+                model("n", vec![count(0, 0)]),
+            ],
+        };
+        let held = held_report(&report).expect("valid");
+        assert_eq!(held.len(), 1, "empty counts and models dropped: {held:?}");
+        assert_eq!(held["m"], BTreeMap::from([(0, 2), (3, 1)]));
+        assert_eq!(
+            held_models(&held),
+            vec![model("m", vec![count(3, 1), count(0, 2)])],
+            "highest first"
+        );
+        let twice = pb::HeldReport {
+            models: vec![model("m", vec![]), model("m", vec![])],
+        };
+        assert!(held_report(&twice).is_err());
+        let twice = pb::HeldReport {
+            models: vec![model("m", vec![count(1, 1), count(1, 2)])],
+        };
+        let err = held_report(&twice).expect_err("a priority twice");
+        assert!(err.to_string().contains("priority 1 twice"), "{err}");
+    }
 
     #[test]
     fn zero_block_size_and_too_many_hashes_are_invalid() {

@@ -132,6 +132,8 @@ pub struct PlacementRecord {
     pub blocks: u64,
     /// The request produced its first token.
     pub started: bool,
+    /// The request's priority.
+    pub priority: i32,
 }
 
 impl PlacementRecord {
@@ -244,6 +246,7 @@ pub struct MemberLoad {
 /// A placement being counted.
 struct Counted {
     target: Target,
+    priority: i32,
     /// The load it is counted on (its member's at placement time).
     load: Arc<Mutex<TargetLoad>>,
     shape: Shape,
@@ -327,6 +330,11 @@ pub struct WorkerPool {
     approx: ApproxIndex,
     members: RwLock<BTreeMap<Target, Arc<Member>>>,
     choice: Mutex<ChoiceState>,
+    /// The latest load report of each target that reported before it
+    /// joined (its first KV snapshot still coming): it joins with it, so
+    /// its slots and speed are known from the start, not a report interval
+    /// later.
+    early_reports: Mutex<HashMap<Target, (LoadReport, Instant)>>,
 }
 
 impl std::fmt::Debug for WorkerPool {
@@ -357,6 +365,7 @@ impl WorkerPool {
             indexer: KvIndexer::new(),
             approx: ApproxIndex::new(cfg.approx_ttl),
             members: RwLock::new(BTreeMap::new()),
+            early_reports: Mutex::new(HashMap::new()),
             choice: Mutex::new(ChoiceState {
                 round_robin: 0,
                 rng,
@@ -395,10 +404,13 @@ impl WorkerPool {
         let kv_handle = self.indexer.handle(kv_id);
         let (approx_id, approx_handle) = self.approx.register(info.target.clone());
         // A changed address keeps the load its placements are counted on.
-        let load = members
+        let load: Arc<Mutex<TargetLoad>> = members
             .get(&info.target)
             .map(|m| Arc::clone(&m.load))
             .unwrap_or_default();
+        if let Some((report, at)) = self.early_reports.lock().remove(&info.target) {
+            load.lock().report(report, at);
+        }
         members.insert(
             info.target.clone(),
             Arc::new(Member {
@@ -418,6 +430,7 @@ impl WorkerPool {
     /// returns how many indexed blocks it held, or `None` if it was not a
     /// member.
     pub fn remove_member(&self, target: &Target) -> Option<usize> {
+        self.early_reports.lock().remove(target);
         let member = self.members.write().remove(target)?;
         self.choice
             .lock()
@@ -443,9 +456,16 @@ impl WorkerPool {
 
     /// Records a member's load report received at `now`. False if unknown.
     pub fn record_load(&self, target: &Target, report: LoadReport, now: Instant) -> bool {
-        let Some(member) = self.members.read().get(target).cloned() else {
+        let members = self.members.read();
+        let Some(member) = members.get(target).cloned() else {
+            // Not joined yet: it joins with this report (under the members'
+            // lock, so a join either sees it or came first).
+            self.early_reports
+                .lock()
+                .insert(target.clone(), (report, now));
             return false;
         };
+        drop(members);
         member.load.lock().report(report, now);
         true
     }
@@ -471,6 +491,7 @@ impl WorkerPool {
             key,
             Counted {
                 target: record.target.clone(),
+                priority: record.priority,
                 load: Arc::clone(&member.load),
                 shape: record.shape(),
                 started: record.started,
@@ -544,6 +565,22 @@ impl WorkerPool {
     pub fn last_report(&self, target: &Target) -> Option<Instant> {
         let member = self.members.read().get(target).cloned()?;
         member.load.lock().reported_at()
+    }
+
+    /// Live placements by target and priority, those of `exclude` (a
+    /// client id) left out.
+    pub fn placements_by_priority(&self, exclude: &str) -> HashMap<Target, BTreeMap<i32, u32>> {
+        let choice = self.choice.lock();
+        let mut out: HashMap<Target, BTreeMap<i32, u32>> = HashMap::new();
+        for (key, c) in &choice.placements {
+            if exclude.is_empty() || &*key.client != exclude {
+                *out.entry(c.target.clone())
+                    .or_default()
+                    .entry(c.priority)
+                    .or_default() += 1;
+            }
+        }
+        out
     }
 
     /// Every member's effective load.
@@ -813,11 +850,13 @@ impl WorkerPool {
             block_hashes: Arc::clone(&desc.block_hashes),
             blocks: u64::from(desc.prompt_tokens).div_ceil(u64::from(desc.block_size)),
             started: false,
+            priority: desc.priority,
         };
         choice.count(
             key,
             Counted {
                 target: record.target.clone(),
+                priority: record.priority,
                 load: Arc::clone(&member.load),
                 shape: record.shape(),
                 started: false,
@@ -839,7 +878,13 @@ pub struct Pools {
     decode: WorkerPool,
     prefill: WorkerPool,
     load_version: tokio::sync::watch::Sender<u64>,
+    /// Each client's latest report of what it holds unplaced: model →
+    /// priority → requests.
+    held: Mutex<HashMap<Arc<str>, HeldByModel>>,
 }
+
+/// Requests held unplaced by model and priority.
+pub type HeldByModel = HashMap<String, BTreeMap<i32, u32>>;
 
 impl Pools {
     /// Both pools, empty, with the same settings.
@@ -848,7 +893,44 @@ impl Pools {
             decode: WorkerPool::new(PoolKind::Decode, cfg),
             prefill: WorkerPool::new(PoolKind::Prefill, cfg),
             load_version: tokio::sync::watch::Sender::new(0),
+            held: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// `client` now holds `held` unplaced (replacing its last report; an
+    /// empty one forgets it). Watchers hear of it.
+    pub fn report_held(&self, client: &Arc<str>, held: HeldByModel) {
+        let mut all = self.held.lock();
+        let changed = if held.is_empty() {
+            all.remove(client).is_some()
+        } else {
+            all.insert(Arc::clone(client), held.clone()) != Some(held)
+        };
+        drop(all);
+        if changed {
+            self.load_changed();
+        }
+    }
+
+    /// What every client but `exclude` holds for `model` ("" = every
+    /// model), summed: model → priority → requests.
+    pub fn held_by_others(&self, exclude: &str, model: &str) -> HeldByModel {
+        let mut sum = HeldByModel::new();
+        for (client, held) in self.held.lock().iter() {
+            if !exclude.is_empty() && &**client == exclude {
+                continue;
+            }
+            for (m, by_priority) in held {
+                if !model.is_empty() && !m.is_empty() && m != model {
+                    continue;
+                }
+                let into = sum.entry(m.clone()).or_default();
+                for (&p, &n) in by_priority {
+                    *into.entry(p).or_default() += n;
+                }
+            }
+        }
+        sum
     }
 
     /// One pool.

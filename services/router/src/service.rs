@@ -208,6 +208,11 @@ impl RouterService {
                 }
                 Ok(())
             }
+            PlaceMsg::Held(report) => {
+                self.pools
+                    .report_held(client, convert::held_report(&report)?);
+                Ok(())
+            }
             PlaceMsg::Update(u) => {
                 let state = convert::placement_state(u.state)?;
                 if self.pools.update(&key(u.placement_id), state) {
@@ -356,6 +361,8 @@ impl pb::router_server::Router for RouterService {
                 }
             }
             svc.pools.orphan_session(&client, session, Instant::now());
+            // What it held goes with it (a reconnecting client reports again).
+            svc.pools.report_held(&client, Default::default());
             svc.pools.load_changed();
             tracing::info!(%client, session, "placement session closed; its placements age out");
         });
@@ -368,14 +375,14 @@ impl pb::router_server::Router for RouterService {
         &self,
         request: Request<pb::WatchLoadRequest>,
     ) -> Result<Response<Self::WatchLoadStream>, Status> {
-        let model = request.into_inner().model;
+        let pb::WatchLoadRequest { model, client_id } = request.into_inner();
         let pools = Arc::clone(&self.pools);
         let rx = pools.watch_loads();
         let shutdown = self.shutdown.clone();
-        let state = (rx, true, pools, model, shutdown);
+        let state = (rx, true, pools, (model, client_id), shutdown);
         let stream = futures::stream::unfold(
             state,
-            |(mut rx, first, pools, model, shutdown)| async move {
+            |(mut rx, first, pools, watcher, shutdown)| async move {
                 if !first {
                     tokio::select! {
                         _ = shutdown.cancelled() => return None,
@@ -387,24 +394,31 @@ impl pb::router_server::Router for RouterService {
                 } else {
                     rx.mark_unchanged();
                 }
-                let view = load_view(&pools, &model);
-                Some((Ok(view), (rx, false, pools, model, shutdown)))
+                let view = load_view(&pools, &watcher.0, &watcher.1);
+                Some((Ok(view), (rx, false, pools, watcher, shutdown)))
             },
         );
         Ok(Response::new(Box::pin(stream)))
     }
 }
 
-fn load_view(pools: &Pools, model: &str) -> pb::LoadView {
+/// The view for a watcher of `model` ("" = every model) whose own
+/// placements and held report (client `client`, "" = none) are left out of
+/// the others' counts.
+fn load_view(pools: &Pools, model: &str, client: &str) -> pb::LoadView {
     let now = Instant::now();
-    let workers = pools
-        .all()
-        .iter()
-        .flat_map(|p| p.load_view(now))
-        .filter(|m| model.is_empty() || m.info.model.is_empty() || m.info.model == model)
-        .map(|m| convert::worker_load(&m))
-        .collect();
-    pb::LoadView { workers }
+    let mut workers = Vec::new();
+    for pool in pools.all() {
+        let others = pool.placements_by_priority(client);
+        workers.extend(
+            pool.load_view(now)
+                .iter()
+                .filter(|m| model.is_empty() || m.info.model.is_empty() || m.info.model == model)
+                .map(|m| convert::worker_load(m, others.get(&m.info.target))),
+        );
+    }
+    let held = convert::held_models(&pools.held_by_others(client, model));
+    pb::LoadView { workers, held }
 }
 
 #[cfg(test)]

@@ -599,7 +599,10 @@ async fn watch_load_sends_a_view_then_one_per_report_and_bad_requests_are_invali
     let mut client = router.client.clone();
 
     let mut stream = client
-        .watch_load(pb::WatchLoadRequest { model: "m".into() })
+        .watch_load(pb::WatchLoadRequest {
+            model: "m".into(),
+            client_id: String::new(),
+        })
         .await?
         .into_inner();
     let first = stream.message().await?.context("first view")?;
@@ -649,6 +652,108 @@ async fn watch_load_sends_a_view_then_one_per_report_and_bad_requests_are_invali
     let err = client.route(prefill).await.expect_err("no prefill workers");
     assert_eq!(err.code(), tonic::Code::Unavailable);
 
+    router.stop().await?;
+    w.stop.cancel();
+    Ok(())
+}
+
+/// Two queue replicas on Place sessions: each one's `WatchLoad` view counts
+/// the other's placements by priority and what the other holds, never its
+/// own; a replica's held report goes when its session ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watcher_sees_the_other_replicas_placements_and_held_requests_not_its_own() -> Result<()>
+{
+    use sluice_proto::router::v1::place_request::Msg as PlaceMsg;
+    let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new("test"));
+    let w = start_worker(&discovery).await?;
+    let router = start_router(&discovery, RouterMode::RoundRobin).await?;
+    let mut client = router.client.clone();
+    // Queue "a" places a priority-3 request and holds two of priority 1.
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tx.send(pb::PlaceRequest {
+        msg: Some(PlaceMsg::Hello(pb::PlaceHello {
+            client_id: "queue-a".into(),
+        })),
+    })?;
+    let mut answers = client
+        .place(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+        .await?
+        .into_inner();
+    let mut req = route_req(&[], 16, true);
+    req.placement_id = 7;
+    if let Some(d) = req.description.as_mut() {
+        d.priority = 3;
+    }
+    tx.send(pb::PlaceRequest {
+        msg: Some(PlaceMsg::Route(pb::PlaceCall {
+            call_id: 1,
+            request: Some(req),
+            traceparent: String::new(),
+        })),
+    })?;
+    let answer = answers.message().await?.context("an answer")?;
+    assert!(matches!(
+        answer.result,
+        Some(pb::place_response::Result::Routed(_))
+    ));
+    tx.send(pb::PlaceRequest {
+        msg: Some(PlaceMsg::Held(pb::HeldReport {
+            models: vec![pb::HeldModel {
+                model: "m".into(),
+                by_priority: vec![pb::PriorityCount {
+                    priority: 1,
+                    count: 2,
+                }],
+            }],
+        })),
+    })?;
+    let view_of = |client_id: &str| pb::WatchLoadRequest {
+        model: "m".into(),
+        client_id: client_id.into(),
+    };
+    let others = |v: &pb::LoadView| -> Vec<(i32, u32)> {
+        v.workers
+            .iter()
+            .flat_map(|w| w.others_by_priority.iter().map(|c| (c.priority, c.count)))
+            .collect()
+    };
+    let held = |v: &pb::LoadView| -> Vec<(String, i32, u32)> {
+        v.held
+            .iter()
+            .flat_map(|m| {
+                m.by_priority
+                    .iter()
+                    .map(|c| (m.model.clone(), c.priority, c.count))
+            })
+            .collect()
+    };
+    let mut b = client.watch_load(view_of("queue-b")).await?.into_inner();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let v = tokio::time::timeout_at(deadline, b.message())
+            .await
+            .context("no view with queue-a's placement and held requests")??
+            .context("stream ended")?;
+        if others(&v) == [(3, 1)] && held(&v) == [("m".to_owned(), 1, 2)] {
+            break;
+        }
+    }
+    let mut a = client.watch_load(view_of("queue-a")).await?.into_inner();
+    let own = a.message().await?.context("a view")?;
+    assert!(others(&own).is_empty(), "its own placements are left out");
+    assert!(held(&own).is_empty(), "its own held requests are left out");
+    // Queue "a" goes: what it held goes with it.
+    drop((tx, answers));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let v = tokio::time::timeout_at(deadline, b.message())
+            .await
+            .context("queue-a's held requests outlived its session")??
+            .context("stream ended")?;
+        if held(&v).is_empty() {
+            break;
+        }
+    }
     router.stop().await?;
     w.stop.cancel();
     Ok(())

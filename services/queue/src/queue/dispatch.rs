@@ -121,6 +121,7 @@ impl State {
                     load: &self.load,
                     starting: &self.starting_prefill,
                     priority,
+                    held_elsewhere: &self.held_elsewhere,
                 };
                 if let Some(reason) = hold_reason(cfg, model, model_name, &load, self.replicas) {
                     if !model.express_head(reason) {
@@ -191,6 +192,38 @@ impl State {
         ops
     }
 
+    /// What this queue holds unplaced, when it changed since the last
+    /// report and [`HELD_REPORT_INTERVAL`] has passed since; otherwise when
+    /// the next report falls due (if one is waiting). A queue alone reports
+    /// nothing (nobody reads it), except once, nothing, after it had
+    /// company.
+    pub(super) fn held_report(&mut self, now: Instant) -> (Option<HeldByModel>, Option<Instant>) {
+        if !self.held_changed {
+            return (None, None);
+        }
+        if self.replicas <= 1 {
+            self.held_changed = false;
+            return match self.held_reported.take() {
+                Some(_) => (Some(HeldByModel::new()), None),
+                None => (None, None),
+            };
+        }
+        if let Some(at) = self.held_reported
+            && now < at + HELD_REPORT_INTERVAL
+        {
+            return (None, Some(at + HELD_REPORT_INTERVAL));
+        }
+        self.held_changed = false;
+        self.held_reported = Some(now);
+        let held = self
+            .models
+            .iter()
+            .filter(|(_, m)| !m.held_by_priority.is_empty())
+            .map(|(name, m)| (name.clone(), m.held_by_priority.clone()))
+            .collect();
+        (Some(held), None)
+    }
+
     /// Sends held requests their status when it changed: the head at once,
     /// everyone else in a full pass at most once per [`POSITION_INTERVAL`]
     /// per model (at once when the reason changed). Returns when a
@@ -254,6 +287,8 @@ impl State {
             let mut behind = 0;
             if let Some(model) = self.models.get_mut(&slot.entry.desc.model) {
                 model.order.remove(cfg, epoch, seq, &slot.entry);
+                model.count_held(slot.entry.desc.priority, -1);
+                self.held_changed = true;
                 behind = model.order.len();
             }
             self.forget_pending(&slot.entry, metrics);
@@ -308,6 +343,10 @@ impl State {
                 queue.placing -= 1;
                 // A granted request runs on (`granted` counts it again).
                 queue.run(priority, -1);
+                // Placed (the router counts it now) or gone: no longer
+                // unplaced.
+                queue.count_held(priority, -1);
+                self.held_changed = true;
                 if !self.slots.contains_key(&seq) {
                     tracing::debug!(seq, "request cancelled during placement");
                     return;
@@ -475,6 +514,8 @@ impl State {
             Phase::Held | Phase::Refreshing => {
                 if let Some(model) = self.models.get_mut(&slot.entry.desc.model) {
                     model.order.remove(cfg, epoch, seq, &slot.entry);
+                    model.count_held(slot.entry.desc.priority, -1);
+                    self.held_changed = true;
                 }
                 self.deadlines.remove(&(slot.expiry, seq));
                 self.forget_pending(&slot.entry, metrics);
@@ -509,7 +550,9 @@ impl State {
             .collect();
         for model in self.models.values_mut() {
             model.order.clear();
+            model.held_by_priority.clear();
         }
+        self.held_changed = true;
         for seq in waiting {
             if let Some(slot) = self.slots.remove(&seq) {
                 self.forget_pending(&slot.entry, metrics);
@@ -552,6 +595,8 @@ impl State {
         self.retire(&slot, false, now);
         if let Some(model) = self.models.get_mut(&slot.entry.desc.model) {
             model.order.remove(cfg, epoch, seq, &slot.entry);
+            model.count_held(slot.entry.desc.priority, -1);
+            self.held_changed = true;
         }
         self.deadlines.remove(&(slot.expiry, seq));
         self.forget_pending(&slot.entry, metrics);

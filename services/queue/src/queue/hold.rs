@@ -93,15 +93,11 @@ pub(super) fn step_secs(model: &str, load: &HashMap<(String, u32), WorkerLoad>) 
         .map(|us| f64::from(us) / 1e6)
 }
 
-/// The engine slots this replica may fill for `model`: every decode or
-/// aggregated rank's `max_num_seqs` less its unplaced requests, summed,
-/// split evenly across `replicas` (rounded up). `None` when a rank does not
-/// report `max_num_seqs` or the model has no such worker (nothing is held).
-pub(super) fn capacity(
-    model: &str,
-    load: &HashMap<(String, u32), WorkerLoad>,
-    replicas: u32,
-) -> Option<usize> {
+/// The engine slots of `model`: every decode or aggregated rank's
+/// `max_num_seqs` less its unplaced requests, summed. `None` when a rank
+/// does not report `max_num_seqs` or the model has no such worker (nothing
+/// is held).
+pub(super) fn capacity(model: &str, load: &HashMap<(String, u32), WorkerLoad>) -> Option<usize> {
     let mut total = 0usize;
     let mut any = false;
     for w in load.values().filter(|w| {
@@ -114,8 +110,91 @@ pub(super) fn capacity(
         any = true;
         total += w.max_num_seqs.saturating_sub(w.unplaced_requests) as usize;
     }
-    let replicas = replicas.max(1) as usize;
-    any.then(|| total.div_ceil(replicas))
+    any.then_some(total)
+}
+
+/// Live placements other queue replicas made on `model`'s decode or
+/// aggregated ranks that a request of `priority` waits for: every one, or,
+/// where the engines preempt, those of at least its priority.
+pub(super) fn others_busy(
+    model: &str,
+    load: &HashMap<(String, u32), WorkerLoad>,
+    priority: i32,
+    preempts: bool,
+) -> usize {
+    load.values()
+        .filter(|w| {
+            (model.is_empty() || w.model.is_empty() || w.model == model)
+                && w.role != WorkerRole::Prefill
+        })
+        .flat_map(|w| {
+            let from = if preempts { priority } else { i32::MIN };
+            w.others_by_priority.range(from..).map(|(_, &n)| n as usize)
+        })
+        .sum()
+}
+
+/// Requests other queue replicas hold for `model` at a higher priority
+/// than `priority`: they go before it.
+pub(super) fn held_above(held: &HeldByModel, model: &str, priority: i32) -> usize {
+    held.iter()
+        .filter(|(m, _)| model.is_empty() || m.is_empty() || *m == model)
+        .flat_map(|(_, by_priority)| {
+            by_priority
+                .range(priority.saturating_add(1)..)
+                .map(|(_, &n)| n as usize)
+        })
+        .sum()
+}
+
+/// A model's engine slots as default holding sees them for a request of
+/// one priority.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Room {
+    /// Slots of every decode or aggregated rank (with one queue replica;
+    /// with several, their share is what the others leave).
+    pub(super) cap: usize,
+    /// Slots taken from the request's point of view (see
+    /// [`ModelQueue::busy_for`]): this replica's grants, and with several
+    /// replicas the others' placements (the router's view).
+    pub(super) busy: usize,
+    /// Requests of higher priority other replicas hold: free slots go to
+    /// them first.
+    pub(super) ahead_elsewhere: usize,
+}
+
+impl Room {
+    /// Of `model` (named `name`) for a request of `priority`; `None` when
+    /// the workers' slots are unknown.
+    pub(super) fn of(
+        name: &str,
+        model: &ModelQueue,
+        load: &HashMap<(String, u32), WorkerLoad>,
+        held_elsewhere: &HeldByModel,
+        replicas: u32,
+        priority: i32,
+    ) -> Option<Self> {
+        let cap = capacity(name, load)?;
+        let preempts = preempts(name, load);
+        let own = model.busy_for(priority, preempts);
+        if replicas <= 1 {
+            return Some(Self {
+                cap,
+                busy: own,
+                ahead_elsewhere: 0,
+            });
+        }
+        Some(Self {
+            cap,
+            busy: own + others_busy(name, load, priority, preempts),
+            ahead_elsewhere: held_above(held_elsewhere, name, priority),
+        })
+    }
+
+    /// Slots free for the request.
+    pub(super) fn free(&self) -> usize {
+        self.cap.saturating_sub(self.busy)
+    }
 }
 
 /// What the hold rules read about the workers for one held request.
@@ -127,6 +206,8 @@ pub(super) struct LoadCheck<'a> {
     pub(super) starting: &'a HashMap<(String, u32), BTreeMap<i32, u64>>,
     /// The priority of the request to release.
     pub(super) priority: i32,
+    /// What the other queue replicas hold unplaced.
+    pub(super) held_elsewhere: &'a HeldByModel,
 }
 
 impl LoadCheck<'_> {
@@ -157,9 +238,18 @@ pub(super) fn hold_reason(
         return Some(HoldReason::ActiveLimit);
     }
     if default_holding(cfg) {
-        let cap = capacity(model_name, load, replicas)?;
-        let busy = model.busy_for(check.priority, preempts(model_name, load));
-        return (busy >= cap).then_some(HoldReason::AtCapacity);
+        let room = Room::of(
+            model_name,
+            model,
+            load,
+            check.held_elsewhere,
+            replicas,
+            check.priority,
+        )?;
+        if room.free() == 0 {
+            return Some(HoldReason::AtCapacity);
+        }
+        return (room.ahead_elsewhere >= room.free()).then_some(HoldReason::HigherElsewhere);
     }
     let threshold = cfg.queue_threshold?;
     if all_busy(model_name, check, threshold) {
@@ -213,6 +303,11 @@ pub(super) struct ModelQueue {
     /// Mean time from release to the first token, in seconds (an
     /// exponential average; `None` until a request started).
     pub(super) start_secs: Option<f64>,
+    /// Requests held or being placed, by priority: what this replica
+    /// reports to the others as unplaced (a released request stays in it
+    /// until the router has counted its placement, so no view shows it as
+    /// neither held nor placed).
+    pub(super) held_by_priority: BTreeMap<i32, u32>,
     /// Under `wfq`/`fair`: released requests without a first token yet, by
     /// class.
     pub(super) starting: HashMap<Arc<str>, usize>,
@@ -236,6 +331,7 @@ impl ModelQueue {
             running: BTreeMap::new(),
             lease_secs: None,
             start_secs: None,
+            held_by_priority: BTreeMap::new(),
             starting: HashMap::new(),
             express: false,
         }
@@ -275,6 +371,16 @@ impl ModelQueue {
             if *n == 0 {
                 self.starting.remove(class);
             }
+        }
+    }
+
+    /// A request of `priority` was admitted (`delta` 1), or left before
+    /// its release or its placement came back (-1).
+    pub(super) fn count_held(&mut self, priority: i32, delta: i32) {
+        let n = self.held_by_priority.entry(priority).or_default();
+        *n = n.saturating_add_signed(delta);
+        if *n == 0 {
+            self.held_by_priority.remove(&priority);
         }
     }
 
@@ -350,17 +456,22 @@ impl State {
             return None;
         }
         let name = &entry.desc.model;
-        let cap = capacity(name, &self.load, self.replicas)?;
-        let Some(model) = self.models.get(name) else {
-            return Some(Duration::ZERO);
-        };
-        let busy = model.busy_for(entry.desc.priority, preempts(name, &self.load));
-        let free = cap.saturating_sub(busy);
+        let idle = ModelQueue::new(cfg.queue_policy);
+        let model = self.models.get(name).unwrap_or(&idle);
+        let room = Room::of(
+            name,
+            model,
+            &self.load,
+            &self.held_elsewhere,
+            self.replicas,
+            entry.desc.priority,
+        )?;
+        let (cap, free) = (room.cap, room.free());
         let weight = self
             .quotas
             .weight(&entry.desc.tenant)
             .unwrap_or(entry.desc.tenant_weight);
-        let ahead = model.order.ahead_of(cfg, epoch, entry, weight);
+        let ahead = model.order.ahead_of(cfg, epoch, entry, weight) + room.ahead_elsewhere;
         if ahead < free {
             return Some(Duration::ZERO);
         }

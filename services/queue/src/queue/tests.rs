@@ -47,6 +47,8 @@ struct TestPlacer {
     delay: Option<Duration>,
     /// What the placements' leases were told: `started:ID`, `released:ID`.
     lease_events: Arc<Mutex<Vec<String>>>,
+    /// Every report of what the queue holds, in order.
+    held_reports: Arc<Mutex<Vec<HeldByModel>>>,
 }
 
 /// Logs what the queue tells a placement's lease.
@@ -96,6 +98,10 @@ impl Placer for TestPlacer {
                 events: Arc::clone(&self.lease_events),
             })),
         })
+    }
+
+    fn report_held(&self, held: HeldByModel) {
+        self.held_reports.lock().push(held);
     }
 
     async fn overlap(&self, entry: &Entry) -> Result<u32, QueueError> {
@@ -180,6 +186,7 @@ fn entry(id: &str, priority: i32, tier: u32, prompt: u32, arrival: Instant) -> E
 fn load(active: u64) -> LoadView {
     LoadView {
         workers: vec![worker("w0", "m", WorkerRole::Aggregated, active)],
+        ..LoadView::default()
     }
 }
 
@@ -194,6 +201,7 @@ fn worker(id: &str, model: &str, role: WorkerRole, active: u64) -> WorkerLoad {
         unplaced_requests: 0,
         priority_scheduling: false,
         step_time_us: 0,
+        others_by_priority: BTreeMap::new(),
     }
 }
 
@@ -444,7 +452,10 @@ fn slots(seqs: u32, unplaced: u32) -> LoadView {
     let mut w = worker("w0", "m", WorkerRole::Aggregated, 0);
     w.max_num_seqs = seqs;
     w.unplaced_requests = unplaced;
-    LoadView { workers: vec![w] }
+    LoadView {
+        workers: vec![w],
+        ..LoadView::default()
+    }
 }
 
 #[tokio::test(start_paused = true)]
@@ -510,7 +521,10 @@ fn engine(seqs: u32, preempts: bool, step_us: u32) -> LoadView {
     w.max_num_seqs = seqs;
     w.priority_scheduling = preempts;
     w.step_time_us = step_us;
-    LoadView { workers: vec![w] }
+    LoadView {
+        workers: vec![w],
+        ..LoadView::default()
+    }
 }
 
 /// A request expecting `output` tokens.
@@ -716,18 +730,94 @@ async fn a_request_still_held_at_its_target_leaves_with_429_before_any_token() {
     assert_eq!(status.code(), tonic::Code::ResourceExhausted);
 }
 
+/// One worker of `seqs` slots (preempting or not) on which other queue
+/// replicas run `others` (priority → requests), while they hold `held`.
+fn shared(seqs: u32, preempts: bool, others: &[(i32, u32)], held: &[(i32, u32)]) -> LoadView {
+    let mut view = engine(seqs, preempts, 0);
+    view.workers[0].others_by_priority = others.iter().copied().collect();
+    if !held.is_empty() {
+        view.held_elsewhere
+            .insert("m".into(), held.iter().copied().collect());
+    }
+    view
+}
+
 #[tokio::test(start_paused = true)]
-async fn default_holding_splits_slots_across_queue_replicas() {
+async fn queue_replicas_share_the_slots_the_others_leave() {
     let h = Harness::start(config(Policy::Fcfs));
     h.queue.set_replicas(Replicas { count: 2, rank: 0 });
-    h.queue.update_load(slots(5, 0));
+    // Five slots, two running the other replica's requests: three are ours.
+    h.queue.update_load(shared(5, false, &[(0, 2)], &[]));
     let tickets: Vec<Ticket> = (0..5)
         .map(|i| h.admit(entry(&format!("r{i}"), 0, 0, 10, Instant::now())))
         .collect();
     settle().await;
-    // ceil(5 / 2) = 3 slots are this replica's.
     assert_eq!(h.placer.placed().len(), 3);
+    // The other replica's requests end: ours take their slots.
+    h.queue.update_load(shared(5, false, &[], &[]));
+    settle().await;
+    assert_eq!(h.placer.placed().len(), 5);
     drop(tickets);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_replica_leaves_a_free_slot_to_a_higher_priority_held_at_another() {
+    for preempts in [false, true] {
+        let h = Harness::start(config(Policy::Fcfs));
+        h.queue.set_replicas(Replicas { count: 2, rank: 0 });
+        // Two slots, one running the other replica's priority-0 request;
+        // the other replica holds a priority-3 request.
+        h.queue
+            .update_load(shared(2, preempts, &[(0, 1)], &[(3, 1)]));
+        let mut low = h.admit(entry("low", 0, 0, 10, Instant::now()));
+        settle().await;
+        assert!(
+            h.placer.placed().is_empty(),
+            "the free slot is the priority-3 request's"
+        );
+        assert_eq!(
+            low.held().map(|s| s.reason),
+            Some(HoldReason::HigherElsewhere)
+        );
+        // An equal priority to the other's held one is not held back by it.
+        let mut high = h.admit(entry("high", 3, 0, 10, Instant::now()));
+        granted_soon(&mut high, "nothing higher elsewhere").await;
+        drop(high);
+        // The other replica placed its request (it runs now, nothing held).
+        h.queue
+            .update_load(shared(2, preempts, &[(0, 1), (3, 1)], &[]));
+        settle().await;
+        assert!(h.placer.placed().len() == 1, "both slots taken");
+        h.queue.update_load(shared(2, preempts, &[(3, 1)], &[]));
+        granted_soon(&mut low, "a slot freed").await;
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_queue_reports_what_it_holds_when_it_changes() {
+    let h = Harness::start(config(Policy::Fcfs));
+    h.queue.set_replicas(Replicas { count: 2, rank: 0 });
+    h.queue.update_load(engine(1, false, 0));
+    let mut run = h.admit(entry("run", 0, 0, 10, Instant::now()));
+    granted_soon(&mut run, "a free slot").await;
+    let held: Vec<Ticket> = [3, 0, 0]
+        .iter()
+        .enumerate()
+        .map(|(i, &p)| h.admit(entry(&format!("h{i}"), p, 0, 10, Instant::now())))
+        .collect();
+    tokio::time::sleep(HELD_REPORT_INTERVAL * 2).await;
+    let last = h.placer.held_reports.lock().last().cloned();
+    let expected: HeldByModel = [("m".to_owned(), [(0, 2), (3, 1)].into_iter().collect())]
+        .into_iter()
+        .collect();
+    assert_eq!(last, Some(expected));
+    drop(held);
+    tokio::time::sleep(HELD_REPORT_INTERVAL * 2).await;
+    assert_eq!(
+        h.placer.held_reports.lock().last().cloned(),
+        Some(HeldByModel::new()),
+        "nothing held"
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -834,6 +924,7 @@ async fn one_worker_below_threshold_is_enough_and_prefill_pool_decides_when_pres
             worker("idle", "m", WorkerRole::Aggregated, 0),
             worker("other-model", "x", WorkerRole::Aggregated, 0),
         ],
+        ..LoadView::default()
     });
     let mut a = h.admit(entry("a", 0, 0, 10, Instant::now()));
     a.granted().await.expect("one idle worker suffices");
@@ -844,6 +935,7 @@ async fn one_worker_below_threshold_is_enough_and_prefill_pool_decides_when_pres
             worker("p0", "m", WorkerRole::Prefill, 500),
             worker("d0", "m", WorkerRole::Decode, 0),
         ],
+        ..LoadView::default()
     });
     let mut b = h.admit(entry("b", 0, 0, 10, Instant::now()));
     assert!(matches!(
@@ -1699,4 +1791,17 @@ async fn lower_priority_prefill_holds_a_request_on_a_fcfs_worker() {
         .granted()
         .await
         .expect("high-0 granted once low-0 started");
+}
+
+/// The other replica's priority-3 request on the only slot is not
+/// preempted for a priority-0 one: this replica holds it.
+#[tokio::test(start_paused = true)]
+async fn a_replica_counts_the_others_higher_priority_placements() {
+    let h = Harness::start(config(Policy::Fcfs));
+    h.queue.set_replicas(Replicas { count: 2, rank: 1 });
+    h.queue.update_load(shared(1, true, &[(3, 1)], &[]));
+    let low = h.admit(entry("low", 0, 0, 10, Instant::now()));
+    settle().await;
+    assert!(h.placer.placed().is_empty());
+    drop(low);
 }
