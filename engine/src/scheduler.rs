@@ -616,6 +616,7 @@ impl Scheduler {
                     // Only the slot is needed: the victim parks its blocks.
                     self.preempt(v, true);
                     plan.step.preempted.push(v);
+                    restart_pass(plan, &mut after);
                     continue;
                 }
                 break;
@@ -675,6 +676,7 @@ impl Scheduler {
                 plan.budget += unschedule(&mut plan.sched, v);
                 self.preempt(v, false);
                 plan.step.preempted.push(v);
+                restart_pass(plan, &mut after);
                 continue;
             }
             break;
@@ -1104,6 +1106,14 @@ struct Plan {
 }
 
 /// Removes `id` from this step's schedule, returning the tokens it had.
+/// A preemption during the admission pass may have taken the step's long
+/// prefill out of it: the pass starts over from the first waiting prompt,
+/// and the prompts it passed over for that prefill are looked at again.
+fn restart_pass(plan: &mut Plan, after: &mut Option<(i64, u64)>) {
+    plan.step.passed_over.clear();
+    *after = None;
+}
+
 fn unschedule(sched: &mut Vec<(SeqId, usize)>, id: SeqId) -> usize {
     match sched.iter().position(|(s, _)| *s == id) {
         Some(pos) => sched.remove(pos).1,

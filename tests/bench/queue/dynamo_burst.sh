@@ -1,0 +1,182 @@
+#!/usr/bin/env bash
+# Issue 34's side by side: Dynamo's priority burst, replayed by aiperf (a client
+# someone else wrote), against NVIDIA Dynamo 1.6.1 and against `sluice up`, each
+# with its defaults, in one sitting.
+#
+# The burst: N requests at t=0 in four priority tiers (`nvext.agent_hints.priority`
+# 0..3, shuffled), ISL 512, OSL 64 (`ignore_eos`), 2 mocker workers x 16 seqs;
+# aiperf `mooncake_trace --fixed-schedule` (the anchors' `gen_burst_trace.py`).
+# Runs, in order:
+#   dynamo       Dynamo's defaults (`bench_burst.sh noqueue`: kv router, no router
+#                queue; its mocker)
+#   sluice       `sluice up --engine mocker --workers 2 --max-num-seqs 16` and the
+#                mocker's shape Dynamo's start.sh gives its own (block size 64,
+#                8,192 batched tokens, 16,384 blocks); no other flag
+#   sluice-one   the same, every request at one priority (`--field none`): the
+#                throughput the priority run is held to
+#   sluice-two-queues  (when TWO_QUEUES=1) the priority run through two queue
+#                replicas, as separate processes with etcd (what deploy/ runs)
+# and writes tests/bench/results/burst_vs_dynamo.md with every command line.
+# Goals (issue 34): sluice 0 refused; tier-3 / tier-0 mean TTFT <= 0.15;
+# throughput >= 98% of sluice-one.
+#
+# Needs ../shared/anchors/dynamo/setup.sh run once (a venv with Dynamo and
+# aiperf under /tmp/anchors). Environment: SLUICE_BIN [target/release/sluice],
+# N [400], PORT [18461], ANCHOR_DIR [/tmp/anchors], OUT [target/bench/burst_vs_dynamo].
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)
+cd "$ROOT"
+ANCHORS=${ANCHORS:-$ROOT/../shared/anchors/dynamo}
+ANCHOR_DIR=${ANCHOR_DIR:-/tmp/anchors}
+PY=$ANCHOR_DIR/venv/bin/python
+AIPERF=$ANCHOR_DIR/venv/bin/aiperf
+N=${N:-400}
+PORT=${PORT:-18461}
+TWO_QUEUES=${TWO_QUEUES:-1}
+OUT=${OUT:-$ROOT/target/bench/burst_vs_dynamo}
+RESULT=$ROOT/tests/bench/results/burst_vs_dynamo.md
+[ -x "$AIPERF" ] || { echo "no aiperf in $ANCHOR_DIR: run $ANCHORS/setup.sh first"; exit 1; }
+
+# shellcheck source=../lib.sh
+. "$ROOT/tests/bench/lib.sh"
+ensure_sluice_bin
+rm -rf "$OUT"; mkdir -p "$OUT"
+: >"$OUT/commands"
+SHAPE=(--block-size 64 --max-num-batched-tokens 8192 --num-gpu-blocks 16384)
+
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+  pids=()
+}
+trap cleanup EXIT
+
+# 1. Dynamo with its defaults (the anchors' own script, its own summary).
+echo "== dynamo"
+echo "dynamo: N=$N $ANCHORS/bench_burst.sh noqueue" >>"$OUT/commands"
+N=$N OUT="$OUT/dynamo" SUMMARY_DIR="$OUT/dynamo-summary" "$ANCHORS/bench_burst.sh" noqueue | tail -12
+
+aiperf_run() { # name, trace field, url
+  local name=$1 field=$2 url=$3
+  "$PY" "$ANCHORS/gen_burst_trace.py" --out "$OUT/$name.trace.jsonl" --n "$N" --tiers 4 \
+    --isl 512 --osl 64 --field "$field"
+  local cmd=("$AIPERF" profile --model sluice-tiny --url "$url" --endpoint-type chat --streaming
+    --tokenizer "$ANCHOR_DIR/tiny-model" --input-file "$OUT/$name.trace.jsonl"
+    --custom-dataset-type mooncake_trace --fixed-schedule --use-server-token-count
+    --random-seed 42 --request-timeout-seconds 600 --ui-type none --no-server-metrics
+    --no-gpu-telemetry --artifact-dir "$OUT/$name")
+  echo "$name: gen_burst_trace.py --n $N --tiers 4 --isl 512 --osl 64 --field $field; ${cmd[*]##*/}" >>"$OUT/commands"
+  ( cd "$OUT" && timeout 900 "${cmd[@]}" >"$OUT/$name.aiperf.log" 2>&1 ) \
+    || { echo "aiperf failed: see $OUT/$name.aiperf.log"; tail -20 "$OUT/$name.aiperf.log"; }
+  "$PY" "$ANCHORS/analyze_by_tier.py" "$OUT/$name" --label "$name" --json "$OUT/$name.tiers.json"
+}
+
+sluice_case() { # name, trace field
+  local name=$1 field=$2
+  local up=(up --engine mocker --http-port "$PORT" --workers 2 --max-num-seqs 16 "${SHAPE[@]}")
+  echo "$name: sluice ${up[*]}" >>"$OUT/commands"
+  RUST_LOG=${RUST_LOG:-warn} "$SLUICE_BIN" "${up[@]}" >"$OUT/$name.server.log" 2>&1 &
+  pids+=($!)
+  wait_ready "http://127.0.0.1:$PORT" "${pids[-1]}" "$OUT/$name.server.log"
+  echo "== $name"
+  aiperf_run "$name" "$field" "http://127.0.0.1:$PORT"
+  cleanup
+}
+
+sluice_case sluice priority
+sluice_case sluice-one none
+
+if [ "$TWO_QUEUES" = 1 ]; then
+  # Separate processes with etcd, as deploy/ runs them: two queue replicas.
+  name=sluice-two-queues
+  etcd_dir=$(mktemp -d)
+  etcd --data-dir "$etcd_dir" --listen-client-urls http://127.0.0.1:12479 \
+    --advertise-client-urls http://127.0.0.1:12479 --listen-peer-urls http://127.0.0.1:12480 \
+    >"$OUT/$name.etcd.log" 2>&1 &
+  pids+=($!)
+  common=(--etcd http://127.0.0.1:12479 --namespace burst)
+  model=$OUT/sluice-tiny
+  "$SLUICE_BIN" model init --out "$model" >/dev/null
+  start() { # log name, then the role and its flags
+    local log=$1; shift
+    echo "$name: sluice $*" >>"$OUT/commands"
+    RUST_LOG=${RUST_LOG:-warn} "$SLUICE_BIN" "$@" "${common[@]}" >"$OUT/$name.$log.log" 2>&1 &
+    pids+=($!)
+  }
+  start router router --listen 127.0.0.1:0
+  start queue-a queue --listen 127.0.0.1:0
+  start queue-b queue --listen 127.0.0.1:0
+  for i in 0 1; do
+    start "decode-$i" decode --listen 127.0.0.1:0 --engine mocker --model "$model" \
+      --max-num-seqs 16 "${SHAPE[@]}"
+  done
+  start frontend frontend --listen "127.0.0.1:$PORT" --model "$model"
+  wait_ready "http://127.0.0.1:$PORT" "${pids[-1]}" "$OUT/$name.frontend.log"
+  echo "== $name"
+  aiperf_run "$name" priority "http://127.0.0.1:$PORT"
+  cleanup
+  rm -rf "$etcd_dir"
+fi
+
+"$PY" - "$OUT" "$RESULT" "$N" <<'PY'
+import glob, json, os, sys, datetime
+out, result, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+def tiers(name):
+    path = f"{out}/{name}.tiers.json"
+    if name == "dynamo":
+        found = glob.glob(f"{out}/dynamo-summary/burst_noqueue.tiers.json")
+        path = found[0] if found else path
+    return {str(r["tier"]): r for r in json.load(open(path))["rows"]}
+def summary(name):
+    path = f"{out}/{name}/profile_export_aiperf.json"
+    if name == "dynamo":
+        found = glob.glob(f"{out}/dynamo-summary/burst_noqueue.aiperf_summary.json")
+        path = found[0] if found else path
+    try:
+        s = json.load(open(path))
+    except OSError:
+        return float("nan")
+    m = s.get("output_token_throughput") or {}
+    return m.get("avg", float("nan")) if isinstance(m, dict) else float(m)
+cases = ["dynamo", "sluice", "sluice-one"] + (["sluice-two-queues"] if os.path.exists(f"{out}/sluice-two-queues.tiers.json") else [])
+rows = {c: tiers(c) for c in cases}
+thr = {c: summary(c) for c in cases}
+lines = ["# The priority burst beside Dynamo (aiperf)", "",
+         "Written by `tests/bench/queue/dynamo_burst.sh`; do not edit by hand.",
+         f"Run {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on a shared 2-core machine, one case after the other.",
+         f"{n} requests at t=0, tiers 0..3 in `nvext.agent_hints.priority` (shuffled), ISL 512, OSL 64 (`ignore_eos`),",
+         "2 mocker workers x 16 seqs, replayed by aiperf 0.13 (`mooncake_trace --fixed-schedule`). Each system runs with its",
+         "defaults; the mocker's shape is Dynamo's start.sh's (block size 64, 8,192 batched tokens, 16,384 blocks).", "",
+         "Commands:", ""]
+lines += [f"- `{l.strip()}`" for l in open(f"{out}/commands")]
+lines += ["", "| case | refused/failed | TTFT mean ms tier 3 | 2 | 1 | 0 | tier-3 / tier-0 | out tok/s | vs sluice-one |",
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+for c in cases:
+    r = rows[c]
+    err = r["all"]["errors"]
+    if c == "sluice-one":
+        lines.append(f"| {c} | {err} | – | – | – | – | – | {thr[c]:.0f} | 100% |")
+        continue
+    m = [r.get(str(t), {}).get("ttft_mean", float("nan")) for t in (3, 2, 1, 0)]
+    ratio = m[0] / m[3]
+    vs = thr[c] / thr["sluice-one"] if thr.get("sluice-one") else float("nan")
+    lines.append(f"| {c} | {err} | " + " | ".join(f"{x:.0f}" for x in m) + f" | {ratio:.3f} | {thr[c]:.0f} | {vs:.1%} |")
+s = rows["sluice"]
+ratio = s["3"]["ttft_mean"] / s["0"]["ttft_mean"]
+kept = thr["sluice"] / thr["sluice-one"]
+goals = {"sluice: 0 refused": s["all"]["errors"] == 0,
+         "sluice: tier-3 / tier-0 mean TTFT <= 0.15": ratio <= 0.15,
+         "sluice: throughput >= 98% of one priority": kept >= 0.98}
+if "sluice-two-queues" in rows:
+    t = rows["sluice-two-queues"]
+    goals["two queue replicas: 0 refused"] = t["all"]["errors"] == 0
+    goals["two queue replicas: tier-3 / tier-0 mean TTFT <= 0.15"] = t["3"]["ttft_mean"] / t["0"]["ttft_mean"] <= 0.15
+lines += ["", "| goal | met |", "|---|---|"] + [f"| {k} | {'yes' if v else '**no**'} |" for k, v in goals.items()]
+lines += ["", "Per-tier tables (aiperf's records through the anchors' `analyze_by_tier.py`) and aiperf's logs are under",
+          "`target/bench/burst_vs_dynamo/`, not committed."]
+open(result, "w").write("\n".join(lines) + "\n")
+print("\n".join(lines))
+sys.exit(0 if all(goals.values()) else 1)
+PY
