@@ -189,8 +189,10 @@ pub struct Args {
     #[arg(long, env = "SLUICE_ROUTER_ENDPOINT")]
     pub router_endpoint: Option<String>,
 
-    /// Release order among held requests of one strict tier.
-    #[arg(long, env = "SLUICE_QUEUE_POLICY", value_enum, default_value_t = Policy::Fcfs)]
+    /// Release order among held requests of one strict tier. `strict` (the
+    /// default): highest priority first, first come first served within a
+    /// priority, so a higher priority is never held behind a lower one.
+    #[arg(long, env = "SLUICE_QUEUE_POLICY", value_enum, default_value_t = Policy::Strict)]
     pub queue_policy: Policy,
 
     /// Hold requests while every eligible worker has more than
@@ -432,7 +434,11 @@ mod tests {
     #[test]
     fn defaults_validate_and_hold_nothing() {
         let cfg = parse(&[]);
-        assert_eq!(cfg.queue_policy, Policy::Fcfs);
+        assert_eq!(
+            cfg.queue_policy,
+            Policy::Strict,
+            "priority first by default"
+        );
         assert_eq!(cfg.queue_threshold, None);
         assert!(cfg.validate().is_ok());
         assert_eq!(cfg.reserved_slots(), 820);

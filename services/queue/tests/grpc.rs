@@ -456,7 +456,7 @@ async fn threshold_holds_on_the_routers_load_and_releases_when_it_drops() -> any
     assert_eq!(held.status.reason, "all workers above threshold");
     assert_eq!((held.status.position, held.status.pending), (0, 1));
     let stats = mesh.stats().await?;
-    assert_eq!(stats.policy(), pb::QueuePolicy::Fcfs);
+    assert_eq!(stats.policy(), pb::QueuePolicy::Strict, "the default policy");
     assert_eq!(stats.threshold, 0.5);
     assert_eq!(stats.pending, 1);
     assert_eq!(stats.tiers.len(), 1);

@@ -1805,3 +1805,42 @@ async fn a_replica_counts_the_others_higher_priority_placements() {
     assert!(h.placer.placed().is_empty());
     drop(low);
 }
+
+/// Under `strict` on engines that preempt, a priority whose betters alone
+/// arrive as fast as the workers serve is refused at once: granted, it
+/// would only be preempted; held, it would wait past its target.
+#[tokio::test(start_paused = true)]
+async fn a_priority_crowded_out_by_higher_arrivals_is_refused_at_once() {
+    let h = Harness::start(config(Policy::Strict));
+    h.queue.update_load(engine(2, true, 0));
+    // Leases of one second: two slots serve two requests a second.
+    for round in 0..3 {
+        let mut a = h.admit(entry(&format!("a{round}"), 3, 0, 10, Instant::now()));
+        let mut b = h.admit(entry(&format!("b{round}"), 3, 0, 10, Instant::now()));
+        granted_soon(&mut a, "a free slot").await;
+        granted_soon(&mut b, "a free slot").await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        drop((a, b));
+    }
+    // Priority 3 now arrives at 30 a second for a second.
+    let mut high = Vec::new();
+    for i in 0..30 {
+        high.push(
+            h.queue
+                .admit(entry(&format!("h{i}"), 3, 0, 10, Instant::now())),
+        );
+        tokio::time::sleep(Duration::from_millis(33)).await;
+    }
+    match h.queue.admit(entry("low", 0, 0, 10, Instant::now())) {
+        Err(QueueError::TargetUnmeetable { .. }) => {}
+        other => panic!("priority 0 crowded out: {other:?}"),
+    }
+    // An engine that does not preempt: priority 0 waits its turn instead.
+    h.queue.update_load(engine(2, false, 0));
+    assert!(
+        h.queue
+            .admit(entry("patient", 0, 0, 10, Instant::now()))
+            .is_ok()
+    );
+    drop(high);
+}
