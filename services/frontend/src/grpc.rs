@@ -164,13 +164,8 @@ impl pb::inference_server::Inference for InferenceService {
                         usage,
                         serving,
                     }) => {
-                        let reason = match finish_reason {
-                            "stop" => common::FinishReason::Stop,
-                            "length" => common::FinishReason::Length,
-                            _ => common::FinishReason::Abort,
-                        };
                         let resp = pb::GenerateResponse {
-                            finish_reason: reason as i32,
+                            finish_reason: finish_reason as i32,
                             usage: Some(usage),
                             serving: Some(pb::ServingInfo {
                                 worker_id: serving.worker_id,

@@ -490,10 +490,10 @@ impl Queue {
         });
         if let Err(err) = refused {
             drop(st);
-            entry.span.record("outcome", err.reason());
+            entry.span.record("outcome", err.reason().label());
             shared
                 .metrics
-                .rejected(entry.desc.priority, &entry.desc.tenant, err.reason());
+                .rejected(entry.desc.priority, &entry.desc.tenant, err.reason().label());
             return Err(err);
         }
         let seq = st.next_seq;

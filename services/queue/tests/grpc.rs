@@ -909,7 +909,7 @@ async fn leases_share_one_session_and_each_ends_on_its_own() -> anyhow::Result<(
     assert_eq!(err.code, Code::ResourceExhausted as i32);
     assert!(err.message.contains("--max-pending"), "{}", err.message);
     assert_eq!(
-        err.metadata.get("sluice-reason").map(String::as_str),
+        err.metadata.get(sluice_proto::REASON_HEADER).map(String::as_str),
         Some("queue_full")
     );
     assert!(err.metadata.contains_key("retry-after"), "{err:?}");

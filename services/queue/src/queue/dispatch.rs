@@ -306,13 +306,13 @@ impl State {
                     target,
                     retry_after: self.drained.retry_after(behind, now),
                 };
-                metrics.rejected(desc.priority, &desc.tenant, err.reason());
+                metrics.rejected(desc.priority, &desc.tenant, err.reason().label());
                 err
             } else {
                 metrics.expired(desc.priority, &desc.tenant);
                 QueueError::DeadlineExceeded { waited }
             };
-            slot.entry.span.record("outcome", err.reason());
+            slot.entry.span.record("outcome", err.reason().label());
             tracing::debug!(request_id = %desc.request_id, error = %err, "left unplaced");
             slot.tx.send_replace(TicketState::Failed(err));
         }
@@ -498,7 +498,7 @@ impl State {
             metrics.rejected(
                 slot.entry.desc.priority,
                 &slot.entry.desc.tenant,
-                err.reason(),
+                err.reason().label(),
             );
             slot.tx.send_replace(TicketState::Failed(err));
         }
@@ -560,7 +560,7 @@ impl State {
                 metrics.rejected(
                     slot.entry.desc.priority,
                     &slot.entry.desc.tenant,
-                    QueueError::Draining.reason(),
+                    QueueError::Draining.reason().label(),
                 );
                 slot.tx
                     .send_replace(TicketState::Failed(QueueError::Draining));
@@ -609,7 +609,7 @@ impl State {
         metrics.rejected(
             slot.entry.desc.priority,
             &slot.entry.desc.tenant,
-            err.reason(),
+            err.reason().label(),
         );
         slot.tx.send_replace(TicketState::Failed(err));
         true
