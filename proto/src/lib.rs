@@ -48,6 +48,107 @@ pub mod kv {
     }
 }
 
+/// The metadata key naming why the queue refused or failed a request
+/// ([`queue::v1::QueueReason::label`]) on every status it answers with.
+pub const REASON_HEADER: &str = "sluice-reason";
+
+impl queue::v1::QueueReason {
+    /// Every reason, `Unspecified` aside.
+    pub const ALL: [Self; 16] = [
+        Self::QueueFull,
+        Self::TenantFull,
+        Self::QuotaTokens,
+        Self::QuotaRequests,
+        Self::Shed,
+        Self::TtftTargetUnmeetable,
+        Self::TtftTargetMissed,
+        Self::Displaced,
+        Self::Deadline,
+        Self::NoWorkers,
+        Self::Placement,
+        Self::Draining,
+        Self::InvalidArgument,
+        Self::InvalidFlag,
+        Self::NoRouter,
+        Self::Internal,
+    ];
+
+    /// The reason's label: the `sluice-reason` value, the metrics' `reason`
+    /// label and the 429's `code`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Unspecified => "unspecified",
+            Self::QueueFull => "queue_full",
+            Self::TenantFull => "tenant_full",
+            Self::QuotaTokens => "quota_tokens",
+            Self::QuotaRequests => "quota_requests",
+            Self::Shed => "shed",
+            Self::TtftTargetUnmeetable => "ttft_target_unmeetable",
+            Self::TtftTargetMissed => "ttft_target_missed",
+            Self::Displaced => "displaced",
+            Self::Deadline => "deadline",
+            Self::NoWorkers => "no_workers",
+            Self::Placement => "placement",
+            Self::Draining => "draining",
+            Self::InvalidArgument => "invalid_argument",
+            Self::InvalidFlag => "invalid_flag",
+            Self::NoRouter => "no_router",
+            Self::Internal => "internal",
+        }
+    }
+
+    /// The reason a label names (`None`: no queue's).
+    pub fn from_label(label: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|r| r.label() == label)
+    }
+
+    /// The reason on a status, if a queue answered it.
+    pub fn of_status(status: &tonic::Status) -> Option<Self> {
+        status
+            .metadata()
+            .get(REASON_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(Self::from_label)
+    }
+
+    /// Whether another queue replica may admit the request: this one is
+    /// going away, or could not reach a router or get a placement from one.
+    /// Every other answer is about the request, and holds at any replica.
+    pub fn another_queue_may_admit(self) -> bool {
+        match self {
+            Self::Draining | Self::NoRouter | Self::Placement => true,
+            Self::Unspecified
+            | Self::QueueFull
+            | Self::TenantFull
+            | Self::QuotaTokens
+            | Self::QuotaRequests
+            | Self::Shed
+            | Self::TtftTargetUnmeetable
+            | Self::TtftTargetMissed
+            | Self::Displaced
+            | Self::Deadline
+            | Self::NoWorkers
+            | Self::InvalidArgument
+            | Self::InvalidFlag
+            | Self::Internal => false,
+        }
+    }
+}
+
+impl common::v1::FinishReason {
+    /// The name the OpenAI API gives it (`None`: the request has not
+    /// finished).
+    pub fn openai_name(self) -> Option<&'static str> {
+        match self {
+            Self::Unspecified => None,
+            Self::Stop => Some("stop"),
+            Self::Length => Some("length"),
+            Self::Abort => Some("abort"),
+            Self::Error => Some("error"),
+        }
+    }
+}
+
 /// A request's error on a session (`Queue.Leases`, `Worker.GenerateSession`)
 /// is the status its own call (`Admit`, `Generate`) would have ended with:
 /// code, message and ASCII metadata (`sluice-reason`, `retry-after`,
@@ -149,6 +250,30 @@ where
             CODEC_BUFFER_BYTES,
             CODEC_YIELD_BYTES,
         ))
+    }
+}
+
+#[cfg(test)]
+mod reason_tests {
+    use super::queue::v1::QueueReason;
+
+    #[test]
+    fn every_reason_has_its_own_label_and_reads_back() {
+        let mut labels: Vec<&str> = QueueReason::ALL.iter().map(|r| r.label()).collect();
+        labels.sort_unstable();
+        labels.dedup();
+        assert_eq!(labels.len(), QueueReason::ALL.len());
+        for r in QueueReason::ALL {
+            assert_eq!(QueueReason::from_label(r.label()), Some(r));
+            // The label is the wire name without its prefix, lower case.
+            assert_eq!(
+                r.as_str_name()
+                    .trim_start_matches("QUEUE_REASON_")
+                    .to_lowercase(),
+                r.label()
+            );
+        }
+        assert_eq!(QueueReason::from_label("nope"), None);
     }
 }
 

@@ -2,8 +2,8 @@
 
 import json
 import os
+import re
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -12,30 +12,35 @@ import urllib.request
 import pytest
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _listening(log_path: str):
+    """The address `sluice up --http-port 0` reports once bound, if it has."""
+    with open(log_path, errors="replace") as f:
+        m = re.search(r"^listening on (\S+)$", f.read(), re.M)
+    return m.group(1) if m else None
 
 
 @pytest.fixture(scope="session")
 def sluice_up():
     """A running `sluice up`: {"addr": host:port, "model_dir": its built-in model}."""
     binary = os.environ.get("SLUICE_BIN", "target/debug/sluice")
-    port = _free_port()
     cache = tempfile.mkdtemp(prefix="sluice-models-")
     log = tempfile.NamedTemporaryFile(prefix="sluice-up-", suffix=".log", delete=False)
     proc = subprocess.Popen(
-        [binary, "up", "--http-port", str(port), "--model-cache", cache, "--workers", "1"],
+        # Port 0: the process binds one itself and reports it (nothing to
+        # race with between picking a port here and binding it there).
+        [binary, "up", "--http-port", "0", "--model-cache", cache, "--workers", "1"],
         stdout=log,
         stderr=subprocess.STDOUT,
     )
-    addr = f"127.0.0.1:{port}"
+    addr = None
     deadline = time.time() + 60
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"sluice up exited with {proc.returncode}; log: {open(log.name).read()}")
+        addr = addr or _listening(log.name)
         try:
+            if addr is None:
+                raise RuntimeError("not listening yet")
             with urllib.request.urlopen(f"http://{addr}/ready", timeout=1) as r:
                 if json.load(r).get("ready"):
                     break

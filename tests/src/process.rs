@@ -3,6 +3,23 @@
 use std::ffi::OsStr;
 use std::path::Path;
 use std::process::{Child, Command};
+use std::time::Duration;
+
+/// What a `sluice` service prints once bound, before its address.
+const LISTENING: &str = "listening on ";
+
+/// The first line of `log` that reads as an error (`ERROR`, `error:`,
+/// `panicked`), or its last line: what to show when a child failed. The
+/// whole log stays where it is.
+pub fn first_error(log: &Path) -> String {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let line = text
+        .lines()
+        .find(|l| l.contains("ERROR") || l.contains("error:") || l.contains("panicked"))
+        .or_else(|| text.lines().last())
+        .unwrap_or("(empty log)");
+    format!("{}: {line}", log.display())
+}
 
 /// A child process, killed and reaped when dropped. Its standard output
 /// and error go to one log file.
@@ -31,6 +48,43 @@ impl Proc {
             .stderr(out)
             .spawn()?;
         Ok(Self { child })
+    }
+
+    /// Starts `bin` like [`Proc::spawn`] with `args` (which bind
+    /// `--listen 127.0.0.1:0`) and waits for the address it reports once
+    /// bound: no port is chosen here and handed over, so none can be taken
+    /// by another bind in between. A child that exits first, or reports
+    /// nothing within a minute, fails with the first error line of its log.
+    pub async fn spawn_listening<I, S>(
+        bin: impl AsRef<OsStr>,
+        args: I,
+        log: &Path,
+    ) -> anyhow::Result<(Self, String)>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        let mut proc = Self::spawn(bin, args, log)?;
+        let what = format!("the address {} reports", log.display());
+        let addr = crate::wait::until(&what, Duration::from_secs(60), || {
+            let found = std::fs::read_to_string(log).map(|text| {
+                text.lines()
+                    .find_map(|l| l.strip_prefix(LISTENING).map(str::to_owned))
+            });
+            let exited = proc.child.try_wait();
+            async move {
+                if let Some(addr) = found? {
+                    return Ok(Some(addr));
+                }
+                if let Some(status) = exited? {
+                    anyhow::bail!("exited ({status}) before listening: {}", first_error(log));
+                }
+                Ok(None)
+            }
+        })
+        .await
+        .map_err(|e| e.context(first_error(log)))?;
+        Ok((proc, addr))
     }
 
     /// `kill -9`, and waits for the process to end.

@@ -735,7 +735,7 @@ fn hung(status: &tonic::Status) -> bool {
     status.code() == Code::DeadlineExceeded
         && status
             .metadata()
-            .get("sluice-reason")
+            .get(sluice_proto::REASON_HEADER)
             .is_none_or(|r| r != "deadline")
 }
 

@@ -5,6 +5,7 @@ use axum::Json;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
+use sluice_proto::queue::v1::QueueReason;
 
 /// Everything a request can fail with.
 #[derive(Debug, thiserror::Error)]
@@ -36,9 +37,10 @@ pub enum FrontendError {
     #[error("the queue refused the request: {message}")]
     Overloaded {
         message: String,
-        /// The queue's reason (`sluice-reason`), the error's `code`:
-        /// `queue_full`, `ttft_target_unmeetable`, `ttft_target_missed`, ...
-        reason: &'static str,
+        /// The queue's reason (`sluice-reason`); its label is the error's
+        /// `code`: `queue_full`, `ttft_target_unmeetable`, ... (a refusal
+        /// that names none counts as `queue_full`).
+        reason: QueueReason,
         retry_after_secs: u32,
     },
     /// The tenant is over one of its quotas (the queue's `--tenant-limits`).
@@ -123,10 +125,10 @@ impl FrontendError {
         }
     }
 
-    /// The queue's refusal reason for metrics and the error's `code`.
+    /// The queue's refusal reason, for metrics.
     pub(crate) fn refusal_reason(&self) -> Option<&'static str> {
         match self {
-            Self::Overloaded { reason, .. } => Some(reason),
+            Self::Overloaded { reason, .. } => Some(reason.label()),
             Self::QuotaExceeded { quota, .. } => Some(quota),
             _ => None,
         }
@@ -163,7 +165,7 @@ impl FrontendError {
                     },
                     None => Self::Overloaded {
                         message: s.message().to_string(),
-                        reason: refusal_reason(meta(REASON_HEADER)),
+                        reason: QueueReason::of_status(&s).unwrap_or(QueueReason::QueueFull),
                         retry_after_secs,
                     },
                 }
@@ -213,7 +215,7 @@ impl FrontendError {
             Self::Unauthorized { .. } => ("invalid_request_error", "invalid_api_key"),
             Self::Forbidden { .. } => ("permission_error", "tenant_mismatch"),
             Self::UnknownModel { .. } => ("invalid_request_error", "model_not_found"),
-            Self::Overloaded { reason, .. } => ("rate_limit_error", reason),
+            Self::Overloaded { reason, .. } => ("rate_limit_error", reason.label()),
             // OpenAI's rate-limit errors name the limit in `type`.
             Self::QuotaExceeded { quota, .. } => (quota, "rate_limit_exceeded"),
             Self::NoWorkers { .. } => ("service_unavailable", "no_workers"),
@@ -307,22 +309,6 @@ impl From<FrontendError> for tonic::Status {
             );
         }
         status
-    }
-}
-
-/// Metadata key on the queue's errors naming why (`QueueError::reason`).
-pub(crate) const REASON_HEADER: &str = "sluice-reason";
-
-/// A queue refusal's reason as the error `code`: the reasons a queue
-/// answers a 429 with, `queue_full` for any other.
-fn refusal_reason(reason: Option<&str>) -> &'static str {
-    match reason {
-        Some("tenant_full") => "tenant_full",
-        Some("shed") => "shed",
-        Some("displaced") => "displaced",
-        Some("ttft_target_unmeetable") => "ttft_target_unmeetable",
-        Some("ttft_target_missed") => "ttft_target_missed",
-        _ => "queue_full",
     }
 }
 

@@ -5,7 +5,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::Stream;
-use sluice_proto::common::v1 as common;
 use sluice_proto::inference::v1 as pb;
 use sluice_runtime::limits;
 use sluice_tokens::ChatMessage;
@@ -164,13 +163,8 @@ impl pb::inference_server::Inference for InferenceService {
                         usage,
                         serving,
                     }) => {
-                        let reason = match finish_reason {
-                            "stop" => common::FinishReason::Stop,
-                            "length" => common::FinishReason::Length,
-                            _ => common::FinishReason::Abort,
-                        };
                         let resp = pb::GenerateResponse {
-                            finish_reason: reason as i32,
+                            finish_reason: finish_reason as i32,
                             usage: Some(usage),
                             serving: Some(pb::ServingInfo {
                                 worker_id: serving.worker_id,

@@ -2,6 +2,7 @@
 //! whole), models, health and readiness. Every handler ends in
 //! [`Pipeline`]; errors render through [`FrontendError`].
 
+use sluice_proto::common::v1::FinishReason;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -499,7 +500,8 @@ impl Output {
         written.unwrap_or_default()
     }
 
-    fn final_choice(&self, reason: &str) -> Value {
+    fn final_choice(&self, reason: FinishReason) -> Value {
+        let reason = reason.openai_name();
         match self.api {
             Api::Chat => {
                 json!({ "index": 0, "delta": {}, "logprobs": null, "finish_reason": reason })
@@ -650,7 +652,7 @@ async fn collect(out: Output, mut generation: Generation) -> Result<Value, Front
                             "index": 0,
                             "message": { "role": "assistant", "content": text },
                             "logprobs": if want_lp { chat_logprobs(&lps) } else { Value::Null },
-                            "finish_reason": finish_reason,
+                            "finish_reason": finish_reason.openai_name(),
                         }),
                     ),
                     Api::Completion => (
@@ -658,7 +660,7 @@ async fn collect(out: Output, mut generation: Generation) -> Result<Value, Front
                         json!({
                             "index": 0, "text": text,
                             "logprobs": if want_lp { completion_logprobs(&lps, 0) } else { Value::Null },
-                            "finish_reason": finish_reason,
+                            "finish_reason": finish_reason.openai_name(),
                         }),
                     ),
                 };

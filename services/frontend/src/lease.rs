@@ -188,7 +188,7 @@ mod tests {
             };
             // A transport failure, not a queue's answer: no sluice-reason,
             // so the frontend tries another queue.
-            assert!(status.metadata().get("sluice-reason").is_none());
+            assert!(status.metadata().get(sluice_proto::REASON_HEADER).is_none());
             // Each lease met the connection's own failure: the second one
             // opened a new session rather than finding the dead one.
             assert_ne!(status.message(), closed::<Leases>().message(), "{status:?}");

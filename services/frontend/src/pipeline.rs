@@ -176,7 +176,7 @@ pub(crate) enum Event {
     },
     /// The end: why, the usage and where it ran.
     Done {
-        finish_reason: &'static str,
+        finish_reason: common::FinishReason,
         usage: common::Usage,
         serving: Serving,
     },
@@ -265,7 +265,7 @@ impl From<sluice_tokens::TokensError> for Failure {
     }
 }
 
-use crate::error::REASON_HEADER;
+use sluice_proto::queue::v1::QueueReason;
 
 /// The lease and its grant.
 type Admitted = (QueueLease, qpb::Grant);
@@ -689,24 +689,17 @@ impl Pipeline {
     /// transport (refused, reset, gone mid-stream).
     fn queue_failure(&self, s: tonic::Status) -> QueueFailure {
         use tonic::Code;
-        let reason = s
-            .metadata()
-            .get(REASON_HEADER)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned);
-        let queue_failed = match reason.as_deref() {
-            // The queue is going away, or could not reach a router or get
-            // an answer from one: another queue may.
-            Some("draining" | "no_router" | "placement") => true,
-            Some(_) => false,
+        let reason = QueueReason::of_status(&s);
+        let queue_failed = match reason {
+            Some(reason) => reason.another_queue_may_admit(),
             None => worker_failed(&s),
         };
-        let error = if reason.as_deref() == Some("no_router") {
+        let error = if reason == Some(QueueReason::NoRouter) {
             FrontendError::Unavailable {
                 component: "router",
                 message: s.message().to_string(),
             }
-        } else if reason.as_deref() == Some("no_workers") || s.code() == Code::NotFound {
+        } else if reason == Some(QueueReason::NoWorkers) || s.code() == Code::NotFound {
             FrontendError::NoWorkers {
                 model: self.model.clone(),
             }
@@ -984,12 +977,12 @@ impl Generation {
         self.last_token = Some(now);
     }
 
-    /// Counts and detokenizes the message's tokens; `Some("stop")` when a
+    /// Counts and detokenizes the message's tokens; `Some(Stop)` when a
     /// stop string ended the text (dropping the worker stream aborts it).
     fn take_tokens(
         &mut self,
         msg: &wpb::GenerateResponse,
-    ) -> Result<(Delta, Option<&'static str>), Failure> {
+    ) -> Result<(Delta, Option<common::FinishReason>), Failure> {
         let mut delta = Delta {
             text: String::new(),
             token_ids: Vec::with_capacity(msg.token_ids.len()),
@@ -1006,7 +999,7 @@ impl Generation {
             }
             delta.text.push_str(&self.detok.push(id)?.text);
             if self.detok.is_stopped() {
-                return Ok((delta, Some("stop")));
+                return Ok((delta, Some(common::FinishReason::Stop)));
             }
         }
         Ok((delta, None))
@@ -1014,24 +1007,24 @@ impl Generation {
 
     /// Why the worker ended the request, if it did; a sequence the worker
     /// failed (its batch went on) moves elsewhere like a worker failure.
-    fn finish_reason(&self, msg: &wpb::GenerateResponse) -> Result<Option<&'static str>, Failure> {
-        Ok(
-            match common::FinishReason::try_from(msg.finish_reason)
-                .unwrap_or(common::FinishReason::Unspecified)
-            {
-                common::FinishReason::Unspecified => None,
-                common::FinishReason::Stop => Some("stop"),
-                common::FinishReason::Length => Some("length"),
-                common::FinishReason::Abort => Some("abort"),
-                common::FinishReason::Error => {
-                    let error = FrontendError::Unavailable {
-                        component: "worker",
-                        message: "the worker failed the request mid-stream".into(),
-                    };
-                    return Err(Failure::of_worker(&self.serving.worker_id, true, error));
-                }
-            },
-        )
+    fn finish_reason(
+        &self,
+        msg: &wpb::GenerateResponse,
+    ) -> Result<Option<common::FinishReason>, Failure> {
+        use common::FinishReason;
+        match FinishReason::try_from(msg.finish_reason).unwrap_or(FinishReason::Unspecified) {
+            FinishReason::Unspecified => Ok(None),
+            FinishReason::Error => {
+                let error = FrontendError::Unavailable {
+                    component: "worker",
+                    message: "the worker failed the request mid-stream".into(),
+                };
+                Err(Failure::of_worker(&self.serving.worker_id, true, error))
+            }
+            reason @ (FinishReason::Stop | FinishReason::Length | FinishReason::Abort) => {
+                Ok(Some(reason))
+            }
+        }
     }
 
     /// Output tokens produced on the current lease.

@@ -9,6 +9,9 @@ use std::error::Error as StdError;
 use std::sync::Arc;
 use std::time::Duration;
 
+use sluice_proto::REASON_HEADER;
+use sluice_proto::queue::v1::QueueReason;
+
 /// Why a request was not admitted or not granted.
 ///
 /// `Clone` because a failure travels to the request's ticket through a watch
@@ -222,31 +225,31 @@ impl std::fmt::Display for Quota {
 }
 
 impl QueueError {
-    /// The rejection reason used as a metrics label.
-    pub fn reason(&self) -> &'static str {
+    /// Why, as the wire names it (`sluice-reason`, the metrics' label).
+    pub fn reason(&self) -> QueueReason {
         match self {
-            Self::QueueFull { .. } => "queue_full",
-            Self::TenantFull { .. } => "tenant_full",
+            Self::QueueFull { .. } => QueueReason::QueueFull,
+            Self::TenantFull { .. } => QueueReason::TenantFull,
             Self::QuotaExceeded {
                 quota: Quota::Tokens { .. },
                 ..
-            } => "quota_tokens",
+            } => QueueReason::QuotaTokens,
             Self::QuotaExceeded {
                 quota: Quota::Requests { .. },
                 ..
-            } => "quota_requests",
-            Self::Shed { .. } => "shed",
-            Self::TargetUnmeetable { .. } => "ttft_target_unmeetable",
-            Self::TargetMissed { .. } => "ttft_target_missed",
-            Self::Displaced { .. } => "displaced",
-            Self::DeadlineExceeded { .. } => "deadline",
-            Self::NoWorkers { .. } => "no_workers",
-            Self::Placement { .. } => "placement",
-            Self::Draining => "draining",
-            Self::InvalidArgument { .. } => "invalid_argument",
-            Self::InvalidFlag { .. } => "invalid_flag",
-            Self::NoRouter => "no_router",
-            Self::Runtime(_) | Self::Metrics(_) => "internal",
+            } => QueueReason::QuotaRequests,
+            Self::Shed { .. } => QueueReason::Shed,
+            Self::TargetUnmeetable { .. } => QueueReason::TtftTargetUnmeetable,
+            Self::TargetMissed { .. } => QueueReason::TtftTargetMissed,
+            Self::Displaced { .. } => QueueReason::Displaced,
+            Self::DeadlineExceeded { .. } => QueueReason::Deadline,
+            Self::NoWorkers { .. } => QueueReason::NoWorkers,
+            Self::Placement { .. } => QueueReason::Placement,
+            Self::Draining => QueueReason::Draining,
+            Self::InvalidArgument { .. } => QueueReason::InvalidArgument,
+            Self::InvalidFlag { .. } => QueueReason::InvalidFlag,
+            Self::NoRouter => QueueReason::NoRouter,
+            Self::Runtime(_) | Self::Metrics(_) => QueueReason::Internal,
         }
     }
 
@@ -258,19 +261,16 @@ impl QueueError {
     }
 }
 
-/// Metadata key naming [`QueueError::reason`] on every status the queue
-/// answers with, so a caller can tell the queue's answers from a transport
-/// failure (and fail over to another queue only for the latter, draining,
-/// or a failed placement).
-pub(crate) const REASON_HEADER: &str = "sluice-reason";
-
 impl From<QueueError> for tonic::Status {
     fn from(err: QueueError) -> Self {
+        // The reason on every answer, so a caller can tell the queue's
+        // answers from a transport failure (and fail over to another queue
+        // only for the latter, or for the reasons that allow it).
         let reason = err.reason();
         let mut status = status_of(err);
         status.metadata_mut().insert(
             REASON_HEADER,
-            tonic::metadata::MetadataValue::from_static(reason),
+            tonic::metadata::MetadataValue::from_static(reason.label()),
         );
         status
     }
@@ -396,7 +396,7 @@ mod tests {
             },
             retry_after: Duration::from_secs(7),
         };
-        assert_eq!(err.reason(), "quota_tokens");
+        assert_eq!(err.reason(), QueueReason::QuotaTokens);
         let status = tonic::Status::from(err);
         assert_eq!(status.code(), Code::ResourceExhausted);
         let meta = |k| status.metadata().get(k).and_then(|v| v.to_str().ok());

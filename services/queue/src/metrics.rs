@@ -16,27 +16,6 @@ use sluice_runtime::tenant_labels::TenantLabels;
 /// Tenants with a label of their own in the per-tenant metrics.
 pub(crate) const TOP_TENANTS: usize = 10;
 
-/// Every rejection reason (`QueueError::reason`), to remove a tenant's
-/// series when it loses its label.
-const REASONS: &[&str] = &[
-    "queue_full",
-    "tenant_full",
-    "quota_tokens",
-    "quota_requests",
-    "shed",
-    "ttft_target_unmeetable",
-    "ttft_target_missed",
-    "displaced",
-    "deadline",
-    "no_workers",
-    "placement",
-    "draining",
-    "invalid_argument",
-    "invalid_flag",
-    "no_router",
-    "internal",
-];
-
 /// Queue metrics; cheap to clone (handles to shared collectors).
 #[derive(Debug, Clone)]
 pub struct QueueMetrics {
@@ -239,10 +218,10 @@ impl QueueMetrics {
             let _ = self.tenant_tokens.remove_label_values(&[tenant, kind]);
         }
         let _ = self.tenant_wait.remove_label_values(&[tenant]);
-        for reason in REASONS {
+        for reason in sluice_proto::queue::v1::QueueReason::ALL {
             let _ = self
                 .tenant_rejections
-                .remove_label_values(&[tenant, reason]);
+                .remove_label_values(&[tenant, reason.label()]);
         }
     }
 

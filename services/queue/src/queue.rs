@@ -497,10 +497,12 @@ impl Queue {
         });
         if let Err(err) = refused {
             drop(st);
-            entry.span.record("outcome", err.reason());
-            shared
-                .metrics
-                .rejected(entry.desc.priority, &entry.desc.tenant, err.reason());
+            entry.span.record("outcome", err.reason().label());
+            shared.metrics.rejected(
+                entry.desc.priority,
+                &entry.desc.tenant,
+                err.reason().label(),
+            );
             return Err(err);
         }
         let seq = st.next_seq;

@@ -150,7 +150,7 @@ impl Lease {
                 }
                 Err(err) => {
                     self.finished = true;
-                    self.span.record("outcome", err.reason());
+                    self.span.record("outcome", err.reason().label());
                     self.span.record("error", tracing::field::display(&err));
                     Some(Err(err.into()))
                 }

@@ -456,7 +456,11 @@ async fn threshold_holds_on_the_routers_load_and_releases_when_it_drops() -> any
     assert_eq!(held.status.reason, "all workers above threshold");
     assert_eq!((held.status.position, held.status.pending), (0, 1));
     let stats = mesh.stats().await?;
-    assert_eq!(stats.policy(), pb::QueuePolicy::Strict, "the default policy");
+    assert_eq!(
+        stats.policy(),
+        pb::QueuePolicy::Strict,
+        "the default policy"
+    );
     assert_eq!(stats.threshold, 0.5);
     assert_eq!(stats.pending, 1);
     assert_eq!(stats.tiers.len(), 1);
@@ -909,7 +913,9 @@ async fn leases_share_one_session_and_each_ends_on_its_own() -> anyhow::Result<(
     assert_eq!(err.code, Code::ResourceExhausted as i32);
     assert!(err.message.contains("--max-pending"), "{}", err.message);
     assert_eq!(
-        err.metadata.get("sluice-reason").map(String::as_str),
+        err.metadata
+            .get(sluice_proto::REASON_HEADER)
+            .map(String::as_str),
         Some("queue_full")
     );
     assert!(err.metadata.contains_key("retry-after"), "{err:?}");

@@ -180,6 +180,10 @@ fn runtime_threads(command: &Command) -> anyhow::Result<Option<usize>> {
     Ok(common.runtime_threads(role_default))
 }
 
+/// What a service prints on standard output once bound, before its
+/// address: `listening on 127.0.0.1:40123`.
+const LISTENING: &str = "listening on ";
+
 /// Binds `--listen` and builds the service context (discovery, shutdown).
 async fn listen(
     common: CommonArgs,
@@ -190,9 +194,13 @@ async fn listen(
     let listener = tokio::net::TcpListener::bind(common.listen)
         .await
         .with_context(|| format!("binding --listen {}", common.listen))?;
+    let bound = listener.local_addr()?;
+    // On standard output, whatever the log level: whoever started this
+    // process with `--listen HOST:0` learns the port it got.
+    println!("{LISTENING}{bound}");
     // A line before discovery, so a start that stalls there says so.
     tracing::info!(
-        listen = %listener.local_addr()?,
+        listen = %bound,
         etcd = common.etcd.as_deref().unwrap_or("none"),
         "listening; joining discovery"
     );

@@ -121,6 +121,8 @@ pub(crate) async fn run(mut args: UpArgs, shutdown: Shutdown) -> anyhow::Result<
     let http_addr = http.local_addr()?;
 
     let tasks = spawn_services(&args, http, ctx, &shutdown).await?;
+    // What `--http-port 0` got, in the form every service prints.
+    println!("listening on {http_addr}");
     print_banner(&args, http_addr, &security);
     wait_for_services(tasks, &shutdown).await
 }

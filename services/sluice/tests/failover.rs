@@ -23,7 +23,6 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use sluice_tests::etcd::EtcdServer;
-use sluice_tests::free_port;
 use sluice_tests::http::{get, post_json};
 use sluice_tests::process::{Proc, mesh_args, write_model};
 use sluice_tests::wait::sum;
@@ -33,15 +32,24 @@ const GRACE_SECS: u64 = 5;
 /// Concurrent clients, each sending one request after another.
 const CLIENTS: usize = 6;
 
-fn spawn(name: &str, args: &[&str], etcd: &str, log_dir: &std::path::Path) -> anyhow::Result<Proc> {
+/// Starts `sluice ARGS` (which listen on `127.0.0.1:0`); returns it with
+/// the address it reports.
+async fn spawn(
+    name: &str,
+    args: &[&str],
+    etcd: &str,
+    log_dir: &std::path::Path,
+) -> anyhow::Result<(String, Proc)> {
     let common = mesh_args(etcd, "failover-test", TTL_SECS, Some(GRACE_SECS));
-    Proc::spawn(
+    let (p, addr) = Proc::spawn_listening(
         env!("CARGO_BIN_EXE_sluice"),
         args.iter()
             .copied()
             .chain(common.iter().map(String::as_str)),
         &log_dir.join(format!("{name}.log")),
     )
+    .await?;
+    Ok((addr, p))
 }
 
 struct Cluster {
@@ -63,28 +71,30 @@ impl Cluster {
         let mut routers = Vec::new();
         let mut queues = Vec::new();
         for i in 0..2 {
-            let addr = format!("127.0.0.1:{}", free_port()?);
-            let p = spawn(
-                &format!("router-{i}"),
-                &["router", "--listen", &addr],
-                &url,
-                dir.path(),
-            )?;
-            routers.push((addr, p));
+            routers.push(
+                spawn(
+                    &format!("router-{i}"),
+                    &["router", "--listen", "127.0.0.1:0"],
+                    &url,
+                    dir.path(),
+                )
+                .await?,
+            );
         }
         for i in 0..2 {
-            let addr = format!("127.0.0.1:{}", free_port()?);
-            let p = spawn(
-                &format!("queue-{i}"),
-                &["queue", "--listen", &addr],
-                &url,
-                dir.path(),
-            )?;
-            queues.push((addr, p));
+            queues.push(
+                spawn(
+                    &format!("queue-{i}"),
+                    &["queue", "--listen", "127.0.0.1:0"],
+                    &url,
+                    dir.path(),
+                )
+                .await?,
+            );
         }
         let mut others = Vec::new();
         for i in 0..2 {
-            others.push(spawn(
+            let (_, p) = spawn(
                 &format!("decode-{i}"),
                 &[
                     "decode",
@@ -99,15 +109,18 @@ impl Cluster {
                 ],
                 &url,
                 dir.path(),
-            )?);
+            )
+            .await?;
+            others.push(p);
         }
-        let http = format!("127.0.0.1:{}", free_port()?);
-        others.push(spawn(
+        let (http, frontend) = spawn(
             "frontend",
-            &["frontend", "--listen", &http, "--model", &model],
+            &["frontend", "--listen", "127.0.0.1:0", "--model", &model],
             &url,
             dir.path(),
-        )?);
+        )
+        .await?;
+        others.push(frontend);
         let cluster = Self {
             etcd,
             dir,

@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use sluice_tests::etcd::EtcdServer;
-use sluice_tests::free_port;
 use sluice_tests::http::{get, post_json};
 use sluice_tests::process::{Proc, mesh_args, write_model};
 
@@ -17,20 +16,23 @@ const TTL_SECS: u64 = 2;
 /// How long a member whose lease expired stays listed (`--discovery-grace`).
 const GRACE_SECS: u64 = 1;
 
-fn spawn(
-    name: &'static str,
+/// Starts `sluice ARGS` (listening on `127.0.0.1:0`) logging to
+/// `log_dir/NAME.log`; returns it with the address it reports.
+async fn spawn(
+    name: &str,
     args: &[&str],
     etcd: &str,
     log_dir: &std::path::Path,
-) -> anyhow::Result<Proc> {
+) -> anyhow::Result<(Proc, String)> {
     let common = mesh_args(etcd, "proc-test", TTL_SECS, Some(GRACE_SECS));
-    Proc::spawn(
+    Proc::spawn_listening(
         env!("CARGO_BIN_EXE_sluice"),
         args.iter()
             .copied()
             .chain(common.iter().map(String::as_str)),
-        &log_dir.join(format!("{name}-{}.log", free_port()?)),
+        &log_dir.join(format!("{name}.log")),
     )
+    .await
 }
 
 async fn complete(http: &str) -> anyhow::Result<(u16, Value)> {
@@ -49,7 +51,8 @@ struct Cluster {
     _etcd: EtcdServer,
     dir: tempfile::TempDir,
     http: String,
-    decode_ports: [u16; 2],
+    /// The decode workers' addresses.
+    decode_addrs: Vec<String>,
     decode: Vec<Proc>,
     _others: Vec<Proc>,
 }
@@ -60,26 +63,32 @@ impl Cluster {
         let dir = tempfile::tempdir()?;
         let model = write_model(env!("CARGO_BIN_EXE_sluice"), dir.path())?;
         let url = etcd.url();
-        let http = format!("127.0.0.1:{}", free_port()?);
         let listen = "127.0.0.1:0";
         let mut others = vec![
-            spawn("router", &["router", "--listen", listen], &url, dir.path())?,
-            spawn("queue", &["queue", "--listen", listen], &url, dir.path())?,
+            spawn("router", &["router", "--listen", listen], &url, dir.path())
+                .await?
+                .0,
+            spawn("queue", &["queue", "--listen", listen], &url, dir.path())
+                .await?
+                .0,
         ];
-        let decode_ports = [free_port()?, free_port()?];
         let mut decode = Vec::new();
-        for port in decode_ports {
-            let addr = format!("127.0.0.1:{port}");
-            let mut args = vec!["decode", "--listen", &addr, "--model", &model];
+        let mut decode_addrs = Vec::new();
+        for i in 0..2 {
+            let mut args = vec!["decode", "--listen", listen, "--model", &model];
             args.extend_from_slice(decode_flags);
-            decode.push(spawn("decode", &args, &url, dir.path())?);
+            let (p, addr) = spawn(&format!("decode-{i}"), &args, &url, dir.path()).await?;
+            decode.push(p);
+            decode_addrs.push(addr);
         }
-        others.push(spawn(
+        let (frontend, http) = spawn(
             "frontend",
-            &["frontend", "--listen", &http, "--model", &model],
+            &["frontend", "--listen", listen, "--model", &model],
             &url,
             dir.path(),
-        )?);
+        )
+        .await?;
+        others.push(frontend);
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             if let Ok((200, body)) = get(&http, "/ready").await
@@ -98,7 +107,7 @@ impl Cluster {
             _etcd: etcd,
             dir,
             http,
-            decode_ports,
+            decode_addrs,
             decode,
             _others: others,
         })
@@ -207,8 +216,8 @@ async fn separate_processes_serve_and_a_killed_worker_stops_receiving_requests()
 
 /// Which decode worker runs a sequence now (from its `/metrics`).
 async fn busy_worker(cluster: &Cluster) -> anyhow::Result<Option<usize>> {
-    for (i, port) in cluster.decode_ports.iter().enumerate() {
-        let Ok((200, metrics)) = get(&format!("127.0.0.1:{port}"), "/metrics").await else {
+    for (i, addr) in cluster.decode_addrs.iter().enumerate() {
+        let Ok((200, metrics)) = get(addr, "/metrics").await else {
             continue;
         };
         let running = metrics

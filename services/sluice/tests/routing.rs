@@ -16,12 +16,13 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use serde_json::{Value, json};
 use sluice_tests::etcd::EtcdServer;
-use sluice_tests::free_port;
 use sluice_tests::http::{get, post_json};
 use sluice_tests::process::Proc;
 
-fn spawn(args: &[&str], log: &std::path::Path) -> anyhow::Result<Proc> {
-    Proc::spawn(env!("CARGO_BIN_EXE_sluice"), args, log)
+/// Starts `sluice ARGS` (listening on port 0); returns it with the address
+/// it reports.
+async fn spawn(args: &[&str], log: &std::path::Path) -> anyhow::Result<(Proc, String)> {
+    Proc::spawn_listening(env!("CARGO_BIN_EXE_sluice"), args, log).await
 }
 
 /// The built-in model written into `dir`.
@@ -64,7 +65,6 @@ fn worker_flags(speedup: &str) -> [&str; 6] {
 /// `sluice up` with four mocker workers and `router_mode`.
 async fn sluice_up(dir: &std::path::Path, router_mode: &str) -> anyhow::Result<(Proc, String)> {
     let model = model(dir)?;
-    let port = free_port()?.to_string();
     let mut args = vec![
         "up",
         "--model",
@@ -74,11 +74,10 @@ async fn sluice_up(dir: &std::path::Path, router_mode: &str) -> anyhow::Result<(
         "--router-mode",
         router_mode,
         "--http-port",
-        &port,
+        "0",
     ];
     args.extend_from_slice(&worker_flags("20"));
-    let up = spawn(&args, &dir.join("up.log"))?;
-    let http = format!("127.0.0.1:{port}");
+    let (up, http) = spawn(&args, &dir.join("up.log")).await?;
     wait_listed(&http, dir).await?;
     Ok((up, http))
 }
@@ -288,34 +287,30 @@ async fn two_router_replicas_share_placements_spread_a_burst_and_keep_prefixes()
         "--lease-ttl",
         "2",
     ];
-    let run = |role: &str, extra: &[&str], log: &str| -> anyhow::Result<Proc> {
+    let run = async |role: &str, extra: &[&str], log: &str| -> anyhow::Result<(Proc, String)> {
         let args: Vec<&str> = std::iter::once(role)
             .chain(common.iter().copied())
+            .chain(["--listen", "127.0.0.1:0"])
             .chain(extra.iter().copied())
             .collect();
-        spawn(&args, &d.join(log))
+        spawn(&args, &d.join(log)).await
     };
-    let routers = [
-        format!("127.0.0.1:{}", free_port()?),
-        format!("127.0.0.1:{}", free_port()?),
-    ];
     let mut procs = Vec::new();
-    for (i, r) in routers.iter().enumerate() {
-        procs.push(run("router", &["--listen", r], &format!("router{i}.log"))?);
+    let mut routers = Vec::new();
+    for i in 0..2 {
+        let (p, addr) = run("router", &[], &format!("router{i}.log")).await?;
+        procs.push(p);
+        routers.push(addr);
     }
-    procs.push(run("queue", &["--listen", "127.0.0.1:0"], "queue.log")?);
+    procs.push(run("queue", &[], "queue.log").await?.0);
     for i in 0..4 {
-        let mut extra = vec!["--listen", "127.0.0.1:0", "--model", &model];
+        let mut extra = vec!["--model", &model];
         // Slow enough that a burst is still running while the routers are read.
         extra.extend_from_slice(&worker_flags("1"));
-        procs.push(run("decode", &extra, &format!("decode{i}.log"))?);
+        procs.push(run("decode", &extra, &format!("decode{i}.log")).await?.0);
     }
-    let http = format!("127.0.0.1:{}", free_port()?);
-    procs.push(run(
-        "frontend",
-        &["--listen", &http, "--model", &model],
-        "frontend.log",
-    )?);
+    let (frontend, http) = run("frontend", &["--model", &model], "frontend.log").await?;
+    procs.push(frontend);
     wait_listed(&http, d).await?;
     // Every worker known to the frontend and to both routers, each router
     // with all four in its pool and none still joining (first snapshot

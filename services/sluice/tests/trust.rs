@@ -38,22 +38,25 @@ use tonic::Code;
 const TOKEN: &str = "0123456789abcdef-trust-test-token";
 const TOKEN_HEADER: &str = "x-sluice-mesh-token";
 
-fn spawn(
+/// Starts `sluice ARGS` (listening on `127.0.0.1:0`) with `security`'s
+/// flags; returns it with the address it reports.
+async fn spawn(
     name: &'static str,
     args: &[&str],
     security: &[String],
     etcd: &str,
     log_dir: &std::path::Path,
-) -> anyhow::Result<Proc> {
+) -> anyhow::Result<(Proc, String)> {
     let common = mesh_args(etcd, "trust-test", 2, None);
-    Proc::spawn(
+    Proc::spawn_listening(
         env!("CARGO_BIN_EXE_sluice"),
         args.iter()
             .copied()
             .chain(security.iter().map(String::as_str))
             .chain(common.iter().map(String::as_str)),
-        &log_dir.join(format!("{name}-{}.log", free_port()?)),
+        &log_dir.join(format!("{name}.log")),
     )
+    .await
 }
 
 /// etcd, the built-in model, a router, a queue, one decode worker (the
@@ -79,39 +82,35 @@ impl Cluster {
         let etcd = EtcdServer::start().await?;
         let model = write_model(env!("CARGO_BIN_EXE_sluice"), dir.path())?;
         let url = etcd.url();
-        let addr = || -> anyhow::Result<String> { Ok(format!("127.0.0.1:{}", free_port()?)) };
-        let (http, queue, router, decode) = (addr()?, addr()?, addr()?, addr()?);
         let d = dir.path();
-        let mut procs = vec![
-            spawn(
-                "router",
-                &["router", "--listen", &router],
-                security,
-                &url,
-                d,
-            )?,
-            spawn("queue", &["queue", "--listen", &queue], security, &url, d)?,
-            spawn(
+        let any = "127.0.0.1:0";
+        let (p_router, router) =
+            spawn("router", &["router", "--listen", any], security, &url, d).await?;
+        let (p_queue, queue) =
+            spawn("queue", &["queue", "--listen", any], security, &url, d).await?;
+        let (p_decode, decode) = spawn(
+            "decode",
+            &[
                 "decode",
-                &[
-                    "decode",
-                    "--listen",
-                    &decode,
-                    "--model",
-                    &model,
-                    "--engine",
-                    "mocker",
-                    "--speedup-ratio",
-                    "0.5",
-                ],
-                security,
-                &url,
-                d,
-            )?,
-        ];
-        let mut args = vec!["frontend", "--listen", &http, "--model", &model];
+                "--listen",
+                any,
+                "--model",
+                &model,
+                "--engine",
+                "mocker",
+                "--speedup-ratio",
+                "0.5",
+            ],
+            security,
+            &url,
+            d,
+        )
+        .await?;
+        let mut procs = vec![p_router, p_queue, p_decode];
+        let mut args = vec!["frontend", "--listen", any, "--model", &model];
         args.extend_from_slice(frontend_flags);
-        procs.push(spawn("frontend", &args, security, &url, d)?);
+        let (p_frontend, http) = spawn("frontend", &args, security, &url, d).await?;
+        procs.push(p_frontend);
         let deadline = Instant::now() + Duration::from_secs(90);
         while !ready(&http).await {
             anyhow::ensure!(
@@ -588,10 +587,11 @@ async fn with_the_mesh_token_the_tcp_kv_port_takes_only_members() -> anyhow::Res
     let etcd = EtcdServer::start().await?;
     let model = write_model(env!("CARGO_BIN_EXE_sluice"), dir.path())?;
     let url = etcd.url();
-    let addr = || -> anyhow::Result<String> { Ok(format!("127.0.0.1:{}", free_port()?)) };
-    let (http, decode, kv_tcp) = (addr()?, addr()?, addr()?);
+    // The KV listener's port is picked here: the worker reports its gRPC
+    // address only.
+    let kv_tcp = format!("127.0.0.1:{}", free_port()?);
     let d = dir.path();
-    let worker = |role: &'static str, listen: &str, extra: &[&str]| {
+    let worker = async |role: &'static str, extra: &[&str]| {
         let mut args = vec![
             role,
             "--model",
@@ -600,46 +600,41 @@ async fn with_the_mesh_token_the_tcp_kv_port_takes_only_members() -> anyhow::Res
             "mocker",
             "--kv-transports",
             "tcp",
+            "--listen",
+            "127.0.0.1:0",
         ];
         args.extend_from_slice(extra);
-        let listen = listen.to_owned();
-        args.extend(["--listen", &listen]);
-        spawn(role, &args, &security, &url, d)
+        spawn(role, &args, &security, &url, d).await
     };
+    let any = "127.0.0.1:0";
+    let (p_decode, decode) = worker(
+        "decode",
+        &[
+            "--kv-tcp-listen",
+            &kv_tcp,
+            "--max-local-prefill-length",
+            "8",
+        ],
+    )
+    .await?;
     let _procs = [
-        spawn(
-            "router",
-            &["router", "--listen", "127.0.0.1:0"],
-            &security,
-            &url,
-            d,
-        )?,
-        spawn(
-            "queue",
-            &["queue", "--listen", "127.0.0.1:0"],
-            &security,
-            &url,
-            d,
-        )?,
-        worker(
-            "decode",
-            &decode,
-            &[
-                "--kv-tcp-listen",
-                &kv_tcp,
-                "--max-local-prefill-length",
-                "8",
-            ],
-        )?,
-        worker("prefill", "127.0.0.1:0", &[])?,
-        spawn(
-            "frontend",
-            &["frontend", "--listen", &http, "--model", &model],
-            &security,
-            &url,
-            d,
-        )?,
+        spawn("router", &["router", "--listen", any], &security, &url, d)
+            .await?
+            .0,
+        spawn("queue", &["queue", "--listen", any], &security, &url, d)
+            .await?
+            .0,
+        p_decode,
+        worker("prefill", &[]).await?.0,
     ];
+    let (_frontend, http) = spawn(
+        "frontend",
+        &["frontend", "--listen", any, "--model", &model],
+        &security,
+        &url,
+        d,
+    )
+    .await?;
     let logs = d.display().to_string();
     let remote_ok = || async {
         let (_, page) = get(&decode, "/metrics").await?;

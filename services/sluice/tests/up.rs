@@ -6,38 +6,32 @@
 //! queue, router and each worker, told apart by `worker_id`.
 
 use std::collections::BTreeSet;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use sluice_tests::free_port;
 use sluice_tests::http::{get, post_json};
-
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+use sluice_tests::process::Proc;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_port_serves_a_listed_model_at_once_and_every_services_metrics() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
-    let port = free_port()?;
-    let log = std::fs::File::create(dir.path().join("up.log"))?;
-    let _up = Proc(
-        Command::new(env!("CARGO_BIN_EXE_sluice"))
-            .args(["up", "--engine", "mocker", "--workers", "2", "--http-port"])
-            .arg(port.to_string())
-            .arg("--model-cache")
-            .arg(dir.path())
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()?,
-    );
-    let http = format!("127.0.0.1:{port}");
+    let cache = dir.path().to_string_lossy().into_owned();
+    let (_up, http) = Proc::spawn_listening(
+        env!("CARGO_BIN_EXE_sluice"),
+        [
+            "up",
+            "--engine",
+            "mocker",
+            "--workers",
+            "2",
+            "--http-port",
+            "0",
+            "--model-cache",
+            &cache,
+        ],
+        &dir.path().join("up.log"),
+    )
+    .await?;
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         if let Ok((200, body)) = get(&http, "/v1/models").await

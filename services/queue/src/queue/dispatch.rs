@@ -307,13 +307,13 @@ impl State {
                     target,
                     retry_after: self.drained.retry_after(behind, now),
                 };
-                metrics.rejected(desc.priority, &desc.tenant, err.reason());
+                metrics.rejected(desc.priority, &desc.tenant, err.reason().label());
                 err
             } else {
                 metrics.expired(desc.priority, &desc.tenant);
                 QueueError::DeadlineExceeded { waited }
             };
-            slot.entry.span.record("outcome", err.reason());
+            slot.entry.span.record("outcome", err.reason().label());
             tracing::debug!(request_id = %desc.request_id, error = %err, "left unplaced");
             slot.tx.send_replace(TicketState::Failed(err));
         }
@@ -499,7 +499,7 @@ impl State {
             metrics.rejected(
                 slot.entry.desc.priority,
                 &slot.entry.desc.tenant,
-                err.reason(),
+                err.reason().label(),
             );
             slot.tx.send_replace(TicketState::Failed(err));
         }
@@ -561,7 +561,7 @@ impl State {
                 metrics.rejected(
                     slot.entry.desc.priority,
                     &slot.entry.desc.tenant,
-                    QueueError::Draining.reason(),
+                    QueueError::Draining.reason().label(),
                 );
                 slot.tx
                     .send_replace(TicketState::Failed(QueueError::Draining));
@@ -610,7 +610,7 @@ impl State {
         metrics.rejected(
             slot.entry.desc.priority,
             &slot.entry.desc.tenant,
-            err.reason(),
+            err.reason().label(),
         );
         slot.tx.send_replace(TicketState::Failed(err));
         true

@@ -4,6 +4,7 @@ use super::*;
 use crate::config::WfqWeights;
 use crate::error::Quota;
 use prometheus::Registry;
+use sluice_proto::queue::v1::QueueReason;
 use tokio::task::JoinHandle;
 
 fn config(policy: Policy) -> Args {
@@ -1637,7 +1638,7 @@ async fn quotas_refuse_with_retry_after_and_refund_what_never_ran() {
         .queue
         .admit(tenant_entry("b2", "b", 1))
         .expect_err("one at a time");
-    assert_eq!(err.reason(), "quota_requests");
+    assert_eq!(err.reason(), QueueReason::QuotaRequests);
     drop(b1);
     assert!(h.queue.admit(tenant_entry("b3", "b", 1)).is_ok());
 }
