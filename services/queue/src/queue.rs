@@ -627,7 +627,10 @@ impl Queue {
                 let started = st.release(&shared.cfg, now);
                 let next_publish = st.publish_positions(now);
                 let (held, next_report) = st.held_report(now);
-                st.models.retain(|_, m| !m.is_idle());
+                // An idle model goes, unless it served something: what it
+                // learned of the workers' speed stays for its next request.
+                st.models
+                    .retain(|_, m| !m.is_idle() || m.lease_secs.is_some());
                 let next_deadline = st.deadlines.first().map(|&(d, _)| d);
                 // Wake for whichever comes first: a deadline, a held-back
                 // update or a held-back report.

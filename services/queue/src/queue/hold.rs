@@ -47,6 +47,28 @@ impl DrainRate {
     }
 }
 
+/// One priority's arrivals: their rate, and since when and until when they
+/// have come without a pause long enough to be forgotten.
+#[derive(Debug)]
+pub(super) struct Arrivals {
+    rate: DrainRate,
+    since: Instant,
+    last: Instant,
+}
+
+/// How recent the last arrival of a stream must be for it to go on.
+const STILL_ARRIVING: Duration = Duration::from_secs(1);
+
+impl Arrivals {
+    /// Arrivals that have gone on for a whole rate time constant and still
+    /// do: standing load, not a burst (a burst's rate, high for a moment,
+    /// says nothing of what comes next).
+    fn sustained(&self, now: Instant) -> bool {
+        now.saturating_duration_since(self.since).as_secs_f64() >= DRAIN_TAU
+            && now.saturating_duration_since(self.last) <= STILL_ARRIVING
+    }
+}
+
 /// A `Retry-After` for `wait`: whole seconds, rounded up, 1 to 60.
 pub(crate) fn retry_after_secs(wait: Duration) -> Duration {
     Duration::from_secs((wait.as_secs_f64().ceil()).clamp(1.0, 60.0) as u64)
@@ -316,7 +338,7 @@ pub(super) struct ModelQueue {
     /// priority.
     pub(super) running: BTreeMap<i32, usize>,
     /// How fast requests arrive, by priority (admitted or not).
-    pub(super) arrivals: BTreeMap<i32, DrainRate>,
+    pub(super) arrivals: BTreeMap<i32, Arrivals>,
     /// Mean time from grant to the lease's end, in seconds (an exponential
     /// average; `None` until a lease ended).
     pub(super) lease_secs: Option<f64>,
@@ -398,16 +420,23 @@ impl ModelQueue {
     /// A request of `priority` arrived at `now` (admitted or not).
     pub(super) fn arrived(&mut self, priority: i32, now: Instant) {
         self.arrivals
-            .retain(|_, rate| rate.decayed(now) >= FORGOTTEN);
-        self.arrivals.entry(priority).or_default().grant(now);
+            .retain(|_, a| a.rate.decayed(now) >= FORGOTTEN);
+        let a = self.arrivals.entry(priority).or_insert(Arrivals {
+            rate: DrainRate::default(),
+            since: now,
+            last: now,
+        });
+        a.rate.grant(now);
+        a.last = now;
     }
 
-    /// Whether requests of higher priority than `priority` arrive at least
-    /// as fast as the model's `cap` slots serve requests (at its mean lease
-    /// duration): on engines that preempt, a request of `priority` granted
-    /// now would only be preempted by them, its slot churning for nothing,
-    /// so it is held (and, predicted never to start, refused). Unknown
-    /// until a lease ended.
+    /// Whether requests of higher priority than `priority` arrive, and have
+    /// arrived for a while ([`Arrivals::sustained`]: a burst does not
+    /// count), at least as fast as the model's `cap` slots serve requests
+    /// (at its mean lease duration): on engines that preempt, a request of
+    /// `priority` granted now would only be preempted by them, its slot
+    /// churning for nothing, so it is held (and, predicted never to start,
+    /// refused). Unknown until a lease ended.
     pub(super) fn crowded_out(&self, priority: i32, cap: usize, now: Instant) -> bool {
         let Some(lease) = self.lease_secs.filter(|&l| l > 0.0) else {
             return false;
@@ -416,7 +445,8 @@ impl ModelQueue {
         let above: f64 = self
             .arrivals
             .range(priority.saturating_add(1)..)
-            .map(|(_, rate)| rate.per_sec(now))
+            .filter(|(_, a)| a.sustained(now))
+            .map(|(_, a)| a.rate.per_sec(now))
             .sum();
         above >= served
     }
