@@ -15,7 +15,7 @@ PTXAS = $(CUDA_WHEEL)/bin/ptxas
 # (empty without the wheels: a GPU host's own toolkit is used then)
 CUDA_TOOLS = $(if $(CUDA_WHEEL),SLUICE_NVRTC_LIB=$(NVRTC_LIB) SLUICE_PTXAS=$(PTXAS) LD_LIBRARY_PATH=$(CUDA_WHEEL)/lib$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH})
 
-.PHONY: certs help deps deps-system deps-python build run test test-rust test-cuda-kernels test-cuda test-python test-deploy bench bench-priority bench-queue bench-frontend lint fmt clean
+.PHONY: certs help deps deps-system deps-python build run test test-rust test-cuda-kernels test-cuda test-python test-deploy bench bench-priority bench-queue bench-vs-dynamo bench-frontend lint fmt clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -84,8 +84,13 @@ bench: bench-priority bench-queue bench-frontend ## criterion benches (engine ro
 bench-priority: ## the priority experiment (mocker) -> tests/bench/results/ttft_by_priority.md
 	tests/bench/priority/run.sh
 
-bench-queue: ## queue burst and co-location experiments (mocker) -> tests/bench/results/queue.md
+bench-queue: ## queue burst and co-location experiments, first bursts into a fresh mesh (mocker) -> tests/bench/results/queue.md, first_bursts.md
 	tests/bench/queue/run.sh
+	tests/bench/queue/first_bursts.sh
+
+bench-vs-dynamo: ## Dynamo's priority burst through aiperf, against Dynamo 1.6.1 and sluice up (installs the anchor under /tmp/anchors) -> tests/bench/results/burst_vs_dynamo.md
+	../shared/anchors/dynamo/setup.sh
+	tests/bench/queue/dynamo_burst.sh
 
 bench-frontend: ## req/s and added latency at near-zero compute -> tests/bench/results/frontend.md
 	tests/bench/frontend/run.sh

@@ -245,9 +245,6 @@ pub enum HoldReason {
     /// Default holding with several queue replicas: the free slots go to
     /// higher-priority requests another replica holds.
     HigherElsewhere,
-    /// Default holding on engines that preempt: higher priorities arrive at
-    /// least as fast as the workers serve, and would preempt this one.
-    CrowdedOut,
 }
 
 impl HoldReason {
@@ -260,7 +257,6 @@ impl HoldReason {
             Self::PlacementInFlight => "waiting for an earlier placement",
             Self::RefreshingOverlap => "re-reading the prefix overlap",
             Self::HigherElsewhere => "higher priorities wait at another queue replica",
-            Self::CrowdedOut => "higher priorities arrive as fast as the workers serve",
         }
     }
 }
@@ -451,9 +447,6 @@ impl Queue {
         entry.overlap_tokens = entry.overlap_tokens.min(entry.desc.prompt_tokens);
         let now = Instant::now();
         let mut st = shared.state.lock();
-        if let Some(model) = st.models.get_mut(&entry.desc.model) {
-            model.arrived(entry.desc.priority, now);
-        }
         let target = cfg.ttft_target(entry.desc.priority, entry.desc.ttft_target_ms);
         let mut checked = st.check_admission(cfg, &entry, now);
         if matches!(checked, Err(QueueError::QueueFull { .. }))

@@ -122,7 +122,6 @@ impl State {
                     starting: &self.starting_prefill,
                     priority,
                     held_elsewhere: &self.held_elsewhere,
-                    now,
                 };
                 if let Some(reason) = hold_reason(cfg, model, model_name, &load, self.replicas) {
                     if !model.express_head(reason) {

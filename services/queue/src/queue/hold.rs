@@ -47,28 +47,6 @@ impl DrainRate {
     }
 }
 
-/// One priority's arrivals: their rate, and since when and until when they
-/// have come without a pause long enough to be forgotten.
-#[derive(Debug)]
-pub(super) struct Arrivals {
-    rate: DrainRate,
-    since: Instant,
-    last: Instant,
-}
-
-/// How recent the last arrival of a stream must be for it to go on.
-const STILL_ARRIVING: Duration = Duration::from_secs(1);
-
-impl Arrivals {
-    /// Arrivals that have gone on for a whole rate time constant and still
-    /// do: standing load, not a burst (a burst's rate, high for a moment,
-    /// says nothing of what comes next).
-    fn sustained(&self, now: Instant) -> bool {
-        now.saturating_duration_since(self.since).as_secs_f64() >= DRAIN_TAU
-            && now.saturating_duration_since(self.last) <= STILL_ARRIVING
-    }
-}
-
 /// A `Retry-After` for `wait`: whole seconds, rounded up, 1 to 60.
 pub(crate) fn retry_after_secs(wait: Duration) -> Duration {
     Duration::from_secs((wait.as_secs_f64().ceil()).clamp(1.0, 60.0) as u64)
@@ -76,16 +54,6 @@ pub(crate) fn retry_after_secs(wait: Duration) -> Duration {
 
 /// Weight of the newest lease in a model's mean lease duration.
 const LEASE_EWMA: f64 = 0.1;
-
-/// A priority's decayed arrival count below which it is forgotten.
-const FORGOTTEN: f64 = 0.01;
-
-/// Whether the release order puts every higher priority first (`strict`,
-/// `fair`): only then may a crowded-out priority be held without holding
-/// a higher one behind it.
-fn priority_first(cfg: &Args) -> bool {
-    matches!(cfg.queue_policy, Policy::Strict | Policy::Fair)
-}
 
 /// Neither `--queue-threshold` nor `--max-active` nor
 /// `--no-default-holding`: hold by engine slots.
@@ -240,8 +208,6 @@ pub(super) struct LoadCheck<'a> {
     pub(super) priority: i32,
     /// What the other queue replicas hold unplaced.
     pub(super) held_elsewhere: &'a HeldByModel,
-    /// Now.
-    pub(super) now: Instant,
 }
 
 impl LoadCheck<'_> {
@@ -283,13 +249,7 @@ pub(super) fn hold_reason(
         if room.free() == 0 {
             return Some(HoldReason::AtCapacity);
         }
-        if room.ahead_elsewhere >= room.free() {
-            return Some(HoldReason::HigherElsewhere);
-        }
-        let crowded = priority_first(cfg)
-            && preempts(model_name, load)
-            && model.crowded_out(check.priority, room.cap, check.now);
-        return crowded.then_some(HoldReason::CrowdedOut);
+        return (room.ahead_elsewhere >= room.free()).then_some(HoldReason::HigherElsewhere);
     }
     let threshold = cfg.queue_threshold?;
     if all_busy(model_name, check, threshold) {
@@ -337,8 +297,6 @@ pub(super) struct ModelQueue {
     /// Requests being placed or granted (`placing` + `active`), by
     /// priority.
     pub(super) running: BTreeMap<i32, usize>,
-    /// How fast requests arrive, by priority (admitted or not).
-    pub(super) arrivals: BTreeMap<i32, Arrivals>,
     /// Mean time from grant to the lease's end, in seconds (an exponential
     /// average; `None` until a lease ended).
     pub(super) lease_secs: Option<f64>,
@@ -371,7 +329,6 @@ impl ModelQueue {
             published: None,
             drained: DrainRate::default(),
             running: BTreeMap::new(),
-            arrivals: BTreeMap::new(),
             lease_secs: None,
             start_secs: None,
             held_by_priority: BTreeMap::new(),
@@ -415,40 +372,6 @@ impl ModelQueue {
                 self.starting.remove(class);
             }
         }
-    }
-
-    /// A request of `priority` arrived at `now` (admitted or not).
-    pub(super) fn arrived(&mut self, priority: i32, now: Instant) {
-        self.arrivals
-            .retain(|_, a| a.rate.decayed(now) >= FORGOTTEN);
-        let a = self.arrivals.entry(priority).or_insert(Arrivals {
-            rate: DrainRate::default(),
-            since: now,
-            last: now,
-        });
-        a.rate.grant(now);
-        a.last = now;
-    }
-
-    /// Whether requests of higher priority than `priority` arrive, and have
-    /// arrived for a while ([`Arrivals::sustained`]: a burst does not
-    /// count), at least as fast as the model's `cap` slots serve requests
-    /// (at its mean lease duration): on engines that preempt, a request of
-    /// `priority` granted now would only be preempted by them, its slot
-    /// churning for nothing, so it is held (and, predicted never to start,
-    /// refused). Unknown until a lease ended.
-    pub(super) fn crowded_out(&self, priority: i32, cap: usize, now: Instant) -> bool {
-        let Some(lease) = self.lease_secs.filter(|&l| l > 0.0) else {
-            return false;
-        };
-        let served = cap as f64 / lease;
-        let above: f64 = self
-            .arrivals
-            .range(priority.saturating_add(1)..)
-            .filter(|(_, a)| a.sustained(now))
-            .map(|(_, a)| a.rate.per_sec(now))
-            .sum();
-        above >= served
     }
 
     /// A request of `priority` was admitted (`delta` 1), or left before
@@ -527,7 +450,7 @@ impl State {
         cfg: &Args,
         epoch: Instant,
         entry: &Entry,
-        now: Instant,
+        _now: Instant,
     ) -> Option<Duration> {
         if !default_holding(cfg) {
             return None;
@@ -544,13 +467,6 @@ impl State {
             entry.desc.priority,
         )?;
         let (cap, free) = (room.cap, room.free());
-        if priority_first(cfg)
-            && preempts(name, &self.load)
-            && model.crowded_out(entry.desc.priority, cap, now)
-        {
-            // Higher priorities alone take every slot: it would never start.
-            return Some(Duration::from_secs(86_400));
-        }
         let weight = self
             .quotas
             .weight(&entry.desc.tenant)
