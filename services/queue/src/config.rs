@@ -11,6 +11,8 @@ use std::time::Duration;
 
 use clap::ValueEnum;
 
+use sluice_runtime::config::parse_pairs;
+
 use crate::error::QueueError;
 use crate::tenants::TenantLimits;
 
@@ -100,21 +102,11 @@ impl FromStr for WfqWeights {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let mut weights = HashMap::new();
-        for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
-            let (class, weight) = item
-                .rsplit_once('=')
-                .ok_or_else(|| format!("{item:?} is not CLASS=WEIGHT"))?;
-            let weight: u32 = weight
-                .trim()
-                .parse()
-                .map_err(|e| format!("weight of {class:?}: {e}"))?;
-            if weight == 0 {
-                return Err(format!("weight of {class:?} must be at least 1"));
-            }
-            weights.insert(class.trim().to_owned(), weight);
+        let pairs = parse_pairs::<String, u32>(s, '=', "CLASS=WEIGHT")?;
+        if let Some((class, _)) = pairs.iter().find(|(_, w)| *w == 0) {
+            return Err(format!("weight of {class:?} must be at least 1"));
         }
-        Ok(Self(weights))
+        Ok(Self(pairs.into_iter().collect()))
     }
 }
 
@@ -140,27 +132,13 @@ impl FromStr for TtftTargets {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let mut targets = HashMap::new();
-        for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
-            let (priority, secs) = item
-                .rsplit_once('=')
-                .ok_or_else(|| format!("{item:?} is not PRIORITY=SECS"))?;
-            let priority: i32 = priority
-                .trim()
-                .parse()
-                .map_err(|e| format!("priority {priority:?}: {e}"))?;
-            let secs: f64 = secs
-                .trim()
-                .parse()
-                .map_err(|e| format!("target of priority {priority}: {e}"))?;
-            if !(secs.is_finite() && secs > 0.0) {
-                return Err(format!(
-                    "target of priority {priority} must be a number of seconds > 0, got {secs}"
-                ));
-            }
-            targets.insert(priority, secs);
+        let pairs = parse_pairs::<i32, f64>(s, '=', "PRIORITY=SECS")?;
+        if let Some((priority, secs)) = pairs.iter().find(|(_, s)| !(s.is_finite() && *s > 0.0)) {
+            return Err(format!(
+                "target of priority {priority} must be a number of seconds > 0, got {secs}"
+            ));
         }
-        Ok(Self(targets))
+        Ok(Self(pairs.into_iter().collect()))
     }
 }
 

@@ -146,3 +146,52 @@ impl ModelArgs {
             .unwrap_or_else(|| "sluice-tiny".into())
     }
 }
+/// The items of a flag written `KEY<sep>VALUE,...` (e.g. `3=5,0=120` or
+/// `0:1,3:1`), each side trimmed and parsed, in order; empty items are
+/// skipped. An item without `sep`, a side that does not parse, or a key
+/// named twice is an error naming the item and the expected `form`.
+pub fn parse_pairs<K, V>(s: &str, sep: char, form: &str) -> Result<Vec<(K, V)>, String>
+where
+    K: std::str::FromStr + PartialEq + std::fmt::Display,
+    K::Err: std::fmt::Display,
+    V: std::str::FromStr,
+    V::Err: std::fmt::Display,
+{
+    let mut pairs: Vec<(K, V)> = Vec::new();
+    for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        let (key, value) = item
+            .rsplit_once(sep)
+            .ok_or_else(|| format!("{item:?} is not {form}"))?;
+        let key: K = key
+            .trim()
+            .parse()
+            .map_err(|e| format!("{:?} in {item:?}: {e}", key.trim()))?;
+        let value: V = value
+            .trim()
+            .parse()
+            .map_err(|e| format!("{:?} in {item:?}: {e}", value.trim()))?;
+        if pairs.iter().any(|(k, _)| *k == key) {
+            return Err(format!("{key} is listed twice"));
+        }
+        pairs.push((key, value));
+    }
+    Ok(pairs)
+}
+
+#[cfg(test)]
+mod pairs_tests {
+    use super::parse_pairs;
+
+    #[test]
+    fn pairs_parse_in_order_and_name_what_is_wrong() {
+        let pairs = parse_pairs::<i32, f64>(" 3=5, -1=120 ,", '=', "PRIORITY=SECS").expect("valid");
+        assert_eq!(pairs, vec![(3, 5.0), (-1, 120.0)]);
+        let colon = parse_pairs::<i32, f64>("0:1,3:2", ':', "PRIORITY:WEIGHT").expect("valid");
+        assert_eq!(colon, vec![(0, 1.0), (3, 2.0)]);
+        let err = |s| parse_pairs::<i32, u32>(s, '=', "PRIORITY=MS").expect_err(s);
+        assert!(err("3").contains("\"3\" is not PRIORITY=MS"));
+        assert!(err("x=1").contains("\"x\" in \"x=1\""));
+        assert!(err("1=-2").contains("\"-2\" in \"1=-2\""));
+        assert!(err("1=2,1=3").contains("1 is listed twice"));
+    }
+}

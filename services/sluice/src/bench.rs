@@ -65,21 +65,13 @@ pub(crate) enum BenchError {
 pub(crate) type TtftTargets = std::collections::BTreeMap<i32, u32>;
 
 fn parse_ttft_targets(s: &str) -> Result<TtftTargets, String> {
-    let mut targets = TtftTargets::new();
-    for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
-        let (priority, ms) = item
-            .rsplit_once('=')
-            .ok_or_else(|| format!("{item:?} is not PRIORITY=MS"))?;
-        let priority: i32 = priority
-            .trim()
-            .parse()
-            .map_err(|e| format!("priority {priority:?}: {e}"))?;
-        let ms: u32 = ms.trim().parse().ok().filter(|&ms| ms > 0).ok_or_else(|| {
-            format!("target of priority {priority}: {ms:?} is not milliseconds > 0")
-        })?;
-        targets.insert(priority, ms);
+    let pairs = sluice_runtime::config::parse_pairs::<i32, u32>(s, '=', "PRIORITY=MS")?;
+    if let Some((priority, _)) = pairs.iter().find(|(_, ms)| *ms == 0) {
+        return Err(format!(
+            "target of priority {priority} must be milliseconds > 0"
+        ));
     }
-    Ok(targets)
+    Ok(pairs.into_iter().collect())
 }
 
 /// Flags of `sluice bench`.

@@ -22,7 +22,8 @@
 #
 # Needs ../shared/anchors/dynamo/setup.sh run once (a venv with Dynamo and
 # aiperf under /tmp/anchors). Environment: SLUICE_BIN [target/release/sluice],
-# N [400], PORT [18461], ANCHOR_DIR [/tmp/anchors], OUT [target/bench/burst_vs_dynamo].
+# N [400], PORT [18461], ANCHOR_DIR [/tmp/anchors], OUT [target/bench/burst_vs_dynamo],
+# SUMMARY_ONLY [0] (1: write the results file from an earlier run's OUT).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)
@@ -41,8 +42,11 @@ RESULT=$ROOT/tests/bench/results/burst_vs_dynamo.md
 # shellcheck source=../lib.sh
 . "$ROOT/tests/bench/lib.sh"
 ensure_sluice_bin
+SUMMARY_ONLY=${SUMMARY_ONLY:-0}   # 1: only write the results file from $OUT
+if [ "$SUMMARY_ONLY" != 1 ]; then
 rm -rf "$OUT"; mkdir -p "$OUT"
 : >"$OUT/commands"
+fi
 SHAPE=(--block-size 64 --max-num-batched-tokens 8192 --num-gpu-blocks 16384)
 
 pids=()
@@ -53,6 +57,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
+if [ "$SUMMARY_ONLY" != 1 ]; then
 # 1. Dynamo with its defaults (the anchors' own script, its own summary).
 echo "== dynamo"
 echo "dynamo: N=$N $ANCHORS/bench_burst.sh noqueue" >>"$OUT/commands"
@@ -119,6 +124,7 @@ if [ "$TWO_QUEUES" = 1 ]; then
   cleanup
   rm -rf "$etcd_dir"
 fi
+fi
 
 "$PY" - "$OUT" "$RESULT" "$N" <<'PY'
 import glob, json, os, sys, datetime
@@ -126,13 +132,13 @@ out, result, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 def tiers(name):
     path = f"{out}/{name}.tiers.json"
     if name == "dynamo":
-        found = glob.glob(f"{out}/dynamo-summary/burst_noqueue.tiers.json")
+        found = glob.glob(f"{out}/**/burst_noqueue.tiers.json", recursive=True)
         path = found[0] if found else path
     return {str(r["tier"]): r for r in json.load(open(path))["rows"]}
 def summary(name):
     path = f"{out}/{name}/profile_export_aiperf.json"
     if name == "dynamo":
-        found = glob.glob(f"{out}/dynamo-summary/burst_noqueue.aiperf_summary.json")
+        found = glob.glob(f"{out}/**/burst_noqueue.aiperf_summary.json", recursive=True)
         path = found[0] if found else path
     try:
         s = json.load(open(path))

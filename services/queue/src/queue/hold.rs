@@ -52,8 +52,18 @@ pub(crate) fn retry_after_secs(wait: Duration) -> Duration {
     Duration::from_secs((wait.as_secs_f64().ceil()).clamp(1.0, 60.0) as u64)
 }
 
-/// Weight of the newest lease in a model's mean lease duration.
+/// Weight of the newest sample in a model's mean lease and start times.
 const LEASE_EWMA: f64 = 0.1;
+
+/// Adds `sample` to the exponential mean `mean` (in seconds; the first
+/// sample sets it).
+fn average(mean: &mut Option<f64>, sample: Duration) {
+    let secs = sample.as_secs_f64();
+    *mean = Some(match *mean {
+        Some(m) => m + LEASE_EWMA * (secs - m),
+        None => secs,
+    });
+}
 
 /// Neither `--queue-threshold` nor `--max-active` nor
 /// `--no-default-holding`: hold by engine slots.
@@ -409,11 +419,7 @@ impl ModelQueue {
     /// A request released `took` ago produced its first token: it joins
     /// the mean start time.
     pub(super) fn started_after(&mut self, took: Duration) {
-        let secs = took.as_secs_f64();
-        self.start_secs = Some(match self.start_secs {
-            Some(mean) => mean + LEASE_EWMA * (secs - mean),
-            None => secs,
-        });
+        average(&mut self.start_secs, took);
     }
 
     /// How long before its TTFT target a held request must be released to
@@ -424,11 +430,7 @@ impl ModelQueue {
 
     /// A lease granted `held` ago ended: it joins the mean lease duration.
     pub(super) fn lease_ended(&mut self, held: Duration) {
-        let secs = held.as_secs_f64();
-        self.lease_secs = Some(match self.lease_secs {
-            Some(mean) => mean + LEASE_EWMA * (secs - mean),
-            None => secs,
-        });
+        average(&mut self.lease_secs, held);
     }
 
     pub(super) fn is_idle(&self) -> bool {

@@ -39,26 +39,9 @@ impl std::str::FromStr for Tiers {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let mut tiers: Vec<(i32, f64)> = Vec::new();
-        for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
-            let (p, w) = item
-                .rsplit_once(':')
-                .ok_or_else(|| format!("{item:?} is not PRIORITY:WEIGHT"))?;
-            let p: i32 = p
-                .trim()
-                .parse()
-                .map_err(|e| format!("priority {p:?}: {e}"))?;
-            let w: f64 = w
-                .trim()
-                .parse()
-                .map_err(|e| format!("weight of priority {p}: {e}"))?;
-            if !w.is_finite() || w <= 0.0 {
-                return Err(format!("weight of priority {p} must be positive"));
-            }
-            if tiers.iter().any(|(q, _)| *q == p) {
-                return Err(format!("priority {p} is listed twice"));
-            }
-            tiers.push((p, w));
+        let tiers = sluice_runtime::config::parse_pairs::<i32, f64>(s, ':', "PRIORITY:WEIGHT")?;
+        if let Some((p, _)) = tiers.iter().find(|(_, w)| !w.is_finite() || *w <= 0.0) {
+            return Err(format!("weight of priority {p} must be positive"));
         }
         if tiers.is_empty() {
             return Err("no tiers given".into());
