@@ -333,7 +333,7 @@ impl Args {
             .get(&priority)
             .copied()
             .unwrap_or(self.ttft_target_secs);
-        Duration::from_secs_f64(secs)
+        Duration::try_from_secs_f64(secs).unwrap_or(Duration::MAX)
     }
 
     /// `refresh_interval_ms` as a duration.
@@ -434,6 +434,9 @@ mod tests {
         assert!("3=0".parse::<TtftTargets>().is_err());
         assert!("x=1".parse::<TtftTargets>().is_err());
         assert!(parse(&["--ttft-target-secs", "0"]).validate().is_err());
+        // Past any Duration: no target, not a panic.
+        let huge = parse(&["--ttft-target-secs", "1e300"]);
+        assert_eq!(huge.ttft_target(0, 0), Duration::MAX);
     }
 
     #[test]

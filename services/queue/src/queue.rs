@@ -512,7 +512,12 @@ impl Queue {
         model.order.insert(cfg, shared.epoch, seq, &entry, weight);
         model.count_held(entry.desc.priority, 1);
         st.held_changed = true;
-        let target_at = entry.arrival + target.saturating_sub(lead);
+        // A target beyond any clock (a huge `--ttft-target-secs`) never
+        // expires the request.
+        let target_at = entry
+            .arrival
+            .checked_add(target.saturating_sub(lead))
+            .unwrap_or(entry.arrival + Duration::from_secs(100 * 365 * 86_400));
         let expiry = entry.deadline.map_or(target_at, |d| d.min(target_at));
         st.deadlines.insert((expiry, seq));
         *st.tenants.entry(entry.desc.tenant.clone()).or_default() += 1;

@@ -38,12 +38,14 @@ impl DrainRate {
     /// current rate: 1 to 60, 1 when nothing was granted yet.
     pub(super) fn retry_after(&self, ahead: usize, now: Instant) -> Duration {
         let rate = self.per_sec(now);
-        let wait = if rate > 0.0 {
-            Duration::from_secs_f64((ahead as f64 + 1.0) / rate)
+        // A rate decayed to almost nothing would make the wait overflow a
+        // Duration: anything past the cap reads as the cap.
+        let secs = if rate > 0.0 {
+            ((ahead as f64 + 1.0) / rate).min(3600.0)
         } else {
-            Duration::ZERO
+            0.0
         };
-        retry_after_secs(wait)
+        retry_after_secs(Duration::from_secs_f64(secs))
     }
 }
 

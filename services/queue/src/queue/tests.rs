@@ -1814,3 +1814,15 @@ async fn a_replica_counts_the_others_higher_priority_placements() {
     assert!(h.placer.placed().is_empty());
     drop(low);
 }
+
+/// A grant rate decayed to almost nothing (the last grant long ago) gives
+/// the longest Retry-After, not a wait that overflows a Duration (the gRPC
+/// fuzz test found the panic).
+#[test]
+fn a_drain_rate_decayed_to_nothing_gives_the_longest_retry_after() {
+    let start = Instant::now();
+    let mut rate = DrainRate::default();
+    rate.grant(start);
+    let later = start + Duration::from_secs(3000);
+    assert_eq!(rate.retry_after(1_000_000, later), Duration::from_secs(60));
+}
