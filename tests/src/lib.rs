@@ -10,6 +10,8 @@
 //! - [`watchdog`]: end a test process stuck where no timer fires; every
 //!   [`mesh::Mesh`] has one.
 
+#![forbid(unsafe_code)]
+
 pub mod etcd;
 pub mod http;
 pub mod mesh;

@@ -11,6 +11,8 @@
 //! - [`train_byte_level_bpe`]: deterministic BPE training, for the built-in
 //!   model and tests.
 
+#![forbid(unsafe_code)]
+
 pub mod block_hash;
 mod chat_template;
 mod detokenizer;

@@ -8,6 +8,8 @@
 //! model maths (engine) or moving KV blocks (`sluice-kv-transfer`: this
 //! crate starts its receiver and serves its `KvTransfer` service).
 
+#![forbid(unsafe_code)]
+
 mod args;
 mod convert;
 pub mod disagg;

@@ -8,6 +8,8 @@
 //! detokenization and stop strings, the OpenAI response shapes. Does not own
 //! placement (the queue and router) or compute (the workers).
 
+#![forbid(unsafe_code)]
+
 mod auth;
 mod error;
 mod generation;

@@ -10,6 +10,8 @@
 //! order) whose transport this worker accepts (`--kv-transports`), before
 //! any compute, so a worker with nothing in common refuses at once.
 
+#![forbid(unsafe_code)]
+
 use std::sync::Arc;
 use std::time::Duration;
 

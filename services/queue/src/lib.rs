@@ -17,6 +17,8 @@
 //! It does not proxy tokens, score workers (the router does) or schedule
 //! inside an engine.
 
+#![forbid(unsafe_code)]
+
 mod config;
 mod convert;
 mod error;

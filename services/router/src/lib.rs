@@ -12,6 +12,8 @@
 //!   router's uncovered placements), `approx` (TTL cache prediction),
 //!   `convert` (wire ⇄ domain).
 
+#![forbid(unsafe_code)]
+
 mod approx;
 pub mod config;
 mod convert;

@@ -22,6 +22,8 @@
 //!
 //! Business logic stays in its service.
 
+#![forbid(unsafe_code)]
+
 pub mod config;
 pub mod discovery;
 mod edge;

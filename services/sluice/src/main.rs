@@ -1,6 +1,8 @@
 //! `sluice`: one binary, a subcommand per role (docs/design.md's command line).
 //! `sluice up` runs every service in one process with in-process discovery.
 
+#![forbid(unsafe_code)]
+
 mod bench;
 mod up;
 
