@@ -88,9 +88,10 @@ bench-queue: ## queue burst and co-location experiments, first bursts into a fre
 	tests/bench/queue/run.sh
 	tests/bench/queue/first_bursts.sh
 
-bench-vs-dynamo: ## Dynamo's priority burst through aiperf, against Dynamo 1.6.1 and sluice up (installs the anchor under /tmp/anchors) -> tests/bench/results/burst_vs_dynamo.md
-	../shared/anchors/dynamo/setup.sh
-	tests/bench/queue/dynamo_burst.sh
+bench-vs-dynamo: ## Dynamo's priority burst through aiperf against Dynamo 1.6.1 and sluice up; ANCHORS=<dir of the Dynamo anchor scripts> -> tests/bench/results/burst_vs_dynamo.md
+	@if [ -z "$(ANCHORS)" ]; then echo "set ANCHORS to the directory of the Dynamo anchor scripts (setup.sh, bench_burst.sh)"; exit 1; fi
+	$(ANCHORS)/setup.sh
+	ANCHORS=$(ANCHORS) tests/bench/queue/dynamo_burst.sh
 
 bench-frontend: ## req/s and added latency at near-zero compute -> tests/bench/results/frontend.md
 	tests/bench/frontend/run.sh

@@ -20,15 +20,17 @@
 # Goals (issue 34): sluice 0 refused; tier-3 / tier-0 mean TTFT <= 0.15;
 # throughput >= 98% of sluice-one.
 #
-# Needs ../shared/anchors/dynamo/setup.sh run once (a venv with Dynamo and
-# aiperf under /tmp/anchors). Environment: SLUICE_BIN [target/release/sluice],
+# Needs ANCHORS: the directory of the Dynamo anchor scripts (setup.sh,
+# bench_burst.sh, gen_burst_trace.py, analyze_by_tier.py), with its setup.sh
+# run once (a venv with Dynamo and aiperf under ANCHOR_DIR). They are not
+# part of this repository. Environment: SLUICE_BIN [target/release/sluice],
 # N [400], PORT [18461], ANCHOR_DIR [/tmp/anchors], OUT [target/bench/burst_vs_dynamo],
 # SUMMARY_ONLY [0] (1: write the results file from an earlier run's OUT).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)
 cd "$ROOT"
-ANCHORS=${ANCHORS:-$ROOT/../shared/anchors/dynamo}
+ANCHORS=${ANCHORS:?set ANCHORS to the directory of the Dynamo anchor scripts}
 ANCHOR_DIR=${ANCHOR_DIR:-/tmp/anchors}
 PY=$ANCHOR_DIR/venv/bin/python
 AIPERF=$ANCHOR_DIR/venv/bin/aiperf
@@ -60,7 +62,7 @@ trap cleanup EXIT
 if [ "$SUMMARY_ONLY" != 1 ]; then
 # 1. Dynamo with its defaults (the anchors' own script, its own summary).
 echo "== dynamo"
-echo "dynamo: N=$N $ANCHORS/bench_burst.sh noqueue" >>"$OUT/commands"
+echo "dynamo: N=$N \$ANCHORS/bench_burst.sh noqueue" >>"$OUT/commands"
 N=$N OUT="$OUT/dynamo" SUMMARY_DIR="$OUT/dynamo-summary" "$ANCHORS/bench_burst.sh" noqueue | tail -12
 
 aiperf_run() { # name, trace field, url
