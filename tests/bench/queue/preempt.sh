@@ -33,9 +33,7 @@
 #   BATCH_CONCURRENCY [8] BATCH_ISL [512] BATCH_OSL [256]
 #   INTERACTIVE [10] INTERACTIVE_ISL [512] INTERACTIVE_OSL [16]
 #   PORT [18441]  OUT [target/bench/preempt]
-#   UP_FLAGS  flags for every `sluice up` [none: defaults; the cases were
-#     first run with --no-default-holding, which builds from before issue 34
-#     needed to hold nothing in the queue]
+#   UP_FLAGS  flags for every `sluice up` [none: defaults]
 set -euo pipefail
 UP_FLAGS=${UP_FLAGS-}
 

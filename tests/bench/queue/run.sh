@@ -151,7 +151,7 @@ colo_case() { # name, idle|loaded, then the extra `sluice up` flags
 if [ "$ONLY" != colo ]; then
   rm -rf "$OUT/burst"
   for rep in $(seq 1 "$REPEATS"); do
-    burst_case off "$rep" --scheduling-policy fcfs --no-default-holding
+    burst_case off "$rep" --scheduling-policy fcfs
     burst_case defaults "$rep"
     burst_case one-priority "$rep"
     burst_case engine-nopreempt "$rep" --no-preempt-on-seq-limit
@@ -159,7 +159,7 @@ if [ "$ONLY" != colo ]; then
     burst_case no-holding "$rep" --no-default-holding
     burst_case q025-strict "$rep" --queue-threshold 0.25 --queue-policy strict
     burst_case active32-strict "$rep" --max-active $((WORKERS * MAX_NUM_SEQS)) --queue-policy strict
-    burst_case off-again "$rep" --scheduling-policy fcfs --no-default-holding
+    burst_case off-again "$rep" --scheduling-policy fcfs
   done
 fi
 if [ "$ONLY" != burst ]; then
@@ -169,7 +169,6 @@ if [ "$ONLY" != burst ]; then
   colo_case loaded-queue loaded --queue-threshold 0.25 --queue-policy strict
   colo_case idle-fcfs idle --scheduling-policy fcfs
   colo_case loaded-fcfs loaded --scheduling-policy fcfs
-  colo_case loaded-fcfs-noholding loaded --scheduling-policy fcfs --no-default-holding
 fi
 elapsed=$(( $(date +%s) - started ))
 
@@ -193,7 +192,7 @@ w("overhead (HTTP, gRPC, hundreds of streams on 2 cores) is not divided.")
 w("")
 if only != "colo":
     bursts = [
-        ("off", "priority off (A/B): engine fcfs, nothing held in the queue"),
+        ("off", "engine priority off (A/B of \`--scheduling-policy\`): engine fcfs, the queue on its defaults"),
         ("defaults", "**defaults** (no flag): default holding with the preemption-aware grant and TTFT-target refusal, engine priority"),
         ("one-priority", "defaults, every request at priority 0: the throughput the priority cases are held to"),
         ("engine-nopreempt", "defaults but no preemption at the seq limit (\`--no-preempt-on-seq-limit\`)"),
@@ -201,7 +200,7 @@ if only != "colo":
         ("no-holding", "defaults but nothing held in the queue (\`--no-default-holding\`): the engine alone orders"),
         ("q025-strict", "queue threshold 0.25, strict; engine priority"),
         ("active32-strict", "\`--max-active\` = slots in all, strict; engine priority"),
-        ("off-again", "priority off again, last: the baseline's run-to-run noise"),
+        ("off-again", "engine priority off again, last: the baseline's run-to-run noise"),
     ]
     # Only the cases that ran (BURST_CASES); the baseline always does.
     bursts = [b for b in bursts if os.path.isdir(os.path.join(out, "burst", b[0]))]
@@ -271,7 +270,7 @@ if only != "colo":
 if only != "burst":
     colos = [
         ("defaults", "**defaults** (engine priority, default holding)", "idle-defaults", [("loaded-defaults", "defaults"), ("loaded-queue", "queue 0.25 strict")]),
-        ("fcfs", "priority off (A/B): engine fcfs", "idle-fcfs", [("loaded-fcfs", "default holding"), ("loaded-fcfs-noholding", "nothing held")]),
+        ("fcfs", "engine priority off (A/B): engine fcfs", "idle-fcfs", [("loaded-fcfs", "default holding")]),
     ]
     w("## 2. Co-location")
     w("")
@@ -299,7 +298,7 @@ if only != "burst":
     w("")
     w(f"Goal (<= 2x idle on defaults): **{'met' if summary['loaded-defaults'] <= 2.0 else 'missed'}** "
       f"({summary['loaded-defaults']:.1f}x; with a 0.25 threshold {summary['loaded-queue']:.1f}x; "
-      f"priority off {summary['loaded-fcfs']:.1f}x, and {summary['loaded-fcfs-noholding']:.1f}x with nothing held).")
+      f"engine priority off {summary['loaded-fcfs']:.1f}x).")
     w("")
 w("Raw results (results.json, requests.jsonl, server logs per case) are written under")
 w("\`target/bench/queue/\` by the script and not committed.")
