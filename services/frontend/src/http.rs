@@ -682,6 +682,22 @@ async fn collect(out: Output, mut generation: Generation) -> Result<Value, Front
 mod tests {
     use super::*;
 
+    #[test]
+    fn the_ttft_target_header_is_milliseconds_above_zero() {
+        let with = |v: &str| {
+            let mut h = HeaderMap::new();
+            h.insert(TTFT_TARGET_HEADER, v.parse().expect("a header value"));
+            header_ttft_target(&h)
+        };
+        assert_eq!(header_ttft_target(&HeaderMap::new()).ok(), Some(None));
+        assert_eq!(with(" 1500 ").ok(), Some(Some(1500)));
+        for bad in ["0", "-5", "1.5", "soon"] {
+            let err = with(bad).expect_err(bad);
+            assert_eq!(err.status(), StatusCode::BAD_REQUEST, "{bad}");
+            assert!(err.to_string().contains(TTFT_TARGET_HEADER), "{err}");
+        }
+    }
+
     /// The chunk as it was built before `delta_chunk`: a `Value` tree.
     fn delta_as_tree(
         out: &Output,

@@ -454,7 +454,7 @@ impl Queue {
         {
             checked = st.check_admission(cfg, &entry, now);
         }
-        let predicted = st.predict_wait(cfg, shared.epoch, &entry, now);
+        let predicted = st.predict_wait(cfg, shared.epoch, &entry);
         // A released request takes this long to its first token: it must
         // leave the queue that much before its target.
         let lead = st
@@ -541,6 +541,7 @@ impl Queue {
                 express: false,
                 expiry,
                 predicted,
+                target,
                 released_at: None,
                 granted_at: None,
             },
@@ -803,6 +804,8 @@ struct Slot {
     expiry: Instant,
     /// The wait predicted at admission (`None`: no prediction).
     predicted: Option<Duration>,
+    /// Its TTFT target (its own, or the default for its priority).
+    target: Duration,
     /// When it was released for placement.
     released_at: Option<Instant>,
     /// When it was granted.

@@ -295,7 +295,7 @@ impl State {
             self.retire(&slot, false, now);
             let desc = &slot.entry.desc;
             let waited = now.saturating_duration_since(slot.entry.arrival);
-            let target = cfg.ttft_target(desc.priority, desc.ttft_target_ms);
+            let target = slot.target;
             let err = if slot.entry.deadline.is_none_or(|d| d > now) {
                 // Still held when it had to start to meet its TTFT target
                 // (the target less the mean time from release to first
@@ -477,7 +477,7 @@ impl State {
                 placement,
                 waited,
                 express,
-                ttft_target: cfg.ttft_target(entry.desc.priority, entry.desc.ttft_target_ms),
+                ttft_target: slot.target,
                 predicted_wait: slot.predicted,
             }));
         }

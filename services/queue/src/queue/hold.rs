@@ -454,7 +454,6 @@ impl State {
         cfg: &Args,
         epoch: Instant,
         entry: &Entry,
-        _now: Instant,
     ) -> Option<Duration> {
         if !default_holding(cfg) {
             return None;
