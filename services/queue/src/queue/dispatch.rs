@@ -531,7 +531,10 @@ impl State {
                     model.active -= 1;
                     model.run(slot.entry.desc.priority, -1);
                     if let Some(at) = slot.granted_at {
-                        model.lease_ended(Instant::now().saturating_duration_since(at));
+                        model.lease_ended(
+                            slot.entry.desc.priority,
+                            Instant::now().saturating_duration_since(at),
+                        );
                     }
                 }
                 metrics.released();

@@ -312,6 +312,10 @@ pub(super) struct ModelQueue {
     /// Mean time from grant to the lease's end, in seconds (an exponential
     /// average; `None` until a lease ended).
     pub(super) lease_secs: Option<f64>,
+    /// The same by priority: on an engine that preempts, a low-priority
+    /// lease lasts as long as higher ones keep it parked, and only leases
+    /// of at least a request's priority free a slot for it.
+    pub(super) lease_by_priority: BTreeMap<i32, f64>,
     /// Mean time from release to the first token, in seconds (an
     /// exponential average; `None` until a request started).
     pub(super) start_secs: Option<f64>,
@@ -342,6 +346,7 @@ impl ModelQueue {
             drained: DrainRate::default(),
             running: BTreeMap::new(),
             lease_secs: None,
+            lease_by_priority: BTreeMap::new(),
             start_secs: None,
             held_by_priority: BTreeMap::new(),
             starting: HashMap::new(),
@@ -430,9 +435,42 @@ impl ModelQueue {
         Duration::from_secs_f64(self.start_secs.unwrap_or(0.0).clamp(0.0, 3600.0))
     }
 
-    /// A lease granted `held` ago ended: it joins the mean lease duration.
-    pub(super) fn lease_ended(&mut self, held: Duration) {
+    /// A lease of `priority` granted `held` ago ended: it joins the mean
+    /// lease durations.
+    pub(super) fn lease_ended(&mut self, priority: i32, held: Duration) {
         average(&mut self.lease_secs, held);
+        let mut mean = self.lease_by_priority.get(&priority).copied();
+        average(&mut mean, held);
+        if let Some(mean) = mean {
+            self.lease_by_priority.insert(priority, mean);
+        }
+    }
+
+    /// The mean lease of the grants whose ends free a slot for a request
+    /// of `priority`: where the engines preempt (`preempts`), those of at
+    /// least its priority, else all. Slots of that band end at
+    /// `Σ running_q / lease_q`; the mean is its inverse per slot (the
+    /// running-weighted harmonic mean). With nothing of the band running,
+    /// the band's slowest mean, else the mean over every lease.
+    pub(super) fn lease_for(&self, priority: i32, preempts: bool) -> Option<f64> {
+        let from = if preempts { priority } else { i32::MIN };
+        let (mut slots, mut ends_per_sec) = (0.0, 0.0);
+        for (q, &n) in self.running.range(from..) {
+            if let Some(&lease) = self.lease_by_priority.get(q)
+                && lease > 0.0
+            {
+                slots += n as f64;
+                ends_per_sec += n as f64 / lease;
+            }
+        }
+        if ends_per_sec > 0.0 {
+            return Some(slots / ends_per_sec);
+        }
+        self.lease_by_priority
+            .range(from..)
+            .map(|(_, &l)| l)
+            .reduce(f64::max)
+            .or(self.lease_secs)
     }
 
     pub(super) fn is_idle(&self) -> bool {
@@ -444,8 +482,8 @@ impl State {
     /// The wait predicted for `entry` if it were admitted now, under
     /// default holding: the requests that must start before it (held ahead
     /// of it in release order) beyond the slots free for it, each waiting
-    /// for a lease to end, at the model's mean lease duration spread over
-    /// its slots. Before any lease ended the duration comes from the
+    /// for a lease to end, at the mean lease of the grants whose ends free
+    /// a slot for it ([`ModelQueue::lease_for`]) spread over the slots. Before any lease ended the duration comes from the
     /// workers' step time and the request's expected output (its `osl`
     /// hint, else `max_tokens`). `None`: no prediction (holding is off, the
     /// workers' slots are unknown, or nothing is known of their speed).
@@ -478,11 +516,13 @@ impl State {
         if ahead < free {
             return Some(Duration::ZERO);
         }
-        let lease = model.lease_secs.or_else(|| {
-            let step = step_secs(name, &self.load)?;
-            let output = entry.desc.expected_output_tokens;
-            (output > 0).then(|| step * f64::from(output))
-        })?;
+        let lease = model
+            .lease_for(entry.desc.priority, preempts(name, &self.load))
+            .or_else(|| {
+                let step = step_secs(name, &self.load)?;
+                let output = entry.desc.expected_output_tokens;
+                (output > 0).then(|| step * f64::from(output))
+            })?;
         let ends_needed = (ahead + 1 - free) as f64;
         let secs = ends_needed * lease / cap.max(1) as f64;
         Some(Duration::from_secs_f64(secs.min(86_400.0)))

@@ -672,6 +672,52 @@ async fn a_cold_mesh_predicts_from_capacity_never_from_zero_and_then_from_leases
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_high_priority_prediction_counts_only_the_leases_that_free_its_slots() {
+    let mut cfg = config(Policy::Strict);
+    cfg.ttft_target_secs = 1.0;
+    let h = Harness::start(cfg);
+    h.queue.update_load(engine(2, true, 0));
+    // Priority-0 leases last 10 s (parked behind higher work), priority-3
+    // ones 0.2 s.
+    for (priority, lease) in [(0, 10_000), (3, 200)] {
+        let mut run: Vec<Ticket> = (0..2)
+            .map(|i| h.admit(sized(&format!("learn{priority}-{i}"), priority, 100)))
+            .collect();
+        for t in &mut run {
+            granted_soon(t, "a free slot").await;
+        }
+        tokio::time::sleep(Duration::from_millis(lease)).await;
+        drop(run);
+    }
+    // Both slots run priority 3 (and two priority-0 requests are parked).
+    let mut live: Vec<Ticket> = Vec::new();
+    for (i, priority) in [0, 0, 3, 3].into_iter().enumerate() {
+        let mut t = h.admit(sized(&format!("run{i}"), priority, 100));
+        granted_soon(&mut t, "granted").await;
+        live.push(t);
+    }
+    // A priority-3 slot frees every 0.1 s: nine held ones start within
+    // 0.9 s. The mean over every lease (9 s) would refuse the first.
+    for k in 0..9 {
+        live.push(h.admit(sized(&format!("held{k}"), 3, 100)));
+    }
+    assert_eq!(h.queue.stats().pending, 9);
+    let mut late = sized("late", 3, 100);
+    late.desc.ttft_target_ms = 500;
+    match h.queue.admit(late) {
+        Err(QueueError::TargetUnmeetable { predicted, .. }) => {
+            let ms = predicted.as_secs_f64() * 1000.0;
+            assert!(
+                (ms - 1000.0).abs() < 1.0,
+                "ten priority-3 lease ends: {ms} ms"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    drop(live);
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_held_request_leaves_when_it_could_no_longer_start_within_its_target() {
     let h = Harness::start(config(Policy::Fcfs));
     h.queue.update_load(engine(1, false, 0));
