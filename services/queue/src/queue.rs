@@ -88,7 +88,7 @@
 //! `--ttft-target-secs`. Under default holding the queue predicts a new
 //! request's wait ([`State::predict_wait`]): the held requests released
 //! before it beyond the slots free for it, each waiting for a lease to end,
-//! at the model's mean lease duration over its slots (before any lease
+//! at the mean lease of the grants that free a slot for it (before any lease
 //! ended: the workers' reported step time times the request's expected
 //! output; nothing known: no prediction, nothing refused). A request
 //! predicted to miss its target is refused at once (`TargetUnmeetable`);
@@ -460,7 +460,7 @@ impl Queue {
         let lead = st
             .models
             .get(&entry.desc.model)
-            .map_or(Duration::ZERO, ModelQueue::start_lead);
+            .map_or(Duration::ZERO, |m| m.start_lead(entry.desc.priority));
         if checked.is_ok()
             && let Some(predicted) = predicted
             && predicted + lead > target
@@ -629,7 +629,7 @@ impl Queue {
                 // An idle model goes, unless it served something: what it
                 // learned of the workers' speed stays for its next request.
                 st.models
-                    .retain(|_, m| !m.is_idle() || m.lease_secs.is_some());
+                    .retain(|_, m| !m.is_idle() || m.lease_secs.is_known());
                 let next_deadline = st.deadlines.first().map(|&(d, _)| d);
                 // Wake for whichever comes first: a deadline, a held-back
                 // update or a held-back report.

@@ -671,7 +671,10 @@ impl State {
         if let Some(model) = self.models.get_mut(&slot.entry.desc.model) {
             model.first_token(slot.fair.as_ref().map(|r| &*r.class), slot.express);
             if let Some(at) = slot.released_at {
-                model.started_after(Instant::now().saturating_duration_since(at));
+                model.started_after(
+                    slot.entry.desc.priority,
+                    Instant::now().saturating_duration_since(at),
+                );
             }
         }
         let priority = slot.entry.desc.priority;

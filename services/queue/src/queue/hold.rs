@@ -57,14 +57,35 @@ pub(crate) fn retry_after_secs(wait: Duration) -> Duration {
 /// Weight of the newest sample in a model's mean lease and start times.
 const LEASE_EWMA: f64 = 0.1;
 
-/// Adds `sample` to the exponential mean `mean` (in seconds; the first
-/// sample sets it).
-fn average(mean: &mut Option<f64>, sample: Duration) {
-    let secs = sample.as_secs_f64();
-    *mean = Some(match *mean {
-        Some(m) => m + LEASE_EWMA * (secs - m),
-        None => secs,
-    });
+/// Exponential means of a duration (in seconds; the first sample sets
+/// one), over every request of a model and by priority: on an engine that
+/// preempts, a low-priority request waits parked as long as higher ones
+/// keep coming, so its times say nothing of a higher one's.
+#[derive(Debug, Default)]
+pub(super) struct Means {
+    all: Option<f64>,
+    by_priority: BTreeMap<i32, f64>,
+}
+
+impl Means {
+    pub(super) fn add(&mut self, priority: i32, sample: Duration) {
+        let secs = sample.as_secs_f64();
+        let add = |m: f64| m + LEASE_EWMA * (secs - m);
+        self.all = Some(self.all.map_or(secs, add));
+        self.by_priority
+            .entry(priority)
+            .and_modify(|m| *m = add(*m))
+            .or_insert(secs);
+    }
+
+    /// The mean for `priority`, else over every request.
+    pub(super) fn of(&self, priority: i32) -> Option<f64> {
+        self.by_priority.get(&priority).copied().or(self.all)
+    }
+
+    pub(super) fn is_known(&self) -> bool {
+        self.all.is_some()
+    }
 }
 
 /// Neither `--queue-threshold` nor `--max-active` nor
@@ -309,16 +330,10 @@ pub(super) struct ModelQueue {
     /// Requests being placed or granted (`placing` + `active`), by
     /// priority.
     pub(super) running: BTreeMap<i32, usize>,
-    /// Mean time from grant to the lease's end, in seconds (an exponential
-    /// average; `None` until a lease ended).
-    pub(super) lease_secs: Option<f64>,
-    /// The same by priority: on an engine that preempts, a low-priority
-    /// lease lasts as long as higher ones keep it parked, and only leases
-    /// of at least a request's priority free a slot for it.
-    pub(super) lease_by_priority: BTreeMap<i32, f64>,
-    /// Mean time from release to the first token, in seconds (an
-    /// exponential average; `None` until a request started).
-    pub(super) start_secs: Option<f64>,
+    /// Mean time from grant to the lease's end.
+    pub(super) lease_secs: Means,
+    /// Mean time from release to the first token.
+    pub(super) start_secs: Means,
     /// Requests held or being placed, by priority: what this replica
     /// reports to the others as unplaced (a released request stays in it
     /// until the router has counted its placement, so no view shows it as
@@ -345,9 +360,8 @@ impl ModelQueue {
             published: None,
             drained: DrainRate::default(),
             running: BTreeMap::new(),
-            lease_secs: None,
-            lease_by_priority: BTreeMap::new(),
-            start_secs: None,
+            lease_secs: Means::default(),
+            start_secs: Means::default(),
             held_by_priority: BTreeMap::new(),
             starting: HashMap::new(),
             express: false,
@@ -423,27 +437,29 @@ impl ModelQueue {
         }
     }
 
-    /// A request released `took` ago produced its first token: it joins
-    /// the mean start time.
-    pub(super) fn started_after(&mut self, took: Duration) {
-        average(&mut self.start_secs, took);
+    /// A request of `priority` released `took` ago produced its first
+    /// token: it joins the mean start times.
+    pub(super) fn started_after(&mut self, priority: i32, took: Duration) {
+        self.start_secs.add(priority, took);
     }
 
-    /// How long before its TTFT target a held request must be released to
-    /// start in time: the mean time from release to first token.
-    pub(super) fn start_lead(&self) -> Duration {
-        Duration::from_secs_f64(self.start_secs.unwrap_or(0.0).clamp(0.0, 3600.0))
+    /// How long before its TTFT target a held request of `priority` must
+    /// be released to start in time: the mean time from release to first
+    /// token of its priority (a parked priority-0 request's says nothing
+    /// of a priority-3 one's).
+    pub(super) fn start_lead(&self, priority: i32) -> Duration {
+        Duration::from_secs_f64(
+            self.start_secs
+                .of(priority)
+                .unwrap_or(0.0)
+                .clamp(0.0, 3600.0),
+        )
     }
 
     /// A lease of `priority` granted `held` ago ended: it joins the mean
     /// lease durations.
     pub(super) fn lease_ended(&mut self, priority: i32, held: Duration) {
-        average(&mut self.lease_secs, held);
-        let mut mean = self.lease_by_priority.get(&priority).copied();
-        average(&mut mean, held);
-        if let Some(mean) = mean {
-            self.lease_by_priority.insert(priority, mean);
-        }
+        self.lease_secs.add(priority, held);
     }
 
     /// The mean lease of the grants whose ends free a slot for a request
@@ -456,7 +472,7 @@ impl ModelQueue {
         let from = if preempts { priority } else { i32::MIN };
         let (mut slots, mut ends_per_sec) = (0.0, 0.0);
         for (q, &n) in self.running.range(from..) {
-            if let Some(&lease) = self.lease_by_priority.get(q)
+            if let Some(&lease) = self.lease_secs.by_priority.get(q)
                 && lease > 0.0
             {
                 slots += n as f64;
@@ -466,11 +482,12 @@ impl ModelQueue {
         if ends_per_sec > 0.0 {
             return Some(slots / ends_per_sec);
         }
-        self.lease_by_priority
+        self.lease_secs
+            .by_priority
             .range(from..)
             .map(|(_, &l)| l)
             .reduce(f64::max)
-            .or(self.lease_secs)
+            .or(self.lease_secs.all)
     }
 
     pub(super) fn is_idle(&self) -> bool {

@@ -718,6 +718,35 @@ async fn a_high_priority_prediction_counts_only_the_leases_that_free_its_slots()
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_slow_start_of_low_priority_work_does_not_refuse_a_high_priority_request() {
+    let h = Harness::start(config(Policy::Strict));
+    h.queue.update_load(engine(4, true, 0));
+    // Priority-0 requests wait 2 s for their first token (parked behind
+    // higher work); priority-3 ones 50 ms.
+    for (priority, start) in [(0, 2000), (3, 50)] {
+        let mut t = h.admit(sized(&format!("learn{priority}"), priority, 100));
+        granted_soon(&mut t, "a free slot").await;
+        tokio::time::sleep(Duration::from_millis(start)).await;
+        t.started();
+        settle().await;
+        drop(t);
+    }
+    // A priority-3 request with a 1 s target starts in time: admitted.
+    let mut e = sized("interactive", 3, 100);
+    e.desc.ttft_target_ms = 1000;
+    let mut t = h.admit(e);
+    granted_soon(&mut t, "admitted and granted").await;
+    // A priority-0 one with the same target would start after 2 s.
+    let mut e = sized("batch", 0, 100);
+    e.desc.ttft_target_ms = 1000;
+    assert!(matches!(
+        h.queue.admit(e),
+        Err(QueueError::TargetUnmeetable { .. })
+    ));
+    drop(t);
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_held_request_leaves_when_it_could_no_longer_start_within_its_target() {
     let h = Harness::start(config(Policy::Fcfs));
     h.queue.update_load(engine(1, false, 0));
