@@ -698,7 +698,9 @@ impl Scheduler {
     /// sequence ends within the wait, the wait has not run out, and the
     /// next waiting sequence is a prompt to prefill (a parked victim or a
     /// remotely prefilled sequence resumes in a decode row, which costs no
-    /// prefill step) that outranks no running sequence.
+    /// prefill step) that outranks no running sequence. A parked victim
+    /// waits the same while higher-priority work runs, leaving the slot to
+    /// that work's next prompt.
     fn admission_waits(&self, plan: &Plan) -> bool {
         let wait = self.cfg.admission_wait_steps;
         let max = self.cfg.max_num_seqs;
@@ -707,14 +709,25 @@ impl Scheduler {
             return false;
         };
         let prefill = head.tokens.len() - head.num_computed > 1;
-        if wait == 0 || self.admission_waited >= wait || free == 0 || free * 4 >= max || !prefill {
+        if wait == 0 || self.admission_waited >= wait || free == 0 || free * 4 >= max {
             return false;
+        }
+        let running = || self.running.iter().map(|id| &self.seqs[id]);
+        if !prefill {
+            // A parked victim resumes in a decode row, no prefill step; but
+            // while work that outranks it still runs, the slot is most
+            // likely about to be taken by a prompt of that work, which would
+            // preempt it again at once and, outranking it, prefill alone
+            // instead of joining the next admissions. (A remotely prefilled
+            // sequence goes at once.)
+            return self.cfg.policy == SchedulingPolicy::Priority
+                && head.preemption.count > 0
+                && running().any(|s| s.priority > head.priority);
         }
         let prefilling = plan
             .sched
             .iter()
             .any(|(id, _)| self.seqs[id].pending_prefill() > 0);
-        let running = || self.running.iter().map(|id| &self.seqs[id]);
         let outranks = self.cfg.policy == SchedulingPolicy::Priority
             && running().any(|s| s.priority < head.priority);
         let slot_frees_soon = running().any(|s| {

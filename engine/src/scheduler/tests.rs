@@ -1064,7 +1064,7 @@ fn a_prompt_that_outranks_a_running_sequence_never_waits_for_a_slot() {
 }
 
 #[test]
-fn a_parked_victim_resumes_without_waiting_for_slots_about_to_free() {
+fn a_parked_victim_leaves_its_slot_to_the_work_that_outranks_it_then_resumes_at_once() {
     let mut c = cfg(8, 1000, SchedulingPolicy::Priority);
     c.admission_wait_steps = 3;
     let mut s = sched(c, 1024);
@@ -1075,15 +1075,22 @@ fn a_parked_victim_resumes_without_waiting_for_slots_about_to_free() {
     s.add(8, req_with(4, 20, 0, 80)).expect("valid");
     step(&mut s);
     // A higher priority takes the last arrival's slot; 7 ends in the same step.
-    s.add(9, req_with(4, 3, 1, 90)).expect("valid");
+    s.add(9, req_with(4, 2, 1, 90)).expect("valid");
     let (st, _) = step(&mut s);
     assert_eq!(
         (st.preempted.as_slice(), st.admitted.as_slice()),
         (&[8][..], &[9][..])
     );
-    // Six end within the wait, but 8 resumes in a decode row: no prefill
-    // step to share, so it takes the free slot at once.
+    // A slot is free, but 9 (priority 1) still runs: 8 leaves the slot to
+    // that work's next prompt rather than resume and be preempted again.
     let (st, _) = step(&mut s);
-    assert_eq!(st.admitted, vec![8]);
-    assert!(!st.admission_held);
+    assert!(st.admitted.is_empty() && st.admission_held);
+    s.add(10, req_with(4, 1, 1, 100)).expect("valid");
+    // The prompt takes the free slot (no preemption, its prefill shared
+    // with no victim's churn); 9 has ended meanwhile, and in the same pass
+    // 8 resumes in the slot it left, without waiting for the six about to
+    // end: a decode row has no prefill step to share.
+    let (st, _) = step(&mut s);
+    assert_eq!(st.admitted, vec![10, 8]);
+    assert!(st.preempted.is_empty() && !st.admission_held);
 }
