@@ -698,7 +698,11 @@ impl Scheduler {
     /// sequence ends within the wait, the wait has not run out, and the
     /// next waiting sequence is a prompt to prefill (a parked victim or a
     /// remotely prefilled sequence resumes in a decode row, which costs no
-    /// prefill step) that outranks no running sequence. A parked victim
+    /// prefill step) that is not above every running sequence: a prompt
+    /// alone at the top goes at once (an interactive request beside batch
+    /// work), one with work of its priority running batches with its peers
+    /// like any other (lower ones running too would otherwise make every
+    /// prompt of a busy band prefill alone). A parked victim
     /// waits the same while higher-priority work runs, leaving the slot to
     /// that work's next prompt.
     fn admission_waits(&self, plan: &Plan) -> bool {
@@ -728,14 +732,14 @@ impl Scheduler {
             .sched
             .iter()
             .any(|(id, _)| self.seqs[id].pending_prefill() > 0);
-        let outranks = self.cfg.policy == SchedulingPolicy::Priority
-            && running().any(|s| s.priority < head.priority);
+        let above_all = self.cfg.policy == SchedulingPolicy::Priority
+            && running().all(|s| s.priority < head.priority);
         let slot_frees_soon = running().any(|s| {
             s.sampling
                 .max_tokens
                 .is_some_and(|m| s.num_generated() + wait >= m)
         });
-        !prefilling && !outranks && slot_frees_soon
+        !prefilling && !above_all && slot_frees_soon
     }
 
     /// A waiting sequence not admitted after all gives back the cached

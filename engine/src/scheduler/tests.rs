@@ -1053,14 +1053,25 @@ fn admission_does_not_wait_when_no_slot_frees_soon_or_past_its_limit() {
 }
 
 #[test]
-fn a_prompt_that_outranks_a_running_sequence_never_waits_for_a_slot() {
+fn a_prompt_above_every_running_sequence_never_waits_for_a_slot() {
     let mut c = cfg(8, 1000, SchedulingPolicy::Priority);
     c.admission_wait_steps = 3;
     let mut s = nearly_full(c.clone(), &[5; 7], &[(9, 1)]);
     assert_eq!(step(&mut s).0.admitted, vec![9]);
     // Of the running sequences' priority, it waits like under fcfs.
-    let mut s = nearly_full(c, &[5; 7], &[(9, 0)]);
+    let mut s = nearly_full(c.clone(), &[5; 7], &[(9, 0)]);
     assert!(step(&mut s).0.admission_held);
+    // With work of its own priority running too (a busy band above lower
+    // work), it waits for its peers' slots like them.
+    c.max_num_seqs = 9;
+    let mut s = nearly_full(c, &[5; 7], &[(9, 1)]);
+    assert_eq!(step(&mut s).0.admitted, vec![9], "alone above everything");
+    s.add(10, req_with(4, 3, 1, 1010)).expect("valid");
+    let (st, _) = step(&mut s);
+    assert!(
+        st.admitted.is_empty() && st.admission_held,
+        "priority 1 runs now: it waits for the slots about to free"
+    );
 }
 
 #[test]
