@@ -124,3 +124,32 @@ def test_stop_string_ends_generation(client):
     r = client.completions.create(model="sluice-tiny", prompt="The river", max_tokens=24, temperature=0, stop=[stop])
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].text == text[: text.find(stop)]
+
+
+def test_max_tokens_beyond_the_context_is_a_400_naming_the_limit(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="sluice-tiny", messages=MESSAGES, max_tokens=10**9)
+    assert e.value.body["param"] == "max_tokens"
+    assert "at most" in str(e.value)
+    # Unset, it is whatever the context leaves (or the server's default).
+    r = client.chat.completions.create(model="sluice-tiny", messages=MESSAGES, temperature=0)
+    assert r.usage.completion_tokens > 0
+
+
+def test_a_client_request_id_is_echoed_but_never_becomes_the_completion_id(client):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(_):
+        raw = client.chat.completions.with_raw_response.create(
+            model="sluice-tiny",
+            messages=MESSAGES,
+            max_tokens=2,
+            extra_headers={"x-request-id": "shared-by-ten"},
+        )
+        assert raw.headers["x-request-id"] == "shared-by-ten"
+        return raw.parse().id
+
+    with ThreadPoolExecutor(10) as pool:
+        ids = list(pool.map(one, range(10)))
+    assert len(set(ids)) == 10, ids
+    assert not any("shared-by-ten" in i for i in ids)

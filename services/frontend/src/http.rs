@@ -120,12 +120,11 @@ async fn ready(State(p): State<Arc<Pipeline>>) -> Response {
     }
 }
 
-fn request_id(headers: &HeaderMap, prefix: &str) -> String {
-    headers
-        .get("x-request-id")
-        .and_then(|v| v.to_str().ok())
-        .map(|s| format!("{prefix}-{s}"))
-        .unwrap_or_else(|| format!("{prefix}-{}", uuid::Uuid::new_v4().simple()))
+/// A fresh id for a request. A client's `x-request-id` is never one: it is
+/// echoed and kept on the request's span (`x_request_id`), but clients
+/// reuse theirs across requests, and ids must not collide.
+fn request_id(prefix: &str) -> String {
+    format!("{prefix}-{}", uuid::Uuid::new_v4().simple())
 }
 
 fn header_priority(headers: &HeaderMap) -> Result<Option<i32>, FrontendError> {
@@ -217,7 +216,7 @@ async fn chat(
     body: Body,
 ) -> Response {
     let received = Instant::now();
-    let id = request_id(&headers, "chatcmpl");
+    let id = request_id("chatcmpl");
     let parsed = body_bytes(body, p.max_body_bytes)
         .and_then(|b| parse::<ChatRequest>(&b))
         .and_then(|r| r.into_params(id));
@@ -231,7 +230,7 @@ async fn completions(
     body: Body,
 ) -> Response {
     let received = Instant::now();
-    let id = request_id(&headers, "cmpl");
+    let id = request_id("cmpl");
     let parsed = body_bytes(body, p.max_body_bytes)
         .and_then(|b| parse::<CompletionRequest>(&b))
         .and_then(|r| r.into_params(id));
@@ -263,6 +262,7 @@ async fn serve(
         otel.name = api.endpoint(),
         otel.kind = "server",
         request_id = tracing::field::Empty,
+        x_request_id = headers.get("x-request-id").and_then(|v| v.to_str().ok()),
         priority = tracing::field::Empty,
         strict_priority = tracing::field::Empty,
         tenant = tracing::field::Empty,

@@ -382,8 +382,28 @@ impl Pipeline {
                 ),
             });
         }
+        let room = context.map(|c| c - prompt_ids.len());
         if params.sampling.max_tokens == 0 {
-            params.sampling.max_tokens = self.default_max_tokens;
+            // Unset: the default, within what the context leaves.
+            params.sampling.max_tokens = room.map_or(self.default_max_tokens, |r| {
+                self.default_max_tokens
+                    .min(u32::try_from(r).unwrap_or(u32::MAX))
+            });
+        } else if let Some(room) = room
+            && params.sampling.max_tokens as usize > room
+        {
+            // Asked for: more than fits is the client's mistake, as OpenAI
+            // answers it, not a silent clamp.
+            return Err(FrontendError::invalid(
+                "max_tokens",
+                format!(
+                    "max_tokens (or max_completion_tokens) is {}, but this model's context is {} \
+                     tokens and the prompt takes {}: at most {room} can be generated; lower it",
+                    params.sampling.max_tokens,
+                    context.unwrap_or_default(),
+                    prompt_ids.len()
+                ),
+            ));
         }
         if params.timeout.is_none() {
             params.timeout = Some(self.request_timeout);
