@@ -8,6 +8,8 @@
 //!   transformers renders it.
 //! - [`IncrementalDetokenizer`]: token ids in, whole-character text deltas
 //!   out, with stop strings.
+//! - [`grammar`]: JSON schemas, regexes and Lark grammars compiled to
+//!   token masks (llguidance), for structured outputs and tool calls.
 //! - [`train_byte_level_bpe`]: deterministic BPE training, for the built-in
 //!   model and tests.
 
@@ -17,6 +19,7 @@ pub mod block_hash;
 mod chat_template;
 mod detokenizer;
 mod error;
+pub mod grammar;
 mod hf_config;
 mod tokenizer;
 mod train;
