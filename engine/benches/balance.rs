@@ -437,6 +437,7 @@ fn run(sc: &Scenario, balance: bool, speedup: f64, placement: Option<&[usize]>) 
                     ..SamplingParams::greedy()
                 },
                 priority: 0,
+                constraint: None,
             };
             let arrived = Instant::now();
             let arrived_step = group.lockstep_steps();

@@ -56,6 +56,7 @@ impl Bench {
             prompt,
             sampling,
             priority: 0,
+            constraint: None,
         };
         self.s.add(id, req).expect("valid request");
     }
@@ -106,6 +107,7 @@ fn cached_admission(c: &mut Criterion) {
                 prompt: prompt.clone(),
                 sampling: sampling.clone(),
                 priority: 0,
+                constraint: None,
             };
             bench.s.add(id, req).expect("valid request");
             bench.step_once();

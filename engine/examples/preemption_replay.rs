@@ -151,6 +151,7 @@ fn replay(
                         ..SamplingParams::greedy()
                     },
                     priority,
+                    constraint: None,
                 },
             )?;
             next_arrival += 1;

@@ -123,6 +123,9 @@ pub struct EngineConfig {
     /// Data-parallel balance group and this engine's rank in it (used when
     /// `scheduler.balance_scheduling` is on).
     pub balance_group: Option<(Arc<BalanceGroup>, usize)>,
+    /// Compiles the grammars of structured outputs for this model's
+    /// vocabulary; `None`: requests with one are refused.
+    pub grammars: Option<sluice_tokens::grammar::Grammars>,
 }
 
 impl Default for EngineConfig {
@@ -135,6 +138,7 @@ impl Default for EngineConfig {
             event_ring_capacity: 10_000,
             eos_token_ids: Vec::new(),
             balance_group: None,
+            grammars: None,
         }
     }
 }

@@ -298,6 +298,7 @@ struct Shared {
     kv_arena: Option<Arc<KvArena>>,
     max_len: usize,
     vocab_size: usize,
+    grammars: Option<sluice_tokens::grammar::Grammars>,
     backend_name: &'static str,
     thread: parking_lot::Mutex<Option<std::thread::JoinHandle<()>>>,
 }
@@ -334,6 +335,7 @@ impl EngineHandle {
             events.clone(),
         );
         let sched = Scheduler::new(cfg.scheduler.clone(), kv, cfg.eos_token_ids.clone());
+        let grammars = cfg.grammars.clone();
         let max_len = sched.max_len();
         let (load_tx, load_rx) = watch::channel(sched.load());
         let (tx, rx) = std_mpsc::channel();
@@ -356,6 +358,7 @@ impl EngineHandle {
                 kv_arena,
                 max_len,
                 vocab_size,
+                grammars,
                 backend_name,
                 thread: parking_lot::Mutex::new(Some(thread)),
             }),
@@ -496,6 +499,11 @@ impl EngineHandle {
     /// Tokens in the model's vocabulary: every token id is below it.
     pub fn vocab_size(&self) -> usize {
         self.shared.vocab_size
+    }
+
+    /// Compiles structured-output grammars for this model, if it can.
+    pub fn grammars(&self) -> Option<&sluice_tokens::grammar::Grammars> {
+        self.shared.grammars.as_ref()
     }
 
     /// The backend's name ("cpu", "mocker", …).

@@ -11,6 +11,8 @@
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+use sluice_tokens::grammar::Allowed;
+
 use crate::error::EngineError;
 
 /// How to pick tokens for one request.
@@ -136,6 +138,8 @@ pub struct SampleContext<'a> {
     pub num_generated: usize,
     /// The model's EOS ids.
     pub eos_token_ids: &'a [u32],
+    /// The tokens its grammar allows, if it has one: every other is masked.
+    pub allowed: Option<&'a Allowed>,
 }
 
 /// A per-sequence sampler: owns the sequence's RNG, so one seed gives one
@@ -175,10 +179,28 @@ impl Sampler {
             .map(|&x| if x.is_nan() { f32::NEG_INFINITY } else { x })
             .collect();
         apply_repetition_penalty(&mut work, ctx.history, params.repetition_penalty);
+        if let Some(allowed) = ctx.allowed {
+            allowed.mask(&mut work);
+        }
         if ctx.num_generated < params.min_tokens {
-            for &t in ctx.eos_token_ids.iter().chain(&params.stop_token_ids) {
-                if let Some(x) = work.get_mut(t as usize) {
-                    *x = f32::NEG_INFINITY;
+            let ends: Vec<u32> = ctx
+                .eos_token_ids
+                .iter()
+                .chain(&params.stop_token_ids)
+                .copied()
+                .collect();
+            // A grammar that allows only an end keeps it: `min_tokens` does
+            // not push the output past what the grammar accepts.
+            let other_left = ctx.allowed.is_none()
+                || work
+                    .iter()
+                    .enumerate()
+                    .any(|(i, x)| x.is_finite() && !ends.contains(&(i as u32)));
+            if other_left {
+                for &t in &ends {
+                    if let Some(x) = work.get_mut(t as usize) {
+                        *x = f32::NEG_INFINITY;
+                    }
                 }
             }
         }
@@ -355,6 +377,7 @@ mod tests {
             history,
             num_generated: 0,
             eos_token_ids: &[],
+            allowed: None,
         }
     }
 
@@ -450,6 +473,7 @@ mod tests {
             history: &[],
             num_generated: 1,
             eos_token_ids: &[0],
+            allowed: None,
         };
         assert_eq!(s.sample(&l, &p, c).token, 1);
         let c = SampleContext {

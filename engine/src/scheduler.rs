@@ -50,6 +50,9 @@ mod sequence;
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Bound::{Excluded, Unbounded};
+use std::sync::mpsc as std_mpsc;
+
+use sluice_tokens::grammar::{Allowed, Constraint, GrammarError};
 
 pub use sequence::{FinishReason, Finished, Preemption, Request, StepOutput, Usage};
 use sequence::{Sequence, Status};
@@ -59,6 +62,9 @@ use crate::config::{SchedulerConfig, SchedulingPolicy};
 use crate::error::EngineError;
 use crate::kv::{KvCache, SeqId};
 use crate::sampler::{PositionLogprobs, SampleContext};
+
+/// A constraint back from computing its mask, with the mask.
+type Masked = (Constraint, Result<Allowed, GrammarError>);
 
 /// One sequence's share of a scheduled step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -159,6 +165,9 @@ pub struct RemoteReservation {
 #[derive(Debug)]
 pub struct Scheduler {
     cfg: SchedulerConfig,
+    /// Grammar masks of this step's constrained rows, computed on the rayon
+    /// pool while the backend runs the forward pass; taken in `update`.
+    masks: HashMap<SeqId, std_mpsc::Receiver<Masked>>,
     eos_token_ids: Vec<u32>,
     kv: KvCache,
     /// `min(max_model_len, KV capacity in tokens)`.
@@ -184,6 +193,7 @@ impl Scheduler {
     pub fn new(cfg: SchedulerConfig, kv: KvCache, eos_token_ids: Vec<u32>) -> Self {
         let max_len = cfg.max_model_len.min(kv.num_blocks() * kv.block_size());
         Self {
+            masks: HashMap::new(),
             cfg,
             eos_token_ids,
             kv,
@@ -266,6 +276,7 @@ impl Scheduler {
     /// Removes a sequence in any state and frees its blocks. Returns its
     /// usage, or `None` if it is unknown (already finished).
     pub fn abort(&mut self, id: SeqId) -> Option<Usage> {
+        self.masks.remove(&id);
         let seq = self.seqs.remove(&id)?;
         match seq.status {
             Status::Waiting => {
@@ -445,7 +456,38 @@ impl Scheduler {
         let deferred = self.schedule_running(&mut plan);
         self.admit_waiting(&mut plan, deferred);
         self.top_up(&mut plan);
-        self.build_batch(plan)
+        let step = self.build_batch(plan);
+        self.start_masks(&step);
+        step
+    }
+
+    /// Starts computing the grammar mask of every constrained row that
+    /// samples this step, off the engine thread, so it overlaps the
+    /// forward pass (the mask depends only on tokens already chosen).
+    fn start_masks(&mut self, step: &ScheduledStep) {
+        for s in step.seqs.iter().filter(|s| s.needs_logits) {
+            let Some(seq) = self.seqs.get_mut(&s.seq_id) else {
+                continue;
+            };
+            let Some(mut constraint) = seq.constraint.take() else {
+                continue;
+            };
+            let (tx, rx) = std_mpsc::channel();
+            rayon::spawn(move || {
+                let allowed = constraint.allowed();
+                let _ = tx.send((constraint, allowed));
+            });
+            self.masks.insert(s.seq_id, rx);
+        }
+    }
+
+    /// The mask started for `id` this step, its constraint back in place.
+    fn take_mask(&mut self, id: SeqId) -> Option<Result<Allowed, GrammarError>> {
+        let (constraint, allowed) = self.masks.remove(&id)?.recv().ok()?;
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            seq.constraint = Some(constraint);
+        }
+        Some(allowed)
     }
 
     /// `long_prefill_token_threshold` where it applies: set, with chunked
@@ -820,7 +862,23 @@ impl Scheduler {
             if !s.needs_logits {
                 continue;
             }
+            let mask = self.take_mask(s.seq_id);
+            let Some(seq) = self.seqs.get_mut(&s.seq_id) else {
+                continue;
+            };
+            let allowed = match mask {
+                Some(Ok(allowed)) => Some(allowed),
+                Some(Err(e)) => {
+                    tracing::warn!(seq = s.seq_id, error = %e, "grammar failed; the request ends");
+                    None
+                }
+                None => None,
+            };
+            let grammar_failed =
+                seq.constrained && allowed.is_none() && matches!(out, ForwardOutput::Logits { .. });
             let (token, logprobs) = match &out {
+                // A backend that picks its tokens (the mocker) samples
+                // nothing: no grammar applies.
                 ForwardOutput::Tokens(t) => (t[row], None),
                 ForwardOutput::Logits { vocab_size, data } => {
                     let logits = &data[row * vocab_size..(row + 1) * vocab_size];
@@ -828,13 +886,22 @@ impl Scheduler {
                         history: &seq.tokens,
                         num_generated: seq.num_generated(),
                         eos_token_ids: &self.eos_token_ids,
+                        allowed: allowed.as_ref(),
                     };
                     let sampled = seq.sampler.sample(logits, &seq.sampling, ctx);
                     (sampled.token, sampled.logprobs)
                 }
             };
+            let rejected = match (&allowed, seq.constraint.as_mut()) {
+                (Some(_), Some(c)) => c.accept(token).is_err(),
+                _ => false,
+            };
             seq.push_token(token);
-            let reason = stop_reason(seq, token, &self.eos_token_ids, self.max_len);
+            let reason = if grammar_failed || rejected {
+                Some(FinishReason::Error)
+            } else {
+                stop_reason(seq, token, &self.eos_token_ids, self.max_len)
+            };
             let finished = reason.map(|reason| Finished {
                 reason,
                 usage: seq.usage(),

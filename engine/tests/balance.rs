@@ -30,6 +30,7 @@ fn request(prompt: Vec<u32>, max_tokens: usize) -> Request {
             ..SamplingParams::greedy()
         },
         priority: 0,
+        constraint: None,
     }
 }
 

@@ -524,6 +524,7 @@ fn request(prompt: Vec<u32>, max_tokens: usize, priority: i32) -> Request {
             ..SamplingParams::greedy()
         },
         priority,
+        constraint: None,
     }
 }
 

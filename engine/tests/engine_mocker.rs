@@ -54,6 +54,7 @@ fn req(prompt: Vec<u32>, max_tokens: usize) -> Request {
             ..SamplingParams::greedy()
         },
         priority: 0,
+        constraint: None,
     }
 }
 

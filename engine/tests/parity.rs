@@ -315,6 +315,7 @@ async fn engine_greedy_generation_reproduces_transformers_tokens() {
                 ..SamplingParams::greedy()
             },
             priority: 0,
+            constraint: None,
         };
         // Two at once (batched, chunked), then one served from the prefix cache.
         let first = engine.generate(request("a")).expect("valid request");

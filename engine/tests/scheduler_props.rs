@@ -225,6 +225,7 @@ impl Harness {
                 ..SamplingParams::greedy()
             },
             priority,
+            constraint: None,
         }
     }
 

@@ -4,6 +4,7 @@
 //! (request, finish reason, usage, preemption cost) the engine hands back.
 
 use sluice_tokens::BlockHashes;
+use sluice_tokens::grammar::Constraint;
 
 use crate::sampler::{PositionLogprobs, Sampler, SamplingParams};
 
@@ -16,6 +17,9 @@ pub struct Request {
     pub sampling: SamplingParams,
     /// Higher = more important (used by [`SchedulingPolicy::Priority`](crate::SchedulingPolicy)).
     pub priority: i32,
+    /// The grammar its output must stay within (structured outputs, tool
+    /// calls): every token outside it is masked before sampling.
+    pub constraint: Option<Constraint>,
 }
 
 /// Why a sequence stopped.
@@ -108,6 +112,11 @@ pub(crate) struct Sequence {
     /// Prefill only: keep the blocks when the first token is out.
     pub(crate) hold_on_finish: bool,
     pub(crate) preemption: Preemption,
+    /// Its grammar; `None` while its mask is being computed beside the
+    /// forward pass (see [`crate::scheduler::Scheduler::schedule`]).
+    pub(crate) constraint: Option<Constraint>,
+    /// Whether it has a grammar at all.
+    pub(crate) constrained: bool,
 }
 
 impl Sequence {
@@ -131,6 +140,8 @@ impl Sequence {
             status: Status::Waiting,
             hold_on_finish,
             preemption: Preemption::default(),
+            constrained: req.constraint.is_some(),
+            constraint: req.constraint,
         }
     }
 

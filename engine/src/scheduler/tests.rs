@@ -38,6 +38,7 @@ fn req_with(prompt_len: usize, max_tokens: usize, priority: i32, base: u32) -> R
             ..SamplingParams::greedy()
         },
         priority,
+        constraint: None,
     }
 }
 

@@ -12,6 +12,7 @@ use sluice_engine::{
     SchedulingPolicy,
 };
 use sluice_tokens::Tokenizer;
+use sluice_tokens::grammar::Grammars;
 
 use crate::error::WorkerError;
 
@@ -359,6 +360,16 @@ impl WorkerArgs {
                 eos.push(id);
             }
         }
+        // Structured outputs need every token's bytes; a tokenizer that
+        // cannot give them leaves the model without (requests asking for
+        // one are refused, naming why).
+        let grammars = match Grammars::new(&tokenizer, model.vocab_size) {
+            Ok(g) => Some(g),
+            Err(e) => {
+                tracing::warn!(error = %e, "structured outputs are off for this model");
+                None
+            }
+        };
         let positions = match self.engine {
             EngineKind::Mocker => usize::MAX,
             _ => model.max_position_embeddings,
@@ -422,6 +433,7 @@ impl WorkerArgs {
             event_ring_capacity: self.event_ring_capacity,
             eos_token_ids: eos,
             balance_group,
+            grammars,
         };
         Ok(EngineHandle::spawn(backend, cfg)?)
     }

@@ -5,6 +5,7 @@ use sluice_engine as engine;
 use sluice_proto::common::v1 as common;
 use sluice_proto::worker::v1 as pb;
 use sluice_runtime::limits;
+use sluice_tokens::grammar::{Constraint, GrammarSpec};
 
 use crate::error::WorkerError;
 
@@ -70,7 +71,57 @@ pub(crate) fn request(
         prompt: r.prompt_token_ids.clone(),
         sampling: sampling(r.sampling.clone()),
         priority: r.priority,
+        constraint: constraint(r.sampling.as_ref(), engine)?,
     })
+}
+
+const STRUCTURED: &str = "sampling.structured_output";
+
+/// The grammar a request's output must match, from the wire.
+pub(crate) fn grammar_spec(
+    s: &common::StructuredOutput,
+) -> Result<Option<GrammarSpec>, WorkerError> {
+    use common::structured_output::Kind;
+    let bad = |message: String| WorkerError::InvalidArgument {
+        field: STRUCTURED,
+        message,
+    };
+    Ok(match &s.kind {
+        None | Some(Kind::JsonObject(false)) => None,
+        Some(Kind::JsonObject(true)) => Some(GrammarSpec::JsonObject),
+        Some(Kind::JsonSchema(text)) => Some(GrammarSpec::JsonSchema(
+            serde_json::from_str(text)
+                .map_err(|e| bad(format!("json_schema is not valid JSON: {e}")))?,
+        )),
+        Some(Kind::Regex(rx)) => Some(GrammarSpec::Regex(rx.clone())),
+        Some(Kind::Lark(lark)) => Some(GrammarSpec::Lark(lark.clone())),
+    })
+}
+
+/// A compiled constraint for a request that asks for structured output.
+fn constraint(
+    s: Option<&common::SamplingParams>,
+    engine: &engine::EngineHandle,
+) -> Result<Option<Constraint>, WorkerError> {
+    let Some(spec) = s
+        .and_then(|s| s.structured_output.as_ref())
+        .map(grammar_spec)
+        .transpose()?
+        .flatten()
+    else {
+        return Ok(None);
+    };
+    let grammars = engine.grammars().ok_or(WorkerError::InvalidArgument {
+        field: STRUCTURED,
+        message: "this model's tokenizer cannot constrain decoding (neither byte-level BPE nor byte fallback)".into(),
+    })?;
+    grammars
+        .constrain(&spec)
+        .map(Some)
+        .map_err(|e| WorkerError::InvalidArgument {
+            field: STRUCTURED,
+            message: e.to_string(),
+        })
 }
 
 /// One generated position's logprobs on the wire: the only engine → wire

@@ -171,6 +171,15 @@ impl RemotePrefill for Disagg {
             .prompt
             .len()
             .saturating_sub(engine.cached_prefix_tokens(&engine_req.prompt));
+        // A grammar's first token is sampled where the prompt is computed:
+        // a constrained request keeps its prefill here.
+        if engine_req.constraint.is_some() {
+            core.metrics
+                .remote_prefill
+                .with_label_values(&["local_constrained"])
+                .inc();
+            return None;
+        }
         if uncached <= self.max_local_prefill_length {
             core.metrics
                 .remote_prefill
@@ -433,6 +442,7 @@ mod tests {
             prompt: (1..=64).collect(),
             sampling: SamplingParams::greedy(),
             priority: 0,
+            constraint: None,
         };
         e.reserve_remote(req).await.expect("slot")
     }

@@ -187,6 +187,7 @@ pub async fn serve(
         prompt_limits: limits,
         tokenize_slots: Arc::new(tokio::sync::Semaphore::new(tokenize_concurrency)),
         max_body_bytes: args.max_body_bytes,
+        grammars: std::sync::OnceLock::new(),
     });
     let server = GrpcServer::new()
         .map_err(FrontendError::startup("building the gRPC server"))?

@@ -126,7 +126,53 @@ pub(crate) struct ChatRequest {
     #[serde(default)]
     pub repetition_penalty: Option<f32>,
     #[serde(default)]
+    pub response_format: Option<ResponseFormat>,
+    #[serde(default)]
     pub nvext: Option<Nvext>,
+}
+
+/// `response_format`: free text, any JSON object, or JSON valid against a
+/// schema, enforced while decoding.
+#[derive(Debug, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub(crate) enum ResponseFormat {
+    Text,
+    JsonObject,
+    JsonSchema { json_schema: JsonSchemaFormat },
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct JsonSchemaFormat {
+    #[allow(dead_code)]
+    pub name: String,
+    #[serde(default)]
+    #[allow(dead_code)]
+    pub description: Option<String>,
+    #[serde(default)]
+    pub schema: Option<Value>,
+    /// Always enforced: decoding cannot leave the schema either way.
+    #[serde(default)]
+    #[allow(dead_code)]
+    pub strict: Option<bool>,
+}
+
+impl ResponseFormat {
+    /// On the wire; `None` for free text.
+    fn to_wire(&self) -> Option<common::StructuredOutput> {
+        use common::structured_output::Kind;
+        let kind = match self {
+            Self::Text => return None,
+            Self::JsonObject => Kind::JsonObject(true),
+            Self::JsonSchema { json_schema } => Kind::JsonSchema(
+                json_schema
+                    .schema
+                    .as_ref()
+                    .map_or_else(|| "{}".to_owned(), Value::to_string),
+            ),
+        };
+        Some(common::StructuredOutput { kind: Some(kind) })
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -205,6 +251,8 @@ pub(crate) struct CompletionRequest {
     pub min_tokens: Option<u32>,
     #[serde(default)]
     pub repetition_penalty: Option<f32>,
+    #[serde(default)]
+    pub response_format: Option<ResponseFormat>,
     #[serde(default)]
     pub nvext: Option<Nvext>,
 }
@@ -338,6 +386,7 @@ struct Common {
     repetition_penalty: Option<f32>,
     logprobs: bool,
     top_logprobs: u32,
+    structured_output: Option<common::StructuredOutput>,
 }
 
 fn sampling(c: &Common) -> Result<common::SamplingParams, FrontendError> {
@@ -423,6 +472,7 @@ fn sampling(c: &Common) -> Result<common::SamplingParams, FrontendError> {
         repetition_penalty: c.repetition_penalty,
         top_logprobs: c.top_logprobs,
         logprobs: c.logprobs,
+        structured_output: c.structured_output.clone(),
     };
     // The rules every boundary applies (the checks above name the API's
     // own fields; these keep HTTP, gRPC and the workers in step).
@@ -520,6 +570,10 @@ impl ChatRequest {
             repetition_penalty: self.repetition_penalty,
             logprobs,
             top_logprobs: self.top_logprobs.unwrap_or(0),
+            structured_output: self
+                .response_format
+                .as_ref()
+                .and_then(ResponseFormat::to_wire),
         };
         let sampling = sampling(&common)?;
         let messages = self
@@ -605,6 +659,10 @@ impl CompletionRequest {
             repetition_penalty: self.repetition_penalty,
             logprobs: self.logprobs.is_some(),
             top_logprobs: self.logprobs.unwrap_or(0),
+            structured_output: self
+                .response_format
+                .as_ref()
+                .and_then(ResponseFormat::to_wire),
         };
         let sampling = sampling(&common)?;
         Ok((

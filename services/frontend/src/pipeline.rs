@@ -21,6 +21,7 @@ use sluice_proto::common::v1 as common;
 use sluice_proto::queue::v1 as qpb;
 use sluice_proto::worker::v1 as wpb;
 use sluice_runtime::RequestDescription;
+use sluice_tokens::grammar::{GrammarSpec, Grammars};
 use sluice_tokens::{ChatTemplate, IncrementalDetokenizer, Tokenizer};
 use tracing::{Instrument, Span};
 
@@ -71,6 +72,9 @@ pub(crate) struct Pipeline {
     pub tokenize_slots: Arc<tokio::sync::Semaphore>,
     /// `--max-body-bytes`.
     pub max_body_bytes: usize,
+    /// Compiles structured-output grammars to check them before a request
+    /// is queued (built on first use; the worker compiles its own).
+    pub grammars: std::sync::OnceLock<Result<Grammars, String>>,
 }
 
 impl Pipeline {
@@ -311,6 +315,43 @@ impl Pipeline {
             && self.routers.count("") > 0
     }
 
+    /// A request's `response_format` compiles for this model, or a 400
+    /// naming what is wrong with it.
+    fn check_structured_output(&self, params: &GenerateParams) -> Result<(), FrontendError> {
+        use sluice_proto::common::v1::structured_output::Kind;
+        let Some(kind) = params
+            .sampling
+            .structured_output
+            .as_ref()
+            .and_then(|s| s.kind.as_ref())
+        else {
+            return Ok(());
+        };
+        let param = "response_format";
+        let spec = match kind {
+            Kind::JsonObject(false) => return Ok(()),
+            Kind::JsonObject(true) => GrammarSpec::JsonObject,
+            Kind::JsonSchema(text) => {
+                GrammarSpec::JsonSchema(serde_json::from_str(text).map_err(|e| {
+                    FrontendError::invalid(param, format!("the JSON schema is not valid JSON: {e}"))
+                })?)
+            }
+            Kind::Regex(rx) => GrammarSpec::Regex(rx.clone()),
+            Kind::Lark(lark) => GrammarSpec::Lark(lark.clone()),
+        };
+        let grammars = self
+            .grammars
+            .get_or_init(|| {
+                Grammars::new(&self.tokenizer, self.tokenizer.vocab_size())
+                    .map_err(|e| e.to_string())
+            })
+            .as_ref()
+            .map_err(|e| FrontendError::invalid(param, e.clone()))?;
+        grammars.constrain(&spec).map(drop).map_err(|e| {
+            FrontendError::invalid(param, format!("the schema cannot be enforced: {e}"))
+        })
+    }
+
     /// The context a prompt must fit, output included (see
     /// [`crate::prompt::PromptLimits::context`]).
     fn context_len(&self) -> Option<usize> {
@@ -340,6 +381,7 @@ impl Pipeline {
             self.tokenizer.vocab_size(),
         )
         .map_err(|e| FrontendError::invalid(e.field, e.message))?;
+        self.check_structured_output(&params)?;
         let context = self.context_len();
         let (param, bytes) = match &params.prompt {
             Prompt::Text(t) => ("prompt", t.len()),

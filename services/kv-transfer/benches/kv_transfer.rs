@@ -202,6 +202,7 @@ fn request(n: usize, salt: u32) -> sluice_engine::Request {
             .collect(),
         sampling: sluice_engine::SamplingParams::default(),
         priority: 0,
+        constraint: None,
     }
 }
 

@@ -68,6 +68,7 @@ fn request(blocks: usize, salt: u32) -> sluice_engine::Request {
             .collect(),
         sampling: sluice_engine::SamplingParams::default(),
         priority: 0,
+        constraint: None,
     }
 }
 

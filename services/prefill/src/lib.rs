@@ -153,6 +153,7 @@ async fn compute(
         prompt: req.prompt_token_ids.clone(),
         sampling: sluice_decode::wire_sampling(req.sampling.clone()),
         priority: req.priority,
+        constraint: None,
     };
     let bs = engine.kv_layout().block_size;
     let mut unplaced = (!req.placed).then(|| {

@@ -337,6 +337,7 @@ async fn replay(mode: Mode, reqs: &[TraceRequest]) -> Vec<Outcome> {
                     ..SamplingParams::default()
                 },
                 priority: 0,
+                constraint: None,
             })
             .expect("generate");
         let sent = Instant::now();
