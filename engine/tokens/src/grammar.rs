@@ -317,4 +317,37 @@ mod tests {
             .expect_err("does not compile");
         assert!(!err.to_string().is_empty());
     }
+
+    #[test]
+    fn a_required_tool_call_is_well_formed_in_every_family_and_parses_back() {
+        use crate::tools::{ToolDef, ToolFormat};
+        let (tok, g) = grammars();
+        let tools = vec![
+            ToolDef {
+                name: "get_weather".into(),
+                description: None,
+                parameters: Some(json!({
+                    "type": "object",
+                    "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 3}},
+                    "required": ["n"],
+                    "additionalProperties": false
+                })),
+            },
+            ToolDef {
+                name: "noop".into(),
+                description: None,
+                parameters: Some(json!({"type": "object", "properties": {}, "additionalProperties": false})),
+            },
+        ];
+        for format in [ToolFormat::Hermes, ToolFormat::Llama3Json, ToolFormat::Mistral] {
+            let spec = format.grammar(&tools, Some("get_weather"), false).expect("grammar");
+            let mut c = g.constrain(&spec).unwrap_or_else(|e| panic!("{format:?}: {e}"));
+            let text = walk(&tok, &mut c, 200);
+            let parsed = format.parse(&text);
+            assert_eq!(parsed.calls.len(), 1, "{format:?}: {text}");
+            assert_eq!(parsed.calls[0].name, "get_weather");
+            let args: Value = serde_json::from_str(&parsed.calls[0].arguments).expect("JSON");
+            assert!(args["n"].as_i64().is_some_and(|n| (1..=3).contains(&n)), "{text}");
+        }
+    }
 }

@@ -22,6 +22,7 @@ mod error;
 pub mod grammar;
 mod hf_config;
 mod tokenizer;
+pub mod tools;
 mod train;
 
 pub use block_hash::{BlockHashes, HASH_SEED, local_block_hash, sequence_block_hashes};
