@@ -30,6 +30,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::TokensError;
 use crate::hf_config::{CHAT_TEMPLATE_JINJA, JsonFile, TOKENIZER_CONFIG_JSON, read_text_optional};
+use crate::tools::ToolFormat;
 
 /// The template used when a model declares none: ChatML, with string
 /// content or OpenAI-style content parts (their `text` concatenated).
@@ -53,6 +54,13 @@ pub struct ChatMessage {
     pub role: String,
     /// The message text.
     pub content: String,
+    /// An assistant turn's calls (OpenAI's `tool_calls`, each function's
+    /// `arguments` an object, as templates read them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    /// A `tool` turn's answer is to this call.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
 }
 
 impl ChatMessage {
@@ -61,6 +69,8 @@ impl ChatMessage {
         Self {
             role: role.into(),
             content: content.into(),
+            tool_calls: None,
+            tool_call_id: None,
         }
     }
 }
@@ -82,6 +92,10 @@ pub struct ChatRenderOptions {
 pub struct ChatTemplate {
     env: Arc<Environment<'static>>,
     has_tool_use: bool,
+    /// Whether a template reads `tools` (else tools go in a system prompt).
+    takes_tools: bool,
+    /// The tool-call format its sources write.
+    tool_format: ToolFormat,
     bos_token: String,
     eos_token: String,
     is_fallback: bool,
@@ -167,6 +181,9 @@ impl ChatTemplate {
         env.add_filter("tojson", tojson);
         env.set_formatter(python_formatter);
         let mut has_tool_use = false;
+        let takes_tools = templates.iter().any(|(_, s)| s.contains("tools"));
+        let all: String = templates.iter().map(|(_, s)| s.as_str()).collect();
+        let tool_format = ToolFormat::detect(&all);
         for (name, source) in templates {
             has_tool_use |= name == TOOL_USE_NAME;
             env.add_template_owned(name, source)
@@ -175,6 +192,8 @@ impl ChatTemplate {
         Ok(Self {
             env: Arc::new(env),
             has_tool_use,
+            takes_tools,
+            tool_format,
             bos_token: bos_token.to_string(),
             eos_token: eos_token.to_string(),
             is_fallback,
@@ -250,6 +269,16 @@ impl ChatTemplate {
     /// Whether the model declared no template and the ChatML fallback is used.
     pub fn is_fallback(&self) -> bool {
         self.is_fallback
+    }
+
+    /// Whether the template renders `tools` itself.
+    pub fn takes_tools(&self) -> bool {
+        self.takes_tools
+    }
+
+    /// How this model family writes tool calls, read from its template.
+    pub fn tool_format(&self) -> ToolFormat {
+        self.tool_format
     }
 }
 

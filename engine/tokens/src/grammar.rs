@@ -336,18 +336,31 @@ mod tests {
             ToolDef {
                 name: "noop".into(),
                 description: None,
-                parameters: Some(json!({"type": "object", "properties": {}, "additionalProperties": false})),
+                parameters: Some(
+                    json!({"type": "object", "properties": {}, "additionalProperties": false}),
+                ),
             },
         ];
-        for format in [ToolFormat::Hermes, ToolFormat::Llama3Json, ToolFormat::Mistral] {
-            let spec = format.grammar(&tools, Some("get_weather"), false).expect("grammar");
-            let mut c = g.constrain(&spec).unwrap_or_else(|e| panic!("{format:?}: {e}"));
+        for format in [
+            ToolFormat::Hermes,
+            ToolFormat::Llama3Json,
+            ToolFormat::Mistral,
+        ] {
+            let spec = format
+                .grammar(&tools, Some("get_weather"), false)
+                .expect("grammar");
+            let mut c = g
+                .constrain(&spec)
+                .unwrap_or_else(|e| panic!("{format:?}: {e}"));
             let text = walk(&tok, &mut c, 200);
             let parsed = format.parse(&text);
             assert_eq!(parsed.calls.len(), 1, "{format:?}: {text}");
             assert_eq!(parsed.calls[0].name, "get_weather");
             let args: Value = serde_json::from_str(&parsed.calls[0].arguments).expect("JSON");
-            assert!(args["n"].as_i64().is_some_and(|n| (1..=3).contains(&n)), "{text}");
+            assert!(
+                args["n"].as_i64().is_some_and(|n| (1..=3).contains(&n)),
+                "{text}"
+            );
         }
     }
 }

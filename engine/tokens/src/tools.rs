@@ -105,7 +105,8 @@ impl ToolFormat {
                 None => "tool_choice needs at least one tool".to_owned(),
             });
         }
-        let options = json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "});
+        let options =
+            json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "});
         let call = json!({"anyOf": calls, "x-guidance": options});
         let lark = match self {
             Self::Hermes => {
@@ -226,7 +227,11 @@ fn parse_hermes(output: &str) -> Parsed {
     while let Some(start) = rest.find(OPEN) {
         let after = &rest[start + OPEN.len()..];
         let (body, whole, next) = match after.find(CLOSE) {
-            Some(end) => (&after[..end], end + CLOSE.len(), &after[end + CLOSE.len()..]),
+            Some(end) => (
+                &after[..end],
+                end + CLOSE.len(),
+                &after[end + CLOSE.len()..],
+            ),
             None => (after, after.len(), ""),
         };
         match serde_json::from_str::<Value>(body.trim())
@@ -281,12 +286,13 @@ fn parse_mistral(output: &str) -> Parsed {
         };
     };
     let body = output[start + OPEN.len()..].trim();
-    let calls: Option<Vec<ParsedCall>> = serde_json::from_str::<Value>(body)
-        .ok()
-        .and_then(|v| match v {
-            Value::Array(items) => items.iter().map(|i| call_of(i, "arguments")).collect(),
-            one => call_of(&one, "arguments").map(|c| vec![c]),
-        });
+    let calls: Option<Vec<ParsedCall>> =
+        serde_json::from_str::<Value>(body)
+            .ok()
+            .and_then(|v| match v {
+                Value::Array(items) => items.iter().map(|i| call_of(i, "arguments")).collect(),
+                one => call_of(&one, "arguments").map(|c| vec![c]),
+            });
     match calls {
         Some(calls) => Parsed {
             content: output[..start].trim().to_owned(),
@@ -359,9 +365,15 @@ mod tests {
             let got: Vec<(String, Value)> = parsed
                 .calls
                 .iter()
-                .map(|c| (c.name.clone(), serde_json::from_str(&c.arguments).expect("JSON args")))
+                .map(|c| {
+                    (
+                        c.name.clone(),
+                        serde_json::from_str(&c.arguments).expect("JSON args"),
+                    )
+                })
                 .collect();
-            let want: Vec<(String, Value)> = want.into_iter().map(|(n, a)| (n.to_owned(), a)).collect();
+            let want: Vec<(String, Value)> =
+                want.into_iter().map(|(n, a)| (n.to_owned(), a)).collect();
             assert_eq!(got, want, "{format:?}: {output}");
         }
         let p = ToolFormat::Hermes.parse(&recorded()[1].1);
@@ -410,7 +422,9 @@ mod tests {
             ToolDef {
                 name: "get_weather".into(),
                 description: None,
-                parameters: Some(json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})),
+                parameters: Some(
+                    json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}),
+                ),
             },
             ToolDef {
                 name: "add".into(),
@@ -418,12 +432,22 @@ mod tests {
                 parameters: None,
             },
         ];
-        let GrammarSpec::Lark(g) = ToolFormat::Hermes.grammar(&tools, Some("add"), false).expect("grammar") else {
+        let GrammarSpec::Lark(g) = ToolFormat::Hermes
+            .grammar(&tools, Some("add"), false)
+            .expect("grammar")
+        else {
             panic!("lark")
         };
         assert!(g.contains("\"add\"") && !g.contains("get_weather"));
-        assert!(ToolFormat::Hermes.grammar(&tools, Some("nope"), false).is_err());
-        assert_eq!(ToolFormat::detect("{{ '[TOOL_CALLS]' }}"), ToolFormat::Mistral);
+        assert!(
+            ToolFormat::Hermes
+                .grammar(&tools, Some("nope"), false)
+                .is_err()
+        );
+        assert_eq!(
+            ToolFormat::detect("{{ '[TOOL_CALLS]' }}"),
+            ToolFormat::Mistral
+        );
         assert_eq!(ToolFormat::detect("<|python_tag|>"), ToolFormat::Llama3Json);
         assert_eq!(ToolFormat::detect("<tool_call>"), ToolFormat::Hermes);
     }

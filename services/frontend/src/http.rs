@@ -3,6 +3,7 @@
 //! [`Pipeline`]; errors render through [`FrontendError`].
 
 use sluice_proto::common::v1::FinishReason;
+use sluice_tokens::tools::{ParsedCall, ToolFormat};
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -301,15 +302,16 @@ async fn serve(
         span.record("priority", params.hints.priority);
         span.record("strict_priority", params.hints.strict_priority);
         span.record("tenant", params.tenant.as_str());
+        let tools = params.tools.as_ref().map(|_| p.tool_format);
         let prepared = p.prepare(params, received).await?;
         span.record("prompt_tokens", prepared.prompt_ids.len());
         let id = prepared.desc.request_id.clone();
         let generation = p.start(prepared).await?;
-        Ok::<_, FrontendError>((id, mode, generation))
+        Ok::<_, FrontendError>((id, mode, generation, tools))
     }
     .instrument(span.clone())
     .await;
-    let (id, mode, generation) = match result {
+    let (id, mode, generation, tools) = match result {
         Ok(r) => r,
         Err(e) => {
             p.metrics
@@ -324,6 +326,7 @@ async fn serve(
         id,
         model: p.model.clone(),
         created: unix_now(),
+        tools,
     };
     if mode.stream {
         // Counted when the stream ends, by how it ends (see `Outcome`).
@@ -366,6 +369,38 @@ struct Output {
     id: String,
     model: String,
     created: i64,
+    /// Parse the output for tool calls in this family's format.
+    tools: Option<ToolFormat>,
+}
+
+/// Parsed calls as OpenAI's `tool_calls` (with `index` when streamed).
+fn tool_calls_json(calls: &[ParsedCall], streamed: bool) -> Value {
+    Value::Array(
+        calls
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let mut v = json!({
+                    "id": format!("call_{}", uuid::Uuid::new_v4().simple()),
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                });
+                if streamed && let Some(o) = v.as_object_mut() {
+                    o.insert("index".into(), json!(i));
+                }
+                v
+            })
+            .collect(),
+    )
+}
+
+/// The finish reason OpenAI gives a turn: `tool_calls` when it made some.
+fn finish_name(reason: FinishReason, called: bool) -> Option<&'static str> {
+    if called && reason == FinishReason::Stop {
+        Some("tool_calls")
+    } else {
+        reason.openai_name()
+    }
 }
 
 fn usage_json(u: &sluice_proto::common::v1::Usage) -> Value {
@@ -556,6 +591,9 @@ fn sse_stream(
         done: bool,
         queued: Vec<SseEvent>,
         outcome: Outcome,
+        /// With tools: text that may be (part of) a call, held until the
+        /// output ends and it is parsed.
+        held: String,
     }
     let st = St {
         out,
@@ -566,6 +604,7 @@ fn sse_stream(
         done: false,
         queued: Vec::new(),
         outcome,
+        held: String::new(),
     };
     futures::stream::unfold(st, |mut st| async move {
         loop {
@@ -580,6 +619,16 @@ fn sse_stream(
                 !matches!(&event, Some(Ok(Event::Delta { logprobs, .. })) if logprobs.is_empty());
             match event {
                 Some(Ok(Event::Delta { text, logprobs, .. })) => {
+                    let text = match st.out.tools {
+                        // Text before a possible call goes out now; from
+                        // it on, it waits for the end.
+                        Some(format) => {
+                            st.held.push_str(&text);
+                            let cut = format.hold_from(&st.held).unwrap_or(st.held.len());
+                            st.held.drain(..cut).collect()
+                        }
+                        None => text,
+                    };
                     if text.is_empty() && logprobs.is_empty() && !st.first {
                         continue;
                     }
@@ -608,11 +657,36 @@ fn sse_stream(
                         }
                         st.queued.push(SseEvent::default().data(v.to_string()));
                     }
-                    let v = st.out.chunk(
+                    let parsed = st.out.tools.map(|f| f.parse(&std::mem::take(&mut st.held)));
+                    let called = parsed.as_ref().is_some_and(|p| !p.calls.is_empty());
+                    let mut v = st.out.chunk(
                         st.out.final_choice(finish_reason),
                         Some(("nvext", nvext_json(&serving))),
                     );
+                    if let Some(c) = v.pointer_mut("/choices/0/finish_reason") {
+                        *c = json!(finish_name(finish_reason, called));
+                    }
                     st.queued.push(SseEvent::default().data(v.to_string()));
+                    // The held text, parsed: its calls, after any text of it.
+                    if let Some(p) = parsed {
+                        let mut delta = serde_json::Map::new();
+                        if st.first {
+                            delta.insert("role".into(), json!("assistant"));
+                        }
+                        if called {
+                            delta.insert("tool_calls".into(), tool_calls_json(&p.calls, true));
+                            let choice = json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": null});
+                            st.queued.push(
+                                SseEvent::default().data(st.out.chunk(choice, None).to_string()),
+                            );
+                        }
+                        if !p.content.is_empty() {
+                            let choice = json!({"index": 0, "delta": {"content": p.content}, "logprobs": null, "finish_reason": null});
+                            st.queued.push(
+                                SseEvent::default().data(st.out.chunk(choice, None).to_string()),
+                            );
+                        }
+                    }
                 }
                 Some(Err(e)) => {
                     st.done = true;
@@ -646,15 +720,29 @@ async fn collect(out: Output, mut generation: Generation) -> Result<Value, Front
                 serving,
             } => {
                 let (object, choice) = match out.api {
-                    Api::Chat => (
-                        "chat.completion",
-                        json!({
-                            "index": 0,
-                            "message": { "role": "assistant", "content": text },
-                            "logprobs": if want_lp { chat_logprobs(&lps) } else { Value::Null },
-                            "finish_reason": finish_reason.openai_name(),
-                        }),
-                    ),
+                    Api::Chat => {
+                        let parsed = out
+                            .tools
+                            .map(|f| f.parse(&text))
+                            .filter(|p| !p.calls.is_empty());
+                        let message = match &parsed {
+                            Some(p) => json!({
+                                "role": "assistant",
+                                "content": if p.content.is_empty() { Value::Null } else { json!(p.content) },
+                                "tool_calls": tool_calls_json(&p.calls, false),
+                            }),
+                            None => json!({ "role": "assistant", "content": text }),
+                        };
+                        (
+                            "chat.completion",
+                            json!({
+                                "index": 0,
+                                "message": message,
+                                "logprobs": if want_lp { chat_logprobs(&lps) } else { Value::Null },
+                                "finish_reason": finish_name(finish_reason, parsed.is_some()),
+                            }),
+                        )
+                    }
                     Api::Completion => (
                         "text_completion",
                         json!({

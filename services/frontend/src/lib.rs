@@ -77,6 +77,12 @@ pub struct Args {
     /// bound. Default: the machine's cores.
     #[arg(long, env = "SLUICE_TOKENIZE_CONCURRENCY")]
     pub tokenize_concurrency: Option<usize>,
+
+    /// How the model writes tool calls: hermes, llama3_json or mistral.
+    /// Default: read from the chat template (each family's template writes
+    /// its own markers), else hermes.
+    #[arg(long, env = "SLUICE_TOOL_CALL_PARSER")]
+    pub tool_call_parser: Option<sluice_tokens::tools::ToolFormat>,
 }
 
 impl Default for Args {
@@ -89,6 +95,7 @@ impl Default for Args {
             api_key_file: None,
             max_body_bytes: 4 * 1024 * 1024,
             tokenize_concurrency: None,
+            tool_call_parser: None,
         }
     }
 }
@@ -148,6 +155,7 @@ pub async fn serve(
         .transpose()?;
     let tokenizer = Tokenizer::from_dir(dir)?;
     let template = ChatTemplate::from_dir(dir)?;
+    let template_tool_format = template.tool_format();
     let limits = prompt::PromptLimits::new(dir, &tokenizer);
     let tokenize_concurrency = args.tokenize_concurrency.unwrap_or_else(|| {
         std::thread::available_parallelism()
@@ -188,6 +196,7 @@ pub async fn serve(
         tokenize_slots: Arc::new(tokio::sync::Semaphore::new(tokenize_concurrency)),
         max_body_bytes: args.max_body_bytes,
         grammars: std::sync::OnceLock::new(),
+        tool_format: args.tool_call_parser.unwrap_or(template_tool_format),
     });
     let server = GrpcServer::new()
         .map_err(FrontendError::startup("building the gRPC server"))?

@@ -3,6 +3,7 @@
 //! `nvext.agent_hints.priority` is a 400 that names the right path. Parsing
 //! ends in a [`GenerateParams`], the one form the pipeline serves.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Deserialize;
@@ -10,6 +11,7 @@ use serde_json::Value;
 use sluice_proto::common::v1 as common;
 use sluice_runtime::limits;
 use sluice_tokens::ChatMessage;
+use sluice_tokens::tools::ToolDef;
 
 use crate::error::FrontendError;
 
@@ -36,6 +38,109 @@ pub(crate) struct GenerateParams {
     /// The tenant's fair-share weight from the API key file; 0 = none.
     pub tenant_weight: u32,
     pub timeout: Option<Duration>,
+    /// A chat request's tools, unless it has none (or `tool_choice` is
+    /// `none`).
+    pub tools: Option<Arc<Tools>>,
+}
+
+/// A chat request's tools and how it wants them used.
+#[derive(Debug, Clone)]
+pub(crate) struct Tools {
+    pub defs: Vec<ToolDef>,
+    /// OpenAI's `tools` array as given, for templates that render it.
+    pub json: Value,
+    pub choice: ToolChoice,
+    /// `parallel_tool_calls` (default true): more than one call per turn.
+    pub parallel: bool,
+}
+
+/// `tool_choice`.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum ToolChoice {
+    /// The model decides; its output is parsed for calls.
+    Auto,
+    /// At least one call, well-formed by grammar.
+    Required,
+    /// A call of this function, well-formed by grammar.
+    Named(String),
+}
+
+/// One entry of `tools`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ToolIn {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: ToolDef,
+}
+
+impl Tools {
+    /// From a request's `tools`, `tool_choice` and `parallel_tool_calls`;
+    /// `None` without tools or with `tool_choice: "none"`.
+    fn of(
+        tools: Option<Vec<ToolIn>>,
+        choice: Option<Value>,
+        parallel: Option<bool>,
+    ) -> Result<Option<Arc<Self>>, FrontendError> {
+        let tools = tools.unwrap_or_default();
+        let choice = match &choice {
+            None => ToolChoice::Auto,
+            Some(Value::String(s)) if s == "auto" => ToolChoice::Auto,
+            Some(Value::String(s)) if s == "none" => return Ok(None),
+            Some(Value::String(s)) if s == "required" => ToolChoice::Required,
+            Some(v) => match v.pointer("/function/name").and_then(Value::as_str) {
+                Some(name) if v.get("type").and_then(Value::as_str) == Some("function") => {
+                    ToolChoice::Named(name.to_owned())
+                }
+                _ => {
+                    return Err(FrontendError::invalid(
+                        "tool_choice",
+                        "tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                    ));
+                }
+            },
+        };
+        if tools.is_empty() {
+            return match choice {
+                ToolChoice::Auto => Ok(None),
+                _ => Err(FrontendError::invalid(
+                    "tool_choice",
+                    "tool_choice asks for a call but tools is empty",
+                )),
+            };
+        }
+        for (i, t) in tools.iter().enumerate() {
+            if t.kind != "function" {
+                return Err(FrontendError::invalid(
+                    format!("tools[{i}].type"),
+                    format!("tool type `{}` is not supported; only `function`", t.kind),
+                ));
+            }
+            limits::check_id("tools[].function.name", &t.function.name).map_err(|e| {
+                FrontendError::invalid(format!("tools[{i}].function.name"), e.message)
+            })?;
+        }
+        if let ToolChoice::Named(name) = &choice
+            && !tools.iter().any(|t| &t.function.name == name)
+        {
+            return Err(FrontendError::invalid(
+                "tool_choice",
+                format!("tool_choice names `{name}`, which is not in tools"),
+            ));
+        }
+        let json = Value::Array(
+            tools
+                .iter()
+                .map(|t| serde_json::json!({"type": "function", "function": t.function}))
+                .collect(),
+        );
+        Ok(Some(Arc::new(Self {
+            defs: tools.into_iter().map(|t| t.function).collect(),
+            json,
+            choice,
+            parallel: parallel.unwrap_or(true),
+        })))
+    }
 }
 
 /// The prompt as the client gave it.
@@ -128,6 +233,12 @@ pub(crate) struct ChatRequest {
     #[serde(default)]
     pub response_format: Option<ResponseFormat>,
     #[serde(default)]
+    pub tools: Option<Vec<ToolIn>>,
+    #[serde(default)]
+    pub tool_choice: Option<Value>,
+    #[serde(default)]
+    pub parallel_tool_calls: Option<bool>,
+    #[serde(default)]
     pub nvext: Option<Nvext>,
 }
 
@@ -179,9 +290,33 @@ impl ResponseFormat {
 #[serde(deny_unknown_fields)]
 pub(crate) struct ChatMessageIn {
     pub role: String,
-    pub content: Content,
+    /// `null` or absent on an assistant turn that only calls tools.
+    #[serde(default)]
+    pub content: Option<Content>,
     #[serde(default)]
     pub name: Option<String>,
+    #[serde(default)]
+    pub tool_calls: Option<Vec<ToolCallIn>>,
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
+}
+
+/// An assistant turn's call, as the client sends it back.
+#[derive(Debug, Deserialize)]
+pub(crate) struct ToolCallIn {
+    #[serde(default)]
+    pub id: Option<String>,
+    #[serde(rename = "type", default)]
+    #[allow(dead_code)]
+    pub kind: Option<String>,
+    pub function: FunctionCallIn,
+}
+
+#[derive(Debug, Deserialize)]
+pub(crate) struct FunctionCallIn {
+    pub name: String,
+    /// JSON text, as OpenAI sends it.
+    pub arguments: String,
 }
 
 #[derive(Debug, Deserialize)]
@@ -501,8 +636,9 @@ fn hints(nvext: &Option<Nvext>) -> common::PriorityHints {
 
 fn message_text(m: ChatMessageIn, i: usize) -> Result<ChatMessage, FrontendError> {
     let content = match m.content {
-        Content::Text(t) => t,
-        Content::Parts(parts) => {
+        None => String::new(),
+        Some(Content::Text(t)) => t,
+        Some(Content::Parts(parts)) => {
             let mut out = String::new();
             for p in parts {
                 if p.kind != "text" {
@@ -521,7 +657,31 @@ fn message_text(m: ChatMessageIn, i: usize) -> Result<ChatMessage, FrontendError
     };
     check_role(&m.role, i)?;
     let _ = m.name;
-    Ok(ChatMessage::new(m.role, content))
+    let mut message = ChatMessage::new(m.role, content);
+    if let Some(calls) = m.tool_calls {
+        // Templates read each call's arguments as an object.
+        let calls: Vec<Value> = calls
+            .into_iter()
+            .enumerate()
+            .map(|(k, c)| {
+                let arguments: Value =
+                    serde_json::from_str(&c.function.arguments).map_err(|e| {
+                        FrontendError::invalid(
+                            format!("messages[{i}].tool_calls[{k}].function.arguments"),
+                            format!("arguments must be JSON text: {e}"),
+                        )
+                    })?;
+                Ok(serde_json::json!({
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": arguments},
+                }))
+            })
+            .collect::<Result<_, FrontendError>>()?;
+        message.tool_calls = Some(Value::Array(calls));
+    }
+    message.tool_call_id = m.tool_call_id;
+    Ok(message)
 }
 
 impl ChatRequest {
@@ -575,6 +735,13 @@ impl ChatRequest {
                 .as_ref()
                 .and_then(ResponseFormat::to_wire),
         };
+        let tools = Tools::of(self.tools, self.tool_choice, self.parallel_tool_calls)?;
+        if tools.is_some() && common.structured_output.is_some() {
+            return Err(FrontendError::invalid(
+                "response_format",
+                "response_format cannot be combined with tools",
+            ));
+        }
         let sampling = sampling(&common)?;
         let messages = self
             .messages
@@ -594,6 +761,7 @@ impl ChatRequest {
                 tenant: String::new(),
                 tenant_weight: 0,
                 timeout: None,
+                tools,
             },
             mode,
         ))
@@ -677,6 +845,7 @@ impl CompletionRequest {
                 tenant: String::new(),
                 tenant_weight: 0,
                 timeout: None,
+                tools: None,
             },
             mode,
         ))

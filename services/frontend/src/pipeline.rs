@@ -22,7 +22,10 @@ use sluice_proto::queue::v1 as qpb;
 use sluice_proto::worker::v1 as wpb;
 use sluice_runtime::RequestDescription;
 use sluice_tokens::grammar::{GrammarSpec, Grammars};
-use sluice_tokens::{ChatTemplate, IncrementalDetokenizer, Tokenizer};
+use sluice_tokens::tools::{ToolDef, ToolFormat};
+use sluice_tokens::{
+    ChatMessage, ChatRenderOptions, ChatTemplate, IncrementalDetokenizer, Tokenizer,
+};
 use tracing::{Instrument, Span};
 
 use crate::auth::Identity;
@@ -31,7 +34,7 @@ use crate::generation::{GenerateSessions, WorkerStream};
 use crate::lease::{LeaseEvent, LeaseSessions, QueueLease};
 use crate::mesh::{Channels, Members};
 use crate::metrics::Metrics;
-use crate::openai::{GenerateParams, Prompt};
+use crate::openai::{GenerateParams, Prompt, ToolChoice, Tools};
 
 /// Block size assumed until a worker reports its own.
 const DEFAULT_BLOCK_SIZE: usize = 16;
@@ -75,6 +78,9 @@ pub(crate) struct Pipeline {
     /// Compiles structured-output grammars to check them before a request
     /// is queued (built on first use; the worker compiles its own).
     pub grammars: std::sync::OnceLock<Result<Grammars, String>>,
+    /// How the model writes tool calls (`--tool-call-parser`, else read
+    /// from its chat template).
+    pub tool_format: ToolFormat,
 }
 
 impl Pipeline {
@@ -381,6 +387,29 @@ impl Pipeline {
             self.tokenizer.vocab_size(),
         )
         .map_err(|e| FrontendError::invalid(e.field, e.message))?;
+        if let Some(tools) = &params.tools {
+            let allowed = match &tools.choice {
+                ToolChoice::Auto => None,
+                ToolChoice::Required => Some(None),
+                ToolChoice::Named(name) => Some(Some(name.as_str())),
+            };
+            if let Some(allowed) = allowed {
+                // A required or named call is made well-formed by grammar.
+                let GrammarSpec::Lark(lark) = self
+                    .tool_format
+                    .grammar(&tools.defs, allowed, tools.parallel)
+                    .map_err(|e| FrontendError::invalid("tool_choice", e))?
+                else {
+                    return Err(FrontendError::internal("a tool grammar is Lark"));
+                };
+                params.sampling.structured_output =
+                    Some(sluice_proto::common::v1::StructuredOutput {
+                        kind: Some(sluice_proto::common::v1::structured_output::Kind::Lark(
+                            lark,
+                        )),
+                    });
+            }
+        }
         self.check_structured_output(&params)?;
         let context = self.context_len();
         let (param, bytes) = match &params.prompt {
@@ -404,7 +433,7 @@ impl Pipeline {
             });
         }
         let prompt_ids = self
-            .tokenize(&params.prompt)
+            .tokenize(&params.prompt, params.tools.clone())
             .instrument(tracing::info_span!("tokenize"))
             .await?;
         if prompt_ids.is_empty() {
@@ -464,10 +493,14 @@ impl Pipeline {
     /// costs its own request time, never the runtime's. A prompt of at most
     /// [`INLINE_TOKENIZE_BYTES`] is tokenized where it is (tens of
     /// microseconds, less than the hand-off to the pool and back costs).
-    async fn tokenize(&self, prompt: &Prompt) -> Result<Vec<u32>, FrontendError> {
+    async fn tokenize(
+        &self,
+        prompt: &Prompt,
+        tools: Option<Arc<Tools>>,
+    ) -> Result<Vec<u32>, FrontendError> {
         // Token ids count 0 bytes: they are only checked.
-        if prompt_bytes(prompt) <= INLINE_TOKENIZE_BYTES {
-            return tokenize_now(&self.tokenizer, &self.template, prompt);
+        if prompt_bytes(prompt) <= INLINE_TOKENIZE_BYTES && tools.is_none() {
+            return tokenize_now(&self.tokenizer, &self.template, prompt, None);
         }
         let _slot = self
             .tokenize_slots
@@ -482,7 +515,7 @@ impl Pipeline {
         let span = tracing::Span::current();
         tokio::task::spawn_blocking(move || {
             let _entered = span.enter();
-            tokenize_now(&tokenizer, &template, &prompt)
+            tokenize_now(&tokenizer, &template, &prompt, tools.as_deref())
         })
         .await
         .map_err(FrontendError::broken("the tokenization task"))?
@@ -1191,18 +1224,51 @@ fn prompt_bytes(prompt: &Prompt) -> usize {
     }
 }
 
+/// `messages` with the tools described in the system prompt (the first
+/// message's, or a new one).
+fn with_tool_prompt(messages: &[ChatMessage], defs: &[ToolDef]) -> Vec<ChatMessage> {
+    let prompt = sluice_tokens::tools::system_prompt(defs);
+    let mut out = messages.to_vec();
+    match out.first_mut() {
+        Some(first) if first.role == "system" => {
+            first.content = format!("{}\n\n{prompt}", first.content);
+        }
+        _ => out.insert(0, ChatMessage::new("system", prompt)),
+    }
+    out
+}
+
 /// Templates (chat) and tokenizes a prompt on the calling thread; token
 /// ids are checked against the vocabulary.
 fn tokenize_now(
     tokenizer: &Tokenizer,
     template: &ChatTemplate,
     prompt: &Prompt,
+    tools: Option<&Tools>,
 ) -> Result<Vec<u32>, FrontendError> {
     match prompt {
         Prompt::Text(t) => Ok(tokenizer.encode(t, true)?),
         Prompt::Chat(messages) => {
+            let mut options = ChatRenderOptions {
+                add_generation_prompt: true,
+                ..Default::default()
+            };
+            let with_tools;
+            let messages = match tools {
+                Some(tools) if template.takes_tools() => {
+                    options.tools = Some(tools.json.clone());
+                    messages.as_slice()
+                }
+                // A template that does not render tools: they go in the
+                // system prompt, in the Hermes wording.
+                Some(tools) => {
+                    with_tools = with_tool_prompt(messages, &tools.defs);
+                    with_tools.as_slice()
+                }
+                None => messages.as_slice(),
+            };
             let text = template
-                .render(messages.as_slice(), true)
+                .render_with(messages, &options)
                 .map_err(|e| FrontendError::invalid("messages", format!("chat template: {e}")))?;
             Ok(tokenizer.encode(&text, false)?)
         }
