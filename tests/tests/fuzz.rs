@@ -484,7 +484,22 @@ fn sampling(rng: &mut StdRng) -> Option<common::SamplingParams> {
             .then(|| *pick(rng, &[0.0, 1.1, 11.0, f32::NAN])),
         top_logprobs: *pick(rng, &[0, 0, 1, 5, 20, 21, u32::MAX]),
         logprobs: rng.random_bool(0.2),
+        structured_output: rng.random_bool(0.1).then(|| structured_output(rng)),
     })
+}
+
+/// A grammar, well-formed or not: a bad one must be an `InvalidArgument`.
+fn structured_output(rng: &mut StdRng) -> common::StructuredOutput {
+    use common::structured_output::Kind;
+    let kind = match rng.random_range(0..6) {
+        0 => Kind::JsonObject(rng.random_bool(0.5)),
+        1 => Kind::JsonSchema(r#"{"type":"integer","minimum":0,"maximum":9}"#.into()),
+        2 => Kind::JsonSchema(string(rng)),
+        3 => Kind::Regex(pick(rng, &["[a-z]{1,4}", "(", ""]).to_string()),
+        4 => Kind::Lark(string(rng)),
+        _ => Kind::JsonSchema(r#"{"type":"no-such-type"}"#.into()),
+    };
+    common::StructuredOutput { kind: Some(kind) }
 }
 
 fn hints(rng: &mut StdRng) -> Option<common::PriorityHints> {

@@ -826,6 +826,7 @@ mod tests {
                 id: "chatcmpl-1\u{e9}".into(),
                 model: "sluice-tiny".into(),
                 created: 1_790_000_000,
+                tools: None,
             };
             for (text, first, want_lp, offset) in [
                 ("The", true, false, 0),
