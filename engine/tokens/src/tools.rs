@@ -170,7 +170,7 @@ impl ToolFormat {
             }
         }
         // A marker's prefix at the end.
-        let last = markers
+        markers
             .iter()
             .filter_map(|m| {
                 (1..m.len())
@@ -178,8 +178,7 @@ impl ToolFormat {
                     .find(|&k| text.ends_with(&m[..k]))
                     .map(|k| text.len() - k)
             })
-            .min();
-        last
+            .min()
     }
 }
 
@@ -328,7 +327,10 @@ pub fn system_prompt(tools: &[ToolDef]) -> String {
 mod tests {
     use super::*;
 
-    fn recorded() -> Vec<(ToolFormat, &'static str, Vec<(&'static str, Value)>)> {
+    /// A family's recorded output and the calls (name, arguments) in it.
+    type Recorded = (ToolFormat, &'static str, Vec<(&'static str, Value)>);
+
+    fn recorded() -> Vec<Recorded> {
         vec![
             (
                 ToolFormat::Hermes,
@@ -376,7 +378,7 @@ mod tests {
                 want.into_iter().map(|(n, a)| (n.to_owned(), a)).collect();
             assert_eq!(got, want, "{format:?}: {output}");
         }
-        let p = ToolFormat::Hermes.parse(&recorded()[1].1);
+        let p = ToolFormat::Hermes.parse(recorded()[1].1);
         assert_eq!(p.content, "Let me check.");
     }
 

@@ -25,6 +25,7 @@ use crate::openai::{
     self, ChatRequest, CompletionRequest, GenerateParams, PRIORITY_PATH, StreamMode,
 };
 use crate::pipeline::{Event, Generation, Pipeline, Serving, TokenLogprob, assign_tenant};
+use crate::responses::{Echo, ResponsesRequest, Shape};
 
 /// Header that overrides the body's priority.
 pub(crate) const PRIORITY_HEADER: &str = "x-sluice-priority";
@@ -42,6 +43,7 @@ pub(crate) fn router(pipeline: Arc<Pipeline>) -> Router {
     let api = Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
+        .route("/v1/responses", post(responses))
         .route("/v1/models", get(models))
         .route_layer(axum::middleware::from_fn_with_state(
             Arc::clone(&pipeline),
@@ -193,10 +195,11 @@ fn parse_checked<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, Fron
     serde_json::from_value(value).map_err(openai::parse_error)
 }
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, PartialEq, Eq)]
 enum Api {
     Chat,
     Completion,
+    Responses,
 }
 
 impl Api {
@@ -204,6 +207,7 @@ impl Api {
         match self {
             Api::Chat => "chat_completions",
             Api::Completion => "completions",
+            Api::Responses => "responses",
         }
     }
 }
@@ -221,7 +225,7 @@ async fn chat(
     let parsed = body_bytes(body, p.max_body_bytes)
         .and_then(|b| parse::<ChatRequest>(&b))
         .and_then(|r| r.into_params(id));
-    serve(p, Api::Chat, caller, headers, parsed, received).await
+    serve(p, Api::Chat, caller, headers, parsed, received, None).await
 }
 
 async fn completions(
@@ -235,7 +239,26 @@ async fn completions(
     let parsed = body_bytes(body, p.max_body_bytes)
         .and_then(|b| parse::<CompletionRequest>(&b))
         .and_then(|r| r.into_params(id));
-    serve(p, Api::Completion, caller, headers, parsed, received).await
+    serve(p, Api::Completion, caller, headers, parsed, received, None).await
+}
+
+async fn responses(
+    State(p): State<Arc<Pipeline>>,
+    caller: Caller,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let received = Instant::now();
+    // OpenAI's response ids are `resp_…` (item ids derive from it).
+    let id = format!("resp_{}", uuid::Uuid::new_v4().simple());
+    let parsed = body_bytes(body, p.max_body_bytes)
+        .and_then(|b| parse::<ResponsesRequest>(&b))
+        .and_then(|r| r.into_chat());
+    let (parsed, echo) = match parsed {
+        Ok((chat, echo)) => (chat.into_params(id), Some(echo)),
+        Err(e) => (Err(e), None),
+    };
+    serve(p, Api::Responses, caller, headers, parsed, received, echo).await
 }
 
 /// The `x-sluice-tenant` header's value; a value that is not text is a 400.
@@ -257,6 +280,7 @@ async fn serve(
     headers: HeaderMap,
     parsed: Result<(GenerateParams, StreamMode), FrontendError>,
     received: Instant,
+    echo: Option<Echo>,
 ) -> Response {
     let span = tracing::info_span!(
         "http.request",
@@ -321,6 +345,39 @@ async fn serve(
             return e.into_response();
         }
     };
+    if let (Api::Responses, Some(echo)) = (api, echo) {
+        let shape = Shape {
+            id,
+            model: p.model.clone(),
+            created: unix_now(),
+            tools,
+            echo,
+        };
+        let mut outcome = Outcome {
+            pipeline: Arc::clone(&p),
+            endpoint: api.endpoint(),
+            recorded: false,
+        };
+        if mode.stream {
+            outcome.record("200");
+            let mut resp = Sse::new(crate::responses::sse(shape, generation)).into_response();
+            resp.headers_mut()
+                .insert("x-accel-buffering", http::HeaderValue::from_static("no"));
+            return resp;
+        }
+        let r = crate::responses::collect(shape, generation)
+            .instrument(span)
+            .await;
+        let code = match &r {
+            Ok(_) => "200".to_owned(),
+            Err(e) => e.status().as_str().to_owned(),
+        };
+        outcome.record(&code);
+        return match r {
+            Ok(v) => Json(v).into_response(),
+            Err(e) => e.into_response(),
+        };
+    }
     let out = Output {
         api,
         id,
@@ -412,7 +469,7 @@ fn usage_json(u: &sluice_proto::common::v1::Usage) -> Value {
     })
 }
 
-fn nvext_json(s: &Serving) -> Value {
+pub(crate) fn nvext_json(s: &Serving) -> Value {
     serde_json::to_value(s).unwrap_or(Value::Null)
 }
 
@@ -449,7 +506,7 @@ fn completion_logprobs(lps: &[TokenLogprob], offset: usize) -> Value {
 impl Output {
     fn chunk(&self, choice: Value, extra: Option<(&str, Value)>) -> Value {
         let object = match self.api {
-            Api::Chat => "chat.completion.chunk",
+            Api::Chat | Api::Responses => "chat.completion.chunk",
             Api::Completion => "text_completion",
         };
         let mut v = json!({ "id": self.id, "object": object, "created": self.created, "model": self.model, "choices": [choice] });
@@ -503,7 +560,7 @@ impl Output {
         }
         let (id, created, model) = (self.id.as_str(), self.created, self.model.as_str());
         let written = match self.api {
-            Api::Chat => serde_json::to_string(&Chunk {
+            Api::Chat | Api::Responses => serde_json::to_string(&Chunk {
                 id,
                 object: "chat.completion.chunk",
                 created,
@@ -538,7 +595,7 @@ impl Output {
     fn final_choice(&self, reason: FinishReason) -> Value {
         let reason = reason.openai_name();
         match self.api {
-            Api::Chat => {
+            Api::Chat | Api::Responses => {
                 json!({ "index": 0, "delta": {}, "logprobs": null, "finish_reason": reason })
             }
             Api::Completion => {
@@ -720,7 +777,7 @@ async fn collect(out: Output, mut generation: Generation) -> Result<Value, Front
                 serving,
             } => {
                 let (object, choice) = match out.api {
-                    Api::Chat => {
+                    Api::Chat | Api::Responses => {
                         let parsed = out
                             .tools
                             .map(|f| f.parse(&text))
@@ -796,7 +853,7 @@ mod tests {
         offset: usize,
     ) -> String {
         let choice = match out.api {
-            Api::Chat => {
+            Api::Chat | Api::Responses => {
                 let mut delta = json!({ "content": text });
                 if first && let Some(o) = delta.as_object_mut() {
                     o.insert("role".into(), json!("assistant"));

@@ -21,6 +21,7 @@ mod metrics;
 mod openai;
 mod pipeline;
 mod prompt;
+mod responses;
 mod session;
 
 use std::sync::Arc;
