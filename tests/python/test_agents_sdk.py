@@ -10,8 +10,9 @@ from openai import AsyncOpenAI
 from pydantic import Field
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def model(sluice):
+    # One client per test: each test runs its own event loop.
     set_tracing_disabled(True)
     client = AsyncOpenAI(base_url=f"http://{sluice}/v1", api_key="unused", max_retries=0)
     return OpenAIResponsesModel(model="sluice-tiny", openai_client=client)
@@ -39,3 +40,4 @@ def test_an_agent_calls_its_tool_and_answers(model):
     result = asyncio.run(Runner.run(agent, "Weather in Paris?", max_turns=4, run_config=RunConfig(tracing_disabled=True)))
     assert called, "the tool ran"
     assert result.final_output == f"sunny in {called[0]}"
+

@@ -101,3 +101,22 @@ def test_what_needs_a_store_is_a_clear_400(client, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model="sluice-tiny", input="hi", max_output_tokens=2, **extra)
     assert e.value.body["param"] == param
+
+
+def test_auto_beside_a_text_format_is_a_valid_call_or_a_valid_answer(client):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"], "additionalProperties": False}
+    kinds = set()
+    for seed in range(20):
+        r = client.responses.create(
+            model="sluice-tiny", input="Weather in Paris?", tools=[TOOL], max_output_tokens=200,
+            text={"format": {"type": "json_schema", "name": "n", "schema": schema}}, extra_body={"seed": seed},
+        )
+        calls = [o for o in r.output if o.type == "function_call"]
+        if calls:
+            kinds.add("call")
+            for call in calls:
+                jsonschema.validate(json.loads(call.arguments), TOOL["parameters"])
+        else:
+            kinds.add("answer")
+            jsonschema.validate(json.loads(r.output_text), schema)
+    assert kinds  # each of the 20 was one or the other, valid

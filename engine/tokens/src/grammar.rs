@@ -347,7 +347,7 @@ mod tests {
             ToolFormat::Mistral,
         ] {
             let spec = format
-                .grammar(&tools, Some("get_weather"), false)
+                .grammar(&tools, Some("get_weather"), false, None)
                 .expect("grammar");
             let mut c = g
                 .constrain(&spec)
@@ -362,5 +362,29 @@ mod tests {
                 "{text}"
             );
         }
+    }
+
+    #[test]
+    fn auto_beside_a_response_format_is_calls_or_an_answer_of_that_shape() {
+        use crate::tools::{ToolDef, ToolFormat};
+        let (tok, g) = grammars();
+        let tools = vec![ToolDef {
+            name: "noop".into(),
+            description: None,
+            parameters: Some(
+                json!({"type": "object", "properties": {}, "additionalProperties": false}),
+            ),
+        }];
+        let answer = json!({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"], "additionalProperties": false});
+        let spec = ToolFormat::Hermes
+            .grammar(&tools, None, false, Some(&answer))
+            .expect("grammar");
+        let mut c = g.constrain(&spec).expect("compiles");
+        let text = walk(&tok, &mut c, 200);
+        let parsed = ToolFormat::Hermes.parse(&text);
+        let is_call = parsed.calls.len() == 1 && parsed.calls[0].name == "noop";
+        let is_answer = serde_json::from_str::<Value>(&text)
+            .is_ok_and(|v| v["n"].as_i64().is_some_and(|n| (0..=9).contains(&n)));
+        assert!(is_call || is_answer, "{text}");
     }
 }

@@ -78,11 +78,16 @@ impl ToolFormat {
     /// `parallel`, one or more) call of the `allowed` functions (all of
     /// `tools` when `None`), each with arguments valid against its
     /// parameters' schema.
+    ///
+    /// With `answer` (a JSON schema; `tool_choice` auto beside a
+    /// `response_format`), the output is either calls or an answer valid
+    /// against it.
     pub fn grammar(
         self,
         tools: &[ToolDef],
         allowed: Option<&str>,
         parallel: bool,
+        answer: Option<&Value>,
     ) -> Result<GrammarSpec, String> {
         let calls: Vec<Value> = tools
             .iter()
@@ -108,20 +113,21 @@ impl ToolFormat {
         let options =
             json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "});
         let call = json!({"anyOf": calls, "x-guidance": options});
-        let lark = match self {
+        // The rule `calls`: the calls the family writes.
+        let rules = match self {
             Self::Hermes => {
                 let one = format!("\"<tool_call>\\n\" %json {call} \"\\n</tool_call>\"");
                 if parallel {
-                    format!("start: call (\"\\n\" call)*\ncall: {one}\n")
+                    format!("calls: call (\"\\n\" call)*\ncall: {one}\n")
                 } else {
-                    format!("start: {one}\n")
+                    format!("calls: {one}\n")
                 }
             }
             Self::Llama3Json => {
                 if parallel {
-                    format!("start: call (\"; \" call)*\ncall: %json {call}\n")
+                    format!("calls: call (\"; \" call)*\ncall: %json {call}\n")
                 } else {
-                    format!("start: %json {call}\n")
+                    format!("calls: %json {call}\n")
                 }
             }
             Self::Mistral => {
@@ -129,7 +135,18 @@ impl ToolFormat {
                 if !parallel {
                     array["maxItems"] = json!(1);
                 }
-                format!("start: \"[TOOL_CALLS]\" %json {array}\n")
+                format!("calls: \"[TOOL_CALLS]\" %json {array}\n")
+            }
+        };
+        let lark = match answer {
+            None => format!("start: calls\n{rules}"),
+            // Calls, or an answer in the requested shape.
+            Some(schema) => {
+                let mut schema = schema.clone();
+                if let Some(o) = schema.as_object_mut() {
+                    o.entry("x-guidance").or_insert(options);
+                }
+                format!("start: calls | answer\nanswer: %json {schema}\n{rules}")
             }
         };
         Ok(GrammarSpec::Lark(lark))
@@ -435,7 +452,7 @@ mod tests {
             },
         ];
         let GrammarSpec::Lark(g) = ToolFormat::Hermes
-            .grammar(&tools, Some("add"), false)
+            .grammar(&tools, Some("add"), false, None)
             .expect("grammar")
         else {
             panic!("lark")
@@ -443,7 +460,7 @@ mod tests {
         assert!(g.contains("\"add\"") && !g.contains("get_weather"));
         assert!(
             ToolFormat::Hermes
-                .grammar(&tools, Some("nope"), false)
+                .grammar(&tools, Some("nope"), false, None)
                 .is_err()
         );
         assert_eq!(

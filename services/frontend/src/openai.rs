@@ -736,12 +736,6 @@ impl ChatRequest {
                 .and_then(ResponseFormat::to_wire),
         };
         let tools = Tools::of(self.tools, self.tool_choice, self.parallel_tool_calls)?;
-        if tools.is_some() && common.structured_output.is_some() {
-            return Err(FrontendError::invalid(
-                "response_format",
-                "response_format cannot be combined with tools",
-            ));
-        }
         let sampling = sampling(&common)?;
         let messages = self
             .messages

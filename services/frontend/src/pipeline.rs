@@ -388,26 +388,52 @@ impl Pipeline {
         )
         .map_err(|e| FrontendError::invalid(e.field, e.message))?;
         if let Some(tools) = &params.tools {
-            let allowed = match &tools.choice {
-                ToolChoice::Auto => None,
-                ToolChoice::Required => Some(None),
-                ToolChoice::Named(name) => Some(Some(name.as_str())),
+            use sluice_proto::common::v1::{StructuredOutput, structured_output::Kind};
+            // The answer's shape when the model may answer instead of
+            // calling (`auto` beside a `response_format`).
+            let answer = match params
+                .sampling
+                .structured_output
+                .as_ref()
+                .and_then(|s| s.kind.as_ref())
+            {
+                Some(Kind::JsonSchema(text)) => Some(serde_json::from_str(text).map_err(|e| {
+                    FrontendError::invalid(
+                        "response_format",
+                        format!("the JSON schema is not valid JSON: {e}"),
+                    )
+                })?),
+                Some(Kind::JsonObject(true)) => Some(serde_json::json!({"type": "object"})),
+                _ => None,
             };
-            if let Some(allowed) = allowed {
+            let grammar = match &tools.choice {
+                ToolChoice::Auto => answer.as_ref().map(|a| {
+                    self.tool_format
+                        .grammar(&tools.defs, None, tools.parallel, Some(a))
+                }),
                 // A required or named call is made well-formed by grammar.
-                let GrammarSpec::Lark(lark) = self
-                    .tool_format
-                    .grammar(&tools.defs, allowed, tools.parallel)
-                    .map_err(|e| FrontendError::invalid("tool_choice", e))?
+                ToolChoice::Required => {
+                    Some(
+                        self.tool_format
+                            .grammar(&tools.defs, None, tools.parallel, None),
+                    )
+                }
+                ToolChoice::Named(name) => {
+                    Some(
+                        self.tool_format
+                            .grammar(&tools.defs, Some(name), tools.parallel, None),
+                    )
+                }
+            };
+            if let Some(grammar) = grammar {
+                let GrammarSpec::Lark(lark) =
+                    grammar.map_err(|e| FrontendError::invalid("tool_choice", e))?
                 else {
                     return Err(FrontendError::internal("a tool grammar is Lark"));
                 };
-                params.sampling.structured_output =
-                    Some(sluice_proto::common::v1::StructuredOutput {
-                        kind: Some(sluice_proto::common::v1::structured_output::Kind::Lark(
-                            lark,
-                        )),
-                    });
+                params.sampling.structured_output = Some(StructuredOutput {
+                    kind: Some(Kind::Lark(lark)),
+                });
             }
         }
         self.check_structured_output(&params)?;
