@@ -878,8 +878,13 @@ impl Scheduler {
                 seq.constrained && allowed.is_none() && matches!(out, ForwardOutput::Logits { .. });
             let (token, logprobs) = match &out {
                 // A backend that picks its tokens (the mocker) samples
-                // nothing: no grammar applies.
-                ForwardOutput::Tokens(t) => (t[row], None),
+                // nothing; under a grammar, a token it does not allow
+                // becomes the first one it does (deterministic, like the
+                // mocker's own).
+                ForwardOutput::Tokens(t) => match &allowed {
+                    Some(a) if !a.contains(t[row]) => (a.first().unwrap_or(t[row]), None),
+                    _ => (t[row], None),
+                },
                 ForwardOutput::Logits { vocab_size, data } => {
                     let logits = &data[row * vocab_size..(row + 1) * vocab_size];
                     let ctx = SampleContext {

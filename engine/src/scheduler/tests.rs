@@ -1106,3 +1106,43 @@ fn a_parked_victim_leaves_its_slot_to_the_work_that_outranks_it_then_resumes_at_
     assert_eq!(st.admitted, vec![10, 8]);
     assert!(st.preempted.is_empty() && !st.admission_held);
 }
+
+#[test]
+fn a_grammar_masks_every_token_and_holds_across_steps_even_for_a_backend_that_picks_tokens() {
+    use sluice_tokens::grammar::{GrammarSpec, Grammars};
+    use sluice_tokens::{SpecialTokens, Tokenizer, train_byte_level_bpe};
+    let trained =
+        train_byte_level_bpe(&["aaaa bbbb abab baba"], 280, &["<eos>"], None).expect("trained");
+    let eos = trained.token_to_id("<eos>").expect("eos");
+    let tok = Tokenizer::from_parts(
+        trained.inner().clone(),
+        SpecialTokens {
+            eos_token_ids: vec![eos],
+            ..Default::default()
+        },
+    );
+    let grammars = Grammars::new(&tok, tok.vocab_size()).expect("grammars");
+    let mut s = Scheduler::new(
+        cfg(4, 100, SchedulingPolicy::Fcfs),
+        KvCache::new(64, BS, true, Arc::new(KvEventLog::new(64))),
+        vec![eos],
+    );
+    let mut r = req(4, 12, 0);
+    r.constraint = Some(
+        grammars
+            .constrain(&GrammarSpec::Regex("b{2,6}".into()))
+            .expect("compiles"),
+    );
+    s.add(1, r).expect("valid");
+    // The backend answers token 7 every step: wherever the grammar does not
+    // allow it, the first allowed token is taken instead.
+    let outs = run_to_completion(&mut s);
+    let tokens: Vec<u32> = outs.iter().map(|o| o.token).collect();
+    let fin = finished(&outs, 1).expect("finished");
+    let text = tok.decode(&tokens, true).expect("decoded");
+    assert!(
+        (2..=6).contains(&text.len()) && text.chars().all(|c| c == 'b'),
+        "{text:?} {tokens:?}"
+    );
+    assert_eq!(fin.reason, FinishReason::Stop, "ended by EOS once complete");
+}
