@@ -34,7 +34,9 @@ def test_an_agent_calls_its_tool_and_answers(model):
         tools=[get_weather],
         # The model must call the tool (random weights would rarely choose
         # to), and the tool's answer is the agent's.
-        model_settings=ModelSettings(tool_choice="required", max_tokens=200),
+        model_settings=ModelSettings(
+            tool_choice="required", parallel_tool_calls=False, max_tokens=200, extra_body={"seed": 3}
+        ),
         tool_use_behavior="stop_on_first_tool",
     )
     result = asyncio.run(Runner.run(agent, "Weather in Paris?", max_turns=4, run_config=RunConfig(tracing_disabled=True)))

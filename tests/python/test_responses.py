@@ -29,7 +29,8 @@ TOOL = {
 
 def test_create_answers_text_with_usage(client):
     r = client.responses.create(
-        model="sluice-tiny", input="Write about rivers.", instructions="Be brief.", max_output_tokens=12, store=False
+        model="sluice-tiny", input="Write about rivers.", instructions="Be brief.", max_output_tokens=12, store=False,
+        extra_body={"seed": 1},
     )
     assert r.object == "response"
     assert r.id.startswith("resp_")
@@ -40,7 +41,9 @@ def test_create_answers_text_with_usage(client):
 
 
 def test_streamed_text_deltas_add_up_to_the_completed_response(client):
-    stream = client.responses.create(model="sluice-tiny", input="Rivers?", max_output_tokens=10, stream=True)
+    stream = client.responses.create(
+        model="sluice-tiny", input="Rivers?", max_output_tokens=10, stream=True, extra_body={"seed": 2}
+    )
     deltas, completed, types = [], None, []
     for event in stream:
         types.append(event.type)
@@ -56,17 +59,22 @@ def test_streamed_text_deltas_add_up_to_the_completed_response(client):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_required_tool_makes_a_function_call_item(client, stream):
-    kwargs = dict(model="sluice-tiny", input="Weather in Paris?", tools=[TOOL], tool_choice="required", max_output_tokens=100)
+    # One call (not parallel) of bounded arguments: always within the limit.
+    kwargs = dict(
+        model="sluice-tiny", input="Weather in Paris?", tools=[TOOL], tool_choice="required",
+        parallel_tool_calls=False, max_output_tokens=100, extra_body={"seed": 4},
+    )
     if stream:
         final = None
         for event in client.responses.create(stream=True, **kwargs):
-            if event.type == "response.completed":
+            if event.type in ("response.completed", "response.incomplete"):
                 final = event.response
         r = final
     else:
         r = client.responses.create(**kwargs)
+    assert r.status == "completed"
     calls = [o for o in r.output if o.type == "function_call"]
-    assert calls  # parallel calls are allowed by default: one or more
+    assert len(calls) == 1
     for call in calls:
         assert call.name == "get_weather" and call.call_id
         jsonschema.validate(json.loads(call.arguments), TOOL["parameters"])
@@ -108,7 +116,7 @@ def test_auto_beside_a_text_format_is_a_valid_call_or_a_valid_answer(client):
     kinds = set()
     for seed in range(20):
         r = client.responses.create(
-            model="sluice-tiny", input="Weather in Paris?", tools=[TOOL], max_output_tokens=200,
+            model="sluice-tiny", input="Weather in Paris?", tools=[TOOL], max_output_tokens=200, parallel_tool_calls=False,
             text={"format": {"type": "json_schema", "name": "n", "schema": schema}}, extra_body={"seed": seed},
         )
         calls = [o for o in r.output if o.type == "function_call"]

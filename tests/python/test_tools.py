@@ -108,7 +108,8 @@ def test_required_streamed_makes_a_valid_call_every_time(client):
 def test_a_named_function_is_the_one_called(client):
     r = client.chat.completions.create(
         model="sluice-tiny", messages=MESSAGES, tools=TOOLS,
-        tool_choice={"type": "function", "function": {"name": "add"}}, max_tokens=200, seed=5,
+        tool_choice={"type": "function", "function": {"name": "add"}}, parallel_tool_calls=False,
+        max_tokens=200, seed=5,
     )
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "add"
