@@ -108,10 +108,40 @@ def test_unknown_field_is_a_400_naming_it(client):
     assert "max_tokenz" in str(e.value)
 
 
-def test_n_greater_than_one_is_a_clear_400(client):
+def test_n_returns_n_choices_and_counts_the_prompt_once(client):
+    one = client.chat.completions.create(model="sluice-tiny", messages=MESSAGES, max_tokens=6, seed=3)
+    r = client.chat.completions.create(model="sluice-tiny", messages=MESSAGES, max_tokens=6, n=4, seed=3)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert all(c.message.content is not None for c in r.choices)
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens
+    assert r.usage.completion_tokens <= 4 * 6
+    # Choice 0 has the request's seed: the same text as alone.
+    assert r.choices[0].message.content == one.choices[0].message.content
+
+
+def test_n_streamed_tags_each_delta_with_its_choice(client):
+    stream = client.chat.completions.create(
+        model="sluice-tiny", messages=MESSAGES, max_tokens=5, n=3, seed=5, stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, finish, usage = {}, {}, None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text[c.index] = text.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert sorted(finish) == [0, 1, 2]
+    assert usage is not None and usage.completion_tokens <= 15
+    whole = client.chat.completions.create(model="sluice-tiny", messages=MESSAGES, max_tokens=5, n=3, seed=5)
+    assert [text[i] for i in range(3)] == [c.message.content for c in whole.choices]
+
+
+def test_n_out_of_range_is_a_clear_400(client):
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="sluice-tiny", messages=MESSAGES, max_tokens=2, n=2)
-    assert "n" in str(e.value)
+        client.chat.completions.create(model="sluice-tiny", messages=MESSAGES, max_tokens=2, n=17)
+    assert e.value.body["param"] == "n"
 
 
 def test_stop_string_ends_generation(client):

@@ -90,6 +90,7 @@ fn params(req: pb::GenerateRequest) -> Result<GenerateParams, FrontendError> {
         tenant_weight: 0,
         timeout: (req.timeout_ms > 0).then(|| Duration::from_millis(u64::from(req.timeout_ms))),
         tools: None,
+        n: 1,
     })
 }
 

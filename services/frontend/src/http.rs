@@ -2,7 +2,7 @@
 //! whole), models, health and readiness. Every handler ends in
 //! [`Pipeline`]; errors render through [`FrontendError`].
 
-use sluice_proto::common::v1::FinishReason;
+use sluice_proto::common::v1::{FinishReason, Usage};
 use sluice_tokens::tools::{ParsedCall, ToolFormat};
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -327,15 +327,26 @@ async fn serve(
         span.record("strict_priority", params.hints.strict_priority);
         span.record("tenant", params.tenant.as_str());
         let tools = params.tools.as_ref().map(|_| p.tool_format);
+        let n = params.n.max(1);
+        if n > 1 && tools.is_some() {
+            return Err(FrontendError::invalid(
+                "n",
+                "n > 1 is not supported with tools; send one request per choice",
+            ));
+        }
         let prepared = p.prepare(params, received).await?;
         span.record("prompt_tokens", prepared.prompt_ids.len());
         let id = prepared.desc.request_id.clone();
-        let generation = p.start(prepared).await?;
-        Ok::<_, FrontendError>((id, mode, generation, tools))
+        let generations = if n > 1 {
+            p.start_n(prepared, n).await?
+        } else {
+            (vec![p.start(prepared).await?], None)
+        };
+        Ok::<_, FrontendError>((id, mode, generations, tools, n))
     }
     .instrument(span.clone())
     .await;
-    let (id, mode, generation, tools) = match result {
+    let (id, mode, generations, tools, n) = match result {
         Ok(r) => r,
         Err(e) => {
             p.metrics
@@ -346,6 +357,9 @@ async fn serve(
         }
     };
     if let (Api::Responses, Some(echo)) = (api, echo) {
+        let Some(generation) = generations.0.into_iter().next() else {
+            return FrontendError::internal("no generation").into_response();
+        };
         let shape = Shape {
             id,
             model: p.model.clone(),
@@ -384,6 +398,39 @@ async fn serve(
         model: p.model.clone(),
         created: unix_now(),
         tools,
+        index: 0,
+    };
+    if n > 1 {
+        let (generations, first) = generations;
+        if mode.stream {
+            let outcome = Outcome {
+                pipeline: Arc::clone(&p),
+                endpoint: api.endpoint(),
+                recorded: false,
+            };
+            let mut resp =
+                Sse::new(sse_multi(out, generations, first, mode, outcome)).into_response();
+            resp.headers_mut()
+                .insert("x-accel-buffering", http::HeaderValue::from_static("no"));
+            return resp;
+        }
+        let r = collect(out, generations, first).instrument(span).await;
+        let code = match &r {
+            Ok(_) => "200".to_owned(),
+            Err(e) => e.status().as_str().to_owned(),
+        };
+        p.metrics
+            .requests
+            .with_label_values(&[api.endpoint(), &code])
+            .inc();
+        return match r {
+            Ok(v) => Json(v).into_response(),
+            Err(e) => e.into_response(),
+        };
+    }
+    let (mut generations, first) = generations;
+    let Some(generation) = generations.pop() else {
+        return FrontendError::internal("no generation").into_response();
     };
     if mode.stream {
         // Counted when the stream ends, by how it ends (see `Outcome`).
@@ -398,7 +445,7 @@ async fn serve(
             .insert("x-accel-buffering", http::HeaderValue::from_static("no"));
         resp
     } else {
-        let r = collect(out, generation).instrument(span).await;
+        let r = collect(out, vec![generation], first).instrument(span).await;
         let code = match &r {
             Ok(_) => "200".to_string(),
             Err(e) => e.status().as_str().to_string(),
@@ -421,6 +468,7 @@ fn unix_now() -> i64 {
         .unwrap_or(0)
 }
 
+#[derive(Clone)]
 struct Output {
     api: Api,
     id: String,
@@ -428,6 +476,8 @@ struct Output {
     created: i64,
     /// Parse the output for tool calls in this family's format.
     tools: Option<ToolFormat>,
+    /// The choice this output is (`n` > 1: 0..n).
+    index: u32,
 }
 
 /// Parsed calls as OpenAI's `tool_calls` (with `index` when streamed).
@@ -566,7 +616,7 @@ impl Output {
                 created,
                 model,
                 choices: [ChatChoice {
-                    index: 0,
+                    index: self.index,
                     delta: ChatDelta {
                         content: text,
                         role: first.then_some("assistant"),
@@ -581,7 +631,7 @@ impl Output {
                 created,
                 model,
                 choices: [CompletionChoice {
-                    index: 0,
+                    index: self.index,
                     text,
                     logprobs: want_lp.then(|| completion_logprobs(lps, offset)),
                     finish_reason: None,
@@ -596,10 +646,10 @@ impl Output {
         let reason = reason.openai_name();
         match self.api {
             Api::Chat | Api::Responses => {
-                json!({ "index": 0, "delta": {}, "logprobs": null, "finish_reason": reason })
+                json!({ "index": self.index, "delta": {}, "logprobs": null, "finish_reason": reason })
             }
             Api::Completion => {
-                json!({ "index": 0, "text": "", "logprobs": null, "finish_reason": reason })
+                json!({ "index": self.index, "text": "", "logprobs": null, "finish_reason": reason })
             }
         }
     }
@@ -758,12 +808,25 @@ fn sse_stream(
     })
 }
 
-async fn collect(out: Output, mut generation: Generation) -> Result<Value, FrontendError> {
+/// One choice, whole: its JSON, usage and where it ran. `first` is an
+/// event already read from it.
+async fn collect_choice(
+    out: &Output,
+    mut generation: Generation,
+    mut first: Option<Event>,
+) -> Result<(Value, Usage, Serving), FrontendError> {
     let mut text = String::new();
     let mut lps = Vec::new();
     let mut want_lp = false;
-    while let Some(ev) = generation.next().await {
-        match ev? {
+    loop {
+        let ev = match first.take() {
+            Some(ev) => ev,
+            None => match generation.next().await {
+                Some(ev) => ev?,
+                None => break,
+            },
+        };
+        match ev {
             Event::Delta {
                 text: t, logprobs, ..
             } => {
@@ -776,7 +839,7 @@ async fn collect(out: Output, mut generation: Generation) -> Result<Value, Front
                 usage,
                 serving,
             } => {
-                let (object, choice) = match out.api {
+                let choice = match out.api {
                     Api::Chat | Api::Responses => {
                         let parsed = out
                             .tools
@@ -790,37 +853,187 @@ async fn collect(out: Output, mut generation: Generation) -> Result<Value, Front
                             }),
                             None => json!({ "role": "assistant", "content": text }),
                         };
-                        (
-                            "chat.completion",
-                            json!({
-                                "index": 0,
-                                "message": message,
-                                "logprobs": if want_lp { chat_logprobs(&lps) } else { Value::Null },
-                                "finish_reason": finish_name(finish_reason, parsed.is_some()),
-                            }),
-                        )
-                    }
-                    Api::Completion => (
-                        "text_completion",
                         json!({
-                            "index": 0, "text": text,
-                            "logprobs": if want_lp { completion_logprobs(&lps, 0) } else { Value::Null },
-                            "finish_reason": finish_reason.openai_name(),
-                        }),
-                    ),
+                            "index": out.index,
+                            "message": message,
+                            "logprobs": if want_lp { chat_logprobs(&lps) } else { Value::Null },
+                            "finish_reason": finish_name(finish_reason, parsed.is_some()),
+                        })
+                    }
+                    Api::Completion => json!({
+                        "index": out.index, "text": text,
+                        "logprobs": if want_lp { completion_logprobs(&lps, 0) } else { Value::Null },
+                        "finish_reason": finish_reason.openai_name(),
+                    }),
                 };
-                return Ok(json!({
-                    "id": out.id, "object": object, "created": out.created, "model": out.model,
-                    "choices": [choice],
-                    "usage": usage_json(&usage),
-                    "nvext": nvext_json(&serving),
-                }));
+                return Ok((choice, usage, serving));
             }
         }
     }
     Err(FrontendError::internal(
         "generation ended without a final event",
     ))
+}
+
+/// The usage of `n` choices of one prompt: the prompt counted once.
+fn combined_usage(usages: impl IntoIterator<Item = Usage>) -> Usage {
+    let mut total: Option<Usage> = None;
+    for u in usages {
+        match &mut total {
+            None => total = Some(u),
+            Some(t) => t.completion_tokens += u.completion_tokens,
+        }
+    }
+    total.unwrap_or_default()
+}
+
+/// The whole response: every choice (read concurrently), the prompt's
+/// usage once, where the first choice ran.
+async fn collect(
+    out: Output,
+    generations: Vec<Generation>,
+    mut first: Option<Event>,
+) -> Result<Value, FrontendError> {
+    let object = match out.api {
+        Api::Completion => "text_completion",
+        Api::Chat | Api::Responses => "chat.completion",
+    };
+    let choices = generations.into_iter().enumerate().map(|(i, g)| {
+        let out = Output {
+            index: i as u32,
+            ..out.clone()
+        };
+        let f = if i == 0 { first.take() } else { None };
+        async move { collect_choice(&out, g, f).await }
+    });
+    let results = futures::future::try_join_all(choices).await?;
+    let serving = results.first().map(|r| r.2.clone()).unwrap_or_default();
+    let usage = combined_usage(results.iter().map(|r| r.1));
+    Ok(json!({
+        "id": out.id, "object": object, "created": out.created, "model": out.model,
+        "choices": results.into_iter().map(|r| r.0).collect::<Vec<_>>(),
+        "usage": usage_json(&usage),
+        "nvext": nvext_json(&serving),
+    }))
+}
+
+/// `n` > 1 choices streamed: each choice's deltas as they come, with its
+/// index; its final chunk when it ends; usage (the prompt once) and
+/// `[DONE]` when the last one ends.
+fn sse_multi(
+    out: Output,
+    generations: Vec<Generation>,
+    first: Option<Event>,
+    mode: StreamMode,
+    outcome: Outcome,
+) -> impl Stream<Item = Result<SseEvent, Infallible>> {
+    use futures::StreamExt;
+    let n = generations.len();
+    let mut first = first;
+    let streams = generations.into_iter().enumerate().map(|(i, g)| {
+        let head = futures::stream::iter(if i == 0 { first.take().map(Ok) } else { None });
+        let rest =
+            futures::stream::unfold(g, |mut g| async move { g.next().await.map(|e| (e, g)) });
+        head.chain(rest).map(move |e| (i, e)).boxed()
+    });
+    struct St {
+        merged: futures::stream::SelectAll<
+            futures::stream::BoxStream<'static, (usize, Result<Event, FrontendError>)>,
+        >,
+        outs: Vec<Output>,
+        first: Vec<bool>,
+        offset: Vec<usize>,
+        usages: Vec<Usage>,
+        remaining: usize,
+        queued: std::collections::VecDeque<SseEvent>,
+        done: bool,
+        mode: StreamMode,
+        outcome: Outcome,
+    }
+    let st = St {
+        merged: futures::stream::select_all(streams),
+        outs: (0..n)
+            .map(|i| Output {
+                index: i as u32,
+                ..out.clone()
+            })
+            .collect(),
+        first: vec![true; n],
+        offset: vec![0; n],
+        usages: Vec::new(),
+        remaining: n,
+        queued: std::collections::VecDeque::new(),
+        done: false,
+        mode,
+        outcome,
+    };
+    futures::stream::unfold(st, |mut st| async move {
+        use futures::StreamExt;
+        loop {
+            if let Some(ev) = st.queued.pop_front() {
+                return Some((Ok(ev), st));
+            }
+            if st.done {
+                return None;
+            }
+            match st.merged.next().await {
+                Some((i, Ok(Event::Delta { text, logprobs, .. }))) => {
+                    if text.is_empty() && logprobs.is_empty() && !st.first[i] {
+                        continue;
+                    }
+                    let want_lp = !logprobs.is_empty();
+                    let data = st.outs[i].delta_chunk(
+                        &text,
+                        &logprobs,
+                        st.first[i],
+                        want_lp,
+                        st.offset[i],
+                    );
+                    st.offset[i] += text.len();
+                    st.first[i] = false;
+                    return Some((Ok(SseEvent::default().data(data)), st));
+                }
+                Some((
+                    i,
+                    Ok(Event::Done {
+                        finish_reason,
+                        usage,
+                        serving,
+                    }),
+                )) => {
+                    let v = st.outs[i].chunk(
+                        st.outs[i].final_choice(finish_reason),
+                        Some(("nvext", nvext_json(&serving))),
+                    );
+                    st.queued.push_back(SseEvent::default().data(v.to_string()));
+                    st.usages.push(usage);
+                    st.remaining -= 1;
+                    if st.remaining == 0 {
+                        st.done = true;
+                        st.outcome.record("200");
+                        if st.mode.include_usage {
+                            let usage = combined_usage(std::mem::take(&mut st.usages));
+                            let mut v =
+                                st.outs[0].chunk(Value::Null, Some(("usage", usage_json(&usage))));
+                            if let Some(o) = v.as_object_mut() {
+                                o.insert("choices".into(), json!([]));
+                            }
+                            st.queued.push_back(SseEvent::default().data(v.to_string()));
+                        }
+                        st.queued.push_back(SseEvent::default().data("[DONE]"));
+                    }
+                }
+                Some((_, Err(e))) => {
+                    st.done = true;
+                    st.outcome.record(e.status().as_str());
+                    st.queued
+                        .push_back(SseEvent::default().data(e.body().to_string()));
+                    st.queued.push_back(SseEvent::default().data("[DONE]"));
+                }
+                None => return None,
+            }
+        }
+    })
 }
 
 #[cfg(test)]
@@ -884,6 +1097,7 @@ mod tests {
                 model: "sluice-tiny".into(),
                 created: 1_790_000_000,
                 tools: None,
+                index: 0,
             };
             for (text, first, want_lp, offset) in [
                 ("The", true, false, 0),

@@ -41,6 +41,8 @@ pub(crate) struct GenerateParams {
     /// A chat request's tools, unless it has none (or `tool_choice` is
     /// `none`).
     pub tools: Option<Arc<Tools>>,
+    /// Choices to generate from the one prompt (`n`).
+    pub n: u32,
 }
 
 /// A chat request's tools and how it wants them used.
@@ -524,13 +526,16 @@ struct Common {
     structured_output: Option<common::StructuredOutput>,
 }
 
+/// Most choices one request may ask for.
+pub(crate) const MAX_N: u32 = 16;
+
 fn sampling(c: &Common) -> Result<common::SamplingParams, FrontendError> {
     if let Some(n) = c.n
-        && n != 1
+        && !(1..=MAX_N).contains(&n)
     {
         return Err(FrontendError::invalid(
             "n",
-            "only n = 1 is supported; send n requests instead",
+            format!("n must be between 1 and {MAX_N}"),
         ));
     }
     if let Some(t) = c.temperature
@@ -756,6 +761,7 @@ impl ChatRequest {
                 tenant_weight: 0,
                 timeout: None,
                 tools,
+                n: common.n.unwrap_or(1),
             },
             mode,
         ))
@@ -840,6 +846,7 @@ impl CompletionRequest {
                 tenant_weight: 0,
                 timeout: None,
                 tools: None,
+                n: common.n.unwrap_or(1),
             },
             mode,
         ))
@@ -902,13 +909,19 @@ mod tests {
     }
 
     #[test]
-    fn n_other_than_one_is_a_clear_400() {
-        let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 2});
+    fn n_out_of_range_is_a_clear_400() {
+        for n in [0, MAX_N + 1] {
+            let body =
+                json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": n});
+            let req: ChatRequest = serde_json::from_value(body).expect("parses");
+            assert_eq!(
+                param_of(req.into_params("id".into()).expect_err("out of range")).as_deref(),
+                Some("n")
+            );
+        }
+        let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 4});
         let req: ChatRequest = serde_json::from_value(body).expect("parses");
-        assert_eq!(
-            param_of(req.into_params("id".into()).expect_err("n=2")).as_deref(),
-            Some("n")
-        );
+        assert_eq!(req.into_params("id".into()).expect("n=4").0.n, 4);
     }
 
     #[test]

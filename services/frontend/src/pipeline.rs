@@ -549,6 +549,31 @@ impl Pipeline {
 
     /// Takes the admission lease and opens the worker stream. Errors before
     /// the first token surface here, so the HTTP layer can still pick a status.
+    /// `n` continuations of one prompt (`n` > 1): the first is started and
+    /// its first event awaited, by when its prompt's full blocks are cached
+    /// on its worker; then the others, each with its own id (and seed + i),
+    /// which the router places where that prefix is cached, so they compute
+    /// only the prompt's last partial block. The first choice's first event
+    /// comes back beside the generations, to be read before its next.
+    pub(crate) async fn start_n(
+        self: &Arc<Self>,
+        p: Prepared,
+        n: u32,
+    ) -> Result<(Vec<Generation>, Option<Event>), FrontendError> {
+        let mut first = self.start(p.clone()).await?;
+        let event = first.next().await.transpose()?;
+        let others = (1..n).map(|i| {
+            let mut q = p.clone();
+            q.desc.request_id = format!("{}-{i}", p.desc.request_id);
+            q.params.request_id.clone_from(&q.desc.request_id);
+            q.params.sampling.seed = p.params.sampling.seed.map(|s| s.wrapping_add(u64::from(i)));
+            self.start(q)
+        });
+        let mut generations = vec![first];
+        generations.extend(futures::future::try_join_all(others).await?);
+        Ok((generations, event))
+    }
+
     pub(crate) async fn start(self: &Arc<Self>, p: Prepared) -> Result<Generation, FrontendError> {
         let deadline = p.received + p.params.timeout.unwrap_or(self.request_timeout);
         let priority_label = p.desc.priority.to_string();
