@@ -106,9 +106,27 @@ async fn bad_requests_get_clear_4xx_errors() -> anyhow::Result<()> {
             "model",
         ),
         (
-            json!({"model": "sluice-tiny", "messages": [{"role": "user", "content": "hi"}], "n": 3}),
+            json!({"model": "sluice-tiny", "messages": [{"role": "user", "content": "hi"}], "n": 17}),
             400,
             "n",
+        ),
+        (
+            json!({"model": "sluice-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1_000_000_000u32}),
+            400,
+            "max_tokens",
+        ),
+        (
+            json!({"model": "sluice-tiny", "messages": [{"role": "user", "content": "hi"}],
+                   "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}}),
+            400,
+            "response_format",
+        ),
+        (
+            json!({"model": "sluice-tiny", "messages": [{"role": "user", "content": "hi"}],
+                   "tools": [{"type": "function", "function": {"name": "f"}}],
+                   "tool_choice": {"type": "function", "function": {"name": "g"}}}),
+            400,
+            "tool_choice",
         ),
         (
             json!({"model": "sluice-tiny", "messages": []}),
