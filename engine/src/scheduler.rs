@@ -66,6 +66,9 @@ use crate::sampler::{PositionLogprobs, SampleContext};
 /// A constraint back from computing its mask, with the mask.
 type Masked = (Constraint, Result<Allowed, GrammarError>);
 
+/// How long `update` waits for a row's grammar mask.
+const MASK_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// One sequence's share of a scheduled step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ScheduledSeq {
@@ -473,17 +476,33 @@ impl Scheduler {
                 continue;
             };
             let (tx, rx) = std_mpsc::channel();
-            rayon::spawn(move || {
+            let job = move || {
                 let allowed = constraint.allowed();
                 let _ = tx.send((constraint, allowed));
-            });
+            };
+            // On the global pool: its threads are warm from the forward
+            // pass, so a mask starts at once (a pool of its own cost a
+            // thread wake-up per step, ~15% of a batch-1 step here).
+            rayon::spawn(job);
             self.masks.insert(s.seq_id, rx);
         }
     }
 
     /// The mask started for `id` this step, its constraint back in place.
     fn take_mask(&mut self, id: SeqId) -> Option<Result<Allowed, GrammarError>> {
-        let (constraint, allowed) = self.masks.remove(&id)?.recv().ok()?;
+        let rx = self.masks.remove(&id)?;
+        // A mask is micro- to milliseconds; one that takes longer than this
+        // ends its request rather than stall every sequence of the batch.
+        let (constraint, allowed) = match rx.recv_timeout(MASK_DEADLINE) {
+            Ok(done) => done,
+            Err(std_mpsc::RecvTimeoutError::Timeout) => {
+                return Some(Err(GrammarError::Rejected(format!(
+                    "its token mask took over {} s",
+                    MASK_DEADLINE.as_secs()
+                ))));
+            }
+            Err(std_mpsc::RecvTimeoutError::Disconnected) => return None,
+        };
         if let Some(seq) = self.seqs.get_mut(&id) {
             seq.constraint = Some(constraint);
         }
@@ -878,13 +897,8 @@ impl Scheduler {
                 seq.constrained && allowed.is_none() && matches!(out, ForwardOutput::Logits { .. });
             let (token, logprobs) = match &out {
                 // A backend that picks its tokens (the mocker) samples
-                // nothing; under a grammar, a token it does not allow
-                // becomes the first one it does (deterministic, like the
-                // mocker's own).
-                ForwardOutput::Tokens(t) => match &allowed {
-                    Some(a) if !a.contains(t[row]) => (a.first().unwrap_or(t[row]), None),
-                    _ => (t[row], None),
-                },
+                // nothing: workers give it no grammar.
+                ForwardOutput::Tokens(t) => (t[row], None),
                 ForwardOutput::Logits { vocab_size, data } => {
                     let logits = &data[row * vocab_size..(row + 1) * vocab_size];
                     let ctx = SampleContext {
@@ -897,8 +911,8 @@ impl Scheduler {
                     (sampled.token, sampled.logprobs)
                 }
             };
-            let rejected = match (&allowed, seq.constraint.as_mut()) {
-                (Some(_), Some(c)) => c.accept(token).is_err(),
+            let rejected = match (&allowed, seq.constraint.as_mut(), &out) {
+                (Some(_), Some(c), ForwardOutput::Logits { .. }) => c.accept(token).is_err(),
                 _ => false,
             };
             seq.push_token(token);

@@ -1108,7 +1108,7 @@ fn a_parked_victim_leaves_its_slot_to_the_work_that_outranks_it_then_resumes_at_
 }
 
 #[test]
-fn a_grammar_masks_every_token_and_holds_across_steps_even_for_a_backend_that_picks_tokens() {
+fn a_grammar_masks_every_token_and_holds_across_steps() {
     use sluice_tokens::grammar::{GrammarSpec, Grammars};
     use sluice_tokens::{SpecialTokens, Tokenizer, train_byte_level_bpe};
     let trained =
@@ -1121,7 +1121,8 @@ fn a_grammar_masks_every_token_and_holds_across_steps_even_for_a_backend_that_pi
             ..Default::default()
         },
     );
-    let grammars = Grammars::new(&tok, tok.vocab_size()).expect("grammars");
+    let vocab = tok.vocab_size();
+    let grammars = Grammars::new(&tok, vocab).expect("grammars");
     let mut s = Scheduler::new(
         cfg(4, 100, SchedulingPolicy::Fcfs),
         KvCache::new(64, BS, true, Arc::new(KvEventLog::new(64))),
@@ -1134,11 +1135,35 @@ fn a_grammar_masks_every_token_and_holds_across_steps_even_for_a_backend_that_pi
             .expect("compiles"),
     );
     s.add(1, r).expect("valid");
-    // The backend answers token 7 every step: wherever the grammar does not
-    // allow it, the first allowed token is taken instead.
-    let outs = run_to_completion(&mut s);
-    let tokens: Vec<u32> = outs.iter().map(|o| o.token).collect();
-    let fin = finished(&outs, 1).expect("finished");
+    // Logits that favour token 7 (not a `b`) every step: the mask, computed
+    // beside the "forward pass", leaves only what the grammar allows.
+    let mut tokens = Vec::new();
+    let mut fin = None;
+    for _ in 0..64 {
+        if !s.has_unfinished() {
+            break;
+        }
+        let st = s.schedule();
+        let rows = st.seqs.iter().filter(|x| x.needs_logits).count();
+        let mut data = vec![0.0f32; rows * vocab];
+        for row in 0..rows {
+            data[row * vocab + 7] = 10.0;
+        }
+        let outs = s
+            .update(
+                &st,
+                ForwardOutput::Logits {
+                    vocab_size: vocab,
+                    data,
+                },
+            )
+            .expect("rows match");
+        for o in outs {
+            tokens.push(o.token);
+            fin = fin.or(o.finished);
+        }
+    }
+    let fin = fin.expect("finished");
     let text = tok.decode(&tokens, true).expect("decoded");
     assert!(
         (2..=6).contains(&text.len()) && text.chars().all(|c| c == 'b'),

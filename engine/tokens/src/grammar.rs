@@ -213,17 +213,6 @@ impl Allowed {
     pub fn count(&self) -> usize {
         self.0.num_set()
     }
-
-    /// The lowest token id it allows.
-    pub fn first(&self) -> Option<u32> {
-        let mut first = None;
-        self.0.iter_set_entries(|i| {
-            if first.is_none() {
-                first = Some(i as u32);
-            }
-        });
-        first
-    }
 }
 
 impl Constraint {

@@ -3,8 +3,8 @@
 # tokens/s with and without a grammar, through `sluice up`, with the `openai`
 # package as the client, in one sitting.
 #
-# For each engine (cpu: the built-in model's real compute; mocker: modelled
-# steps) and each batch B in BATCHES, B concurrent chat requests of OSL
+# On the cpu engine (the built-in model's real compute; the mocker samples
+# nothing, so it gets no grammar), for each batch B in BATCHES, B concurrent chat requests of OSL
 # tokens each (`ignore_eos`, so both runs decode the same count), first free
 # text, then under a JSON schema (an array of bounded objects; once the
 # schema completes, the grammar allows only EOS, still masked every step).
@@ -12,12 +12,12 @@
 # Goal: >= 90% at batch 1 and 32 on the cpu engine.
 #
 # Writes tests/bench/results/structured_outputs.md with the commands.
-# Environment: SLUICE_BIN [builds target/release/sluice], ENGINES ["cpu mocker"],
+# Environment: SLUICE_BIN [builds target/release/sluice], ENGINES ["cpu"],
 # BATCHES ["1 32"], OSL [128], ROUNDS [3], PY [.venv/bin/python].
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)
 cd "$ROOT"
-ENGINES=${ENGINES:-cpu mocker}
+ENGINES=${ENGINES:-cpu}
 BATCHES=${BATCHES:-1 32}
 OSL=${OSL:-128}
 ROUNDS=${ROUNDS:-3}
