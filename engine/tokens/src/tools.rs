@@ -157,7 +157,7 @@ impl ToolFormat {
     pub fn parse(self, output: &str) -> Parsed {
         match self {
             Self::Hermes => parse_hermes(output),
-            Self::Llama3Json => parse_llama3(output, self.arguments_key()),
+            Self::Llama3Json => parse_llama3(output),
             Self::Mistral => parse_mistral(output),
         }
     }
@@ -224,15 +224,38 @@ pub struct Parsed {
     pub calls: Vec<ParsedCall>,
 }
 
-/// The call in one JSON object with `name` and `key` (arguments).
-fn call_of(v: &Value, key: &str) -> Option<ParsedCall> {
-    let name = v.get("name")?.as_str()?.to_owned();
-    let args = v.get(key).cloned().unwrap_or_else(|| json!({}));
-    let arguments = match args {
-        Value::String(s) => s,
-        other => other.to_string(),
-    };
-    Some(ParsedCall { name, arguments })
+/// One call as a family writes it: `name` and its arguments (under
+/// `arguments`, or Llama's `parameters`), kept as the model wrote them. Any
+/// JSON the grammar allows parses, numbers too large for an `f64` included
+/// (the arguments are never converted).
+#[derive(Deserialize)]
+struct RawCall<'a> {
+    name: String,
+    #[serde(borrow, alias = "parameters", default)]
+    arguments: Option<&'a serde_json::value::RawValue>,
+}
+
+impl RawCall<'_> {
+    fn parsed(self) -> ParsedCall {
+        let raw = self.arguments.map_or("{}", |r| r.get());
+        // Some models write the arguments as a JSON string of JSON.
+        let arguments = if raw.starts_with('"') {
+            serde_json::from_str::<String>(raw).unwrap_or_else(|_| raw.to_owned())
+        } else {
+            raw.to_owned()
+        };
+        ParsedCall {
+            name: self.name,
+            arguments,
+        }
+    }
+}
+
+/// The call in one JSON object's text.
+fn call_of(text: &str) -> Option<ParsedCall> {
+    serde_json::from_str::<RawCall>(text)
+        .ok()
+        .map(RawCall::parsed)
 }
 
 fn parse_hermes(output: &str) -> Parsed {
@@ -250,10 +273,7 @@ fn parse_hermes(output: &str) -> Parsed {
             ),
             None => (after, after.len(), ""),
         };
-        match serde_json::from_str::<Value>(body.trim())
-            .ok()
-            .and_then(|v| call_of(&v, "arguments"))
-        {
+        match call_of(body.trim()) {
             Some(call) => {
                 parsed.content.push_str(&rest[..start]);
                 parsed.calls.push(call);
@@ -269,15 +289,12 @@ fn parse_hermes(output: &str) -> Parsed {
     parsed
 }
 
-fn parse_llama3(output: &str, key: &str) -> Parsed {
+fn parse_llama3(output: &str) -> Parsed {
     let body = output.trim();
     let body = body.strip_prefix("<|python_tag|>").unwrap_or(body).trim();
     let mut calls = Vec::new();
     for part in body.split(';') {
-        match serde_json::from_str::<Value>(part.trim())
-            .ok()
-            .and_then(|v| call_of(&v, key))
-        {
+        match call_of(part.trim()) {
             Some(c) => calls.push(c),
             None => {
                 return Parsed {
@@ -302,13 +319,10 @@ fn parse_mistral(output: &str) -> Parsed {
         };
     };
     let body = output[start + OPEN.len()..].trim();
-    let calls: Option<Vec<ParsedCall>> =
-        serde_json::from_str::<Value>(body)
-            .ok()
-            .and_then(|v| match v {
-                Value::Array(items) => items.iter().map(|i| call_of(i, "arguments")).collect(),
-                one => call_of(&one, "arguments").map(|c| vec![c]),
-            });
+    let calls: Option<Vec<ParsedCall>> = serde_json::from_str::<Vec<RawCall>>(body)
+        .ok()
+        .map(|calls| calls.into_iter().map(RawCall::parsed).collect())
+        .or_else(|| call_of(body).map(|c| vec![c]));
     match calls {
         Some(calls) => Parsed {
             content: output[..start].trim().to_owned(),
@@ -397,6 +411,21 @@ mod tests {
         }
         let p = ToolFormat::Hermes.parse(recorded()[1].1);
         assert_eq!(p.content, "Let me check.");
+    }
+
+    #[test]
+    fn any_json_the_grammar_allows_parses_numbers_beyond_f64_included() {
+        let out =
+            "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"n\": 1e1280151212129}}\n</tool_call>";
+        let p = ToolFormat::Hermes.parse(out);
+        assert_eq!(p.calls.len(), 1);
+        assert_eq!(p.calls[0].arguments, "{\"n\": 1e1280151212129}");
+        // Arguments written as a string of JSON come back as that JSON.
+        let out = "{\"name\": \"f\", \"parameters\": \"{\\\"a\\\": 1}\"}";
+        assert_eq!(
+            ToolFormat::Llama3Json.parse(out).calls[0].arguments,
+            "{\"a\": 1}"
+        );
     }
 
     #[test]
