@@ -208,11 +208,6 @@ impl Allowed {
             }
         }
     }
-
-    /// How many tokens it allows.
-    pub fn count(&self) -> usize {
-        self.0.num_set()
-    }
 }
 
 impl Constraint {

@@ -58,14 +58,6 @@ impl ToolFormat {
         }
     }
 
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Hermes => "hermes",
-            Self::Llama3Json => "llama3_json",
-            Self::Mistral => "mistral",
-        }
-    }
-
     /// The key the family puts a call's arguments under.
     fn arguments_key(self) -> &'static str {
         match self {
