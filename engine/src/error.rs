@@ -15,6 +15,8 @@ pub enum EngineError {
     },
     #[error("{path}: {message}")]
     BadModelFile { path: PathBuf, message: String },
+    #[error(transparent)]
+    Gguf(#[from] sluice_gguf::GgufError),
     #[error("unsupported architecture {0:?} (supported: LlamaForCausalLM, Qwen2ForCausalLM)")]
     UnsupportedArchitecture(String),
     #[error("weight {name} is missing from the safetensors files")]

@@ -1,18 +1,21 @@
-//! A Hugging Face model directory: `config.json` and safetensors weights.
+//! A model: a Hugging Face directory (`config.json` and safetensors
+//! weights) or one GGUF file.
 //!
-//! Owns parsing the config ([`ModelConfig`]), loading the weights into f32
-//! ([`ModelWeights`]) and seeded random initialisation ([`init`]) for tests,
-//! benchmarks and the built-in model. Tokenizer and chat template live in
-//! `sluice-tokens`; compute lives in `backend`.
+//! Owns parsing the config ([`ModelConfig`]), loading the weights
+//! ([`ModelWeights`]: f32, or quantized blocks from a GGUF) and seeded
+//! random initialisation ([`init`]) for tests, benchmarks and the built-in
+//! model. Tokenizer and chat template live in `sluice-tokens`; compute
+//! lives in `backend`.
 
 pub mod config;
+pub mod gguf;
 pub mod init;
 pub mod weights;
 
 use std::path::Path;
 
 pub use config::{Architecture, ModelConfig, RopeScaling};
-pub use weights::{LayerWeights, Linear, ModelWeights, Tensor};
+pub use weights::{LayerWeights, Linear, ModelWeights, QuantTensor, Tensor, Weight};
 
 use crate::error::EngineError;
 
@@ -24,10 +27,17 @@ pub struct Model {
 }
 
 impl Model {
-    /// Loads `dir/config.json` and the safetensors weights beside it.
-    pub fn load(dir: &Path) -> Result<Self, EngineError> {
-        let config = ModelConfig::from_dir(dir)?;
-        let weights = ModelWeights::load(dir, &config)?;
+    /// Loads a model directory (`config.json` and the safetensors weights
+    /// beside it) or a GGUF file.
+    pub fn load(path: &Path) -> Result<Self, EngineError> {
+        if is_gguf(path) {
+            let file = gguf::open(path)?;
+            let config = gguf::config(&file)?;
+            let weights = gguf::weights(&file, &config)?;
+            return Ok(Model { config, weights });
+        }
+        let config = ModelConfig::from_dir(path)?;
+        let weights = ModelWeights::load(path, &config)?;
         Ok(Model { config, weights })
     }
 
@@ -36,6 +46,11 @@ impl Model {
         let weights = ModelWeights::from_tensors(&config, init::random_tensors(&config, seed))?;
         Ok(Model { config, weights })
     }
+}
+
+/// Whether `path` names a GGUF file rather than a model directory.
+pub fn is_gguf(path: &Path) -> bool {
+    path.is_file() && sluice_gguf::GgufFile::is_gguf(path)
 }
 
 #[cfg(test)]

@@ -352,7 +352,7 @@ fn hf_fixtures_match_transformers_within_bf16() {
     let reference: Reference = serde_json::from_str(&text).expect("valid reference");
     for (name, case) in &reference.cases {
         let mut gpu =
-            CudaBackend::from_dir(&dir.join(name), NUM_BLOCKS, 4, 0).expect("gpu backend");
+            CudaBackend::from_path(&dir.join(name), NUM_BLOCKS, 4, 0).expect("gpu backend");
         let mut table: Vec<u32> = Vec::new();
         let mut len = 0;
         let mut chunk = |tokens: &[u32]| {
@@ -493,7 +493,7 @@ fn graph_replayed_decode_steps_equal_eager_ones() {
 
 fn engine(dir: &Path, num_blocks: usize, policy: SchedulingPolicy, prefix: bool) -> EngineHandle {
     let config = ModelConfig::from_dir(dir).expect("config");
-    let backend = CudaBackend::from_dir(dir, num_blocks, BLOCK_SIZE, 0).expect("gpu backend");
+    let backend = CudaBackend::from_path(dir, num_blocks, BLOCK_SIZE, 0).expect("gpu backend");
     EngineHandle::spawn(
         Box::new(backend),
         EngineConfig {

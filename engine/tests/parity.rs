@@ -101,7 +101,7 @@ struct Seq {
 
 impl Driver {
     fn new(case: &str) -> Self {
-        let backend = CpuBackend::from_dir(&fixture_dir().join(case), NUM_BLOCKS, BLOCK_SIZE)
+        let backend = CpuBackend::from_path(&fixture_dir().join(case), NUM_BLOCKS, BLOCK_SIZE)
             .expect("load fixture");
         // 5 and 23 are coprime: every id once, never in order.
         let free = (0..NUM_BLOCKS as u32)
@@ -296,7 +296,7 @@ async fn engine_greedy_generation_reproduces_transformers_tokens() {
         let case = &reference.cases[name];
         let want = greedy_tokens(case);
         let backend =
-            CpuBackend::from_dir(&fixture_dir().join(name), 32, BLOCK_SIZE).expect("load fixture");
+            CpuBackend::from_path(&fixture_dir().join(name), 32, BLOCK_SIZE).expect("load fixture");
         let cfg = EngineConfig {
             block_size: BLOCK_SIZE,
             // Prompts of 20 tokens prefill in chunks of at most 6.

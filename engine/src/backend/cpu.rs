@@ -12,8 +12,10 @@
 
 mod attention;
 pub(crate) mod kernels;
+mod linear;
 mod matmul;
 mod paged_kv;
+mod quant;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -22,81 +24,36 @@ use crate::backend::{
     Backend, ForwardBatch, ForwardOutput, KvArena, KvBacking, KvBlockLayout, validate_batch,
 };
 use crate::error::EngineError;
-use crate::model::{LayerWeights, Linear, Model, ModelConfig, ModelWeights};
+use crate::model::{LayerWeights, Model, ModelConfig, ModelWeights};
 
 use attention::{AttnShape, MAX_GROUP, TokenPos, paged_attention};
-use kernels::{Rope, add_bias, apply_rope, rms_norm, swiglu};
-use matmul::{matmul, transpose};
+use kernels::{Rope, apply_rope, rms_norm, swiglu};
+use linear::{CpuLinear, Embedding, LinearScratch};
 use paged_kv::PagedKv;
 
-/// One decoder layer, laid out for compute: weights input-major
-/// (`[in, out]`, see [`matmul`]).
+/// One decoder layer, laid out for compute (see [`CpuLinear`]).
 #[derive(Debug)]
 struct Layer {
     input_norm: Vec<f32>,
-    /// `[hidden, q + k + v]`: q, k, v projections side by side.
-    qkv: Vec<f32>,
-    qkv_bias: Option<Vec<f32>>,
-    /// `[heads * head_dim, hidden]`.
-    o: Vec<f32>,
-    o_bias: Option<Vec<f32>>,
+    /// q, k, v projections side by side.
+    qkv: CpuLinear,
+    /// `[heads * head_dim] → [hidden]`.
+    o: CpuLinear,
     post_norm: Vec<f32>,
-    /// `[hidden, 2 * intermediate]`: gate columns, then up columns.
-    gate_up: Vec<f32>,
-    gate_up_bias: Option<Vec<f32>>,
-    /// `[intermediate, hidden]`.
-    down: Vec<f32>,
-    down_bias: Option<Vec<f32>>,
-}
-
-/// HF `[out, in]` linears side by side as one input-major `[in, Σ out]`
-/// matrix, with their biases concatenated (zeros where one has none).
-fn stack(parts: &[&Linear]) -> (Vec<f32>, Option<Vec<f32>>) {
-    let inputs = parts[0].weight.shape[1];
-    let outputs: usize = parts.iter().map(|l| l.out_features()).sum();
-    let mut weight = vec![0.0; inputs * outputs];
-    let mut offset = 0;
-    for l in parts {
-        debug_assert_eq!(l.weight.shape[1], inputs);
-        transpose(
-            &mut weight,
-            outputs,
-            offset,
-            &l.weight.data,
-            l.out_features(),
-            inputs,
-        );
-        offset += l.out_features();
-    }
-    let bias = parts.iter().any(|l| l.bias.is_some()).then(|| {
-        parts
-            .iter()
-            .flat_map(|l| match &l.bias {
-                Some(b) => b.clone(),
-                None => vec![0.0; l.out_features()],
-            })
-            .collect()
-    });
-    (weight, bias)
+    /// Gate outputs, then up outputs.
+    gate_up: CpuLinear,
+    down: CpuLinear,
 }
 
 impl Layer {
     fn new(w: LayerWeights) -> Self {
-        let (qkv, qkv_bias) = stack(&[&w.q_proj, &w.k_proj, &w.v_proj]);
-        let (gate_up, gate_up_bias) = stack(&[&w.gate_proj, &w.up_proj]);
-        let (o, o_bias) = stack(&[&w.o_proj]);
-        let (down, down_bias) = stack(&[&w.down_proj]);
         Layer {
             input_norm: w.input_layernorm,
-            qkv,
-            qkv_bias,
-            o,
-            o_bias,
+            qkv: CpuLinear::stack(&[&w.q_proj, &w.k_proj, &w.v_proj]),
+            o: CpuLinear::stack(&[&w.o_proj]),
             post_norm: w.post_attention_layernorm,
-            gate_up,
-            gate_up_bias,
-            down,
-            down_bias,
+            gate_up: CpuLinear::stack(&[&w.gate_proj, &w.up_proj]),
+            down: CpuLinear::stack(&[&w.down_proj]),
         }
     }
 }
@@ -115,6 +72,7 @@ struct Scratch {
     cos: Vec<f32>,
     sin: Vec<f32>,
     tokens: Vec<TokenPos>,
+    linear: LinearScratch,
 }
 
 fn resize(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
@@ -122,17 +80,18 @@ fn resize(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
     &mut buf[..len]
 }
 
-/// A model's weights prepared for the CPU backend (input-major, fused),
+/// A model's weights prepared for the CPU backend (fused; f32 input-major
+/// or quantized rows),
 /// immutable, so several backends (workers in one process) can share one
 /// copy through an `Arc`.
 #[derive(Debug)]
 pub struct CpuWeights {
     config: ModelConfig,
-    embed: Vec<f32>,
+    embed: Embedding,
     layers: Vec<Layer>,
     final_norm: Vec<f32>,
-    /// `[hidden, vocab]` (input-major, also when tied to `embed`).
-    lm_head: Vec<f32>,
+    /// `[hidden] → [vocab]` (the embedding's rows when tied).
+    lm_head: CpuLinear,
     rope: Rope,
 }
 
@@ -153,17 +112,14 @@ impl CpuWeights {
             norm,
             lm_head,
         } = weights;
-        let head = lm_head.as_ref().unwrap_or(&embed_tokens);
-        let (vocab, hidden) = (head.shape[0], head.shape[1]);
-        let mut lm_head_t = vec![0.0; vocab * hidden];
-        transpose(&mut lm_head_t, vocab, 0, &head.data, vocab, hidden);
+        let head = CpuLinear::head(lm_head.as_ref().unwrap_or(&embed_tokens));
         drop(lm_head);
         Ok(CpuWeights {
             rope: Rope::new(&config),
-            embed: embed_tokens.data,
+            embed: Embedding::new(embed_tokens),
             layers: layers.into_iter().map(Layer::new).collect(),
             final_norm: norm,
-            lm_head: lm_head_t,
+            lm_head: head,
             config,
         })
     }
@@ -183,9 +139,13 @@ pub struct CpuBackend {
 }
 
 impl CpuBackend {
-    /// Loads the model in `dir` and allocates `num_blocks` KV blocks of
+    /// Loads the model at `dir` (a directory or GGUF file) and allocates `num_blocks` KV blocks of
     /// `block_size` tokens.
-    pub fn from_dir(dir: &Path, num_blocks: usize, block_size: usize) -> Result<Self, EngineError> {
+    pub fn from_path(
+        dir: &Path,
+        num_blocks: usize,
+        block_size: usize,
+    ) -> Result<Self, EngineError> {
         Self::new(Model::load(dir)?, num_blocks, block_size)
     }
 
@@ -289,9 +249,8 @@ impl Scratch {
                 &mut sin[t * half..(t + len) * half],
             );
             for (j, &tok) in seq.tokens.iter().enumerate() {
-                let row = tok as usize * hidden;
-                x[(t + j) * hidden..(t + j + 1) * hidden]
-                    .copy_from_slice(&w.embed[row..row + hidden]);
+                w.embed
+                    .row(tok as usize, &mut x[(t + j) * hidden..(t + j + 1) * hidden]);
             }
             t += len;
         }
@@ -322,10 +281,7 @@ impl Scratch {
         let qkv = resize(&mut self.qkv, n * qkv_dim);
         let attn = resize(&mut self.attn, n * q_dim);
         rms_norm(h, x, &layer.input_norm, hidden, c.rms_norm_eps);
-        matmul(qkv, h, &layer.qkv, n, hidden, qkv_dim, false);
-        if let Some(b) = &layer.qkv_bias {
-            add_bias(qkv, b);
-        }
+        layer.qkv.forward(qkv, h, n, false, &mut self.linear);
         let (mut k_slab, mut v_slab) = kv.slabs_mut(l);
         for (t, tp) in self.tokens.iter().enumerate() {
             let row = &mut qkv[t * qkv_dim..(t + 1) * qkv_dim];
@@ -349,10 +305,7 @@ impl Scratch {
         };
         let (k_view, v_view) = (k_slab.view(), v_slab.view());
         paged_attention(attn, qkv, k_view, v_view, &self.tokens, tables, shape);
-        matmul(x, attn, &layer.o, n, q_dim, hidden, true);
-        if let Some(b) = &layer.o_bias {
-            add_bias(x, b);
-        }
+        layer.o.forward(x, attn, n, true, &mut self.linear);
     }
 
     /// A layer's MLP block: norm, gate/up projection, SwiGLU, down
@@ -365,15 +318,11 @@ impl Scratch {
         let gate_up = resize(&mut self.gate_up, n * 2 * inter);
         let act = resize(&mut self.act, n * inter);
         rms_norm(h, x, &layer.post_norm, hidden, c.rms_norm_eps);
-        matmul(gate_up, h, &layer.gate_up, n, hidden, 2 * inter, false);
-        if let Some(b) = &layer.gate_up_bias {
-            add_bias(gate_up, b);
-        }
+        layer
+            .gate_up
+            .forward(gate_up, h, n, false, &mut self.linear);
         swiglu(act, gate_up, inter);
-        matmul(x, act, &layer.down, n, inter, hidden, true);
-        if let Some(b) = &layer.down_bias {
-            add_bias(x, b);
-        }
+        layer.down.forward(x, act, n, true, &mut self.linear);
     }
 
     /// The final norm and lm_head, only for the rows that need logits.
@@ -393,7 +342,8 @@ impl Scratch {
         rms_norm(normed, &rows, &w.final_norm, hidden, c.rms_norm_eps);
         let vocab = c.vocab_size;
         let mut logits = vec![0.0; r * vocab];
-        matmul(&mut logits, normed, &w.lm_head, r, hidden, vocab, false);
+        w.lm_head
+            .forward(&mut logits, normed, r, false, &mut self.linear);
         logits
     }
 }

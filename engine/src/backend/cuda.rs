@@ -327,17 +327,17 @@ mod imp {
     }
 
     impl CudaBackend {
-        /// Loads the model in `dir` onto device `ordinal` (modulo the
+        /// Loads the model at `dir` (a directory or GGUF file) onto device `ordinal` (modulo the
         /// visible devices) with `num_blocks` KV blocks of `block_size`
         /// tokens.
-        pub fn from_dir(
+        pub fn from_path(
             dir: &Path,
             num_blocks: usize,
             block_size: usize,
             ordinal: usize,
         ) -> Result<Self, EngineError> {
             // Check the device before spending time reading weights.
-            let config = ModelConfig::from_dir(dir)?;
+            let config = ModelConfig::from_path(dir)?;
             let device = Device::open(ordinal, KernelConfig::for_model(&config)?)?;
             Self::on_device(device, Model::load(dir)?, num_blocks, block_size)
         }

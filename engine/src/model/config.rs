@@ -84,6 +84,14 @@ impl ModelConfig {
         Self::from_file(&dir.join("config.json"))
     }
 
+    /// The config of a model directory or of a GGUF file's metadata.
+    pub fn from_path(path: &Path) -> Result<Self, EngineError> {
+        if super::is_gguf(path) {
+            return super::gguf::config(&super::gguf::open(path)?);
+        }
+        Self::from_dir(path)
+    }
+
     /// Reads a `config.json` file.
     pub fn from_file(path: &Path) -> Result<Self, EngineError> {
         if !path.is_file() {

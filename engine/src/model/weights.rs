@@ -1,17 +1,23 @@
-//! Safetensors weights of a Llama/Qwen2 model, converted to f32.
+//! A model's weights: dense f32, or quantized blocks kept as they are.
 //!
 //! Owns reading `model.safetensors` or the shards named by
 //! `model.safetensors.index.json` (memory-mapped, f32/f16/bf16 converted to
 //! f32 once at load), finding every tensor under its Hugging Face name and
-//! checking its shape against the [`ModelConfig`]. Tensors keep HF's layout:
-//! a linear layer's weight is row-major `[out_features, in_features]`.
-//! Backends rearrange them (fusing q/k/v, gate/up) as they see fit.
+//! checking its shape against the [`ModelConfig`]. A GGUF file
+//! (`super::gguf`) feeds the same builder under the same names; its
+//! quantized matrices stay quantized ([`QuantTensor`]). Tensors keep HF's
+//! layout: a linear layer's weight is row-major `[out_features,
+//! in_features]`. Backends rearrange them (fusing q/k/v, gate/up) as they
+//! see fit.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use safetensors::{Dtype, SafeTensors};
+use sluice_gguf::GgmlType;
 
 use super::config::ModelConfig;
 use crate::error::EngineError;
@@ -31,17 +37,88 @@ impl Tensor {
     }
 }
 
+/// A matrix in one of ggml's block formats: `rows` rows of `cols` values,
+/// each row whole blocks of `ty` (see `sluice_gguf::quant`). Cheap to clone
+/// (tied embeddings share one copy with the lm_head).
+#[derive(Debug, Clone, PartialEq)]
+pub struct QuantTensor {
+    pub ty: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+    pub bytes: Arc<[u8]>,
+}
+
+impl QuantTensor {
+    /// Bytes of one row.
+    pub fn row_bytes(&self) -> usize {
+        self.ty.row_bytes(self.cols)
+    }
+
+    /// The blocks of row `r`.
+    pub fn row(&self, r: usize) -> &[u8] {
+        let n = self.row_bytes();
+        &self.bytes[r * n..(r + 1) * n]
+    }
+
+    /// Every value, de-quantized.
+    pub fn dequantize(&self) -> Tensor {
+        Tensor::new(
+            vec![self.rows, self.cols],
+            sluice_gguf::quant::dequantize_to_vec(self.ty, &self.bytes, self.rows * self.cols),
+        )
+    }
+}
+
+/// A weight matrix as the model file gave it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Weight {
+    Dense(Tensor),
+    Quant(QuantTensor),
+}
+
+impl Weight {
+    /// Row-major shape (`[out, in]` for a linear layer).
+    pub fn shape(&self) -> Cow<'_, [usize]> {
+        match self {
+            Weight::Dense(t) => Cow::Borrowed(&t.shape),
+            Weight::Quant(q) => Cow::Owned(vec![q.rows, q.cols]),
+        }
+    }
+
+    /// The values in f32 (de-quantized on the way for a quantized weight).
+    pub fn dense(&self) -> Cow<'_, Tensor> {
+        match self {
+            Weight::Dense(t) => Cow::Borrowed(t),
+            Weight::Quant(q) => Cow::Owned(q.dequantize()),
+        }
+    }
+
+    /// [`Self::dense`], consuming the weight.
+    pub fn into_dense(self) -> Tensor {
+        match self {
+            Weight::Dense(t) => t,
+            Weight::Quant(q) => q.dequantize(),
+        }
+    }
+}
+
+impl From<Tensor> for Weight {
+    fn from(t: Tensor) -> Self {
+        Weight::Dense(t)
+    }
+}
+
 /// `y = x · weightᵀ + bias`, with `weight` row-major `[out, in]`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Linear {
-    pub weight: Tensor,
+    pub weight: Weight,
     pub bias: Option<Vec<f32>>,
 }
 
 impl Linear {
     /// Output features (rows of the weight).
     pub fn out_features(&self) -> usize {
-        self.weight.shape[0]
+        self.weight.shape()[0]
     }
 }
 
@@ -63,12 +140,12 @@ pub struct LayerWeights {
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelWeights {
     /// `[vocab_size, hidden_size]`.
-    pub embed_tokens: Tensor,
+    pub embed_tokens: Weight,
     pub layers: Vec<LayerWeights>,
     /// Final RMSNorm, `[hidden_size]`.
     pub norm: Vec<f32>,
     /// `[vocab_size, hidden_size]`; `None` when tied to `embed_tokens`.
-    pub lm_head: Option<Tensor>,
+    pub lm_head: Option<Weight>,
 }
 
 impl ModelWeights {
@@ -113,38 +190,44 @@ impl ModelWeights {
         config: &ModelConfig,
         mut tensors: HashMap<String, Tensor>,
     ) -> Result<Self, EngineError> {
-        let mut source =
-            |name: &str| -> Result<Option<Tensor>, EngineError> { Ok(tensors.remove(name)) };
+        let mut source = |name: &str| -> Result<Option<Weight>, EngineError> {
+            Ok(tensors.remove(name).map(Weight::Dense))
+        };
         Self::build(config, &mut source)
     }
 
-    fn build(config: &ModelConfig, source: &mut dyn WeightSource) -> Result<Self, EngineError> {
+    pub(crate) fn build(
+        config: &ModelConfig,
+        source: &mut dyn WeightSource,
+    ) -> Result<Self, EngineError> {
         let h = config.hidden_size;
         let q = config.num_attention_heads * config.head_dim;
         let kv = config.num_key_value_heads * config.head_dim;
         let inter = config.intermediate_size;
-        let mut fetch = |name: &str, shape: &[usize]| -> Result<Tensor, EngineError> {
-            let tensor = source
+        let mut fetch = |name: &str, shape: &[usize]| -> Result<Weight, EngineError> {
+            let weight = source
                 .fetch(name)?
                 .ok_or_else(|| EngineError::MissingWeight {
                     name: name.to_owned(),
                 })?;
-            if tensor.shape != shape {
+            if *weight.shape() != *shape {
                 return Err(EngineError::WeightShape {
                     name: name.to_owned(),
                     expected: shape.to_vec(),
-                    actual: tensor.shape,
+                    actual: weight.shape().into_owned(),
                 });
             }
-            if tensor.data.len() != shape.iter().product::<usize>() {
+            if let Weight::Dense(t) = &weight
+                && t.data.len() != shape.iter().product::<usize>()
+            {
                 // An in-memory tensor whose data disagrees with its shape.
                 return Err(EngineError::WeightShape {
                     name: name.to_owned(),
                     expected: shape.to_vec(),
-                    actual: vec![tensor.data.len()],
+                    actual: vec![t.data.len()],
                 });
             }
-            Ok(tensor)
+            Ok(weight)
         };
         let embed_tokens = fetch("model.embed_tokens.weight", &[config.vocab_size, h])?;
         let mut layers = Vec::with_capacity(config.num_hidden_layers);
@@ -154,7 +237,11 @@ impl ModelWeights {
                 |name: &str, out: usize, inp: usize, bias: bool| -> Result<Linear, EngineError> {
                     let weight = fetch(&format!("{p}.{name}.weight"), &[out, inp])?;
                     let bias = if bias {
-                        Some(fetch(&format!("{p}.{name}.bias"), &[out])?.data)
+                        Some(
+                            fetch(&format!("{p}.{name}.bias"), &[out])?
+                                .into_dense()
+                                .data,
+                        )
                     } else {
                         None
                     };
@@ -168,7 +255,9 @@ impl ModelWeights {
             let up_proj = linear("mlp.up_proj", inter, h, config.mlp_bias)?;
             let down_proj = linear("mlp.down_proj", h, inter, config.mlp_bias)?;
             layers.push(LayerWeights {
-                input_layernorm: fetch(&format!("{p}.input_layernorm.weight"), &[h])?.data,
+                input_layernorm: fetch(&format!("{p}.input_layernorm.weight"), &[h])?
+                    .into_dense()
+                    .data,
                 q_proj,
                 k_proj,
                 v_proj,
@@ -177,13 +266,14 @@ impl ModelWeights {
                     &format!("{p}.post_attention_layernorm.weight"),
                     &[h],
                 )?
+                .into_dense()
                 .data,
                 gate_proj,
                 up_proj,
                 down_proj,
             });
         }
-        let norm = fetch("model.norm.weight", &[h])?.data;
+        let norm = fetch("model.norm.weight", &[h])?.into_dense().data;
         let lm_head = if config.tie_word_embeddings {
             None
         } else {
@@ -198,13 +288,13 @@ impl ModelWeights {
     }
 }
 
-/// Where [`ModelWeights::build`] finds tensors by name.
-trait WeightSource {
-    fn fetch(&mut self, name: &str) -> Result<Option<Tensor>, EngineError>;
+/// Where [`ModelWeights::build`] finds tensors by Hugging Face name.
+pub(crate) trait WeightSource {
+    fn fetch(&mut self, name: &str) -> Result<Option<Weight>, EngineError>;
 }
 
-impl<F: FnMut(&str) -> Result<Option<Tensor>, EngineError>> WeightSource for F {
-    fn fetch(&mut self, name: &str) -> Result<Option<Tensor>, EngineError> {
+impl<F: FnMut(&str) -> Result<Option<Weight>, EngineError>> WeightSource for F {
+    fn fetch(&mut self, name: &str) -> Result<Option<Weight>, EngineError> {
         self(name)
     }
 }
@@ -217,7 +307,7 @@ struct FileSource<'a, 'data> {
 }
 
 impl WeightSource for FileSource<'_, '_> {
-    fn fetch(&mut self, name: &str) -> Result<Option<Tensor>, EngineError> {
+    fn fetch(&mut self, name: &str) -> Result<Option<Weight>, EngineError> {
         let index = match self.weight_map {
             None => 0,
             Some(map) => match map.get(name) {
@@ -235,10 +325,10 @@ impl WeightSource for FileSource<'_, '_> {
                 view.dtype()
             ),
         })?;
-        Ok(Some(Tensor {
+        Ok(Some(Weight::Dense(Tensor {
             shape: view.shape().to_vec(),
             data,
-        }))
+        })))
     }
 }
 
@@ -379,7 +469,7 @@ mod tests {
             write_safetensors(&dir.path().join("model.safetensors"), &tensors, dtype);
             let loaded = ModelWeights::load(dir.path(), &config).expect("load");
             let want = &tensors["model.embed_tokens.weight"].data;
-            let got = &loaded.embed_tokens.data;
+            let got = &loaded.embed_tokens.dense().data;
             let tol = if dtype == Dtype::BF16 { 1e-2 } else { 1e-3 };
             for (a, b) in got.iter().zip(want) {
                 assert!(

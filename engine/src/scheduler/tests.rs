@@ -729,7 +729,7 @@ fn tokens_computed_again_after_a_preemption_are_counted() {
 fn cpu_model(num_blocks: usize) -> CpuBackend {
     let dir =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/parity/llama_untied");
-    CpuBackend::from_dir(&dir, num_blocks, BS).expect("the fixture model loads")
+    CpuBackend::from_path(&dir, num_blocks, BS).expect("the fixture model loads")
 }
 
 /// A greedy request on the fixture model that ignores EOS, so every run

@@ -165,6 +165,18 @@ impl ChatTemplate {
         Self::build(templates, &bos, &eos, false)
     }
 
+    /// The template of a model directory ([`Self::from_dir`]) or of a GGUF
+    /// file's metadata.
+    ///
+    /// # Errors
+    /// As [`Self::from_dir`], or when the GGUF cannot be read.
+    pub fn from_path(path: &Path) -> Result<Self, TokensError> {
+        if crate::gguf::is_gguf(path) {
+            return crate::gguf::chat_template(&sluice_gguf::GgufFile::open(path)?);
+        }
+        Self::from_dir(path)
+    }
+
     fn build(
         templates: Vec<(String, String)>,
         bos_token: &str,

@@ -10,6 +10,9 @@ pub enum TokensError {
     /// A file the model directory must contain is not there.
     #[error("model file {path} is missing")]
     MissingFile { path: PathBuf },
+    /// A GGUF file could not be read.
+    #[error(transparent)]
+    Gguf(#[from] sluice_gguf::GgufError),
     /// A file exists but could not be read.
     #[error("reading {path}")]
     Io {

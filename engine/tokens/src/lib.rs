@@ -4,6 +4,8 @@
 //! - [`block_hash`]: the chained block hashes of DESIGN.md; one function, so an
 //!   equal hash always means an equal prefix everywhere.
 //! - [`Tokenizer`]: a model's `tokenizer.json` with its bos/eos ids.
+//! - [`gguf`]: the tokenizer and chat template of a GGUF file, rebuilt from
+//!   its metadata.
 //! - [`ChatTemplate`]: the model's Jinja chat template, rendered as
 //!   transformers renders it.
 //! - [`IncrementalDetokenizer`]: token ids in, whole-character text deltas
@@ -19,6 +21,7 @@ pub mod block_hash;
 mod chat_template;
 mod detokenizer;
 mod error;
+pub mod gguf;
 pub mod grammar;
 mod hf_config;
 mod tokenizer;

@@ -87,6 +87,18 @@ impl Tokenizer {
         Ok(Self::from_parts(tokenizer, special))
     }
 
+    /// The tokenizer of a model directory ([`Self::from_dir`]) or of a GGUF
+    /// file's metadata.
+    ///
+    /// # Errors
+    /// As [`Self::from_dir`], or the GGUF's metadata error naming its key.
+    pub fn from_path(path: &Path) -> Result<Self, TokensError> {
+        if crate::gguf::is_gguf(path) {
+            return crate::gguf::tokenizer(&sluice_gguf::GgufFile::open(path)?);
+        }
+        Self::from_dir(path)
+    }
+
     /// Loads a single `tokenizer.json` with no special-token discovery.
     ///
     /// # Errors

@@ -55,7 +55,7 @@ fn cuda_backend(
     rank: usize,
 ) -> Result<Box<dyn sluice_engine::backend::Backend>, WorkerError> {
     use sluice_engine::EngineError;
-    match sluice_engine::backend::cuda::CudaBackend::from_dir(dir, num_blocks, block_size, rank) {
+    match sluice_engine::backend::cuda::CudaBackend::from_path(dir, num_blocks, block_size, rank) {
         Ok(b) => Ok(Box::new(b)),
         // A host that cannot run the engine at all: one line naming what is
         // missing, against the flag that asked for it.
@@ -351,9 +351,9 @@ impl WorkerArgs {
         backing: &KvBacking,
     ) -> Result<EngineHandle, WorkerError> {
         self.validate()?;
-        let model = ModelConfig::from_dir(dir)?;
+        let model = ModelConfig::from_path(dir)?;
         let tokenizer =
-            Tokenizer::from_dir(dir).map_err(WorkerError::startup("loading the tokenizer"))?;
+            Tokenizer::from_path(dir).map_err(WorkerError::startup("loading the tokenizer"))?;
         let mut eos: Vec<u32> = model.eos_token_ids.clone();
         for &id in tokenizer.eos_token_ids() {
             if !eos.contains(&id) {
@@ -380,7 +380,7 @@ impl WorkerArgs {
             .min(positions)
             .min(self.num_gpu_blocks * self.block_size);
         let mut backend: Box<dyn sluice_engine::backend::Backend> = match self.engine {
-            EngineKind::Cpu => Box::new(CpuBackend::from_dir(
+            EngineKind::Cpu => Box::new(CpuBackend::from_path(
                 dir,
                 self.num_gpu_blocks,
                 self.block_size,

@@ -154,8 +154,8 @@ pub async fn serve(
         .as_deref()
         .map(auth::ApiKeys::from_file)
         .transpose()?;
-    let tokenizer = Tokenizer::from_dir(dir)?;
-    let template = ChatTemplate::from_dir(dir)?;
+    let tokenizer = Tokenizer::from_path(dir)?;
+    let template = ChatTemplate::from_path(dir)?;
     let template_tool_format = template.tool_format();
     let limits = prompt::PromptLimits::new(dir, &tokenizer);
     let tokenize_concurrency = args.tokenize_concurrency.unwrap_or_else(|| {

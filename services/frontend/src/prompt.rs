@@ -33,15 +33,19 @@ impl PromptLimits {
     /// Reads the model's context from `dir/config.json` and the longest
     /// vocabulary entry of `tokenizer`.
     pub(crate) fn new(dir: &Path, tokenizer: &Tokenizer) -> Self {
-        let model_context = std::fs::read(dir.join("config.json"))
-            .ok()
-            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
-            .and_then(|c| {
-                ["max_position_embeddings", "max_seq_len", "n_positions"]
-                    .iter()
-                    .find_map(|k| c.get(*k).and_then(serde_json::Value::as_u64))
-            })
-            .and_then(|n| usize::try_from(n).ok());
+        let model_context = if sluice_tokens::gguf::is_gguf(dir) {
+            sluice_tokens::gguf::context_length(dir)
+        } else {
+            std::fs::read(dir.join("config.json"))
+                .ok()
+                .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+                .and_then(|c| {
+                    ["max_position_embeddings", "max_seq_len", "n_positions"]
+                        .iter()
+                        .find_map(|k| c.get(*k).and_then(serde_json::Value::as_u64))
+                })
+                .and_then(|n| usize::try_from(n).ok())
+        };
         let longest = tokenizer
             .inner()
             .get_vocab(true)

@@ -115,12 +115,14 @@ impl Default for CommonArgs {
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct ModelArgs {
     /// Model directory in the Hugging Face layout (config.json,
-    /// model.safetensors, tokenizer.json, tokenizer_config.json).
+    /// model.safetensors, tokenizer.json, tokenizer_config.json), or one
+    /// GGUF file (llama.cpp's format: weights, tokenizer and chat template).
     /// `sluice up` writes and uses the built-in model when unset.
     #[arg(long, env = "SLUICE_MODEL")]
     pub model: Option<std::path::PathBuf>,
 
-    /// Name clients use for the model; default: the directory's name.
+    /// Name clients use for the model; default: the directory's name (a
+    /// GGUF file's name without `.gguf`).
     #[arg(long, env = "SLUICE_SERVED_MODEL_NAME")]
     pub served_model_name: Option<String>,
 }
@@ -130,7 +132,9 @@ impl ModelArgs {
     pub fn dir(&self) -> Result<&std::path::Path, RuntimeError> {
         self.model.as_deref().ok_or(RuntimeError::InvalidFlag {
             flag: "--model",
-            message: "a model directory is required (try `sluice model init --out DIR`)".into(),
+            message:
+                "a model directory or GGUF file is required (try `sluice model init --out DIR`)"
+                    .into(),
         })
     }
 
@@ -141,7 +145,10 @@ impl ModelArgs {
         }
         self.model
             .as_deref()
-            .and_then(|p| p.file_name())
+            .and_then(|p| match p.extension() {
+                Some(ext) if ext.eq_ignore_ascii_case("gguf") => p.file_stem(),
+                _ => p.file_name(),
+            })
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_else(|| "sluice-tiny".into())
     }

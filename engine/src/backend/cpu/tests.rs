@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::backend::SeqChunk;
+use crate::model::Linear;
 use crate::model::test_support::tiny_config;
 
 /// Dense reference: logits at every position of `tokens`, one sequence,
@@ -13,11 +14,12 @@ fn reference_logits(model: &Model, tokens: &[u32]) -> Vec<Vec<f32>> {
     let (hd, nh, nkv) = (c.head_dim, c.num_attention_heads, c.num_key_value_heads);
     let hidden = c.hidden_size;
     let linear = |l: &Linear, x: &[f32]| -> Vec<f32> {
-        let (out, inp) = (l.weight.shape[0], l.weight.shape[1]);
+        let weight = l.weight.dense();
+        let (out, inp) = (weight.shape[0], weight.shape[1]);
         (0..out)
             .map(|j| {
                 let dot: f64 = (0..inp)
-                    .map(|i| f64::from(l.weight.data[j * inp + i]) * f64::from(x[i]))
+                    .map(|i| f64::from(weight.data[j * inp + i]) * f64::from(x[i]))
                     .sum();
                 dot as f32 + l.bias.as_ref().map_or(0.0, |b| b[j])
             })
@@ -42,9 +44,10 @@ fn reference_logits(model: &Model, tokens: &[u32]) -> Vec<Vec<f32>> {
             }
         }
     };
+    let embed = w.embed_tokens.dense();
     let mut xs: Vec<Vec<f32>> = tokens
         .iter()
-        .map(|&t| w.embed_tokens.data[t as usize * hidden..(t as usize + 1) * hidden].to_vec())
+        .map(|&t| embed.data[t as usize * hidden..(t as usize + 1) * hidden].to_vec())
         .collect();
     for layer in &w.layers {
         let mut ks = Vec::new();

@@ -40,12 +40,14 @@ pub struct Fused {
 
 /// Stacks `parts` (same input width) into one bf16 matrix.
 pub fn fuse(parts: &[&Linear]) -> Fused {
-    let cols = parts.first().map_or(0, |l| l.weight.shape[1]);
+    let cols = parts.first().map_or(0, |l| l.weight.shape()[1]);
     let rows: usize = parts.iter().map(|l| l.out_features()).sum();
     let mut weight = Vec::with_capacity(rows * cols);
     for l in parts {
-        debug_assert_eq!(l.weight.shape[1], cols);
-        weight.extend(to_bf16_bits(&l.weight.data));
+        debug_assert_eq!(l.weight.shape()[1], cols);
+        // A GGUF's quantized blocks are widened here: the cuda engine
+        // computes in bf16.
+        weight.extend(to_bf16_bits(&l.weight.dense().data));
     }
     let bias = parts.iter().any(|l| l.bias.is_some()).then(|| {
         parts
@@ -108,7 +110,8 @@ mod tests {
             weight: Tensor::new(
                 vec![out, inp],
                 (0..out * inp).map(|i| base + i as f32).collect(),
-            ),
+            )
+            .into(),
             bias: bias.then(|| (0..out).map(|i| base + 0.5 + i as f32).collect()),
         }
     }

@@ -105,11 +105,11 @@ impl DeviceWeights {
             lm_head,
         } = weights;
         let mut up = Uploader { device, bytes: 0 };
-        let embed = up.bf16s(&to_bf16_bits(&embed_tokens.data))?;
+        let embed = up.bf16s(&to_bf16_bits(&embed_tokens.dense().data))?;
         let embed_bytes = up.bytes;
         drop(embed_tokens);
         let lm_head = lm_head
-            .map(|t| up.bf16s(&to_bf16_bits(&t.data)))
+            .map(|t| up.bf16s(&to_bf16_bits(&t.dense().data)))
             .transpose()?;
         let mut device_layers = Vec::with_capacity(layers.len());
         for w in layers {

@@ -1,0 +1,363 @@
+//! A model from one GGUF file: its [`ModelConfig`] from the metadata and its
+//! weights under Hugging Face names, quantized matrices kept quantized.
+//!
+//! llama.cpp's converter renames tensors (`blk.N.attn_q.weight`) and, for
+//! the `llama` architecture, permutes the rows of the q and k projections
+//! so that its RoPE rotates interleaved pairs; the engine rotates HF's
+//! halves, so those rows are put back (rows are whole blocks, so this works
+//! on quantized rows too). Architectures and RoPE variants the engine does
+//! not compute are start-up errors naming them.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use sluice_gguf::{GgufFile, Value};
+
+use super::config::{Architecture, ModelConfig, RopeScaling};
+use super::weights::{ModelWeights, QuantTensor, Tensor, Weight, WeightSource};
+use crate::error::EngineError;
+
+/// The GGUF architectures the engine serves.
+const ARCHITECTURES: &str = "llama, qwen2";
+
+/// Typed metadata lookups with errors naming the file and key.
+struct Meta<'a> {
+    file: &'a GgufFile,
+    arch: &'a str,
+}
+
+impl Meta<'_> {
+    fn bad(&self, message: String) -> EngineError {
+        EngineError::BadModelFile {
+            path: self.file.path().to_path_buf(),
+            message,
+        }
+    }
+
+    fn arch_key(&self, key: &str) -> String {
+        format!("{}.{key}", self.arch)
+    }
+
+    fn usize_opt(&self, key: &str) -> Result<Option<usize>, EngineError> {
+        match self.file.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .and_then(|n| usize::try_from(n).ok())
+                .map(Some)
+                .ok_or_else(|| self.bad(format!("{key} must be an unsigned integer, got {v:?}"))),
+        }
+    }
+
+    fn usize_req(&self, key: &str) -> Result<usize, EngineError> {
+        match self.usize_opt(key)? {
+            Some(n) if n > 0 => Ok(n),
+            Some(_) => Err(self.bad(format!("{key} must be positive"))),
+            None => Err(self.bad(format!("missing metadata key {key}"))),
+        }
+    }
+
+    fn f32_opt(&self, key: &str) -> Result<Option<f32>, EngineError> {
+        match self.file.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .map(|x| Some(x as f32))
+                .ok_or_else(|| self.bad(format!("{key} must be a number, got {v:?}"))),
+        }
+    }
+
+    fn token_id(&self, key: &str) -> Result<Option<u32>, EngineError> {
+        self.usize_opt(key)?
+            .map(|n| u32::try_from(n).map_err(|_| self.bad(format!("{key} {n} is not a token id"))))
+            .transpose()
+    }
+}
+
+/// The model configuration a GGUF file's metadata describes.
+pub fn config(file: &GgufFile) -> Result<ModelConfig, EngineError> {
+    let arch = file
+        .get("general.architecture")
+        .and_then(Value::as_str)
+        .ok_or_else(|| EngineError::BadModelFile {
+            path: file.path().to_path_buf(),
+            message: "missing metadata key general.architecture".to_owned(),
+        })?;
+    let architecture = match arch {
+        "llama" => Architecture::Llama,
+        "qwen2" => Architecture::Qwen2,
+        other => {
+            return Err(EngineError::UnsupportedArchitecture(format!(
+                "{other} (GGUF; supported: {ARCHITECTURES})"
+            )));
+        }
+    };
+    let m = Meta { file, arch };
+    let hidden_size = m.usize_req(&m.arch_key("embedding_length"))?;
+    let num_attention_heads = m.usize_req(&m.arch_key("attention.head_count"))?;
+    let num_key_value_heads = m
+        .usize_opt(&m.arch_key("attention.head_count_kv"))?
+        .unwrap_or(num_attention_heads);
+    if num_key_value_heads == 0 || num_attention_heads % num_key_value_heads != 0 {
+        return Err(m.bad(format!(
+            "{num_attention_heads} attention heads are not a multiple of {num_key_value_heads} kv heads"
+        )));
+    }
+    let head_dim = match m.usize_opt(&m.arch_key("attention.key_length"))? {
+        Some(d) => d,
+        None => hidden_size / num_attention_heads,
+    };
+    if head_dim == 0 || head_dim % 2 != 0 {
+        return Err(m.bad(format!(
+            "head dim must be even and positive, got {head_dim}"
+        )));
+    }
+    if let Some(rot) = m.usize_opt(&m.arch_key("rope.dimension_count"))?
+        && rot != head_dim
+    {
+        return Err(m.bad(format!(
+            "partial rotary embeddings ({rot} of {head_dim} dims) are not supported"
+        )));
+    }
+    let vocab_size = match file.get("tokenizer.ggml.tokens").and_then(Value::as_array) {
+        Some(tokens) => tokens.len(),
+        None => m.usize_req(&m.arch_key("vocab_size"))?,
+    };
+    let max_position_embeddings = m.usize_opt(&m.arch_key("context_length"))?.unwrap_or(2048);
+    let rope_theta = m
+        .f32_opt(&m.arch_key("rope.freq_base"))?
+        .unwrap_or(10_000.0);
+    let rope_scaling = rope_scaling(&m)?;
+    if file.tensor_info("rope_freqs.weight").is_some() {
+        return Err(m.bad(
+            "per-frequency RoPE factors (rope_freqs.weight, Llama 3.1+ scaling) are not supported yet; \
+             the same model as a Hugging Face directory is"
+                .to_owned(),
+        ));
+    }
+    let bos_token_id = m.token_id("tokenizer.ggml.bos_token_id")?;
+    let mut eos_token_ids = Vec::new();
+    for key in [
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.eot_token_id",
+        "tokenizer.ggml.eom_token_id",
+    ] {
+        if let Some(id) = m.token_id(key)?
+            && !eos_token_ids.contains(&id)
+        {
+            eos_token_ids.push(id);
+        }
+    }
+    let has_bias = file.tensor_info("blk.0.attn_q.bias").is_some();
+    let (qkv_bias, o_bias) = match architecture {
+        Architecture::Llama => (
+            has_bias,
+            file.tensor_info("blk.0.attn_output.bias").is_some(),
+        ),
+        Architecture::Qwen2 => (true, false),
+    };
+    Ok(ModelConfig {
+        architecture,
+        hidden_size,
+        intermediate_size: m.usize_req(&m.arch_key("feed_forward_length"))?,
+        num_hidden_layers: m.usize_req(&m.arch_key("block_count"))?,
+        num_attention_heads,
+        num_key_value_heads,
+        head_dim,
+        rms_norm_eps: m
+            .f32_opt(&m.arch_key("attention.layer_norm_rms_epsilon"))?
+            .unwrap_or(1e-6),
+        rope_theta,
+        rope_scaling,
+        tie_word_embeddings: file.tensor_info("output.weight").is_none(),
+        vocab_size,
+        max_position_embeddings,
+        qkv_bias,
+        o_bias,
+        mlp_bias: file.tensor_info("blk.0.ffn_up.bias").is_some(),
+        bos_token_id,
+        eos_token_ids,
+    })
+}
+
+fn rope_scaling(m: &Meta<'_>) -> Result<Option<RopeScaling>, EngineError> {
+    let key = m.arch_key("rope.scaling.type");
+    let Some(kind) = m.file.get(&key) else {
+        return Ok(None);
+    };
+    let factor = m
+        .f32_opt(&m.arch_key("rope.scaling.factor"))?
+        .filter(|f| *f > 0.0);
+    match (kind.as_str(), factor) {
+        (Some("none"), _) => Ok(None),
+        (Some("linear"), Some(factor)) if factor != 1.0 => Ok(Some(RopeScaling::Linear { factor })),
+        (Some("linear"), _) => Ok(None),
+        (other, _) => Err(m.bad(format!(
+            "{key} {other:?} is not supported (supported: none, linear)"
+        ))),
+    }
+}
+
+/// The GGUF name of a tensor the builder asks for by Hugging Face name.
+fn gguf_name(hf: &str) -> Option<String> {
+    let fixed = match hf {
+        "model.embed_tokens.weight" => Some("token_embd.weight"),
+        "model.norm.weight" => Some("output_norm.weight"),
+        "lm_head.weight" => Some("output.weight"),
+        _ => None,
+    };
+    if let Some(name) = fixed {
+        return Some(name.to_owned());
+    }
+    let rest = hf.strip_prefix("model.layers.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let (module, kind) = rest.rsplit_once('.')?;
+    let gguf = match module {
+        "input_layernorm" => "attn_norm",
+        "post_attention_layernorm" => "ffn_norm",
+        "self_attn.q_proj" => "attn_q",
+        "self_attn.k_proj" => "attn_k",
+        "self_attn.v_proj" => "attn_v",
+        "self_attn.o_proj" => "attn_output",
+        "mlp.gate_proj" => "ffn_gate",
+        "mlp.up_proj" => "ffn_up",
+        "mlp.down_proj" => "ffn_down",
+        _ => return None,
+    };
+    Some(format!("blk.{layer}.{gguf}.{kind}"))
+}
+
+/// Serves tensors from the file under HF names.
+struct GgufSource<'a> {
+    file: &'a GgufFile,
+    config: &'a ModelConfig,
+}
+
+impl GgufSource<'_> {
+    /// The head count whose rows llama.cpp permuted in `hf`, if any.
+    fn permuted_heads(&self, hf: &str) -> Option<usize> {
+        if self.config.architecture != Architecture::Llama {
+            return None;
+        }
+        if hf.ends_with("self_attn.q_proj.weight") || hf.ends_with("self_attn.q_proj.bias") {
+            Some(self.config.num_attention_heads)
+        } else if hf.ends_with("self_attn.k_proj.weight") || hf.ends_with("self_attn.k_proj.bias") {
+            Some(self.config.num_key_value_heads)
+        } else {
+            None
+        }
+    }
+}
+
+/// Puts back the rows llama.cpp's converter permuted: within each head of
+/// `head_dim` rows, its row `2i + j` is HF's row `j * head_dim / 2 + i`.
+/// `row` is the bytes of one row.
+fn unpermute_rows(bytes: &[u8], row: usize, heads: usize) -> Vec<u8> {
+    let rows = bytes.len() / row;
+    let head_dim = rows / heads;
+    let half = head_dim / 2;
+    let mut out = vec![0u8; bytes.len()];
+    for h in 0..heads {
+        for i in 0..half {
+            for j in 0..2 {
+                let from = h * head_dim + 2 * i + j;
+                let to = h * head_dim + j * half + i;
+                out[to * row..(to + 1) * row].copy_from_slice(&bytes[from * row..(from + 1) * row]);
+            }
+        }
+    }
+    out
+}
+
+impl WeightSource for GgufSource<'_> {
+    fn fetch(&mut self, hf: &str) -> Result<Option<Weight>, EngineError> {
+        let Some(name) = gguf_name(hf) else {
+            return Ok(None);
+        };
+        let Some((info, bytes)) = self.file.tensor(&name) else {
+            return Ok(None);
+        };
+        let shape = info.shape();
+        let cols = shape.last().copied().unwrap_or(1);
+        let rows = info.elements() as usize / cols;
+        let row = info.ty.row_bytes(cols);
+        let bytes = match self.permuted_heads(hf) {
+            Some(heads) if rows.is_multiple_of(2 * heads) => unpermute_rows(bytes, row, heads),
+            Some(heads) => {
+                return Err(EngineError::BadModelFile {
+                    path: self.file.path().to_path_buf(),
+                    message: format!("{name}: {rows} rows do not split into {heads} heads"),
+                });
+            }
+            None => bytes.to_vec(),
+        };
+        Ok(Some(if info.ty.is_quantized() && shape.len() == 2 {
+            Weight::Quant(QuantTensor {
+                ty: info.ty,
+                rows,
+                cols,
+                bytes: Arc::from(bytes),
+            })
+        } else {
+            let elements = info.elements() as usize;
+            let mut data = vec![0.0; elements];
+            sluice_gguf::quant::dequantize(info.ty, &bytes, &mut data);
+            Weight::Dense(Tensor::new(shape, data))
+        }))
+    }
+}
+
+/// The weights of a GGUF file whose config is `config`.
+pub fn weights(file: &GgufFile, config: &ModelConfig) -> Result<ModelWeights, EngineError> {
+    ModelWeights::build(config, &mut GgufSource { file, config })
+}
+
+/// Opens a GGUF file (errors name the path).
+pub fn open(path: &Path) -> Result<GgufFile, EngineError> {
+    Ok(GgufFile::open(path)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hf_names_map_to_llama_cpp_names() {
+        assert_eq!(
+            gguf_name("model.layers.12.self_attn.q_proj.weight").as_deref(),
+            Some("blk.12.attn_q.weight")
+        );
+        assert_eq!(
+            gguf_name("model.layers.0.self_attn.q_proj.bias").as_deref(),
+            Some("blk.0.attn_q.bias")
+        );
+        assert_eq!(
+            gguf_name("model.layers.3.post_attention_layernorm.weight").as_deref(),
+            Some("blk.3.ffn_norm.weight")
+        );
+        assert_eq!(
+            gguf_name("lm_head.weight").as_deref(),
+            Some("output.weight")
+        );
+        assert_eq!(gguf_name("model.layers.1.unknown.weight"), None);
+    }
+
+    #[test]
+    fn unpermuting_inverts_llama_cpp_permutation() {
+        // llama.cpp: w.reshape(heads, 2, hd/2, ...).swapaxes(1, 2).
+        let (heads, head_dim, row) = (2, 8, 3);
+        let hf: Vec<u8> = (0..(heads * head_dim * row) as u8).collect();
+        let mut permuted = vec![0u8; hf.len()];
+        for h in 0..heads {
+            for j in 0..2 {
+                for i in 0..head_dim / 2 {
+                    let from = h * head_dim + j * head_dim / 2 + i;
+                    let to = h * head_dim + 2 * i + j;
+                    permuted[to * row..(to + 1) * row]
+                        .copy_from_slice(&hf[from * row..(from + 1) * row]);
+                }
+            }
+        }
+        assert_eq!(unpermute_rows(&permuted, row, heads), hf);
+    }
+}

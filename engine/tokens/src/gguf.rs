@@ -1,0 +1,256 @@
+//! A GGUF file's tokenizer and chat template, from its metadata alone.
+//!
+//! llama.cpp keeps the vocabulary as `tokenizer.ggml.*` arrays and names
+//! the pre-tokenizer (`tokenizer.ggml.pre`) instead of storing it; this
+//! module rebuilds the equivalent Hugging Face `tokenizers` pipeline for
+//! the byte-level BPE families (`tokenizer.ggml.model = "gpt2"`): the
+//! vocabulary and merges, the pre-tokenizer split that llama.cpp uses for
+//! each named `pre` (llama-vocab.cpp), control tokens as special added
+//! tokens, and a leading bos when `add_bos_token` says so. Other tokenizer
+//! models and unknown `pre` names are errors that name them.
+
+use serde_json::{Value as Json, json};
+use sluice_gguf::{GgufFile, Value};
+
+use crate::chat_template::ChatTemplate;
+use crate::error::TokensError;
+use crate::tokenizer::{SpecialTokens, Tokenizer};
+
+/// GPT-2's split (also llama.cpp's `default`).
+const GPT2_REGEX: &str =
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+/// Llama 3's split (`llama-bpe`).
+const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Qwen 2's split: Llama 3's with single digits.
+const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// ggml token types (`llama_token_type`).
+const TOKEN_TYPE_CONTROL: u64 = 3;
+const TOKEN_TYPE_USER_DEFINED: u64 = 4;
+
+fn bad(file: &GgufFile, key: &str, problem: impl Into<String>) -> TokensError {
+    TokensError::BadKey {
+        path: file.path().to_path_buf(),
+        key: key.to_owned(),
+        problem: problem.into(),
+    }
+}
+
+fn strings<'a>(file: &'a GgufFile, key: &str) -> Result<Vec<&'a str>, TokensError> {
+    let items = file
+        .get(key)
+        .and_then(Value::as_array)
+        .ok_or_else(|| bad(file, key, "is missing or not an array"))?;
+    items
+        .iter()
+        .map(|v| {
+            v.as_str()
+                .ok_or_else(|| bad(file, key, "holds a non-string"))
+        })
+        .collect()
+}
+
+fn token_id(file: &GgufFile, key: &str) -> Result<Option<u32>, TokensError> {
+    match file.get(key) {
+        None => Ok(None),
+        Some(v) => v
+            .as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .map(Some)
+            .ok_or_else(|| bad(file, key, format!("must be a token id, got {v:?}"))),
+    }
+}
+
+/// The `tokenizers` pre-tokenizer llama.cpp's `pre` name stands for.
+fn pre_tokenizer(file: &GgufFile, pre: &str) -> Result<Json, TokensError> {
+    let byte_level = |use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex});
+    let split = |regex: &str| json!({"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": false});
+    Ok(match pre {
+        "default" | "gpt2" | "gpt-2" => json!({
+            "type": "Sequence",
+            "pretokenizers": [split(GPT2_REGEX), byte_level(false)],
+        }),
+        // llama.cpp: each digit alone, then GPT-2's split.
+        "smollm" | "starcoder" | "refact" | "codeshell" => json!({
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Digits", "individual_digits": true},
+                split(GPT2_REGEX),
+                byte_level(false),
+            ],
+        }),
+        "llama-bpe" | "llama3" | "falcon3" | "pixtral" => json!({
+            "type": "Sequence",
+            "pretokenizers": [split(LLAMA3_REGEX), byte_level(false)],
+        }),
+        "qwen2" | "deepseek-r1-qwen" | "megrez" => json!({
+            "type": "Sequence",
+            "pretokenizers": [split(QWEN2_REGEX), byte_level(false)],
+        }),
+        other => {
+            return Err(bad(
+                file,
+                "tokenizer.ggml.pre",
+                format!(
+                    "{other:?} is not a pre-tokenizer Sluice knows (known: default, gpt2, smollm, starcoder, refact, llama-bpe, qwen2)"
+                ),
+            ));
+        }
+    })
+}
+
+/// The tokenizer a GGUF file's metadata describes.
+///
+/// # Errors
+/// [`TokensError::BadKey`] naming the key when the vocabulary is missing or
+/// malformed, or its tokenizer model or pre-tokenizer is one Sluice does
+/// not build.
+pub fn tokenizer(file: &GgufFile) -> Result<Tokenizer, TokensError> {
+    let model = file
+        .get("tokenizer.ggml.model")
+        .and_then(Value::as_str)
+        .ok_or_else(|| bad(file, "tokenizer.ggml.model", "is missing"))?;
+    if model != "gpt2" {
+        return Err(bad(
+            file,
+            "tokenizer.ggml.model",
+            format!(
+                "{model:?} is not supported yet (supported: \"gpt2\", byte-level BPE); serve the model's Hugging Face directory instead"
+            ),
+        ));
+    }
+    let tokens = strings(file, "tokenizer.ggml.tokens")?;
+    let merges = strings(file, "tokenizer.ggml.merges")?;
+    let types: Vec<u64> = match file.get("tokenizer.ggml.token_type") {
+        None => Vec::new(),
+        Some(v) => v
+            .as_array()
+            .ok_or_else(|| bad(file, "tokenizer.ggml.token_type", "is not an array"))?
+            .iter()
+            .map(|t| t.as_u64().unwrap_or(1))
+            .collect(),
+    };
+    let pre = file
+        .get("tokenizer.ggml.pre")
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    let mut vocab = serde_json::Map::with_capacity(tokens.len());
+    let mut added = Vec::new();
+    for (id, token) in tokens.iter().enumerate() {
+        vocab.insert((*token).to_owned(), json!(id));
+        let ty = types.get(id).copied().unwrap_or(1);
+        if ty == TOKEN_TYPE_CONTROL || ty == TOKEN_TYPE_USER_DEFINED {
+            added.push(json!({
+                "id": id,
+                "content": token,
+                "single_word": false,
+                "lstrip": false,
+                "rstrip": false,
+                "normalized": false,
+                "special": ty == TOKEN_TYPE_CONTROL,
+            }));
+        }
+    }
+    let bos_token_id = token_id(file, "tokenizer.ggml.bos_token_id")?;
+    let add_bos = file
+        .get("tokenizer.ggml.add_bos_token")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let name = |id: Option<u32>| {
+        id.and_then(|i| tokens.get(i as usize))
+            .map(|t| (*t).to_owned())
+    };
+    let post_processor = match (add_bos, name(bos_token_id)) {
+        (true, Some(bos)) => json!({
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {bos.clone(): {"id": bos, "ids": [bos_token_id], "tokens": [bos]}},
+        }),
+        _ => Json::Null,
+    };
+    let spec = json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": pre_tokenizer(file, pre)?,
+        "post_processor": post_processor,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {
+            "type": "BPE",
+            "dropout": null,
+            "unk_token": null,
+            "continuing_subword_prefix": null,
+            "end_of_word_suffix": null,
+            "fuse_unk": false,
+            "byte_fallback": false,
+            "ignore_merges": false,
+            "vocab": vocab,
+            "merges": merges,
+        },
+    });
+    let inner: tokenizers::Tokenizer =
+        spec.to_string()
+            .parse()
+            .map_err(|source| TokensError::LoadTokenizer {
+                path: file.path().to_path_buf(),
+                source,
+            })?;
+    let mut eos_token_ids = Vec::new();
+    for key in [
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.eot_token_id",
+        "tokenizer.ggml.eom_token_id",
+    ] {
+        if let Some(id) = token_id(file, key)?
+            && !eos_token_ids.contains(&id)
+        {
+            eos_token_ids.push(id);
+        }
+    }
+    let special = SpecialTokens {
+        bos_token: name(bos_token_id),
+        bos_token_id,
+        eos_token: name(token_id(file, "tokenizer.ggml.eos_token_id")?),
+        eos_token_ids,
+    };
+    Ok(Tokenizer::from_parts(inner, special))
+}
+
+/// The chat template in a GGUF file's metadata (`tokenizer.chat_template`),
+/// or the fallback template when it has none.
+///
+/// # Errors
+/// [`TokensError::TemplateSyntax`] when the template does not compile.
+pub fn chat_template(file: &GgufFile) -> Result<ChatTemplate, TokensError> {
+    let tokens = file.get("tokenizer.ggml.tokens").and_then(Value::as_array);
+    let name = |key: &str| -> Result<String, TokensError> {
+        Ok(token_id(file, key)?
+            .and_then(|id| tokens?.get(id as usize)?.as_str())
+            .unwrap_or_default()
+            .to_owned())
+    };
+    let (bos, eos) = (
+        name("tokenizer.ggml.bos_token_id")?,
+        name("tokenizer.ggml.eos_token_id")?,
+    );
+    match file.get("tokenizer.chat_template").and_then(Value::as_str) {
+        Some(source) => ChatTemplate::new(source, &bos, &eos),
+        None => Ok(ChatTemplate::fallback(&bos, &eos)),
+    }
+}
+
+/// Whether `path` is a GGUF file (rather than a model directory).
+pub fn is_gguf(path: &std::path::Path) -> bool {
+    path.is_file() && GgufFile::is_gguf(path)
+}
+
+/// The context length a GGUF file declares (`<arch>.context_length`).
+pub fn context_length(path: &std::path::Path) -> Option<usize> {
+    let file = GgufFile::open(path).ok()?;
+    let arch = file.get("general.architecture")?.as_str()?;
+    let n = file.get(&format!("{arch}.context_length"))?.as_u64()?;
+    usize::try_from(n).ok()
+}
