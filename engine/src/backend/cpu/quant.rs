@@ -53,12 +53,14 @@ pub(crate) fn quantize_rows(x: &[f32], k: usize, out: &mut Vec<Q8Block>) {
         let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
         let mut sum = 0i32;
         for (q, v) in block.q.iter_mut().zip(xs) {
-            // Round half away from zero, as ggml's roundf.
-            *q = (v * inv).round() as i8;
+            // Nearest, ties to even, as ggml's AVX quantizer rounds.
+            *q = (v * inv).round_ties_even() as i8;
             sum += *q as i32;
         }
-        block.d = d;
-        block.s = d * sum as f32;
+        // Scales rounded to f16 as ggml stores them (`block_q8_1`), so the
+        // products round as llama.cpp's do.
+        block.d = half::f16::from_f32(d).to_f32();
+        block.s = half::f16::from_f32(d * sum as f32).to_f32();
     }
 }
 
@@ -82,17 +84,20 @@ pub(crate) fn matmul(
     let (k, rows) = (w.cols, w.rows);
     let m = x.len() / k;
     debug_assert_eq!(out.len(), m * n);
+    if m == 0 || rows == 0 {
+        return;
+    }
     debug_assert!(col + rows <= n);
     let kernel = Kernel::pick(w.ty);
     let task = |first: usize, outs: &mut [f32]| {
         // `outs` is `[m, len]` for weight rows first..first + len.
         let len = outs.len() / m;
         let mut buf = [0.0f32; QK_K];
+        let mut dots = vec![0.0f32; m];
         for r in 0..len {
-            let row = w.row(first + r);
-            for i in 0..m {
-                let v = kernel.dot(row, &x[i * k..(i + 1) * k], xq_row(xq, i, k), &mut buf);
-                outs[i * len + r] = v;
+            kernel.dot_rows(w.row(first + r), x, xq, k, &mut dots, &mut buf);
+            for (i, d) in dots.iter().enumerate() {
+                outs[i * len + r] = *d;
             }
         }
     };
@@ -138,6 +143,9 @@ fn xq_row(xq: &[Q8Block], i: usize, k: usize) -> &[Q8Block] {
     xq.get(i * per_row..(i + 1) * per_row).unwrap_or(&[])
 }
 
+/// Activation rows handled per pass over a weight row by the SIMD kernels.
+const ROWS: usize = 4;
+
 /// The dot-product kernel for one weight type on this CPU.
 #[derive(Debug, Clone, Copy)]
 enum Kernel {
@@ -181,42 +189,92 @@ impl Kernel {
         }
     }
 
-    /// `Σ w · x` over one row; `buf` is scratch for de-quantized blocks.
+    /// `out[i] = Σ w · x_i` for every activation row `i` (`x` is rows of
+    /// `k`, `xq` the same rows quantized); `buf` is scratch for
+    /// de-quantized blocks.
+    fn dot_rows(
+        self,
+        w: &[u8],
+        x: &[f32],
+        xq: &[Q8Block],
+        k: usize,
+        out: &mut [f32],
+        buf: &mut [f32; QK_K],
+    ) {
+        if let Kernel::Blocks(ty) = self {
+            return dot_blocks(ty, w, x, k, out, buf);
+        }
+        let mut i = 0;
+        while i < out.len() {
+            #[cfg(target_arch = "x86_64")]
+            if i + ROWS <= out.len() && self.isa() == Isa::Avx2 {
+                let xs: [&[Q8Block]; ROWS] = std::array::from_fn(|r| xq_row(xq, i + r, k));
+                // SAFETY: `Isa::Avx2` is only picked when the CPU has avx2,
+                // fma and f16c; the kernels read whole blocks within `w`
+                // and each `xs` row.
+                let dots = unsafe {
+                    match self {
+                        Kernel::Q4_0(_) => avx2::dot_q4_rows::<false>(w, xs),
+                        Kernel::Q4_1(_) => avx2::dot_q4_rows::<true>(w, xs),
+                        _ => avx2::dot_q8_0_rows(w, xs),
+                    }
+                };
+                out[i..i + ROWS].copy_from_slice(&dots);
+                i += ROWS;
+                continue;
+            }
+            out[i] = self.dot(w, xq_row(xq, i, k));
+            i += 1;
+        }
+    }
+
+    fn isa(self) -> Isa {
+        match self {
+            Kernel::Q4_0(isa) | Kernel::Q4_1(isa) | Kernel::Q8_0(isa) => isa,
+            Kernel::Blocks(_) => Isa::Portable,
+        }
+    }
+
+    /// `Σ w · x` over one row for the q8 kernels.
     #[inline]
-    fn dot(self, w: &[u8], x: &[f32], xq: &[Q8Block], buf: &mut [f32; QK_K]) -> f32 {
+    fn dot(self, w: &[u8], xq: &[Q8Block]) -> f32 {
         match self {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: `Isa::Avx2` is only picked when the CPU has avx2, fma
-            // and f16c; the kernels read whole blocks within `w` and `xq`.
-            Kernel::Q4_0(Isa::Avx2) => unsafe { avx2::dot_q4(w, xq, 18, 2, false) },
+            // SAFETY: as in `dot_rows`.
+            Kernel::Q4_0(Isa::Avx2) => unsafe { avx2::dot_q4::<false>(w, xq) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above.
-            Kernel::Q4_1(Isa::Avx2) => unsafe { avx2::dot_q4(w, xq, 20, 4, true) },
+            Kernel::Q4_1(Isa::Avx2) => unsafe { avx2::dot_q4::<true>(w, xq) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above.
-            Kernel::Q8_0(Isa::Avx2) => unsafe { avx2::dot_q8_0(w, xq) },
+            Kernel::Q8_0(Isa::Avx2) => unsafe { avx2::dot_q8_0_rows(w, [xq])[0] },
             Kernel::Q4_0(_) => portable::dot_q4_0(w, xq),
             Kernel::Q4_1(_) => portable::dot_q4_1(w, xq),
             Kernel::Q8_0(_) => portable::dot_q8_0(w, xq),
-            Kernel::Blocks(ty) => dot_blocks(ty, w, x, buf),
+            Kernel::Blocks(_) => unreachable!("block types dot through dot_blocks"),
         }
     }
 }
 
-/// De-quantizes each block of `w` into `buf` and dots it with `x`.
-fn dot_blocks(ty: GgmlType, w: &[u8], x: &[f32], buf: &mut [f32; QK_K]) -> f32 {
+/// De-quantizes each block of `w` once into `buf` and dots it with every
+/// activation row.
+fn dot_blocks(ty: GgmlType, w: &[u8], x: &[f32], k: usize, out: &mut [f32], buf: &mut [f32; QK_K]) {
     let n = ty.block_elements();
-    let mut acc = [0.0f32; 8];
-    for (block, xs) in w.chunks_exact(ty.block_bytes()).zip(x.chunks_exact(n)) {
+    out.fill(0.0);
+    for (b, block) in w.chunks_exact(ty.block_bytes()).enumerate() {
         let vals = &mut buf[..n];
         dequantize(ty, block, vals);
-        for (a, b) in vals.chunks_exact(8).zip(xs.chunks_exact(8)) {
-            for l in 0..8 {
-                acc[l] += a[l] * b[l];
+        for (i, o) in out.iter_mut().enumerate() {
+            let xs = &x[i * k + b * n..i * k + (b + 1) * n];
+            let mut acc = [0.0f32; 8];
+            for (a, c) in vals.chunks_exact(8).zip(xs.chunks_exact(8)) {
+                for l in 0..8 {
+                    acc[l] += a[l] * c[l];
+                }
             }
+            *o += acc.iter().sum::<f32>();
         }
     }
-    acc.iter().sum()
 }
 
 /// Scalar kernels: the reference the SIMD ones are tested against, and
@@ -263,23 +321,20 @@ mod portable {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
+    //! Per block: the nibbles (or bytes) against the activations' i8 with
+    //! `maddubs` + `madd` (8 i32 lanes), scaled by `d_w · d_x` into an f32
+    //! accumulator; the weight offset (`m`, or `-8 d` for Q4_0) times the
+    //! activations' `d_x Σ q` goes to a second accumulator. Scales are
+    //! converted with zeroing loads (`vmovd`/`vpbroadcastw` + `vcvtph2ps`)
+    //! so no loop-carried false dependency forms through a merged register.
+
     use std::arch::x86_64::*;
 
-    use super::Q8Block;
-
-    #[inline(always)]
-    unsafe fn f16(b: *const u8) -> f32 {
-        // SAFETY: the caller passes a pointer to two readable bytes and
-        // runs on a CPU with f16c.
-        unsafe {
-            let bits = (b as *const u16).read_unaligned();
-            _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
-        }
-    }
+    use super::{Q8Block, ROWS};
 
     #[inline(always)]
     unsafe fn hsum(v: __m256) -> f32 {
-        // SAFETY: pure register arithmetic on an avx CPU.
+        // SAFETY: register arithmetic on an avx CPU.
         unsafe {
             let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
             let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -288,60 +343,179 @@ mod avx2 {
         }
     }
 
-    /// Q4_0 (`bytes` 18, nibbles at 2, `w = (q - 8) d`) or Q4_1 (`bytes`
-    /// 20, nibbles at 4, `w = q d + m`, `with_min`).
+    /// `[d, m | d, 0, 0]` of a Q4 block at `b`: for Q4_1 its two f16 scales,
+    /// for Q4_0 its scale twice (the offset is `-8 d`, applied at the end).
+    #[inline(always)]
+    unsafe fn q4_scales<const MIN: bool>(b: *const u8) -> __m128 {
+        // SAFETY: the caller passes a block (at least 4 readable bytes).
+        unsafe {
+            if MIN {
+                _mm_cvtph_ps(_mm_cvtsi32_si128((b as *const i32).read_unaligned()))
+            } else {
+                _mm_cvtph_ps(_mm_set1_epi16((b as *const i16).read_unaligned()))
+            }
+        }
+    }
+
+    /// `[d_x, s_x, 0, 0]` of an activation block.
+    #[inline(always)]
+    unsafe fn x_scales(x: &Q8Block) -> __m128 {
+        // SAFETY: `d` and `s` are adjacent f32s (`repr(C)`).
+        unsafe { _mm_castpd_ps(_mm_load_sd(&x.d as *const f32 as *const f64)) }
+    }
+
+    /// The 32 nibbles of a Q4 block at `q` as bytes, low nibbles first.
+    #[inline(always)]
+    unsafe fn nibbles(q: *const u8) -> __m256i {
+        // SAFETY: the caller passes 16 readable bytes.
+        unsafe {
+            let q = _mm_loadu_si128(q as *const __m128i);
+            _mm256_and_si256(
+                _mm256_set_m128i(_mm_srli_epi16(q, 4), q),
+                _mm256_set1_epi8(0x0F),
+            )
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn finish<const MIN: bool>(acc: __m256, offs: __m128) -> f32 {
+        // SAFETY: register arithmetic.
+        unsafe {
+            // Lane 1 of `offs` holds Σ m s_x (Q4_1) or Σ d s_x (Q4_0).
+            let o = _mm_cvtss_f32(_mm_movehdup_ps(offs));
+            hsum(acc) + if MIN { o } else { -8.0 * o }
+        }
+    }
+
+    /// One Q4 block against one activation block, into `acc`/`offs`.
+    #[inline(always)]
+    unsafe fn q4_block<const MIN: bool>(
+        b: *const u8,
+        x: &Q8Block,
+        acc: &mut __m256,
+        offs: &mut __m128,
+    ) {
+        let at = if MIN { 4 } else { 2 };
+        // SAFETY: the caller passes a whole block at `b`; register
+        // arithmetic otherwise.
+        unsafe {
+            let p = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(
+                    nibbles(b.add(at)),
+                    _mm256_loadu_si256(x.q.as_ptr() as *const __m256i),
+                ),
+                _mm256_set1_epi16(1),
+            );
+            let prod = _mm_mul_ps(q4_scales::<MIN>(b), x_scales(x));
+            *acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(prod), _mm256_cvtepi32_ps(p), *acc);
+            *offs = _mm_add_ps(*offs, prod);
+        }
+    }
+
+    /// Bytes ahead of the current block that a weight stream prefetches.
+    const PREFETCH: usize = 640;
+
+    /// One activation row, two blocks per iteration (two accumulator
+    /// chains), the weight stream prefetched ahead.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot_q4(
-        w: &[u8],
-        xq: &[Q8Block],
-        bytes: usize,
-        at: usize,
-        with_min: bool,
-    ) -> f32 {
+    pub(super) unsafe fn dot_q4<const MIN: bool>(w: &[u8], xq: &[Q8Block]) -> f32 {
+        let bytes = if MIN { 20 } else { 18 };
         let blocks = (w.len() / bytes).min(xq.len());
-        let mask = _mm256_set1_epi8(0x0F);
-        let ones = _mm256_set1_epi16(1);
-        let mut acc = _mm256_setzero_ps();
-        let mut offsets = 0.0f32;
-        for i in 0..blocks {
-            // SAFETY: block i of `w` spans bytes i*bytes..(i+1)*bytes and
-            // block i of `xq` exists (i < blocks); loads are unaligned.
+        let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let (mut o0, mut o1) = (_mm_setzero_ps(), _mm_setzero_ps());
+        let mut i = 0;
+        while i + 2 <= blocks {
+            // SAFETY: blocks i and i+1 of `w` and `xq` exist (i + 2 <=
+            // blocks); a prefetch of any address is harmless.
             unsafe {
                 let b = w.as_ptr().add(i * bytes);
-                let x = xq.get_unchecked(i);
-                let d = f16(b);
-                let q = _mm_loadu_si128(b.add(at) as *const __m128i);
-                let w8 = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), mask);
-                let x8 = _mm256_loadu_si256(x.q.as_ptr() as *const __m256i);
-                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(w8, x8), ones);
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(d * x.d), _mm256_cvtepi32_ps(p), acc);
-                offsets += if with_min { f16(b.add(2)) } else { -8.0 * d } * x.s;
+                _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(PREFETCH) as *const i8);
+                q4_block::<MIN>(b, xq.get_unchecked(i), &mut a0, &mut o0);
+                q4_block::<MIN>(b.add(bytes), xq.get_unchecked(i + 1), &mut a1, &mut o1);
+            }
+            i += 2;
+        }
+        if i < blocks {
+            // SAFETY: block i exists.
+            unsafe {
+                q4_block::<MIN>(
+                    w.as_ptr().add(i * bytes),
+                    xq.get_unchecked(i),
+                    &mut a0,
+                    &mut o0,
+                )
+            };
+        }
+        // SAFETY: register arithmetic.
+        unsafe { finish::<MIN>(_mm256_add_ps(a0, a1), _mm_add_ps(o0, o1)) }
+    }
+
+    /// [`ROWS`] activation rows against one weight row: each block's
+    /// nibbles are unpacked once.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_q4_rows<const MIN: bool>(
+        w: &[u8],
+        xs: [&[Q8Block]; ROWS],
+    ) -> [f32; ROWS] {
+        let (bytes, at) = if MIN { (20, 4) } else { (18, 2) };
+        let blocks = xs.iter().fold(w.len() / bytes, |n, x| n.min(x.len()));
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [_mm256_setzero_ps(); ROWS];
+        let mut offs = [_mm_setzero_ps(); ROWS];
+        for i in 0..blocks {
+            // SAFETY: as in `dot_q4`, for every row.
+            unsafe {
+                let b = w.as_ptr().add(i * bytes);
+                _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(PREFETCH) as *const i8);
+                let w8 = nibbles(b.add(at));
+                let scales = q4_scales::<MIN>(b);
+                for r in 0..ROWS {
+                    let x = xs[r].get_unchecked(i);
+                    let p = _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(
+                            w8,
+                            _mm256_loadu_si256(x.q.as_ptr() as *const __m256i),
+                        ),
+                        ones,
+                    );
+                    let prod = _mm_mul_ps(scales, x_scales(x));
+                    acc[r] =
+                        _mm256_fmadd_ps(_mm256_broadcastss_ps(prod), _mm256_cvtepi32_ps(p), acc[r]);
+                    offs[r] = _mm_add_ps(offs[r], prod);
+                }
             }
         }
         // SAFETY: register arithmetic.
-        unsafe { hsum(acc) + offsets }
+        std::array::from_fn(|r| unsafe { finish::<MIN>(acc[r], offs[r]) })
     }
 
+    /// Q8_0 against `R` activation rows (1 or [`ROWS`]).
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot_q8_0(w: &[u8], xq: &[Q8Block]) -> f32 {
-        let blocks = (w.len() / 34).min(xq.len());
+    pub(super) unsafe fn dot_q8_0_rows<const R: usize>(w: &[u8], xs: [&[Q8Block]; R]) -> [f32; R] {
+        let blocks = xs.iter().fold(w.len() / 34, |n, x| n.min(x.len()));
         let ones = _mm256_set1_epi16(1);
-        let mut acc = _mm256_setzero_ps();
+        let mut acc = [_mm256_setzero_ps(); R];
         for i in 0..blocks {
             // SAFETY: as in `dot_q4`.
             unsafe {
                 let b = w.as_ptr().add(i * 34);
-                let x = xq.get_unchecked(i);
+                _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(PREFETCH) as *const i8);
                 let w8 = _mm256_loadu_si256(b.add(2) as *const __m256i);
-                let x8 = _mm256_loadu_si256(x.q.as_ptr() as *const __m256i);
-                // |w| · (x with w's sign): maddubs needs one unsigned side.
-                let p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w8, w8), _mm256_sign_epi8(x8, w8));
-                let p = _mm256_madd_epi16(p16, ones);
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(b) * x.d), _mm256_cvtepi32_ps(p), acc);
+                // |w| against x with w's sign: maddubs needs one unsigned side.
+                let aw = _mm256_sign_epi8(w8, w8);
+                let d = _mm_cvtph_ps(_mm_set1_epi16((b as *const i16).read_unaligned()));
+                for r in 0..R {
+                    let x = xs[r].get_unchecked(i);
+                    let x8 = _mm256_loadu_si256(x.q.as_ptr() as *const __m256i);
+                    let p =
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x8, w8)), ones);
+                    let scale = _mm256_broadcastss_ps(_mm_mul_ps(d, x_scales(x)));
+                    acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(p), acc[r]);
+                }
             }
         }
         // SAFETY: register arithmetic.
-        unsafe { hsum(acc) }
+        std::array::from_fn(|r| unsafe { hsum(acc[r]) })
     }
 }
 
@@ -458,10 +632,9 @@ mod tests {
         let x = data(k, 3);
         let mut xq = Vec::new();
         quantize_rows(&x, k, &mut xq);
-        let mut buf = [0.0; QK_K];
         for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
             let w = random_blocks(ty, 1, k, 11);
-            let fast = Kernel::pick(ty).dot(w.row(0), &x, &xq, &mut buf);
+            let fast = Kernel::pick(ty).dot(w.row(0), &xq);
             let slow = match ty {
                 GgmlType::Q4_0 => portable::dot_q4_0(w.row(0), &xq),
                 GgmlType::Q4_1 => portable::dot_q4_1(w.row(0), &xq),
