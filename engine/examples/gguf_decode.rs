@@ -1,7 +1,7 @@
 //! Backend-only decode speed of a model file (directory or GGUF): one
 //! decode step at batch 1 and 8 with 128 tokens of context, in tokens/s.
 //!
-//!     cargo run --release -p sluice-engine --example gguf_decode -- MODEL [STEPS]
+//!     cargo run --release -p sluice-engine --example gguf_decode -- MODEL [STEPS] [BATCH,...]
 
 use std::time::Instant;
 
@@ -22,6 +22,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
     let path = args.next().ok_or("usage: gguf_decode MODEL [STEPS]")?;
     let steps: usize = args.next().map_or(Ok(64), |s| s.parse())?;
+    let batches: Vec<usize> = match args.next() {
+        Some(list) => list.split(',').map(str::parse).collect::<Result<_, _>>()?,
+        None => vec![1, 8],
+    };
     let t = Instant::now();
     let mut cpu = CpuBackend::from_path(path.as_ref(), 8 * (CONTEXT / BLOCK + 1), BLOCK)?;
     eprintln!("loaded in {:.2}s", t.elapsed().as_secs_f64());
@@ -40,7 +44,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         };
         cpu.forward(&batch)?;
     }
-    for batch_size in [1, 8] {
+    for batch_size in batches {
         let batch = ForwardBatch {
             seqs: (0..batch_size)
                 .map(|seq| SeqChunk {

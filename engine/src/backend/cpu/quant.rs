@@ -47,6 +47,27 @@ pub(crate) fn quantize_rows(x: &[f32], k: usize, out: &mut Vec<Q8Block>) {
     debug_assert_eq!(k % QK, 0);
     out.clear();
     out.resize(x.len() / QK, Q8Block::ZERO);
+    #[cfg(target_arch = "x86_64")]
+    {
+        if Isa::detect() == Isa::Avx2 {
+            // SAFETY: the CPU has the features `quantize_avx2` is compiled for.
+            unsafe { quantize_avx2(x, out) };
+            return;
+        }
+    }
+    quantize_blocks(x, out);
+}
+
+/// [`quantize_blocks`] compiled for AVX2 (rounding and the max
+/// vectorize instead of calling libm per value).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn quantize_avx2(x: &[f32], out: &mut [Q8Block]) {
+    quantize_blocks(x, out);
+}
+
+#[inline(always)]
+fn quantize_blocks(x: &[f32], out: &mut [Q8Block]) {
     for (block, xs) in out.iter_mut().zip(x.chunks_exact(QK)) {
         let amax = xs.iter().fold(0.0f32, |a, v| a.max(v.abs()));
         let d = amax / 127.0;
