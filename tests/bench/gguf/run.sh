@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Sluice's GGUF path beside llama.cpp on the same file, in one sitting
+# (issue 37): SmolLM2-135M-Instruct Q4_1, 2 threads.
+#
+# 1. llama.cpp (llama-cpp-python, built with AMX off): batch-1 decode
+#    tokens/s and the aggregate of 8 sequences decoding together, in
+#    process (tests/bench/gguf/llamacpp.py; no HTTP, so an upper bound for
+#    llama-server).
+# 2. Sluice: `sluice up --model FILE.gguf` on defaults, measured through the
+#    OpenAI API with the `openai` package (tests/bench/gguf/decode.py): the
+#    batch-1 stream's tokens/s after its first token, and the aggregate of 8
+#    concurrent streams.
+#
+# Writes tests/bench/results/gguf.md with the exact commands.
+# Environment: SLUICE_BIN [builds target/release/sluice], GGUF
+# [models/SmolLM2-135M-Instruct.Q4_1.gguf, `make model-smollm2`],
+# LLAMACPP_PY [/tmp/llamacpp-venv/bin/python; see llamacpp.py for its
+# build], PY [.venv/bin/python], REPS [3].
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)
+cd "$ROOT"
+GGUF=${GGUF:-$ROOT/models/SmolLM2-135M-Instruct.Q4_1.gguf}
+LLAMACPP_PY=${LLAMACPP_PY:-/tmp/llamacpp-venv/bin/python}
+PY=${PY:-$ROOT/.venv/bin/python}
+REPS=${REPS:-3}
+OUT=${OUT:-$ROOT/target/bench/gguf}
+RESULT=$ROOT/tests/bench/results/gguf.md
+# shellcheck source=../lib.sh
+. "$ROOT/tests/bench/lib.sh"
+[ -f "$GGUF" ] || make -s model-smollm2
+ensure_sluice_bin
+rm -rf "$OUT"; mkdir -p "$OUT"
+server_pid=""
+cleanup() { [ -n "$server_pid" ] && { kill "$server_pid" 2>/dev/null || true; wait "$server_pid" 2>/dev/null || true; }; }
+trap cleanup EXIT
+
+llama_cmd="$LLAMACPP_PY tests/bench/gguf/llamacpp.py --model $GGUF --threads 2 --gen 128 --reps $REPS --parallel 8 --json $OUT/llamacpp.json"
+echo "+ $llama_cmd"
+$llama_cmd >"$OUT/llamacpp.log" 2>&1 || { cat "$OUT/llamacpp.log"; exit 1; }
+
+log=$OUT/sluice.server.log
+up_cmd="$SLUICE_BIN up --model $GGUF --http-port 0"
+echo "+ $up_cmd"
+RUST_LOG=warn $up_cmd >"$log" 2>&1 &
+server_pid=$!
+addr=""
+for _ in $(seq 1 200); do
+  addr=$(sed -n 's/^listening on \(.*\)$/\1/p' "$log" | head -1)
+  [ -n "$addr" ] && break
+  sleep 0.1
+done
+[ -n "$addr" ] || { echo "no address"; cat "$log"; exit 1; }
+wait_ready "http://$addr" "$server_pid" "$log"
+model=$(basename "$GGUF" .gguf)
+sluice_cmd="$PY tests/bench/gguf/decode.py --base-url http://$addr/v1 --model $model --tokens 128 --reps $REPS --parallel 8 --ignore-eos --json $OUT/sluice.json"
+echo "+ $sluice_cmd"
+$sluice_cmd >"$OUT/sluice.log"
+cleanup; server_pid=""
+
+"$PY" - "$OUT" "$RESULT" "$llama_cmd" "$up_cmd" "$sluice_cmd" <<'PYEOF'
+import datetime, json, sys
+out, result, llama_cmd, up_cmd, sluice_cmd = sys.argv[1:]
+l = json.load(open(f"{out}/llamacpp.json"))
+s = json.load(open(f"{out}/sluice.json"))
+l1 = l["single"]["decode_tok_s_median"]
+l8 = l["parallel"]["aggregate_tok_s_median"]
+s1, s8 = s["batch1_tok_s"], s["batch8_aggregate_tok_s"]
+section = f"""
+## {datetime.date.today()}: SmolLM2-135M-Instruct Q4_1, 2 threads
+
+| | batch 1 decode tok/s | 8 streams, aggregate tok/s |
+|---|---|---|
+| llama.cpp (in process) | {l1:.1f} | {l8:.1f} |
+| Sluice (`sluice up`, OpenAI API) | {s1:.1f} | {s8:.1f} |
+| Sluice / llama.cpp | {s1 / l1:.2f} | {s8 / l8:.2f} |
+
+Goals (issue 37): batch 1 >= 1.0, 8 streams >= 1.5 (against llama.cpp's
+server; its in-process batch is an upper bound for it).
+
+Commands:
+
+    {llama_cmd}
+    {up_cmd}
+    {sluice_cmd}
+"""
+header = "# Sluice's GGUF path beside llama.cpp\n\nWritten by tests/bench/gguf/run.sh; newest first.\n"
+try:
+    old = open(result).read()
+    body = old[len(header):] if old.startswith(header) else old
+except FileNotFoundError:
+    body = ""
+open(result, "w").write(header + section + body)
+print(section)
+PYEOF
