@@ -54,6 +54,7 @@ fn config(
         mlp_bias: false,
         bos_token_id: Some(1),
         eos_token_ids: vec![2],
+        variant: Default::default(),
     }
 }
 

@@ -17,7 +17,9 @@ pub enum EngineError {
     BadModelFile { path: PathBuf, message: String },
     #[error(transparent)]
     Gguf(#[from] sluice_gguf::GgufError),
-    #[error("unsupported architecture {0:?} (supported: LlamaForCausalLM, Qwen2ForCausalLM)")]
+    #[error(
+        "unsupported architecture {0:?} (supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, Phi3ForCausalLM; GGUF: llama, qwen2, qwen3)"
+    )]
     UnsupportedArchitecture(String),
     #[error("weight {name} is missing from the safetensors files")]
     MissingWeight { name: String },

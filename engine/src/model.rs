@@ -14,7 +14,7 @@ pub mod weights;
 
 use std::path::Path;
 
-pub use config::{Architecture, ModelConfig, RopeScaling};
+pub use config::{Architecture, ModelConfig, RopeScaling, Variant};
 pub use weights::{LayerWeights, Linear, ModelWeights, QuantTensor, Tensor, Weight};
 
 use crate::error::EngineError;
@@ -81,6 +81,7 @@ pub(crate) mod test_support {
             mlp_bias: false,
             bos_token_id: Some(1),
             eos_token_ids: vec![2],
+            variant: Default::default(),
         }
     }
 }

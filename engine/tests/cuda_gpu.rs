@@ -626,6 +626,7 @@ fn llama_1b() -> ModelConfig {
         mlp_bias: false,
         bos_token_id: Some(1),
         eos_token_ids: vec![2],
+        variant: Default::default(),
     }
 }
 

@@ -293,7 +293,14 @@ fn greedy_tokens(case: &Case) -> Vec<u32> {
 async fn engine_greedy_generation_reproduces_transformers_tokens() {
     let reference = reference();
     for name in ["llama_untied", "qwen2_tied"] {
-        let case = &reference.cases[name];
+        greedy_case(name, &reference.cases[name]).await;
+    }
+}
+
+/// Through the whole engine, two requests at once (batched, chunked) then
+/// one from the prefix cache must generate transformers' greedy tokens.
+async fn greedy_case(name: &str, case: &Case) {
+    {
         let want = greedy_tokens(case);
         let backend =
             CpuBackend::from_path(&fixture_dir().join(name), 32, BLOCK_SIZE).expect("load fixture");
@@ -332,5 +339,55 @@ async fn engine_greedy_generation_reproduces_transformers_tokens() {
             "{name}: repeated prompt cached {usage:?}"
         );
         engine.shutdown();
+    }
+}
+
+/// The families beyond Llama and Qwen2 (`make_families.py`,
+/// `FAMILIES.md`): 32 decode steps each.
+const FAMILY_CASES: [&str; 3] = ["qwen3_tied", "mistral_sliding", "phi3_fused"];
+
+fn families() -> Reference {
+    let text = std::fs::read_to_string(fixture_dir().join("families.json")).expect("families.json");
+    serde_json::from_str(&text).expect("valid families.json")
+}
+
+#[test]
+fn families_match_transformers_for_32_decode_steps() {
+    let reference = families();
+    for name in FAMILY_CASES {
+        let case = &reference.cases[name];
+        assert_eq!(case.decode.len(), 32, "{name}");
+        check_case(name, case, &[case.prompt.len()]);
+        // A chunk boundary inside a block and, for the sliding window (8),
+        // a chunk that starts beyond the window of its first token.
+        check_case(name, case, &[3, 10, 7]);
+    }
+}
+
+#[test]
+fn family_configs_parse_as_written_by_transformers() {
+    let dir = fixture_dir();
+    let qwen3 = ModelConfig::from_dir(&dir.join("qwen3_tied")).expect("qwen3 config");
+    assert_eq!(qwen3.architecture, Architecture::Qwen3);
+    assert!(qwen3.variant.qk_norm && !qwen3.qkv_bias);
+    assert_eq!(qwen3.head_dim, 16, "explicit head_dim, not hidden / heads");
+    assert_eq!(qwen3.variant.window(0), None);
+    let mistral = ModelConfig::from_dir(&dir.join("mistral_sliding")).expect("mistral config");
+    assert_eq!(mistral.architecture, Architecture::Mistral);
+    assert_eq!(
+        (mistral.variant.window(0), mistral.variant.window(1)),
+        (Some(8), Some(8))
+    );
+    let phi3 = ModelConfig::from_dir(&dir.join("phi3_fused")).expect("phi3 config");
+    assert_eq!(phi3.architecture, Architecture::Phi3);
+    assert!(phi3.variant.fused_projections);
+    assert_eq!(phi3.variant.window(0), None);
+}
+
+#[tokio::test]
+async fn families_greedy_generation_reproduces_transformers_tokens() {
+    let reference = families();
+    for name in FAMILY_CASES {
+        greedy_case(name, &reference.cases[name]).await;
     }
 }

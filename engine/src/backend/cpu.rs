@@ -27,7 +27,7 @@ use crate::error::EngineError;
 use crate::model::{LayerWeights, Model, ModelConfig, ModelWeights};
 
 use attention::{AttnShape, MAX_GROUP, TokenPos, paged_attention};
-use kernels::{Rope, apply_rope, rms_norm, swiglu};
+use kernels::{Rope, apply_rope, rms_norm, rms_norm_in_place, swiglu};
 use linear::{CpuLinear, Embedding, LinearScratch};
 use paged_kv::PagedKv;
 
@@ -37,6 +37,11 @@ struct Layer {
     input_norm: Vec<f32>,
     /// q, k, v projections side by side.
     qkv: CpuLinear,
+    /// Per-head RMSNorm of queries and keys before RoPE (Qwen3).
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
+    /// The attention window of a sliding layer.
+    window: Option<usize>,
     /// `[heads * head_dim] → [hidden]`.
     o: CpuLinear,
     post_norm: Vec<f32>,
@@ -46,10 +51,13 @@ struct Layer {
 }
 
 impl Layer {
-    fn new(w: LayerWeights) -> Self {
+    fn new(w: LayerWeights, window: Option<usize>) -> Self {
         Layer {
             input_norm: w.input_layernorm,
             qkv: CpuLinear::stack(&[&w.q_proj, &w.k_proj, &w.v_proj]),
+            q_norm: w.q_norm,
+            k_norm: w.k_norm,
+            window,
             o: CpuLinear::stack(&[&w.o_proj]),
             post_norm: w.post_attention_layernorm,
             gate_up: CpuLinear::stack(&[&w.gate_proj, &w.up_proj]),
@@ -117,7 +125,11 @@ impl CpuWeights {
         Ok(CpuWeights {
             rope: Rope::new(&config),
             embed: Embedding::new(embed_tokens),
-            layers: layers.into_iter().map(Layer::new).collect(),
+            layers: layers
+                .into_iter()
+                .enumerate()
+                .map(|(l, w)| Layer::new(w, config.variant.window(l)))
+                .collect(),
             final_norm: norm,
             lm_head: head,
             config,
@@ -289,6 +301,12 @@ impl Scratch {
                 &cos[t * half..(t + 1) * half],
                 &sin[t * half..(t + 1) * half],
             );
+            if let Some(w) = &layer.q_norm {
+                rms_norm_in_place(&mut row[..q_dim], w, c.rms_norm_eps);
+            }
+            if let Some(w) = &layer.k_norm {
+                rms_norm_in_place(&mut row[q_dim..q_dim + kv_dim], w, c.rms_norm_eps);
+            }
             apply_rope(&mut row[..q_dim + kv_dim], head_dim, cs, sn);
             let block = tables[tp.seq][tp.pos / block_size];
             let slot = (tp.pos % block_size) * kv_dim;
@@ -302,6 +320,7 @@ impl Scratch {
             head_dim,
             block_size,
             qkv_dim,
+            window: layer.window,
         };
         let (k_view, v_view) = (k_slab.view(), v_slab.view());
         paged_attention(attn, qkv, k_view, v_view, &self.tokens, tables, shape);

@@ -365,6 +365,15 @@ mod imp {
                 )));
             }
             let c = &model.config;
+            let v = &c.variant;
+            if v.qk_norm || v.sliding_window.is_some() {
+                // Fused projections are split at load; q/k norms and
+                // sliding windows have no cuda kernels yet.
+                return Err(EngineError::UnsupportedArchitecture(format!(
+                    "{} on the cuda engine (q/k norms and sliding windows run on the cpu engine)",
+                    c.architecture.hf_name()
+                )));
+            }
             let layout = KvBlockLayout {
                 num_layers: c.num_hidden_layers,
                 num_kv_heads: c.num_key_value_heads,

@@ -1,5 +1,5 @@
-//! `config.json` of a Hugging Face model directory, for the Llama and Qwen2
-//! families.
+//! `config.json` of a Hugging Face model directory, for the Llama, Qwen2,
+//! Qwen3, Mistral and Phi-3 families.
 //!
 //! Owns the translation from HF's loosely typed JSON (optional keys with
 //! family-specific defaults, `eos_token_id` as an int or a list, RoPE settings
@@ -20,6 +20,12 @@ pub enum Architecture {
     Llama,
     /// `Qwen2ForCausalLM`: Llama with biases on the q/k/v projections.
     Qwen2,
+    /// `Qwen3ForCausalLM`: Llama with per-head q/k RMSNorm.
+    Qwen3,
+    /// `MistralForCausalLM`: Llama with a sliding attention window.
+    Mistral,
+    /// `Phi3ForCausalLM`: Llama with fused q/k/v and gate/up tensors.
+    Phi3,
 }
 
 impl Architecture {
@@ -28,6 +34,60 @@ impl Architecture {
         match self {
             Architecture::Llama => "LlamaForCausalLM",
             Architecture::Qwen2 => "Qwen2ForCausalLM",
+            Architecture::Qwen3 => "Qwen3ForCausalLM",
+            Architecture::Mistral => "MistralForCausalLM",
+            Architecture::Phi3 => "Phi3ForCausalLM",
+        }
+    }
+
+    /// Every architecture, for error messages.
+    pub const ALL: [Architecture; 5] = [
+        Architecture::Llama,
+        Architecture::Qwen2,
+        Architecture::Qwen3,
+        Architecture::Mistral,
+        Architecture::Phi3,
+    ];
+
+    fn from_hf_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|a| a.hf_name() == name)
+    }
+
+    fn from_model_type(name: &str) -> Option<Self> {
+        Some(match name {
+            "llama" => Architecture::Llama,
+            "qwen2" => Architecture::Qwen2,
+            "qwen3" => Architecture::Qwen3,
+            "mistral" => Architecture::Mistral,
+            "phi3" => Architecture::Phi3,
+            _ => return None,
+        })
+    }
+}
+
+/// What a family changes in the Llama block; all off for Llama and Qwen2.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Variant {
+    /// RMSNorm of each query and key head (weights `[head_dim]`, the
+    /// model's eps) before RoPE (Qwen3).
+    pub qk_norm: bool,
+    /// Attention window: a token at position `i` sees keys `j` with
+    /// `i - window < j <= i` (its own included) on the layers that slide.
+    pub sliding_window: Option<usize>,
+    /// Per layer, whether it slides; empty means every layer does (when
+    /// `sliding_window` is set).
+    pub sliding_layers: Vec<bool>,
+    /// q/k/v and gate/up stored fused (`qkv_proj`, `gate_up_proj`; Phi-3).
+    pub fused_projections: bool,
+}
+
+impl Variant {
+    /// The window layer `layer` attends through, if it slides.
+    pub fn window(&self, layer: usize) -> Option<usize> {
+        let w = self.sliding_window?;
+        match self.sliding_layers.get(layer) {
+            Some(false) => None,
+            _ => Some(w),
         }
     }
 }
@@ -76,6 +136,8 @@ pub struct ModelConfig {
     pub bos_token_id: Option<u32>,
     /// Every end-of-sequence id, in config order (HF allows an int or a list).
     pub eos_token_ids: Vec<u32>,
+    /// The family's departures from the Llama block.
+    pub variant: Variant,
 }
 
 impl ModelConfig {
@@ -227,17 +289,15 @@ impl Parser<'_> {
             Some(name) => *name,
             // Configs without `architectures` still name their family.
             None => match self.get("model_type").and_then(Value::as_str) {
-                Some("llama") => return Ok(Architecture::Llama),
-                Some("qwen2") => return Ok(Architecture::Qwen2),
-                Some(other) => return Err(EngineError::UnsupportedArchitecture(other.to_owned())),
+                Some(t) => {
+                    return Architecture::from_model_type(t)
+                        .ok_or_else(|| EngineError::UnsupportedArchitecture(t.to_owned()));
+                }
                 None => return Err(self.bad("missing key \"architectures\"".to_owned())),
             },
         };
-        match first {
-            "LlamaForCausalLM" => Ok(Architecture::Llama),
-            "Qwen2ForCausalLM" => Ok(Architecture::Qwen2),
-            other => Err(EngineError::UnsupportedArchitecture(other.to_owned())),
-        }
+        Architecture::from_hf_name(first)
+            .ok_or_else(|| EngineError::UnsupportedArchitecture(first.to_owned()))
     }
 
     /// `(rope_theta, scaling)` from `rope_theta` + `rope_scaling`, or from
@@ -355,13 +415,20 @@ impl Parser<'_> {
                 "hidden_act {act} is not supported (supported: \"silu\")"
             )));
         }
-        if architecture == Architecture::Qwen2 && self.bool_opt("use_sliding_window")? == Some(true)
+        if let Some(f) = self
+            .get("rope_parameters")
+            .and_then(|p| p.get("partial_rotary_factor"))
+            .or_else(|| self.get("partial_rotary_factor"))
+            .and_then(Value::as_f64)
+            && f != 1.0
         {
-            return Err(self.bad("use_sliding_window = true is not supported".to_owned()));
+            return Err(self.bad(format!(
+                "partial_rotary_factor {f} is not supported (RoPE over the whole head only)"
+            )));
         }
         let default_max_pos = match architecture {
-            Architecture::Llama => 2048,
-            Architecture::Qwen2 => 32_768,
+            Architecture::Llama | Architecture::Phi3 => 2048,
+            Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Mistral => 32_768,
         };
         let max_position_embeddings = self
             .usize_opt("max_position_embeddings")?
@@ -371,7 +438,10 @@ impl Parser<'_> {
         let (qkv_bias, o_bias) = match architecture {
             Architecture::Llama => (attention_bias, attention_bias),
             Architecture::Qwen2 => (true, false),
+            Architecture::Qwen3 => (attention_bias, attention_bias),
+            Architecture::Mistral | Architecture::Phi3 => (false, false),
         };
+        let variant = self.variant(architecture, num_hidden_layers)?;
         let bos = self.token_ids("bos_token_id")?;
         Ok(ModelConfig {
             architecture,
@@ -392,6 +462,61 @@ impl Parser<'_> {
             mlp_bias: self.bool_opt("mlp_bias")?.unwrap_or(false),
             bos_token_id: bos.first().copied(),
             eos_token_ids: self.token_ids("eos_token_id")?,
+            variant,
+        })
+    }
+
+    /// The family's departures from Llama: q/k norms, fused tensors and
+    /// which layers attend through a sliding window (`layer_types` when
+    /// given; Mistral and Phi-3 slide every layer when `sliding_window` is
+    /// set; Qwen's `use_sliding_window` slides layers from
+    /// `max_window_layers` on).
+    fn variant(&self, arch: Architecture, layers: usize) -> Result<Variant, EngineError> {
+        let window = self.usize_opt("sliding_window")?.filter(|&w| w > 0);
+        let sliding_layers: Vec<bool> = match self.get("layer_types") {
+            Some(Value::Array(types)) => {
+                if types.len() != layers {
+                    return Err(self.bad(format!(
+                        "layer_types has {} entries for {layers} layers",
+                        types.len()
+                    )));
+                }
+                types
+                    .iter()
+                    .map(|t| match t.as_str() {
+                        Some("full_attention") => Ok(false),
+                        Some("sliding_attention") => Ok(true),
+                        _ => Err(self.bad(format!(
+                            "layer_types entry {t} is not supported (full_attention, sliding_attention)"
+                        ))),
+                    })
+                    .collect::<Result<_, _>>()?
+            }
+            Some(other) => {
+                return Err(self.bad(format!("key \"layer_types\" must be a list, got {other}")));
+            }
+            None => match arch {
+                Architecture::Qwen2 | Architecture::Qwen3 => {
+                    let on = self.bool_opt("use_sliding_window")?.unwrap_or(false);
+                    let from = self.usize_opt("max_window_layers")?.unwrap_or(layers);
+                    (0..layers).map(|l| on && l >= from).collect()
+                }
+                _ => Vec::new(),
+            },
+        };
+        let slides = match arch {
+            Architecture::Mistral | Architecture::Phi3 => window.is_some(),
+            _ => sliding_layers.iter().any(|&s| s),
+        };
+        if slides && window.is_none() {
+            return Err(self
+                .bad("layer_types names sliding layers but sliding_window is not set".to_owned()));
+        }
+        Ok(Variant {
+            qk_norm: arch == Architecture::Qwen3,
+            sliding_window: if slides { window } else { None },
+            sliding_layers,
+            fused_projections: arch == Architecture::Phi3,
         })
     }
 }

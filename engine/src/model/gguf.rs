@@ -13,12 +13,12 @@ use std::sync::Arc;
 
 use sluice_gguf::{GgufFile, Value};
 
-use super::config::{Architecture, ModelConfig, RopeScaling};
+use super::config::{Architecture, ModelConfig, RopeScaling, Variant};
 use super::weights::{ModelWeights, QuantTensor, Tensor, Weight, WeightSource};
 use crate::error::EngineError;
 
 /// The GGUF architectures the engine serves.
-const ARCHITECTURES: &str = "llama, qwen2";
+const ARCHITECTURES: &str = "llama, qwen2, qwen3";
 
 /// Typed metadata lookups with errors naming the file and key.
 struct Meta<'a> {
@@ -86,6 +86,7 @@ pub fn config(file: &GgufFile) -> Result<ModelConfig, EngineError> {
     let architecture = match arch {
         "llama" => Architecture::Llama,
         "qwen2" => Architecture::Qwen2,
+        "qwen3" => Architecture::Qwen3,
         other => {
             return Err(EngineError::UnsupportedArchitecture(format!(
                 "{other} (GGUF; supported: {ARCHITECTURES})"
@@ -155,6 +156,7 @@ pub fn config(file: &GgufFile) -> Result<ModelConfig, EngineError> {
             file.tensor_info("blk.0.attn_output.bias").is_some(),
         ),
         Architecture::Qwen2 => (true, false),
+        _ => (has_bias, false),
     };
     Ok(ModelConfig {
         architecture,
@@ -177,6 +179,10 @@ pub fn config(file: &GgufFile) -> Result<ModelConfig, EngineError> {
         mlp_bias: file.tensor_info("blk.0.ffn_up.bias").is_some(),
         bos_token_id,
         eos_token_ids,
+        variant: Variant {
+            qk_norm: architecture == Architecture::Qwen3,
+            ..Variant::default()
+        },
     })
 }
 
@@ -219,6 +225,8 @@ fn gguf_name(hf: &str) -> Option<String> {
         "self_attn.k_proj" => "attn_k",
         "self_attn.v_proj" => "attn_v",
         "self_attn.o_proj" => "attn_output",
+        "self_attn.q_norm" => "attn_q_norm",
+        "self_attn.k_norm" => "attn_k_norm",
         "mlp.gate_proj" => "ffn_gate",
         "mlp.up_proj" => "ffn_up",
         "mlp.down_proj" => "ffn_down",

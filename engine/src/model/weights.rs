@@ -93,6 +93,27 @@ impl Weight {
         }
     }
 
+    /// Rows `range` of a 2-d weight.
+    pub fn rows(&self, range: std::ops::Range<usize>) -> Weight {
+        match self {
+            Weight::Dense(t) => {
+                let cols = t.shape[1];
+                Weight::Dense(Tensor::new(
+                    vec![range.len(), cols],
+                    t.data[range.start * cols..range.end * cols].to_vec(),
+                ))
+            }
+            Weight::Quant(q) => {
+                let n = q.row_bytes();
+                Weight::Quant(QuantTensor {
+                    rows: range.len(),
+                    bytes: Arc::from(&q.bytes[range.start * n..range.end * n]),
+                    ..q.clone()
+                })
+            }
+        }
+    }
+
     /// [`Self::dense`], consuming the weight.
     pub fn into_dense(self) -> Tensor {
         match self {
@@ -129,6 +150,9 @@ pub struct LayerWeights {
     pub q_proj: Linear,
     pub k_proj: Linear,
     pub v_proj: Linear,
+    /// Per-head RMSNorm weights of queries and keys (`[head_dim]`, Qwen3).
+    pub q_norm: Option<Vec<f32>>,
+    pub k_norm: Option<Vec<f32>>,
     pub o_proj: Linear,
     pub post_attention_layernorm: Vec<f32>,
     pub gate_proj: Linear,
@@ -247,13 +271,50 @@ impl ModelWeights {
                     };
                     Ok(Linear { weight, bias })
                 };
-            let q_proj = linear("self_attn.q_proj", q, h, config.qkv_bias)?;
-            let k_proj = linear("self_attn.k_proj", kv, h, config.qkv_bias)?;
-            let v_proj = linear("self_attn.v_proj", kv, h, config.qkv_bias)?;
+            let fused = config.variant.fused_projections;
+            let [q_proj, k_proj, v_proj] = if fused {
+                // Phi-3: one [q + 2 kv, hidden] matrix, rows q, then k, then v.
+                split(
+                    linear("self_attn.qkv_proj", q + 2 * kv, h, config.qkv_bias)?,
+                    [q, kv, kv],
+                )
+            } else {
+                [
+                    linear("self_attn.q_proj", q, h, config.qkv_bias)?,
+                    linear("self_attn.k_proj", kv, h, config.qkv_bias)?,
+                    linear("self_attn.v_proj", kv, h, config.qkv_bias)?,
+                ]
+            };
             let o_proj = linear("self_attn.o_proj", h, q, config.o_bias)?;
-            let gate_proj = linear("mlp.gate_proj", inter, h, config.mlp_bias)?;
-            let up_proj = linear("mlp.up_proj", inter, h, config.mlp_bias)?;
+            let [gate_proj, up_proj] = if fused {
+                split(
+                    linear("mlp.gate_up_proj", 2 * inter, h, config.mlp_bias)?,
+                    [inter, inter],
+                )
+            } else {
+                [
+                    linear("mlp.gate_proj", inter, h, config.mlp_bias)?,
+                    linear("mlp.up_proj", inter, h, config.mlp_bias)?,
+                ]
+            };
             let down_proj = linear("mlp.down_proj", h, inter, config.mlp_bias)?;
+            let (q_norm, k_norm) = if config.variant.qk_norm {
+                let d = config.head_dim;
+                (
+                    Some(
+                        fetch(&format!("{p}.self_attn.q_norm.weight"), &[d])?
+                            .into_dense()
+                            .data,
+                    ),
+                    Some(
+                        fetch(&format!("{p}.self_attn.k_norm.weight"), &[d])?
+                            .into_dense()
+                            .data,
+                    ),
+                )
+            } else {
+                (None, None)
+            };
             layers.push(LayerWeights {
                 input_layernorm: fetch(&format!("{p}.input_layernorm.weight"), &[h])?
                     .into_dense()
@@ -261,6 +322,8 @@ impl ModelWeights {
                 q_proj,
                 k_proj,
                 v_proj,
+                q_norm,
+                k_norm,
                 o_proj,
                 post_attention_layernorm: fetch(
                     &format!("{p}.post_attention_layernorm.weight"),
@@ -286,6 +349,19 @@ impl ModelWeights {
             lm_head,
         })
     }
+}
+
+/// A fused linear split along its output rows into `N` parts of `rows`.
+fn split<const N: usize>(fused: Linear, rows: [usize; N]) -> [Linear; N] {
+    let mut start = 0;
+    rows.map(|n| {
+        let range = start..start + n;
+        start += n;
+        Linear {
+            weight: fused.weight.rows(range.clone()),
+            bias: fused.bias.as_ref().map(|b| b[range].to_vec()),
+        }
+    })
 }
 
 /// Where [`ModelWeights::build`] finds tensors by Hugging Face name.

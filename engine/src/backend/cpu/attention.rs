@@ -1,6 +1,7 @@
 //! Paged causal attention with grouped-query heads, on the CPU.
 //!
-//! Each new token attends to positions `0..=pos` of its own sequence, read
+//! Each new token attends to positions `0..=pos` of its own sequence (the
+//! last `window` of them on a sliding layer), read
 //! from the KV slabs through the sequence's block table (K/V of the step's
 //! own tokens were written beforehand). Work is split over (token, kv head)
 //! with rayon; a task computes every query head sharing that kv head, block
@@ -26,6 +27,8 @@ pub(crate) struct AttnShape {
     pub(crate) block_size: usize,
     /// Row width of the fused q/k/v activations.
     pub(crate) qkv_dim: usize,
+    /// A sliding layer's window: position `i` attends to `i - w < j <= i`.
+    pub(crate) window: Option<usize>,
 }
 
 /// Where one new token sits: its sequence (index into `tables`) and position.
@@ -73,6 +76,7 @@ pub(crate) fn paged_attention(
                 k_slab,
                 v_slab,
                 table: tables[seq],
+                start: shape.window.map_or(0, |w| (pos + 1).saturating_sub(w)),
                 context: pos + 1,
                 kv_head: g,
                 shape,
@@ -90,7 +94,8 @@ struct Task<'a> {
     k_slab: Slab<'a>,
     v_slab: Slab<'a>,
     table: &'a [u32],
-    /// Positions attended to: `0..context`.
+    /// Positions attended to: `start..context`.
+    start: usize,
     context: usize,
     kv_head: usize,
     shape: AttnShape,
@@ -138,6 +143,7 @@ fn attend(task: Task<'_>) {
         k_slab,
         v_slab,
         table,
+        start,
         context,
         kv_head,
         shape,
@@ -156,11 +162,21 @@ fn attend(task: Task<'_>) {
     let mut sum = [0f32; MAX_GROUP];
     let mut scores = [0f32; SCORE_CHUNK];
     out.fill(0.0);
-    for (b, &block) in table.iter().enumerate().take(context.div_ceil(block_size)) {
+    let first_block = start / block_size;
+    for (b, &block) in table
+        .iter()
+        .enumerate()
+        .take(context.div_ceil(block_size))
+        .skip(first_block)
+    {
         let in_block = block_size.min(context - b * block_size);
         let (kb, vb) = (k_slab.block(block), v_slab.block(block));
         let block_start = kv_head * head_dim;
-        let mut first = 0;
+        let mut first = if b == first_block {
+            start - b * block_size
+        } else {
+            0
+        };
         while first < in_block {
             let count = SCORE_CHUNK.min(in_block - first);
             let rows = block_start + first * token_stride;

@@ -109,6 +109,18 @@ pub(crate) fn rms_norm(out: &mut [f32], x: &[f32], weight: &[f32], dim: usize, e
     }
 }
 
+/// [`rms_norm`] in place: every `weight.len()`-wide row of `x` (per-head
+/// q/k norms).
+pub(crate) fn rms_norm_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
+    let dim = weight.len();
+    for row in x.chunks_exact_mut(dim) {
+        let inv = 1.0 / (dot(row, row) / dim as f32 + eps).sqrt();
+        for (x, w) in row.iter_mut().zip(weight) {
+            *x = w * (*x * inv);
+        }
+    }
+}
+
 /// Adds `bias` to every `bias.len()`-wide row of `x`.
 pub(crate) fn add_bias(x: &mut [f32], bias: &[f32]) {
     for row in x.chunks_exact_mut(bias.len()) {
