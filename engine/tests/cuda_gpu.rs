@@ -55,10 +55,15 @@ fn model_dir(size: BuiltinSize) -> tempfile::TempDir {
 fn bf16_rounded(model: &Model) -> Model {
     let mut m = model.clone();
     let round = |v: &mut Vec<f32>| *v = bf16_bits_to_f32(&to_bf16_bits(v));
-    round(&mut m.weights.embed_tokens.data);
+    let round_weight = |w: &mut sluice_engine::model::Weight| {
+        let mut t = w.dense().into_owned();
+        round(&mut t.data);
+        *w = t.into();
+    };
+    round_weight(&mut m.weights.embed_tokens);
     round(&mut m.weights.norm);
     if let Some(h) = &mut m.weights.lm_head {
-        round(&mut h.data);
+        round_weight(h);
     }
     for l in &mut m.weights.layers {
         round(&mut l.input_layernorm);
@@ -72,7 +77,7 @@ fn bf16_rounded(model: &Model) -> Model {
             &mut l.up_proj,
             &mut l.down_proj,
         ] {
-            round(&mut lin.weight.data);
+            round_weight(&mut lin.weight);
         }
     }
     m

@@ -344,7 +344,13 @@ async fn greedy_case(name: &str, case: &Case) {
 
 /// The families beyond Llama and Qwen2 (`make_families.py`,
 /// `FAMILIES.md`): 32 decode steps each.
-const FAMILY_CASES: [&str; 3] = ["qwen3_tied", "mistral_sliding", "phi3_fused"];
+const FAMILY_CASES: [&str; 5] = [
+    "qwen3_tied",
+    "mistral_sliding",
+    "phi3_fused",
+    "gemma2_softcap",
+    "gemma3_text",
+];
 
 fn families() -> Reference {
     let text = std::fs::read_to_string(fixture_dir().join("families.json")).expect("families.json");
@@ -382,6 +388,29 @@ fn family_configs_parse_as_written_by_transformers() {
     assert_eq!(phi3.architecture, Architecture::Phi3);
     assert!(phi3.variant.fused_projections);
     assert_eq!(phi3.variant.window(0), None);
+    let gemma2 = ModelConfig::from_dir(&dir.join("gemma2_softcap")).expect("gemma2 config");
+    assert_eq!(gemma2.architecture, Architecture::Gemma2);
+    let g = gemma2.variant.gemma.as_ref().expect("gemma block");
+    assert_eq!((g.attn_softcap, g.final_softcap), (Some(4.0), Some(3.0)));
+    assert_eq!(
+        g.attn_scale,
+        1.0 / 32f32.sqrt(),
+        "query_pre_attn_scalar, not head_dim"
+    );
+    let windows: Vec<_> = (0..3).map(|l| gemma2.variant.window(l)).collect();
+    assert_eq!(windows, [Some(8), None, Some(8)]);
+    let gemma3 = ModelConfig::from_dir(&dir.join("gemma3_text")).expect("gemma3 config");
+    assert_eq!(gemma3.architecture, Architecture::Gemma3);
+    assert!(gemma3.variant.qk_norm);
+    let g = gemma3.variant.gemma.as_ref().expect("gemma block");
+    assert_eq!(g.attn_softcap, None, "Gemma 3 never soft-caps attention");
+    assert_eq!(g.local_rope, Some((10_000.0, None)));
+    assert_eq!(
+        (gemma3.rope_theta, gemma3.rope_scaling),
+        (1_000_000.0, Some(RopeScaling::Linear { factor: 8.0 }))
+    );
+    let windows: Vec<_> = (0..4).map(|l| gemma3.variant.window(l)).collect();
+    assert_eq!(windows, [Some(8), Some(8), None, Some(8)]);
 }
 
 #[tokio::test]

@@ -27,7 +27,7 @@ use crate::error::EngineError;
 use crate::model::{LayerWeights, Model, ModelConfig, ModelWeights};
 
 use attention::{AttnShape, MAX_GROUP, TokenPos, paged_attention};
-use kernels::{Rope, apply_rope, rms_norm, rms_norm_in_place, swiglu};
+use kernels::{Rope, apply_rope, geglu_tanh, rms_norm, rms_norm_in_place, softcap, swiglu};
 use linear::{CpuLinear, Embedding, LinearScratch};
 use paged_kv::PagedKv;
 
@@ -42,6 +42,11 @@ struct Layer {
     k_norm: Option<Vec<f32>>,
     /// The attention window of a sliding layer.
     window: Option<usize>,
+    /// Whether the layer uses the model's local RoPE (Gemma 3's sliding layers).
+    local_rope: bool,
+    /// Norms of the attention and MLP outputs before each residual add (Gemma).
+    attn_out_norm: Option<Vec<f32>>,
+    mlp_out_norm: Option<Vec<f32>>,
     /// `[heads * head_dim] → [hidden]`.
     o: CpuLinear,
     post_norm: Vec<f32>,
@@ -51,8 +56,11 @@ struct Layer {
 }
 
 impl Layer {
-    fn new(w: LayerWeights, window: Option<usize>) -> Self {
+    fn new(w: LayerWeights, window: Option<usize>, local_rope: bool) -> Self {
         Layer {
+            local_rope,
+            attn_out_norm: w.attn_out_norm,
+            mlp_out_norm: w.mlp_out_norm,
             input_norm: w.input_layernorm,
             qkv: CpuLinear::stack(&[&w.q_proj, &w.k_proj, &w.v_proj]),
             q_norm: w.q_norm,
@@ -79,6 +87,9 @@ struct Scratch {
     act: Vec<f32>,
     cos: Vec<f32>,
     sin: Vec<f32>,
+    /// The local RoPE's tables (Gemma 3).
+    cos_local: Vec<f32>,
+    sin_local: Vec<f32>,
     tokens: Vec<TokenPos>,
     linear: LinearScratch,
 }
@@ -101,6 +112,8 @@ pub struct CpuWeights {
     /// `[hidden] → [vocab]` (the embedding's rows when tied).
     lm_head: CpuLinear,
     rope: Rope,
+    /// The sliding layers' RoPE when it differs (Gemma 3).
+    local_rope: Option<Rope>,
 }
 
 impl CpuWeights {
@@ -122,14 +135,24 @@ impl CpuWeights {
         } = weights;
         let head = CpuLinear::head(lm_head.as_ref().unwrap_or(&embed_tokens));
         drop(lm_head);
+        let local_rope = config
+            .variant
+            .gemma
+            .as_ref()
+            .and_then(|g| g.local_rope)
+            .map(|(theta, scaling)| Rope::with(&config, theta, scaling));
         Ok(CpuWeights {
             rope: Rope::new(&config),
             embed: Embedding::new(embed_tokens),
             layers: layers
                 .into_iter()
                 .enumerate()
-                .map(|(l, w)| Layer::new(w, config.variant.window(l)))
+                .map(|(l, w)| {
+                    let window = config.variant.window(l);
+                    Layer::new(w, window, window.is_some() && local_rope.is_some())
+                })
                 .collect(),
+            local_rope,
             final_norm: norm,
             lm_head: head,
             config,
@@ -238,6 +261,15 @@ impl CpuBackend {
     }
 }
 
+/// `x += rms_norm(y)` row by row (`y` is overwritten).
+fn add_normed(x: &mut [f32], y: &mut [f32], weight: &[f32], hidden: usize, eps: f32) {
+    debug_assert_eq!(weight.len(), hidden);
+    rms_norm_in_place(y, weight, eps);
+    for (x, y) in x.iter_mut().zip(y.iter()) {
+        *x += y;
+    }
+}
+
 impl Scratch {
     /// Lays out the batch's new tokens: their positions, RoPE tables and
     /// embeddings into the residual stream. Returns the token count.
@@ -249,6 +281,9 @@ impl Scratch {
         let cos = resize(&mut self.cos, n * half);
         let sin = resize(&mut self.sin, n * half);
         let x = resize(&mut self.x, n * hidden);
+        let local = if w.local_rope.is_some() { n * half } else { 0 };
+        let cos_local = resize(&mut self.cos_local, local);
+        let sin_local = resize(&mut self.sin_local, local);
         let mut t = 0;
         for (i, seq) in batch.seqs.iter().enumerate() {
             let len = seq.tokens.len();
@@ -256,15 +291,25 @@ impl Scratch {
             self.tokens
                 .extend(positions.clone().map(|pos| TokenPos { seq: i, pos }));
             w.rope.fill(
-                positions,
+                positions.clone(),
                 &mut cos[t * half..(t + len) * half],
                 &mut sin[t * half..(t + len) * half],
             );
+            if let Some(local) = &w.local_rope {
+                local.fill(
+                    positions,
+                    &mut cos_local[t * half..(t + len) * half],
+                    &mut sin_local[t * half..(t + len) * half],
+                );
+            }
             for (j, &tok) in seq.tokens.iter().enumerate() {
                 w.embed
                     .row(tok as usize, &mut x[(t + j) * hidden..(t + j + 1) * hidden]);
             }
             t += len;
+        }
+        if let Some(g) = &w.config.variant.gemma {
+            x.iter_mut().for_each(|v| *v *= g.embed_scale);
         }
         n
     }
@@ -288,7 +333,11 @@ impl Scratch {
         let half = head_dim / 2;
         let block_size = kv.layout.block_size;
         let x = &mut self.x[..n * hidden];
-        let (cos, sin) = (&self.cos[..n * half], &self.sin[..n * half]);
+        let (cos, sin) = if layer.local_rope {
+            (&self.cos_local[..n * half], &self.sin_local[..n * half])
+        } else {
+            (&self.cos[..n * half], &self.sin[..n * half])
+        };
         let h = resize(&mut self.h, n * hidden);
         let qkv = resize(&mut self.qkv, n * qkv_dim);
         let attn = resize(&mut self.attn, n * q_dim);
@@ -321,10 +370,23 @@ impl Scratch {
             block_size,
             qkv_dim,
             window: layer.window,
+            scale: c
+                .variant
+                .gemma
+                .as_ref()
+                .map_or(1.0 / (head_dim as f32).sqrt(), |g| g.attn_scale),
+            softcap: c.variant.gemma.as_ref().and_then(|g| g.attn_softcap),
         };
         let (k_view, v_view) = (k_slab.view(), v_slab.view());
         paged_attention(attn, qkv, k_view, v_view, &self.tokens, tables, shape);
-        layer.o.forward(x, attn, n, true, &mut self.linear);
+        match &layer.attn_out_norm {
+            None => layer.o.forward(x, attn, n, true, &mut self.linear),
+            Some(norm) => {
+                // Gemma: the output is normalised before the residual add.
+                layer.o.forward(h, attn, n, false, &mut self.linear);
+                add_normed(x, h, norm, hidden, c.rms_norm_eps);
+            }
+        }
     }
 
     /// A layer's MLP block: norm, gate/up projection, SwiGLU, down
@@ -340,8 +402,18 @@ impl Scratch {
         layer
             .gate_up
             .forward(gate_up, h, n, false, &mut self.linear);
-        swiglu(act, gate_up, inter);
-        layer.down.forward(x, act, n, true, &mut self.linear);
+        if c.variant.gemma.is_some() {
+            geglu_tanh(act, gate_up, inter);
+        } else {
+            swiglu(act, gate_up, inter);
+        }
+        match &layer.mlp_out_norm {
+            None => layer.down.forward(x, act, n, true, &mut self.linear),
+            Some(norm) => {
+                layer.down.forward(h, act, n, false, &mut self.linear);
+                add_normed(x, h, norm, hidden, c.rms_norm_eps);
+            }
+        }
     }
 
     /// The final norm and lm_head, only for the rows that need logits.
@@ -363,6 +435,9 @@ impl Scratch {
         let mut logits = vec![0.0; r * vocab];
         w.lm_head
             .forward(&mut logits, normed, r, false, &mut self.linear);
+        if let Some(cap) = c.variant.gemma.as_ref().and_then(|g| g.final_softcap) {
+            softcap(&mut logits, cap);
+        }
         logits
     }
 }

@@ -366,11 +366,11 @@ mod imp {
             }
             let c = &model.config;
             let v = &c.variant;
-            if v.qk_norm || v.sliding_window.is_some() {
-                // Fused projections are split at load; q/k norms and
-                // sliding windows have no cuda kernels yet.
+            if v.qk_norm || v.sliding_window.is_some() || v.gemma.is_some() {
+                // Fused projections are split at load; q/k norms, sliding
+                // windows and Gemma's block have no cuda kernels yet.
                 return Err(EngineError::UnsupportedArchitecture(format!(
-                    "{} on the cuda engine (q/k norms and sliding windows run on the cpu engine)",
+                    "{} on the cuda engine (q/k norms, sliding windows and Gemma run on the cpu engine)",
                     c.architecture.hf_name()
                 )));
             }

@@ -26,6 +26,11 @@ pub enum Architecture {
     Mistral,
     /// `Phi3ForCausalLM`: Llama with fused q/k/v and gate/up tensors.
     Phi3,
+    /// `Gemma2ForCausalLM`: see [`Gemma`].
+    Gemma2,
+    /// `Gemma3ForCausalLM` (text): Gemma 2's block with q/k norms and a
+    /// local RoPE for sliding layers.
+    Gemma3,
 }
 
 impl Architecture {
@@ -37,16 +42,25 @@ impl Architecture {
             Architecture::Qwen3 => "Qwen3ForCausalLM",
             Architecture::Mistral => "MistralForCausalLM",
             Architecture::Phi3 => "Phi3ForCausalLM",
+            Architecture::Gemma2 => "Gemma2ForCausalLM",
+            Architecture::Gemma3 => "Gemma3ForCausalLM",
         }
     }
 
+    /// Whether the family is Gemma's (see [`Gemma`]).
+    pub fn is_gemma(self) -> bool {
+        matches!(self, Architecture::Gemma2 | Architecture::Gemma3)
+    }
+
     /// Every architecture, for error messages.
-    pub const ALL: [Architecture; 5] = [
+    pub const ALL: [Architecture; 7] = [
         Architecture::Llama,
         Architecture::Qwen2,
         Architecture::Qwen3,
         Architecture::Mistral,
         Architecture::Phi3,
+        Architecture::Gemma2,
+        Architecture::Gemma3,
     ];
 
     fn from_hf_name(name: &str) -> Option<Self> {
@@ -60,13 +74,15 @@ impl Architecture {
             "qwen3" => Architecture::Qwen3,
             "mistral" => Architecture::Mistral,
             "phi3" => Architecture::Phi3,
+            "gemma2" => Architecture::Gemma2,
+            "gemma3_text" => Architecture::Gemma3,
             _ => return None,
         })
     }
 }
 
 /// What a family changes in the Llama block; all off for Llama and Qwen2.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct Variant {
     /// RMSNorm of each query and key head (weights `[head_dim]`, the
     /// model's eps) before RoPE (Qwen3).
@@ -79,6 +95,29 @@ pub struct Variant {
     pub sliding_layers: Vec<bool>,
     /// q/k/v and gate/up stored fused (`qkv_proj`, `gate_up_proj`; Phi-3).
     pub fused_projections: bool,
+    /// Gemma's block, when the family is Gemma's.
+    pub gemma: Option<Gemma>,
+}
+
+/// Gemma 2/3's departures (transformers' `modeling_gemma2/3.py`): norm
+/// weights stored as offsets from 1 (the loader adds the 1), a norm on the
+/// attention and on the MLP output before each residual add, GELU-tanh in
+/// the gated MLP, embeddings scaled, attention scaled by
+/// `query_pre_attn_scalar^-1/2` and optionally soft-capped, logits
+/// optionally soft-capped.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Gemma {
+    /// `sqrt(hidden_size)` as f32.
+    pub embed_scale: f32,
+    /// `query_pre_attn_scalar^-1/2`.
+    pub attn_scale: f32,
+    /// `tanh(s / c) · c` on attention scores (Gemma 2).
+    pub attn_softcap: Option<f32>,
+    /// `tanh(l / c) · c` on logits.
+    pub final_softcap: Option<f32>,
+    /// RoPE `(theta, scaling)` of the sliding layers when it differs from
+    /// the model's (Gemma 3's local RoPE).
+    pub local_rope: Option<(f32, Option<RopeScaling>)>,
 }
 
 impl Variant {
@@ -329,6 +368,50 @@ impl Parser<'_> {
         let Some(params) = params else {
             return Ok((theta, None));
         };
+        Ok((theta, self.rope_scaling(params, params_key, max_pos)?))
+    }
+
+    /// Gemma 3's two RoPEs: `(global theta, global scaling, local)` from
+    /// `rope_parameters.{full_attention, sliding_attention}`, or from
+    /// `rope_theta` + `rope_scaling` (global) and `rope_local_base_freq`.
+    #[allow(clippy::type_complexity)]
+    fn gemma3_rope(
+        &self,
+        max_pos: usize,
+    ) -> Result<(f32, Option<RopeScaling>, Option<(f32, Option<RopeScaling>)>), EngineError> {
+        let nested = self
+            .get("rope_parameters")
+            .and_then(Value::as_object)
+            .filter(|p| p.contains_key("full_attention"));
+        let Some(nested) = nested else {
+            let (theta, scaling) = self.rope(max_pos)?;
+            let local = self.f32_opt("rope_local_base_freq")?.unwrap_or(10_000.0);
+            return Ok((theta, scaling, Some((local, None))));
+        };
+        let one = |kind: &str| -> Result<(f32, Option<RopeScaling>), EngineError> {
+            let key = format!("rope_parameters.{kind}");
+            let params = nested
+                .get(kind)
+                .and_then(Value::as_object)
+                .ok_or_else(|| self.bad(format!("{key} is missing or not an object")))?;
+            let theta = params
+                .get("rope_theta")
+                .and_then(Value::as_f64)
+                .map_or(10_000.0, |t| t as f32);
+            Ok((theta, self.rope_scaling(params, &key, max_pos)?))
+        };
+        let (theta, scaling) = one("full_attention")?;
+        Ok((theta, scaling, Some(one("sliding_attention")?)))
+    }
+
+    /// The scaling a RoPE parameter object (`rope_type`/`type`, `factor`,
+    /// …) describes; `params_key` names it in errors.
+    fn rope_scaling(
+        &self,
+        params: &Map<String, Value>,
+        params_key: &str,
+        max_pos: usize,
+    ) -> Result<Option<RopeScaling>, EngineError> {
         let kind = params
             .get("rope_type")
             .or_else(|| params.get("type"))
@@ -372,7 +455,7 @@ impl Parser<'_> {
                 )));
             }
         };
-        Ok((theta, scaling))
+        Ok(scaling)
     }
 
     fn parse(&self) -> Result<ModelConfig, EngineError> {
@@ -406,13 +489,19 @@ impl Parser<'_> {
                 "head_dim must be even and positive, got {head_dim}"
             )));
         }
+        let want_act = if architecture.is_gemma() {
+            "gelu_pytorch_tanh"
+        } else {
+            "silu"
+        };
         if let Some(act) = self
-            .get("hidden_act")
-            .or_else(|| self.get("hidden_activation"))
-            && act.as_str() != Some("silu")
+            .get("hidden_activation")
+            .or_else(|| self.get("hidden_act"))
+            && act.as_str() != Some(want_act)
         {
             return Err(self.bad(format!(
-                "hidden_act {act} is not supported (supported: \"silu\")"
+                "hidden activation {act} is not supported for {} (supported: {want_act:?})",
+                architecture.hf_name()
             )));
         }
         if let Some(f) = self
@@ -428,20 +517,47 @@ impl Parser<'_> {
         }
         let default_max_pos = match architecture {
             Architecture::Llama | Architecture::Phi3 => 2048,
+            Architecture::Gemma2 | Architecture::Gemma3 => 8192,
             Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Mistral => 32_768,
         };
         let max_position_embeddings = self
             .usize_opt("max_position_embeddings")?
             .unwrap_or(default_max_pos);
-        let (rope_theta, rope_scaling) = self.rope(max_position_embeddings)?;
+        let (rope_theta, rope_scaling, local_rope) = if architecture == Architecture::Gemma3 {
+            self.gemma3_rope(max_position_embeddings)?
+        } else {
+            let (theta, scaling) = self.rope(max_position_embeddings)?;
+            (theta, scaling, None)
+        };
         let attention_bias = self.bool_opt("attention_bias")?.unwrap_or(false);
         let (qkv_bias, o_bias) = match architecture {
             Architecture::Llama => (attention_bias, attention_bias),
             Architecture::Qwen2 => (true, false),
             Architecture::Qwen3 => (attention_bias, attention_bias),
             Architecture::Mistral | Architecture::Phi3 => (false, false),
+            Architecture::Gemma2 | Architecture::Gemma3 => (attention_bias, attention_bias),
         };
-        let variant = self.variant(architecture, num_hidden_layers)?;
+        let mut variant = self.variant(architecture, num_hidden_layers)?;
+        if architecture.is_gemma() {
+            let scalar = self
+                .f32_opt("query_pre_attn_scalar")?
+                .unwrap_or(head_dim as f32);
+            let cap = |key: &str| -> Result<Option<f32>, EngineError> {
+                Ok(self.f32_opt(key)?.filter(|c| *c > 0.0))
+            };
+            variant.gemma = Some(Gemma {
+                embed_scale: (hidden_size as f64).sqrt() as f32,
+                attn_scale: 1.0 / scalar.sqrt(),
+                // transformers' Gemma 3 never applies it, even when set.
+                attn_softcap: if architecture == Architecture::Gemma2 {
+                    cap("attn_logit_softcapping")?
+                } else {
+                    None
+                },
+                final_softcap: cap("final_logit_softcapping")?,
+                local_rope,
+            });
+        }
         let bos = self.token_ids("bos_token_id")?;
         Ok(ModelConfig {
             architecture,
@@ -454,7 +570,9 @@ impl Parser<'_> {
             rms_norm_eps: self.f32_opt("rms_norm_eps")?.unwrap_or(1e-6),
             rope_theta,
             rope_scaling,
-            tie_word_embeddings: self.bool_opt("tie_word_embeddings")?.unwrap_or(false),
+            tie_word_embeddings: self
+                .bool_opt("tie_word_embeddings")?
+                .unwrap_or(architecture.is_gemma()),
             vocab_size,
             max_position_embeddings,
             qkv_bias,
@@ -501,6 +619,16 @@ impl Parser<'_> {
                     let from = self.usize_opt("max_window_layers")?.unwrap_or(layers);
                     (0..layers).map(|l| on && l >= from).collect()
                 }
+                // Gemma 2: every other layer, from the first.
+                Architecture::Gemma2 => (0..layers).map(|l| l % 2 == 0).collect(),
+                // Gemma 3: layer i is global iff (i + 1) % pattern == 0.
+                Architecture::Gemma3 => {
+                    let pattern = self
+                        .usize_opt("sliding_window_pattern")?
+                        .unwrap_or(6)
+                        .max(1);
+                    (0..layers).map(|l| (l + 1) % pattern != 0).collect()
+                }
                 _ => Vec::new(),
             },
         };
@@ -513,10 +641,11 @@ impl Parser<'_> {
                 .bad("layer_types names sliding layers but sliding_window is not set".to_owned()));
         }
         Ok(Variant {
-            qk_norm: arch == Architecture::Qwen3,
+            qk_norm: matches!(arch, Architecture::Qwen3 | Architecture::Gemma3),
             sliding_window: if slides { window } else { None },
             sliding_layers,
             fused_projections: arch == Architecture::Phi3,
+            gemma: None,
         })
     }
 }

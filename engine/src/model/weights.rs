@@ -154,10 +154,15 @@ pub struct LayerWeights {
     pub q_norm: Option<Vec<f32>>,
     pub k_norm: Option<Vec<f32>>,
     pub o_proj: Linear,
+    /// Norm of the attention output before the residual add (Gemma).
+    pub attn_out_norm: Option<Vec<f32>>,
+    /// The MLP's input norm (Gemma's `pre_feedforward_layernorm`).
     pub post_attention_layernorm: Vec<f32>,
     pub gate_proj: Linear,
     pub up_proj: Linear,
     pub down_proj: Linear,
+    /// Norm of the MLP output before the residual add (Gemma).
+    pub mlp_out_norm: Option<Vec<f32>>,
 }
 
 /// Every weight of a model, in f32.
@@ -298,45 +303,59 @@ impl ModelWeights {
                 ]
             };
             let down_proj = linear("mlp.down_proj", h, inter, config.mlp_bias)?;
+            // Gemma stores norm weights as offsets from 1.
+            let offset = if config.architecture.is_gemma() {
+                1.0
+            } else {
+                0.0
+            };
+            let mut norm = |name: &str, len: usize| -> Result<Vec<f32>, EngineError> {
+                let mut w = fetch(&format!("{p}.{name}.weight"), &[len])?
+                    .into_dense()
+                    .data;
+                w.iter_mut().for_each(|v| *v += offset);
+                Ok(w)
+            };
             let (q_norm, k_norm) = if config.variant.qk_norm {
                 let d = config.head_dim;
                 (
-                    Some(
-                        fetch(&format!("{p}.self_attn.q_norm.weight"), &[d])?
-                            .into_dense()
-                            .data,
-                    ),
-                    Some(
-                        fetch(&format!("{p}.self_attn.k_norm.weight"), &[d])?
-                            .into_dense()
-                            .data,
-                    ),
+                    Some(norm("self_attn.q_norm", d)?),
+                    Some(norm("self_attn.k_norm", d)?),
                 )
             } else {
                 (None, None)
             };
+            // Gemma: HF's post_attention_layernorm normalises the attention
+            // output; pre_feedforward_layernorm is the MLP's input norm.
+            let (mlp_norm, attn_out_norm, mlp_out_norm) = if config.variant.gemma.is_some() {
+                (
+                    norm("pre_feedforward_layernorm", h)?,
+                    Some(norm("post_attention_layernorm", h)?),
+                    Some(norm("post_feedforward_layernorm", h)?),
+                )
+            } else {
+                (norm("post_attention_layernorm", h)?, None, None)
+            };
             layers.push(LayerWeights {
-                input_layernorm: fetch(&format!("{p}.input_layernorm.weight"), &[h])?
-                    .into_dense()
-                    .data,
+                input_layernorm: norm("input_layernorm", h)?,
                 q_proj,
                 k_proj,
                 v_proj,
                 q_norm,
                 k_norm,
                 o_proj,
-                post_attention_layernorm: fetch(
-                    &format!("{p}.post_attention_layernorm.weight"),
-                    &[h],
-                )?
-                .into_dense()
-                .data,
+                attn_out_norm,
+                post_attention_layernorm: mlp_norm,
                 gate_proj,
                 up_proj,
                 down_proj,
+                mlp_out_norm,
             });
         }
-        let norm = fetch("model.norm.weight", &[h])?.into_dense().data;
+        let mut norm = fetch("model.norm.weight", &[h])?.into_dense().data;
+        if config.architecture.is_gemma() {
+            norm.iter_mut().for_each(|v| *v += 1.0);
+        }
         let lm_head = if config.tie_word_embeddings {
             None
         } else {

@@ -29,6 +29,10 @@ pub(crate) struct AttnShape {
     pub(crate) qkv_dim: usize,
     /// A sliding layer's window: position `i` attends to `i - w < j <= i`.
     pub(crate) window: Option<usize>,
+    /// Score scale (`head_dim^-1/2` unless the model says otherwise).
+    pub(crate) scale: f32,
+    /// `tanh(s / c) · c` on scores after scaling (Gemma 2).
+    pub(crate) softcap: Option<f32>,
 }
 
 /// Where one new token sits: its sequence (index into `tables`) and position.
@@ -156,7 +160,7 @@ fn attend(task: Task<'_>) {
         ..
     } = shape;
     let group = num_heads / num_kv_heads;
-    let scale = 1.0 / (head_dim as f32).sqrt();
+    let (scale, softcap) = (shape.scale, shape.softcap);
     let token_stride = num_kv_heads * head_dim;
     let mut max = [f32::NEG_INFINITY; MAX_GROUP];
     let mut sum = [0f32; MAX_GROUP];
@@ -187,6 +191,9 @@ fn attend(task: Task<'_>) {
                 let mut new_max = max[h];
                 for s in scores.iter_mut() {
                     *s *= scale;
+                    if let Some(c) = softcap {
+                        *s = (*s / c).tanh() * c;
+                    }
                     new_max = new_max.max(*s);
                 }
                 let oh = &mut out[h * head_dim..(h + 1) * head_dim];

@@ -130,6 +130,28 @@ pub(crate) fn add_bias(x: &mut [f32], bias: &[f32]) {
     }
 }
 
+/// GeGLU with the tanh GELU (Gemma's `gelu_pytorch_tanh`): as [`swiglu`]
+/// with `gelu(g) = g/2 · (1 + tanh(sqrt(2/π) · (g + 0.044715 g³)))`.
+pub(crate) fn geglu_tanh(out: &mut [f32], gate_up: &[f32], inter: usize) {
+    const C: f32 = 0.797_884_6; // sqrt(2 / π)
+    for (o, row) in out
+        .chunks_exact_mut(inter)
+        .zip(gate_up.chunks_exact(2 * inter))
+    {
+        let (gate, up) = row.split_at(inter);
+        for ((o, g), u) in o.iter_mut().zip(gate).zip(up) {
+            *o = 0.5 * g * (1.0 + (C * (g + 0.044_715 * g * g * g)).tanh()) * u;
+        }
+    }
+}
+
+/// `tanh(x / cap) · cap` on every value (Gemma's soft-capping).
+pub(crate) fn softcap(x: &mut [f32], cap: f32) {
+    for v in x {
+        *v = (*v / cap).tanh() * cap;
+    }
+}
+
 /// SwiGLU: each row of `gate_up` is `[gate (inter) | up (inter)]`; writes
 /// `silu(gate)·up` into the matching `inter`-wide row of `out`.
 pub(crate) fn swiglu(out: &mut [f32], gate_up: &[f32], inter: usize) {
@@ -157,10 +179,15 @@ pub(crate) struct Rope {
 
 impl Rope {
     pub(crate) fn new(config: &ModelConfig) -> Self {
+        Self::with(config, config.rope_theta, config.rope_scaling)
+    }
+
+    /// The model's RoPE with another base and scaling (Gemma 3's local one).
+    pub(crate) fn with(config: &ModelConfig, theta: f32, scaling: Option<RopeScaling>) -> Self {
         let head_dim = config.head_dim;
-        let theta = f64::from(config.rope_theta);
+        let theta = f64::from(theta);
         let mut inv_freq = base_inv_freq(theta, head_dim);
-        match config.rope_scaling {
+        match scaling {
             None | Some(RopeScaling::Dynamic { .. }) => {}
             Some(RopeScaling::Linear { factor }) => {
                 for f in &mut inv_freq {
@@ -197,7 +224,7 @@ impl Rope {
             inv_freq,
             head_dim,
             theta,
-            scaling: config.rope_scaling,
+            scaling,
             max_position_embeddings: config.max_position_embeddings,
         }
     }
