@@ -448,7 +448,11 @@ impl Backend for CpuBackend {
         let data = if batch.seqs.is_empty() {
             Vec::new()
         } else {
-            self.run(batch)
+            // The whole step runs on a rayon worker: its parallel sections
+            // then start on the calling worker and wake at most the others,
+            // instead of each being injected from outside the pool while
+            // this thread sleeps (~150 sections per decode step).
+            rayon::scope(|_| self.run(batch))
         };
         Ok(ForwardOutput::Logits {
             vocab_size: self.weights.config.vocab_size,
