@@ -1,12 +1,15 @@
 //! Backend-only decode speed of a model file (directory or GGUF): one
 //! decode step at batch 1 and 8 with 128 tokens of context, in tokens/s.
 //!
-//!     cargo run --release -p sluice-engine --example gguf_decode -- MODEL [STEPS] [BATCH,...]
+//!     cargo run --release -p sluice-engine --example gguf_decode -- MODEL [STEPS] [BATCH,...] [f32]
+//!
+//! With `f32`, quantized weights are de-quantized at load (the f32 path).
 
 use std::time::Instant;
 
 use sluice_engine::backend::cpu::CpuBackend;
 use sluice_engine::backend::{Backend, ForwardBatch, SeqChunk};
+use sluice_engine::model::{Model, Weight};
 
 const BLOCK: usize = 16;
 const CONTEXT: usize = 128;
@@ -26,8 +29,31 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         Some(list) => list.split(',').map(str::parse).collect::<Result<_, _>>()?,
         None => vec![1, 8],
     };
+    let f32_path = args.next().as_deref() == Some("f32");
     let t = Instant::now();
-    let mut cpu = CpuBackend::from_path(path.as_ref(), 8 * (CONTEXT / BLOCK + 1), BLOCK)?;
+    let mut model = Model::load(path.as_ref())?;
+    if f32_path {
+        let w = &mut model.weights;
+        let dense = |w: &mut Weight| *w = w.dense().into_owned().into();
+        dense(&mut w.embed_tokens);
+        if let Some(h) = &mut w.lm_head {
+            dense(h);
+        }
+        for l in &mut w.layers {
+            for lin in [
+                &mut l.q_proj,
+                &mut l.k_proj,
+                &mut l.v_proj,
+                &mut l.o_proj,
+                &mut l.gate_proj,
+                &mut l.up_proj,
+                &mut l.down_proj,
+            ] {
+                dense(&mut lin.weight);
+            }
+        }
+    }
+    let mut cpu = CpuBackend::new(model, 8 * (CONTEXT / BLOCK + 1), BLOCK)?;
     eprintln!("loaded in {:.2}s", t.elapsed().as_secs_f64());
     let vocab = cpu.config().vocab_size as u32;
     for seq in 0..8 {

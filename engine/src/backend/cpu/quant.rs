@@ -113,6 +113,10 @@ pub(crate) fn matmul(
     let task = |first: usize, outs: &mut [f32]| {
         // `outs` is `[m, len]` for weight rows first..first + len.
         let len = outs.len() / m;
+        if m == 1 && !matches!(kernel, Kernel::Blocks(_)) {
+            let n = w.row_bytes();
+            return kernel.gemv(&w.bytes[first * n..(first + len) * n], n, xq, outs);
+        }
         let mut buf = [0.0f32; QK_K];
         let mut dots = vec![0.0f32; m];
         for r in 0..len {
@@ -249,6 +253,28 @@ impl Kernel {
         }
     }
 
+    /// `out[r] = Σ w_r · x` for consecutive weight rows of `row_bytes` and
+    /// one quantized activation row (decode at batch 1).
+    fn gemv(self, w: &[u8], row_bytes: usize, xq: &[Q8Block], out: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if self.isa() == Isa::Avx2 {
+            // SAFETY: `Isa::Avx2` is only picked when the CPU has avx2, fma
+            // and f16c; the kernels read whole blocks within each row and
+            // `xq`.
+            unsafe {
+                match self {
+                    Kernel::Q4_0(_) => avx2::gemv_q4::<false>(w, row_bytes, xq, out),
+                    Kernel::Q4_1(_) => avx2::gemv_q4::<true>(w, row_bytes, xq, out),
+                    _ => avx2::gemv_q8_0(w, row_bytes, xq, out),
+                }
+            }
+            return;
+        }
+        for (o, row) in out.iter_mut().zip(w.chunks_exact(row_bytes)) {
+            *o = self.dot(row, xq);
+        }
+    }
+
     fn isa(self) -> Isa {
         match self {
             Kernel::Q4_0(isa) | Kernel::Q4_1(isa) | Kernel::Q8_0(isa) => isa,
@@ -261,14 +287,11 @@ impl Kernel {
     fn dot(self, w: &[u8], xq: &[Q8Block]) -> f32 {
         match self {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: as in `dot_rows`.
-            Kernel::Q4_0(Isa::Avx2) => unsafe { avx2::dot_q4::<false>(w, xq) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: as above.
-            Kernel::Q4_1(Isa::Avx2) => unsafe { avx2::dot_q4::<true>(w, xq) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: as above.
-            Kernel::Q8_0(Isa::Avx2) => unsafe { avx2::dot_q8_0_rows(w, [xq])[0] },
+            Kernel::Q4_0(Isa::Avx2) | Kernel::Q4_1(Isa::Avx2) | Kernel::Q8_0(Isa::Avx2) => {
+                let mut out = [0.0];
+                self.gemv(w, w.len(), xq, &mut out);
+                out[0]
+            }
             Kernel::Q4_0(_) => portable::dot_q4_0(w, xq),
             Kernel::Q4_1(_) => portable::dot_q4_1(w, xq),
             Kernel::Q8_0(_) => portable::dot_q8_0(w, xq),
@@ -436,14 +459,90 @@ mod avx2 {
     /// Bytes ahead of the current block that a weight stream prefetches.
     const PREFETCH: usize = 640;
 
+    /// One activation row against consecutive weight rows of `row_bytes`
+    /// each: `out[r] = Σ w_r · x`, the row loop inside the SIMD build so
+    /// nothing is dispatched per row (decode steps, batch 1).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn gemv_q4<const MIN: bool>(
+        w: &[u8],
+        row_bytes: usize,
+        xq: &[Q8Block],
+        out: &mut [f32],
+    ) {
+        for (o, row) in out.iter_mut().zip(w.chunks_exact(row_bytes)) {
+            // SAFETY: as `dot_q4`; the features are enabled here.
+            *o = unsafe { dot_q4::<MIN>(row, xq) };
+        }
+    }
+
+    /// [`gemv_q4`] for Q8_0 weights.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn gemv_q8_0(w: &[u8], row_bytes: usize, xq: &[Q8Block], out: &mut [f32]) {
+        for (o, row) in out.iter_mut().zip(w.chunks_exact(row_bytes)) {
+            // SAFETY: as `dot_q8_0`.
+            *o = unsafe { dot_q8_0(row, xq) };
+        }
+    }
+
+    /// One Q8_0 row against one activation row, two blocks per iteration.
+    #[inline(always)]
+    unsafe fn dot_q8_0(w: &[u8], xq: &[Q8Block]) -> f32 {
+        let blocks = (w.len() / 34).min(xq.len());
+        // SAFETY: register arithmetic (the caller runs on an avx2 CPU).
+        let (mut a0, mut a1) = unsafe { (_mm256_setzero_ps(), _mm256_setzero_ps()) };
+        let mut i = 0;
+        while i + 2 <= blocks {
+            // SAFETY: blocks i and i+1 of `w` and `xq` exist; a prefetch of
+            // any address is harmless.
+            unsafe {
+                let b = w.as_ptr().add(i * 34);
+                _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(PREFETCH) as *const i8);
+                a0 = q8_0_block(b, xq.get_unchecked(i), a0);
+                a1 = q8_0_block(b.add(34), xq.get_unchecked(i + 1), a1);
+            }
+            i += 2;
+        }
+        if i < blocks {
+            // SAFETY: block i exists.
+            a0 = unsafe { q8_0_block(w.as_ptr().add(i * 34), xq.get_unchecked(i), a0) };
+        }
+        // SAFETY: register arithmetic.
+        unsafe { hsum(_mm256_add_ps(a0, a1)) }
+    }
+
+    /// One Q8_0 block at `b` against one activation block, into `acc`.
+    #[inline(always)]
+    unsafe fn q8_0_block(b: *const u8, x: &Q8Block, acc: __m256) -> __m256 {
+        // SAFETY: the caller passes a whole block at `b`.
+        unsafe {
+            let w8 = _mm256_loadu_si256(b.add(2) as *const __m256i);
+            let x8 = _mm256_loadu_si256(x.q.as_ptr() as *const __m256i);
+            // |w| against x with w's sign: maddubs needs one unsigned side.
+            let p = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(_mm256_sign_epi8(w8, w8), _mm256_sign_epi8(x8, w8)),
+                _mm256_set1_epi16(1),
+            );
+            let d = _mm_cvtph_ps(_mm_set1_epi16((b as *const i16).read_unaligned()));
+            let scale = _mm256_broadcastss_ps(_mm_mul_ps(d, x_scales(x)));
+            _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(p), acc)
+        }
+    }
+
     /// One activation row, two blocks per iteration (two accumulator
     /// chains), the weight stream prefetched ahead.
-    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline(always)]
     pub(super) unsafe fn dot_q4<const MIN: bool>(w: &[u8], xq: &[Q8Block]) -> f32 {
         let bytes = if MIN { 20 } else { 18 };
         let blocks = (w.len() / bytes).min(xq.len());
-        let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-        let (mut o0, mut o1) = (_mm_setzero_ps(), _mm_setzero_ps());
+        // SAFETY: register arithmetic (the caller runs on an avx2 CPU).
+        let (mut a0, mut a1, mut o0, mut o1) = unsafe {
+            (
+                _mm256_setzero_ps(),
+                _mm256_setzero_ps(),
+                _mm_setzero_ps(),
+                _mm_setzero_ps(),
+            )
+        };
         let mut i = 0;
         while i + 2 <= blocks {
             // SAFETY: blocks i and i+1 of `w` and `xq` exist (i + 2 <=
@@ -588,12 +687,15 @@ mod tests {
     }
 
     /// `x · wᵀ` with `w` de-quantized and, for the q8 kernels, `x` rounded
-    /// as the kernel rounds it: the kernels must match this to f32 rounding.
+    /// as the kernel rounds it: 8-bit values times the block scale, and
+    /// the weight offset (Q4_1's `m`, Q4_0's `-8 d`) multiplying the block
+    /// sum as stored (`s`, rounded to f16 like ggml's). The kernels must
+    /// match this to f32 rounding.
     fn reference(w: &QuantTensor, x: &[f32], m: usize) -> Vec<f32> {
         let dense = w.dequantize().data;
         let k = w.cols;
+        let mut q = Vec::new();
         let xs: Vec<f32> = if uses_q8(w.ty) {
-            let mut q = Vec::new();
             quantize_rows(x, k, &mut q);
             q.iter()
                 .flat_map(|b| b.q.iter().map(move |&v| v as f32 * b.d))
@@ -601,12 +703,24 @@ mod tests {
         } else {
             x.to_vec()
         };
+        let per_row = k / QK;
         let mut out = vec![0.0; m * w.rows];
         for i in 0..m {
             for j in 0..w.rows {
-                out[i * w.rows + j] = (0..k)
+                let mut sum: f64 = (0..k)
                     .map(|p| f64::from(xs[i * k + p]) * f64::from(dense[j * k + p]))
-                    .sum::<f64>() as f32;
+                    .sum();
+                for (b, block) in w.row(j).chunks_exact(w.ty.block_bytes()).enumerate() {
+                    let offset = match w.ty {
+                        GgmlType::Q4_1 => f16_at(block, 2),
+                        GgmlType::Q4_0 => -8.0 * f16_at(block, 0),
+                        _ => continue,
+                    };
+                    let xb = &q[i * per_row + b];
+                    let exact = xb.d * xb.q.iter().map(|&v| v as f32).sum::<f32>();
+                    sum += f64::from(offset) * f64::from(xb.s - exact);
+                }
+                out[i * w.rows + j] = sum as f32;
             }
         }
         out
