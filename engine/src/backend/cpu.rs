@@ -171,6 +171,12 @@ pub struct CpuBackend {
     weights: Arc<CpuWeights>,
     kv: PagedKv,
     scratch: Scratch,
+    /// This backend's own threads: a step runs on one of them, so its
+    /// ~150 parallel sections start on a pool thread instead of each being
+    /// injected from the engine thread while it sleeps. Not the global
+    /// pool: a step never runs nested inside another engine's step (ranks
+    /// of a lockstep group wait for each other).
+    pool: Arc<rayon::ThreadPool>,
 }
 
 impl CpuBackend {
@@ -211,10 +217,19 @@ impl CpuBackend {
             block_size,
             elem_bytes: 4,
         };
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("sluice-cpu-{i}"))
+            .build()
+            .map_err(|e| {
+                EngineError::InvalidConfig(format!("starting the CPU backend's threads: {e}"))
+            })?;
         Ok(CpuBackend {
             kv: PagedKv::new(layout, num_blocks, &KvBacking::Private)?,
             scratch: Scratch::default(),
             weights,
+            pool: Arc::new(pool),
         })
     }
 
@@ -245,6 +260,7 @@ impl CpuBackend {
             weights,
             kv,
             scratch: s,
+            ..
         } = self;
         let w = &**weights;
         let n = s.embed(w, batch);
@@ -448,11 +464,9 @@ impl Backend for CpuBackend {
         let data = if batch.seqs.is_empty() {
             Vec::new()
         } else {
-            // The whole step runs on a rayon worker: its parallel sections
-            // then start on the calling worker and wake at most the others,
-            // instead of each being injected from outside the pool while
-            // this thread sleeps (~150 sections per decode step).
-            rayon::scope(|_| self.run(batch))
+            // See `pool`: the step's parallel sections start on a pool thread.
+            let pool = Arc::clone(&self.pool);
+            pool.install(|| self.run(batch))
         };
         Ok(ForwardOutput::Logits {
             vocab_size: self.weights.config.vocab_size,
