@@ -97,6 +97,9 @@ pub struct Variant {
     pub fused_projections: bool,
     /// Gemma's block, when the family is Gemma's.
     pub gemma: Option<Gemma>,
+    /// Per-frequency RoPE divisors (`head_dim / 2`): llama.cpp's
+    /// `rope_freqs` tensor, how a GGUF states Llama 3.x RoPE scaling.
+    pub rope_freq_factors: Option<Vec<f32>>,
 }
 
 /// Gemma 2/3's departures (transformers' `modeling_gemma2/3.py`): norm
@@ -646,6 +649,7 @@ impl Parser<'_> {
             sliding_layers,
             fused_projections: arch == Architecture::Phi3,
             gemma: None,
+            rope_freq_factors: None,
         })
     }
 }

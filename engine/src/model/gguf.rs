@@ -129,13 +129,24 @@ pub fn config(file: &GgufFile) -> Result<ModelConfig, EngineError> {
         .f32_opt(&m.arch_key("rope.freq_base"))?
         .unwrap_or(10_000.0);
     let rope_scaling = rope_scaling(&m)?;
-    if file.tensor_info("rope_freqs.weight").is_some() {
-        return Err(m.bad(
-            "per-frequency RoPE factors (rope_freqs.weight, Llama 3.1+ scaling) are not supported yet; \
-             the same model as a Hugging Face directory is"
-                .to_owned(),
-        ));
-    }
+    // Llama 3.x RoPE scaling: llama.cpp writes the per-frequency divisors.
+    let rope_freq_factors = match file.tensor("rope_freqs.weight") {
+        None => None,
+        Some((info, bytes)) => {
+            if info.elements() as usize != head_dim / 2 {
+                return Err(m.bad(format!(
+                    "rope_freqs.weight has {} values, the head dim {head_dim} needs {}",
+                    info.elements(),
+                    head_dim / 2
+                )));
+            }
+            let factors = sluice_gguf::quant::dequantize_to_vec(info.ty, bytes, head_dim / 2);
+            if factors.iter().any(|f| !f.is_finite() || *f <= 0.0) {
+                return Err(m.bad("rope_freqs.weight holds a non-positive factor".to_owned()));
+            }
+            Some(factors)
+        }
+    };
     let bos_token_id = m.token_id("tokenizer.ggml.bos_token_id")?;
     let mut eos_token_ids = Vec::new();
     for key in [
@@ -181,6 +192,7 @@ pub fn config(file: &GgufFile) -> Result<ModelConfig, EngineError> {
         eos_token_ids,
         variant: Variant {
             qk_norm: architecture == Architecture::Qwen3,
+            rope_freq_factors,
             ..Variant::default()
         },
     })

@@ -179,7 +179,14 @@ pub(crate) struct Rope {
 
 impl Rope {
     pub(crate) fn new(config: &ModelConfig) -> Self {
-        Self::with(config, config.rope_theta, config.rope_scaling)
+        let mut rope = Self::with(config, config.rope_theta, config.rope_scaling);
+        if let Some(factors) = &config.variant.rope_freq_factors {
+            // llama.cpp: theta_i = p · base^(-2i/d) / factor_i.
+            for (f, d) in rope.inv_freq.iter_mut().zip(factors) {
+                *f /= f64::from(*d);
+            }
+        }
+        rope
     }
 
     /// The model's RoPE with another base and scaling (Gemma 3's local one).
