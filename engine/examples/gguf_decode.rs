@@ -40,15 +40,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             dense(h);
         }
         for l in &mut w.layers {
-            for lin in [
-                &mut l.q_proj,
-                &mut l.k_proj,
-                &mut l.v_proj,
-                &mut l.o_proj,
-                &mut l.gate_proj,
-                &mut l.up_proj,
-                &mut l.down_proj,
-            ] {
+            for lin in l.linears_mut() {
                 dense(&mut lin.weight);
             }
         }

@@ -68,15 +68,7 @@ fn bf16_rounded(model: &Model) -> Model {
     for l in &mut m.weights.layers {
         round(&mut l.input_layernorm);
         round(&mut l.post_attention_layernorm);
-        for lin in [
-            &mut l.q_proj,
-            &mut l.k_proj,
-            &mut l.v_proj,
-            &mut l.o_proj,
-            &mut l.gate_proj,
-            &mut l.up_proj,
-            &mut l.down_proj,
-        ] {
+        for lin in l.linears_mut() {
             round_weight(&mut lin.weight);
         }
     }

@@ -19,3 +19,22 @@ wait_ready() {
   done
   echo "sluice up not ready after 60 s"; cat "$log"; exit 1
 }
+
+# Starts `$SLUICE_BIN up --http-port 0 ARGS...` with its log in $1; sets
+# server_pid and addr (the address it reports binding) and waits until it
+# is ready. Exits the script with the log when it never reports or dies.
+start_sluice_up() {
+  local log=$1; shift
+  RUST_LOG=warn "$SLUICE_BIN" up --http-port 0 "$@" >"$log" 2>&1 &
+  server_pid=$!
+  addr=""
+  for _ in $(seq 1 200); do
+    addr=$(sed -n 's/^listening on \(.*\)$/\1/p' "$log" | head -1)
+    [ -n "$addr" ] && break
+    kill -0 "$server_pid" 2>/dev/null || break
+    sleep 0.1
+  done
+  [ -n "$addr" ] || { echo "sluice up reported no address:"; cat "$log"; exit 1; }
+  wait_ready "http://$addr" "$server_pid" "$log"
+}
+

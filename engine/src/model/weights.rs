@@ -141,6 +141,21 @@ impl Linear {
     pub fn out_features(&self) -> usize {
         self.weight.shape()[0]
     }
+
+    /// The biases of `parts` stacked along the output (zeros for a part
+    /// without one), or `None` when none has a bias: what a backend that
+    /// fuses q/k/v or gate/up adds after the fused product.
+    pub fn stacked_bias(parts: &[&Linear]) -> Option<Vec<f32>> {
+        parts.iter().any(|l| l.bias.is_some()).then(|| {
+            parts
+                .iter()
+                .flat_map(|l| match &l.bias {
+                    Some(b) => b.clone(),
+                    None => vec![0.0; l.out_features()],
+                })
+                .collect()
+        })
+    }
 }
 
 /// One decoder layer's weights.
@@ -367,6 +382,21 @@ impl ModelWeights {
             norm,
             lm_head,
         })
+    }
+}
+
+impl LayerWeights {
+    /// The layer's seven projections.
+    pub fn linears_mut(&mut self) -> [&mut Linear; 7] {
+        [
+            &mut self.q_proj,
+            &mut self.k_proj,
+            &mut self.v_proj,
+            &mut self.o_proj,
+            &mut self.gate_proj,
+            &mut self.up_proj,
+            &mut self.down_proj,
+        ]
     }
 }
 

@@ -41,16 +41,7 @@ $llama_cmd >"$OUT/llamacpp.log" 2>&1 || { cat "$OUT/llamacpp.log"; exit 1; }
 log=$OUT/sluice.server.log
 up_cmd="$SLUICE_BIN up --model $GGUF --http-port 0"
 echo "+ $up_cmd"
-RUST_LOG=warn $up_cmd >"$log" 2>&1 &
-server_pid=$!
-addr=""
-for _ in $(seq 1 200); do
-  addr=$(sed -n 's/^listening on \(.*\)$/\1/p' "$log" | head -1)
-  [ -n "$addr" ] && break
-  sleep 0.1
-done
-[ -n "$addr" ] || { echo "no address"; cat "$log"; exit 1; }
-wait_ready "http://$addr" "$server_pid" "$log"
+start_sluice_up "$log" --model "$GGUF"
 model=$(basename "$GGUF" .gguf)
 sluice_cmd="$PY tests/bench/gguf/decode.py --base-url http://$addr/v1 --model $model --tokens 128 --reps $REPS --parallel 8 --ignore-eos --json $OUT/sluice.json"
 echo "+ $sluice_cmd"

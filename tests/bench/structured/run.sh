@@ -35,16 +35,7 @@ trap cleanup EXIT
 for engine in $ENGINES; do
   log=$OUT/$engine.server.log
   echo "sluice up --engine $engine --http-port 0" >>"$OUT/commands"
-  RUST_LOG=warn "$SLUICE_BIN" up --engine "$engine" --http-port 0 >"$log" 2>&1 &
-  server_pid=$!
-  addr=""
-  for _ in $(seq 1 200); do
-    addr=$(sed -n 's/^listening on \(.*\)$/\1/p' "$log" | head -1)
-    [ -n "$addr" ] && break
-    sleep 0.1
-  done
-  [ -n "$addr" ] || { echo "no address"; cat "$log"; exit 1; }
-  wait_ready "http://$addr" "$server_pid" "$log"
+  start_sluice_up "$log" --engine "$engine"
   echo "python tests/bench/structured/load.py --url http://ADDR/v1 --engine $engine --batches \"$BATCHES\" --osl $OSL --rounds $ROUNDS" >>"$OUT/commands"
   "$PY" tests/bench/structured/load.py --url "http://$addr/v1" --engine "$engine" \
     --batches "$BATCHES" --osl "$OSL" --rounds "$ROUNDS" --out "$OUT/$engine.json"

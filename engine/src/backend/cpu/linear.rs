@@ -35,15 +35,7 @@ impl CpuLinear {
     pub(crate) fn stack(parts: &[&Linear]) -> Self {
         let weights: Vec<&Weight> = parts.iter().map(|l| &l.weight).collect();
         let mut this = Self::from_weights(&weights);
-        this.bias = parts.iter().any(|l| l.bias.is_some()).then(|| {
-            parts
-                .iter()
-                .flat_map(|l| match &l.bias {
-                    Some(b) => b.clone(),
-                    None => vec![0.0; l.out_features()],
-                })
-                .collect()
-        });
+        this.bias = Linear::stacked_bias(parts);
         this
     }
 

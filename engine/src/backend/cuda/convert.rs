@@ -49,15 +49,7 @@ pub fn fuse(parts: &[&Linear]) -> Fused {
         // computes in bf16.
         weight.extend(to_bf16_bits(&l.weight.dense().data));
     }
-    let bias = parts.iter().any(|l| l.bias.is_some()).then(|| {
-        parts
-            .iter()
-            .flat_map(|l| match &l.bias {
-                Some(b) => b.clone(),
-                None => vec![0.0; l.out_features()],
-            })
-            .collect()
-    });
+    let bias = Linear::stacked_bias(parts);
     Fused {
         weight,
         bias,
