@@ -74,12 +74,13 @@ Commands:
     {up_cmd}
     {sluice_cmd}
 """
-header = "# Sluice's GGUF path beside llama.cpp\n\nWritten by tests/bench/gguf/run.sh; newest first.\n"
 try:
     old = open(result).read()
-    body = old[len(header):] if old.startswith(header) else old
 except FileNotFoundError:
-    body = ""
-open(result, "w").write(header + section + body)
+    old = "# Sluice's GGUF path beside llama.cpp\n\nWritten by tests/bench/gguf/run.sh; newest first.\n"
+# The new section goes after the file's preamble, before the newest one.
+cut = old.find("\n## ")
+head, body = (old, "") if cut < 0 else (old[:cut + 1], old[cut + 1:])
+open(result, "w").write(head + section.lstrip("\n") + "\n" + body)
 print(section)
 PYEOF
