@@ -223,31 +223,18 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) {
                 }
             }
         }
-        GgmlType::Q4_K => {
+        GgmlType::Q4_K | GgmlType::Q5_K => {
+            // Q5_K is Q4_K with a fifth bit per weight in 32 bytes of `qh`
+            // between the scales and the nibbles.
+            let high = ty == GgmlType::Q5_K;
             for (b, y) in blocks {
                 let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
                 let scales = &b[4..16];
-                let qs = &b[16..];
-                for chunk in 0..4 {
-                    let q = &qs[chunk * 32..chunk * 32 + 32];
-                    let (s1, m1) = k_scale_min(scales, 2 * chunk);
-                    let (s2, m2) = k_scale_min(scales, 2 * chunk + 1);
-                    let (d1, m1) = (d * s1 as f32, dmin * m1 as f32);
-                    let (d2, m2) = (d * s2 as f32, dmin * m2 as f32);
-                    let y = &mut y[chunk * 64..chunk * 64 + 64];
-                    for l in 0..32 {
-                        y[l] = d1 * (q[l] & 0xF) as f32 - m1;
-                        y[l + 32] = d2 * (q[l] >> 4) as f32 - m2;
-                    }
-                }
-            }
-        }
-        GgmlType::Q5_K => {
-            for (b, y) in blocks {
-                let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
-                let scales = &b[4..16];
-                let qh = &b[16..48];
-                let qs = &b[48..];
+                let (qh, qs) = if high {
+                    (&b[16..48], &b[48..])
+                } else {
+                    (&[][..], &b[16..])
+                };
                 for chunk in 0..4 {
                     let q = &qs[chunk * 32..chunk * 32 + 32];
                     let (s1, m1) = k_scale_min(scales, 2 * chunk);
@@ -255,12 +242,11 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) {
                     let (d1, m1) = (d * s1 as f32, dmin * m1 as f32);
                     let (d2, m2) = (d * s2 as f32, dmin * m2 as f32);
                     let (u1, u2) = (1u8 << (2 * chunk), 2u8 << (2 * chunk));
+                    let bit = |l: usize, u: u8| if high && qh[l] & u != 0 { 16 } else { 0 };
                     let y = &mut y[chunk * 64..chunk * 64 + 64];
                     for l in 0..32 {
-                        let h1 = if qh[l] & u1 != 0 { 16 } else { 0 };
-                        let h2 = if qh[l] & u2 != 0 { 16 } else { 0 };
-                        y[l] = d1 * ((q[l] & 0xF) + h1) as f32 - m1;
-                        y[l + 32] = d2 * ((q[l] >> 4) + h2) as f32 - m2;
+                        y[l] = d1 * ((q[l] & 0xF) + bit(l, u1)) as f32 - m1;
+                        y[l + 32] = d2 * ((q[l] >> 4) + bit(l, u2)) as f32 - m2;
                     }
                 }
             }
