@@ -156,7 +156,6 @@ if [ "$ONLY" != colo ]; then
     burst_case one-priority "$rep"
     burst_case engine-nopreempt "$rep" --no-preempt-on-seq-limit
     burst_case engine-nowait "$rep" --admission-wait-steps 0
-    burst_case no-holding "$rep" --no-default-holding
     burst_case q025-strict "$rep" --queue-threshold 0.25 --queue-policy strict
     burst_case active32-strict "$rep" --max-active $((WORKERS * MAX_NUM_SEQS)) --queue-policy strict
     burst_case off-again "$rep" --scheduling-policy fcfs
@@ -197,7 +196,6 @@ if only != "colo":
         ("one-priority", "defaults, every request at priority 0: the throughput the priority cases are held to"),
         ("engine-nopreempt", "defaults but no preemption at the seq limit (\`--no-preempt-on-seq-limit\`)"),
         ("engine-nowait", "defaults but no admission wait (\`--admission-wait-steps 0\`)"),
-        ("no-holding", "defaults but nothing held in the queue (\`--no-default-holding\`): the engine alone orders"),
         ("q025-strict", "queue threshold 0.25, strict; engine priority"),
         ("active32-strict", "\`--max-active\` = slots in all, strict; engine priority"),
         ("off-again", "engine priority off again, last: the baseline's run-to-run noise"),
