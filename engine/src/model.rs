@@ -30,7 +30,7 @@ impl Model {
     /// Loads a model directory (`config.json` and the safetensors weights
     /// beside it) or a GGUF file.
     pub fn load(path: &Path) -> Result<Self, EngineError> {
-        if is_gguf(path) {
+        if sluice_gguf::GgufFile::is_gguf(path) {
             let file = gguf::open(path)?;
             let config = gguf::config(&file)?;
             let weights = gguf::weights(&file, &config)?;
@@ -46,11 +46,6 @@ impl Model {
         let weights = ModelWeights::from_tensors(&config, init::random_tensors(&config, seed))?;
         Ok(Model { config, weights })
     }
-}
-
-/// Whether `path` names a GGUF file rather than a model directory.
-pub fn is_gguf(path: &Path) -> bool {
-    path.is_file() && sluice_gguf::GgufFile::is_gguf(path)
 }
 
 #[cfg(test)]

@@ -165,13 +165,15 @@ impl GgufFile {
         Self::parse(path.to_path_buf(), map)
     }
 
-    /// Whether `path` is a file that starts with the GGUF magic.
+    /// Whether `path` is a file (not a model directory) that starts with
+    /// the GGUF magic.
     pub fn is_gguf(path: &Path) -> bool {
         use std::io::Read;
         let mut magic = [0u8; 4];
-        File::open(path)
-            .and_then(|mut f| f.read_exact(&mut magic))
-            .is_ok_and(|()| u32::from_le_bytes(magic) == MAGIC)
+        path.is_file()
+            && File::open(path)
+                .and_then(|mut f| f.read_exact(&mut magic))
+                .is_ok_and(|()| u32::from_le_bytes(magic) == MAGIC)
     }
 
     fn parse(path: PathBuf, map: memmap2::Mmap) -> Result<Self, GgufError> {
@@ -315,6 +317,37 @@ impl GgufFile {
         let info = self.tensor_info(name)?;
         let start = (self.data_start + info.offset) as usize;
         Some((info, &self.map[start..start + info.size as usize]))
+    }
+
+    /// Every token id that ends generation: `tokenizer.ggml.eos_token_id`,
+    /// then the end-of-turn and end-of-message ids when present, each once.
+    /// A key that is not a token id is an error naming it.
+    pub fn eos_token_ids(&self) -> Result<Vec<u32>, GgufError> {
+        let mut ids = Vec::new();
+        for key in [
+            "tokenizer.ggml.eos_token_id",
+            "tokenizer.ggml.eot_token_id",
+            "tokenizer.ggml.eom_token_id",
+        ] {
+            if let Some(id) = self.token_id(key)?
+                && !ids.contains(&id)
+            {
+                ids.push(id);
+            }
+        }
+        Ok(ids)
+    }
+
+    /// The token id under `key`, if present.
+    pub fn token_id(&self, key: &str) -> Result<Option<u32>, GgufError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .and_then(|n| u32::try_from(n).ok())
+                .map(Some)
+                .ok_or_else(|| self.error(format!("{key} must be a token id, got {v:?}"))),
+        }
     }
 
     /// A format error about this file (for callers interpreting metadata).

@@ -190,7 +190,7 @@ impl ModelConfig {
 
     /// The config of a model directory or of a GGUF file's metadata.
     pub fn from_path(path: &Path) -> Result<Self, EngineError> {
-        if super::is_gguf(path) {
+        if sluice_gguf::GgufFile::is_gguf(path) {
             return super::gguf::config(&super::gguf::open(path)?);
         }
         Self::from_dir(path)

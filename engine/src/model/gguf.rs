@@ -66,12 +66,6 @@ impl Meta<'_> {
                 .ok_or_else(|| self.bad(format!("{key} must be a number, got {v:?}"))),
         }
     }
-
-    fn token_id(&self, key: &str) -> Result<Option<u32>, EngineError> {
-        self.usize_opt(key)?
-            .map(|n| u32::try_from(n).map_err(|_| self.bad(format!("{key} {n} is not a token id"))))
-            .transpose()
-    }
 }
 
 /// The model configuration a GGUF file's metadata describes.
@@ -147,19 +141,8 @@ pub fn config(file: &GgufFile) -> Result<ModelConfig, EngineError> {
             Some(factors)
         }
     };
-    let bos_token_id = m.token_id("tokenizer.ggml.bos_token_id")?;
-    let mut eos_token_ids = Vec::new();
-    for key in [
-        "tokenizer.ggml.eos_token_id",
-        "tokenizer.ggml.eot_token_id",
-        "tokenizer.ggml.eom_token_id",
-    ] {
-        if let Some(id) = m.token_id(key)?
-            && !eos_token_ids.contains(&id)
-        {
-            eos_token_ids.push(id);
-        }
-    }
+    let bos_token_id = file.token_id("tokenizer.ggml.bos_token_id")?;
+    let eos_token_ids = file.eos_token_ids()?;
     let has_bias = file.tensor_info("blk.0.attn_q.bias").is_some();
     let (qkv_bias, o_bias) = match architecture {
         Architecture::Llama => (
@@ -360,6 +343,40 @@ mod tests {
             Some("output.weight")
         );
         assert_eq!(gguf_name("model.layers.1.unknown.weight"), None);
+    }
+
+    /// The f32 Llama fixture with its architecture renamed (same length).
+    fn fixture_as(arch: &[u8; 5]) -> tempfile::NamedTempFile {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/gguf/llama_untied.gguf");
+        let mut bytes = std::fs::read(path).expect("fixture");
+        // The value of general.architecture: a string of length 5.
+        let value = [&5u64.to_le_bytes()[..], b"llama"].concat();
+        let at = bytes
+            .windows(value.len())
+            .position(|w| w == value.as_slice())
+            .expect("the architecture value");
+        bytes[at + 8..at + 13].copy_from_slice(arch);
+        let file = tempfile::NamedTempFile::new().expect("temp file");
+        std::fs::write(file.path(), bytes).expect("write");
+        file
+    }
+
+    #[test]
+    fn an_architecture_the_engine_does_not_compute_is_named_at_start_up() {
+        let file = fixture_as(b"mamba");
+        let err = ModelConfig::from_path(file.path()).expect_err("mamba is not served");
+        assert!(
+            matches!(&err, EngineError::UnsupportedArchitecture(a) if a.contains("mamba")),
+            "{err}"
+        );
+        assert!(
+            err.to_string().contains("GGUF: llama, qwen2, qwen3"),
+            "{err}"
+        );
+        // The unpatched file loads (the patch above is what fails it).
+        let ok = fixture_as(b"llama");
+        assert!(ModelConfig::from_path(ok.path()).is_ok());
     }
 
     #[test]

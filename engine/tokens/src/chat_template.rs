@@ -171,7 +171,7 @@ impl ChatTemplate {
     /// # Errors
     /// As [`Self::from_dir`], or when the GGUF cannot be read.
     pub fn from_path(path: &Path) -> Result<Self, TokensError> {
-        if crate::gguf::is_gguf(path) {
+        if sluice_gguf::GgufFile::is_gguf(path) {
             return crate::gguf::chat_template(&sluice_gguf::GgufFile::open(path)?);
         }
         Self::from_dir(path)

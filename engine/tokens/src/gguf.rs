@@ -50,17 +50,6 @@ fn strings<'a>(file: &'a GgufFile, key: &str) -> Result<Vec<&'a str>, TokensErro
         .collect()
 }
 
-fn token_id(file: &GgufFile, key: &str) -> Result<Option<u32>, TokensError> {
-    match file.get(key) {
-        None => Ok(None),
-        Some(v) => v
-            .as_u64()
-            .and_then(|n| u32::try_from(n).ok())
-            .map(Some)
-            .ok_or_else(|| bad(file, key, format!("must be a token id, got {v:?}"))),
-    }
-}
-
 /// The `tokenizers` pre-tokenizer llama.cpp's `pre` name stands for.
 fn pre_tokenizer(file: &GgufFile, pre: &str) -> Result<Json, TokensError> {
     let byte_level = |use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex});
@@ -151,7 +140,7 @@ pub fn tokenizer(file: &GgufFile) -> Result<Tokenizer, TokensError> {
             }));
         }
     }
-    let bos_token_id = token_id(file, "tokenizer.ggml.bos_token_id")?;
+    let bos_token_id = file.token_id("tokenizer.ggml.bos_token_id")?;
     let add_bos = file
         .get("tokenizer.ggml.add_bos_token")
         .and_then(Value::as_bool)
@@ -198,22 +187,11 @@ pub fn tokenizer(file: &GgufFile) -> Result<Tokenizer, TokensError> {
                 path: file.path().to_path_buf(),
                 source,
             })?;
-    let mut eos_token_ids = Vec::new();
-    for key in [
-        "tokenizer.ggml.eos_token_id",
-        "tokenizer.ggml.eot_token_id",
-        "tokenizer.ggml.eom_token_id",
-    ] {
-        if let Some(id) = token_id(file, key)?
-            && !eos_token_ids.contains(&id)
-        {
-            eos_token_ids.push(id);
-        }
-    }
+    let eos_token_ids = file.eos_token_ids()?;
     let special = SpecialTokens {
         bos_token: name(bos_token_id),
         bos_token_id,
-        eos_token: name(token_id(file, "tokenizer.ggml.eos_token_id")?),
+        eos_token: name(file.token_id("tokenizer.ggml.eos_token_id")?),
         eos_token_ids,
     };
     Ok(Tokenizer::from_parts(inner, special))
@@ -227,7 +205,8 @@ pub fn tokenizer(file: &GgufFile) -> Result<Tokenizer, TokensError> {
 pub fn chat_template(file: &GgufFile) -> Result<ChatTemplate, TokensError> {
     let tokens = file.get("tokenizer.ggml.tokens").and_then(Value::as_array);
     let name = |key: &str| -> Result<String, TokensError> {
-        Ok(token_id(file, key)?
+        Ok(file
+            .token_id(key)?
             .and_then(|id| tokens?.get(id as usize)?.as_str())
             .unwrap_or_default()
             .to_owned())
@@ -240,11 +219,6 @@ pub fn chat_template(file: &GgufFile) -> Result<ChatTemplate, TokensError> {
         Some(source) => ChatTemplate::new(source, &bos, &eos),
         None => Ok(ChatTemplate::fallback(&bos, &eos)),
     }
-}
-
-/// Whether `path` is a GGUF file (rather than a model directory).
-pub fn is_gguf(path: &std::path::Path) -> bool {
-    path.is_file() && GgufFile::is_gguf(path)
 }
 
 /// The context length a GGUF file declares (`<arch>.context_length`).

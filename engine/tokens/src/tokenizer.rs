@@ -93,7 +93,7 @@ impl Tokenizer {
     /// # Errors
     /// As [`Self::from_dir`], or the GGUF's metadata error naming its key.
     pub fn from_path(path: &Path) -> Result<Self, TokensError> {
-        if crate::gguf::is_gguf(path) {
+        if sluice_gguf::GgufFile::is_gguf(path) {
             return crate::gguf::tokenizer(&sluice_gguf::GgufFile::open(path)?);
         }
         Self::from_dir(path)

@@ -33,7 +33,7 @@ impl PromptLimits {
     /// Reads the model's context from `dir/config.json` and the longest
     /// vocabulary entry of `tokenizer`.
     pub(crate) fn new(dir: &Path, tokenizer: &Tokenizer) -> Self {
-        let model_context = if sluice_tokens::gguf::is_gguf(dir) {
+        let model_context = if sluice_gguf::GgufFile::is_gguf(dir) {
             sluice_tokens::gguf::context_length(dir)
         } else {
             std::fs::read(dir.join("config.json"))
