@@ -66,7 +66,7 @@ pub struct MeshOptions {
     /// Queue replicas (1 by default).
     pub queues: usize,
     pub prefill_workers: usize,
-    pub worker: sluice_decode::WorkerArgs,
+    pub worker: sluice_worker::WorkerArgs,
     pub queue: sluice_queue::Args,
     pub router: sluice_router::Args,
     pub frontend: sluice_frontend::Args,
@@ -89,7 +89,7 @@ impl Default for MeshOptions {
             decode_workers: 1,
             queues: 1,
             prefill_workers: 0,
-            worker: sluice_decode::WorkerArgs {
+            worker: sluice_worker::WorkerArgs {
                 num_gpu_blocks: 512,
                 ..Default::default()
             },

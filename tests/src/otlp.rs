@@ -54,7 +54,7 @@ impl Collector {
                 .into_iter()
                 .filter(|s| {
                     s.name == "worker.generate"
-                        && attr(s, "target").as_deref() == Some("sluice_decode::service")
+                        && attr(s, "target").as_deref() == Some("sluice_worker::service")
                 })
                 .collect();
             spans.sort_by(|a, b| a.span_id.cmp(&b.span_id));

@@ -24,7 +24,7 @@ async fn a_prompt_held_for_slots_about_to_free_says_so_on_its_span() -> anyhow::
     let (collector, telemetry) = traced("sluice-test").await?;
 
     let mut opts = MeshOptions::default();
-    opts.worker.engine = sluice_decode::EngineKind::Mocker;
+    opts.worker.engine = sluice_worker::EngineKind::Mocker;
     // Decode steps of some 60 ms: the four finish some 240 ms after their
     // first token, a wide window for the fifth to arrive in.
     opts.worker.speedup_ratio = 0.1;

@@ -283,6 +283,19 @@ async fn grpc_inference_returns_each_positions_logprobs_with_alternatives() -> a
         }
     }
     assert_eq!(positions, 4);
+    // Counted like an HTTP request: one served, one refused (no input).
+    let refused = client.generate(ipb::GenerateRequest::default()).await;
+    assert_eq!(
+        refused.err().map(|s| s.code()),
+        Some(tonic::Code::InvalidArgument)
+    );
+    let (_, metrics) = get(&mesh.http, "/metrics").await?;
+    for line in [
+        r#"sluice_frontend_requests_total{code="200",endpoint="grpc_generate"} 1"#,
+        r#"sluice_frontend_requests_total{code="400",endpoint="grpc_generate"} 1"#,
+    ] {
+        assert!(metrics.contains(line), "{line}\n{metrics}");
+    }
     mesh.stop().await
 }
 
@@ -366,7 +379,7 @@ async fn dropped_http_connection_frees_the_workers_blocks_within_a_second() -> a
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn data_parallel_ranks_of_one_worker_all_serve() -> anyhow::Result<()> {
     let mut opts = MeshOptions::default();
-    opts.worker.engine = sluice_decode::EngineKind::Mocker;
+    opts.worker.engine = sluice_worker::EngineKind::Mocker;
     opts.worker.speedup_ratio = 20.0;
     opts.worker.data_parallel_size = 2;
     opts.worker.balance_scheduling = true;
@@ -408,7 +421,7 @@ async fn data_parallel_ranks_of_one_worker_all_serve() -> anyhow::Result<()> {
 async fn queue_refusal_is_a_429_with_retry_after_and_a_held_request_past_its_deadline_a_504()
 -> anyhow::Result<()> {
     let mut opts = MeshOptions::default();
-    opts.worker.engine = sluice_decode::EngineKind::Mocker;
+    opts.worker.engine = sluice_worker::EngineKind::Mocker;
     opts.queue.max_active = 1; // one lease at a time: the rest are held
     opts.queue.max_pending = 1; // and only one may be held
     opts.frontend.request_timeout = 1;
@@ -485,7 +498,7 @@ async fn queue_refusal_is_a_429_with_retry_after_and_a_held_request_past_its_dea
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn more_requests_than_h2_reset_limit_all_succeed() -> anyhow::Result<()> {
     let mut opts = MeshOptions::default();
-    opts.worker.engine = sluice_decode::EngineKind::Mocker;
+    opts.worker.engine = sluice_worker::EngineKind::Mocker;
     opts.worker.speedup_ratio = 1000.0;
     let mesh = Mesh::start(opts).await?;
     let failures = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -532,7 +545,7 @@ async fn tokens_that_arrive_with_an_engine_error_reach_the_client() -> anyhow::R
 }
 
 async fn engine_error_mid_stream_migrates(reply_lag: Option<Duration>) -> anyhow::Result<()> {
-    use sluice_decode::fault::StepFault;
+    use sluice_worker::fault::StepFault;
     let fault = std::sync::Arc::new(StepFault::default());
     let mut opts = MeshOptions {
         decode_workers: 2,
@@ -541,7 +554,7 @@ async fn engine_error_mid_stream_migrates(reply_lag: Option<Duration>) -> anyhow
     opts.worker.reply_lag = reply_lag;
     // The mocker's tokens depend only on the sequence, so a continuation on
     // another worker gives exactly the unbroken run's tokens.
-    opts.worker.engine = sluice_decode::EngineKind::Mocker;
+    opts.worker.engine = sluice_worker::EngineKind::Mocker;
     opts.worker.speedup_ratio = 10.0;
     opts.worker.step_fault = Some(std::sync::Arc::clone(&fault));
     let mesh = Mesh::start(opts).await?;

@@ -80,7 +80,7 @@ fn seed() -> u64 {
 
 async fn mesh() -> anyhow::Result<Mesh> {
     let mut opts = MeshOptions::default();
-    opts.worker.engine = sluice_decode::EngineKind::Mocker;
+    opts.worker.engine = sluice_worker::EngineKind::Mocker;
     opts.worker.speedup_ratio = 1000.0;
     opts.frontend.default_max_tokens = 4;
     Mesh::start(opts).await

@@ -150,7 +150,7 @@ async fn a_generate_stream_names_its_worker_on_the_first_and_last_message() -> a
     // stream has middle messages (a reader that falls behind would get
     // them merged).
     let mut opts = MeshOptions::default();
-    opts.worker.engine = sluice_decode::EngineKind::Mocker;
+    opts.worker.engine = sluice_worker::EngineKind::Mocker;
     let mesh = Mesh::start(opts).await?;
     let worker = mesh.endpoints("decode").await?.remove(0);
     let mut client = wpb::worker_client::WorkerClient::connect(format!("http://{worker}")).await?;
@@ -179,7 +179,7 @@ async fn generations_share_one_session_and_each_ends_on_its_own() -> anyhow::Res
     use wpb::generate_session_response::Msg;
 
     let mut opts = MeshOptions::default();
-    opts.worker.engine = sluice_decode::EngineKind::Mocker;
+    opts.worker.engine = sluice_worker::EngineKind::Mocker;
     let mesh = Mesh::start(opts).await?;
     let worker = mesh.endpoints("decode").await?.remove(0);
     let mut client = wpb::worker_client::WorkerClient::connect(format!("http://{worker}")).await?;
@@ -295,7 +295,7 @@ async fn a_session_whose_caller_stops_reading_ends_and_frees_its_generations() -
     use futures::StreamExt;
 
     let mut opts = MeshOptions::default();
-    opts.worker.engine = sluice_decode::EngineKind::Mocker;
+    opts.worker.engine = sluice_worker::EngineKind::Mocker;
     let mesh = Mesh::start(opts).await?;
     let worker = mesh.endpoints("decode").await?.remove(0);
     // A caller in this process: no socket, so no reset tells the worker
@@ -352,8 +352,8 @@ async fn a_draining_worker_refuses_new_generations_and_finishes_its_own() -> any
     let shutdown = Shutdown::new();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let endpoint = listener.local_addr()?.to_string();
-    let args = sluice_decode::WorkerArgs {
-        engine: sluice_decode::EngineKind::Mocker,
+    let args = sluice_worker::WorkerArgs {
+        engine: sluice_worker::EngineKind::Mocker,
         num_gpu_blocks: 512,
         ..Default::default()
     };

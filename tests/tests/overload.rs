@@ -71,7 +71,7 @@ fn retry_after(head: &str) -> Option<u64> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_queue_sheds_its_lowest_priority_with_429_and_retry_after() -> anyhow::Result<()> {
     let mut opts = MeshOptions::default();
-    opts.worker.engine = sluice_decode::EngineKind::Mocker;
+    opts.worker.engine = sluice_worker::EngineKind::Mocker;
     opts.queue.max_active = 1;
     opts.queue.max_pending = 1;
     let mesh = Mesh::start(opts).await?;
@@ -168,7 +168,7 @@ async fn two_queue_replicas_serve_a_burst_in_one_priority_order() -> anyhow::Res
 /// priority.
 async fn burst_by_priority(queues: usize) -> anyhow::Result<Vec<f64>> {
     let mut opts = MeshOptions::default();
-    opts.worker.engine = sluice_decode::EngineKind::Mocker;
+    opts.worker.engine = sluice_worker::EngineKind::Mocker;
     opts.worker.max_num_seqs = 2;
     opts.queues = queues;
     assert_eq!(opts.queue.queue_threshold, None, "default flags");
@@ -253,7 +253,7 @@ async fn queue_sees_a_worker(mesh: &Mesh) -> anyhow::Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn standing_overload_refuses_by_ttft_target_lowest_priority_first() -> anyhow::Result<()> {
     let mut opts = MeshOptions::default();
-    opts.worker.engine = sluice_decode::EngineKind::Mocker;
+    opts.worker.engine = sluice_worker::EngineKind::Mocker;
     opts.worker.max_num_seqs = 2;
     let mesh = Mesh::start(opts).await?;
     queue_sees_a_worker(&mesh).await?;

@@ -23,7 +23,7 @@ async fn a_preempted_request_shows_in_worker_metrics_and_its_span() -> anyhow::R
     let (collector, telemetry) = traced("sluice-test").await?;
 
     let mut opts = MeshOptions::default();
-    opts.worker.engine = sluice_decode::EngineKind::Mocker;
+    opts.worker.engine = sluice_worker::EngineKind::Mocker;
     opts.worker.speedup_ratio = 5.0;
     opts.worker.max_num_seqs = 1;
     opts.worker.scheduling_policy = "priority".into();

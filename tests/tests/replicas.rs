@@ -88,7 +88,7 @@ async fn metric(queue: &str, series: &str) -> anyhow::Result<f64> {
 async fn a_replica_holds_a_lower_priority_while_the_other_holds_a_higher_one() -> anyhow::Result<()>
 {
     let mut opts = MeshOptions::default();
-    opts.worker.engine = sluice_decode::EngineKind::Mocker;
+    opts.worker.engine = sluice_worker::EngineKind::Mocker;
     opts.worker.max_num_seqs = 1;
     opts.queues = 2;
     let mesh = Mesh::start(opts).await?;

@@ -172,7 +172,7 @@ async fn quotas_refuse_with_429_retry_after_and_an_error_naming_the_limit() -> a
     let keys = dir.path().join("keys");
     std::fs::write(&keys, "sk-acme acme\nsk-solo solo\n")?;
     let mut opts = MeshOptions::default();
-    opts.worker.engine = sluice_decode::EngineKind::Mocker;
+    opts.worker.engine = sluice_worker::EngineKind::Mocker;
     opts.frontend.api_key_file = Some(keys);
     opts.queue.tenant_limits = Some(
         "acme tpm=100\nsolo concurrency=1\n"

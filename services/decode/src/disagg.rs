@@ -23,9 +23,8 @@ use tracing::Instrument;
 
 use sluice_runtime::{Discovery, DiscoveryEvent, Security, Shutdown};
 
-use crate::error::WorkerError;
-use crate::service::{InflightGuard, RemotePrefill, WorkerCore};
 use sluice_kv_transfer::{Receiver, TransportKind, layout_to_pb, same_host};
+use sluice_worker::{InflightGuard, RemotePrefill, WorkerCore, WorkerError};
 
 /// The prefill workers discovery lists, id → endpoint: the only prefill
 /// endpoints this worker ever dials.
@@ -225,7 +224,7 @@ impl Disagg {
             let logprobs = resp
                 .first_logprobs
                 .as_ref()
-                .and_then(crate::convert::logprobs_from_wire);
+                .and_then(sluice_worker::logprobs_from_wire);
             let slot = quarantine
                 .slot
                 .take()

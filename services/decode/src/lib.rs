@@ -1,162 +1,23 @@
-//! `sluice-decode`: the decode worker (`sluice decode`) — the engine on the
-//! mesh — and the worker core that the prefill worker builds on.
+//! `sluice-decode`: the decode worker (`sluice decode`) — the worker core
+//! (`sluice-worker`) with conditional disaggregation: long uncached prompts
+//! go to a prefill worker, whose KV blocks this worker receives.
 //!
-//! Owns: building engine ranks from the worker flags ([`WorkerArgs`]), the
-//! `Worker` gRPC service (`Generate`, KV events with replay and snapshot,
-//! load reports), registration with role, model, block size and KV
-//! capabilities. Does not own placement (router), admission (queue), the
-//! model maths (engine) or moving KV blocks (`sluice-kv-transfer`: this
-//! crate starts its receiver and serves its `KvTransfer` service).
+//! Owns: following the prefill workers and choosing one ([`disagg`]),
+//! starting the KV receiver and serving its `KvTransfer` service. Does not
+//! own the `Worker` service or the engine ranks (`sluice-worker`), nor
+//! moving KV blocks (`sluice-kv-transfer`).
 
 #![forbid(unsafe_code)]
 
-mod args;
-mod convert;
 pub mod disagg;
-mod error;
-#[cfg(feature = "fault-injection")]
-pub mod fault;
-mod metrics;
-mod service;
-mod session;
 
 use std::sync::Arc;
-use std::sync::atomic::AtomicU32;
 
 use sluice_kv_transfer as transfer;
-use sluice_runtime::discovery::WorkerInfo;
-use sluice_runtime::grpc::GrpcServer;
+use sluice_runtime::discovery::WorkerRole;
 use sluice_runtime::{ModelArgs, ServiceContext};
+use sluice_worker::{WorkerArgs, WorkerError, WorkerService, build_core, run_worker};
 use tokio::net::TcpListener;
-
-pub use args::{EngineKind, WorkerArgs};
-pub use convert::{check_input, logprobs_from_wire, logprobs_to_wire, sampling as wire_sampling};
-pub use error::WorkerError;
-pub use metrics::WorkerMetrics;
-pub use service::{
-    InflightGuard, PrefillHandler, RemotePrefill, Role, UnplacedGuard, UnplacedLoad, WorkerCore,
-    WorkerService,
-};
-use sluice_engine::backend::KvBacking;
-
-/// Builds a worker's core: its engine rank(s), metrics and identity.
-pub fn build_core(
-    args: &WorkerArgs,
-    model: &ModelArgs,
-    role: Role,
-    id: String,
-) -> Result<Arc<WorkerCore>, WorkerError> {
-    let dir = model.dir().map_err(|e| WorkerError::InvalidArgument {
-        field: "--model",
-        message: e.to_string(),
-    })?;
-    // A decode worker that offers `shm` keeps its KV in a shared file for
-    // same-host prefill workers to write into.
-    let backing = if role == Role::Decode
-        && transfer::available(&args.kv_transports).contains(&transfer::TransportKind::Shm)
-    {
-        KvBacking::Shared(sluice_engine::backend::arena::shm_dir())
-    } else {
-        KvBacking::Private
-    };
-    let engines = args.start_engines(dir, &backing)?;
-    let metrics =
-        WorkerMetrics::new(&id).map_err(WorkerError::startup("registering the worker metrics"))?;
-    Ok(Arc::new(WorkerCore {
-        id,
-        model: model.name(),
-        role,
-        engines,
-        metrics,
-        remote_prefills: AtomicU32::new(0),
-        unplaced: Arc::default(),
-        #[cfg(feature = "fault-injection")]
-        reply_lag: args.reply_lag,
-    }))
-}
-
-/// Registers and serves a worker built around `service` until shutdown, then
-/// stops its engines.
-pub async fn run_worker(
-    listener: TcpListener,
-    args: &WorkerArgs,
-    service: WorkerService,
-    kv_receiver: Option<Arc<transfer::Receiver>>,
-    ctx: ServiceContext,
-) -> Result<(), WorkerError> {
-    let core = Arc::clone(&service.core);
-    let engine = core
-        .engines
-        .first()
-        .ok_or(WorkerError::Startup("no engine rank"))?;
-    let layout = engine.kv_layout();
-    let mut instance =
-        ctx.instance(core.role.as_str(), &listener)
-            .map_err(WorkerError::startup(
-                "describing this instance for discovery",
-            ))?;
-    instance.id = core.id.clone();
-    let kv_transports = match &kv_receiver {
-        Some(r) => r.kinds(),
-        None => transfer::available(&args.kv_transports),
-    };
-    let instance = instance
-        .with_model(core.model.clone())
-        .with_worker(WorkerInfo {
-            role: core.role.worker_role(),
-            block_size: saturating_u32(layout.block_size),
-            dp_size: saturating_u32(core.engines.len()),
-            engine: Some(args.engine.backend()),
-            total_blocks: engine.num_blocks() as u64,
-            max_num_seqs: saturating_u32(args.max_num_seqs),
-            max_num_batched_tokens: saturating_u32(args.max_num_batched_tokens),
-            // The longest request (prompt and output) it holds: the frontend
-            // refuses longer prompts before they travel.
-            max_model_len: Some(saturating_u32(engine.max_len())),
-            kv_transports: kv_transports.iter().map(|k| k.to_pb()).collect(),
-        });
-    let mut server = GrpcServer::new()
-        .map_err(WorkerError::startup("building the gRPC server"))?
-        .add_service(
-            sluice_proto::worker::v1::worker_server::WorkerServer::new(service)
-                .max_decoding_message_size(256 << 20),
-        )
-        .with_metrics(vec![core.metrics.registry.clone()]);
-    if let Some(receiver) = kv_receiver {
-        server = server.add_service(
-            sluice_proto::kv::v1::kv_transfer_server::KvTransferServer::new(
-                transfer::KvTransferService { receiver },
-            )
-            .max_decoding_message_size(256 << 20),
-        );
-    }
-    tracing::info!(id = %core.id, role = core.role.as_str(), model = %core.model, engine = engine.backend_name(), "worker starting");
-    // Keep the per-rank gauges current until shutdown.
-    for (rank, engine) in core.engines.iter().enumerate() {
-        let (mut load, core, stop) = (engine.load(), Arc::clone(&core), ctx.shutdown.clone());
-        tokio::spawn(async move {
-            loop {
-                core.metrics.record_load(rank, &load.borrow_and_update());
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    changed = load.changed() => if changed.is_err() { return },
-                }
-                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-            }
-        });
-    }
-    let res = ctx
-        .run(server, listener, instance)
-        .await
-        .map_err(WorkerError::startup("serving"));
-    let engines = core.engines.clone();
-    let _ = tokio::task::spawn_blocking(move || engines.iter().for_each(|e| e.shutdown())).await;
-    res
-}
-
-fn saturating_u32(n: usize) -> u32 {
-    u32::try_from(n).unwrap_or(u32::MAX)
-}
 
 /// Where a decode worker's KV transports listen, from its flags.
 fn receiver_config(
@@ -180,8 +41,8 @@ pub async fn serve(
     model: ModelArgs,
     ctx: ServiceContext,
 ) -> Result<(), WorkerError> {
-    let id = sluice_runtime::discovery::instance_id(Role::Decode.as_str());
-    let core = build_core(&args, &model, Role::Decode, id)?;
+    let id = sluice_runtime::discovery::instance_id(WorkerRole::Decode.as_str());
+    let core = build_core(&args, &model, WorkerRole::Decode, id)?;
     let bound = listener
         .local_addr()
         .map_err(WorkerError::startup("reading the listener's address"))?;

@@ -109,6 +109,9 @@ fn prefixed(e: limits::Invalid) -> limits::Invalid {
     limits::Invalid { field, ..e }
 }
 
+/// This API's line in `sluice_frontend_requests_total`.
+const ENDPOINT: &str = "grpc_generate";
+
 type GenerateStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
 
 #[tonic::async_trait]
@@ -120,28 +123,42 @@ impl pb::inference_server::Inference for InferenceService {
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let received = Instant::now();
-        let identity = self.authorize(&request)?;
-        let mut params = params(request.into_inner())?;
-        let claimed = std::mem::take(&mut params.tenant);
-        assign_tenant(&mut params, identity.as_ref(), Some(&claimed), "tenant")?;
-        let span = tracing::info_span!(
-            "inference.generate",
-            request_id = %params.request_id,
-            priority = params.hints.priority,
-            tenant = %params.tenant,
-        );
+        let mut outcome = self.pipeline.metrics.outcome(ENDPOINT);
         let p = Arc::clone(&self.pipeline);
-        let request_id = params.request_id.clone();
-        let generation = async {
-            let prepared = p.prepare(params, received).await?;
-            p.start(prepared).await
+        let started = async {
+            let identity = self.authorize(&request)?;
+            let mut params = params(request.into_inner())?;
+            let claimed = std::mem::take(&mut params.tenant);
+            assign_tenant(&mut params, identity.as_ref(), Some(&claimed), "tenant")?;
+            let span = tracing::info_span!(
+                "inference.generate",
+                request_id = %params.request_id,
+                priority = params.hints.priority,
+                tenant = %params.tenant,
+            );
+            let request_id = params.request_id.clone();
+            let generation = async {
+                let prepared = p.prepare(params, received).await?;
+                p.start(prepared).await
+            }
+            .instrument(span)
+            .await?;
+            Ok::<_, FrontendError>((request_id, generation))
         }
-        .instrument(span)
-        .await?;
-        let stream = futures::stream::unfold(Some(generation), move |g| {
+        .await;
+        let (request_id, generation) = match started {
+            Ok(s) => s,
+            Err(e) => {
+                outcome.failed(&e);
+                return Err(e.into());
+            }
+        };
+        // The outcome rides with the stream: recorded when it ends, by how
+        // it ends (dropped first: the client left).
+        let stream = futures::stream::unfold(Some((generation, outcome)), move |g| {
             let request_id = request_id.clone();
             async move {
-                let mut g = g?;
+                let (mut g, mut outcome) = g?;
                 match g.next().await? {
                     Ok(Event::Delta {
                         text,
@@ -157,7 +174,7 @@ impl pb::inference_server::Inference for InferenceService {
                                 logprobs,
                                 ..Default::default()
                             }),
-                            Some(g),
+                            Some((g, outcome)),
                         ))
                     }
                     Ok(Event::Done {
@@ -184,9 +201,13 @@ impl pb::inference_server::Inference for InferenceService {
                             }),
                             ..Default::default()
                         };
+                        outcome.ok();
                         Some((Ok(resp), None))
                     }
-                    Err(e) => Some((Err(Status::from(e)), None)),
+                    Err(e) => {
+                        outcome.failed(&e);
+                        Some((Err(Status::from(e)), None))
+                    }
                 }
             }
         });

@@ -21,6 +21,7 @@ use tracing::Instrument;
 
 use crate::auth::{Identity, TENANT_HEADER};
 use crate::error::FrontendError;
+use crate::metrics::RequestOutcome;
 use crate::openai::{
     self, ChatRequest, CompletionRequest, GenerateParams, PRIORITY_PATH, StreamMode,
 };
@@ -85,10 +86,7 @@ async fn authorize(
                 "/v1/completions" => Api::Completion.endpoint(),
                 _ => "models",
             };
-            p.metrics
-                .requests
-                .with_label_values(&[endpoint, e.status().as_str()])
-                .inc();
+            p.metrics.outcome(endpoint).failed(&e);
             e.into_response()
         }
     }
@@ -295,6 +293,7 @@ async fn serve(
         worker_id = tracing::field::Empty,
     );
     sluice_runtime::telemetry::extract_http(&headers, &span);
+    let mut outcome = p.metrics.outcome(api.endpoint());
     let result = async {
         let (mut params, mode) = parsed?;
         let priority_field = match header_priority(&headers)? {
@@ -349,16 +348,15 @@ async fn serve(
     let (id, mode, generations, tools, n) = match result {
         Ok(r) => r,
         Err(e) => {
-            p.metrics
-                .requests
-                .with_label_values(&[api.endpoint(), e.status().as_str()])
-                .inc();
+            outcome.failed(&e);
             return e.into_response();
         }
     };
     if let (Api::Responses, Some(echo)) = (api, echo) {
         let Some(generation) = generations.0.into_iter().next() else {
-            return FrontendError::internal("no generation").into_response();
+            let e = FrontendError::internal("no generation");
+            outcome.failed(&e);
+            return e.into_response();
         };
         let shape = Shape {
             id,
@@ -367,13 +365,8 @@ async fn serve(
             tools,
             echo,
         };
-        let mut outcome = Outcome {
-            pipeline: Arc::clone(&p),
-            endpoint: api.endpoint(),
-            recorded: false,
-        };
         if mode.stream {
-            outcome.record("200");
+            outcome.ok();
             let mut resp = Sse::new(crate::responses::sse(shape, generation)).into_response();
             resp.headers_mut()
                 .insert("x-accel-buffering", http::HeaderValue::from_static("no"));
@@ -382,15 +375,7 @@ async fn serve(
         let r = crate::responses::collect(shape, generation)
             .instrument(span)
             .await;
-        let code = match &r {
-            Ok(_) => "200".to_owned(),
-            Err(e) => e.status().as_str().to_owned(),
-        };
-        outcome.record(&code);
-        return match r {
-            Ok(v) => Json(v).into_response(),
-            Err(e) => e.into_response(),
-        };
+        return respond(r, outcome);
     }
     let out = Output {
         api,
@@ -403,11 +388,6 @@ async fn serve(
     if n > 1 {
         let (generations, first) = generations;
         if mode.stream {
-            let outcome = Outcome {
-                pipeline: Arc::clone(&p),
-                endpoint: api.endpoint(),
-                recorded: false,
-            };
             let mut resp =
                 Sse::new(sse_multi(out, generations, first, mode, outcome)).into_response();
             resp.headers_mut()
@@ -415,30 +395,16 @@ async fn serve(
             return resp;
         }
         let r = collect(out, generations, first).instrument(span).await;
-        let code = match &r {
-            Ok(_) => "200".to_owned(),
-            Err(e) => e.status().as_str().to_owned(),
-        };
-        p.metrics
-            .requests
-            .with_label_values(&[api.endpoint(), &code])
-            .inc();
-        return match r {
-            Ok(v) => Json(v).into_response(),
-            Err(e) => e.into_response(),
-        };
+        return respond(r, outcome);
     }
     let (mut generations, first) = generations;
     let Some(generation) = generations.pop() else {
-        return FrontendError::internal("no generation").into_response();
+        let e = FrontendError::internal("no generation");
+        outcome.failed(&e);
+        return e.into_response();
     };
     if mode.stream {
-        // Counted when the stream ends, by how it ends (see `Outcome`).
-        let outcome = Outcome {
-            pipeline: Arc::clone(&p),
-            endpoint: api.endpoint(),
-            recorded: false,
-        };
+        // Recorded when the stream ends, by how it ends.
         let stream = sse_stream(out, generation, mode, outcome);
         let mut resp = Sse::new(stream).into_response();
         resp.headers_mut()
@@ -446,17 +412,20 @@ async fn serve(
         resp
     } else {
         let r = collect(out, vec![generation], first).instrument(span).await;
-        let code = match &r {
-            Ok(_) => "200".to_string(),
-            Err(e) => e.status().as_str().to_string(),
-        };
-        p.metrics
-            .requests
-            .with_label_values(&[api.endpoint(), &code])
-            .inc();
-        match r {
-            Ok(v) => Json(v).into_response(),
-            Err(e) => e.into_response(),
+        respond(r, outcome)
+    }
+}
+
+/// A whole (not streamed) answer, its outcome recorded.
+fn respond(r: Result<Value, FrontendError>, mut outcome: RequestOutcome) -> Response {
+    match r {
+        Ok(v) => {
+            outcome.ok();
+            Json(v).into_response()
+        }
+        Err(e) => {
+            outcome.failed(&e);
+            e.into_response()
         }
     }
 }
@@ -655,39 +624,11 @@ impl Output {
     }
 }
 
-/// A streamed request's line in `sluice_frontend_requests_total`, written
-/// when the stream ends: `200` when it finished, the error's status when it
-/// failed, `499` when the client left first.
-struct Outcome {
-    pipeline: Arc<Pipeline>,
-    endpoint: &'static str,
-    recorded: bool,
-}
-
-impl Outcome {
-    fn record(&mut self, code: &str) {
-        if !self.recorded {
-            self.recorded = true;
-            self.pipeline
-                .metrics
-                .requests
-                .with_label_values(&[self.endpoint, code])
-                .inc();
-        }
-    }
-}
-
-impl Drop for Outcome {
-    fn drop(&mut self) {
-        self.record("499");
-    }
-}
-
 fn sse_stream(
     out: Output,
     generation: Generation,
     mode: StreamMode,
-    outcome: Outcome,
+    outcome: RequestOutcome,
 ) -> impl Stream<Item = Result<SseEvent, Infallible>> {
     struct St {
         out: Output,
@@ -697,7 +638,7 @@ fn sse_stream(
         offset: usize,
         done: bool,
         queued: Vec<SseEvent>,
-        outcome: Outcome,
+        outcome: RequestOutcome,
         /// With tools: text that may be (part of) a call, held until the
         /// output ends and it is parsed.
         held: String,
@@ -752,7 +693,7 @@ fn sse_stream(
                     serving,
                 })) => {
                     st.done = true;
-                    st.outcome.record("200");
+                    st.outcome.ok();
                     // Sent in reverse (popped from the end): final chunk, usage chunk, [DONE].
                     st.queued.push(SseEvent::default().data("[DONE]"));
                     if st.mode.include_usage {
@@ -797,7 +738,7 @@ fn sse_stream(
                 }
                 Some(Err(e)) => {
                     st.done = true;
-                    st.outcome.record(e.status().as_str());
+                    st.outcome.failed(&e);
                     st.queued.push(SseEvent::default().data("[DONE]"));
                     st.queued
                         .push(SseEvent::default().data(e.body().to_string()));
@@ -925,7 +866,7 @@ fn sse_multi(
     generations: Vec<Generation>,
     first: Option<Event>,
     mode: StreamMode,
-    outcome: Outcome,
+    outcome: RequestOutcome,
 ) -> impl Stream<Item = Result<SseEvent, Infallible>> {
     use futures::StreamExt;
     let n = generations.len();
@@ -948,7 +889,7 @@ fn sse_multi(
         queued: std::collections::VecDeque<SseEvent>,
         done: bool,
         mode: StreamMode,
-        outcome: Outcome,
+        outcome: RequestOutcome,
     }
     let st = St {
         merged: futures::stream::select_all(streams),
@@ -1010,7 +951,7 @@ fn sse_multi(
                     st.remaining -= 1;
                     if st.remaining == 0 {
                         st.done = true;
-                        st.outcome.record("200");
+                        st.outcome.ok();
                         if st.mode.include_usage {
                             let usage = combined_usage(std::mem::take(&mut st.usages));
                             let mut v =
@@ -1025,7 +966,7 @@ fn sse_multi(
                 }
                 Some((_, Err(e))) => {
                     st.done = true;
-                    st.outcome.record(e.status().as_str());
+                    st.outcome.failed(&e);
                     st.queued
                         .push_back(SseEvent::default().data(e.body().to_string()));
                     st.queued.push_back(SseEvent::default().data("[DONE]"));

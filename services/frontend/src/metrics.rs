@@ -1,6 +1,7 @@
 //! The frontend's Prometheus metrics: latency histograms by priority (and
 //! TTFT by tenant: the [`TOP_TENANTS`] tenants with the most tokens, every
-//! other tenant as `other`) and requests by status code.
+//! other tenant as `other`) and requests by endpoint and status code, each
+//! recorded once through a [`RequestOutcome`].
 
 use std::sync::Arc;
 
@@ -33,7 +34,55 @@ const LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 ];
 
+/// One request's line in `sluice_frontend_requests_total`, for the HTTP and
+/// the gRPC API alike, written once: by [`RequestOutcome::ok`] or
+/// [`RequestOutcome::failed`] (the error's HTTP status, which a gRPC
+/// request's error maps to as well), or `499` when it is dropped unwritten
+/// (the client left first).
+#[derive(Debug)]
+pub(crate) struct RequestOutcome {
+    requests: IntCounterVec,
+    endpoint: &'static str,
+    recorded: bool,
+}
+
+impl RequestOutcome {
+    /// Served: `200`.
+    pub(crate) fn ok(&mut self) {
+        self.record("200");
+    }
+
+    /// Failed with `e`.
+    pub(crate) fn failed(&mut self, e: &crate::error::FrontendError) {
+        self.record(e.status().as_str());
+    }
+
+    fn record(&mut self, code: &str) {
+        if !self.recorded {
+            self.recorded = true;
+            self.requests
+                .with_label_values(&[self.endpoint, code])
+                .inc();
+        }
+    }
+}
+
+impl Drop for RequestOutcome {
+    fn drop(&mut self) {
+        self.record("499");
+    }
+}
+
 impl Metrics {
+    /// The outcome of one request to `endpoint`, to be recorded once.
+    pub(crate) fn outcome(&self, endpoint: &'static str) -> RequestOutcome {
+        RequestOutcome {
+            requests: self.requests.clone(),
+            endpoint,
+            recorded: false,
+        }
+    }
+
     pub(crate) fn new() -> Result<Self, prometheus::Error> {
         let registry = Registry::new();
         let r = Registrar(&registry);

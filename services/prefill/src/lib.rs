@@ -3,8 +3,8 @@
 //! blocks a decode worker reserved (the descriptor in `Prefill`), over the
 //! first transport both sides offer, and returns the first token.
 //!
-//! It reuses the decode crate's worker core (engine flags, KV events, load,
-//! registration, input checks) and owns only the `Prefill` RPC. The sending
+//! It builds on the worker core (`sluice-worker`: engine flags, KV events,
+//! load, registration, input checks) and owns only the `Prefill` RPC. The sending
 //! side is `sluice-kv-transfer`'s: negotiation ([`Senders::negotiate`])
 //! picks the first region of the descriptor (the decode worker's preference
 //! order) whose transport this worker accepts (`--kv-transports`), before
@@ -15,11 +15,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use sluice_decode::{PrefillHandler, Role, WorkerArgs, WorkerCore, WorkerError, WorkerService};
 use sluice_kv_transfer::{Block, KvTransferError, Senders, check_layout};
 use sluice_proto::kv::v1 as kvpb;
 use sluice_proto::worker::v1 as pb;
+use sluice_runtime::discovery::WorkerRole;
 use sluice_runtime::{ModelArgs, ServiceContext};
+use sluice_worker::{PrefillHandler, WorkerArgs, WorkerCore, WorkerError, WorkerService};
 use tokio::net::TcpListener;
 use tracing::Instrument;
 
@@ -93,7 +94,7 @@ impl PrefillHandler for Handler {
         drop(out.blocks);
         Ok(pb::PrefillResponse {
             first_token_id: out.first_token,
-            first_logprobs: out.logprobs.as_ref().map(sluice_decode::logprobs_to_wire),
+            first_logprobs: out.logprobs.as_ref().map(sluice_worker::logprobs_to_wire),
             cached_tokens: out.cached_tokens as u32,
             blocks_written: written,
             transport: transport.to_pb() as i32,
@@ -116,7 +117,7 @@ fn checked_destination(
             field: "destination",
             message: "missing transfer descriptor".into(),
         })?;
-    sluice_decode::check_input(
+    sluice_worker::check_input(
         engine,
         &req.request_id,
         &req.prompt_token_ids,
@@ -151,7 +152,7 @@ async fn compute(
     let engine_req = sluice_engine::Request {
         request_id: req.request_id.clone(),
         prompt: req.prompt_token_ids.clone(),
-        sampling: sluice_decode::wire_sampling(req.sampling.clone()),
+        sampling: sluice_worker::wire_sampling(req.sampling.clone()),
         priority: req.priority,
         constraint: None,
     };
@@ -268,8 +269,8 @@ pub async fn serve_with(
     ctx: ServiceContext,
     prefiller: Prefiller,
 ) -> Result<(), WorkerError> {
-    let id = sluice_runtime::discovery::instance_id(Role::Prefill.as_str());
-    let core = sluice_decode::build_core(&args, &model, Role::Prefill, id)?;
+    let id = sluice_runtime::discovery::instance_id(WorkerRole::Prefill.as_str());
+    let core = sluice_worker::build_core(&args, &model, WorkerRole::Prefill, id)?;
     #[cfg(not(feature = "fault-injection"))]
     let Prefiller {} = prefiller;
     let handler = Handler {
@@ -283,5 +284,5 @@ pub async fn serve_with(
         remote: None,
         draining: ctx.shutdown.clone(),
     };
-    sluice_decode::run_worker(listener, &args, service, None, ctx).await
+    sluice_worker::run_worker(listener, &args, service, None, ctx).await
 }

@@ -65,7 +65,7 @@ enum Command {
         #[command(flatten)]
         model: ModelArgs,
         #[command(flatten)]
-        args: sluice_decode::WorkerArgs,
+        args: sluice_worker::WorkerArgs,
     },
     /// A decode (or aggregated) worker.
     Decode {
@@ -74,7 +74,7 @@ enum Command {
         #[command(flatten)]
         model: ModelArgs,
         #[command(flatten)]
-        args: sluice_decode::WorkerArgs,
+        args: sluice_worker::WorkerArgs,
     },
     /// Load-test an OpenAI-compatible server: trace replay or synthetic load,
     /// TTFT/ITL/e2e and throughput per priority tier.

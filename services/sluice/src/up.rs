@@ -44,7 +44,7 @@ pub(crate) struct UpArgs {
     #[command(flatten)]
     model: ModelArgs,
     #[command(flatten)]
-    worker: sluice_decode::WorkerArgs,
+    worker: sluice_worker::WorkerArgs,
     #[command(flatten)]
     frontend: sluice_frontend::Args,
     #[command(flatten)]

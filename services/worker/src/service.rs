@@ -1,7 +1,8 @@
-//! The `Worker` gRPC service over one or more engine ranks: `Generate`
-//! (local prefill, or remote through [`crate::disagg`]), the KV event stream
-//! with replay and snapshot, and load reports. The prefill worker plugs its
-//! `Prefill` handler in through [`PrefillHandler`].
+//! The `Worker` gRPC service over one or more engine ranks: `Generate` and
+//! its multiplexed `GenerateSession` ([`session`]; local prefill, or remote
+//! through a [`RemotePrefill`]: `sluice-decode`'s disaggregation), the KV
+//! event stream with replay and snapshot, and load reports. The prefill
+//! worker plugs its `Prefill` handler in through [`PrefillHandler`].
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -18,40 +19,18 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
 
+mod session;
+
 use crate::convert;
 use crate::error::WorkerError;
 use crate::metrics::WorkerMetrics;
-
-/// What a worker does in the mesh.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Role {
-    /// Serves `Generate`; prefills locally or, for long uncached prompts, remotely.
-    Decode,
-    /// Serves `Prefill`: computes prompts and ships their KV blocks.
-    Prefill,
-}
-
-impl Role {
-    /// The discovery component it registers as (and its name in logs).
-    pub fn as_str(self) -> &'static str {
-        self.worker_role().as_str()
-    }
-
-    /// The role its discovery entry publishes.
-    pub fn worker_role(self) -> WorkerRole {
-        match self {
-            Role::Decode => WorkerRole::Decode,
-            Role::Prefill => WorkerRole::Prefill,
-        }
-    }
-}
 
 /// State shared by every RPC of one worker.
 #[derive(Debug)]
 pub struct WorkerCore {
     pub id: String,
     pub model: String,
-    pub role: Role,
+    pub role: WorkerRole,
     /// One engine per data-parallel rank.
     pub engines: Vec<EngineHandle>,
     pub metrics: WorkerMetrics,
@@ -157,7 +136,7 @@ pub trait PrefillHandler: Send + Sync + std::fmt::Debug {
 }
 
 /// Starts a generation whose prompt is computed by a remote prefill worker;
-/// plugged in by the decode role (see [`crate::disagg`]). `Ok(None)` means
+/// plugged in by the decode role (`sluice-decode`'s `disagg`). `Ok(None)` means
 /// "prefill locally".
 #[tonic::async_trait]
 pub trait RemotePrefill: Send + Sync + std::fmt::Debug {
@@ -419,7 +398,7 @@ impl WorkerService {
         traceparent: Option<&str>,
     ) -> Result<BoxStream<pb::GenerateResponse>, Status> {
         let core = &self.core;
-        if core.role == Role::Prefill {
+        if core.role == WorkerRole::Prefill {
             return Err(WorkerError::WrongRole {
                 role: WorkerRole::Prefill,
                 rpc: "Generate",
@@ -516,7 +495,7 @@ impl pb::worker_server::Worker for WorkerService {
         request: Request<Streaming<pb::GenerateSessionRequest>>,
     ) -> Result<Response<Self::GenerateSessionStream>, Status> {
         let (tx, rx) = mpsc::channel(SESSION_OUTBOUND);
-        tokio::spawn(crate::session::run(self.clone(), request.into_inner(), tx));
+        tokio::spawn(session::run(self.clone(), request.into_inner(), tx));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
@@ -526,7 +505,7 @@ impl pb::worker_server::Worker for WorkerService {
     ) -> Result<Response<pb::PrefillResponse>, Status> {
         let Some(handler) = &self.prefill else {
             return Err(WorkerError::WrongRole {
-                role: WorkerRole::Decode,
+                role: self.core.role,
                 rpc: "Prefill",
             }
             .into());

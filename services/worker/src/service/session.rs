@@ -24,7 +24,7 @@ use sluice_runtime::metrics::Open;
 use tokio::sync::{mpsc, oneshot};
 use tonic::{Status, Streaming};
 
-use crate::service::WorkerService;
+use super::WorkerService;
 
 type Out = mpsc::Sender<Result<pb::GenerateSessionResponse, Status>>;
 
