@@ -2,11 +2,13 @@
 frontend's Inference API and streams tokens."""
 
 import importlib
+import json
 import pathlib
 import sys
 import tempfile
 
 import grpc
+import jsonschema
 import pytest
 from grpc_tools import protoc
 
@@ -61,3 +63,117 @@ def test_bad_input_is_invalid_argument(sluice, pb):
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Generate(inference.GenerateRequest(model="other", text="hi")))
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+ADD = {
+    "type": "object",
+    "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
+                   "b": {"type": "integer", "minimum": 0, "maximum": 999}},
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+
+
+def tools(inference):
+    return [
+        inference.Tool(name="get_weather", description="The weather in a city",
+                       parameters_json=json.dumps(WEATHER)),
+        inference.Tool(name="add", parameters_json=json.dumps(ADD)),
+    ]
+
+
+def chat(inference, text):
+    return inference.ChatMessages(messages=[inference.ChatMessage(role="user", content=text)])
+
+
+def test_required_tools_make_a_valid_call_on_the_last_chunk(sluice, pb):
+    """The HTTP API's tools, through a generated client: the call is decoded
+    under the tools' grammar (random weights still make a valid one) and
+    parsed into `tool_calls`; its text never reaches `text`."""
+    inference, inference_grpc, common = pb
+    schemas = {"get_weather": WEATHER, "add": ADD}
+    with grpc.insecure_channel(sluice) as channel:
+        stub = inference_grpc.InferenceStub(channel)
+        for seed in range(10):
+            req = inference.GenerateRequest(
+                model="sluice-tiny",
+                chat=chat(inference, "What is the weather in Paris?"),
+                tools=tools(inference),
+                tool_choice=inference.ToolChoice(mode=inference.ToolChoice.MODE_REQUIRED),
+                parallel_tool_calls=False,
+                sampling=common.SamplingParams(max_tokens=200, seed=seed),
+            )
+            responses = list(stub.Generate(req))
+            calls = [c for r in responses for c in r.tool_calls]
+            assert len(calls) == 1, responses[-1]
+            assert responses[-1].tool_calls, "the calls come on the last chunk"
+            call = calls[0]
+            assert call.id.startswith("call_")
+            jsonschema.validate(json.loads(call.arguments_json), schemas[call.name])
+            assert "get_weather" not in "".join(r.text for r in responses)
+        named = inference.GenerateRequest(
+            model="sluice-tiny",
+            chat=chat(inference, "Add 2 and 3"),
+            tools=tools(inference),
+            tool_choice=inference.ToolChoice(function="add"),
+            sampling=common.SamplingParams(max_tokens=200, seed=1),
+        )
+        calls = [c for r in stub.Generate(named) for c in r.tool_calls]
+        assert calls and all(c.name == "add" for c in calls), calls
+        for c in calls:
+            jsonschema.validate(json.loads(c.arguments_json), ADD)
+
+
+def test_n_choices_stream_with_their_index(sluice, pb):
+    inference, inference_grpc, common = pb
+    with grpc.insecure_channel(sluice) as channel:
+        stub = inference_grpc.InferenceStub(channel)
+        req = inference.GenerateRequest(
+            model="sluice-tiny",
+            text="Once upon a time",
+            n=3,
+            sampling=common.SamplingParams(max_tokens=6, ignore_eos=True, seed=7),
+        )
+        tokens = {}
+        last = {}
+        for r in stub.Generate(req):
+            tokens.setdefault(r.index, []).extend(r.token_ids)
+            if r.finish_reason:
+                last[r.index] = r
+        assert sorted(tokens) == [0, 1, 2]
+        assert all(len(t) == 6 for t in tokens.values()), tokens
+        assert sorted(last) == [0, 1, 2]
+        assert all(r.finish_reason == common.FINISH_REASON_LENGTH for r in last.values())
+
+
+def test_bad_tools_are_invalid_argument_naming_the_field(sluice, pb):
+    inference, inference_grpc, common = pb
+    cases = [
+        (inference.GenerateRequest(model="sluice-tiny", chat=chat(inference, "hi"),
+                                   tools=[inference.Tool(name="f", parameters_json="{not json")]),
+         "tools[0].parameters_json"),
+        (inference.GenerateRequest(model="sluice-tiny", chat=chat(inference, "hi"),
+                                   tools=tools(inference), tool_choice=inference.ToolChoice(function="nope")),
+         "tool_choice"),
+        (inference.GenerateRequest(model="sluice-tiny", chat=chat(inference, "hi"),
+                                   tools=tools(inference), n=2),
+         "n"),
+        (inference.GenerateRequest(model="sluice-tiny", text="hi", tools=tools(inference)),
+         "tools"),
+    ]
+    with grpc.insecure_channel(sluice) as channel:
+        stub = inference_grpc.InferenceStub(channel)
+        for req, field in cases:
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(req))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+            assert field in e.value.details(), (field, e.value.details())

@@ -296,7 +296,15 @@ impl From<FrontendError> for tonic::Status {
                 Code::Internal
             }
         };
-        let mut status = tonic::Status::new(code, e.public_message());
+        // The field to fix leads the message: gRPC has no `param`.
+        let message = match &e {
+            FrontendError::InvalidRequest {
+                param: Some(param),
+                message,
+            } => format!("{param}: {message}"),
+            _ => e.public_message(),
+        };
+        let mut status = tonic::Status::new(code, message);
         if let Some(secs) = e.retry_after_secs() {
             status
                 .metadata_mut()

@@ -23,7 +23,7 @@ use crate::auth::{Identity, TENANT_HEADER};
 use crate::error::FrontendError;
 use crate::metrics::RequestOutcome;
 use crate::openai::{
-    self, ChatRequest, CompletionRequest, GenerateParams, PRIORITY_PATH, StreamMode,
+    self, ChatRequest, CompletionRequest, GenerateParams, PRIORITY_PATH, StreamMode, ToolHold,
 };
 use crate::pipeline::{Event, Generation, Pipeline, Serving, TokenLogprob, assign_tenant};
 use crate::responses::{Echo, ResponsesRequest, Shape};
@@ -327,12 +327,6 @@ async fn serve(
         span.record("tenant", params.tenant.as_str());
         let tools = params.tools.as_ref().map(|_| p.tool_format);
         let n = params.n.max(1);
-        if n > 1 && tools.is_some() {
-            return Err(FrontendError::invalid(
-                "n",
-                "n > 1 is not supported with tools; send one request per choice",
-            ));
-        }
         let prepared = p.prepare(params, received).await?;
         span.record("prompt_tokens", prepared.prompt_ids.len());
         let id = prepared.desc.request_id.clone();
@@ -457,7 +451,7 @@ fn tool_calls_json(calls: &[ParsedCall], streamed: bool) -> Value {
             .enumerate()
             .map(|(i, c)| {
                 let mut v = json!({
-                    "id": format!("call_{}", uuid::Uuid::new_v4().simple()),
+                    "id": openai::call_id(),
                     "type": "function",
                     "function": {"name": c.name, "arguments": c.arguments},
                 });
@@ -641,8 +635,9 @@ fn sse_stream(
         outcome: RequestOutcome,
         /// With tools: text that may be (part of) a call, held until the
         /// output ends and it is parsed.
-        held: String,
+        hold: Option<ToolHold>,
     }
+    let hold = out.tools.map(ToolHold::new);
     let st = St {
         out,
         generation,
@@ -651,8 +646,8 @@ fn sse_stream(
         offset: 0,
         done: false,
         queued: Vec::new(),
+        hold,
         outcome,
-        held: String::new(),
     };
     futures::stream::unfold(st, |mut st| async move {
         loop {
@@ -667,14 +662,8 @@ fn sse_stream(
                 !matches!(&event, Some(Ok(Event::Delta { logprobs, .. })) if logprobs.is_empty());
             match event {
                 Some(Ok(Event::Delta { text, logprobs, .. })) => {
-                    let text = match st.out.tools {
-                        // Text before a possible call goes out now; from
-                        // it on, it waits for the end.
-                        Some(format) => {
-                            st.held.push_str(&text);
-                            let cut = format.hold_from(&st.held).unwrap_or(st.held.len());
-                            st.held.drain(..cut).collect()
-                        }
+                    let text = match &mut st.hold {
+                        Some(hold) => hold.push(&text),
                         None => text,
                     };
                     if text.is_empty() && logprobs.is_empty() && !st.first {
@@ -705,7 +694,7 @@ fn sse_stream(
                         }
                         st.queued.push(SseEvent::default().data(v.to_string()));
                     }
-                    let parsed = st.out.tools.map(|f| f.parse(&std::mem::take(&mut st.held)));
+                    let parsed = st.hold.as_mut().map(ToolHold::finish);
                     let called = parsed.as_ref().is_some_and(|p| !p.calls.is_empty());
                     let mut v = st.out.chunk(
                         st.out.final_choice(finish_reason),

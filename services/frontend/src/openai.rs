@@ -11,7 +11,7 @@ use serde_json::Value;
 use sluice_proto::common::v1 as common;
 use sluice_runtime::limits;
 use sluice_tokens::ChatMessage;
-use sluice_tokens::tools::ToolDef;
+use sluice_tokens::tools::{Parsed, ToolDef, ToolFormat};
 
 use crate::error::FrontendError;
 
@@ -67,6 +67,42 @@ pub(crate) enum ToolChoice {
     Named(String),
 }
 
+/// With tools, one choice's text as it streams: text before a possible
+/// call goes out at once; from where a call may start it is held, and
+/// parsed into calls (and any text) when the output ends. Both APIs stream
+/// through it.
+#[derive(Debug)]
+pub(crate) struct ToolHold {
+    format: ToolFormat,
+    held: String,
+}
+
+impl ToolHold {
+    pub(crate) fn new(format: ToolFormat) -> Self {
+        Self {
+            format,
+            held: String::new(),
+        }
+    }
+
+    /// `text` generated: what of the output may go out now.
+    pub(crate) fn push(&mut self, text: &str) -> String {
+        self.held.push_str(text);
+        let cut = self.format.hold_from(&self.held).unwrap_or(self.held.len());
+        self.held.drain(..cut).collect()
+    }
+
+    /// The output ended: the held text, parsed.
+    pub(crate) fn finish(&mut self) -> Parsed {
+        self.format.parse(&std::mem::take(&mut self.held))
+    }
+}
+
+/// A new call's id, as OpenAI's look (`call_…`).
+pub(crate) fn call_id() -> String {
+    format!("call_{}", uuid::Uuid::new_v4().simple())
+}
+
 /// One entry of `tools`.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -79,7 +115,7 @@ pub(crate) struct ToolIn {
 impl Tools {
     /// From a request's `tools`, `tool_choice` and `parallel_tool_calls`;
     /// `None` without tools or with `tool_choice: "none"`.
-    fn of(
+    pub(crate) fn of(
         tools: Option<Vec<ToolIn>>,
         choice: Option<Value>,
         parallel: Option<bool>,
@@ -639,7 +675,7 @@ fn hints(nvext: &Option<Nvext>) -> common::PriorityHints {
     }
 }
 
-fn message_text(m: ChatMessageIn, i: usize) -> Result<ChatMessage, FrontendError> {
+pub(crate) fn message_text(m: ChatMessageIn, i: usize) -> Result<ChatMessage, FrontendError> {
     let content = match m.content {
         None => String::new(),
         Some(Content::Text(t)) => t,

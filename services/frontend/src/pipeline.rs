@@ -375,6 +375,12 @@ impl Pipeline {
         mut params: GenerateParams,
         received: Instant,
     ) -> Result<Prepared, FrontendError> {
+        if params.n > 1 && params.tools.is_some() {
+            return Err(FrontendError::invalid(
+                "n",
+                "n > 1 is not supported with tools; send one request per choice",
+            ));
+        }
         if params.model != self.model {
             return Err(FrontendError::UnknownModel {
                 model: params.model,
