@@ -169,6 +169,7 @@ def test_bad_tools_are_invalid_argument_naming_the_field(sluice, pb):
          "n"),
         (inference.GenerateRequest(model="sluice-tiny", text="hi", tools=tools(inference)),
          "tools"),
+        (inference.GenerateRequest(model="sluice-tiny", text="hi", n=17), "n"),
     ]
     with grpc.insecure_channel(sluice) as channel:
         stub = inference_grpc.InferenceStub(channel)

@@ -16,7 +16,7 @@ use crate::auth::Identity;
 use crate::error::FrontendError;
 use crate::openai::{
     ChatMessageIn, Content, FunctionCallIn, GenerateParams, Prompt, ToolCallIn, ToolHold, ToolIn,
-    Tools, call_id, limit_error, message_text,
+    Tools, call_id, check_n, limit_error, message_text,
 };
 use crate::pipeline::{Event, Generation, Pipeline, Serving, assign_tenant};
 
@@ -75,6 +75,9 @@ fn params(req: pb::GenerateRequest) -> Result<GenerateParams, FrontendError> {
         .map_err(limit_error)?;
     }
     let stop = std::mem::take(&mut sampling.stop);
+    // Unset (0) is one choice.
+    let n = req.n.max(1);
+    check_n(n)?;
     let defs = req
         .tools
         .into_iter()
@@ -113,7 +116,7 @@ fn params(req: pb::GenerateRequest) -> Result<GenerateParams, FrontendError> {
         tenant_weight: 0,
         timeout: (req.timeout_ms > 0).then(|| Duration::from_millis(u64::from(req.timeout_ms))),
         tools,
-        n: req.n.max(1),
+        n,
     })
 }
 

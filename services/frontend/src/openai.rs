@@ -565,14 +565,21 @@ struct Common {
 /// Most choices one request may ask for.
 pub(crate) const MAX_N: u32 = 16;
 
-fn sampling(c: &Common) -> Result<common::SamplingParams, FrontendError> {
-    if let Some(n) = c.n
-        && !(1..=MAX_N).contains(&n)
-    {
-        return Err(FrontendError::invalid(
+/// `n` within 1..=[`MAX_N`]: the one rule both APIs apply.
+pub(crate) fn check_n(n: u32) -> Result<(), FrontendError> {
+    if (1..=MAX_N).contains(&n) {
+        Ok(())
+    } else {
+        Err(FrontendError::invalid(
             "n",
             format!("n must be between 1 and {MAX_N}"),
-        ));
+        ))
+    }
+}
+
+fn sampling(c: &Common) -> Result<common::SamplingParams, FrontendError> {
+    if let Some(n) = c.n {
+        check_n(n)?;
     }
     if let Some(t) = c.temperature
         && !(0.0..=2.0).contains(&t)
