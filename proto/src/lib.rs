@@ -4,6 +4,7 @@
 //! client and server uses, and the one mapping between a lease's error and
 //! the gRPC status it stands for.
 
+#![forbid(unsafe_code)]
 #![allow(unreachable_pub, clippy::all)] // generated code
 
 /// Shared messages: sampling parameters, usage, priority hints.

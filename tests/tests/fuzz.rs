@@ -12,6 +12,8 @@
 //! Generation is seeded (`SLUICE_FUZZ_SEED`, default fixed) so a failure
 //! reproduces; the failing input is printed.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -332,10 +334,10 @@ async fn generated_http_bodies_never_panic_or_get_a_5xx() -> anyhow::Result<()> 
     let channel = sluice_runtime::grpc::channel(&mesh.http)?;
     let seed = seed();
     let started = std::time::Instant::now();
-    let ok = std::sync::atomic::AtomicUsize::new(0);
-    let ok = &ok;
+    let ok = Arc::new(AtomicUsize::new(0));
     let failures = bounded(TEST, HTTP_BODIES, |i| {
         let channel = channel.clone();
+        let ok = Arc::clone(&ok);
         async move {
             let mut rng = StdRng::seed_from_u64(seed ^ (i as u64).wrapping_mul(0x9e37_79b9));
             let (method, path, headers, body) = http_request(&mut rng);
@@ -374,14 +376,14 @@ async fn generated_http_bodies_never_panic_or_get_a_5xx() -> anyhow::Result<()> 
                 ));
             }
             if status.is_success() {
-                ok.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                ok.fetch_add(1, Ordering::Relaxed);
             }
             None
         }
     })
     .await;
     assert!(failures.is_empty(), "seed {seed}:\n{}", failures.join("\n"));
-    let ok = ok.load(std::sync::atomic::Ordering::Relaxed);
+    let ok = ok.load(Ordering::Relaxed);
     eprintln!(
         "{ok} of {HTTP_BODIES} generated requests were served (2xx), in {:.1?}",
         started.elapsed()
@@ -639,31 +641,51 @@ async fn session_answers(
 
 const GRPC: &str = "grpc";
 
-/// Runs `input(i)` for `i` in `0..count`, `IN_FLIGHT` at a time, starting
-/// none after `LOOP_LIMIT`; returns the first five failures (an input's
-/// `Some`), and one more if the limit cut the loop short.
+/// Runs `input(i)` for `i` in `0..count`, `IN_FLIGHT` at a time, each as
+/// a task of its own, starting none after `LOOP_LIMIT`; returns the first
+/// five failures (an input's `Some`), and one more if the limit cut the
+/// loop short or an input outlived it.
+///
+/// A task per input, not one task polling them all: the mesh's servers
+/// answer in-process calls inside the caller's future, so here each input
+/// runs on the runtime's workers as a request of `sluice up` does, keeps its
+/// own timers, and a slow input cannot hold up the others' polling.
 async fn bounded<F, Fut>(what: &str, count: usize, input: F) -> Vec<String>
 where
     F: Fn(usize) -> Fut,
-    Fut: Future<Output = Option<String>>,
+    Fut: Future<Output = Option<String>> + Send + 'static,
 {
-    let ran = std::sync::atomic::AtomicUsize::new(0);
-    let ran = &ran;
-    let mut failures: Vec<String> = futures::stream::iter(0..count)
-        .take_until(tokio::time::sleep(LOOP_LIMIT))
-        .map(|i| {
-            ran.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            input(i)
-        })
-        .buffer_unordered(IN_FLIGHT)
-        .filter_map(|f| async move { f })
-        .take(5)
-        .collect()
-        .await;
-    let ran = ran.load(std::sync::atomic::Ordering::Relaxed);
-    if ran < count && failures.len() < 5 {
+    let deadline = tokio::time::Instant::now() + LOOP_LIMIT;
+    let mut running = tokio::task::JoinSet::new();
+    let mut failures = Vec::new();
+    let mut started = 0;
+    while failures.len() < 5 {
+        while started < count && running.len() < IN_FLIGHT && tokio::time::Instant::now() < deadline
+        {
+            running.spawn(input(started));
+            started += 1;
+        }
+        // Every input ends within its own limit (`EACH`): one still running
+        // well past the loop's is stuck where its timers do not fire.
+        match tokio::time::timeout_at(deadline + 2 * EACH, running.join_next()).await {
+            Ok(None) => break,
+            Ok(Some(Ok(Some(failure)))) => failures.push(failure),
+            Ok(Some(Ok(None))) => {}
+            Ok(Some(Err(e))) => failures.push(format!("{what}: an input's task failed: {e}")),
+            Err(_) => {
+                failures.push(format!(
+                    "{what}: {} inputs still running {:?} after the loop's limit",
+                    running.len(),
+                    2 * EACH
+                ));
+                break;
+            }
+        }
+    }
+    running.abort_all();
+    if started < count && failures.len() < 5 {
         failures.push(format!(
-            "{what}: only {ran} of {count} generated inputs started in {LOOP_LIMIT:?}"
+            "{what}: only {started} of {count} generated inputs started in {LOOP_LIMIT:?}"
         ));
     }
     failures
@@ -672,23 +694,26 @@ where
 /// Sends `count` generated messages through `call`; the first failures,
 /// and one more if none was served at all (the generator must reach the
 /// handlers, not only the checks in front of them).
-async fn drive<F, Fut>(name: &str, count: usize, call: F) -> Vec<String>
+async fn drive<F, Fut>(name: &'static str, count: usize, call: F) -> Vec<String>
 where
     F: Fn(StdRng) -> Fut,
-    Fut: Future<Output = Result<(), (tonic::Status, String)>>,
+    Fut: Future<Output = Result<(), (tonic::Status, String)>> + Send + 'static,
 {
     let seed = seed();
     phase(GRPC, format!("{name} messages"));
     let started = std::time::Instant::now();
-    let served = std::sync::atomic::AtomicUsize::new(0);
-    let served = &served;
+    let served = Arc::new(AtomicUsize::new(0));
     // Inputs that took over SLOW, and the slowest: a loop that crawls
     // (every input waiting out some timeout before a refusal) shows here.
-    let slow = std::sync::Mutex::new((0usize, Duration::ZERO, String::new()));
-    let slow = &slow;
+    let slow = Arc::new(std::sync::Mutex::new((
+        0usize,
+        Duration::ZERO,
+        String::new(),
+    )));
     let mut failures = bounded(name, count, |i| {
         let rng = StdRng::seed_from_u64(seed ^ (i as u64 + 1).wrapping_mul(0x2545_f491));
         let fut = call(rng);
+        let (served, slow) = (Arc::clone(&served), Arc::clone(&slow));
         async move {
             let t0 = std::time::Instant::now();
             let answer = tokio::time::timeout(EACH, fut).await;
@@ -720,7 +745,7 @@ where
                     Some(format!("{name} #{i}: {status:?}\n  for {input}"))
                 }
                 Ok(Ok(())) => {
-                    served.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    served.fetch_add(1, Ordering::Relaxed);
                     None
                 }
                 Ok(_) => None,
@@ -728,7 +753,7 @@ where
         }
     })
     .await;
-    let served = served.load(std::sync::atomic::Ordering::Relaxed);
+    let served = served.load(Ordering::Relaxed);
     let took = started.elapsed();
     let (slow_inputs, slowest, which) = slow.lock().unwrap_or_else(|e| e.into_inner()).clone();
     eprintln!(
@@ -790,6 +815,22 @@ async fn generated_grpc_messages_never_panic_or_get_internal() -> anyhow::Result
                                     string(&mut rng)
                                 },
                                 content: string(&mut rng),
+                                tool_calls: (0..*pick(&mut rng, &[0, 0, 0, 1, 2]))
+                                    .map(|_| ipb::ToolCall {
+                                        id: string(&mut rng),
+                                        name: string(&mut rng),
+                                        arguments_json: if rng.random_bool(0.5) {
+                                            any(&mut rng, 2).to_string()
+                                        } else {
+                                            string(&mut rng)
+                                        },
+                                    })
+                                    .collect(),
+                                tool_call_id: if rng.random_bool(0.8) {
+                                    String::new()
+                                } else {
+                                    string(&mut rng)
+                                },
                             })
                             .collect(),
                     })),
@@ -809,6 +850,36 @@ async fn generated_grpc_messages_never_panic_or_get_internal() -> anyhow::Result
                     } else {
                         string(&mut rng)
                     },
+                    tools: (0..*pick(&mut rng, &[0, 0, 0, 1, 3]))
+                        .map(|_| ipb::Tool {
+                            name: if rng.random_bool(0.7) {
+                                "f".into()
+                            } else {
+                                string(&mut rng)
+                            },
+                            description: string(&mut rng),
+                            parameters_json: match rng.random_range(0..4) {
+                                0 => String::new(),
+                                1 => r#"{"type":"object","properties":{"a":{"type":"integer"}}}"#
+                                    .into(),
+                                2 => any(&mut rng, 2).to_string(),
+                                _ => string(&mut rng),
+                            },
+                        })
+                        .collect(),
+                    tool_choice: rng.random_bool(0.3).then(|| ipb::ToolChoice {
+                        choice: Some(if rng.random_bool(0.5) {
+                            ipb::tool_choice::Choice::Mode(rng.random_range(-1..5))
+                        } else {
+                            ipb::tool_choice::Choice::Function(if rng.random_bool(0.5) {
+                                "f".into()
+                            } else {
+                                string(&mut rng)
+                            })
+                        }),
+                    }),
+                    parallel_tool_calls: rng.random_bool(0.3).then(|| rng.random()),
+                    n: *pick(&mut rng, &[0, 0, 1, 2, 17, u32::MAX]),
                     ..Default::default()
                 };
                 let input = shown(&req);
