@@ -19,16 +19,43 @@ pub struct EtcdServer {
 impl EtcdServer {
     /// Starts etcd and waits until it answers. Fails with a clear message
     /// when the `etcd` binary is missing (`make deps` installs etcd-server).
+    ///
+    /// etcd cannot report a port it picked itself, so its ports are picked
+    /// here; another process may take one before etcd binds it. etcd then
+    /// exits at once, and it starts again on new ports (a few times).
     pub async fn start() -> anyhow::Result<Self> {
-        let dir = tempfile::tempdir()?;
+        const ATTEMPTS: usize = 5;
         let mut s = Self {
             child: None,
-            dir,
-            client_port: crate::free_port()?,
-            peer_port: crate::free_port()?,
+            dir: tempfile::tempdir()?,
+            client_port: 0,
+            peer_port: 0,
         };
-        s.spawn().await?;
-        Ok(s)
+        let mut attempt = 1;
+        loop {
+            s.client_port = crate::free_port()?;
+            s.peer_port = crate::free_port()?;
+            match s.spawn().await {
+                Ok(()) => return Ok(s),
+                Err(e) if attempt < ATTEMPTS && s.exited() => {
+                    eprintln!(
+                        "etcd on ports {}/{}: {e:#}; new ports",
+                        s.client_port, s.peer_port
+                    );
+                    s.kill();
+                    s.dir = tempfile::tempdir()?;
+                    attempt += 1;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Whether the child has exited (a port it could not bind, above all).
+    fn exited(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_none_or(|c| c.try_wait().ok().flatten().is_some())
     }
 
     /// `http://127.0.0.1:<port>`.

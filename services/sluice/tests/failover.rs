@@ -18,14 +18,14 @@
 //!   and goes to the other router, which takes every placement after it.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use sluice_tests::etcd::EtcdServer;
 use sluice_tests::http::{get, post_json};
 use sluice_tests::process::{Proc, mesh_args, write_model};
-use sluice_tests::wait::sum;
+use sluice_tests::wait::{self, sum};
 
 const TTL_SECS: u64 = 2;
 const GRACE_SECS: u64 = 5;
@@ -218,6 +218,8 @@ type Answer = (u16, String, Duration);
 /// Requests sent by [`CLIENTS`] clients until stopped.
 struct Load {
     stop: Arc<AtomicBool>,
+    /// Requests answered so far, whatever the answer.
+    answered: Arc<AtomicUsize>,
     clients: Vec<tokio::task::JoinHandle<Vec<Answer>>>,
 }
 
@@ -240,9 +242,11 @@ const SLOW: Duration = Duration::from_secs(4);
 impl Load {
     fn start(http: &str) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
+        let answered = Arc::new(AtomicUsize::new(0));
         let clients = (0..CLIENTS)
             .map(|_| {
                 let (http, stop) = (http.to_string(), Arc::clone(&stop));
+                let answered = Arc::clone(&answered);
                 tokio::spawn(async move {
                     let mut out = Vec::new();
                     // Bounded: a stop that never comes ends the loop too.
@@ -256,12 +260,30 @@ impl Load {
                             Err(e) => (0, format!("client error: {e}")),
                         };
                         out.push((status, body, sent.elapsed()));
+                        answered.fetch_add(1, Ordering::Relaxed);
                     }
                     out
                 })
             })
             .collect();
-        Self { stop, clients }
+        Self {
+            stop,
+            answered,
+            clients,
+        }
+    }
+
+    /// Waits until `n` more requests have been answered (how they were
+    /// answered counts in [`Self::finish`]): the load runs through the
+    /// mesh as it is now, instead of for a fixed time.
+    async fn answers(&self, n: usize) -> anyhow::Result<()> {
+        let target = self.answered.load(Ordering::Relaxed) + n;
+        wait::until_true(
+            &format!("{n} more answers to the load"),
+            Duration::from_secs(30),
+            || async { Ok(self.answered.load(Ordering::Relaxed) >= target) },
+        )
+        .await
     }
 
     /// Stops the clients; what they saw.
@@ -292,7 +314,7 @@ impl Load {
 async fn etcd_paused_for_10_s_under_load_fails_no_request() -> anyhow::Result<()> {
     let cluster = Cluster::start().await?;
     let load = Load::start(&cluster.http);
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    load.answers(20).await?;
 
     // Far longer than every lease: all of them expire when etcd goes on.
     cluster.etcd.pause()?;
@@ -373,7 +395,7 @@ async fn kill_one_under_load(cluster: &mut Cluster, service: &str) -> anyhow::Re
         );
     }
     let load = Load::start(&cluster.http);
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    load.answers(20).await?;
     match service {
         "queue" => cluster.queues[0].1.kill()?,
         _ => cluster.routers[0].1.kill()?,
@@ -391,7 +413,8 @@ async fn kill_one_under_load(cluster: &mut Cluster, service: &str) -> anyhow::Re
         )
         .await?;
     let gone = killed.elapsed();
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Served without it.
+    load.answers(20).await?;
     let Seen { total, failed, .. } = load.finish().await?;
     eprintln!("{total} requests; the killed {service} left the view after {gone:?}");
     assert!(
@@ -485,7 +508,7 @@ async fn freeze_one_under_load(
         before.push(n);
     }
     let load = Load::start(&cluster.http);
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    load.answers(20).await?;
     let (frozen_addr, frozen) = &replicas[0];
     frozen.pause()?;
     let paused = Instant::now();
@@ -500,15 +523,21 @@ async fn freeze_one_under_load(
             Duration::from_secs(TTL_SECS + GRACE_SECS + 10),
         )
         .await;
-    // Continue it whatever happened, so a failure leaves no stopped process.
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Served without it; continued whatever happened, so a failure leaves
+    // no stopped process.
+    let served = match &waited {
+        Ok(_) => load.answers(20).await,
+        Err(_) => Ok(()),
+    };
     frozen.resume()?;
     waited?;
+    served?;
     let gone = paused.elapsed();
     cluster
         .wait_members(2, 2, 2, Duration::from_secs(TTL_SECS + GRACE_SECS + 10))
         .await?;
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Served with it back.
+    load.answers(20).await?;
     let Seen {
         total,
         failed,
