@@ -41,30 +41,27 @@ impl PrefillWorkers {
         known: prometheus::IntGauge,
         shutdown: Shutdown,
     ) -> Result<Arc<Self>, WorkerError> {
-        let mut watch = discovery
+        let watch = discovery
             .watch(sluice_runtime::discovery::WorkerRole::Prefill.as_str())
             .await
             .map_err(WorkerError::startup("watching prefill workers"))?;
         let workers = Arc::new(Self::default());
         let w = Arc::clone(&workers);
         tokio::spawn(async move {
-            loop {
-                let ev = tokio::select! {
-                    () = shutdown.cancelled() => return,
-                    ev = watch.next() => ev,
-                };
-                let mut by_id = w.by_id.write();
-                match ev {
-                    Some(DiscoveryEvent::Put(i)) => {
-                        by_id.insert(i.id, i.endpoint);
+            watch
+                .follow(&shutdown, |event| {
+                    let mut by_id = w.by_id.write();
+                    match event {
+                        DiscoveryEvent::Put(i) => {
+                            by_id.insert(i.id, i.endpoint);
+                        }
+                        DiscoveryEvent::Delete { id, .. } => {
+                            by_id.remove(&id);
+                        }
                     }
-                    Some(DiscoveryEvent::Delete { id, .. }) => {
-                        by_id.remove(&id);
-                    }
-                    None => return,
-                }
-                known.set(i64::try_from(by_id.len()).unwrap_or(i64::MAX));
-            }
+                    known.set(i64::try_from(by_id.len()).unwrap_or(i64::MAX));
+                })
+                .await;
         });
         Ok(workers)
     }

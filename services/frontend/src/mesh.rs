@@ -36,34 +36,28 @@ impl Members {
         component: &'static str,
         shutdown: Shutdown,
     ) -> Result<Arc<Self>, FrontendError> {
-        let mut watch =
-            discovery
-                .watch(component)
-                .await
-                .map_err(|e| FrontendError::Unavailable {
-                    component: "discovery",
-                    message: e.to_string(),
-                })?;
+        let watch = discovery
+            .watch(component)
+            .await
+            .map_err(|e| FrontendError::Unavailable {
+                component: "discovery",
+                message: e.to_string(),
+            })?;
         let members = Arc::new(Self::default());
         let m = Arc::clone(&members);
         tokio::spawn(async move {
-            loop {
-                let ev = tokio::select! {
-                    _ = shutdown.cancelled() => return,
-                    ev = watch.next() => ev,
-                };
-                match ev {
-                    Some(DiscoveryEvent::Put(i)) => {
+            watch
+                .follow(&shutdown, |event| match event {
+                    DiscoveryEvent::Put(i) => {
                         tracing::info!(component, id = %i.id, endpoint = %i.endpoint, "instance joined");
                         m.instances.write().insert(i.id.clone(), i);
                     }
-                    Some(DiscoveryEvent::Delete { id, .. }) => {
+                    DiscoveryEvent::Delete { id, .. } => {
                         tracing::info!(component, %id, "instance left");
                         m.instances.write().remove(&id);
                     }
-                    None => return,
-                }
-            }
+                })
+                .await;
         });
         Ok(members)
     }

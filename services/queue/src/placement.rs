@@ -43,7 +43,7 @@ use sluice_proto::router::v1::place_request::Msg as PlaceMsg;
 use sluice_proto::router::v1::router_client::RouterClient;
 use sluice_runtime::grpc::TracedChannel;
 use sluice_runtime::metrics::Registrar;
-use sluice_runtime::{Discovery, DiscoveryEvent, Security};
+use sluice_runtime::{Discovery, DiscoveryEvent, Followed, Security};
 use tokio::sync::{Notify, mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
@@ -249,36 +249,33 @@ impl Routers {
         security: Arc<Security>,
     ) -> Result<Self, QueueError> {
         let routers = Self::empty(client_id, tracker, shutdown.clone(), security);
-        let mut watch = discovery.watch(ROUTER_COMPONENT).await?;
+        let watch = discovery.watch(ROUTER_COMPONENT).await?;
         let inner = Arc::clone(&routers.inner);
         tracker.spawn(async move {
-            loop {
-                let event = tokio::select! {
-                    () = shutdown.cancelled() => return,
-                    event = watch.next() => event,
-                };
-                match event {
-                    Some(DiscoveryEvent::Put(instance)) => match inner.security.channel(&instance.endpoint) {
-                        Ok(ch) => {
-                            tracing::info!(id = %instance.id, endpoint = %instance.endpoint, "router found");
-                            RoutersInner::open(&inner, instance.id, RouterClient::new(ch));
-                        }
-                        Err(err) => {
-                            tracing::warn!(id = %instance.id, endpoint = %instance.endpoint, error = %err, "unusable router endpoint");
-                        }
-                    },
-                    Some(DiscoveryEvent::Delete { id, .. }) => {
-                        tracing::info!(%id, "router left");
-                        if let Some(s) = inner.sessions.lock().remove(&id) {
-                            s.stop.cancel();
+            let followed = watch
+                .follow(&shutdown, |event| {
+                    match event {
+                        DiscoveryEvent::Put(instance) => match inner.security.channel(&instance.endpoint) {
+                            Ok(ch) => {
+                                tracing::info!(id = %instance.id, endpoint = %instance.endpoint, "router found");
+                                RoutersInner::open(&inner, instance.id, RouterClient::new(ch));
+                            }
+                            Err(err) => {
+                                tracing::warn!(id = %instance.id, endpoint = %instance.endpoint, error = %err, "unusable router endpoint");
+                            }
+                        },
+                        DiscoveryEvent::Delete { id, .. } => {
+                            tracing::info!(%id, "router left");
+                            if let Some(s) = inner.sessions.lock().remove(&id) {
+                                s.stop.cancel();
+                            }
                         }
                     }
-                    None => {
-                        tracing::warn!("discovery watch of routers ended");
-                        return;
-                    }
-                }
-                inner.changed.notify_waiters();
+                    inner.changed.notify_waiters();
+                })
+                .await;
+            if followed == Followed::WatchEnded {
+                tracing::warn!("discovery watch of routers ended");
             }
         });
         Ok(routers)

@@ -214,7 +214,7 @@ pub(crate) async fn follow_replicas(
     me: String,
     stop: CancellationToken,
 ) {
-    let mut watch = match discovery.watch(crate::COMPONENT).await {
+    let watch = match discovery.watch(crate::COMPONENT).await {
         Ok(w) => w,
         Err(e) => {
             tracing::warn!(error = %e, "cannot follow the queue replicas; quotas are enforced as if this replica were alone");
@@ -223,20 +223,15 @@ pub(crate) async fn follow_replicas(
     };
     let mut ids = BTreeSet::from([me.clone()]);
     let mut last = None;
-    loop {
-        let event = tokio::select! {
-            () = stop.cancelled() => return,
-            event = watch.next() => event,
-        };
+    let on = |event| {
         match event {
-            Some(DiscoveryEvent::Put(instance)) => {
+            DiscoveryEvent::Put(instance) => {
                 ids.insert(instance.id);
             }
-            Some(DiscoveryEvent::Delete { id, .. }) if id != me => {
+            DiscoveryEvent::Delete { id, .. } if id != me => {
                 ids.remove(&id);
             }
-            Some(DiscoveryEvent::Delete { .. }) => {}
-            None => return,
+            DiscoveryEvent::Delete { .. } => {}
         }
         let replicas = Replicas {
             count: u32::try_from(ids.len()).unwrap_or(u32::MAX),
@@ -251,7 +246,8 @@ pub(crate) async fn follow_replicas(
             queue.set_replicas(replicas);
             last = Some(replicas);
         }
-    }
+    };
+    watch.follow(&stop, on).await;
 }
 
 /// One tenant's use of its quotas on this replica.

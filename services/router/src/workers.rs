@@ -27,7 +27,7 @@ use sluice_proto::worker::v1 as wpb;
 use sluice_proto::worker::v1::worker_client::WorkerClient;
 use sluice_runtime::discovery::Watch;
 use sluice_runtime::grpc::TracedChannel;
-use sluice_runtime::{Discovery, DiscoveryEvent, Instance, Security};
+use sluice_runtime::{Discovery, DiscoveryEvent, Followed, Instance, Security};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -195,22 +195,14 @@ fn member_info(inst: &Instance, kind: PoolKind, rank: u32) -> MemberInfo {
     }
 }
 
-async fn watch_component(mut watch: Watch, ctx: Ctx, token: CancellationToken) {
+async fn watch_component(watch: Watch, ctx: Ctx, token: CancellationToken) {
     let mut running: HashMap<String, (Instance, CancellationToken)> = HashMap::new();
-    loop {
-        let event = tokio::select! {
-            _ = token.cancelled() => break,
-            ev = watch.next() => ev,
-        };
-        match event {
-            None => {
-                tracing::warn!(component = ctx.kind.component(), "discovery watch ended");
-                break;
-            }
-            Some(DiscoveryEvent::Put(inst)) => {
+    let followed = watch
+        .follow(&token, |event| match event {
+            DiscoveryEvent::Put(inst) => {
                 if let Some((old, old_token)) = running.get(&inst.id) {
                     if *old == inst {
-                        continue;
+                        return;
                     }
                     old_token.cancel();
                     forget(&ctx, old, "changed");
@@ -222,17 +214,20 @@ async fn watch_component(mut watch: Watch, ctx: Ctx, token: CancellationToken) {
                         ctx.gate
                             .done(ctx.kind, &Target::new(inst.id.as_str(), rank));
                     }
-                    continue;
+                    return;
                 }
                 running.insert(inst.id.clone(), (inst, child));
             }
-            Some(DiscoveryEvent::Delete { id, .. }) => {
+            DiscoveryEvent::Delete { id, .. } => {
                 if let Some((old, old_token)) = running.remove(&id) {
                     old_token.cancel();
                     forget(&ctx, &old, "lease");
                 }
             }
-        }
+        })
+        .await;
+    if followed == Followed::WatchEnded {
+        tracing::warn!(component = ctx.kind.component(), "discovery watch ended");
     }
     for (_, (_, t)) in running {
         t.cancel();

@@ -143,6 +143,35 @@ impl Watch {
     pub async fn next(&mut self) -> Option<DiscoveryEvent> {
         self.rx.recv().await
     }
+
+    /// Hands every event to `on` until `stop` is cancelled or the watch
+    /// ends: the loop of every service that keeps a view of a component
+    /// (the caller spawns it where its tasks live). Says which ended it.
+    pub async fn follow(
+        mut self,
+        stop: &CancellationToken,
+        mut on: impl FnMut(DiscoveryEvent),
+    ) -> Followed {
+        loop {
+            let event = tokio::select! {
+                () = stop.cancelled() => return Followed::Stopped,
+                event = self.next() => event,
+            };
+            match event {
+                Some(event) => on(event),
+                None => return Followed::WatchEnded,
+            }
+        }
+    }
+}
+
+/// Why [`Watch::follow`] returned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Followed {
+    /// The caller's stop token was cancelled.
+    Stopped,
+    /// The discovery backend shut down.
+    WatchEnded,
 }
 
 /// A live registration. Dropping it stops the keep-alive (memory: removes

@@ -40,7 +40,7 @@ pub mod telemetry;
 pub mod tenant_labels;
 
 pub use config::{CommonArgs, ModelArgs};
-pub use discovery::{Discovery, DiscoveryEvent, Instance, Registration};
+pub use discovery::{Discovery, DiscoveryEvent, Followed, Instance, Registration};
 pub use error::RuntimeError;
 pub use request::RequestDescription;
 pub use security::{Security, SecurityArgs};
