@@ -12,7 +12,6 @@
 
 mod auth;
 mod error;
-mod generation;
 mod grpc;
 mod http;
 mod lease;
@@ -23,6 +22,7 @@ mod pipeline;
 mod prompt;
 mod responses;
 mod session;
+mod worker_session;
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -191,7 +191,7 @@ pub async fn serve(
         migration_limit: args.migration_limit,
         queue_answer_timeout: Duration::from_millis(args.queue_answer_timeout_ms),
         leases: lease::LeaseSessions::default(),
-        generations: generation::GenerateSessions::default(),
+        generations: worker_session::GenerateSessions::default(),
         api_keys,
         prompt_limits: limits,
         tokenize_slots: Arc::new(tokio::sync::Semaphore::new(tokenize_concurrency)),

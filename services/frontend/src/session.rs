@@ -1,6 +1,6 @@
 //! Many requests on one long-lived stream per peer: the frontend's
 //! admission leases on `Queue.Leases` (`crate::lease`) and its generations
-//! on `Worker.GenerateSession` (`crate::generation`). Each request is a
+//! on `Worker.GenerateSession` (`crate::worker_session`). Each request is a
 //! [`Member`] of its peer's session, named by an id in every message, so a
 //! request costs a hop a few small messages instead of an HTTP/2 stream of
 //! its own (headers, trailers, a server task and codec buffers at both
