@@ -340,6 +340,8 @@ pub(crate) struct Generation {
     stream: Option<WorkerStream>,
     detok: IncrementalDetokenizer,
     serving: Serving,
+    /// Prompt and cached tokens as the worker reports them; its completion
+    /// count is `generated`'s.
     usage: common::Usage,
     want_logprobs: bool,
     priority_label: String,
@@ -355,7 +357,7 @@ pub(crate) struct Generation {
     request: Prepared,
     /// Tokens streamed so far, across workers.
     generated: Vec<u32>,
-    /// `usage.completion_tokens` when the current lease began (a migrated
+    /// Tokens generated when the current lease began (a migrated
     /// request's new lease counts from there).
     lease_base: u32,
     /// Output tokens last reported on the current lease (`progress`).

@@ -6,6 +6,12 @@
 use super::*;
 
 impl Generation {
+    /// Tokens generated so far, across workers: `generated` is the one
+    /// count (the usage reported takes it from there).
+    fn completion_tokens(&self) -> u32 {
+        u32::try_from(self.generated.len()).unwrap_or(u32::MAX)
+    }
+
     /// The next event; `None` after `Done` or an error.
     pub(crate) async fn next(&mut self) -> Option<Result<Event, FrontendError>> {
         loop {
@@ -68,7 +74,7 @@ impl Generation {
         // The failed worker's stream is gone; its lease ends now.
         self.stream = None;
         self.end_lease();
-        self.lease_base = self.usage.completion_tokens;
+        self.lease_base = self.completion_tokens();
         self.reported = 0;
         let retries = p
             .migration_limit
@@ -134,7 +140,10 @@ impl Generation {
             self.end_lease();
             self.pending.push_back(Event::Done {
                 finish_reason: r,
-                usage: self.usage,
+                usage: common::Usage {
+                    completion_tokens: self.completion_tokens(),
+                    ..self.usage
+                },
                 serving: self.serving.clone(),
             });
             self.record_end_ok();
@@ -242,7 +251,6 @@ impl Generation {
             logprobs: Vec::new(),
         };
         for (i, &id) in msg.token_ids.iter().enumerate() {
-            self.usage.completion_tokens += 1;
             self.generated.push(id);
             delta.token_ids.push(id);
             if self.want_logprobs
@@ -282,7 +290,7 @@ impl Generation {
 
     /// Output tokens produced on the current lease.
     fn on_lease(&self) -> u32 {
-        self.usage.completion_tokens.saturating_sub(self.lease_base)
+        self.completion_tokens().saturating_sub(self.lease_base)
     }
 
     /// Ends the admission lease (if still held), reporting the tokens
@@ -309,12 +317,12 @@ impl Generation {
 
     fn record_end_ok(&self) {
         let m = &self.pipeline.metrics;
-        m.tenant_tokens(&self.serving.tenant, self.usage.completion_tokens);
+        m.tenant_tokens(&self.serving.tenant, self.completion_tokens());
         m.e2e
             .with_label_values(&[&self.priority_label])
             .observe(self.received.elapsed().as_secs_f64());
         self.span
-            .record("completion_tokens", self.usage.completion_tokens);
+            .record("completion_tokens", self.completion_tokens());
         self.span.record("cached_tokens", self.usage.cached_tokens);
     }
 
