@@ -146,7 +146,7 @@ pub struct LoadStats {
     pub recomputed_tokens: u64,
     /// Steps where balance scheduling held admission back.
     pub balance_held_steps: u64,
-    /// The engine's recent mean step time in µs (0 before the first step;
+    /// The engine's recent mean decode step time in µs (0 before the first;
     /// set by the engine loop, not the scheduler).
     pub step_time_us: u32,
     /// Steps where admission waited for slots about to free.

@@ -622,3 +622,31 @@ async fn token_ids_outside_the_vocabulary_are_refused_before_they_reach_a_step()
     assert!(matches!(err, EngineError::InvalidRequest(_)), "{err}");
     assert_eq!(e.vocab_size(), 1024);
 }
+
+/// The step time a worker reports is its decode step's: a burst's first
+/// steps are its longest (prompts), and a queue predicting waits from them
+/// refused requests it would have served in time (issue 34's burst).
+#[tokio::test]
+async fn the_reported_step_time_is_a_decode_steps_not_a_prefills() {
+    let m = MockerConfig {
+        timing: MockerTiming::Polynomial,
+        ..mocker_cfg(4096)
+    };
+    let mut cfg = engine_cfg();
+    cfg.scheduler.max_num_batched_tokens = 4096;
+    let e = spawn_with(m, cfg);
+    let prefill = sluice_engine::backend::mocker::prefill_ms(4000);
+    let decode = sluice_engine::backend::mocker::decode_ms(0.0);
+    assert!(prefill > 10.0 * decode, "{prefill} ms vs {decode} ms");
+    e.generate(req((1..=4000).map(|t| 1 + t % 1000).collect(), 3))
+        .expect("valid")
+        .collect()
+        .await;
+    let step_ms = f64::from(e.load().borrow().step_time_us) / 1000.0;
+    // Two decode steps of ~6 ms after one prefill step of ~84 ms: the
+    // prefill must not count (with it, the mean would still be ~56 ms).
+    assert!(
+        step_ms > 0.0 && step_ms < prefill / 4.0,
+        "reported {step_ms} ms; decode {decode} ms, prefill {prefill} ms"
+    );
+}

@@ -35,8 +35,11 @@ pub(super) struct EngineCore {
     /// Reserved slot → blocks the sender skips (not writable).
     reserved: HashMap<SeqId, usize>,
     shutting_down: bool,
-    /// Mean duration of a step that computed something, in µs (an
-    /// exponential average; 0 before the first).
+    /// Mean duration of a decode step (every row one token: no prompt
+    /// tokens), in µs (an exponential average; 0 before the first). What a
+    /// request's output costs per token: prefill steps, the longest at a
+    /// burst's start, would make a cold mesh predict waits many times too
+    /// long (`step_time_us` in the load report).
     step_us: f64,
 }
 
@@ -172,16 +175,19 @@ impl EngineCore {
             self.publish_load();
             return true;
         }
+        let decode_only = step.seqs.iter().all(|s| s.num_new_tokens == 1);
         let started = std::time::Instant::now();
         let result = self
             .forward_isolating(&mut step)
             .and_then(|out| self.sched.update(&step, out));
-        let us = started.elapsed().as_secs_f64() * 1e6;
-        self.step_us = if self.step_us == 0.0 {
-            us
-        } else {
-            self.step_us + STEP_EWMA * (us - self.step_us)
-        };
+        if decode_only {
+            let us = started.elapsed().as_secs_f64() * 1e6;
+            self.step_us = if self.step_us == 0.0 {
+                us
+            } else {
+                self.step_us + STEP_EWMA * (us - self.step_us)
+            };
+        }
         // Load first, so whoever sees an output also sees the state after it.
         self.publish_load();
         match result {
