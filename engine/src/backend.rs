@@ -164,6 +164,9 @@ where
     fn name(&self) -> &'static str {
         self.inner.name()
     }
+    fn thread_pool(&self) -> Option<Arc<rayon::ThreadPool>> {
+        self.inner.thread_pool()
+    }
 }
 
 impl Backend for Box<dyn Backend> {
@@ -193,6 +196,9 @@ impl Backend for Box<dyn Backend> {
     }
     fn name(&self) -> &'static str {
         (**self).name()
+    }
+    fn thread_pool(&self) -> Option<Arc<rayon::ThreadPool>> {
+        (**self).thread_pool()
     }
 }
 
@@ -228,4 +234,11 @@ pub trait Backend: Send {
     fn vocab_size(&self) -> usize;
     /// Short name for logs and metrics ("cpu", "mocker", "cuda").
     fn name(&self) -> &'static str;
+    /// The thread pool this backend computes on, if it has its own: work
+    /// that overlaps its steps (grammar masks) runs there, on threads warm
+    /// from the step, instead of waking rayon's global pool. `None`: the
+    /// global pool.
+    fn thread_pool(&self) -> Option<Arc<rayon::ThreadPool>> {
+        None
+    }
 }

@@ -50,6 +50,7 @@ mod sequence;
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Bound::{Excluded, Unbounded};
+use std::sync::Arc;
 use std::sync::mpsc as std_mpsc;
 
 use sluice_tokens::grammar::{Allowed, Constraint, GrammarError};
@@ -171,6 +172,9 @@ pub struct Scheduler {
     /// Grammar masks of this step's constrained rows, computed on the rayon
     /// pool while the backend runs the forward pass; taken in `update`.
     masks: HashMap<SeqId, std_mpsc::Receiver<Masked>>,
+    /// Where masks are computed: the backend's own pool when it has one
+    /// (see [`Scheduler::compute_masks_on`]), else rayon's global pool.
+    mask_pool: Option<Arc<rayon::ThreadPool>>,
     eos_token_ids: Vec<u32>,
     kv: KvCache,
     /// `min(max_model_len, KV capacity in tokens)`.
@@ -197,6 +201,7 @@ impl Scheduler {
         let max_len = cfg.max_model_len.min(kv.num_blocks() * kv.block_size());
         Self {
             masks: HashMap::new(),
+            mask_pool: None,
             cfg,
             eos_token_ids,
             kv,
@@ -480,12 +485,22 @@ impl Scheduler {
                 let allowed = constraint.allowed();
                 let _ = tx.send((constraint, allowed));
             };
-            // On the global pool: its threads are warm from the forward
-            // pass, so a mask starts at once (a pool of its own cost a
-            // thread wake-up per step, ~15% of a batch-1 step here).
-            rayon::spawn(job);
+            // On the pool the forward pass runs on: its threads are warm
+            // from it, so a mask starts at once (a pool of the masks' own,
+            // or rayon's global one beside a backend with its own, costs a
+            // thread wake-up per step: ~15% of a batch-1 step here).
+            match &self.mask_pool {
+                Some(pool) => pool.spawn(job),
+                None => rayon::spawn(job),
+            }
             self.masks.insert(s.seq_id, rx);
         }
+    }
+
+    /// Computes grammar masks on `pool` (the backend's, so they run on
+    /// threads its forward pass keeps warm); `None`: rayon's global pool.
+    pub fn compute_masks_on(&mut self, pool: Option<Arc<rayon::ThreadPool>>) {
+        self.mask_pool = pool;
     }
 
     /// The mask started for `id` this step, its constraint back in place.

@@ -510,6 +510,10 @@ impl Backend for CpuBackend {
     fn name(&self) -> &'static str {
         "cpu"
     }
+
+    fn thread_pool(&self) -> Option<Arc<rayon::ThreadPool>> {
+        Some(Arc::clone(&self.pool))
+    }
 }
 
 #[cfg(test)]

@@ -54,6 +54,8 @@ impl EngineCore {
         load_tx: watch::Sender<LoadStats>,
         balance: Option<(Arc<BalanceGroup>, usize)>,
     ) -> Self {
+        let mut sched = sched;
+        sched.compute_masks_on(backend.thread_pool());
         Self {
             backend,
             sched,
