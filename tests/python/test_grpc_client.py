@@ -178,3 +178,39 @@ def test_bad_tools_are_invalid_argument_naming_the_field(sluice, pb):
                 list(stub.Generate(req))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
             assert field in e.value.details(), (field, e.value.details())
+
+
+def test_a_json_schema_is_enforced_over_grpc_too(sluice, pb):
+    """`sampling.structured_output` is the HTTP API's `response_format`:
+    random weights still return JSON valid against the schema; a schema
+    that does not compile is INVALID_ARGUMENT."""
+    inference, inference_grpc, common = pb
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 10},
+                       "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["name", "n"],
+        "additionalProperties": False,
+    }
+    with grpc.insecure_channel(sluice) as channel:
+        stub = inference_grpc.InferenceStub(channel)
+        for seed in range(10):
+            req = inference.GenerateRequest(
+                model="sluice-tiny",
+                chat=chat(inference, "A name and a number"),
+                sampling=common.SamplingParams(
+                    max_tokens=200, seed=seed,
+                    structured_output=common.StructuredOutput(json_schema=json.dumps(schema))),
+            )
+            responses = list(stub.Generate(req))
+            text = "".join(r.text for r in responses)
+            assert responses[-1].finish_reason == common.FINISH_REASON_STOP, text
+            jsonschema.validate(json.loads(text), schema)
+        bad = inference.GenerateRequest(
+            model="sluice-tiny", text="hi",
+            sampling=common.SamplingParams(
+                structured_output=common.StructuredOutput(json_schema='{"type": "no-such-type"}')),
+        )
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(bad))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
