@@ -12,6 +12,8 @@ import jsonschema
 import pytest
 from grpc_tools import protoc
 
+from test_tools import SCHEMAS  # the HTTP tool tests' functions
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -65,29 +67,11 @@ def test_bad_input_is_invalid_argument(sluice, pb):
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 12},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
-ADD = {
-    "type": "object",
-    "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
-                   "b": {"type": "integer", "minimum": 0, "maximum": 999}},
-    "required": ["a", "b"],
-    "additionalProperties": False,
-}
-
-
 def tools(inference):
     return [
         inference.Tool(name="get_weather", description="The weather in a city",
-                       parameters_json=json.dumps(WEATHER)),
-        inference.Tool(name="add", parameters_json=json.dumps(ADD)),
+                       parameters_json=json.dumps(SCHEMAS["get_weather"])),
+        inference.Tool(name="add", parameters_json=json.dumps(SCHEMAS["add"])),
     ]
 
 
@@ -100,7 +84,6 @@ def test_required_tools_make_a_valid_call_on_the_last_chunk(sluice, pb):
     under the tools' grammar (random weights still make a valid one) and
     parsed into `tool_calls`; its text never reaches `text`."""
     inference, inference_grpc, common = pb
-    schemas = {"get_weather": WEATHER, "add": ADD}
     with grpc.insecure_channel(sluice) as channel:
         stub = inference_grpc.InferenceStub(channel)
         for seed in range(10):
@@ -118,7 +101,7 @@ def test_required_tools_make_a_valid_call_on_the_last_chunk(sluice, pb):
             assert responses[-1].tool_calls, "the calls come on the last chunk"
             call = calls[0]
             assert call.id.startswith("call_")
-            jsonschema.validate(json.loads(call.arguments_json), schemas[call.name])
+            jsonschema.validate(json.loads(call.arguments_json), SCHEMAS[call.name])
             assert "get_weather" not in "".join(r.text for r in responses)
         named = inference.GenerateRequest(
             model="sluice-tiny",
@@ -130,7 +113,7 @@ def test_required_tools_make_a_valid_call_on_the_last_chunk(sluice, pb):
         calls = [c for r in stub.Generate(named) for c in r.tool_calls]
         assert calls and all(c.name == "add" for c in calls), calls
         for c in calls:
-            jsonschema.validate(json.loads(c.arguments_json), ADD)
+            jsonschema.validate(json.loads(c.arguments_json), SCHEMAS["add"])
 
 
 def test_n_choices_stream_with_their_index(sluice, pb):
