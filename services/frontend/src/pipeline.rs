@@ -290,6 +290,7 @@ type Admitted = (QueueLease, qpb::Grant);
 
 /// Why admission at one queue failed: the queue failed (another may admit
 /// the request), or it answered (no other would answer differently).
+#[derive(Debug)]
 enum QueueFailure {
     Queue(FrontendError),
     Answer(FrontendError),
@@ -379,4 +380,37 @@ fn worker_failed(s: &tonic::Status) -> bool {
             | Code::Aborted
             | Code::DataLoss
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A worker that failed lets the request go on elsewhere (admission
+    /// tries another, a running generation migrates); a worker that
+    /// refused the request does not.
+    #[test]
+    fn only_a_failed_worker_sends_the_request_elsewhere() {
+        use tonic::Code;
+        for code in [
+            Code::Unavailable,
+            Code::Unknown,
+            Code::Internal,
+            Code::Cancelled,
+            Code::Aborted,
+            Code::DataLoss,
+        ] {
+            assert!(worker_failed(&tonic::Status::new(code, "")), "{code:?}");
+        }
+        for code in [
+            Code::InvalidArgument,
+            Code::NotFound,
+            Code::ResourceExhausted,
+            Code::DeadlineExceeded,
+            Code::Unimplemented,
+            Code::PermissionDenied,
+        ] {
+            assert!(!worker_failed(&tonic::Status::new(code, "")), "{code:?}");
+        }
+    }
 }

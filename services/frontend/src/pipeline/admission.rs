@@ -275,7 +275,7 @@ impl Pipeline {
                     tracing::debug!(position = h.position, pending = h.pending, reason = %h.reason, "held by the queue");
                 }
                 Some(LeaseEvent::Opened) => {}
-                Some(LeaseEvent::Failed(s)) => return Err(self.queue_failure(*s)),
+                Some(LeaseEvent::Failed(s)) => return Err(queue_failure(*s, &self.model)),
                 None => {
                     return Err(QueueFailure::Queue(FrontendError::Unavailable {
                         component: "queue",
@@ -286,34 +286,84 @@ impl Pipeline {
             event = lease.next().await;
         }
     }
+}
 
-    /// Whether a queue's error means the queue failed, so another one may
-    /// admit the request: the queue itself names the reason on every
-    /// answer (`sluice-reason`); an error without one came from the
-    /// transport (refused, reset, gone mid-stream).
-    fn queue_failure(&self, s: tonic::Status) -> QueueFailure {
-        use tonic::Code;
-        let reason = QueueReason::of_status(&s);
-        let queue_failed = match reason {
-            Some(reason) => reason.another_queue_may_admit(),
-            None => worker_failed(&s),
-        };
-        let error = if reason == Some(QueueReason::NoRouter) {
-            FrontendError::Unavailable {
-                component: "router",
-                message: s.message().to_string(),
+/// Whether a queue's error means the queue failed, so another one may
+/// admit the request: the queue itself names the reason on every
+/// answer (`sluice-reason`); an error without one came from the
+/// transport (refused, reset, gone mid-stream).
+fn queue_failure(s: tonic::Status, model: &str) -> QueueFailure {
+    use tonic::Code;
+    let reason = QueueReason::of_status(&s);
+    let queue_failed = match reason {
+        Some(reason) => reason.another_queue_may_admit(),
+        None => worker_failed(&s),
+    };
+    let error = if reason == Some(QueueReason::NoRouter) {
+        FrontendError::Unavailable {
+            component: "router",
+            message: s.message().to_string(),
+        }
+    } else if reason == Some(QueueReason::NoWorkers) || s.code() == Code::NotFound {
+        FrontendError::NoWorkers {
+            model: model.to_owned(),
+        }
+    } else {
+        FrontendError::from_status("queue", s, model)
+    };
+    if queue_failed {
+        QueueFailure::Queue(error)
+    } else {
+        QueueFailure::Answer(error)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tonic::Code;
+
+    fn answered(code: Code, reason: QueueReason) -> tonic::Status {
+        let mut s = tonic::Status::new(code, "said the queue");
+        s.metadata_mut().insert(
+            sluice_proto::REASON_HEADER,
+            tonic::metadata::MetadataValue::from_static(reason.label()),
+        );
+        s
+    }
+
+    /// Failover turns on the queue's own reason, never on a message: a
+    /// queue that is going away or cannot place sends the request to
+    /// another replica; an answer about the request holds at any replica;
+    /// an error no queue named is the transport's.
+    #[test]
+    fn the_queues_reason_decides_failover() {
+        let failover = |s| matches!(queue_failure(s, "m"), QueueFailure::Queue(_));
+        assert!(failover(answered(Code::Unavailable, QueueReason::Draining)));
+        assert!(failover(answered(
+            Code::Unavailable,
+            QueueReason::Placement
+        )));
+        assert!(failover(tonic::Status::unavailable("connection refused")));
+        assert!(!failover(answered(
+            Code::ResourceExhausted,
+            QueueReason::QueueFull
+        )));
+        assert!(!failover(answered(
+            Code::ResourceExhausted,
+            QueueReason::TtftTargetUnmeetable
+        )));
+        assert!(!failover(tonic::Status::invalid_argument("bad")));
+
+        match queue_failure(answered(Code::Unavailable, QueueReason::NoRouter), "m") {
+            QueueFailure::Queue(FrontendError::Unavailable { component, .. }) => {
+                assert_eq!(component, "router");
             }
-        } else if reason == Some(QueueReason::NoWorkers) || s.code() == Code::NotFound {
-            FrontendError::NoWorkers {
-                model: self.model.clone(),
-            }
-        } else {
-            FrontendError::from_status("queue", s, &self.model)
-        };
-        if queue_failed {
-            QueueFailure::Queue(error)
-        } else {
-            QueueFailure::Answer(error)
+            other => panic!("{other:?}"),
+        }
+        match queue_failure(answered(Code::NotFound, QueueReason::NoWorkers), "m") {
+            QueueFailure::Answer(FrontendError::NoWorkers { model }) => assert_eq!(model, "m"),
+            other => panic!("{other:?}"),
         }
     }
 }

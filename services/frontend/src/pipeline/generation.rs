@@ -111,7 +111,7 @@ impl Generation {
         let (mut delta, stopped) = self.take_tokens(&msg)?;
         let reason = match stopped {
             Some(r) => Ok(Some(r)),
-            None => self.finish_reason(&msg),
+            None => finish_reason(&msg, &self.serving.worker_id),
         };
         match reason {
             Ok(Some(_)) if stopped.is_none() => {
@@ -266,28 +266,6 @@ impl Generation {
         Ok((delta, None))
     }
 
-    /// Why the worker ended the request, if it did; a sequence the worker
-    /// failed (its batch went on) moves elsewhere like a worker failure.
-    fn finish_reason(
-        &self,
-        msg: &wpb::GenerateResponse,
-    ) -> Result<Option<common::FinishReason>, Failure> {
-        use common::FinishReason;
-        match FinishReason::try_from(msg.finish_reason).unwrap_or(FinishReason::Unspecified) {
-            FinishReason::Unspecified => Ok(None),
-            FinishReason::Error => {
-                let error = FrontendError::Unavailable {
-                    component: "worker",
-                    message: "the worker failed the request mid-stream".into(),
-                };
-                Err(Failure::of_worker(&self.serving.worker_id, true, error))
-            }
-            reason @ (FinishReason::Stop | FinishReason::Length | FinishReason::Abort) => {
-                Ok(Some(reason))
-            }
-        }
-    }
-
     /// Output tokens produced on the current lease.
     fn on_lease(&self) -> u32 {
         self.completion_tokens().saturating_sub(self.lease_base)
@@ -359,5 +337,66 @@ impl Pipeline {
                 .map(|t| (self.token_text(t.token_id), t.logprob))
                 .collect(),
         }
+    }
+}
+
+/// Why the worker ended the request, if it did; a sequence the worker
+/// failed (its batch went on) moves elsewhere like a worker failure.
+fn finish_reason(
+    msg: &wpb::GenerateResponse,
+    worker_id: &str,
+) -> Result<Option<common::FinishReason>, Failure> {
+    use common::FinishReason;
+    match FinishReason::try_from(msg.finish_reason).unwrap_or(FinishReason::Unspecified) {
+        FinishReason::Unspecified => Ok(None),
+        FinishReason::Error => {
+            let error = FrontendError::Unavailable {
+                component: "worker",
+                message: "the worker failed the request mid-stream".into(),
+            };
+            Err(Failure::of_worker(worker_id, true, error))
+        }
+        reason @ (FinishReason::Stop | FinishReason::Length | FinishReason::Abort) => {
+            Ok(Some(reason))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A worker that ends a request with `ERROR` failed it mid-stream: a
+    /// worker failure, so the request migrates; the other reasons end it.
+    #[test]
+    fn an_error_finish_is_a_worker_failure_the_rest_end_the_request() {
+        use common::FinishReason;
+        let msg = |r: FinishReason| wpb::GenerateResponse {
+            finish_reason: r as i32,
+            ..Default::default()
+        };
+        assert!(matches!(
+            finish_reason(&msg(FinishReason::Error), "w1"),
+            Err(Failure::Worker { worker_id, .. }) if worker_id == "w1"
+        ));
+        assert!(matches!(
+            finish_reason(&msg(FinishReason::Unspecified), "w1"),
+            Ok(None)
+        ));
+        for r in [
+            FinishReason::Stop,
+            FinishReason::Length,
+            FinishReason::Abort,
+        ] {
+            assert!(
+                matches!(finish_reason(&msg(r), "w1"), Ok(Some(x)) if x == r),
+                "{r:?}"
+            );
+        }
+        let unknown = wpb::GenerateResponse {
+            finish_reason: 99,
+            ..Default::default()
+        };
+        assert!(matches!(finish_reason(&unknown, "w1"), Ok(None)));
     }
 }

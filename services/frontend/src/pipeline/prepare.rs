@@ -311,3 +311,51 @@ fn tokenize_now(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn def(name: &str) -> ToolDef {
+        ToolDef {
+            name: name.into(),
+            description: None,
+            parameters: None,
+        }
+    }
+
+    #[test]
+    fn tools_join_an_existing_system_message_or_lead_a_new_one() {
+        let user = ChatMessage::new("user", "hi");
+        let out = with_tool_prompt(std::slice::from_ref(&user), &[def("get_weather")]);
+        assert_eq!(out.len(), 2);
+        assert_eq!(out[0].role, "system");
+        assert!(
+            out[0].content.contains("\"get_weather\""),
+            "{}",
+            out[0].content
+        );
+        assert_eq!(out[1], user);
+
+        let system = ChatMessage::new("system", "Be brief.");
+        let out = with_tool_prompt(&[system, user.clone()], &[def("f")]);
+        assert_eq!(out.len(), 2, "no second system message");
+        assert!(
+            out[0].content.starts_with("Be brief.\n\n# Tools"),
+            "{}",
+            out[0].content
+        );
+        assert_eq!(out[1], user);
+    }
+
+    #[test]
+    fn a_prompts_size_counts_its_text_and_roles_not_token_ids() {
+        assert_eq!(prompt_bytes(&Prompt::Text("héllo".into())), 6);
+        let chat = vec![
+            ChatMessage::new("user", "abc"),
+            ChatMessage::new("system", "de"),
+        ];
+        assert_eq!(prompt_bytes(&Prompt::Chat(chat)), 4 + 3 + 6 + 2);
+        assert_eq!(prompt_bytes(&Prompt::Tokens(vec![1, 2, 3])), 0);
+    }
+}
