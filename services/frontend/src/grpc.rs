@@ -319,14 +319,9 @@ impl pb::inference_server::Inference for InferenceService {
             );
             let request_id = params.request_id.clone();
             let tools = params.tools.as_ref().map(|_| p.tool_format);
-            let n = params.n;
             let generations = async {
                 let prepared = p.prepare(params, received).await?;
-                if n > 1 {
-                    p.start_n(prepared, n).await
-                } else {
-                    Ok((vec![p.start(prepared).await?], None))
-                }
+                p.start_choices(prepared).await
             }
             .instrument(span)
             .await?;

@@ -326,20 +326,15 @@ async fn serve(
         span.record("strict_priority", params.hints.strict_priority);
         span.record("tenant", params.tenant.as_str());
         let tools = params.tools.as_ref().map(|_| p.tool_format);
-        let n = params.n.max(1);
         let prepared = p.prepare(params, received).await?;
         span.record("prompt_tokens", prepared.prompt_ids.len());
         let id = prepared.desc.request_id.clone();
-        let generations = if n > 1 {
-            p.start_n(prepared, n).await?
-        } else {
-            (vec![p.start(prepared).await?], None)
-        };
-        Ok::<_, FrontendError>((id, mode, generations, tools, n))
+        let generations = p.start_choices(prepared).await?;
+        Ok::<_, FrontendError>((id, mode, generations, tools))
     }
     .instrument(span.clone())
     .await;
-    let (id, mode, generations, tools, n) = match result {
+    let (id, mode, generations, tools) = match result {
         Ok(r) => r,
         Err(e) => {
             outcome.failed(&e);
@@ -379,7 +374,7 @@ async fn serve(
         tools,
         index: 0,
     };
-    if n > 1 {
+    if generations.0.len() > 1 {
         let (generations, first) = generations;
         if mode.stream {
             let mut resp =

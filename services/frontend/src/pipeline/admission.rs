@@ -5,17 +5,21 @@
 use super::*;
 
 impl Pipeline {
-    /// `n` continuations of one prompt (`n` > 1): the first is started and
-    /// its first event awaited, by when its prompt's full blocks are cached
-    /// on its worker; then the others, each with its own id (and seed + i),
-    /// which the router places where that prefix is cached, so they compute
-    /// only the prompt's last partial block. The first choice's first event
+    /// The request's `n` choices, both APIs' one entry. One choice is
+    /// [`Pipeline::start`]. For `n` > 1 the first is started and its first
+    /// event awaited, by when its prompt's full blocks are cached on its
+    /// worker; then the others, each with its own id (and seed + i), which
+    /// the router places where that prefix is cached, so they compute only
+    /// the prompt's last partial block. The first choice's first event
     /// comes back beside the generations, to be read before its next.
-    pub(crate) async fn start_n(
+    pub(crate) async fn start_choices(
         self: &Arc<Self>,
         p: Prepared,
-        n: u32,
     ) -> Result<(Vec<Generation>, Option<Event>), FrontendError> {
+        let n = p.params.n;
+        if n <= 1 {
+            return Ok((vec![self.start(p).await?], None));
+        }
         let mut first = self.start(p.clone()).await?;
         let event = first.next().await.transpose()?;
         let others = (1..n).map(|i| {
