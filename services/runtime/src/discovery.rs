@@ -381,3 +381,47 @@ pub(crate) fn parse_entry(key: &str, value: &[u8]) -> Option<Instance> {
 fn err_source(e: &dyn std::error::Error) -> String {
     e.source().map(|s| s.to_string()).unwrap_or_default()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn watch() -> (mpsc::Sender<DiscoveryEvent>, Watch) {
+        let (tx, rx) = mpsc::channel(8);
+        (tx, Watch::new(rx, CancellationToken::new()))
+    }
+
+    #[tokio::test]
+    async fn follow_hands_every_event_in_order_until_the_watch_ends() {
+        let (tx, watch) = watch();
+        let a = Instance::new("queue", "127.0.0.1:1");
+        let sent = vec![
+            DiscoveryEvent::Put(a.clone()),
+            DiscoveryEvent::Delete {
+                component: "queue".into(),
+                id: a.id.clone(),
+            },
+        ];
+        for e in sent.clone() {
+            tx.send(e).await.expect("watch open");
+        }
+        drop(tx);
+        let mut seen = Vec::new();
+        let followed = watch
+            .follow(&CancellationToken::new(), |e| seen.push(e))
+            .await;
+        assert_eq!(followed, Followed::WatchEnded);
+        assert_eq!(seen, sent);
+    }
+
+    #[tokio::test]
+    async fn follow_returns_when_its_stop_token_is_cancelled() {
+        let (_tx, watch) = watch();
+        let stop = CancellationToken::new();
+        stop.cancel();
+        let followed = watch
+            .follow(&stop, |e| panic!("no event was sent: {e:?}"))
+            .await;
+        assert_eq!(followed, Followed::Stopped);
+    }
+}
