@@ -24,6 +24,11 @@ impl EtcdServer {
     /// here; another process may take one before etcd binds it. etcd then
     /// exits at once, and it starts again on new ports (a few times).
     pub async fn start() -> anyhow::Result<Self> {
+        Self::start_on(crate::free_port).await
+    }
+
+    /// [`Self::start`] on ports `pick` gives.
+    async fn start_on(mut pick: impl FnMut() -> anyhow::Result<u16>) -> anyhow::Result<Self> {
         const ATTEMPTS: usize = 5;
         let mut s = Self {
             child: None,
@@ -33,8 +38,8 @@ impl EtcdServer {
         };
         let mut attempt = 1;
         loop {
-            s.client_port = crate::free_port()?;
-            s.peer_port = crate::free_port()?;
+            s.client_port = pick()?;
+            s.peer_port = pick()?;
             match s.spawn().await {
                 Ok(()) => return Ok(s),
                 Err(e) if attempt < ATTEMPTS && s.exited() => {
@@ -178,4 +183,30 @@ impl Drop for EtcdServer {
 
 fn etcd_binary() -> String {
     std::env::var("SLUICE_TEST_ETCD").unwrap_or_else(|_| "etcd".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A port taken between the pick and etcd's bind (here: held by this
+    /// test) makes etcd exit at once; it starts again on new ports.
+    #[tokio::test]
+    async fn a_taken_port_is_picked_again() -> anyhow::Result<()> {
+        let taken = std::net::TcpListener::bind("127.0.0.1:0")?;
+        let port = taken.local_addr()?.port();
+        let mut picks = 0;
+        let etcd = EtcdServer::start_on(|| {
+            picks += 1;
+            if picks == 1 {
+                Ok(port)
+            } else {
+                crate::free_port()
+            }
+        })
+        .await?;
+        assert_ne!(etcd.client_port, port);
+        assert_eq!(picks, 4, "two ports a start, two starts");
+        Ok(())
+    }
 }
