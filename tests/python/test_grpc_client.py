@@ -197,3 +197,39 @@ def test_a_json_schema_is_enforced_over_grpc_too(sluice, pb):
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Generate(bad))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+
+
+def test_a_tool_call_history_is_rendered_and_bad_arguments_named(sluice, pb):
+    """An assistant turn's calls and the tool's answer travel in the chat,
+    as on HTTP: the model answers after them; arguments that are not JSON
+    are INVALID_ARGUMENT naming the call."""
+    inference, inference_grpc, common = pb
+
+    def history(arguments_json):
+        return inference.ChatMessages(messages=[
+            inference.ChatMessage(role="user", content="Weather in Paris?"),
+            inference.ChatMessage(role="assistant", content="", tool_calls=[
+                inference.ToolCall(id="call_1", name="get_weather", arguments_json=arguments_json)]),
+            inference.ChatMessage(role="tool", content='{"temp": 21}', tool_call_id="call_1"),
+        ])
+
+    with grpc.insecure_channel(sluice) as channel:
+        stub = inference_grpc.InferenceStub(channel)
+        req = inference.GenerateRequest(
+            model="sluice-tiny", chat=history('{"city": "Paris", "unit": "celsius"}'),
+            tools=tools(inference), sampling=common.SamplingParams(max_tokens=4, ignore_eos=True),
+        )
+        responses = list(stub.Generate(req))
+        assert responses[-1].finish_reason == common.FINISH_REASON_LENGTH
+        # The call and its answer are in the prompt, not dropped.
+        alone = inference.GenerateRequest(
+            model="sluice-tiny", chat=chat(inference, "Weather in Paris?"),
+            tools=tools(inference), sampling=common.SamplingParams(max_tokens=1, ignore_eos=True),
+        )
+        without = list(stub.Generate(alone))[-1].usage.prompt_tokens
+        assert responses[-1].usage.prompt_tokens > without + 10, (responses[-1].usage, without)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(inference.GenerateRequest(
+                model="sluice-tiny", chat=history("{not json"), tools=tools(inference))))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+        assert "messages[1].tool_calls[0]" in e.value.details(), e.value.details()
