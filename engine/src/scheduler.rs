@@ -169,8 +169,9 @@ pub struct RemoteReservation {
 #[derive(Debug)]
 pub struct Scheduler {
     cfg: SchedulerConfig,
-    /// Grammar masks of this step's constrained rows, computed on the rayon
-    /// pool while the backend runs the forward pass; taken in `update`.
+    /// Grammar masks of this step's constrained rows, computed on
+    /// `mask_pool` while the backend runs the forward pass; taken in
+    /// `update`.
     masks: HashMap<SeqId, std_mpsc::Receiver<Masked>>,
     /// Where masks are computed: the backend's own pool when it has one
     /// (see [`Scheduler::compute_masks_on`]), else rayon's global pool.

@@ -49,12 +49,11 @@ const STEP_EWMA: f64 = 0.2;
 impl EngineCore {
     pub(super) fn new(
         backend: Box<dyn Backend>,
-        sched: Scheduler,
+        mut sched: Scheduler,
         tx: std_mpsc::Sender<Command>,
         load_tx: watch::Sender<LoadStats>,
         balance: Option<(Arc<BalanceGroup>, usize)>,
     ) -> Self {
-        let mut sched = sched;
         sched.compute_masks_on(backend.thread_pool());
         Self {
             backend,
