@@ -213,12 +213,12 @@ fn choice(
     request_id: String,
 ) -> futures::stream::BoxStream<'static, Result<pb::GenerateResponse, FrontendError>> {
     let hold = tools.map(ToolHold::new);
+    // The id rides in the state: it is needed once, on the last chunk.
     Box::pin(futures::stream::unfold(
-        Some((generation, first, hold)),
+        Some((generation, first, hold, request_id)),
         move |state| {
-            let request_id = request_id.clone();
             async move {
-                let (mut g, mut first, mut hold) = state?;
+                let (mut g, mut first, mut hold, request_id) = state?;
                 let event = match first.take() {
                     Some(e) => Ok(e),
                     None => g.next().await?,
@@ -242,7 +242,7 @@ fn choice(
                             index,
                             ..Default::default()
                         };
-                        Some((Ok(resp), Some((g, first, hold))))
+                        Some((Ok(resp), Some((g, first, hold, request_id))))
                     }
                     Ok(Event::Done {
                         finish_reason,
