@@ -21,7 +21,7 @@ use sluice_proto::kv::v1 as kvpb;
 use sluice_proto::worker::v1 as pb;
 use tracing::Instrument;
 
-use sluice_runtime::{Discovery, DiscoveryEvent, Security, Shutdown};
+use sluice_runtime::{DiscoveryEvent, Security, ServiceContext};
 
 use sluice_kv_transfer::{Receiver, TransportKind, layout_to_pb, same_host};
 use sluice_worker::{InflightGuard, RemotePrefill, WorkerCore, WorkerError};
@@ -37,19 +37,20 @@ impl PrefillWorkers {
     /// Follows the `prefill` component in `discovery` until `shutdown`;
     /// `known` shows how many are known.
     pub async fn follow(
-        discovery: &Arc<dyn Discovery>,
+        ctx: &ServiceContext,
         known: prometheus::IntGauge,
-        shutdown: Shutdown,
     ) -> Result<Arc<Self>, WorkerError> {
-        let watch = discovery
+        let watch = ctx
+            .discovery
             .watch(sluice_runtime::discovery::WorkerRole::Prefill.as_str())
             .await
             .map_err(WorkerError::startup("watching prefill workers"))?;
         let workers = Arc::new(Self::default());
         let w = Arc::clone(&workers);
-        tokio::spawn(async move {
+        let stop = ctx.background().clone();
+        ctx.spawn(async move {
             watch
-                .follow(&shutdown, |event| {
+                .follow(&stop, |event| {
                     let mut by_id = w.by_id.write();
                     match event {
                         DiscoveryEvent::Put(i) => {

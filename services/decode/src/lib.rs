@@ -50,15 +50,12 @@ pub async fn serve(
     let receiver = transfer::start_receiver(
         &receiver_config(&args, endpoint.clone(), Arc::clone(&ctx.security)),
         bound,
-        ctx.shutdown.child_token(),
+        ctx.background().clone(),
+        ctx.tasks(),
     )
     .await?;
-    let prefill_workers = disagg::PrefillWorkers::follow(
-        &ctx.discovery,
-        core.metrics.prefill_peers.clone(),
-        ctx.shutdown.child_token(),
-    )
-    .await?;
+    let prefill_workers =
+        disagg::PrefillWorkers::follow(&ctx, core.metrics.prefill_peers.clone()).await?;
     let remote = disagg::Disagg {
         max_local_prefill_length: args.max_local_prefill_length,
         max_prefill_queue_size: args.max_prefill_queue_size,
@@ -73,6 +70,7 @@ pub async fn serve(
         prefill: None,
         remote: Some(Arc::new(remote)),
         draining: ctx.shutdown.clone(),
+        tasks: ctx.tasks().clone(),
     };
     run_worker(listener, &args, service, Some(receiver), ctx).await
 }

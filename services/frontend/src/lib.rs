@@ -165,14 +165,10 @@ pub async fn serve(
     });
     let metrics = metrics::Metrics::new()
         .map_err(FrontendError::startup("registering the frontend metrics"))?;
-    let queues = mesh::Members::follow(&ctx.discovery, "queue", ctx.shutdown.clone()).await?;
-    let workers = mesh::Members::follow(
-        &ctx.discovery,
-        sluice_runtime::discovery::WorkerRole::Decode.as_str(),
-        ctx.shutdown.clone(),
-    )
-    .await?;
-    let routers = mesh::Members::follow(&ctx.discovery, "router", ctx.shutdown.clone()).await?;
+    let queues = mesh::Members::follow(&ctx, "queue").await?;
+    let workers =
+        mesh::Members::follow(&ctx, sluice_runtime::discovery::WorkerRole::Decode.as_str()).await?;
+    let routers = mesh::Members::follow(&ctx, "router").await?;
     let pipeline = Arc::new(pipeline::Pipeline {
         model: model.name(),
         created: SystemTime::now()
@@ -190,8 +186,11 @@ pub async fn serve(
         request_timeout: Duration::from_secs(args.request_timeout),
         migration_limit: args.migration_limit,
         queue_answer_timeout: Duration::from_millis(args.queue_answer_timeout_ms),
-        leases: lease::LeaseSessions::default(),
-        generations: worker_session::GenerateSessions::default(),
+        leases: lease::LeaseSessions::new(ctx.tasks().clone(), ctx.background().clone()),
+        generations: worker_session::GenerateSessions::new(
+            ctx.tasks().clone(),
+            ctx.background().clone(),
+        ),
         api_keys,
         prompt_limits: limits,
         tokenize_slots: Arc::new(tokio::sync::Semaphore::new(tokenize_concurrency)),

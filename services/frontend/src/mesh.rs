@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use parking_lot::RwLock;
 use sluice_runtime::discovery::WorkerInfo;
 use sluice_runtime::grpc::TracedChannel;
-use sluice_runtime::{Discovery, DiscoveryEvent, Instance, Security, Shutdown};
+use sluice_runtime::{DiscoveryEvent, Instance, Security, ServiceContext};
 
 use crate::error::FrontendError;
 
@@ -30,24 +30,26 @@ pub(crate) struct Members {
 }
 
 impl Members {
-    /// Follows `component` in discovery until `shutdown`.
+    /// Follows `component` in discovery, as one of `ctx`'s tasks, until the
+    /// frontend has drained (failover needs the members while it drains).
     pub(crate) async fn follow(
-        discovery: &Arc<dyn Discovery>,
+        ctx: &ServiceContext,
         component: &'static str,
-        shutdown: Shutdown,
     ) -> Result<Arc<Self>, FrontendError> {
-        let watch = discovery
-            .watch(component)
-            .await
-            .map_err(|e| FrontendError::Unavailable {
-                component: "discovery",
-                message: e.to_string(),
-            })?;
+        let watch =
+            ctx.discovery
+                .watch(component)
+                .await
+                .map_err(|e| FrontendError::Unavailable {
+                    component: "discovery",
+                    message: e.to_string(),
+                })?;
         let members = Arc::new(Self::default());
         let m = Arc::clone(&members);
-        tokio::spawn(async move {
+        let stop = ctx.background().clone();
+        ctx.spawn(async move {
             watch
-                .follow(&shutdown, |event| match event {
+                .follow(&stop, |event| match event {
                     DiscoveryEvent::Put(i) => {
                         tracing::info!(component, id = %i.id, endpoint = %i.endpoint, "instance joined");
                         m.instances.write().insert(i.id.clone(), i);

@@ -24,9 +24,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use futures::future::BoxFuture;
 use parking_lot::Mutex;
+use sluice_runtime::Shutdown;
 use sluice_runtime::grpc::TracedChannel;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
+use tokio_util::task::TaskTracker;
 
 /// What one kind of session carries.
 pub(crate) trait Protocol: 'static {
@@ -63,12 +65,20 @@ pub(crate) trait Protocol: 'static {
 /// Every peer's session of one protocol, by endpoint.
 pub(crate) struct Sessions<P: Protocol> {
     sessions: Mutex<HashMap<String, Arc<Session<P>>>>,
+    /// Where each session's task runs (the service's own tasks).
+    tasks: TaskTracker,
+    /// Ends every session (the service's background token: cancelled once
+    /// the frontend has drained, when no member is left).
+    stop: Shutdown,
 }
 
-impl<P: Protocol> Default for Sessions<P> {
-    fn default() -> Self {
+impl<P: Protocol> Sessions<P> {
+    /// No sessions yet; each opens as a task on `tasks` and ends with `stop`.
+    pub(crate) fn new(tasks: TaskTracker, stop: Shutdown) -> Self {
         Self {
             sessions: Mutex::default(),
+            tasks,
+            stop,
         }
     }
 }
@@ -142,7 +152,8 @@ impl<P: Protocol> Sessions<P> {
                     });
                     sessions.insert(endpoint.to_owned(), Arc::clone(&s));
                     // The member below is queued before the call starts.
-                    tokio::spawn(run(Arc::clone(&s), channel, rx));
+                    self.tasks
+                        .spawn(run(Arc::clone(&s), channel, rx, self.stop.clone()));
                     s
                 }
             }
@@ -208,18 +219,27 @@ impl<P: Protocol> Session<P> {
 }
 
 /// Runs one session: opens the call with what is queued, then hands each
-/// message to its member until the stream ends.
+/// message to its member until the stream ends or `stop` is cancelled.
 async fn run<P: Protocol>(
     session: Arc<Session<P>>,
     channel: TracedChannel,
     rx: mpsc::UnboundedReceiver<P::Out>,
+    stop: Shutdown,
 ) {
-    let ended = match P::call(channel, UnboundedReceiverStream::new(rx)).await {
+    let stopped = || tonic::Status::unavailable("the frontend is shutting down");
+    let ended = tokio::select! {
+        () = stop.cancelled() => Err(stopped()),
+        call = P::call(channel, UnboundedReceiverStream::new(rx)) => call,
+    };
+    let ended = match ended {
         Ok(mut messages) => loop {
-            match messages.message().await {
-                Ok(Some(msg)) => session.dispatch(msg),
-                Ok(None) => break closed::<P>(),
-                Err(status) => break status,
+            tokio::select! {
+                () = stop.cancelled() => break stopped(),
+                msg = messages.message() => match msg {
+                    Ok(Some(msg)) => session.dispatch(msg),
+                    Ok(None) => break closed::<P>(),
+                    Err(status) => break status,
+                },
             }
         },
         Err(status) => status,

@@ -135,6 +135,9 @@ mod tests {
 
     use tonic::Code;
 
+    use sluice_runtime::Shutdown;
+    use tokio_util::task::TaskTracker;
+
     use super::*;
     use crate::session::{closed, ended_status};
 
@@ -154,7 +157,7 @@ mod tests {
     async fn generations_on_a_session_that_cannot_open_fail_and_the_next_tries_again() {
         // Nothing listens on port 1.
         let endpoint = "127.0.0.1:1";
-        let sessions = GenerateSessions::default();
+        let sessions = GenerateSessions::new(TaskTracker::new(), Shutdown::new());
         for _ in 0..2 {
             let channel = sluice_runtime::grpc::channel(endpoint).expect("channel");
             let mut stream = sessions.start(endpoint, channel, wpb::GenerateRequest::default());

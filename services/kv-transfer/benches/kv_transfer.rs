@@ -129,6 +129,7 @@ async fn decode_side() -> DecodeSide {
         },
         bound,
         shutdown.clone(),
+        &tokio_util::task::TaskTracker::new(),
     )
     .await
     .expect("receiver");
@@ -142,6 +143,7 @@ async fn decode_side() -> DecodeSide {
         },
         bound,
         shutdown.clone(),
+        &tokio_util::task::TaskTracker::new(),
     )
     .await
     .expect("checking receiver");

@@ -740,11 +740,13 @@ fn tcp_refused(
 }
 
 /// Starts every transport of `cfg` this machine can run and returns the
-/// receiver; listeners stop when `shutdown` is cancelled.
+/// receiver; listeners and their connections run on `tasks` and stop when
+/// `shutdown` is cancelled.
 pub async fn start_receiver(
     cfg: &ReceiverConfig,
     grpc_bind: std::net::SocketAddr,
     shutdown: sluice_runtime::Shutdown,
+    tasks: &tokio_util::task::TaskTracker,
 ) -> Result<Arc<Receiver>, KvTransferError> {
     // The listeners need the receiver and the receiver needs the listeners'
     // regions: start listeners on a shared slot filled once built.
@@ -770,6 +772,7 @@ pub async fn start_receiver(
                     Arc::clone(&slot),
                     Arc::clone(&cfg.security),
                     shutdown.child_token(),
+                    tasks,
                 )
                 .await
                 .map(|t| Arc::new(t) as Arc<dyn Inbound>)
@@ -782,6 +785,7 @@ pub async fn start_receiver(
                 std::net::SocketAddr::new(grpc_bind.ip(), 0),
                 &cfg.endpoint,
                 shutdown.child_token(),
+                tasks,
             )
             .await
             .map(|r| Arc::new(r) as Arc<dyn Inbound>),

@@ -32,6 +32,7 @@ use parking_lot::Mutex;
 use sluice_proto::kv::v1 as pb;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tokio_util::task::TaskTracker;
 
 use sluice_engine::backend::KvArena;
 use sluice_runtime::Security;
@@ -123,6 +124,7 @@ pub async fn listen(
     receiver: Arc<OnceLock<Weak<Receiver>>>,
     security: Arc<Security>,
     shutdown: sluice_runtime::Shutdown,
+    tasks: &TaskTracker,
 ) -> Result<AddressInbound, KvTransferError> {
     let listener = TcpListener::bind(bind)
         .await
@@ -135,7 +137,13 @@ pub async fn listen(
         TransportKind::Tcp,
         "reading the listener's address",
     ))?;
-    tokio::spawn(accept_loop(listener, receiver, security, shutdown));
+    tasks.spawn(accept_loop(
+        listener,
+        receiver,
+        security,
+        shutdown,
+        tasks.clone(),
+    ));
     Ok(AddressInbound {
         kind: TransportKind::Tcp,
         address: advertised(local, endpoint),
@@ -161,6 +169,7 @@ async fn accept_loop(
     receiver: Arc<OnceLock<Weak<Receiver>>>,
     security: Arc<Security>,
     shutdown: sluice_runtime::Shutdown,
+    tasks: TaskTracker,
 ) {
     let members_only = security.mesh_token().is_some();
     loop {
@@ -180,7 +189,7 @@ async fn accept_loop(
             continue;
         };
         let (shutdown, security) = (shutdown.clone(), Arc::clone(&security));
-        tokio::spawn(async move {
+        tasks.spawn(async move {
             let mut stream = stream;
             let _ = stream.set_nodelay(true);
             let serve = async {

@@ -112,6 +112,7 @@ async fn receiver_secured(
         &cfg,
         "127.0.0.1:0".parse().expect("addr"),
         sluice_runtime::Shutdown::new(),
+        &tokio_util::task::TaskTracker::new(),
     )
     .await
     .expect("receiver")

@@ -283,6 +283,7 @@ pub async fn serve_with(
         prefill: Some(Arc::new(handler)),
         remote: None,
         draining: ctx.shutdown.clone(),
+        tasks: ctx.tasks().clone(),
     };
     sluice_worker::run_worker(listener, &args, service, None, ctx).await
 }

@@ -35,7 +35,6 @@ use sluice_proto::queue::v1::queue_server::QueueServer;
 use sluice_runtime::ServiceContext;
 use sluice_runtime::grpc::GrpcServer;
 use tokio::net::TcpListener;
-use tokio_util::task::TaskTracker;
 
 pub use config::{Args, Policy, TtftTargets, WfqClass, WfqCost, WfqWeights};
 pub use error::{QueueError, Quota};
@@ -65,15 +64,15 @@ pub async fn serve(
     let queue = Queue::new(args.clone(), metrics);
     tracing::info!("queue: {}", args.summary());
 
-    let tracker = TaskTracker::new();
-    let background = ctx.shutdown.child_token();
+    let tracker = ctx.tasks();
+    let background = ctx.background();
     let instance = ctx.instance(COMPONENT, &listener)?;
     // The queue names itself to the routers by its instance id.
     let routers = match &args.router_endpoint {
         Some(endpoint) => placement::Routers::fixed(
             endpoint,
             &instance.id,
-            &tracker,
+            tracker,
             background.clone(),
             Arc::clone(&ctx.security),
         )?,
@@ -81,7 +80,7 @@ pub async fn serve(
             placement::Routers::discovered(
                 &ctx.discovery,
                 &instance.id,
-                &tracker,
+                tracker,
                 background.clone(),
                 Arc::clone(&ctx.security),
             )
@@ -112,11 +111,9 @@ pub async fn serve(
         .add_service(QueueServer::new(service::QueueService::new(
             queue,
             background.clone(),
+            tracker.clone(),
         )))
         .with_metrics(vec![registry]);
     let served = ctx.run(server, listener, instance).await;
-    background.cancel();
-    tracker.close();
-    tracker.wait().await;
     served.map_err(QueueError::from)
 }

@@ -23,6 +23,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
 
@@ -40,11 +41,17 @@ pub(crate) struct QueueService {
     queue: Queue,
     /// Sessions end once this fires and their leases are over.
     shutdown: CancellationToken,
+    /// Where each `Leases` session runs (the service context's tasks).
+    tasks: TaskTracker,
 }
 
 impl QueueService {
-    pub(crate) fn new(queue: Queue, shutdown: CancellationToken) -> Self {
-        Self { queue, shutdown }
+    pub(crate) fn new(queue: Queue, shutdown: CancellationToken, tasks: TaskTracker) -> Self {
+        Self {
+            queue,
+            shutdown,
+            tasks,
+        }
     }
 }
 
@@ -423,7 +430,8 @@ impl pb::queue_server::Queue for QueueService {
         request: Request<Streaming<pb::LeaseRequest>>,
     ) -> Result<Response<Self::LeasesStream>, Status> {
         let (tx, rx) = mpsc::unbounded_channel();
-        tokio::spawn(run_session(self.clone(), request.into_inner(), tx));
+        self.tasks
+            .spawn(run_session(self.clone(), request.into_inner(), tx));
         Ok(Response::new(UnboundedReceiverStream::new(rx)))
     }
 

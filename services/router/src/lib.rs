@@ -33,7 +33,6 @@ use sluice_proto::router::v1::router_server::RouterServer;
 use sluice_runtime::ServiceContext;
 use sluice_runtime::grpc::GrpcServer;
 use tokio::net::TcpListener;
-use tokio_util::task::TaskTracker;
 
 pub use config::Args;
 pub use error::RouterError;
@@ -71,8 +70,8 @@ pub async fn serve(
     args.validate()?;
     let metrics = RouterMetrics::new().map_err(RouterError::Metrics)?;
     let pools = Arc::new(Pools::new(args.pool_config()));
-    let tracker = TaskTracker::new();
-    let background = ctx.shutdown.child_token();
+    let tracker = ctx.tasks();
+    let background = ctx.background();
 
     let settings = workers::WorkerSettings {
         mode: args.router_mode,
@@ -85,7 +84,7 @@ pub async fn serve(
         Arc::clone(&pools),
         settings,
         metrics.clone(),
-        &tracker,
+        tracker,
         background.clone(),
         Arc::clone(&ctx.security),
     )
@@ -132,15 +131,17 @@ pub async fn serve(
         });
     }
 
-    let svc = RouterService::new(Arc::clone(&pools), metrics.clone(), background.clone())
-        .with_joining(gate);
+    let svc = RouterService::new(
+        Arc::clone(&pools),
+        metrics.clone(),
+        background.clone(),
+        tracker.clone(),
+    )
+    .with_joining(gate);
     let server = GrpcServer::new()?
         .add_service(RouterServer::new(svc))
         .with_metrics(vec![metrics.registry().clone()]);
     let instance = ctx.instance(COMPONENT, &listener)?;
     let result = ctx.run(server, listener, instance).await;
-    background.cancel();
-    tracker.close();
-    tracker.wait().await;
     result.map_err(RouterError::from)
 }

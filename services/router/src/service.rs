@@ -23,6 +23,7 @@ use sluice_runtime::metrics::Open;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::Span;
 
@@ -48,6 +49,8 @@ pub struct RouterService {
     pools: Arc<Pools>,
     metrics: RouterMetrics,
     shutdown: CancellationToken,
+    /// Where each placement session runs (the service context's tasks).
+    tasks: TaskTracker,
     sessions: Arc<AtomicU64>,
     joining: Option<Arc<SyncGate>>,
 }
@@ -75,11 +78,17 @@ fn route_span(req: &pb::RouteRequest) -> Span {
 impl RouterService {
     /// A service over `pools`; `WatchLoad` streams and `Place` sessions end
     /// when `shutdown` fires.
-    pub fn new(pools: Arc<Pools>, metrics: RouterMetrics, shutdown: CancellationToken) -> Self {
+    pub fn new(
+        pools: Arc<Pools>,
+        metrics: RouterMetrics,
+        shutdown: CancellationToken,
+        tasks: TaskTracker,
+    ) -> Self {
         Self {
             pools,
             metrics,
             shutdown,
+            tasks,
             sessions: Arc::new(AtomicU64::new(0)),
             joining: None,
         }
@@ -338,7 +347,7 @@ impl pb::router_server::Router for RouterService {
         tracing::info!(%client, session, "placement session opened");
         let (tx, rx) = mpsc::channel(PLACE_BACKLOG);
         let svc = self.clone();
-        tokio::spawn(async move {
+        self.tasks.spawn(async move {
             let _open = Open::new(&svc.metrics.place_sessions);
             loop {
                 let msg = tokio::select! {
@@ -497,7 +506,12 @@ mod tests {
             )
             .expect("apply");
         let metrics = RouterMetrics::new().expect("metrics");
-        let svc = RouterService::new(pools, metrics.clone(), CancellationToken::new());
+        let svc = RouterService::new(
+            pools,
+            metrics.clone(),
+            CancellationToken::new(),
+            TaskTracker::new(),
+        );
         let reply = svc
             .route(Request::new(pb::RouteRequest {
                 description: Some(sluice_proto::common::v1::RequestDescription {

@@ -15,11 +15,20 @@
 //! which registers the instance in discovery under a lease, serves, and on
 //! shutdown deregisters first (so nobody new dials in), then drains in-flight
 //! calls under `--drain-timeout`.
+//!
+//! Work a service runs beside its RPCs (discovery followers, dispatchers,
+//! gauges, the tasks behind streaming responses) is spawned with
+//! [`ServiceContext::spawn`]: [`ServiceContext::run`] cancels
+//! [`ServiceContext::background`] once the server has drained and waits for
+//! those tasks, so none outlives its service unnoticed.
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::task::TaskTracker;
 
 use crate::grpc::{GrpcServer, TracedChannel};
 use crate::{CommonArgs, Discovery, Instance, RuntimeError, Security, Shutdown};
@@ -36,17 +45,22 @@ pub struct ServiceContext {
     /// TLS, mesh token and connection limits, loaded from `common.security`;
     /// servers and clients of this service use it.
     pub security: Arc<Security>,
+    /// The service's own tasks, waited for by [`Self::run`].
+    tasks: TaskTracker,
+    /// Cancelled by [`Self::run`] once the server has drained (a child of
+    /// `shutdown`, so a task that watches it also stops on shutdown).
+    background: Shutdown,
 }
 
 impl ServiceContext {
     /// A context with default common flags and no TLS or mesh token (tests).
     pub fn new(discovery: Arc<dyn Discovery>, shutdown: Shutdown) -> Self {
-        Self {
-            common: CommonArgs::default(),
+        Self::with_common(
+            CommonArgs::default(),
             discovery,
             shutdown,
-            security: Arc::new(Security::open()),
-        }
+            Arc::new(Security::open()),
+        )
     }
 
     /// A context for `common`'s flags, with `security` loaded from them
@@ -57,12 +71,38 @@ impl ServiceContext {
         shutdown: Shutdown,
         security: Arc<Security>,
     ) -> Self {
+        let background = shutdown.child_token();
         Self {
             common,
             discovery,
             shutdown,
             security,
+            tasks: TaskTracker::new(),
+            background,
         }
+    }
+
+    /// Runs `task` as one of this service's own tasks: [`Self::run`] waits
+    /// for it after the server has drained. A task that loops watches
+    /// [`Self::background`] (or ends with the stream it serves).
+    pub fn spawn<F>(&self, task: F) -> JoinHandle<F::Output>
+    where
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        self.tasks.spawn(task)
+    }
+
+    /// The tracker behind [`Self::spawn`], for parts that spawn later (a
+    /// gRPC handler's stream, a session per peer).
+    pub fn tasks(&self) -> &TaskTracker {
+        &self.tasks
+    }
+
+    /// Cancelled once the server has drained (or on shutdown): background
+    /// work keeps going while in-flight calls finish, then stops.
+    pub fn background(&self) -> &Shutdown {
+        &self.background
     }
 
     /// A channel to a mesh endpoint with this service's TLS and token (see
@@ -82,12 +122,33 @@ impl ServiceContext {
     }
 
     /// Registers `instance`, serves `server` on `listener` until shutdown,
-    /// then deregisters, reports NOT_SERVING and drains under the deadline.
+    /// then deregisters, reports NOT_SERVING and drains under the deadline;
+    /// last, cancels [`Self::background`] and waits for the service's tasks
+    /// (under the same deadline again).
     pub async fn run(
         &self,
         server: GrpcServer,
         listener: TcpListener,
         instance: Instance,
+    ) -> Result<(), RuntimeError> {
+        let served = self.serve(server, listener, &instance).await;
+        self.background.cancel();
+        self.tasks.close();
+        let drain = Duration::from_secs(self.common.drain_timeout);
+        if tokio::time::timeout(drain, self.tasks.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!(component = %instance.component, running = self.tasks.len(), ?drain, "service tasks still running after the drain deadline; leaving them");
+        }
+        served
+    }
+
+    async fn serve(
+        &self,
+        server: GrpcServer,
+        listener: TcpListener,
+        instance: &Instance,
     ) -> Result<(), RuntimeError> {
         let server = server.with_security(Arc::clone(&self.security));
         server.check_exposure(listener.local_addr()?)?;
@@ -123,5 +184,49 @@ impl ServiceContext {
                 Ok(())
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use super::*;
+    use crate::discovery::MemoryDiscovery;
+
+    #[tokio::test]
+    async fn run_returns_after_the_services_tasks_saw_the_drain_end() {
+        let shutdown = Shutdown::new();
+        let ctx = ServiceContext::new(
+            Arc::new(MemoryDiscovery::new("service-tests")),
+            shutdown.clone(),
+        );
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let instance = ctx.instance("tasks", &listener).expect("instance");
+        let finished = Arc::new(AtomicBool::new(false));
+        let (started, mut running) = tokio::sync::watch::channel(false);
+        {
+            let (finished, background) = (Arc::clone(&finished), ctx.background().clone());
+            ctx.spawn(async move {
+                let _ = started.send(true);
+                background.cancelled().await;
+                // Work after the signal still counts: `run` waits for it.
+                tokio::task::yield_now().await;
+                finished.store(true, Ordering::SeqCst);
+            });
+        }
+        let serving = tokio::spawn({
+            let ctx = ctx.clone();
+            async move {
+                ctx.run(GrpcServer::new().expect("server"), listener, instance)
+                    .await
+            }
+        });
+        running.wait_for(|s| *s).await.expect("task started");
+        assert!(!ctx.background().is_cancelled(), "serving: background runs");
+        shutdown.cancel();
+        serving.await.expect("join").expect("run");
+        assert!(finished.load(Ordering::SeqCst), "run waited for the task");
+        assert!(ctx.tasks().is_empty());
     }
 }

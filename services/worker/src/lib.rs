@@ -132,10 +132,10 @@ pub async fn run_worker(
         );
     }
     tracing::info!(id = %core.id, role = core.role.as_str(), model = %core.model, engine = engine.backend_name(), "worker starting");
-    // Keep the per-rank gauges current until shutdown.
+    // Keep the per-rank gauges current until the worker has drained.
     for (rank, engine) in core.engines.iter().enumerate() {
-        let (mut load, core, stop) = (engine.load(), Arc::clone(&core), ctx.shutdown.clone());
-        tokio::spawn(async move {
+        let (mut load, core, stop) = (engine.load(), Arc::clone(&core), ctx.background().clone());
+        ctx.spawn(async move {
             loop {
                 core.metrics.record_load(rank, &load.borrow_and_update());
                 tokio::select! {

@@ -16,6 +16,7 @@ use sluice_runtime::discovery::WorkerRole;
 use tokio::sync::broadcast::error::RecvError;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::task::TaskTracker;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
 
@@ -157,6 +158,8 @@ pub struct WorkerService {
     /// Cancelled when the worker starts to drain: sessions then take no new
     /// generations.
     pub draining: sluice_runtime::Shutdown,
+    /// Where the tasks behind its streams run (the service context's).
+    pub tasks: TaskTracker,
 }
 
 pub(crate) type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
@@ -327,7 +330,12 @@ fn finish_label(r: sluice_engine::FinishReason) -> &'static str {
 }
 
 /// Sends KV events after `from_seq` of `engine`, or `snapshot_required`.
-fn kv_event_stream(engine: &EngineHandle, rank: u32, from_seq: u64) -> BoxStream<pb::KvEventBatch> {
+fn kv_event_stream(
+    tasks: &TaskTracker,
+    engine: &EngineHandle,
+    rank: u32,
+    from_seq: u64,
+) -> BoxStream<pb::KvEventBatch> {
     let (tx, rx) = mpsc::channel::<Result<pb::KvEventBatch, Status>>(64);
     let resync = pb::KvEventBatch {
         events: Vec::new(),
@@ -340,7 +348,7 @@ fn kv_event_stream(engine: &EngineHandle, rank: u32, from_seq: u64) -> BoxStream
             let _ = tx.try_send(Ok(resync));
         }
         Ok(sub) => {
-            tokio::spawn(async move {
+            tasks.spawn(async move {
                 let batch = |events: &[KvEventRecord]| pb::KvEventBatch {
                     events: events.iter().map(convert::kv_event).collect(),
                     snapshot_required: false,
@@ -495,7 +503,8 @@ impl pb::worker_server::Worker for WorkerService {
         request: Request<Streaming<pb::GenerateSessionRequest>>,
     ) -> Result<Response<Self::GenerateSessionStream>, Status> {
         let (tx, rx) = mpsc::channel(SESSION_OUTBOUND);
-        tokio::spawn(session::run(self.clone(), request.into_inner(), tx));
+        self.tasks
+            .spawn(session::run(self.clone(), request.into_inner(), tx));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
@@ -522,6 +531,7 @@ impl pb::worker_server::Worker for WorkerService {
         let req = request.into_inner();
         let engine = self.core.engine(req.dp_rank)?;
         Ok(Response::new(kv_event_stream(
+            &self.tasks,
             engine,
             req.dp_rank,
             req.from_seq,
@@ -559,7 +569,7 @@ impl pb::worker_server::Worker for WorkerService {
             let mut watch = engine.load();
             let tx = tx.clone();
             let core = Arc::clone(&self.core);
-            tokio::spawn(async move {
+            self.tasks.spawn(async move {
                 loop {
                     let report = {
                         let l = watch.borrow_and_update();

@@ -75,6 +75,7 @@ impl RdmaInbound {
         bind: SocketAddr,
         endpoint: &str,
         shutdown: sluice_runtime::Shutdown,
+        tasks: &tokio_util::task::TaskTracker,
     ) -> Result<Self, KvTransferError> {
         let device = Device::open(None)?;
         let listener = TcpListener::bind(bind)
@@ -89,7 +90,8 @@ impl RdmaInbound {
             .map_err(rdma_failed("reading the listener's address"))?;
         let address = crate::tcp::advertised(local, endpoint);
         let d = device.clone();
-        tokio::spawn(async move {
+        let connections = tasks.clone();
+        tasks.spawn(async move {
             loop {
                 let accepted = tokio::select! {
                     _ = shutdown.cancelled() => return,
@@ -100,7 +102,7 @@ impl RdmaInbound {
                     continue;
                 };
                 let (d, stop) = (d.clone(), shutdown.clone());
-                tokio::spawn(async move {
+                connections.spawn(async move {
                     if let Err(e) = serve_peer(stream, &d, stop).await {
                         tracing::warn!(%peer, error = %e, "KV rdma side channel closed");
                     }
