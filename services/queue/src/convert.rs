@@ -8,6 +8,7 @@ use std::time::Duration;
 use sluice_proto::queue::v1 as pb;
 use sluice_proto::router::v1 as router_pb;
 use sluice_runtime::RequestDescription;
+use sluice_runtime::discovery::WorkerRank;
 use tokio::time::Instant;
 
 use crate::config::Args;
@@ -79,13 +80,13 @@ pub(crate) fn grant_response(grant: &Grant) -> pb::AdmitResponse {
     let (prefill_worker_id, prefill_worker_endpoint) = placement
         .prefill
         .as_ref()
-        .map(|t| (t.worker_id.clone(), t.endpoint.clone()))
+        .map(|t| (t.rank.worker_id.to_string(), t.endpoint.clone()))
         .unwrap_or_default();
     pb::AdmitResponse {
         msg: Some(pb::admit_response::Msg::Grant(pb::Grant {
-            worker_id: placement.worker.worker_id.clone(),
+            worker_id: placement.worker.rank.worker_id.to_string(),
             worker_endpoint: placement.worker.endpoint.clone(),
-            dp_rank: placement.worker.dp_rank,
+            dp_rank: placement.worker.rank.dp_rank,
             prefill_worker_id,
             prefill_worker_endpoint,
             overlap_tokens: placement.overlap_tokens,
@@ -99,9 +100,8 @@ pub(crate) fn grant_response(grant: &Grant) -> pb::AdmitResponse {
 impl From<router_pb::Target> for Target {
     fn from(t: router_pb::Target) -> Self {
         Self {
-            worker_id: t.worker_id,
+            rank: WorkerRank::new(t.worker_id, t.dp_rank),
             endpoint: t.endpoint,
-            dp_rank: t.dp_rank,
         }
     }
 }
@@ -150,9 +150,8 @@ impl From<router_pb::LoadView> for LoadView {
                 });
                 WorkerLoad {
                     target: w.target.map(Target::from).unwrap_or_else(|| Target {
-                        worker_id: String::new(),
+                        rank: WorkerRank::new("", 0),
                         endpoint: String::new(),
-                        dp_rank: 0,
                     }),
                     model: w.model,
                     role,
@@ -370,7 +369,7 @@ mod tests {
             held: Vec::new(),
         });
         assert_eq!(unspecified.workers[0].role, WorkerRole::Aggregated);
-        assert_eq!(w.target.dp_rank, 1);
+        assert_eq!(w.target.rank.dp_rank, 1);
         assert_eq!(w.active_prefill_tokens, 7);
     }
 }

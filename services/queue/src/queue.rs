@@ -190,12 +190,10 @@ impl Entry {
 /// A worker instance as the router names it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Target {
-    /// Worker instance id.
-    pub worker_id: String,
+    /// The worker and rank.
+    pub rank: WorkerRank,
     /// Address to call `Generate` (or the prefill RPC) on.
     pub endpoint: String,
-    /// Data-parallel rank inside the worker.
-    pub dp_rank: u32,
 }
 
 /// Where a request runs.
@@ -281,6 +279,7 @@ pub enum TicketEvent {
     Granted(Grant),
 }
 
+use sluice_runtime::discovery::WorkerRank;
 /// A worker's role as the router reports it (the one its discovery entry
 /// publishes).
 pub use sluice_runtime::discovery::WorkerRole;
@@ -565,7 +564,7 @@ impl Queue {
         st.load = view
             .workers
             .into_iter()
-            .map(|w| ((w.target.worker_id.clone(), w.target.dp_rank), w))
+            .map(|w| (w.target.rank.clone(), w))
             .collect();
         st.held_elsewhere = view.held_elsewhere;
         drop(st);
@@ -796,7 +795,7 @@ struct Slot {
     /// Once granted and until its first token: the worker rank whose local
     /// load figure carries this request's uncached prompt, and how many
     /// tokens (taken off again when the request starts).
-    prefill: Option<((String, u32), u64)>,
+    prefill: Option<(WorkerRank, u64)>,
     /// Released past a busy threshold (`ModelQueue::express_head`).
     express: bool,
     /// When it leaves unplaced if still held: its TTFT target or its
@@ -831,12 +830,12 @@ struct State {
     deadlines: BTreeSet<(Instant, u64)>,
     /// Admitted since the last pass; `wspt` reads their overlap if held.
     unread: Vec<u64>,
-    load: HashMap<(String, u32), WorkerLoad>,
+    load: HashMap<WorkerRank, WorkerLoad>,
     /// This queue's granted requests still waiting for their first token:
     /// uncached prompt tokens by worker rank and priority (also counted in
     /// `load`), so a higher-priority request need not wait behind them on a
     /// worker whose engine schedules by priority.
-    starting_prefill: HashMap<(String, u32), BTreeMap<i32, u64>>,
+    starting_prefill: HashMap<WorkerRank, BTreeMap<i32, u64>>,
     draining: bool,
     /// Tenants' quotas and what they used.
     quotas: Quotas,

@@ -147,7 +147,7 @@ impl Lease {
                 Ok(TicketEvent::Held(status)) => Some(Ok(convert::held_response(&status))),
                 Ok(TicketEvent::Granted(grant)) => {
                     self.granted = true;
-                    self.span.record("worker_id", grant.placement.worker.worker_id.as_str());
+                    self.span.record("worker_id", &*grant.placement.worker.rank.worker_id);
                     self.span.record("queue_wait_ms", grant.waited.as_secs_f64() * 1000.0);
                     if grant.express {
                         self.span.record("express", true);

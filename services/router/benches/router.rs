@@ -21,9 +21,10 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use sluice_router::{
     Commit, KvEvent, KvEventKind, KvIndexer, LoadReport, MemberInfo, PlacementKey, PlacementState,
-    PoolConfig, PoolKind, RouteInput, Target, TargetId, WorkerPool,
+    PoolConfig, PoolKind, RouteInput, TargetId, WorkerPool,
 };
 use sluice_runtime::RequestDescription;
+use sluice_runtime::discovery::WorkerRank;
 use sluice_tokens::block_hash::chain_hash;
 
 const BLOCK: u32 = 16;
@@ -174,7 +175,7 @@ fn routes(pool: &WorkerPool, qs: &[Vec<u64>], workers: usize) -> (f64, Vec<Durat
             now += Duration::from_millis(100);
             for w in 0..workers {
                 pool.record_load(
-                    &Target::new(format!("worker-{w}"), 0),
+                    &WorkerRank::new(format!("worker-{w}"), 0),
                     LoadReport {
                         running: (i % 7) as u32,
                         active_blocks: (w * 13 % 300) as u64,
@@ -222,7 +223,7 @@ fn run(workers: usize, entries: usize, queries: usize, seed: u64) -> Row {
     let ids: Vec<_> = (0..workers)
         .map(|w| {
             pool.add_member(MemberInfo {
-                target: Target::new(format!("worker-{w}"), 0),
+                target: WorkerRank::new(format!("worker-{w}"), 0),
                 endpoint: format!("10.0.0.{w}:9000"),
                 model: "m".into(),
                 role: sluice_runtime::discovery::WorkerRole::Decode,

@@ -28,9 +28,10 @@ use sluice_engine::{
 };
 use sluice_router::{
     Commit, KvEvent, KvEventKind, LoadReport, MemberInfo, PlacementKey, PlacementState, PoolConfig,
-    PoolKind, RouteInput, RouterMode, Target, WorkerPool,
+    PoolKind, RouteInput, RouterMode, WorkerPool,
 };
 use sluice_runtime::RequestDescription;
+use sluice_runtime::discovery::WorkerRank;
 use sluice_tokens::sequence_block_hashes;
 
 const WORKERS: usize = 8;
@@ -153,8 +154,8 @@ fn engine() -> EngineHandle {
     .expect("engine")
 }
 
-fn target(i: usize) -> Target {
-    Target::new(format!("w{i}"), 0)
+fn target(i: usize) -> WorkerRank {
+    WorkerRank::new(format!("w{i}"), 0)
 }
 
 /// Feeds one engine's KV events and load into the pool until `stop`.
@@ -315,7 +316,7 @@ async fn replay(mode: Mode, reqs: &[TraceRequest]) -> Vec<Outcome> {
             Mode::Oracle => {
                 let engines = Arc::clone(&engines);
                 let tokens = &tokens;
-                let overlap = move |t: &Target| {
+                let overlap = move |t: &WorkerRank| {
                     let i: usize = t.worker_id[1..].parse().expect("w<i>");
                     (engines[i].cached_prefix_tokens(tokens) / BLOCK) as u32
                 };

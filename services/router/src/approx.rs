@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use crate::indexer::{KvIndexer, OverlapScores, Target, TargetHandle, TargetId};
+use crate::indexer::{KvIndexer, OverlapScores, TargetHandle, TargetId};
+use sluice_runtime::discovery::WorkerRank;
 
 /// Blocks predicted per target from placements, expiring after a TTL.
 #[derive(Debug)]
@@ -37,7 +38,7 @@ impl ApproxIndex {
         }
     }
 
-    pub(crate) fn register(&self, target: Target) -> (TargetId, Option<TargetHandle>) {
+    pub(crate) fn register(&self, target: WorkerRank) -> (TargetId, Option<TargetHandle>) {
         let id = self.index.register(target);
         (id, self.index.handle(id))
     }
@@ -100,7 +101,7 @@ mod tests {
     fn predictions_expire_after_the_ttl_of_the_last_placement() {
         let t0 = Instant::now();
         let a = ApproxIndex::new(Duration::from_secs(10));
-        let (id, _) = a.register(Target::new("w", 0));
+        let (id, _) = a.register(WorkerRank::new("w", 0));
         a.record(id, &[1, 2, 3], t0);
         a.record(id, &[1, 2], t0 + Duration::from_secs(5));
         assert_eq!(a.find_matches(&[1, 2, 3]).get(id), 3);

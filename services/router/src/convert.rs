@@ -8,12 +8,13 @@ use sluice_proto::worker::v1 as wpb;
 use sluice_runtime::RequestDescription;
 
 use crate::error::RouterError;
-use crate::indexer::{KvEvent, KvEventKind, Target};
+use crate::indexer::{KvEvent, KvEventKind};
 use crate::load::LoadReport;
 use crate::pool::{
     Candidate, Commit, Decision, HeldByModel, MemberLoad, PlacementRecord, PlacementState,
     PoolKind, RouteInput,
 };
+use sluice_runtime::discovery::WorkerRank;
 
 /// The pool a request asks for; unspecified means the decode pool.
 pub(crate) fn pool_kind(pool: i32) -> Result<PoolKind, RouterError> {
@@ -150,7 +151,7 @@ pub(crate) fn placement_record(
         kind,
         PlacementRecord {
             id: p.placement_id,
-            target: Target::new(t.worker_id.as_str(), t.dp_rank),
+            target: WorkerRank::new(t.worker_id.as_str(), t.dp_rank),
             prefill_tokens: p.prefill_tokens,
             block_hashes: p.block_hashes.as_slice().into(),
             blocks: u64::from(p.blocks),
@@ -171,7 +172,7 @@ pub(crate) fn placement_state(state: i32) -> Result<PlacementState, RouterError>
     }
 }
 
-fn target(t: &Target, endpoint: &str) -> pb::Target {
+fn target(t: &WorkerRank, endpoint: &str) -> pb::Target {
     pb::Target {
         worker_id: t.worker_id.to_string(),
         dp_rank: t.dp_rank,

@@ -46,34 +46,10 @@ use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock};
+use sluice_runtime::discovery::WorkerRank;
 
 /// Number of shards of the block map.
 pub const DEFAULT_SHARDS: usize = 64;
-
-/// A placement target: one data-parallel rank of one worker.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Target {
-    /// The worker's instance id (its discovery id).
-    pub worker_id: Arc<str>,
-    /// Data-parallel rank inside that worker.
-    pub dp_rank: u32,
-}
-
-impl Target {
-    /// A target for `worker_id`, rank `dp_rank`.
-    pub fn new(worker_id: impl Into<Arc<str>>, dp_rank: u32) -> Self {
-        Self {
-            worker_id: worker_id.into(),
-            dp_rank,
-        }
-    }
-}
-
-impl std::fmt::Display for Target {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/{}", self.worker_id, self.dp_rank)
-    }
-}
 
 /// Compact id of a registered target inside one [`KvIndexer`]. Ids are never
 /// reused: a target registered again after removal gets a fresh id.
@@ -213,7 +189,7 @@ pub struct KvIndexer {
     shards: Box<[RwLock<BlockMap>]>,
     hasher: MixHasher,
     targets: RwLock<HashMap<TargetId, Arc<TargetEntry>>>,
-    ids: RwLock<HashMap<Target, TargetId>>,
+    ids: RwLock<HashMap<WorkerRank, TargetId>>,
     next_id: AtomicU32,
     blocks: AtomicUsize,
     entries: AtomicUsize,
@@ -223,7 +199,7 @@ pub struct KvIndexer {
 type BlockMap = HashMap<u64, TargetSet, MixHasher>;
 
 struct TargetEntry {
-    target: Target,
+    target: WorkerRank,
     blocks: AtomicUsize,
     state: Mutex<TargetState>,
 }
@@ -308,7 +284,7 @@ impl KvIndexer {
 
     /// Registers `target` (empty, expecting event seq 1) and returns its id;
     /// an already registered target keeps its id and blocks.
-    pub fn register(&self, target: Target) -> TargetId {
+    pub fn register(&self, target: WorkerRank) -> TargetId {
         if let Some(id) = self.ids.read().get(&target) {
             return *id;
         }
@@ -334,12 +310,12 @@ impl KvIndexer {
     }
 
     /// The id of a registered target.
-    pub fn target_id(&self, target: &Target) -> Option<TargetId> {
+    pub fn target_id(&self, target: &WorkerRank) -> Option<TargetId> {
         self.ids.read().get(target).copied()
     }
 
     /// The target behind an id.
-    pub fn target(&self, id: TargetId) -> Option<Target> {
+    pub fn target(&self, id: TargetId) -> Option<WorkerRank> {
         self.entry(id).map(|e| e.target.clone())
     }
 
@@ -801,7 +777,7 @@ mod tests {
     #[test]
     fn recent_stores_count_new_blocks_only_and_halve_every_half_life() {
         let idx = KvIndexer::new();
-        let a = idx.register(Target::new("a", 0));
+        let a = idx.register(WorkerRank::new("a", 0));
         let h = sequence_block_hashes(&prompt(1, 8 * 16), 16);
         idx.apply(a, &stored(1, None, &h[..6])).expect("apply");
         // Stored again with two more: only the two are new.
@@ -823,8 +799,8 @@ mod tests {
     #[test]
     fn overlap_is_longest_present_prefix_per_target() {
         let idx = KvIndexer::new();
-        let a = idx.register(Target::new("a", 0));
-        let b = idx.register(Target::new("b", 0));
+        let a = idx.register(WorkerRank::new("a", 0));
+        let b = idx.register(WorkerRank::new("b", 0));
         let h = sequence_block_hashes(&prompt(1, 64), 16); // 4 blocks
         idx.apply(a, &stored(1, None, &h)).expect("apply");
         idx.apply(b, &stored(1, None, &h[..2])).expect("apply");
@@ -837,7 +813,7 @@ mod tests {
     #[test]
     fn a_missing_middle_block_ends_the_run() {
         let idx = KvIndexer::new();
-        let a = idx.register(Target::new("a", 0));
+        let a = idx.register(WorkerRank::new("a", 0));
         let h = sequence_block_hashes(&prompt(2, 80), 16);
         idx.apply(a, &stored(1, None, &h)).expect("apply");
         idx.apply(a, &removed(2, &h[2..3])).expect("apply");
@@ -847,7 +823,7 @@ mod tests {
     #[test]
     fn different_prompts_do_not_match() {
         let idx = KvIndexer::new();
-        let a = idx.register(Target::new("a", 0));
+        let a = idx.register(WorkerRank::new("a", 0));
         let h1 = sequence_block_hashes(&prompt(3, 64), 16);
         let h2 = sequence_block_hashes(&prompt(4, 64), 16);
         idx.apply(a, &stored(1, None, &h1)).expect("apply");
@@ -858,8 +834,8 @@ mod tests {
     #[test]
     fn removing_a_target_forgets_all_its_blocks_at_once() {
         let idx = KvIndexer::new();
-        let a = idx.register(Target::new("a", 0));
-        let b = idx.register(Target::new("b", 1));
+        let a = idx.register(WorkerRank::new("a", 0));
+        let b = idx.register(WorkerRank::new("b", 1));
         let h = sequence_block_hashes(&prompt(5, 160), 16);
         idx.apply(a, &stored(1, None, &h)).expect("apply");
         idx.apply(b, &stored(1, None, &h[..5])).expect("apply");
@@ -875,7 +851,7 @@ mod tests {
             Err(IndexError::UnknownTarget(a))
         );
         // Registered again: a fresh, empty target.
-        let a2 = idx.register(Target::new("a", 0));
+        let a2 = idx.register(WorkerRank::new("a", 0));
         assert_ne!(a, a2);
         assert_eq!(idx.target_blocks(a2), 0);
     }
@@ -883,8 +859,8 @@ mod tests {
     #[test]
     fn cleared_empties_only_that_target() {
         let idx = KvIndexer::new();
-        let a = idx.register(Target::new("a", 0));
-        let b = idx.register(Target::new("b", 0));
+        let a = idx.register(WorkerRank::new("a", 0));
+        let b = idx.register(WorkerRank::new("b", 0));
         let h = sequence_block_hashes(&prompt(6, 48), 16);
         idx.apply(a, &stored(1, None, &h)).expect("apply");
         idx.apply(b, &stored(1, None, &h)).expect("apply");
@@ -904,7 +880,7 @@ mod tests {
     #[test]
     fn replayed_events_are_stale_and_ignored() {
         let idx = KvIndexer::new();
-        let a = idx.register(Target::new("a", 0));
+        let a = idx.register(WorkerRank::new("a", 0));
         let h = sequence_block_hashes(&prompt(7, 48), 16);
         assert_eq!(idx.apply(a, &stored(1, None, &h)), Ok(Applied::Applied));
         assert_eq!(idx.apply(a, &removed(1, &h)), Ok(Applied::Stale));
@@ -926,14 +902,14 @@ mod tests {
             ]
         };
         let full = KvIndexer::new();
-        let t = full.register(Target::new("w", 0));
+        let t = full.register(WorkerRank::new("w", 0));
         for e in &events {
             full.apply(t, e).expect("apply");
         }
 
         // Subscriber that misses event 3.
         let idx = KvIndexer::new();
-        let w = idx.register(Target::new("w", 0));
+        let w = idx.register(WorkerRank::new("w", 0));
         idx.apply(w, &events[0]).expect("apply");
         idx.apply(w, &events[1]).expect("apply");
         assert_eq!(
@@ -963,7 +939,7 @@ mod tests {
 
     fn full_at(events: &[KvEvent]) -> Vec<u64> {
         let idx = KvIndexer::new();
-        let t = idx.register(Target::new("ref", 0));
+        let t = idx.register(WorkerRank::new("ref", 0));
         for e in events {
             idx.apply(t, e).expect("apply");
         }
@@ -973,7 +949,7 @@ mod tests {
     #[test]
     fn first_event_after_one_is_a_gap_on_a_new_target() {
         let idx = KvIndexer::new();
-        let a = idx.register(Target::new("a", 0));
+        let a = idx.register(WorkerRank::new("a", 0));
         assert!(matches!(
             idx.apply(a, &stored(7, None, &[1])),
             Err(IndexError::Gap {
@@ -987,7 +963,7 @@ mod tests {
     #[test]
     fn orphan_stores_are_counted_but_indexed() {
         let idx = KvIndexer::new();
-        let a = idx.register(Target::new("a", 0));
+        let a = idx.register(WorkerRank::new("a", 0));
         idx.apply(a, &stored(1, Some(42), &[7, 8])).expect("apply");
         assert_eq!(idx.orphan_stores(), 1);
         assert_eq!(idx.target_blocks(a), 2);
@@ -998,7 +974,7 @@ mod tests {
         let idx = KvIndexer::new();
         let h = sequence_block_hashes(&prompt(10, 16 * 8), 16);
         let ids: Vec<TargetId> = (0..20)
-            .map(|i| idx.register(Target::new(format!("w{i}"), 0)))
+            .map(|i| idx.register(WorkerRank::new(format!("w{i}"), 0)))
             .collect();
         for (i, id) in ids.iter().enumerate() {
             let n = i % 9;
@@ -1013,7 +989,7 @@ mod tests {
     #[test]
     fn stats_report_memory_per_entry() {
         let idx = KvIndexer::new();
-        let a = idx.register(Target::new("a", 0));
+        let a = idx.register(WorkerRank::new("a", 0));
         let hashes: Vec<u64> = (0..10_000u64)
             .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15))
             .collect();
@@ -1042,7 +1018,7 @@ mod tests {
                 let idx = Arc::clone(&idx);
                 let chains = Arc::clone(&chains);
                 std::thread::spawn(move || {
-                    let id = idx.register(Target::new(format!("w{w}"), 0));
+                    let id = idx.register(WorkerRank::new(format!("w{w}"), 0));
                     let mut seq = 0;
                     for round in 0..50 {
                         for c in chains.iter() {
@@ -1094,7 +1070,7 @@ mod tests {
                 .map(|p| sequence_block_hashes(&prompt(200 + p as u32 % 3, 16 * (4 + p)), 16))
                 .collect();
             let idx = KvIndexer::with_shards(4);
-            let ids: Vec<TargetId> = (0..4).map(|t| idx.register(Target::new(format!("t{t}"), 0))).collect();
+            let ids: Vec<TargetId> = (0..4).map(|t| idx.register(WorkerRank::new(format!("t{t}"), 0))).collect();
             let mut naive: Vec<HashSet<u64>> = vec![HashSet::new(); 4];
             let mut seqs = [0u64; 4];
             for (t, c, n, store) in ops {

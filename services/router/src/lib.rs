@@ -37,8 +37,8 @@ use tokio::net::TcpListener;
 pub use config::Args;
 pub use error::RouterError;
 pub use indexer::{
-    Applied, IndexError, IndexStats, KvEvent, KvEventKind, KvIndexer, OverlapScores, Target,
-    TargetHandle, TargetId,
+    Applied, IndexError, IndexStats, KvEvent, KvEventKind, KvIndexer, OverlapScores, TargetHandle,
+    TargetId,
 };
 pub use load::{EffectiveLoad, LoadReport};
 pub use metrics::RouterMetrics;

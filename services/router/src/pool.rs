@@ -31,9 +31,10 @@ use sluice_runtime::discovery::WorkerRole;
 
 use crate::approx::ApproxIndex;
 use crate::error::RouterError;
-use crate::indexer::{KvIndexer, OverlapScores, Target, TargetHandle, TargetId};
+use crate::indexer::{KvIndexer, OverlapScores, TargetHandle, TargetId};
 use crate::load::{EffectiveLoad, LoadReport, Shape, TargetLoad};
 use crate::selector::{self, CostInput, CostParams, CostTerms, RouterMode};
+use sluice_runtime::discovery::WorkerRank;
 
 /// Which pool a request asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -123,7 +124,7 @@ pub struct PlacementRecord {
     /// The id the client names it by.
     pub id: u64,
     /// Where it runs.
-    pub target: Target,
+    pub target: WorkerRank,
     /// Prompt tokens not cached on the target (prefill work until started).
     pub prefill_tokens: u64,
     /// Chained hashes of the prompt's full blocks.
@@ -159,7 +160,7 @@ pub enum PlacementState {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MemberInfo {
     /// Worker and rank.
-    pub target: Target,
+    pub target: WorkerRank,
     /// Address to dial for `Generate` / `Prefill`.
     pub endpoint: String,
     /// Model served ("" = any).
@@ -207,7 +208,7 @@ pub struct RouteInput {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Candidate {
     /// Worker and rank.
-    pub target: Target,
+    pub target: WorkerRank,
     /// Its address.
     pub endpoint: Arc<str>,
     /// Its cost terms.
@@ -245,7 +246,7 @@ pub struct MemberLoad {
 
 /// A placement being counted.
 struct Counted {
-    target: Target,
+    target: WorkerRank,
     priority: i32,
     /// The load it is counted on (its member's at placement time).
     load: Arc<Mutex<TargetLoad>>,
@@ -328,13 +329,13 @@ pub struct WorkerPool {
     cfg: PoolConfig,
     indexer: KvIndexer,
     approx: ApproxIndex,
-    members: RwLock<BTreeMap<Target, Arc<Member>>>,
+    members: RwLock<BTreeMap<WorkerRank, Arc<Member>>>,
     choice: Mutex<ChoiceState>,
     /// The latest load report of each target that reported before it
     /// joined (its first KV snapshot still coming): it joins with it, so
     /// its slots and speed are known from the start, not a report interval
     /// later.
-    early_reports: Mutex<HashMap<Target, (LoadReport, Instant)>>,
+    early_reports: Mutex<HashMap<WorkerRank, (LoadReport, Instant)>>,
 }
 
 impl std::fmt::Debug for WorkerPool {
@@ -429,7 +430,7 @@ impl WorkerPool {
     /// Removes a member and forgets all its blocks and placements at once;
     /// returns how many indexed blocks it held, or `None` if it was not a
     /// member.
-    pub fn remove_member(&self, target: &Target) -> Option<usize> {
+    pub fn remove_member(&self, target: &WorkerRank) -> Option<usize> {
         self.early_reports.lock().remove(target);
         let member = self.members.write().remove(target)?;
         self.choice
@@ -450,12 +451,12 @@ impl WorkerPool {
     }
 
     /// The index id of a member.
-    pub fn kv_id(&self, target: &Target) -> Option<TargetId> {
+    pub fn kv_id(&self, target: &WorkerRank) -> Option<TargetId> {
         self.members.read().get(target).map(|m| m.kv_id)
     }
 
     /// Records a member's load report received at `now`. False if unknown.
-    pub fn record_load(&self, target: &Target, report: LoadReport, now: Instant) -> bool {
+    pub fn record_load(&self, target: &WorkerRank, report: LoadReport, now: Instant) -> bool {
         let members = self.members.read();
         let Some(member) = members.get(target).cloned() else {
             // Not joined yet: it joins with this report (under the members'
@@ -562,16 +563,16 @@ impl WorkerPool {
     }
 
     /// When a member last reported.
-    pub fn last_report(&self, target: &Target) -> Option<Instant> {
+    pub fn last_report(&self, target: &WorkerRank) -> Option<Instant> {
         let member = self.members.read().get(target).cloned()?;
         member.load.lock().reported_at()
     }
 
     /// Live placements by target and priority, those of `exclude` (a
     /// client id) left out.
-    pub fn placements_by_priority(&self, exclude: &str) -> HashMap<Target, BTreeMap<i32, u32>> {
+    pub fn placements_by_priority(&self, exclude: &str) -> HashMap<WorkerRank, BTreeMap<i32, u32>> {
         let choice = self.choice.lock();
-        let mut out: HashMap<Target, BTreeMap<i32, u32>> = HashMap::new();
+        let mut out: HashMap<WorkerRank, BTreeMap<i32, u32>> = HashMap::new();
         for (key, c) in &choice.placements {
             if exclude.is_empty() || &*key.client != exclude {
                 *out.entry(c.target.clone())
@@ -608,7 +609,7 @@ impl WorkerPool {
         &self,
         input: &RouteInput,
         now: Instant,
-        overlap: &dyn Fn(&Target) -> u32,
+        overlap: &dyn Fn(&WorkerRank) -> u32,
     ) -> Result<Decision, RouterError> {
         self.route_inner(input, now, Some(overlap))
     }
@@ -617,7 +618,7 @@ impl WorkerPool {
         &self,
         input: &RouteInput,
         now: Instant,
-        external: Option<&dyn Fn(&Target) -> u32>,
+        external: Option<&dyn Fn(&WorkerRank) -> u32>,
     ) -> Result<Decision, RouterError> {
         if input.desc.block_size == 0 {
             return Err(RouterError::InvalidArgument(
@@ -699,7 +700,7 @@ impl WorkerPool {
         desc: &RequestDescription,
         candidates: &[Arc<Member>],
         now: Instant,
-        external: Option<&dyn Fn(&Target) -> u32>,
+        external: Option<&dyn Fn(&WorkerRank) -> u32>,
     ) -> Scored {
         let mode = self.cfg.mode;
         let approx = mode == RouterMode::Approx;
@@ -1012,8 +1013,8 @@ mod tests {
         }
     }
 
-    fn target(i: usize) -> Target {
-        Target::new(format!("w{i}"), 0)
+    fn target(i: usize) -> WorkerRank {
+        WorkerRank::new(format!("w{i}"), 0)
     }
 
     fn tokens(seed: u32, len: u32) -> Vec<u32> {
@@ -1053,7 +1054,7 @@ mod tests {
         }
     }
 
-    fn load_of(p: &WorkerPool, t: &Target) -> EffectiveLoad {
+    fn load_of(p: &WorkerPool, t: &WorkerRank) -> EffectiveLoad {
         p.load_view(Instant::now())
             .into_iter()
             .find(|m| m.info.target == *t)

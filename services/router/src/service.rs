@@ -442,8 +442,9 @@ mod tests {
     use tracing_subscriber::prelude::*;
 
     use super::*;
-    use crate::indexer::{KvEvent, KvEventKind, Target};
+    use crate::indexer::{KvEvent, KvEventKind};
     use crate::pool::{MemberInfo, PoolConfig, PoolKind};
+    use sluice_runtime::discovery::WorkerRank;
 
     /// Collects every field recorded on spans named `route`.
     #[derive(Clone, Default)]
@@ -485,14 +486,14 @@ mod tests {
         let pool = pools.get(PoolKind::Decode);
         for i in 0..2 {
             pool.add_member(MemberInfo {
-                target: Target::new(format!("w{i}"), 0),
+                target: WorkerRank::new(format!("w{i}"), 0),
                 endpoint: format!("127.0.0.1:{i}"),
                 model: "m".into(),
                 role: sluice_runtime::discovery::WorkerRole::Decode,
             });
         }
         let hashes = vec![11u64, 12, 13];
-        let id = pool.kv_id(&Target::new("w1", 0)).expect("member");
+        let id = pool.kv_id(&WorkerRank::new("w1", 0)).expect("member");
         pool.indexer()
             .apply(
                 id,

@@ -33,10 +33,11 @@ use tokio_util::task::TaskTracker;
 
 use crate::convert;
 use crate::error::RouterError;
-use crate::indexer::{Applied, IndexError, Target, TargetId};
+use crate::indexer::{Applied, IndexError, TargetId};
 use crate::metrics::RouterMetrics;
 use crate::pool::{MemberInfo, PoolKind, Pools, WorkerPool};
 use crate::selector::RouterMode;
+use sluice_runtime::discovery::WorkerRank;
 
 const BACKOFF_START: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
@@ -55,7 +56,7 @@ pub(crate) struct WorkerSettings {
 /// Targets whose first snapshot is still outstanding, by pool.
 #[derive(Debug)]
 pub(crate) struct SyncGate {
-    pending: Mutex<HashSet<(PoolKind, Target)>>,
+    pending: Mutex<HashSet<(PoolKind, WorkerRank)>>,
     count: tokio::sync::watch::Sender<usize>,
     /// `sluice_router_workers_joining{pool}`, kept equal to `pending`.
     gauge: IntGaugeVec,
@@ -74,7 +75,7 @@ impl SyncGate {
         gate
     }
 
-    fn expect(&self, kind: PoolKind, t: Target) {
+    fn expect(&self, kind: PoolKind, t: WorkerRank) {
         let mut p = self.pending.lock();
         if p.insert((kind, t)) {
             self.count.send_replace(p.len());
@@ -82,7 +83,7 @@ impl SyncGate {
         }
     }
 
-    fn done(&self, kind: PoolKind, t: &Target) {
+    fn done(&self, kind: PoolKind, t: &WorkerRank) {
         let mut p = self.pending.lock();
         if p.remove(&(kind, t.clone())) {
             self.count.send_replace(p.len());
@@ -91,7 +92,7 @@ impl SyncGate {
     }
 
     /// Sets the pool's gauge from `pending` (called with its lock held).
-    fn observe(&self, kind: PoolKind, pending: &HashSet<(PoolKind, Target)>) {
+    fn observe(&self, kind: PoolKind, pending: &HashSet<(PoolKind, WorkerRank)>) {
         let n = pending.iter().filter(|(k, _)| *k == kind).count();
         self.gauge
             .with_label_values(&[kind.component()])
@@ -111,7 +112,7 @@ impl SyncGate {
 
     /// Waits until no first snapshot is outstanding or `timeout` passes;
     /// returns the targets still outstanding.
-    pub(crate) async fn wait(&self, timeout: Duration) -> Vec<Target> {
+    pub(crate) async fn wait(&self, timeout: Duration) -> Vec<WorkerRank> {
         let mut rx = self.count.subscribe();
         let _ = tokio::time::timeout(timeout, rx.wait_for(|n| *n == 0)).await;
         self.pending.lock().iter().map(|(_, t)| t.clone()).collect()
@@ -156,7 +157,7 @@ pub(crate) async fn start(
             .map_err(|e| RouterError::Runtime(Box::new(e)))?;
         for inst in &initial {
             for rank in 0..dp_size(inst) {
-                gate.expect(kind, Target::new(inst.id.as_str(), rank));
+                gate.expect(kind, WorkerRank::new(inst.id.as_str(), rank));
             }
         }
         let watch = discovery
@@ -187,7 +188,7 @@ pub(crate) fn dp_size(inst: &Instance) -> u32 {
 
 fn member_info(inst: &Instance, kind: PoolKind, rank: u32) -> MemberInfo {
     MemberInfo {
-        target: Target::new(inst.id.as_str(), rank),
+        target: WorkerRank::new(inst.id.as_str(), rank),
         endpoint: inst.endpoint.clone(),
         model: inst.model.clone(),
         // An entry without worker facts has its pool's role.
@@ -212,7 +213,7 @@ async fn watch_component(watch: Watch, ctx: Ctx, token: CancellationToken) {
                     tracing::warn!(worker = %inst.id, endpoint = %inst.endpoint, error = %e, "cannot dial worker; ignoring it");
                     for rank in 0..dp_size(&inst) {
                         ctx.gate
-                            .done(ctx.kind, &Target::new(inst.id.as_str(), rank));
+                            .done(ctx.kind, &WorkerRank::new(inst.id.as_str(), rank));
                     }
                     return;
                 }
@@ -238,7 +239,7 @@ async fn watch_component(watch: Watch, ctx: Ctx, token: CancellationToken) {
 fn forget(ctx: &Ctx, inst: &Instance, reason: &str) {
     let mut blocks = 0;
     for rank in 0..dp_size(inst) {
-        let target = Target::new(inst.id.as_str(), rank);
+        let target = WorkerRank::new(inst.id.as_str(), rank);
         ctx.gate.done(ctx.kind, &target);
         if let Some(n) = ctx.pool().remove_member(&target) {
             blocks += n;
@@ -263,7 +264,7 @@ fn spawn_instance(ctx: &Ctx, inst: &Instance, token: CancellationToken) -> Resul
     for rank in 0..dp_size(inst) {
         // Joining until its first snapshot: placement waits for it.
         ctx.gate
-            .expect(ctx.kind, Target::new(inst.id.as_str(), rank));
+            .expect(ctx.kind, WorkerRank::new(inst.id.as_str(), rank));
         ctx.tracker.spawn(rank_task(
             ctx.clone(),
             member_info(inst, ctx.kind, rank),
@@ -391,7 +392,7 @@ async fn follow_events(
     ctx: &Ctx,
     client: &mut Client,
     id: TargetId,
-    target: &Target,
+    target: &WorkerRank,
     from_seq: u64,
     token: &CancellationToken,
 ) -> StreamEnd {
@@ -476,7 +477,7 @@ async fn load_task(ctx: Ctx, worker_id: String, mut client: Client, token: Cance
                 };
                 let Ok(Some(report)) = msg else { break };
                 backoff = BACKOFF_START;
-                let target = Target::new(worker_id.as_str(), report.dp_rank);
+                let target = WorkerRank::new(worker_id.as_str(), report.dp_rank);
                 if ctx
                     .pool()
                     .record_load(&target, convert::load_report(&report), Instant::now())
@@ -538,7 +539,7 @@ mod tests {
             (joining(PoolKind::Decode), joining(PoolKind::Prefill)),
             (0, 0)
         );
-        let a = Target::new("a", 0);
+        let a = WorkerRank::new("a", 0);
         g.expect(PoolKind::Decode, a.clone());
         assert_eq!(
             (joining(PoolKind::Decode), joining(PoolKind::Prefill)),

@@ -45,7 +45,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use etcd::EtcdDiscovery;
 pub use memory::MemoryDiscovery;
-pub use worker::{EngineBackend, WorkerInfo, WorkerInfoError, WorkerRole};
+pub use worker::{EngineBackend, WorkerInfo, WorkerInfoError, WorkerRank, WorkerRole};
 
 use crate::{CommonArgs, RuntimeError};
 

@@ -441,8 +441,12 @@ impl State {
             -f64::from(placement.overlap_tokens.min(entry.desc.prompt_tokens)),
             now,
         );
-        let busy = placement.prefill.as_ref().unwrap_or(&placement.worker);
-        let busy = (busy.worker_id.clone(), busy.dp_rank);
+        let busy = placement
+            .prefill
+            .as_ref()
+            .unwrap_or(&placement.worker)
+            .rank
+            .clone();
         if let Some(load) = self.load.get_mut(&busy) {
             load.active_prefill_tokens += u64::from(uncached);
         }
@@ -464,7 +468,7 @@ impl State {
         tracing::debug!(
             request_id = %entry.desc.request_id,
             priority = entry.desc.priority,
-            worker_id = %placement.worker.worker_id,
+            worker_id = %placement.worker.rank.worker_id,
             waited_ms = waited.as_secs_f64() * 1000.0,
             "granted"
         );
@@ -684,7 +688,7 @@ impl State {
 
     /// Takes a granted prompt's uncached tokens off this queue's view of
     /// its worker's queued prefill (the grant added them).
-    fn prefill_done(&mut self, (worker, tokens): &((String, u32), u64), priority: i32) {
+    fn prefill_done(&mut self, (worker, tokens): &(WorkerRank, u64), priority: i32) {
         if let Some(load) = self.load.get_mut(worker) {
             load.active_prefill_tokens = load.active_prefill_tokens.saturating_sub(*tokens);
         }

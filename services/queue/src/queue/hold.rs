@@ -98,7 +98,7 @@ pub(super) fn default_holding(cfg: &Args) -> bool {
 /// priority: its engine admits a higher-priority request ahead of waiting
 /// ones and preempts running lower-priority ones (keeping their KV), so
 /// lower-priority requests running there do not hold a higher one back.
-pub(super) fn preempts(model: &str, load: &HashMap<(String, u32), WorkerLoad>) -> bool {
+pub(super) fn preempts(model: &str, load: &HashMap<WorkerRank, WorkerLoad>) -> bool {
     let mut any = false;
     for w in load.values().filter(|w| {
         (model.is_empty() || w.model.is_empty() || w.model == model)
@@ -114,7 +114,7 @@ pub(super) fn preempts(model: &str, load: &HashMap<(String, u32), WorkerLoad>) -
 
 /// The slowest step time the model's decode or aggregated ranks report, in
 /// seconds (`None`: none measured one yet).
-pub(super) fn step_secs(model: &str, load: &HashMap<(String, u32), WorkerLoad>) -> Option<f64> {
+pub(super) fn step_secs(model: &str, load: &HashMap<WorkerRank, WorkerLoad>) -> Option<f64> {
     load.values()
         .filter(|w| {
             (model.is_empty() || w.model.is_empty() || w.model == model)
@@ -130,7 +130,7 @@ pub(super) fn step_secs(model: &str, load: &HashMap<(String, u32), WorkerLoad>) 
 /// `max_num_seqs` less its unplaced requests, summed. `None` when a rank
 /// does not report `max_num_seqs` or the model has no such worker (nothing
 /// is held).
-pub(super) fn capacity(model: &str, load: &HashMap<(String, u32), WorkerLoad>) -> Option<usize> {
+pub(super) fn capacity(model: &str, load: &HashMap<WorkerRank, WorkerLoad>) -> Option<usize> {
     let mut total = 0usize;
     let mut any = false;
     for w in load.values().filter(|w| {
@@ -151,7 +151,7 @@ pub(super) fn capacity(model: &str, load: &HashMap<(String, u32), WorkerLoad>) -
 /// where the engines preempt, those of at least its priority.
 pub(super) fn others_busy(
     model: &str,
-    load: &HashMap<(String, u32), WorkerLoad>,
+    load: &HashMap<WorkerRank, WorkerLoad>,
     priority: i32,
     preempts: bool,
 ) -> usize {
@@ -202,7 +202,7 @@ impl Room {
     pub(super) fn of(
         name: &str,
         model: &ModelQueue,
-        load: &HashMap<(String, u32), WorkerLoad>,
+        load: &HashMap<WorkerRank, WorkerLoad>,
         held_elsewhere: &HeldByModel,
         replicas: u32,
         priority: i32,
@@ -233,10 +233,10 @@ impl Room {
 /// What the hold rules read about the workers for one held request.
 pub(super) struct LoadCheck<'a> {
     /// Every worker rank's load (the router's view plus this queue's grants).
-    pub(super) load: &'a HashMap<(String, u32), WorkerLoad>,
+    pub(super) load: &'a HashMap<WorkerRank, WorkerLoad>,
     /// This queue's granted requests without a first token, by worker rank
     /// and priority.
-    pub(super) starting: &'a HashMap<(String, u32), BTreeMap<i32, u64>>,
+    pub(super) starting: &'a HashMap<WorkerRank, BTreeMap<i32, u64>>,
     /// The priority of the request to release.
     pub(super) priority: i32,
     /// What the other queue replicas hold unplaced.
@@ -247,7 +247,7 @@ impl LoadCheck<'_> {
     /// The prefill queued on `key` ahead of the request: all of it, less
     /// this queue's lower-priority grants when the worker's engine
     /// schedules by priority (they wait behind the request there).
-    fn prefill_ahead(&self, key: &(String, u32), w: &WorkerLoad) -> u64 {
+    fn prefill_ahead(&self, key: &WorkerRank, w: &WorkerLoad) -> u64 {
         let behind = if w.priority_scheduling {
             self.starting
                 .get(key)

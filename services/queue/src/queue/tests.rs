@@ -31,9 +31,8 @@ fn config(policy: Policy) -> Args {
 
 fn target(id: &str) -> Target {
     Target {
-        worker_id: id.into(),
+        rank: WorkerRank::new(id, 0),
         endpoint: format!("http://{id}"),
-        dp_rank: 0,
     }
 }
 

@@ -4,9 +4,37 @@
 //! reads the entry, and every reader (router, frontend, tests) uses this
 //! type. Nothing parses worker facts out of strings.
 
+use std::sync::Arc;
+
 use prost::Message;
 use sluice_proto::kv::v1::Transport;
 use sluice_proto::worker::v1 as pb;
+
+/// One data-parallel rank of one worker: what the router places on and the
+/// queue counts load and starting prefills by. The mesh's one name for it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WorkerRank {
+    /// The worker's instance id (its discovery id).
+    pub worker_id: Arc<str>,
+    /// Data-parallel rank inside that worker.
+    pub dp_rank: u32,
+}
+
+impl WorkerRank {
+    /// Rank `dp_rank` of worker `worker_id`.
+    pub fn new(worker_id: impl Into<Arc<str>>, dp_rank: u32) -> Self {
+        Self {
+            worker_id: worker_id.into(),
+            dp_rank,
+        }
+    }
+}
+
+impl std::fmt::Display for WorkerRank {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.worker_id, self.dp_rank)
+    }
+}
 
 /// What a worker does in the mesh.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
