@@ -8,9 +8,11 @@
 
 use futures::FutureExt;
 use sluice_proto::queue::v1 as qpb;
+use sluice_runtime::Shutdown;
 use sluice_runtime::grpc::TracedChannel;
+use tokio_util::task::TaskTracker;
 
-use crate::session::{Member, Protocol, Sessions};
+use sluice_runtime::session::{Member, Protocol, Sessions};
 
 /// What a lease hears from its queue before and at the grant. Boxed, so a
 /// lease's channel costs a few hundred bytes rather than a block of 32
@@ -40,7 +42,7 @@ impl Protocol for Leases {
 
     fn call(
         channel: TracedChannel,
-        outbound: tokio_stream::wrappers::UnboundedReceiverStream<Self::Out>,
+        outbound: tokio_stream::wrappers::ReceiverStream<Self::Out>,
     ) -> futures::future::BoxFuture<'static, Result<tonic::Streaming<Self::In>, tonic::Status>>
     {
         async move {
@@ -72,8 +74,8 @@ impl Protocol for Leases {
         matches!(event, LeaseEvent::Failed(_))
     }
 
-    fn cancel(id: u64) -> qpb::LeaseRequest {
-        lease_message(id, None)
+    fn cancel(id: u64) -> Option<qpb::LeaseRequest> {
+        Some(lease_message(id, None))
     }
 }
 
@@ -86,14 +88,20 @@ fn lease_message(id: u64, msg: Option<qpb::admit_request::Msg>) -> qpb::LeaseReq
 }
 
 /// Every queue's lease session, by endpoint.
-pub(crate) type LeaseSessions = Sessions<Leases>;
+#[derive(Debug)]
+pub(crate) struct LeaseSessions(Sessions<Leases>);
 
 /// One admission lease. Dropping it without [`QueueLease::done`] cancels it
 /// (releases the slot, or takes a held request out of the queue).
 #[derive(Debug)]
 pub(crate) struct QueueLease(Member<Leases>);
 
-impl Sessions<Leases> {
+impl LeaseSessions {
+    /// No sessions yet; each runs on `tasks` until `stop`.
+    pub(crate) fn new(tasks: TaskTracker, stop: Shutdown) -> Self {
+        Self(Sessions::new(tasks, stop))
+    }
+
     /// Opens a lease for `open` on the session to `endpoint` (opening the
     /// session on `channel` if there is none). Its events say what the
     /// queue made of it; the caller's span is its trace parent.
@@ -103,7 +111,7 @@ impl Sessions<Leases> {
         channel: TracedChannel,
         open: qpb::AdmitOpen,
     ) -> QueueLease {
-        QueueLease(self.join(endpoint, channel, |id| qpb::LeaseRequest {
+        QueueLease(self.0.join(endpoint, channel, |id| qpb::LeaseRequest {
             traceparent: sluice_runtime::telemetry::traceparent(),
             ..lease_message(id, Some(qpb::admit_request::Msg::Open(open)))
         }))
@@ -160,11 +168,8 @@ mod tests {
 
     use tonic::Code;
 
-    use sluice_runtime::Shutdown;
-    use tokio_util::task::TaskTracker;
-
     use super::*;
-    use crate::session::{closed, ended_status};
+    use sluice_runtime::session::{closed, ended_status};
 
     #[test]
     fn a_queue_without_leases_is_a_queue_that_cannot_admit() {
@@ -197,6 +202,6 @@ mod tests {
             assert_ne!(status.message(), closed::<Leases>().message(), "{status:?}");
             assert!(lease.0.ended(), "a failed lease sends no cancel");
         }
-        assert_eq!(sessions.count(), 1, "ended sessions are dropped");
+        assert_eq!(sessions.0.count(), 1, "ended sessions are dropped");
     }
 }

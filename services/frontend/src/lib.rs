@@ -21,7 +21,6 @@ mod openai;
 mod pipeline;
 mod prompt;
 mod responses;
-mod session;
 mod worker_session;
 
 use std::sync::Arc;

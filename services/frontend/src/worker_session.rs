@@ -9,9 +9,11 @@
 
 use futures::FutureExt;
 use sluice_proto::worker::v1 as wpb;
+use sluice_runtime::Shutdown;
 use sluice_runtime::grpc::TracedChannel;
+use tokio_util::task::TaskTracker;
 
-use crate::session::{Member, Protocol, Sessions};
+use sluice_runtime::session::{Member, Protocol, Sessions};
 
 /// A worker's message to a generation, or the error that ends it (boxed:
 /// the channel's slots stay small).
@@ -31,7 +33,7 @@ impl Protocol for Generations {
 
     fn call(
         channel: TracedChannel,
-        outbound: tokio_stream::wrappers::UnboundedReceiverStream<Self::Out>,
+        outbound: tokio_stream::wrappers::ReceiverStream<Self::Out>,
     ) -> futures::future::BoxFuture<'static, Result<tonic::Streaming<Self::In>, tonic::Status>>
     {
         async move {
@@ -60,17 +62,18 @@ impl Protocol for Generations {
         event.as_ref().is_ok_and(|r| r.finishes()) || event.is_err()
     }
 
-    fn cancel(id: u64) -> wpb::GenerateSessionRequest {
-        wpb::GenerateSessionRequest {
+    fn cancel(id: u64) -> Option<wpb::GenerateSessionRequest> {
+        Some(wpb::GenerateSessionRequest {
             id,
             request: None,
             traceparent: String::new(),
-        }
+        })
     }
 }
 
 /// Every worker's generation session, by endpoint.
-pub(crate) type GenerateSessions = Sessions<Generations>;
+#[derive(Debug)]
+pub(crate) struct GenerateSessions(Sessions<Generations>);
 
 /// One generation on a worker. Dropping it before its last message aborts
 /// the sequence on the worker.
@@ -81,7 +84,12 @@ pub(crate) struct WorkerStream {
     peeked: Option<wpb::GenerateResponse>,
 }
 
-impl Sessions<Generations> {
+impl GenerateSessions {
+    /// No sessions yet; each runs on `tasks` until `stop`.
+    pub(crate) fn new(tasks: TaskTracker, stop: Shutdown) -> Self {
+        Self(Sessions::new(tasks, stop))
+    }
+
     /// Starts `request` on the session to `endpoint` (opening the session
     /// on `channel` if there is none). The caller's span is its trace
     /// parent.
@@ -91,11 +99,13 @@ impl Sessions<Generations> {
         channel: TracedChannel,
         request: wpb::GenerateRequest,
     ) -> WorkerStream {
-        let member = self.join(endpoint, channel, |id| wpb::GenerateSessionRequest {
-            id,
-            request: Some(request),
-            traceparent: sluice_runtime::telemetry::traceparent(),
-        });
+        let member = self
+            .0
+            .join(endpoint, channel, |id| wpb::GenerateSessionRequest {
+                id,
+                request: Some(request),
+                traceparent: sluice_runtime::telemetry::traceparent(),
+            });
         WorkerStream {
             member,
             peeked: None,
@@ -135,11 +145,8 @@ mod tests {
 
     use tonic::Code;
 
-    use sluice_runtime::Shutdown;
-    use tokio_util::task::TaskTracker;
-
     use super::*;
-    use crate::session::{closed, ended_status};
+    use sluice_runtime::session::{closed, ended_status};
 
     #[test]
     fn a_worker_without_sessions_is_a_worker_that_cannot_serve() {
@@ -174,6 +181,6 @@ mod tests {
             );
             assert!(stream.member.ended(), "a failed generation sends no abort");
         }
-        assert_eq!(sessions.count(), 1, "ended sessions are dropped");
+        assert_eq!(sessions.0.count(), 1, "ended sessions are dropped");
     }
 }

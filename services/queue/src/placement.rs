@@ -33,9 +33,10 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
+use futures::FutureExt;
 use parking_lot::Mutex;
 use prometheus::{IntCounterVec, Registry};
 use sluice_proto::router::v1 as router_pb;
@@ -43,8 +44,9 @@ use sluice_proto::router::v1::place_request::Msg as PlaceMsg;
 use sluice_proto::router::v1::router_client::RouterClient;
 use sluice_runtime::grpc::TracedChannel;
 use sluice_runtime::metrics::Registrar;
+use sluice_runtime::session::{Protocol, Session};
 use sluice_runtime::{Discovery, DiscoveryEvent, Followed, Security};
-use tokio::sync::{Notify, mpsc, oneshot};
+use tokio::sync::Notify;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -71,12 +73,69 @@ const ROUTE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long placement waits for a router to appear before failing with
 /// `no_router` (start-up order, router restarts).
 const ROUTER_WAIT: Duration = Duration::from_secs(3);
-/// Messages a session may have waiting to be sent. A router that falls this
-/// far behind has its session reset (it is sent every held placement again).
-const SESSION_BACKLOG: usize = 65_536;
-
-type Client = RouterClient<TracedChannel>;
 type Answer = Result<router_pb::RouteResponse, tonic::Status>;
+
+/// `Router.Place`, on the mesh's session client: each route is a member
+/// whose one event is its answer. A router that falls the session's backlog
+/// behind has its session ended, and the next is sent every held placement
+/// again.
+#[derive(Debug)]
+struct Place;
+
+/// What a route call hears.
+enum PlaceEvent {
+    /// The router's answer.
+    Answer(Answer),
+    /// The session ended first.
+    Broke,
+}
+
+impl Protocol for Place {
+    type Out = router_pb::PlaceRequest;
+    type In = router_pb::PlaceResponse;
+    type Event = PlaceEvent;
+    const PEER: &'static str = "router";
+    const METHOD: &'static str = "Router.Place";
+    const MEMBER: &'static str = "placement";
+
+    fn call(
+        channel: TracedChannel,
+        outbound: ReceiverStream<router_pb::PlaceRequest>,
+    ) -> futures::future::BoxFuture<
+        'static,
+        Result<tonic::Streaming<router_pb::PlaceResponse>, tonic::Status>,
+    > {
+        async move {
+            let mut client = RouterClient::new(channel);
+            Ok(client.place(outbound).await?.into_inner())
+        }
+        .boxed()
+    }
+
+    fn event(reply: router_pb::PlaceResponse) -> Option<(u64, PlaceEvent, bool)> {
+        let answer = match reply.result {
+            Some(router_pb::place_response::Result::Routed(r)) => Ok(r),
+            Some(router_pb::place_response::Result::Error(e)) => {
+                Err(tonic::Status::new(e.code.into(), e.message))
+            }
+            None => Err(tonic::Status::internal("empty answer")),
+        };
+        Some((reply.call_id, PlaceEvent::Answer(answer), true))
+    }
+
+    fn failure(_: tonic::Status) -> PlaceEvent {
+        PlaceEvent::Broke
+    }
+
+    fn ends(_: &PlaceEvent) -> bool {
+        true
+    }
+
+    /// A route's answer is not withdrawn: its placement is released instead.
+    fn cancel(_: u64) -> Option<router_pb::PlaceRequest> {
+        None
+    }
+}
 
 /// The router replicas, one `Place` session each.
 #[derive(Debug, Clone)]
@@ -88,8 +147,8 @@ pub(crate) struct Routers {
 struct RoutersInner {
     /// This queue's identity on its sessions.
     client_id: String,
-    /// Router id → session (a fixed endpoint is keyed by itself).
-    sessions: Mutex<BTreeMap<String, Arc<Session>>>,
+    /// Router id → its link (a fixed endpoint is keyed by itself).
+    links: Mutex<BTreeMap<String, Arc<RouterLink>>>,
     next: AtomicUsize,
     changed: Notify,
     /// The placements of live leases, by placement id (a request's decode
@@ -106,16 +165,14 @@ struct RoutersInner {
     security: Arc<Security>,
 }
 
-/// One router's session.
+/// One router: its channel and its current session, reopened while it
+/// lasts.
 #[derive(Debug)]
-struct Session {
+struct RouterLink {
     router_id: String,
-    client: Client,
-    /// The open stream's sender; `None` while (re)connecting.
-    tx: Mutex<Option<mpsc::Sender<router_pb::PlaceRequest>>>,
-    /// The router answered the session's opening: routes may go here.
-    ready: AtomicBool,
-    pending: Mutex<HashMap<u64, oneshot::Sender<Answer>>>,
+    channel: TracedChannel,
+    /// The session now; `None` between sessions.
+    current: Mutex<Option<Arc<Session<Place>>>>,
     stop: CancellationToken,
 }
 
@@ -136,68 +193,60 @@ const TIMED_OUT: &str = "it gave no answer in time";
 #[error("the router gave no answer within {0:?}")]
 struct RouteTimeout(Duration);
 
-impl Session {
+impl RouterLink {
+    fn current(&self) -> Option<Arc<Session<Place>>> {
+        self.current.lock().clone()
+    }
+
+    /// The router answered the current session's opening: routes may go here.
+    fn ready(&self) -> bool {
+        self.current()
+            .is_some_and(|s| s.phase() == sluice_runtime::session::Phase::Open)
+    }
+
+    /// Sends `msg` on the current session; between sessions nothing is
+    /// sent (the next is sent what is held).
     fn send(&self, msg: router_pb::PlaceRequest) {
-        let mut tx = self.tx.lock();
-        let Some(sender) = tx.as_ref() else {
-            return; // reconnecting: the new session is sent what is held
-        };
-        if let Err(mpsc::error::TrySendError::Full(_)) = sender.try_send(msg) {
-            tracing::warn!(router = %self.router_id, "router too far behind; resetting its placement session");
-            // Dropping the sender ends the stream; the reconnect resends
-            // every held placement.
-            *tx = None;
-            self.ready.store(false, Ordering::Release);
+        if let Some(session) = self.current() {
+            session.send(msg);
         }
     }
 
     /// The router gave no answer in time (hung or frozen, its connection
-    /// still open): end the session's stream and skip it until a new
-    /// session opens, which a router that is still hung never answers. Every
-    /// placement after this one goes straight to the other routers instead
-    /// of waiting out [`ROUTE_TIMEOUT`] again.
+    /// still open): end the session and skip it until a new session opens,
+    /// which a router that is still hung never answers. Every placement
+    /// after this one goes straight to the other routers instead of waiting
+    /// out [`ROUTE_TIMEOUT`] again.
     fn reset(&self) {
-        *self.tx.lock() = None;
-        self.ready.store(false, Ordering::Release);
+        if let Some(session) = self.current() {
+            session.close(&tonic::Status::unavailable(TIMED_OUT));
+        }
+    }
+
+    fn client(&self) -> RouterClient<TracedChannel> {
+        RouterClient::new(self.channel.clone())
     }
 
     async fn call(
         &self,
-        call_id: u64,
         request: router_pb::RouteRequest,
     ) -> Result<router_pb::RouteResponse, CallError> {
-        let (answer_tx, answer_rx) = oneshot::channel();
-        self.pending.lock().insert(call_id, answer_tx);
-        let msg = router_pb::PlaceRequest {
+        let Some(session) = self.current() else {
+            return Err(CallError::Unavailable);
+        };
+        let mut member = session.join(|call_id| router_pb::PlaceRequest {
             msg: Some(PlaceMsg::Route(router_pb::PlaceCall {
                 call_id,
                 request: Some(request),
                 traceparent: sluice_runtime::telemetry::traceparent(),
             })),
-        };
-        let sent = self
-            .tx
-            .lock()
-            .as_ref()
-            .is_some_and(|tx| tx.try_send(msg).is_ok());
-        if !sent {
-            self.pending.lock().remove(&call_id);
-            return Err(CallError::Unavailable);
+        });
+        match tokio::time::timeout(ROUTE_TIMEOUT, member.next()).await {
+            Err(_) => Err(CallError::Timeout),
+            Ok(None | Some(PlaceEvent::Broke)) => Err(CallError::Unavailable),
+            Ok(Some(PlaceEvent::Answer(Ok(r)))) => Ok(r),
+            Ok(Some(PlaceEvent::Answer(Err(status)))) => Err(CallError::Status(status)),
         }
-        match tokio::time::timeout(ROUTE_TIMEOUT, answer_rx).await {
-            Err(_) => {
-                self.pending.lock().remove(&call_id);
-                Err(CallError::Timeout)
-            }
-            Ok(Err(_)) => Err(CallError::Unavailable),
-            Ok(Ok(Ok(r))) => Ok(r),
-            Ok(Ok(Err(status))) => Err(CallError::Status(status)),
-        }
-    }
-
-    /// Fails every call waiting on this session.
-    fn fail_pending(&self) {
-        self.pending.lock().clear();
     }
 }
 
@@ -211,7 +260,7 @@ impl Routers {
         Self {
             inner: Arc::new(RoutersInner {
                 client_id: client_id.to_owned(),
-                sessions: Mutex::new(BTreeMap::new()),
+                links: Mutex::new(BTreeMap::new()),
                 next: AtomicUsize::new(0),
                 changed: Notify::new(),
                 held: Mutex::new(HashMap::new()),
@@ -233,8 +282,8 @@ impl Routers {
         security: Arc<Security>,
     ) -> Result<Self, QueueError> {
         let routers = Self::empty(client_id, tracker, shutdown, security);
-        let client = RouterClient::new(routers.inner.security.channel(endpoint)?);
-        RoutersInner::open(&routers.inner, endpoint.to_owned(), client);
+        let channel = routers.inner.security.channel(endpoint)?;
+        RoutersInner::open(&routers.inner, endpoint.to_owned(), channel);
         Ok(routers)
     }
 
@@ -258,7 +307,7 @@ impl Routers {
                         DiscoveryEvent::Put(instance) => match inner.security.channel(&instance.endpoint) {
                             Ok(ch) => {
                                 tracing::info!(id = %instance.id, endpoint = %instance.endpoint, "router found");
-                                RoutersInner::open(&inner, instance.id, RouterClient::new(ch));
+                                RoutersInner::open(&inner, instance.id, ch);
                             }
                             Err(err) => {
                                 tracing::warn!(id = %instance.id, endpoint = %instance.endpoint, error = %err, "unusable router endpoint");
@@ -266,8 +315,8 @@ impl Routers {
                         },
                         DiscoveryEvent::Delete { id, .. } => {
                             tracing::info!(%id, "router left");
-                            if let Some(s) = inner.sessions.lock().remove(&id) {
-                                s.stop.cancel();
+                            if let Some(link) = inner.links.lock().remove(&id) {
+                                link.stop.cancel();
                             }
                         }
                     }
@@ -289,7 +338,7 @@ impl Routers {
         &self,
         deadline: tokio::time::Instant,
         tried: &HashSet<String>,
-    ) -> Option<Arc<Session>> {
+    ) -> Option<Arc<RouterLink>> {
         loop {
             // Registered before the check: a router found in between still wakes us.
             let changed = self.inner.changed.notified();
@@ -303,11 +352,11 @@ impl Routers {
     }
 
     /// A ready session, round robin, skipping `tried`.
-    fn pick(&self, tried: &HashSet<String>) -> Option<Arc<Session>> {
-        let sessions = self.inner.sessions.lock();
-        let ready: Vec<&Arc<Session>> = sessions
+    fn pick(&self, tried: &HashSet<String>) -> Option<Arc<RouterLink>> {
+        let links = self.inner.links.lock();
+        let ready: Vec<&Arc<RouterLink>> = links
             .values()
-            .filter(|s| s.ready.load(Ordering::Acquire) && !tried.contains(&s.router_id))
+            .filter(|l| !tried.contains(&l.router_id) && l.ready())
             .collect();
         if ready.is_empty() {
             return None;
@@ -322,33 +371,31 @@ impl Routers {
 }
 
 impl RoutersInner {
-    /// Opens (or keeps) the session to router `id`.
-    fn open(inner: &Arc<Self>, id: String, client: Client) {
-        let session = {
-            let mut sessions = inner.sessions.lock();
-            if sessions.contains_key(&id) {
+    /// Opens (or keeps) the link to router `id`.
+    fn open(inner: &Arc<Self>, id: String, channel: TracedChannel) {
+        let link = {
+            let mut links = inner.links.lock();
+            if links.contains_key(&id) {
                 return;
             }
-            let session = Arc::new(Session {
+            let link = Arc::new(RouterLink {
                 router_id: id.clone(),
-                client,
-                tx: Mutex::new(None),
-                ready: AtomicBool::new(false),
-                pending: Mutex::new(HashMap::new()),
+                channel,
+                current: Mutex::new(None),
                 stop: inner.shutdown.child_token(),
             });
-            sessions.insert(id, Arc::clone(&session));
-            session
+            links.insert(id, Arc::clone(&link));
+            link
         };
-        inner.tracker.spawn(run_session(Arc::clone(inner), session));
+        inner.tracker.spawn(run_link(Arc::clone(inner), link));
     }
 
-    /// Sends `msg` to every session but `except`.
+    /// Sends `msg` to every router but `except`.
     fn broadcast(&self, msg: &router_pb::PlaceRequest, except: Option<&str>) {
-        let sessions: Vec<Arc<Session>> = self.sessions.lock().values().cloned().collect();
-        for s in sessions {
-            if except != Some(s.router_id.as_str()) {
-                s.send(msg.clone());
+        let links: Vec<Arc<RouterLink>> = self.links.lock().values().cloned().collect();
+        for link in links {
+            if except != Some(link.router_id.as_str()) {
+                link.send(msg.clone());
             }
         }
     }
@@ -417,93 +464,77 @@ impl RoutersInner {
     }
 }
 
-/// Keeps one router's session open until it is stopped: hello, every held
-/// placement, then whatever the queue sends; answers go to their calls.
-async fn run_session(inner: Arc<RoutersInner>, session: Arc<Session>) {
+/// Keeps one router's session open until the link is stopped: hello,
+/// every held placement, then whatever the queue sends; answers go to their
+/// calls. A session that ends is opened again after a pause.
+async fn run_link(inner: Arc<RoutersInner>, link: Arc<RouterLink>) {
     let mut backoff = RETRY;
-    while !session.stop.is_cancelled() {
-        let (tx, rx) = mpsc::channel(SESSION_BACKLOG);
-        let hello = router_pb::PlaceRequest {
-            msg: Some(PlaceMsg::Hello(router_pb::PlaceHello {
-                client_id: inner.client_id.clone(),
-            })),
-        };
-        let mut installed = tx.try_send(hello).is_ok();
-        {
+    while !link.stop.is_cancelled() {
+        let session = {
             // Under `held`: a placement is either in this snapshot or sent
-            // on the new stream after it, never both, never neither.
+            // on the new session after it, never both, never neither.
             let held = inner.held.lock();
-            for p in held.values().flatten() {
-                let msg = router_pb::PlaceRequest {
-                    msg: Some(PlaceMsg::Placed(p.clone())),
-                };
-                installed &= tx.try_send(msg).is_ok();
-            }
             // Under `unplaced` too: the report is in the snapshot or sent
             // after it.
             let unplaced = inner.unplaced.lock();
+            let mut opening = vec![router_pb::PlaceRequest {
+                msg: Some(PlaceMsg::Hello(router_pb::PlaceHello {
+                    client_id: inner.client_id.clone(),
+                })),
+            }];
+            opening.extend(held.values().flatten().map(|p| router_pb::PlaceRequest {
+                msg: Some(PlaceMsg::Placed(p.clone())),
+            }));
             if !unplaced.models.is_empty() {
-                let msg = router_pb::PlaceRequest {
+                opening.push(router_pb::PlaceRequest {
                     msg: Some(PlaceMsg::Held(unplaced.clone())),
-                };
-                installed &= tx.try_send(msg).is_ok();
+                });
             }
-            if installed {
-                *session.tx.lock() = Some(tx);
+            match Session::open(
+                link.channel.clone(),
+                opening,
+                &inner.tracker,
+                link.stop.clone(),
+            ) {
+                Ok(session) => {
+                    *link.current.lock() = Some(Arc::clone(&session));
+                    Some(session)
+                }
+                Err(e) => {
+                    tracing::warn!(router = %link.router_id, error = %e, "too many held placements for one session");
+                    None
+                }
             }
-            drop(unplaced);
-        }
-        if installed {
-            let mut client = session.client.clone();
+        };
+        if let Some(session) = session {
             let opened = tokio::select! {
-                () = session.stop.cancelled() => break,
-                r = client.place(ReceiverStream::new(rx)) => r,
+                () = link.stop.cancelled() => break,
+                opened = session.opened() => opened,
             };
-            match opened {
-                Ok(response) => {
-                    session.ready.store(true, Ordering::Release);
-                    inner.changed.notify_waiters();
-                    tracing::info!(router = %session.router_id, "placement session open");
-                    backoff = RETRY;
-                    let mut answers = response.into_inner();
-                    loop {
-                        let msg = tokio::select! {
-                            () = session.stop.cancelled() => break,
-                            m = answers.message() => m,
-                        };
-                        let Ok(Some(reply)) = msg else { break };
-                        let answer = match reply.result {
-                            Some(router_pb::place_response::Result::Routed(r)) => Ok(r),
-                            Some(router_pb::place_response::Result::Error(e)) => {
-                                Err(tonic::Status::new(e.code.into(), e.message))
-                            }
-                            None => Err(tonic::Status::internal("empty answer")),
-                        };
-                        if let Some(call) = session.pending.lock().remove(&reply.call_id) {
-                            let _ = call.send(answer);
-                        }
-                    }
+            if opened {
+                inner.changed.notify_waiters();
+                tracing::info!(router = %link.router_id, "placement session open");
+                backoff = RETRY;
+                tokio::select! {
+                    () = link.stop.cancelled() => break,
+                    () = session.closed() => {}
                 }
-                Err(status) => {
-                    tracing::debug!(router = %session.router_id, code = ?status.code(), message = status.message(), "cannot open a placement session");
-                }
+            } else {
+                tracing::debug!(router = %link.router_id, "cannot open a placement session");
             }
-        } else {
-            tracing::warn!(router = %session.router_id, "too many held placements for one session backlog");
+            link.current.lock().take();
         }
-        session.ready.store(false, Ordering::Release);
-        *session.tx.lock() = None;
-        session.fail_pending();
         inner.changed.notify_waiters();
         tokio::select! {
-            () = session.stop.cancelled() => break,
+            () = link.stop.cancelled() => break,
             () = tokio::time::sleep(backoff) => {}
         }
         backoff = (backoff * 2).min(RETRY_MAX);
     }
-    session.ready.store(false, Ordering::Release);
-    *session.tx.lock() = None;
-    session.fail_pending();
+    if let Some(session) = link.current.lock().take() {
+        session.close(&tonic::Status::unavailable("the router left"));
+    }
+    inner.changed.notify_waiters();
 }
 
 /// Ends a request's placements at every router when dropped.
@@ -608,10 +639,9 @@ impl RouterPlacer {
                 .pick_within(deadline, &tried)
                 .await
                 .ok_or(QueueError::NoRouter)?;
-            let calls = pools.iter().map(|&pool| {
-                let id = self.routers.next_id();
-                session.call(id, Self::request(entry, pool, placement_id))
-            });
+            let calls = pools
+                .iter()
+                .map(|&pool| session.call(Self::request(entry, pool, placement_id)));
             let answers = futures::future::join_all(calls).await;
             let mut out = Vec::with_capacity(answers.len());
             let mut retry = None;
@@ -746,7 +776,7 @@ pub(crate) async fn watch_load(
     let mut warned = false;
     while !shutdown.is_cancelled() {
         if let Some(session) = routers.pick(&HashSet::new()) {
-            let mut client = session.client.clone();
+            let mut client = session.client();
             let request = router_pb::WatchLoadRequest {
                 model: String::new(),
                 client_id: routers.inner.client_id.clone(),

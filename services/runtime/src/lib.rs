@@ -35,6 +35,7 @@ pub mod metrics;
 pub mod request;
 pub mod security;
 pub mod service;
+pub mod session;
 pub mod shutdown;
 pub mod telemetry;
 pub mod tenant_labels;
