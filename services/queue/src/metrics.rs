@@ -248,11 +248,12 @@ impl QueueMetrics {
         self.tenant_wait
             .with_label_values(&[self.tenants.label(tenant).as_str()])
             .observe(waited_secs);
-        self.active_leases.inc();
     }
 
-    pub(crate) fn released(&self) {
-        self.active_leases.dec();
+    /// Granted leases not yet ended changed by `delta` (the queue's phase
+    /// transitions call this, nothing else).
+    pub(crate) fn active(&self, delta: i64) {
+        self.active_leases.add(delta);
     }
 
     pub(crate) fn rejected(&self, priority: i32, tenant: &str, reason: &str) {
@@ -334,7 +335,8 @@ mod tests {
         m.rejected(0, "t", "queue_full");
         m.expired(0, "t");
         m.cancelled();
-        m.released();
+        m.active(1);
+        m.active(-1);
         let text = render(&registry);
         assert!(text.contains("sluice_queue_grants_total{priority=\"0\"} 1"));
         assert!(text.contains("sluice_queue_rejections_total{reason=\"queue_full\"} 1"));

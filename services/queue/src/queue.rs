@@ -157,7 +157,7 @@ mod dispatch;
 mod hold;
 mod order;
 
-use dispatch::Outcome;
+use dispatch::{Outcome, PhaseCounts};
 use hold::{DrainRate, LoadCheck, ModelQueue, hold_reason, retry_after_secs};
 use order::{Order, Released, tokens_cost};
 
@@ -510,6 +510,11 @@ impl Queue {
             .or_insert_with(|| ModelQueue::new(cfg.queue_policy));
         model.order.insert(cfg, shared.epoch, seq, &entry, weight);
         model.count_held(entry.desc.priority, 1);
+        {
+            let state = &mut *st;
+            let model = state.models.get_mut(&entry.desc.model);
+            (state.counts).moved(model, &entry, None, Some(Phase::Held), &shared.metrics);
+        }
         st.held_changed = true;
         // A target beyond any clock (a huge `--ttft-target-secs`) never
         // expires the request.
@@ -519,11 +524,6 @@ impl Queue {
             .unwrap_or(entry.arrival + Duration::from_secs(100 * 365 * 86_400));
         let expiry = entry.deadline.map_or(target_at, |d| d.min(target_at));
         st.deadlines.insert((expiry, seq));
-        *st.tenants.entry(entry.desc.tenant.clone()).or_default() += 1;
-        st.pending += 1;
-        shared
-            .metrics
-            .pending(entry.desc.priority, entry.desc.prompt_tokens, 1);
         st.slots.insert(
             seq,
             Slot {
@@ -546,6 +546,7 @@ impl Queue {
             },
         );
         st.unread.push(seq);
+        st.check();
         drop(st);
         shared.wake.notify_one();
         Ok(Ticket {
@@ -603,8 +604,8 @@ impl Queue {
                 .max(now.saturating_duration_since(e.arrival));
         }
         QueueStats {
-            pending: st.pending,
-            active: st.active,
+            pending: st.counts.pending(),
+            active: st.counts.active(),
             tiers: tiers.into_values().collect(),
         }
     }
@@ -622,13 +623,14 @@ impl Queue {
                 let now = Instant::now();
                 let mut st = shared.state.lock();
                 st.expire(&shared.cfg, shared.epoch, now, &shared.metrics);
-                let started = st.release(&shared.cfg, now);
+                let started = st.release(&shared.cfg, now, &shared.metrics);
                 let next_publish = st.publish_positions(now);
                 let (held, next_report) = st.held_report(now);
                 // An idle model goes, unless it served something: what it
                 // learned of the workers' speed stays for its next request.
                 st.models
                     .retain(|_, m| !m.is_idle() || m.lease_secs.is_known());
+                st.check();
                 let next_deadline = st.deadlines.first().map(|&(d, _)| d);
                 // Wake for whichever comes first: a deadline, a held-back
                 // update or a held-back report.
@@ -651,6 +653,7 @@ impl Queue {
                     let now = Instant::now();
                     let mut st = shared.state.lock();
                     st.complete(outcome, &shared.cfg, shared.epoch, &shared.metrics, now);
+                    st.check();
                 }
                 () = shared.wake.notified() => {}
                 () = tokio::time::sleep_until(next_deadline.unwrap_or_else(Instant::now)),
@@ -659,6 +662,7 @@ impl Queue {
         }
         let mut st = shared.state.lock();
         st.drain(&shared.metrics);
+        st.check();
     }
 }
 
@@ -753,6 +757,7 @@ impl Drop for Ticket {
         let shared = &self.shared;
         let mut st = shared.state.lock();
         st.leave(self.seq, &shared.cfg, shared.epoch, &shared.metrics);
+        st.check();
         drop(st);
         shared.wake.notify_one();
     }
@@ -824,9 +829,9 @@ struct State {
     next_seq: u64,
     slots: HashMap<u64, Slot>,
     models: HashMap<String, ModelQueue>,
-    tenants: HashMap<String, usize>,
-    pending: usize,
-    active: usize,
+    /// Pending and active requests, in all and per tenant: written only by
+    /// the phase transitions (`dispatch.rs`).
+    counts: PhaseCounts,
     deadlines: BTreeSet<(Instant, u64)>,
     /// Admitted since the last pass; `wspt` reads their overlap if held.
     unread: Vec<u64>,
@@ -852,6 +857,78 @@ struct State {
     held_changed: bool,
     /// When it last reported what it holds.
     held_reported: Option<Instant>,
+}
+
+impl State {
+    /// Debug builds: every count that follows requests' phases agrees with
+    /// a recount from the slots (the transitions in `dispatch.rs` are the
+    /// only writers). Release builds: nothing.
+    fn check(&self) {
+        #[cfg(debug_assertions)]
+        self.recount();
+    }
+
+    #[cfg(debug_assertions)]
+    fn recount(&self) {
+        let mut pending = 0;
+        let mut tenants: HashMap<&str, usize> = HashMap::new();
+        let mut by_model: HashMap<&str, [usize; 4]> = HashMap::new();
+        let mut starting: HashMap<WorkerRank, BTreeMap<i32, u64>> = HashMap::new();
+        for slot in self.slots.values() {
+            let desc = &slot.entry.desc;
+            let phase = match slot.phase {
+                Phase::Held => 0,
+                Phase::Refreshing => 1,
+                Phase::Placing => 2,
+                Phase::Active => 3,
+            };
+            by_model.entry(&desc.model).or_default()[phase] += 1;
+            if slot.phase != Phase::Active {
+                pending += 1;
+                *tenants.entry(&desc.tenant).or_default() += 1;
+            }
+            if let Some((rank, tokens)) = &slot.prefill
+                && *tokens > 0
+            {
+                *starting
+                    .entry(rank.clone())
+                    .or_default()
+                    .entry(desc.priority)
+                    .or_default() += tokens;
+            }
+        }
+        let active = self.slots.len() - pending;
+        assert_eq!(self.counts.pending(), pending, "pending requests");
+        assert_eq!(self.counts.active(), active, "active leases");
+        let counted: HashMap<&str, usize> = self
+            .counts
+            .tenants()
+            .map(|(t, &n)| (t.as_str(), n))
+            .collect();
+        assert_eq!(counted, tenants, "pending requests by tenant");
+        for (name, model) in &self.models {
+            let [held, refreshing, placing, active] =
+                by_model.get(name.as_str()).copied().unwrap_or_default();
+            assert_eq!(model.active, active, "active leases of {name}");
+            // Placements and refreshes still in flight for requests that
+            // left count until their answers come back.
+            assert!(model.placing >= placing, "placements of {name}");
+            assert!(model.refreshing >= refreshing, "refreshes of {name}");
+            if !self.draining {
+                assert_eq!(
+                    model.order.len(),
+                    held + refreshing,
+                    "held requests of {name}"
+                );
+            }
+        }
+        let in_order: usize = by_model.values().map(|[h, r, _, _]| h + r).sum();
+        assert_eq!(self.deadlines.len(), in_order, "deadlines of held requests");
+        assert_eq!(
+            self.starting_prefill, starting,
+            "prefill of granted requests"
+        );
+    }
 }
 
 #[cfg(test)]

@@ -1,9 +1,106 @@
 //! The dispatcher: admission checks, releases in policy order, placement
 //! and refresh results, leases ending, deadlines, draining and displacement.
-//! Every change of a request's phase, and of the counts that follow it
-//! (pending, placing, refreshing, active), happens here.
+//! A request in the queue changes phase only through [`set_phase`], and
+//! enters or leaves it through [`PhaseCounts::moved`]: the one writer of
+//! the counts and gauges that follow phases (pending in all, per tenant and
+//! by priority; active in all and per model). [`State::check`] recounts
+//! them from the slots after every change, in debug builds.
 
 use super::*;
+
+/// The counts that follow requests' phases. Only [`PhaseCounts::moved`]
+/// changes them.
+#[derive(Debug, Default)]
+pub(super) struct PhaseCounts {
+    /// Held, refreshing or being placed.
+    pending: usize,
+    /// Granted, lease not yet ended.
+    active: usize,
+    /// Pending by tenant (no zero entries).
+    tenants: HashMap<String, usize>,
+}
+
+impl PhaseCounts {
+    pub(super) fn pending(&self) -> usize {
+        self.pending
+    }
+
+    pub(super) fn active(&self) -> usize {
+        self.active
+    }
+
+    #[cfg(debug_assertions)]
+    pub(super) fn tenants(&self) -> impl Iterator<Item = (&String, &usize)> {
+        self.tenants.iter()
+    }
+
+    fn tenant_pending(&self, tenant: &str) -> usize {
+        self.tenants.get(tenant).copied().unwrap_or(0)
+    }
+
+    /// A request (`entry`, of `model`) moved from phase `from` to `to`
+    /// (`None`: not in the queue, before admission or after it left).
+    pub(super) fn moved(
+        &mut self,
+        model: Option<&mut ModelQueue>,
+        entry: &Entry,
+        from: Option<Phase>,
+        to: Option<Phase>,
+        metrics: &QueueMetrics,
+    ) {
+        let pending = |p: Option<Phase>| p.is_some_and(|p| p != Phase::Active);
+        let active = |p: Option<Phase>| p == Some(Phase::Active);
+        let tenant = &entry.desc.tenant;
+        match (pending(from), pending(to)) {
+            (false, true) => {
+                self.pending += 1;
+                *self.tenants.entry(tenant.clone()).or_default() += 1;
+                metrics.pending(entry.desc.priority, entry.desc.prompt_tokens, 1);
+            }
+            (true, false) => {
+                self.pending -= 1;
+                if let Some(count) = self.tenants.get_mut(tenant) {
+                    *count -= 1;
+                    if *count == 0 {
+                        self.tenants.remove(tenant);
+                    }
+                }
+                metrics.pending(entry.desc.priority, entry.desc.prompt_tokens, -1);
+            }
+            _ => {}
+        }
+        match (active(from), active(to)) {
+            (false, true) => {
+                self.active += 1;
+                if let Some(model) = model {
+                    model.active += 1;
+                }
+                metrics.active(1);
+            }
+            (true, false) => {
+                self.active -= 1;
+                if let Some(model) = model {
+                    model.active -= 1;
+                }
+                metrics.active(-1);
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Sets the phase of `slot` (a request of `model`): the one place a
+/// request in the queue changes phase.
+fn set_phase(
+    counts: &mut PhaseCounts,
+    model: Option<&mut ModelQueue>,
+    slot: &mut Slot,
+    to: Phase,
+    metrics: &QueueMetrics,
+) {
+    let from = std::mem::replace(&mut slot.phase, to);
+    counts.moved(model, &slot.entry, Some(from), Some(to), metrics);
+}
 
 /// Work the dispatcher starts outside the lock.
 pub(super) enum Op {
@@ -18,11 +115,14 @@ pub(super) enum Outcome {
         priority: i32,
         result: Result<Placed, QueueError>,
     },
-    Refreshed {
-        seq: u64,
-        model: String,
-        result: Result<u32, QueueError>,
-    },
+    Refreshed(Refreshed),
+}
+
+/// An overlap read's answer for request `seq` of `model`.
+pub(super) struct Refreshed {
+    seq: u64,
+    model: String,
+    result: Result<u32, QueueError>,
 }
 
 impl Op {
@@ -41,11 +141,11 @@ impl Op {
             Op::Refresh(seq, entry) => Box::pin(async move {
                 let span = entry.span.clone();
                 let result = tracing::Instrument::instrument(placer.overlap(&entry), span).await;
-                Outcome::Refreshed {
+                Outcome::Refreshed(Refreshed {
                     seq,
                     model: entry.desc.model,
                     result,
-                }
+                })
             }),
         }
     }
@@ -61,10 +161,11 @@ impl State {
         if self.draining {
             return Err(QueueError::Draining);
         }
-        let retry_after = self.drained.retry_after(self.pending, now);
-        if self.pending >= cfg.max_pending {
+        let pending = self.counts.pending();
+        let retry_after = self.drained.retry_after(pending, now);
+        if pending >= cfg.max_pending {
             return Err(QueueError::QueueFull {
-                pending: self.pending,
+                pending,
                 limit: cfg.max_pending,
                 retry_after,
             });
@@ -72,18 +173,18 @@ impl State {
         let reserved = cfg.reserved_slots();
         if entry.desc.priority <= cfg.shed_protect_priority
             && reserved > 0
-            && self.pending >= cfg.max_pending - reserved
+            && pending >= cfg.max_pending - reserved
         {
             return Err(QueueError::Shed {
                 retry_after,
                 priority: entry.desc.priority,
-                pending: self.pending,
+                pending,
                 reserved,
                 limit: cfg.max_pending,
                 protect: cfg.shed_protect_priority,
             });
         }
-        let tenant_pending = self.tenants.get(&entry.desc.tenant).copied().unwrap_or(0);
+        let tenant_pending = self.counts.tenant_pending(&entry.desc.tenant);
         if tenant_pending >= cfg.max_pending_per_tenant {
             return Err(QueueError::TenantFull {
                 tenant: entry.desc.tenant.clone(),
@@ -103,7 +204,7 @@ impl State {
     }
 
     /// Releases, per model, as many held requests as the hold rule allows.
-    pub(super) fn release(&mut self, cfg: &Args, now: Instant) -> Vec<Op> {
+    pub(super) fn release(&mut self, cfg: &Args, now: Instant, metrics: &QueueMetrics) -> Vec<Op> {
         let mut ops = Vec::new();
         if self.draining {
             return ops;
@@ -148,7 +249,7 @@ impl State {
                 if cfg.queue_policy == Policy::Wspt && stale {
                     // Stays in the order (and blocks this model's releases)
                     // until the fresh overlap is back.
-                    ops.push(refresh(seq, slot, model));
+                    ops.push(refresh(seq, slot, model, &mut self.counts, metrics));
                     continue;
                 }
                 if let Some((_, released)) = model.order.pop_head() {
@@ -167,7 +268,13 @@ impl State {
                 }
                 self.deadlines.remove(&(slot.expiry, seq));
                 slot.released_at = Some(now);
-                slot.phase = Phase::Placing;
+                set_phase(
+                    &mut self.counts,
+                    Some(&mut *model),
+                    slot,
+                    Phase::Placing,
+                    metrics,
+                );
                 model.placing += 1;
                 model.run(slot.entry.desc.priority, 1);
                 ops.push(Op::Place(seq, slot.entry.clone()));
@@ -186,7 +293,7 @@ impl State {
                 continue;
             }
             if let Some(model) = self.models.get_mut(&slot.entry.desc.model) {
-                ops.push(refresh(seq, slot, model));
+                ops.push(refresh(seq, slot, model, &mut self.counts, metrics));
             }
         }
         ops
@@ -291,7 +398,7 @@ impl State {
                 self.held_changed = true;
                 behind = model.order.len();
             }
-            self.forget_pending(&slot.entry, metrics);
+            self.left(&slot, metrics);
             self.retire(&slot, false, now);
             let desc = &slot.entry.desc;
             let waited = now.saturating_duration_since(slot.entry.arrival);
@@ -328,8 +435,8 @@ impl State {
         now: Instant,
     ) {
         match outcome {
-            Outcome::Refreshed { seq, model, result } => {
-                self.refreshed(seq, &model, result, cfg, epoch, now);
+            Outcome::Refreshed(refreshed) => {
+                self.refreshed(refreshed, cfg, epoch, metrics, now);
             }
             Outcome::Placed {
                 seq,
@@ -363,14 +470,13 @@ impl State {
     /// by it, and held again.
     fn refreshed(
         &mut self,
-        seq: u64,
-        model: &str,
-        result: Result<u32, QueueError>,
+        Refreshed { seq, model, result }: Refreshed,
         cfg: &Args,
         epoch: Instant,
+        metrics: &QueueMetrics,
         now: Instant,
     ) {
-        let Some(queue) = self.models.get_mut(model) else {
+        let Some(queue) = self.models.get_mut(&model) else {
             return;
         };
         queue.refreshing -= 1;
@@ -394,7 +500,7 @@ impl State {
             }
         }
         slot.last_refresh = Some(now);
-        slot.phase = Phase::Held;
+        set_phase(&mut self.counts, Some(queue), slot, Phase::Held, metrics);
     }
 
     /// The request was placed: it becomes active, its tenant is charged
@@ -416,8 +522,6 @@ impl State {
         let entry = slot.entry.clone();
         let released = slot.fair.clone();
         let express = slot.express;
-        self.active += 1;
-        self.forget_pending(&entry, metrics);
         let uncached = entry
             .desc
             .prompt_tokens
@@ -427,7 +531,6 @@ impl State {
         let cached = f64::from(placement.overlap_tokens.min(entry.desc.prompt_tokens))
             - f64::from(entry.overlap_tokens);
         if let Some(queue) = self.models.get_mut(model) {
-            queue.active += 1;
             queue.run(entry.desc.priority, 1);
             queue.drained.grant(now);
             if let Some(released) = &released
@@ -450,12 +553,15 @@ impl State {
         if let Some(load) = self.load.get_mut(&busy) {
             load.active_prefill_tokens += u64::from(uncached);
         }
-        *self
-            .starting_prefill
-            .entry(busy.clone())
-            .or_default()
-            .entry(entry.desc.priority)
-            .or_default() += u64::from(uncached);
+        // A prompt cached whole adds nothing (and no empty entry).
+        if uncached > 0 {
+            *self
+                .starting_prefill
+                .entry(busy.clone())
+                .or_default()
+                .entry(entry.desc.priority)
+                .or_default() += u64::from(uncached);
+        }
         let waited = now.saturating_duration_since(entry.arrival);
         self.drained.grant(now);
         metrics.served(&entry.desc.tenant, "prompt", u64::from(uncached));
@@ -473,7 +579,13 @@ impl State {
             "granted"
         );
         if let Some(slot) = self.slots.get_mut(&seq) {
-            slot.phase = Phase::Active;
+            set_phase(
+                &mut self.counts,
+                self.models.get_mut(model),
+                slot,
+                Phase::Active,
+                metrics,
+            );
             slot.prefill = Some((busy, u64::from(uncached)));
             slot.lease = lease;
             slot.granted_at = Some(now);
@@ -497,7 +609,7 @@ impl State {
     ) {
         if let Some(slot) = self.slots.remove(&seq) {
             tracing::debug!(request_id = %slot.entry.desc.request_id, error = %err, "placement failed");
-            self.forget_pending(&slot.entry, metrics);
+            self.left(&slot, metrics);
             self.retire(&slot, false, now);
             metrics.rejected(
                 slot.entry.desc.priority,
@@ -514,6 +626,7 @@ impl State {
             return;
         };
         self.retire(&slot, slot.phase == Phase::Active, Instant::now());
+        self.left(&slot, metrics);
         match slot.phase {
             Phase::Held | Phase::Refreshing => {
                 if let Some(model) = self.models.get_mut(&slot.entry.desc.model) {
@@ -522,17 +635,11 @@ impl State {
                     self.held_changed = true;
                 }
                 self.deadlines.remove(&(slot.expiry, seq));
-                self.forget_pending(&slot.entry, metrics);
                 metrics.cancelled();
             }
-            Phase::Placing => {
-                self.forget_pending(&slot.entry, metrics);
-                metrics.cancelled();
-            }
+            Phase::Placing => metrics.cancelled(),
             Phase::Active => {
-                self.active -= 1;
                 if let Some(model) = self.models.get_mut(&slot.entry.desc.model) {
-                    model.active -= 1;
                     model.run(slot.entry.desc.priority, -1);
                     if let Some(at) = slot.granted_at {
                         model.lease_ended(
@@ -541,7 +648,6 @@ impl State {
                         );
                     }
                 }
-                metrics.released();
             }
         }
     }
@@ -562,7 +668,7 @@ impl State {
         self.held_changed = true;
         for seq in waiting {
             if let Some(slot) = self.slots.remove(&seq) {
-                self.forget_pending(&slot.entry, metrics);
+                self.left(&slot, metrics);
                 self.retire(&slot, false, Instant::now());
                 metrics.rejected(
                     slot.entry.desc.priority,
@@ -606,11 +712,11 @@ impl State {
             self.held_changed = true;
         }
         self.deadlines.remove(&(slot.expiry, seq));
-        self.forget_pending(&slot.entry, metrics);
+        self.left(&slot, metrics);
         let err = QueueError::Displaced {
             priority: slot.entry.desc.priority,
             by: entry.desc.priority,
-            retry_after: self.drained.retry_after(self.pending, now),
+            retry_after: self.drained.retry_after(self.counts.pending(), now),
         };
         tracing::debug!(request_id = %slot.entry.desc.request_id, by = %entry.desc.request_id, "displaced from the full queue");
         metrics.rejected(
@@ -734,22 +840,24 @@ impl State {
         metrics.served(&tenant, "output", new as u64);
     }
 
-    pub(super) fn forget_pending(&mut self, entry: &Entry, metrics: &QueueMetrics) {
-        self.pending -= 1;
-        if let Some(count) = self.tenants.get_mut(&entry.desc.tenant) {
-            *count -= 1;
-            if *count == 0 {
-                self.tenants.remove(&entry.desc.tenant);
-            }
-        }
-        metrics.pending(entry.desc.priority, entry.desc.prompt_tokens, -1);
+    /// `slot` left the queue (already out of `slots`).
+    fn left(&mut self, slot: &Slot, metrics: &QueueMetrics) {
+        let model = self.models.get_mut(&slot.entry.desc.model);
+        self.counts
+            .moved(model, &slot.entry, Some(slot.phase), None, metrics);
     }
 }
 
 /// Starts reading a held request's overlap (`wspt`): the one place a
 /// request enters `Refreshing`.
-fn refresh(seq: u64, slot: &mut Slot, model: &mut ModelQueue) -> Op {
-    slot.phase = Phase::Refreshing;
+fn refresh(
+    seq: u64,
+    slot: &mut Slot,
+    model: &mut ModelQueue,
+    counts: &mut PhaseCounts,
+    metrics: &QueueMetrics,
+) -> Op {
+    set_phase(counts, Some(&mut *model), slot, Phase::Refreshing, metrics);
     model.refreshing += 1;
     Op::Refresh(seq, slot.entry.clone())
 }

@@ -1468,7 +1468,8 @@ async fn random_traffic_keeps_counts_and_gauges_consistent() {
             assert_eq!((stats.pending, stats.active), (0, 0));
             assert_eq!(h.metric("sluice_queue_pending_tokens"), 0.0);
             let st = h.queue.shared.state.lock();
-            assert!(st.slots.is_empty() && st.tenants.is_empty() && st.deadlines.is_empty());
+            assert!(st.slots.is_empty() && st.deadlines.is_empty());
+            st.check();
             assert!(
                 st.starting_prefill.is_empty(),
                 "{policy} seed {seed}: no grant left counted as starting"
