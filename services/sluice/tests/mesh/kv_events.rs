@@ -397,9 +397,8 @@ async fn a_draining_worker_refuses_new_generations_and_finishes_its_own() -> any
         "{first:?}"
     );
 
+    // The session hears the drain before any message that follows it.
     shutdown.cancel();
-    // Give the session the drain signal before the next request.
-    tokio::time::sleep(Duration::from_millis(100)).await;
     send(2, generate_request(4))?;
     let mut tokens = first.map_or(0, |a| match a.msg {
         Some(Msg::Response(r)) => r.token_ids.len(),

@@ -40,6 +40,9 @@ pub(crate) async fn run(
     let mut draining = svc.draining.is_cancelled();
     loop {
         tokio::select! {
+            // The drain first: a message that arrives once the worker drains
+            // is refused, whichever was ready first.
+            biased;
             () = svc.draining.cancelled(), if !draining => draining = true,
             Some((id, generation)) = session.running.next(), if !session.running.is_empty() => {
                 session.ended(id, generation);
