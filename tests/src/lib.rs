@@ -22,8 +22,10 @@ pub mod watchdog;
 
 use std::net::TcpListener;
 
-/// A free loopback port (bound and released; good enough for child processes
-/// that cannot take an already-bound socket).
-pub fn free_port() -> anyhow::Result<u16> {
+/// A free loopback port, bound and released: another bind may take it
+/// before the child does, so only for etcd, which cannot report a port it
+/// picked (its harness starts it again on new ports when one was taken).
+/// Sluice's own processes bind port 0 and report what they got.
+pub(crate) fn free_port() -> anyhow::Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }

@@ -87,6 +87,25 @@ impl Proc {
         Ok((proc, addr))
     }
 
+    /// The value of `field` on the first line of `log` that says `message`
+    /// (a structured log line in the text format: `… message field=value`),
+    /// waiting up to a minute for it: what a child bound besides its
+    /// `--listen` address (a port 0 it was given) is read back this way.
+    pub async fn logged(log: &Path, message: &str, field: &str) -> anyhow::Result<String> {
+        let what = format!("`{message}` in {}", log.display());
+        let key = format!("{field}=");
+        crate::wait::until(&what, Duration::from_secs(60), || {
+            let found = std::fs::read_to_string(log).map(|text| {
+                text.lines().filter(|l| l.contains(message)).find_map(|l| {
+                    l.split_whitespace()
+                        .find_map(|w| w.strip_prefix(key.as_str()).map(str::to_owned))
+                })
+            });
+            async move { Ok(found?) }
+        })
+        .await
+    }
+
     /// `kill -9`, and waits for the process to end.
     pub fn kill(&mut self) -> anyhow::Result<()> {
         self.child.kill()?;

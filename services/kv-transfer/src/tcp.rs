@@ -137,6 +137,8 @@ pub async fn listen(
         TransportKind::Tcp,
         "reading the listener's address",
     ))?;
+    // The bound address, for whoever picked port 0 (tests, operators).
+    tracing::info!(address = %local, "KV tcp listener bound");
     tasks.spawn(accept_loop(
         listener,
         receiver,

@@ -28,7 +28,6 @@ use sluice_proto::queue::v1 as qpb;
 use sluice_proto::router::v1 as rpb;
 use sluice_proto::worker::v1 as wpb;
 use sluice_tests::etcd::EtcdServer;
-use sluice_tests::free_port;
 use sluice_tests::http::{get, open, post_json};
 use sluice_tests::process::{Proc, mesh_args, write_model};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
@@ -587,9 +586,6 @@ async fn with_the_mesh_token_the_tcp_kv_port_takes_only_members() -> anyhow::Res
     let etcd = EtcdServer::start().await?;
     let model = write_model(env!("CARGO_BIN_EXE_sluice"), dir.path())?;
     let url = etcd.url();
-    // The KV listener's port is picked here: the worker reports its gRPC
-    // address only.
-    let kv_tcp = format!("127.0.0.1:{}", free_port()?);
     let d = dir.path();
     let worker = async |role: &'static str, extra: &[&str]| {
         let mut args = vec![
@@ -611,12 +607,14 @@ async fn with_the_mesh_token_the_tcp_kv_port_takes_only_members() -> anyhow::Res
         "decode",
         &[
             "--kv-tcp-listen",
-            &kv_tcp,
+            "127.0.0.1:0",
             "--max-local-prefill-length",
             "8",
         ],
     )
     .await?;
+    // The KV listener's port 0, as the worker logs it bound.
+    let kv_tcp = Proc::logged(&d.join("decode.log"), "KV tcp listener bound", "address").await?;
     let _procs = [
         spawn("router", &["router", "--listen", any], &security, &url, d)
             .await?
