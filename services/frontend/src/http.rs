@@ -223,7 +223,7 @@ async fn chat(
     let parsed = body_bytes(body, p.max_body_bytes)
         .and_then(|b| parse::<ChatRequest>(&b))
         .and_then(|r| r.into_params(id));
-    serve(p, Api::Chat, caller, headers, parsed, received, None).await
+    answer(p, Api::Chat, caller, headers, parsed, received, None).await
 }
 
 async fn completions(
@@ -237,7 +237,7 @@ async fn completions(
     let parsed = body_bytes(body, p.max_body_bytes)
         .and_then(|b| parse::<CompletionRequest>(&b))
         .and_then(|r| r.into_params(id));
-    serve(p, Api::Completion, caller, headers, parsed, received, None).await
+    answer(p, Api::Completion, caller, headers, parsed, received, None).await
 }
 
 async fn responses(
@@ -256,7 +256,7 @@ async fn responses(
         Ok((chat, echo)) => (chat.into_params(id), Some(echo)),
         Err(e) => (Err(e), None),
     };
-    serve(p, Api::Responses, caller, headers, parsed, received, echo).await
+    answer(p, Api::Responses, caller, headers, parsed, received, echo).await
 }
 
 /// The `x-sluice-tenant` header's value; a value that is not text is a 400.
@@ -271,7 +271,9 @@ fn header_tenant(headers: &HeaderMap) -> Result<Option<&str>, FrontendError> {
         .transpose()
 }
 
-async fn serve(
+/// Answers one API request (chat, completion or responses) through the
+/// pipeline, under its `http.request` span.
+async fn answer(
     p: Arc<Pipeline>,
     api: Api,
     caller: Caller,
