@@ -150,6 +150,10 @@ pub struct LoadStats {
     /// The engine's recent mean decode step time in µs (0 before the first;
     /// set by the engine loop, not the scheduler).
     pub step_time_us: u32,
+    /// The engine's recent mean prefill cost per prompt token in ns, beyond
+    /// the decode step it rides with (0 before the first prompt; set by the
+    /// engine loop).
+    pub prefill_ns_per_token: u32,
     /// Steps where admission waited for slots about to free.
     pub admission_held_steps: u64,
 }
@@ -449,6 +453,7 @@ impl Scheduler {
             balance_held_steps: self.balance_held_steps,
             admission_held_steps: self.admission_held_steps,
             step_time_us: 0,
+            prefill_ns_per_token: 0,
         }
     }
 

@@ -649,4 +649,13 @@ async fn the_reported_step_time_is_a_decode_steps_not_a_prefills() {
         step_ms > 0.0 && step_ms < prefill / 4.0,
         "reported {step_ms} ms; decode {decode} ms, prefill {prefill} ms"
     );
+    // The prompt's own cost is reported apart, per token: the prefill step
+    // less a decode step, over its 4,000 tokens (within the noise of one
+    // measured step).
+    let per_token_ms = f64::from(e.load().borrow().prefill_ns_per_token) / 1e6;
+    let want = (prefill - decode) / 4000.0;
+    assert!(
+        per_token_ms > want * 0.5 && per_token_ms < want * 2.0,
+        "reported {per_token_ms} ms a prompt token; the mocker's prefill is {want} ms"
+    );
 }

@@ -41,10 +41,25 @@ pub(super) struct EngineCore {
     /// burst's start, would make a cold mesh predict waits many times too
     /// long (`step_time_us` in the load report).
     step_us: f64,
+    /// Mean cost of one prompt token in a step, in ns, beyond the decode
+    /// step the prompt rides with (an exponential average over steps with
+    /// prompt tokens; 0 before the first): with [`Self::step_us`], what a
+    /// router predicts a prompt's time to first token from.
+    prefill_ns: f64,
 }
 
-/// Weight of the newest step in [`EngineCore::step_us`].
+/// Weight of the newest step in [`EngineCore::step_us`] and
+/// [`EngineCore::prefill_ns`].
 const STEP_EWMA: f64 = 0.2;
+
+/// `mean` moved towards `sample` by [`STEP_EWMA`]; the first sample as is.
+fn ewma(mean: f64, sample: f64) -> f64 {
+    if mean == 0.0 {
+        sample
+    } else {
+        mean + STEP_EWMA * (sample - mean)
+    }
+}
 
 impl EngineCore {
     pub(super) fn new(
@@ -66,6 +81,7 @@ impl EngineCore {
             reserved: HashMap::new(),
             shutting_down: false,
             step_us: 0.0,
+            prefill_ns: 0.0,
         }
     }
 
@@ -177,17 +193,24 @@ impl EngineCore {
             return true;
         }
         let decode_only = step.seqs.iter().all(|s| s.num_new_tokens == 1);
+        // Prompt tokens in the step (rows with more than one new token).
+        let prompt_tokens: usize = step
+            .seqs
+            .iter()
+            .map(|s| s.num_new_tokens)
+            .filter(|&n| n > 1)
+            .sum();
         let started = std::time::Instant::now();
         let result = self
             .forward_isolating(&mut step)
             .and_then(|out| self.sched.update(&step, out));
+        let us = started.elapsed().as_secs_f64() * 1e6;
         if decode_only {
-            let us = started.elapsed().as_secs_f64() * 1e6;
-            self.step_us = if self.step_us == 0.0 {
-                us
-            } else {
-                self.step_us + STEP_EWMA * (us - self.step_us)
-            };
+            self.step_us = ewma(self.step_us, us);
+        } else if prompt_tokens > 0 {
+            // What the step took beyond a decode step, per prompt token.
+            let ns = (us - self.step_us).max(0.0) * 1e3 / prompt_tokens as f64;
+            self.prefill_ns = ewma(self.prefill_ns, ns);
         }
         // Load first, so whoever sees an output also sees the state after it.
         self.publish_load();
@@ -483,6 +506,7 @@ impl EngineCore {
     fn publish_load(&self) {
         let mut load = self.sched.load();
         load.step_time_us = self.step_us.round().min(f64::from(u32::MAX)) as u32;
+        load.prefill_ns_per_token = self.prefill_ns.round().min(f64::from(u32::MAX)) as u32;
         self.load_tx.send_replace(load);
     }
 }

@@ -10,7 +10,7 @@
 use std::sync::Arc;
 
 use prometheus::{HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Registry};
-use sluice_runtime::metrics::Registrar;
+use sluice_runtime::metrics::{Registrar, priority_label};
 use sluice_runtime::tenant_labels::TenantLabels;
 
 /// Tenants with a label of their own in the per-tenant metrics.
@@ -280,14 +280,6 @@ impl QueueMetrics {
         self.predicted_wait
             .with_label_values(&[priority_label(priority).as_str()])
             .observe(wait_secs);
-    }
-}
-
-fn priority_label(priority: i32) -> String {
-    match priority {
-        p if p <= -100 => "<=-100".to_owned(),
-        p if p >= 100 => ">=100".to_owned(),
-        p => p.to_string(),
     }
 }
 

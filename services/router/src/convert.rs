@@ -190,6 +190,7 @@ fn candidate(c: &Candidate) -> pb::Candidate {
         active_requests: c.terms.active_requests,
         over_bound: c.terms.over_bound,
         queued_prefill_tokens: c.terms.queued_prefill_tokens,
+        predicted_ttft_ms: c.terms.predicted_ttft.map(|s| s * 1e3),
     }
 }
 
@@ -264,6 +265,7 @@ pub(crate) fn load_report(r: &wpb::LoadReport) -> LoadReport {
         priority_scheduling: r.priority_scheduling,
         long_prefill_token_threshold: r.long_prefill_token_threshold,
         step_time_us: r.step_time_us,
+        prefill_ns_per_token: r.prefill_ns_per_token,
     }
 }
 

@@ -19,6 +19,7 @@ pub mod config;
 mod convert;
 pub mod error;
 pub mod indexer;
+pub mod latency;
 mod load;
 pub mod metrics;
 pub mod pool;

@@ -44,6 +44,9 @@ pub struct LoadReport {
     pub long_prefill_token_threshold: u32,
     /// The engine's recent mean step time in microseconds (0 = none yet).
     pub step_time_us: u32,
+    /// The engine's recent mean cost of a prompt token in ns beyond the
+    /// decode step (0 = none yet).
+    pub prefill_ns_per_token: u32,
 }
 
 /// A target's effective load: placements plus the unplaced report.

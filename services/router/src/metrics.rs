@@ -2,8 +2,9 @@
 //! services in one process keep theirs apart).
 
 use prometheus::{Histogram, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Registry};
-use sluice_runtime::metrics::Registrar;
+use sluice_runtime::metrics::{Registrar, priority_label};
 
+use crate::latency::TtftCheck;
 use crate::pool::WorkerPool;
 
 /// Every router metric.
@@ -44,6 +45,12 @@ pub struct RouterMetrics {
     pub(crate) live_placements: IntGaugeVec,
     /// `Place` sessions open now (one per queue replica, normally).
     pub(crate) place_sessions: IntGauge,
+    /// Predicted and served seconds to the first token of the placements
+    /// this router made, by pool.
+    ttft_predicted: HistogramVec,
+    ttft_served: HistogramVec,
+    /// |predicted − served| / served, by pool, worker and priority.
+    ttft_error: HistogramVec,
 }
 
 impl RouterMetrics {
@@ -55,6 +62,7 @@ impl RouterMetrics {
         let block_buckets = [
             0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0,
         ];
+        let ttft_buckets = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0];
         let fractions = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0];
         let decision_buckets = [
             1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 1e-2,
@@ -129,8 +137,44 @@ impl RouterMetrics {
                 "Workers forgotten by reason.",
                 &["pool", "reason"],
             )?,
+            ttft_predicted: r.histogram_vec(
+                "sluice_router_ttft_predicted_seconds",
+                "Time to first token predicted at placement (placements whose worker had measured a step).",
+                &ttft_buckets,
+                pool,
+            )?,
+            ttft_served: r.histogram_vec(
+                "sluice_router_ttft_served_seconds",
+                "Time from placement to first token of the same placements.",
+                &ttft_buckets,
+                pool,
+            )?,
+            ttft_error: r.histogram_vec(
+                "sluice_router_ttft_prediction_error_ratio",
+                "|predicted - served| / served time to first token, by worker and priority.",
+                &[0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0],
+                &["pool", "worker", "priority"],
+            )?,
             registry,
         })
+    }
+
+    /// Records a placement's predicted time to first token beside the one
+    /// it got.
+    pub(crate) fn ttft_checked(&self, pool: &str, check: &TtftCheck) {
+        self.ttft_predicted
+            .with_label_values(&[pool])
+            .observe(check.predicted);
+        self.ttft_served
+            .with_label_values(&[pool])
+            .observe(check.served);
+        self.ttft_error
+            .with_label_values(&[
+                pool,
+                &check.target.worker_id,
+                &priority_label(check.priority),
+            ])
+            .observe(check.relative_error());
     }
 
     /// The registry to serve at `/metrics`.

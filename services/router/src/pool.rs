@@ -32,6 +32,7 @@ use sluice_runtime::discovery::WorkerRole;
 use crate::approx::ApproxIndex;
 use crate::error::RouterError;
 use crate::indexer::{KvIndexer, OverlapScores, TargetHandle, TargetId};
+use crate::latency::TtftCheck;
 use crate::load::{EffectiveLoad, LoadReport, Shape, TargetLoad};
 use crate::selector::{self, CostInput, CostParams, CostTerms, RouterMode};
 use sluice_runtime::discovery::WorkerRank;
@@ -215,6 +216,15 @@ pub struct Candidate {
     pub terms: CostTerms,
 }
 
+/// What a placement update did in one pool.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Updated {
+    /// The placement is counted there.
+    pub counted: bool,
+    /// It started just now, placed by this router with a prediction.
+    pub checked: Option<TtftCheck>,
+}
+
 /// The outcome of a placement.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Decision {
@@ -254,6 +264,10 @@ struct Counted {
     started: bool,
     session: u64,
     orphaned_at: Option<Instant>,
+    /// When it was placed, and the time to first token predicted then
+    /// (checked when it starts).
+    placed_at: Instant,
+    predicted_ttft: Option<f64>,
 }
 
 /// The candidates' cost terms, their total costs and what spreads the cache
@@ -498,25 +512,44 @@ impl WorkerPool {
                 started: record.started,
                 session,
                 orphaned_at: None,
+                // Placed by another router: its prediction is not known here.
+                placed_at: Instant::now(),
+                predicted_ttft: None,
             },
         );
         true
     }
 
-    /// Applies a change in a placement's life; false if it is not counted
-    /// here.
-    pub fn update(&self, key: &PlacementKey, state: PlacementState) -> bool {
+    /// Applies a change in a placement's life: whether it is counted here,
+    /// and, when it started just now, its predicted time to first token
+    /// beside the one it got (placements this router made).
+    pub fn update(&self, key: &PlacementKey, state: PlacementState) -> Updated {
         let mut choice = self.choice.lock();
         match state {
-            PlacementState::Released => choice.release(key),
+            PlacementState::Released => Updated {
+                counted: choice.release(key),
+                checked: None,
+            },
             PlacementState::Started => match choice.placements.get_mut(key) {
                 Some(c) if !c.started => {
                     c.started = true;
                     c.load.lock().start(&c.shape);
-                    true
+                    let checked = c.predicted_ttft.map(|predicted| TtftCheck {
+                        target: c.target.clone(),
+                        priority: c.priority,
+                        predicted,
+                        served: c.placed_at.elapsed().as_secs_f64(),
+                    });
+                    Updated {
+                        counted: true,
+                        checked,
+                    }
                 }
-                Some(_) => true,
-                None => false,
+                Some(_) => Updated {
+                    counted: true,
+                    checked: None,
+                },
+                None => Updated::default(),
             },
         }
     }
@@ -645,7 +678,7 @@ impl WorkerPool {
                 input,
                 commit,
                 &candidates[chosen],
-                terms[chosen].overlap_blocks,
+                &terms[chosen],
                 now,
             )),
         };
@@ -745,6 +778,8 @@ impl WorkerPool {
                     active_decode_blocks: load.active_decode_blocks,
                     active_requests: load.active_requests,
                     step_tokens: load.report.max_num_batched_tokens,
+                    step_time_us: load.report.step_time_us,
+                    prefill_ns_per_token: load.report.prefill_ns_per_token,
                 },
                 desc.prompt_tokens,
                 desc.block_size,
@@ -761,12 +796,42 @@ impl WorkerPool {
         // candidate holds whole stores nothing and is placed by cost alone.
         let overlaps = scored.terms.iter().map(|t| t.overlap_blocks);
         let (least, most) = (overlaps.clone().min(), overlaps.max());
+        // In time, where every candidate has a prediction.
+        let in_time = if mode == RouterMode::Latency {
+            let costs: Option<Vec<f64>> = scored
+                .terms
+                .iter()
+                .map(|t| selector::latency_cost(&self.cfg.cost, t))
+                .collect();
+            costs
+                .map(|c| {
+                    for (t, &cost) in scored.terms.iter_mut().zip(&c) {
+                        t.total_cost = cost;
+                    }
+                    scored.costs = c;
+                })
+                .is_some()
+        } else {
+            false
+        };
         if let Some(overlap) = least.filter(|_| least == most)
-            && matches!(mode, RouterMode::Kv | RouterMode::Approx)
+            && matches!(
+                mode,
+                RouterMode::Kv | RouterMode::Approx | RouterMode::Latency
+            )
         {
             let uncached = selector::uncached_tokens(desc.prompt_tokens, overlap, desc.block_size);
-            scored.tolerance = self.cfg.cost.prefill_load_scale * uncached as f64
-                / f64::from(desc.block_size.max(1));
+            scored.tolerance = if in_time {
+                // The prompt's own prefill time, on the slowest candidate.
+                scored
+                    .terms
+                    .iter()
+                    .filter_map(|t| t.own_prefill)
+                    .fold(0.0, f64::max)
+            } else {
+                self.cfg.cost.prefill_load_scale * uncached as f64
+                    / f64::from(desc.block_size.max(1))
+            };
             scored.spread = candidates
                 .iter()
                 .map(|m| m.handle(approx).map_or(0.0, |h| h.recent_stores(now)))
@@ -793,7 +858,7 @@ impl WorkerPool {
         tolerance: f64,
     ) -> usize {
         match self.cfg.mode {
-            RouterMode::Kv | RouterMode::Approx | RouterMode::LeastLoaded => {
+            RouterMode::Kv | RouterMode::Approx | RouterMode::LeastLoaded | RouterMode::Latency => {
                 let c = &self.cfg.cost;
                 selector::apply_bounds(terms, c.balance_bound, c.prefill_queue_bound);
                 // Only candidates within the bound (the least loaded always is).
@@ -829,9 +894,10 @@ impl WorkerPool {
         input: &RouteInput,
         commit: &Commit,
         member: &Member,
-        overlap: u32,
+        terms: &CostTerms,
         now: Instant,
     ) -> PlacementRecord {
+        let overlap = terms.overlap_blocks;
         let desc = &input.desc;
         let (key, session, orphaned_at) = match commit {
             Commit::Held { key, session } => (key.clone(), *session, None),
@@ -863,6 +929,8 @@ impl WorkerPool {
                 started: false,
                 session,
                 orphaned_at,
+                placed_at: now,
+                predicted_ttft: terms.predicted_ttft,
             },
         );
         if self.cfg.mode == RouterMode::Approx {
@@ -948,12 +1016,13 @@ impl Pools {
     }
 
     /// Applies a change in a placement's life in both pools (a client's
-    /// decode and prefill placements share its id); false if neither
-    /// counts it.
-    pub fn update(&self, key: &PlacementKey, state: PlacementState) -> bool {
-        let decode = self.decode.update(key, state);
-        let prefill = self.prefill.update(key, state);
-        decode || prefill
+    /// decode and prefill placements share its id): what each pool made of
+    /// it, decode first.
+    pub fn update(&self, key: &PlacementKey, state: PlacementState) -> [Updated; 2] {
+        [
+            self.decode.update(key, state),
+            self.prefill.update(key, state),
+        ]
     }
 
     /// Forgets every placement of `client` in both pools.
@@ -1230,6 +1299,60 @@ mod tests {
         assert!(p.load_view(now).iter().all(|m| m.load.placements == 0));
     }
 
+    /// A report of a worker that measured its steps: 20 ms a decode step,
+    /// 50 µs a prompt token, 1,024 tokens a step.
+    fn measured(unplaced_prefill_tokens: u64) -> LoadReport {
+        LoadReport {
+            step_time_us: 20_000,
+            prefill_ns_per_token: 50_000,
+            max_num_batched_tokens: 1024,
+            max_num_seqs: 64,
+            unplaced_prefill_tokens,
+            unplaced_requests: u32::from(unplaced_prefill_tokens > 0),
+            ..LoadReport::default()
+        }
+    }
+
+    #[test]
+    fn latency_mode_costs_in_predicted_seconds_and_skips_a_congested_hit() {
+        let p = pool(RouterMode::Latency, 2);
+        let now = Instant::now();
+        let h = sequence_block_hashes(&tokens(9, 256), BS as usize);
+        store(&p, 0, 1, &h);
+        // w0 holds the whole prompt but has 20,000 prompt tokens to go.
+        p.record_load(&target(0), measured(20_000), now);
+        p.record_load(&target(1), measured(0), now);
+        let d = p.route(&input(&h, 256), now).expect("route");
+        assert_eq!(chosen(&d), "w1", "{:?}", d.candidates);
+        let idle = &d.candidates[d.chosen].terms;
+        // One step and 256 tokens: 20 ms + 12.8 ms.
+        let predicted = idle.predicted_ttft.expect("measured");
+        assert!((predicted - 0.0328).abs() < 1e-9, "{predicted}");
+        assert_eq!(idle.total_cost, predicted, "the cost is the prediction");
+        let hit = &d.candidates[1 - d.chosen].terms;
+        assert!(hit.predicted_ttft.expect("measured") > 1.0, "{hit:?}");
+    }
+
+    #[test]
+    fn a_started_placement_is_checked_against_its_prediction() {
+        let p = pool(RouterMode::Kv, 1);
+        let now = Instant::now();
+        p.record_load(&target(0), measured(0), now);
+        let h = sequence_block_hashes(&tokens(3, 256), BS as usize);
+        p.route(&held(&h, 256, 1), now).expect("route");
+        let started = p.update(&key(1), PlacementState::Started);
+        let check = started.checked.expect("a prediction to check");
+        assert_eq!((&check.target, check.priority), (&target(0), 0));
+        assert!((check.predicted - 0.0328).abs() < 1e-9, "{check:?}");
+        assert!(check.served >= 0.0);
+        // Started once: nothing more to check.
+        assert!(p.update(&key(1), PlacementState::Started).checked.is_none());
+        // A worker that measured nothing yet predicts nothing.
+        p.record_load(&target(0), LoadReport::default(), now);
+        p.route(&held(&h, 256, 2), now).expect("route");
+        assert!(p.update(&key(2), PlacementState::Started).checked.is_none());
+    }
+
     #[test]
     fn a_placement_counts_from_placement_to_release_whatever_the_reports_say() {
         let p = pool(RouterMode::Kv, 2);
@@ -1243,14 +1366,14 @@ mod tests {
         // Reports say nothing about placed requests: they change nothing.
         p.record_load(&t, LoadReport::default(), now + Duration::from_millis(500));
         assert_eq!(load_of(&p, &t).placements, 1);
-        assert!(p.update(&key(1), PlacementState::Started));
+        assert!(p.update(&key(1), PlacementState::Started).counted);
         let l = load_of(&p, &t);
         assert_eq!((l.active_prefill_tokens, l.active_decode_blocks), (0, 16));
-        assert!(p.update(&key(1), PlacementState::Released));
+        assert!(p.update(&key(1), PlacementState::Released).counted);
         assert_eq!(load_of(&p, &t).active_requests, 0);
         assert_eq!(load_of(&p, &t).active_decode_blocks, 0);
         assert!(
-            !p.update(&key(1), PlacementState::Released),
+            !p.update(&key(1), PlacementState::Released).counted,
             "released once"
         );
     }

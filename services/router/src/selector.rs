@@ -54,6 +54,8 @@
 
 use rand::Rng;
 
+use crate::latency::{LatencyInput, predict_ttft};
+
 /// How the router chooses among candidates.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, clap::ValueEnum)]
 pub enum RouterMode {
@@ -68,6 +70,10 @@ pub enum RouterMode {
     /// Like `kv`, with each worker's cache predicted from the router's own
     /// placements (for workers that publish no events).
     Approx,
+    /// Like `kv`, in time: the predicted time to first token (`latency`),
+    /// less the overlap credit as the prefill time the cached prefix saves
+    /// the mesh; `kv`'s cost where a candidate has no prediction yet.
+    Latency,
 }
 
 impl RouterMode {
@@ -79,6 +85,7 @@ impl RouterMode {
             RouterMode::Random => "random",
             RouterMode::LeastLoaded => "least-loaded",
             RouterMode::Approx => "approx",
+            RouterMode::Latency => "latency",
         }
     }
 
@@ -91,6 +98,7 @@ impl RouterMode {
             RouterMode::Random => Pb::Random,
             RouterMode::LeastLoaded => Pb::LeastLoaded,
             RouterMode::Approx => Pb::Approx,
+            RouterMode::Latency => Pb::Latency,
         }
     }
 }
@@ -154,6 +162,10 @@ pub struct CostInput {
     /// Tokens one engine step there may take (`max_num_batched_tokens`;
     /// 0 = not reported).
     pub step_tokens: u32,
+    /// The worker's mean decode step in µs (0 = none measured).
+    pub step_time_us: u32,
+    /// The worker's mean prompt-token cost in ns beyond the decode step.
+    pub prefill_ns_per_token: u32,
 }
 
 /// One candidate's cost terms (the proto `Candidate` without its target).
@@ -177,6 +189,13 @@ pub struct CostTerms {
     /// Above the balance or prefill queue bound: not eligible for this
     /// request.
     pub over_bound: bool,
+    /// Predicted seconds to the first token there (see `latency`); `None`
+    /// before the worker measured a step.
+    pub predicted_ttft: Option<f64>,
+    /// Seconds of prefill the cached prefix saves there (`None` likewise).
+    pub saved_prefill: Option<f64>,
+    /// Seconds of prefill the uncached prompt costs there (`None` likewise).
+    pub own_prefill: Option<f64>,
 }
 
 /// Prompt tokens not served from `overlap_blocks` cached blocks.
@@ -201,6 +220,18 @@ pub fn cost(
     let total_cost = prefill_cost
         + decode_cost
         + params.active_request_weight * f64::from(input.active_requests);
+    let latency = LatencyInput {
+        queued_prefill_tokens: queued,
+        uncached_tokens: uncached,
+        step_tokens: input.step_tokens,
+        step_time_us: input.step_time_us,
+        prefill_ns_per_token: input.prefill_ns_per_token,
+    };
+    let predicted_ttft = predict_ttft(&latency);
+    let cached = u64::from(prompt_tokens) - uncached;
+    let per_token = f64::from(input.prefill_ns_per_token) * 1e-9;
+    let saved_prefill = predicted_ttft.map(|_| cached as f64 * per_token);
+    let own_prefill = predicted_ttft.map(|_| uncached as f64 * per_token);
     CostTerms {
         overlap_blocks: input.overlap_blocks,
         prefill_cost,
@@ -210,7 +241,17 @@ pub fn cost(
         queued_prefill_tokens: queued,
         step_tokens: input.step_tokens,
         over_bound: false,
+        predicted_ttft,
+        saved_prefill,
+        own_prefill,
     }
+}
+
+/// The `latency` mode's cost of a candidate: its predicted time to first
+/// token less `overlap_credit` times the prefill its cached prefix saves
+/// (what `kv` credits in blocks, in seconds); `None` without a prediction.
+pub fn latency_cost(params: &CostParams, terms: &CostTerms) -> Option<f64> {
+    Some(terms.predicted_ttft? - params.overlap_credit * terms.saved_prefill?)
 }
 
 /// The queued prefill a request with `uncached` tokens to prefill waits for

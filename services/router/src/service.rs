@@ -70,6 +70,7 @@ fn route_span(req: &pb::RouteRequest) -> Span {
         worker_id = tracing::field::Empty,
         dp_rank = tracing::field::Empty,
         overlap_blocks = tracing::field::Empty,
+        predicted_ttft_ms = tracing::field::Empty,
         mode = tracing::field::Empty,
         candidates = tracing::field::Empty,
     )
@@ -224,7 +225,13 @@ impl RouterService {
             }
             PlaceMsg::Update(u) => {
                 let state = convert::placement_state(u.state)?;
-                if self.pools.update(&key(u.placement_id), state) {
+                let updated = self.pools.update(&key(u.placement_id), state);
+                for (kind, u) in [PoolKind::Decode, PoolKind::Prefill].iter().zip(&updated) {
+                    if let Some(check) = &u.checked {
+                        self.metrics.ttft_checked(kind.component(), check);
+                    }
+                }
+                if updated.iter().any(|u| u.counted) {
                     if state == PlacementState::Released {
                         self.metrics
                             .placement_ends
@@ -262,6 +269,9 @@ impl RouterService {
         span.record("worker_id", worker);
         span.record("dp_rank", chosen.target.dp_rank);
         span.record("overlap_blocks", overlap);
+        if let Some(ttft) = chosen.terms.predicted_ttft {
+            span.record("predicted_ttft_ms", ttft * 1e3);
+        }
         span.record("mode", mode);
         let candidates = candidates_field(d);
         span.record("candidates", candidates.as_str());

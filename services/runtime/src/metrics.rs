@@ -118,6 +118,17 @@ impl Drop for Open {
     }
 }
 
+/// A request priority as a metric label: the value itself from -99 to 99,
+/// beyond that `<=-100` or `>=100`, so a client's priorities cannot grow a
+/// series without bound.
+pub fn priority_label(priority: i32) -> String {
+    match priority {
+        p if p <= -100 => "<=-100".to_owned(),
+        p if p >= 100 => ">=100".to_owned(),
+        p => p.to_string(),
+    }
+}
+
 /// Creates metrics registered in one registry, one call a metric, so a
 /// service's metrics constructor reads as the list of its series: name,
 /// help, labels (and buckets).
