@@ -154,6 +154,8 @@ pub struct LoadStats {
     /// the decode step it rides with (0 before the first prompt; set by the
     /// engine loop).
     pub prefill_ns_per_token: u32,
+    /// Its fixed part per step with prompt tokens, in µs.
+    pub prefill_step_us: u32,
     /// Steps where admission waited for slots about to free.
     pub admission_held_steps: u64,
 }
@@ -454,6 +456,7 @@ impl Scheduler {
             admission_held_steps: self.admission_held_steps,
             step_time_us: 0,
             prefill_ns_per_token: 0,
+            prefill_step_us: 0,
         }
     }
 

@@ -41,16 +41,64 @@ pub(super) struct EngineCore {
     /// burst's start, would make a cold mesh predict waits many times too
     /// long (`step_time_us` in the load report).
     step_us: f64,
-    /// Mean cost of one prompt token in a step, in ns, beyond the decode
-    /// step the prompt rides with (an exponential average over steps with
-    /// prompt tokens; 0 before the first): with [`Self::step_us`], what a
+    /// What a step's prompt tokens cost beyond the decode step they ride
+    /// with, as a fixed part per step and a part per token (fitted over
+    /// recent steps with prompt tokens): with [`Self::step_us`], what a
     /// router predicts a prompt's time to first token from.
-    prefill_ns: f64,
+    prefill_fit: PrefillFit,
 }
 
 /// Weight of the newest step in [`EngineCore::step_us`] and
-/// [`EngineCore::prefill_ns`].
+/// [`PrefillFit`].
 const STEP_EWMA: f64 = 0.2;
+
+/// A least-squares line `extra µs = fixed + per_token × prompt tokens`
+/// over recent steps, each older step weighing [`STEP_EWMA`] less (the
+/// sums decay, so the line follows a worker whose speed changes). One
+/// prompt size seen so far gives no slope: the mean cost per token, no
+/// fixed part.
+#[derive(Debug, Default, Clone, Copy)]
+struct PrefillFit {
+    w: f64,
+    n: f64,
+    nn: f64,
+    y: f64,
+    ny: f64,
+}
+
+impl PrefillFit {
+    fn add(&mut self, tokens: f64, extra_us: f64) {
+        let keep = 1.0 - STEP_EWMA;
+        self.w = self.w * keep + 1.0;
+        self.n = self.n * keep + tokens;
+        self.nn = self.nn * keep + tokens * tokens;
+        self.y = self.y * keep + extra_us;
+        self.ny = self.ny * keep + tokens * extra_us;
+    }
+
+    /// (fixed µs per step, µs per token), both at least 0; (0, 0) before
+    /// the first step.
+    fn line(&self) -> (f64, f64) {
+        if self.n <= 0.0 {
+            return (0.0, 0.0);
+        }
+        let var = self.w * self.nn - self.n * self.n;
+        // Sizes that barely vary: no slope to read (relative to their spread).
+        if var <= 1e-9 * self.w * self.nn {
+            return (0.0, (self.y / self.n).max(0.0));
+        }
+        let slope = (self.w * self.ny - self.n * self.y) / var;
+        if slope < 0.0 {
+            return (0.0, (self.y / self.n).max(0.0));
+        }
+        let fixed = (self.y - slope * self.n) / self.w;
+        if fixed < 0.0 {
+            // Through the origin.
+            return (0.0, (self.ny / self.nn).max(0.0));
+        }
+        (fixed, slope)
+    }
+}
 
 /// `mean` moved towards `sample` by [`STEP_EWMA`]; the first sample as is.
 fn ewma(mean: f64, sample: f64) -> f64 {
@@ -81,7 +129,7 @@ impl EngineCore {
             reserved: HashMap::new(),
             shutting_down: false,
             step_us: 0.0,
-            prefill_ns: 0.0,
+            prefill_fit: PrefillFit::default(),
         }
     }
 
@@ -208,9 +256,9 @@ impl EngineCore {
         if decode_only {
             self.step_us = ewma(self.step_us, us);
         } else if prompt_tokens > 0 {
-            // What the step took beyond a decode step, per prompt token.
-            let ns = (us - self.step_us).max(0.0) * 1e3 / prompt_tokens as f64;
-            self.prefill_ns = ewma(self.prefill_ns, ns);
+            // What the step took beyond a decode step.
+            self.prefill_fit
+                .add(prompt_tokens as f64, (us - self.step_us).max(0.0));
         }
         // Load first, so whoever sees an output also sees the state after it.
         self.publish_load();
@@ -506,7 +554,9 @@ impl EngineCore {
     fn publish_load(&self) {
         let mut load = self.sched.load();
         load.step_time_us = self.step_us.round().min(f64::from(u32::MAX)) as u32;
-        load.prefill_ns_per_token = self.prefill_ns.round().min(f64::from(u32::MAX)) as u32;
+        let (step_us, per_token_us) = self.prefill_fit.line();
+        load.prefill_step_us = step_us.round().min(f64::from(u32::MAX)) as u32;
+        load.prefill_ns_per_token = (per_token_us * 1e3).round().min(f64::from(u32::MAX)) as u32;
         self.load_tx.send_replace(load);
     }
 }
@@ -536,5 +586,31 @@ fn merge_outputs(outputs: Vec<ForwardOutput>) -> Result<ForwardOutput, EngineErr
         _ => Err(EngineError::StepFailed(
             "the backend returned outputs of different kinds for one step".into(),
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PrefillFit;
+
+    #[test]
+    fn the_prefill_line_recovers_a_fixed_and_a_per_token_cost() {
+        let mut fit = PrefillFit::default();
+        assert_eq!(fit.line(), (0.0, 0.0));
+        // 2 ms a step and 15 µs a token, chunks of varied sizes.
+        for n in [100.0, 1024.0, 300.0, 1024.0, 40.0, 700.0] {
+            fit.add(n, 2_000.0 + 15.0 * n);
+        }
+        let (fixed, per_token) = fit.line();
+        assert!((fixed - 2_000.0).abs() < 1e-6, "{fixed}");
+        assert!((per_token - 15.0).abs() < 1e-9, "{per_token}");
+    }
+
+    #[test]
+    fn one_prompt_size_gives_the_mean_per_token_and_no_fixed_part() {
+        let mut fit = PrefillFit::default();
+        fit.add(512.0, 5_120.0);
+        fit.add(512.0, 5_120.0);
+        assert_eq!(fit.line(), (0.0, 10.0));
     }
 }

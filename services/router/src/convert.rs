@@ -266,6 +266,7 @@ pub(crate) fn load_report(r: &wpb::LoadReport) -> LoadReport {
         long_prefill_token_threshold: r.long_prefill_token_threshold,
         step_time_us: r.step_time_us,
         prefill_ns_per_token: r.prefill_ns_per_token,
+        prefill_step_us: r.prefill_step_us,
     }
 }
 

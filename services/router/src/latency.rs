@@ -4,18 +4,21 @@
 //! ```text
 //! tokens = queued prefill this request waits for + its uncached prompt
 //! steps  = ⌈tokens / max_num_batched_tokens⌉   (at least one)
-//! ttft   = steps × decode step time + tokens × prefill time per token
+//! ttft   = steps × (decode step + fixed prompt cost per step)
+//!        + tokens × prompt cost per token
 //! ```
 //!
 //! The queued prefill is the selector's (chunking and the engine's
-//! long-prefill rule included, see `selector`). The worker's engine
-//! measures both times as it runs: the mean decode step (`step_time_us`,
-//! the time every step takes whatever rides with it, since each step also
-//! carries the running batch) and the mean cost of a prompt token beyond
-//! that (`prefill_ns_per_token`). So the model follows the worker's own
-//! speed, batch and hardware without constants of its own; a worker that
-//! has measured no decode step yet has no prediction. A cached prefix
-//! enters as the prompt tokens it saves.
+//! long-prefill rule included, see `selector`), or, where less, what the
+//! worker's last report says it has left to compute plus what was placed
+//! there since (a prompt prefilled in chunks counts only what is left of
+//! it). The worker's engine measures the times as it runs: the mean decode
+//! step (`step_time_us`, what every step costs since each also carries the
+//! running batch) and a line fitted over recent steps for what their prompt
+//! tokens add to that (`prefill_step_us` + tokens × `prefill_ns_per_token`).
+//! So the model follows the worker's own speed, batch and hardware without
+//! constants of its own; a worker that has measured no decode step yet has
+//! no prediction. A cached prefix enters as the prompt tokens it saves.
 //!
 //! What it leaves out, for now: the wait for a free sequence slot on a
 //! worker whose batch is full, and decode steps slowing as the batch grows
@@ -36,6 +39,8 @@ pub struct LatencyInput {
     /// The worker's mean cost of a prompt token in ns beyond the decode
     /// step (0 = none measured).
     pub prefill_ns_per_token: u32,
+    /// The fixed part of a step's prompt cost in µs (0 = none measured).
+    pub prefill_step_us: u32,
 }
 
 /// The predicted seconds to the first token, or `None` before the worker
@@ -49,8 +54,9 @@ pub fn predict_ttft(input: &LatencyInput) -> Option<f64> {
         0 => 1,
         per_step => tokens.div_ceil(per_step).max(1),
     };
+    let per_step = f64::from(input.step_time_us) + f64::from(input.prefill_step_us);
     Some(
-        steps as f64 * f64::from(input.step_time_us) * 1e-6
+        steps as f64 * per_step * 1e-6
             + tokens as f64 * f64::from(input.prefill_ns_per_token) * 1e-9,
     )
 }
@@ -94,6 +100,7 @@ mod tests {
             step_tokens: 1024,
             step_time_us: 20_000,
             prefill_ns_per_token: 50_000,
+            prefill_step_us: 0,
         }
     }
 
@@ -122,6 +129,18 @@ mod tests {
         // 2,100 tokens: three steps of 1,024, and 2,100 tokens' time.
         let t = predict_ttft(&behind).expect("measured");
         assert!((t - (0.060 + 0.105)).abs() < 1e-9, "{t}");
+    }
+
+    #[test]
+    fn the_fixed_prompt_cost_is_paid_once_a_step() {
+        let fixed = LatencyInput {
+            queued_prefill_tokens: 2_000,
+            prefill_step_us: 10_000,
+            ..input()
+        };
+        // Three steps of 20 + 10 ms, and 2,100 tokens' time.
+        let t = predict_ttft(&fixed).expect("measured");
+        assert!((t - (0.090 + 0.105)).abs() < 1e-9, "{t}");
     }
 
     #[test]

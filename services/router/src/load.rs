@@ -47,6 +47,8 @@ pub struct LoadReport {
     /// The engine's recent mean cost of a prompt token in ns beyond the
     /// decode step (0 = none yet).
     pub prefill_ns_per_token: u32,
+    /// Its fixed part per step with prompt tokens, in µs.
+    pub prefill_step_us: u32,
 }
 
 /// A target's effective load: placements plus the unplaced report.
@@ -63,6 +65,11 @@ pub struct EffectiveLoad {
     pub active_requests: u32,
     /// Live placements among them.
     pub placements: u32,
+    /// Prompt tokens the worker still has to compute by its last report,
+    /// plus those placed since (`None` before a report): a prompt being
+    /// prefilled in chunks counts only what is left of it, where
+    /// `active_prefill_tokens` counts all of it until its first token.
+    pub reported_prefill_tokens: Option<u64>,
     /// The last report, if any.
     pub report: LoadReport,
 }
@@ -98,6 +105,9 @@ pub(crate) struct TargetLoad {
     /// placements share it.
     block_refs: HashMap<u64, u32>,
     unshared_blocks: u64,
+    /// Prefill tokens of the placements made since the last report (the
+    /// report does not count them yet).
+    placed_since_report: u64,
 }
 
 impl TargetLoad {
@@ -106,6 +116,7 @@ impl TargetLoad {
         self.placements += 1;
         if !started {
             *self.unstarted.entry(shape.prefill_tokens).or_insert(0) += 1;
+            self.placed_since_report += shape.prefill_tokens;
         }
         for &h in shape.hashes.iter() {
             *self.block_refs.entry(h).or_insert(0) += 1;
@@ -144,6 +155,7 @@ impl TargetLoad {
     pub(crate) fn report(&mut self, report: LoadReport, now: Instant) {
         self.report = report;
         self.reported_at = Some(now);
+        self.placed_since_report = 0;
     }
 
     /// When the last report arrived.
@@ -170,6 +182,9 @@ impl TargetLoad {
                 + r.unplaced_blocks,
             active_requests: self.placements + r.unplaced_requests,
             placements: self.placements,
+            reported_prefill_tokens: self
+                .reported_at
+                .map(|_| r.pending_prefill_tokens + self.placed_since_report),
             report: self.report,
         }
     }
@@ -206,6 +221,23 @@ mod tests {
         assert_eq!(l.effective().active_decode_blocks, 4);
         l.remove(&s, true);
         assert_eq!(l.effective(), EffectiveLoad::default());
+    }
+
+    #[test]
+    fn the_reported_prefill_is_what_the_worker_has_left_plus_what_was_placed_since() {
+        let mut l = TargetLoad::default();
+        l.add(&shape(4_000, &[1], 63), false);
+        assert_eq!(l.effective().reported_prefill_tokens, None, "no report yet");
+        // Half of the prompt is computed: the worker has 2,000 left.
+        let report = LoadReport {
+            pending_prefill_tokens: 2_000,
+            ..Default::default()
+        };
+        l.report(report, Instant::now());
+        l.add(&shape(300, &[2], 5), false);
+        let e = l.effective();
+        assert_eq!(e.active_prefill_tokens, 4_300);
+        assert_eq!(e.reported_prefill_tokens, Some(2_300));
     }
 
     #[test]

@@ -152,7 +152,9 @@ impl RouterMetrics {
             ttft_error: r.histogram_vec(
                 "sluice_router_ttft_prediction_error_ratio",
                 "|predicted - served| / served time to first token, by worker and priority.",
-                &[0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0],
+                &[
+                    0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 2.0, 5.0,
+                ],
                 &["pool", "worker", "priority"],
             )?,
             registry,

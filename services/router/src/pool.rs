@@ -780,6 +780,8 @@ impl WorkerPool {
                     step_tokens: load.report.max_num_batched_tokens,
                     step_time_us: load.report.step_time_us,
                     prefill_ns_per_token: load.report.prefill_ns_per_token,
+                    prefill_step_us: load.report.prefill_step_us,
+                    reported_prefill_tokens: load.reported_prefill_tokens,
                 },
                 desc.prompt_tokens,
                 desc.block_size,
@@ -1308,6 +1310,7 @@ mod tests {
             max_num_batched_tokens: 1024,
             max_num_seqs: 64,
             unplaced_prefill_tokens,
+            pending_prefill_tokens: unplaced_prefill_tokens,
             unplaced_requests: u32::from(unplaced_prefill_tokens > 0),
             ..LoadReport::default()
         }

@@ -166,6 +166,11 @@ pub struct CostInput {
     pub step_time_us: u32,
     /// The worker's mean prompt-token cost in ns beyond the decode step.
     pub prefill_ns_per_token: u32,
+    /// Its fixed part per step with prompt tokens, in µs.
+    pub prefill_step_us: u32,
+    /// Prompt tokens left there by the worker's last report plus those
+    /// placed since (`None` before a report).
+    pub reported_prefill_tokens: Option<u64>,
 }
 
 /// One candidate's cost terms (the proto `Candidate` without its target).
@@ -221,11 +226,15 @@ pub fn cost(
         + decode_cost
         + params.active_request_weight * f64::from(input.active_requests);
     let latency = LatencyInput {
-        queued_prefill_tokens: queued,
+        // What is left of prompts being prefilled, where the report says.
+        queued_prefill_tokens: input
+            .reported_prefill_tokens
+            .map_or(queued, |r| r.min(queued)),
         uncached_tokens: uncached,
         step_tokens: input.step_tokens,
         step_time_us: input.step_time_us,
         prefill_ns_per_token: input.prefill_ns_per_token,
+        prefill_step_us: input.prefill_step_us,
     };
     let predicted_ttft = predict_ttft(&latency);
     let cached = u64::from(prompt_tokens) - uncached;

@@ -210,6 +210,7 @@ pub(crate) fn load(rank: u32, l: &engine::LoadStats, prefill_queue: u32) -> pb::
         long_prefill_token_threshold: l.long_prefill_token_threshold as u32,
         step_time_us: l.step_time_us,
         prefill_ns_per_token: l.prefill_ns_per_token,
+        prefill_step_us: l.prefill_step_us,
         prefill_queue,
         ..Default::default()
     }

@@ -77,6 +77,7 @@ for mode in $MODES; do
     # shellcheck disable=SC2086
     "$SLUICE_BIN" bench --url "http://127.0.0.1:$PORT" --model sluice-tiny $BENCH_FLAGS \
       --out "$dir" >"$dir/table.md"
+    curl -sf "http://127.0.0.1:$PORT/metrics" >"$dir/metrics.txt" || true
     kill "$server_pid"; wait "$server_pid" 2>/dev/null || true; server_pid=""
   done
 done
@@ -120,6 +121,34 @@ def run_figures(path):
     ratio = counts[0] / counts[-1] if counts and counts[-1] else float("inf")
     return hit, statistics.mean(ttft), pct(ttft, 0.9), counts, ratio, len(recs) - len(ok)
 
+def prediction_error(path):
+    """The median |predicted - served| / served TTFT of the decode pool's
+    placements, from the router's histogram (interpolated in its bucket);
+    None without predictions."""
+    if not os.path.exists(path):
+        return None
+    name = "sluice_router_ttft_prediction_error_ratio_bucket"
+    buckets = {}
+    for line in open(path):
+        if not line.startswith(name + "{") or 'pool="decode"' not in line:
+            continue
+        labels, value = line.rsplit(" ", 1)
+        le = labels.split('le="', 1)[1].split('"', 1)[0]
+        le = float("inf") if le == "+Inf" else float(le)
+        buckets[le] = buckets.get(le, 0.0) + float(value)
+    if not buckets or buckets.get(float("inf"), 0) == 0:
+        return None
+    total = buckets[float("inf")]
+    lo, below = 0.0, 0.0
+    for le in sorted(buckets):
+        if buckets[le] >= total / 2:
+            if le == float("inf"):
+                return lo
+            inside = buckets[le] - below
+            return lo + (le - lo) * ((total / 2 - below) / inside if inside else 0)
+        lo, below = le, buckets[le]
+    return None
+
 def spread(values, fmt):
     """The mean, and the range when there is more than one run."""
     m = fmt.format(statistics.mean(values))
@@ -132,16 +161,18 @@ for mode in modes.split():
     runs = [run_figures(f"{out}/{mode}/run{i}/requests.jsonl") for i in range(1, repeats + 1)]
     hits = [r[0] for r in runs]
     counts = " ; ".join(" / ".join(map(str, r[3])) for r in runs)
+    errors = [e for e in (prediction_error(f"{out}/{mode}/run{i}/metrics.txt") for i in range(1, repeats + 1)) if e is not None]
+    error = spread([100 * e for e in errors], '{:.0f}%') if errors else "–"
     lines.append(
         f"| {mode} | {spread(hits, '{:.3f}')} | {statistics.mean(hits) / oracle:.0%} "
         f"| {spread([r[1] for r in runs], '{:.0f}')} | {spread([r[2] for r in runs], '{:.0f}')} "
-        f"| {counts} | {spread([r[4] for r in runs], '{:.2f}')} | {sum(r[5] for r in runs)} |")
+        f"| {counts} | {spread([r[4] for r in runs], '{:.2f}')} | {error} | {sum(r[5] for r in runs)} |")
 
 table = "\n".join([
-    "| router | hit rate | of oracle | TTFT mean ms | TTFT p90 ms | requests per worker | max/min | errors |",
-    "|---|---:|---:|---:|---:|---|---:|---:|",
+    "| router | hit rate | of oracle | TTFT mean ms | TTFT p90 ms | requests per worker | max/min | TTFT prediction error, median | errors |",
+    "|---|---:|---:|---:|---:|---|---:|---:|---:|",
     *lines,
-    f"| oracle (one shared infinite cache) | {oracle:.3f} | 100% | | | | | |",
+    f"| oracle (one shared infinite cache) | {oracle:.3f} | 100% | | | | | | |",
 ])
 print(table)
 if result == "-":
@@ -165,6 +196,9 @@ The reference slice: every conversation of
 output lengths / 8. Each mode: `sluice up {up_flags} --router-mode MODE {router_flags}`,
 replayed by `sluice bench {bench_flags.replace(slice_path, 'SLICE')}` on the trace's own schedule.
 Hit rate = sum(cached_tokens) / sum(prompt_tokens) over the requests answered.
+The prediction error is the router's: the median of |predicted − served| / served
+time to first token over its decode placements (`sluice_router_ttft_prediction_error_ratio`,
+interpolated within its buckets), served counted from placement to the first token.
 
 {table}
 
