@@ -231,6 +231,10 @@ pub(crate) struct Serving {
     /// The queue wait predicted at admission (absent: no prediction).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub predicted_queue_wait_ms: Option<f64>,
+    /// The router's predicted time from placement to the first token on
+    /// the worker it chose (absent: no prediction).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub routed_ttft_ms: Option<f64>,
     /// Time to the first token, as the frontend measured it.
     pub ttft_ms: f64,
     /// Whether the first token came within the target.

@@ -701,6 +701,21 @@ fn target_of(response: &router_pb::RouteResponse) -> Result<Target, QueueError> 
 #[error("router response has no target")]
 struct MissingTarget;
 
+/// The router's predicted time to first token on the worker it chose.
+fn routed_ttft(response: &router_pb::RouteResponse) -> Option<Duration> {
+    let chosen = response.target.as_ref()?;
+    let ms = response
+        .candidates
+        .iter()
+        .find(|c| {
+            c.target
+                .as_ref()
+                .is_some_and(|t| t.worker_id == chosen.worker_id && t.dp_rank == chosen.dp_rank)
+        })?
+        .predicted_ttft_ms?;
+    Duration::try_from_secs_f64(ms / 1e3).ok()
+}
+
 fn overlap_tokens(entry: &Entry, response: &router_pb::RouteResponse) -> u32 {
     response
         .overlap_blocks
@@ -744,6 +759,7 @@ impl Placer for RouterPlacer {
                 worker: target_of(decode)?,
                 prefill,
                 overlap_tokens: overlap_tokens(entry, decode),
+                routed_ttft: routed_ttft(decode),
             },
             lease: Some(Box::new(lease)),
         })
@@ -818,5 +834,37 @@ pub(crate) async fn watch_load(
             () = tokio::time::sleep(RETRY) => {}
             () = changed => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn candidate(worker: &str, predicted_ttft_ms: Option<f64>) -> router_pb::Candidate {
+        router_pb::Candidate {
+            target: Some(router_pb::Target {
+                worker_id: worker.into(),
+                ..Default::default()
+            }),
+            predicted_ttft_ms,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_routed_ttft_is_the_chosen_candidates_prediction() {
+        let mut response = router_pb::RouteResponse {
+            target: Some(router_pb::Target {
+                worker_id: "w1".into(),
+                ..Default::default()
+            }),
+            candidates: vec![candidate("w0", Some(900.0)), candidate("w1", Some(250.0))],
+            ..Default::default()
+        };
+        assert_eq!(routed_ttft(&response), Some(Duration::from_millis(250)));
+        // A worker that had measured nothing: no prediction to pass on.
+        response.candidates[1].predicted_ttft_ms = None;
+        assert_eq!(routed_ttft(&response), None);
     }
 }

@@ -205,6 +205,9 @@ pub struct Placement {
     pub prefill: Option<Target>,
     /// Prompt tokens the router expects cached on `worker`.
     pub overlap_tokens: u32,
+    /// The router's predicted time from placement to the first token on
+    /// `worker` (`None`: no prediction).
+    pub routed_ttft: Option<Duration>,
 }
 
 /// A granted request: its placement and how long it waited.

@@ -122,32 +122,20 @@ def run_figures(path):
     return hit, statistics.mean(ttft), pct(ttft, 0.9), counts, ratio, len(recs) - len(ok)
 
 def prediction_error(path):
-    """The median |predicted - served| / served TTFT of the decode pool's
-    placements, from the router's histogram (interpolated in its bucket);
-    None without predictions."""
-    if not os.path.exists(path):
-        return None
-    name = "sluice_router_ttft_prediction_error_ratio_bucket"
-    buckets = {}
+    """The median |predicted - served| / served time to first token over
+    the requests the router predicted: its prediction (`nvext.routed_ttft_ms`,
+    from placement) against the client's TTFT less the queue wait
+    (`nvext.queue_wait_ms`); None without predictions."""
+    errors = []
     for line in open(path):
-        if not line.startswith(name + "{") or 'pool="decode"' not in line:
+        r = json.loads(line)
+        predicted, ttft, wait = r.get("routed_ttft_ms"), r.get("ttft_ms"), r.get("queue_wait_ms")
+        if r.get("error") or predicted is None or ttft is None or wait is None:
             continue
-        labels, value = line.rsplit(" ", 1)
-        le = labels.split('le="', 1)[1].split('"', 1)[0]
-        le = float("inf") if le == "+Inf" else float(le)
-        buckets[le] = buckets.get(le, 0.0) + float(value)
-    if not buckets or buckets.get(float("inf"), 0) == 0:
-        return None
-    total = buckets[float("inf")]
-    lo, below = 0.0, 0.0
-    for le in sorted(buckets):
-        if buckets[le] >= total / 2:
-            if le == float("inf"):
-                return lo
-            inside = buckets[le] - below
-            return lo + (le - lo) * ((total / 2 - below) / inside if inside else 0)
-        lo, below = le, buckets[le]
-    return None
+        served = ttft - wait
+        if served > 0:
+            errors.append(abs(predicted - served) / served)
+    return statistics.median(errors) if errors else None
 
 def spread(values, fmt):
     """The mean, and the range when there is more than one run."""
@@ -161,7 +149,7 @@ for mode in modes.split():
     runs = [run_figures(f"{out}/{mode}/run{i}/requests.jsonl") for i in range(1, repeats + 1)]
     hits = [r[0] for r in runs]
     counts = " ; ".join(" / ".join(map(str, r[3])) for r in runs)
-    errors = [e for e in (prediction_error(f"{out}/{mode}/run{i}/metrics.txt") for i in range(1, repeats + 1)) if e is not None]
+    errors = [e for e in (prediction_error(f"{out}/{mode}/run{i}/requests.jsonl") for i in range(1, repeats + 1)) if e is not None]
     error = spread([100 * e for e in errors], '{:.0f}%') if errors else "–"
     lines.append(
         f"| {mode} | {spread(hits, '{:.3f}')} | {statistics.mean(hits) / oracle:.0%} "
@@ -196,9 +184,10 @@ The reference slice: every conversation of
 output lengths / 8. Each mode: `sluice up {up_flags} --router-mode MODE {router_flags}`,
 replayed by `sluice bench {bench_flags.replace(slice_path, 'SLICE')}` on the trace's own schedule.
 Hit rate = sum(cached_tokens) / sum(prompt_tokens) over the requests answered.
-The prediction error is the router's: the median of |predicted − served| / served
-time to first token over its decode placements (`sluice_router_ttft_prediction_error_ratio`,
-interpolated within its buckets), served counted from placement to the first token.
+The prediction error is the router's: the median over requests of |predicted − served| / served,
+predicted the router's time from placement to first token (`nvext.routed_ttft_ms`), served
+the client's TTFT less the queue wait (`nvext.queue_wait_ms`); the router's own
+`sluice_router_ttft_prediction_error_ratio` histogram is in each run's `metrics.txt`.
 
 {table}
 

@@ -74,6 +74,7 @@ impl Pipeline {
                 migrations: failed.len() as u32,
                 ttft_target_ms: grant.ttft_target_ms,
                 predicted_queue_wait_ms: grant.predicted_wait_ms,
+                routed_ttft_ms: grant.routed_ttft_ms,
                 ttft_ms: 0.0,
                 ttft_target_met: false,
             },

@@ -92,6 +92,7 @@ impl Placer for TestPlacer {
                 worker: target("w0"),
                 prefill: None,
                 overlap_tokens: entry.overlap_tokens,
+                routed_ttft: None,
             },
             lease: Some(Box::new(TestLease {
                 id: entry.desc.request_id.clone(),

@@ -72,6 +72,10 @@ pub(crate) struct RequestRecord {
     /// `nvext.routed_overlap_tokens`: the prompt tokens the router expected
     /// cached on the worker it chose (beside `cached_tokens`, what was).
     pub routed_overlap_tokens: Option<u64>,
+    /// `nvext.routed_ttft_ms`: the router's predicted time from placement
+    /// to the first token (beside `ttft_ms` less `queue_wait_ms`, what it
+    /// took).
+    pub routed_ttft_ms: Option<f64>,
     pub error: Option<RequestError>,
 }
 
@@ -92,6 +96,7 @@ impl RequestRecord {
             ttft_target_ms: None,
             worker_id: None,
             routed_overlap_tokens: None,
+            routed_ttft_ms: None,
             error: None,
         }
     }
@@ -354,6 +359,7 @@ impl Target {
                         .map(str::to_owned);
                     rec.routed_overlap_tokens =
                         nv.get("routed_overlap_tokens").and_then(Value::as_u64);
+                    rec.routed_ttft_ms = nv.get("routed_ttft_ms").and_then(Value::as_f64);
                 }
             }
         }

@@ -174,6 +174,7 @@ mod tests {
             ttft_target_ms: Some(15.0),
             worker_id: Some("w".into()),
             routed_overlap_tokens: None,
+            routed_ttft_ms: None,
             error: error.then(|| RequestError {
                 kind: "503".into(),
                 detail: "busy".into(),

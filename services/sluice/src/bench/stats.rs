@@ -205,6 +205,7 @@ mod tests {
             ttft_target_ms: Some(200.0),
             worker_id: None,
             routed_overlap_tokens: None,
+            routed_ttft_ms: None,
             error: error.map(|k| RequestError {
                 kind: k.into(),
                 detail: String::new(),
