@@ -613,6 +613,15 @@ impl RouterPlacer {
         if pool != router_pb::Pool::Decode {
             description.exclude_worker_ids.clear();
         }
+        // What is left of the TTFT target after the wait so far (at least
+        // 1 ms: 0 would mean no target).
+        if description.ttft_target_ms > 0 {
+            let waited = entry.arrival.elapsed().as_millis();
+            description.ttft_target_ms =
+                u32::try_from(u128::from(description.ttft_target_ms).saturating_sub(waited))
+                    .unwrap_or(u32::MAX)
+                    .max(1);
+        }
         router_pb::RouteRequest {
             description: Some(description),
             pool: pool as i32,
@@ -850,6 +859,29 @@ mod tests {
             predicted_ttft_ms,
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn the_router_is_told_what_is_left_of_the_ttft_target() {
+        let entry = |target_ms| Entry {
+            desc: sluice_runtime::RequestDescription {
+                ttft_target_ms: target_ms,
+                ..Default::default()
+            },
+            overlap_tokens: 0,
+            arrival: tokio::time::Instant::now() - Duration::from_millis(300),
+            deadline: None,
+            span: tracing::Span::none(),
+        };
+        let left = |target_ms| {
+            RouterPlacer::request(&entry(target_ms), router_pb::Pool::Decode, None)
+                .description
+                .map(|d| d.ttft_target_ms)
+        };
+        let ms = left(1_000).expect("a description");
+        assert!((600..=700).contains(&ms), "{ms}");
+        assert_eq!(left(100), Some(1), "past its target: 1 ms, still a target");
+        assert_eq!(left(0), Some(0), "no target stays none");
     }
 
     #[test]

@@ -166,7 +166,8 @@ use order::{Order, Released, tokens_cost};
 pub struct Entry {
     /// The request as the frontend described it (checked when the open
     /// arrived); its tenant is never "" (the default tenant has one name).
-    /// Handed to the router unchanged.
+    /// Once admitted its TTFT target is the one it is held to (the
+    /// default for its priority filled in). Handed to the router.
     pub desc: RequestDescription,
     /// Prompt tokens expected cached on the best worker (re-read after
     /// `--refresh-interval-ms` of holding).
@@ -450,6 +451,9 @@ impl Queue {
         let now = Instant::now();
         let mut st = shared.state.lock();
         let target = cfg.ttft_target(entry.desc.priority, entry.desc.ttft_target_ms);
+        // The router is told the target the request is held to (what is
+        // left of it when it is placed: see the placer).
+        entry.desc.ttft_target_ms = u32::try_from(target.as_millis()).unwrap_or(u32::MAX);
         let mut checked = st.check_admission(cfg, &entry, now);
         if matches!(checked, Err(QueueError::QueueFull { .. }))
             && st.displace(cfg, shared.epoch, &entry, &shared.metrics, now)

@@ -55,6 +55,7 @@ impl TestRouter {
             overlap_blocks: u32::try_from(desc.block_hashes.len()).unwrap_or(0),
             mode: router_pb::RouterMode::Kv as i32,
             candidates: Vec::new(),
+            predicted_within_target: None,
             placement: req.commit.then(|| router_pb::Placement {
                 placement_id: req.placement_id,
                 pool: req.pool,

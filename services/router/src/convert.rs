@@ -206,6 +206,7 @@ pub(crate) fn route_response(kind: PoolKind, d: &Decision) -> pb::RouteResponse 
             .placement
             .as_ref()
             .map(|p| placement(kind, p, &chosen.endpoint)),
+        predicted_within_target: d.within_target,
     }
 }
 

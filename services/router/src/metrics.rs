@@ -51,6 +51,9 @@ pub struct RouterMetrics {
     ttft_served: HistogramVec,
     /// |predicted − served| / served, by pool, worker and priority.
     ttft_error: HistogramVec,
+    /// Placements no candidate was predicted to serve within the request's
+    /// TTFT target, by pool.
+    pub(crate) beyond_target: IntCounterVec,
 }
 
 impl RouterMetrics {
@@ -156,6 +159,11 @@ impl RouterMetrics {
                     0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 2.0, 5.0,
                 ],
                 &["pool", "worker", "priority"],
+            )?,
+            beyond_target: r.counter_vec(
+                "sluice_router_beyond_ttft_target_total",
+                "Placements whose chosen worker was predicted to miss the request's TTFT target (in latency mode: no candidate was predicted to meet it).",
+                pool,
             )?,
             registry,
         })

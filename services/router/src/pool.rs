@@ -216,6 +216,11 @@ pub struct Candidate {
     pub terms: CostTerms,
 }
 
+/// A request's TTFT target in seconds, if it has one.
+fn ttft_target(desc: &RequestDescription) -> Option<f64> {
+    (desc.ttft_target_ms > 0).then(|| f64::from(desc.ttft_target_ms) / 1e3)
+}
+
 /// What a placement update did in one pool.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Updated {
@@ -236,6 +241,10 @@ pub struct Decision {
     pub mode: RouterMode,
     /// What the placement counts as load (committed placements only).
     pub placement: Option<PlacementRecord>,
+    /// Whether the chosen candidate is predicted to give the first token
+    /// within the request's TTFT target (`None`: no target or no
+    /// prediction).
+    pub within_target: Option<bool>,
 }
 
 impl Decision {
@@ -670,7 +679,11 @@ impl WorkerPool {
             spread,
             tolerance,
         } = scored;
-        let chosen = self.choose(&mut choice, &mut terms, &costs, &spread, tolerance);
+        let target = ttft_target(&input.desc);
+        let chosen = self.choose(&mut choice, &mut terms, &costs, &spread, tolerance, target);
+        let within_target = target
+            .zip(terms[chosen].predicted_ttft)
+            .map(|(target, predicted)| predicted <= target);
         let placement = match &input.commit {
             Commit::DryRun => None,
             commit => Some(self.commit(
@@ -697,6 +710,7 @@ impl WorkerPool {
                 .collect(),
             mode: self.cfg.mode,
             placement,
+            within_target,
         })
     }
 
@@ -849,8 +863,10 @@ impl WorkerPool {
     }
 
     /// The chosen candidate's position: the cheapest within the balance
-    /// bound (kv, approx, least-loaded; over-bound ones are marked in
-    /// `terms`), the next in turn, or a random one.
+    /// bound (kv, approx, latency, least-loaded; over-bound ones are marked
+    /// in `terms`), the next in turn, or a random one. In `latency` mode
+    /// with a TTFT `target` (seconds), only the candidates predicted to
+    /// meet it compete, and when none is, the one predicted soonest wins.
     fn choose(
         &self,
         choice: &mut ChoiceState,
@@ -858,14 +874,24 @@ impl WorkerPool {
         costs: &[f64],
         spread: &[f64],
         tolerance: f64,
+        target: Option<f64>,
     ) -> usize {
         match self.cfg.mode {
             RouterMode::Kv | RouterMode::Approx | RouterMode::LeastLoaded | RouterMode::Latency => {
                 let c = &self.cfg.cost;
                 selector::apply_bounds(terms, c.balance_bound, c.prefill_queue_bound);
                 // Only candidates within the bound (the least loaded always is).
-                let eligible: Vec<usize> =
+                let mut eligible: Vec<usize> =
                     (0..terms.len()).filter(|&i| !terms[i].over_bound).collect();
+                if self.cfg.mode == RouterMode::Latency
+                    && let Some(target) = target
+                {
+                    match selector::within_target(terms, &eligible, target) {
+                        selector::Within::Some(within) => eligible = within,
+                        selector::Within::None(soonest) => return soonest,
+                        selector::Within::Unknown => {}
+                    }
+                }
                 let costs: Vec<f64> = eligible.iter().map(|&i| costs[i]).collect();
                 let spread: Vec<f64> = eligible.iter().map(|&i| spread[i]).collect();
                 eligible[selector::choose(
@@ -1334,6 +1360,50 @@ mod tests {
         assert_eq!(idle.total_cost, predicted, "the cost is the prediction");
         let hit = &d.candidates[1 - d.chosen].terms;
         assert!(hit.predicted_ttft.expect("measured") > 1.0, "{hit:?}");
+    }
+
+    #[test]
+    fn latency_mode_keeps_a_request_within_its_ttft_target_where_one_can_meet_it() {
+        let p = WorkerPool::with_seed(
+            PoolKind::Decode,
+            PoolConfig {
+                mode: RouterMode::Latency,
+                cost: CostParams {
+                    overlap_credit: 8.0,
+                    ..CostParams::default()
+                },
+                ..PoolConfig::default()
+            },
+            7,
+        );
+        p.add_member(info(0));
+        p.add_member(info(1));
+        let now = Instant::now();
+        let h = sequence_block_hashes(&tokens(11, 256), BS as usize);
+        // w1 holds the prompt behind 1,500 queued tokens: 115 ms predicted,
+        // but the credit for its cache makes it the cheaper; w0 is idle and
+        // would compute the prompt in 32.8 ms.
+        store(&p, 1, 1, &h);
+        p.record_load(&target(0), measured(0), now);
+        p.record_load(&target(1), measured(1_500), now);
+        let with_target = |ms| RouteInput {
+            desc: RequestDescription {
+                ttft_target_ms: ms,
+                ..input(&h, 256).desc
+            },
+            ..input(&h, 256)
+        };
+        let d = p.route(&with_target(0), now).expect("route");
+        assert_eq!(
+            (chosen(&d), d.within_target),
+            ("w1", None),
+            "no target: cost"
+        );
+        let d = p.route(&with_target(50), now).expect("route");
+        assert_eq!((chosen(&d), d.within_target), ("w0", Some(true)));
+        // Nobody meets 10 ms: the one predicted soonest, and it says so.
+        let d = p.route(&with_target(10), now).expect("route");
+        assert_eq!((chosen(&d), d.within_target), ("w0", Some(false)));
     }
 
     #[test]

@@ -306,6 +306,42 @@ pub fn apply_bounds(terms: &mut [CostTerms], balance_bound: f64, prefill_queue_b
     }
 }
 
+/// Which of `eligible` are predicted to give the first token within
+/// `target` seconds.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Within {
+    /// These are (the others are not).
+    Some(Vec<usize>),
+    /// None is; this one is predicted soonest.
+    None(usize),
+    /// A candidate has no prediction: the target cannot be judged.
+    Unknown,
+}
+
+/// Sorts `eligible` (indices into `terms`) by whether each is predicted
+/// to meet a TTFT target of `target` seconds.
+pub fn within_target(terms: &[CostTerms], eligible: &[usize], target: f64) -> Within {
+    let mut predicted = Vec::with_capacity(eligible.len());
+    for &i in eligible {
+        match terms[i].predicted_ttft {
+            Some(p) => predicted.push((i, p)),
+            None => return Within::Unknown,
+        }
+    }
+    let within: Vec<usize> = predicted
+        .iter()
+        .filter(|&&(_, p)| p <= target)
+        .map(|&(i, _)| i)
+        .collect();
+    if !within.is_empty() {
+        return Within::Some(within);
+    }
+    match predicted.iter().min_by(|a, b| a.1.total_cmp(&b.1)) {
+        Some(&(i, _)) => Within::None(i),
+        None => Within::Unknown,
+    }
+}
+
 /// Costs closer than this are a tie.
 const TIE_EPSILON: f64 = 1e-9;
 
@@ -377,6 +413,23 @@ fn softmax_sample<R: Rng + ?Sized>(costs: &[f64], temperature: f64, rng: &mut R)
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn within_target_keeps_those_predicted_to_meet_it_or_names_the_soonest() {
+        let terms: Vec<CostTerms> = [Some(0.2), Some(0.05), Some(0.08), None]
+            .into_iter()
+            .map(|predicted_ttft| CostTerms {
+                predicted_ttft,
+                ..CostTerms::default()
+            })
+            .collect();
+        assert_eq!(
+            within_target(&terms, &[0, 1, 2], 0.1),
+            Within::Some(vec![1, 2])
+        );
+        assert_eq!(within_target(&terms, &[0, 2], 0.01), Within::None(2));
+        assert_eq!(within_target(&terms, &[0, 3], 0.1), Within::Unknown);
+    }
     use rand::SeedableRng;
     use rand::rngs::StdRng;
 

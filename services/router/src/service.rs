@@ -71,6 +71,8 @@ fn route_span(req: &pb::RouteRequest) -> Span {
         dp_rank = tracing::field::Empty,
         overlap_blocks = tracing::field::Empty,
         predicted_ttft_ms = tracing::field::Empty,
+        ttft_target_ms = d.map_or(0, |d| d.ttft_target_ms),
+        within_target = tracing::field::Empty,
         mode = tracing::field::Empty,
         candidates = tracing::field::Empty,
     )
@@ -271,6 +273,12 @@ impl RouterService {
         span.record("overlap_blocks", overlap);
         if let Some(ttft) = chosen.terms.predicted_ttft {
             span.record("predicted_ttft_ms", ttft * 1e3);
+        }
+        if let Some(within) = d.within_target {
+            span.record("within_target", within);
+            if !within {
+                self.metrics.beyond_target.with_label_values(&[pool]).inc();
+            }
         }
         span.record("mode", mode);
         let candidates = candidates_field(d);
