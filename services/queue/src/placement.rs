@@ -84,8 +84,8 @@ struct Place;
 
 /// What a route call hears.
 enum PlaceEvent {
-    /// The router's answer.
-    Answer(Answer),
+    /// The router's answer (boxed: a route answer is large beside `Broke`).
+    Answer(Box<Answer>),
     /// The session ended first.
     Broke,
 }
@@ -120,7 +120,7 @@ impl Protocol for Place {
             }
             None => Err(tonic::Status::internal("empty answer")),
         };
-        Some((reply.call_id, PlaceEvent::Answer(answer), true))
+        Some((reply.call_id, PlaceEvent::Answer(Box::new(answer)), true))
     }
 
     fn failure(_: tonic::Status) -> PlaceEvent {
@@ -244,8 +244,10 @@ impl RouterLink {
         match tokio::time::timeout(ROUTE_TIMEOUT, member.next()).await {
             Err(_) => Err(CallError::Timeout),
             Ok(None | Some(PlaceEvent::Broke)) => Err(CallError::Unavailable),
-            Ok(Some(PlaceEvent::Answer(Ok(r)))) => Ok(r),
-            Ok(Some(PlaceEvent::Answer(Err(status)))) => Err(CallError::Status(status)),
+            Ok(Some(PlaceEvent::Answer(answer))) => match *answer {
+                Ok(r) => Ok(r),
+                Err(status) => Err(CallError::Status(status)),
+            },
         }
     }
 }
