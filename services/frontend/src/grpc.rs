@@ -289,6 +289,7 @@ fn serving_info(serving: Serving, request_id: String) -> pb::ServingInfo {
         ttft_target_ms: serving.ttft_target_ms,
         predicted_queue_wait_ms: serving.predicted_queue_wait_ms,
         routed_ttft_ms: serving.routed_ttft_ms,
+        routed_within_target: serving.routed_within_target,
         ttft_ms: serving.ttft_ms,
         ttft_target_met: serving.ttft_target_met,
     }

@@ -235,6 +235,10 @@ pub(crate) struct Serving {
     /// the worker it chose (absent: no prediction).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub routed_ttft_ms: Option<f64>,
+    /// Whether the router predicted that within what was left of the TTFT
+    /// target (absent: no prediction).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub routed_within_target: Option<bool>,
     /// Time to the first token, as the frontend measured it.
     pub ttft_ms: f64,
     /// Whether the first token came within the target.

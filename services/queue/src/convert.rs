@@ -94,6 +94,7 @@ pub(crate) fn grant_response(grant: &Grant) -> pb::AdmitResponse {
             ttft_target_ms: u32::try_from(grant.ttft_target.as_millis()).unwrap_or(u32::MAX),
             predicted_wait_ms: grant.predicted_wait.map(|d| d.as_secs_f64() * 1000.0),
             routed_ttft_ms: placement.routed_ttft.map(|d| d.as_secs_f64() * 1000.0),
+            routed_within_target: placement.routed_within_target,
         })),
     }
 }

@@ -771,6 +771,7 @@ impl Placer for RouterPlacer {
                 prefill,
                 overlap_tokens: overlap_tokens(entry, decode),
                 routed_ttft: routed_ttft(decode),
+                routed_within_target: decode.predicted_within_target,
             },
             lease: Some(Box::new(lease)),
         })

@@ -209,6 +209,9 @@ pub struct Placement {
     /// The router's predicted time from placement to the first token on
     /// `worker` (`None`: no prediction).
     pub routed_ttft: Option<Duration>,
+    /// Whether the router predicted it within what was left of the
+    /// request's TTFT target (`None`: no prediction).
+    pub routed_within_target: Option<bool>,
 }
 
 /// A granted request: its placement and how long it waited.

@@ -75,6 +75,7 @@ impl Pipeline {
                 ttft_target_ms: grant.ttft_target_ms,
                 predicted_queue_wait_ms: grant.predicted_wait_ms,
                 routed_ttft_ms: grant.routed_ttft_ms,
+                routed_within_target: grant.routed_within_target,
                 ttft_ms: 0.0,
                 ttft_target_met: false,
             },

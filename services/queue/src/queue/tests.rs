@@ -93,6 +93,7 @@ impl Placer for TestPlacer {
                 prefill: None,
                 overlap_tokens: entry.overlap_tokens,
                 routed_ttft: None,
+                routed_within_target: None,
             },
             lease: Some(Box::new(TestLease {
                 id: entry.desc.request_id.clone(),

@@ -637,3 +637,63 @@ async fn engine_error_mid_stream_migrates(reply_lag: Option<Duration>) -> anyhow
     assert_eq!(errors, 1.0, "worker error ends");
     mesh.stop().await
 }
+
+/// The router predicts each request's time to first token from what the
+/// worker measures, and the prediction tracks what the request got: it
+/// reaches the client in `nvext.routed_ttft_ms`, and the router's error
+/// histogram counts each check.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn predicted_time_to_first_token_tracks_the_served_one() -> anyhow::Result<()> {
+    let mut opts = MeshOptions::default();
+    opts.worker.engine = sluice_worker::EngineKind::Mocker;
+    // The mocker's own clock: a prompt step of ~20 ms, decode steps of ~6.
+    opts.worker.speedup_ratio = 1.0;
+    let mesh = Mesh::start(opts).await?;
+    let prompt = |i: usize| format!("{i} {}", "words of a prompt that is not short ".repeat(30));
+    let complete = |i: usize| {
+        let http = mesh.http.clone();
+        let body = json!({"model": "sluice-tiny", "prompt": prompt(i), "max_tokens": 8, "ignore_eos": true});
+        async move {
+            let (status, body) = post_json(&http, "/v1/completions", &body).await?;
+            anyhow::ensure!(status == 200, "{body}");
+            Ok::<Value, anyhow::Error>(parse(&body)["nvext"].clone())
+        }
+    };
+    // Until the worker has measured its steps and the router heard them.
+    let mut first = None;
+    for i in 0..40 {
+        let nvext = complete(i).await?;
+        if nvext["routed_ttft_ms"].is_f64() {
+            first = Some(i);
+            break;
+        }
+    }
+    let Some(first) = first else {
+        anyhow::bail!("no prediction after 40 requests");
+    };
+    let mut ratios = Vec::new();
+    for i in first + 1..first + 9 {
+        let nvext = complete(i).await?;
+        let predicted = nvext["routed_ttft_ms"].as_f64().expect("a prediction");
+        let served = nvext["ttft_ms"].as_f64().expect("ttft")
+            - nvext["queue_wait_ms"].as_f64().expect("wait");
+        assert!(predicted > 0.0 && served > 0.0, "{nvext}");
+        ratios.push(predicted / served);
+    }
+    ratios.sort_by(f64::total_cmp);
+    let median = ratios[ratios.len() / 2];
+    // Within a factor of five either way on a busy test machine (the bench
+    // measures the error itself: tests/bench/results/routing.md).
+    assert!(
+        (0.2..=5.0).contains(&median),
+        "predicted / served: {ratios:?}"
+    );
+    let (_, metrics) = get(&mesh.endpoints("router").await?[0], "/metrics").await?;
+    let checks = metrics
+        .lines()
+        .filter(|l| l.starts_with("sluice_router_ttft_prediction_error_ratio_count{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>();
+    assert!(checks >= 8.0, "{checks} checks");
+    mesh.stop().await
+}
