@@ -156,6 +156,11 @@ pub struct LoadStats {
     pub prefill_ns_per_token: u32,
     /// Its fixed part per step with prompt tokens, in µs.
     pub prefill_step_us: u32,
+    /// A decode step's time as `decode_base_us + rows ×
+    /// decode_ns_per_seq / 1000` (fitted over recent decode steps; set by
+    /// the engine loop).
+    pub decode_base_us: u32,
+    pub decode_ns_per_seq: u32,
     /// Steps where admission waited for slots about to free.
     pub admission_held_steps: u64,
 }
@@ -457,6 +462,8 @@ impl Scheduler {
             step_time_us: 0,
             prefill_ns_per_token: 0,
             prefill_step_us: 0,
+            decode_base_us: 0,
+            decode_ns_per_seq: 0,
         }
     }
 

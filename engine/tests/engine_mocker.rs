@@ -658,4 +658,12 @@ async fn the_reported_step_time_is_a_decode_steps_not_a_prefills() {
         per_token_ms > want * 0.5 && per_token_ms < want * 2.0,
         "reported {per_token_ms} ms a prompt token; the mocker's prefill is {want} ms"
     );
+    // And a decode step's line against its batch (one sequence here: its
+    // mean, no slope to read).
+    let l = *e.load().borrow();
+    let one = f64::from(l.decode_base_us) / 1e3 + f64::from(l.decode_ns_per_seq) / 1e6;
+    assert!(
+        one > 0.0 && one < prefill / 4.0,
+        "a step of one sequence {one} ms; decode {decode} ms"
+    );
 }

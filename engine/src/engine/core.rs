@@ -45,20 +45,24 @@ pub(super) struct EngineCore {
     /// with, as a fixed part per step and a part per token (fitted over
     /// recent steps with prompt tokens): with [`Self::step_us`], what a
     /// router predicts a prompt's time to first token from.
-    prefill_fit: PrefillFit,
+    prefill_fit: LineFit,
+    /// A decode step's time against its batch size (rows), fitted over
+    /// recent decode steps: what a router predicts a request's time per
+    /// output token from, with it in the batch.
+    decode_fit: LineFit,
 }
 
 /// Weight of the newest step in [`EngineCore::step_us`] and
-/// [`PrefillFit`].
+/// [`LineFit`].
 const STEP_EWMA: f64 = 0.2;
 
-/// A least-squares line `extra µs = fixed + per_token × prompt tokens`
-/// over recent steps, each older step weighing [`STEP_EWMA`] less (the
-/// sums decay, so the line follows a worker whose speed changes). One
-/// prompt size seen so far gives no slope: the mean cost per token, no
-/// fixed part.
+/// A least-squares line `µs = fixed + per_unit × units` over recent steps
+/// (units: a step's prompt tokens, or its decode rows), each older step
+/// weighing [`STEP_EWMA`] less (the sums decay, so the line follows a
+/// worker whose speed changes). One size seen so far gives no slope: the
+/// mean cost per unit, no fixed part.
 #[derive(Debug, Default, Clone, Copy)]
-struct PrefillFit {
+struct LineFit {
     w: f64,
     n: f64,
     nn: f64,
@@ -66,7 +70,7 @@ struct PrefillFit {
     ny: f64,
 }
 
-impl PrefillFit {
+impl LineFit {
     fn add(&mut self, tokens: f64, extra_us: f64) {
         let keep = 1.0 - STEP_EWMA;
         self.w = self.w * keep + 1.0;
@@ -129,7 +133,8 @@ impl EngineCore {
             reserved: HashMap::new(),
             shutting_down: false,
             step_us: 0.0,
-            prefill_fit: PrefillFit::default(),
+            prefill_fit: LineFit::default(),
+            decode_fit: LineFit::default(),
         }
     }
 
@@ -255,6 +260,7 @@ impl EngineCore {
         let us = started.elapsed().as_secs_f64() * 1e6;
         if decode_only {
             self.step_us = ewma(self.step_us, us);
+            self.decode_fit.add(step.seqs.len() as f64, us);
         } else if prompt_tokens > 0 {
             // What the step took beyond a decode step.
             self.prefill_fit
@@ -557,6 +563,9 @@ impl EngineCore {
         let (step_us, per_token_us) = self.prefill_fit.line();
         load.prefill_step_us = step_us.round().min(f64::from(u32::MAX)) as u32;
         load.prefill_ns_per_token = (per_token_us * 1e3).round().min(f64::from(u32::MAX)) as u32;
+        let (base_us, per_seq_us) = self.decode_fit.line();
+        load.decode_base_us = base_us.round().min(f64::from(u32::MAX)) as u32;
+        load.decode_ns_per_seq = (per_seq_us * 1e3).round().min(f64::from(u32::MAX)) as u32;
         self.load_tx.send_replace(load);
     }
 }
@@ -591,11 +600,11 @@ fn merge_outputs(outputs: Vec<ForwardOutput>) -> Result<ForwardOutput, EngineErr
 
 #[cfg(test)]
 mod tests {
-    use super::PrefillFit;
+    use super::LineFit;
 
     #[test]
     fn the_prefill_line_recovers_a_fixed_and_a_per_token_cost() {
-        let mut fit = PrefillFit::default();
+        let mut fit = LineFit::default();
         assert_eq!(fit.line(), (0.0, 0.0));
         // 2 ms a step and 15 µs a token, chunks of varied sizes.
         for n in [100.0, 1024.0, 300.0, 1024.0, 40.0, 700.0] {
@@ -608,7 +617,7 @@ mod tests {
 
     #[test]
     fn one_prompt_size_gives_the_mean_per_token_and_no_fixed_part() {
-        let mut fit = PrefillFit::default();
+        let mut fit = LineFit::default();
         fit.add(512.0, 5_120.0);
         fit.add(512.0, 5_120.0);
         assert_eq!(fit.line(), (0.0, 10.0));

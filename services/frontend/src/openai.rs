@@ -211,6 +211,11 @@ pub(crate) struct AgentHints {
     /// priority.
     #[serde(default)]
     pub ttft_target_ms: Option<u32>,
+    /// Time per output token wanted, in milliseconds: the router keeps the
+    /// request off workers whose decode batch would be slower. Unset: the
+    /// queue's default for the priority, if any.
+    #[serde(default)]
+    pub tpot_target_ms: Option<u32>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -679,6 +684,7 @@ fn hints(nvext: &Option<Nvext>) -> common::PriorityHints {
         strict_priority: h.and_then(|h| h.strict_priority).unwrap_or(0),
         osl: h.and_then(|h| h.osl).unwrap_or(0),
         ttft_target_ms: h.and_then(|h| h.ttft_target_ms).unwrap_or(0),
+        tpot_target_ms: h.and_then(|h| h.tpot_target_ms).unwrap_or(0),
     }
 }
 

@@ -154,6 +154,7 @@ impl Prepared {
             prompt_tokens: prompt_ids.len() as u32,
             expected_output_tokens: expected_output_tokens(params),
             ttft_target_ms: params.hints.ttft_target_ms,
+            tpot_target_ms: params.hints.tpot_target_ms,
             block_hashes: sluice_tokens::sequence_block_hashes(prompt_ids, block_size).into(),
             block_size: block_size as u32,
             exclude_worker_ids: Arc::from([]),

@@ -124,7 +124,7 @@ impl fmt::Display for WfqWeights {
     }
 }
 
-/// `--ttft-targets`: `PRIORITY=SECS,...`.
+/// `--ttft-targets` and `--tpot-targets`: `PRIORITY=SECS,...`.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct TtftTargets(pub HashMap<i32, f64>);
 
@@ -222,6 +222,19 @@ pub struct Args {
     )]
     pub ttft_targets: TtftTargets,
 
+    /// Default TPOT targets by priority, `PRIORITY=SECS,...` (e.g.
+    /// `3=0.05`): the time per output token a request of that priority
+    /// asks for when it names none (`nvext.agent_hints.tpot_target_ms`).
+    /// The router keeps such a request off workers whose decode batch would
+    /// be slower. Priorities not listed have none.
+    #[arg(
+        long,
+        env = "SLUICE_TPOT_TARGETS",
+        default_value_t = TtftTargets::default(),
+        allow_hyphen_values = true
+    )]
+    pub tpot_targets: TtftTargets,
+
     /// Requests with priority above this keep the reserved share of pending
     /// capacity (`--shed-protect-fraction`).
     #[arg(
@@ -318,6 +331,18 @@ impl Args {
         let reserved =
             (self.shed_protect_fraction * self.max_pending as f64 - 1e-9).ceil() as usize;
         reserved.min(self.max_pending.saturating_sub(1))
+    }
+
+    /// The TPOT target in milliseconds of a request of `priority` that
+    /// names `requested_ms` (0 = none): its own, else `--tpot-targets`' for
+    /// its priority, else none (0).
+    pub fn tpot_target_ms(&self, priority: i32, requested_ms: u32) -> u32 {
+        if requested_ms > 0 {
+            return requested_ms;
+        }
+        self.tpot_targets.0.get(&priority).map_or(0, |secs| {
+            (secs * 1e3).round().clamp(1.0, f64::from(u32::MAX)) as u32
+        })
     }
 
     /// The TTFT target of a request of `priority` that names `requested_ms`
@@ -421,6 +446,15 @@ mod tests {
         assert!(cfg.validate().is_ok());
         assert_eq!(cfg.reserved_slots(), 820);
         assert_eq!(cfg.ttft_target(0, 0), Duration::from_secs(60));
+    }
+
+    #[test]
+    fn tpot_targets_by_priority_and_per_request_and_none_by_default() {
+        assert_eq!(parse(&[]).tpot_target_ms(3, 0), 0, "no default target");
+        let cfg = parse(&["--tpot-targets", "3=0.05"]);
+        assert_eq!(cfg.tpot_target_ms(3, 0), 50);
+        assert_eq!(cfg.tpot_target_ms(0, 0), 0);
+        assert_eq!(cfg.tpot_target_ms(0, 200), 200, "the request's own");
     }
 
     #[test]

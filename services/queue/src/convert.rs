@@ -221,6 +221,7 @@ mod tests {
             block_size: 16,
             expected_output_tokens: 0,
             ttft_target_ms: 1500,
+            tpot_target_ms: 40,
             exclude_worker_ids: vec!["w9".into()],
             tenant_weight: 2,
         }

@@ -457,6 +457,8 @@ impl Queue {
         // The router is told the target the request is held to (what is
         // left of it when it is placed: see the placer).
         entry.desc.ttft_target_ms = u32::try_from(target.as_millis()).unwrap_or(u32::MAX);
+        entry.desc.tpot_target_ms =
+            cfg.tpot_target_ms(entry.desc.priority, entry.desc.tpot_target_ms);
         let mut checked = st.check_admission(cfg, &entry, now);
         if matches!(checked, Err(QueueError::QueueFull { .. }))
             && st.displace(cfg, shared.epoch, &entry, &shared.metrics, now)

@@ -65,6 +65,7 @@ impl TestRouter {
                 block_hashes: desc.block_hashes.clone(),
                 started: false,
                 priority: desc.priority,
+                tpot_target_ms: desc.tpot_target_ms,
             }),
         }
     }
@@ -347,6 +348,7 @@ fn description(id: &str, priority: i32) -> common::RequestDescription {
         block_size: 16,
         expected_output_tokens: 0,
         ttft_target_ms: 0,
+        tpot_target_ms: 0,
         exclude_worker_ids: Vec::new(),
         tenant_weight: 0,
     }

@@ -63,6 +63,7 @@ pub(crate) fn placement(kind: PoolKind, p: &PlacementRecord, endpoint: &str) -> 
         blocks: u32::try_from(p.blocks).unwrap_or(u32::MAX),
         started: p.started,
         priority: p.priority,
+        tpot_target_ms: p.tpot_target_ms,
     }
 }
 
@@ -157,6 +158,7 @@ pub(crate) fn placement_record(
             blocks: u64::from(p.blocks),
             started: p.started,
             priority: p.priority,
+            tpot_target_ms: p.tpot_target_ms,
         },
     ))
 }
@@ -191,6 +193,8 @@ fn candidate(c: &Candidate) -> pb::Candidate {
         over_bound: c.terms.over_bound,
         queued_prefill_tokens: c.terms.queued_prefill_tokens,
         predicted_ttft_ms: c.terms.predicted_ttft.map(|s| s * 1e3),
+        predicted_tpot_ms: c.terms.predicted_tpot.map(|s| s * 1e3),
+        over_tpot: c.terms.over_tpot,
     }
 }
 
@@ -268,6 +272,8 @@ pub(crate) fn load_report(r: &wpb::LoadReport) -> LoadReport {
         step_time_us: r.step_time_us,
         prefill_ns_per_token: r.prefill_ns_per_token,
         prefill_step_us: r.prefill_step_us,
+        decode_base_us: r.decode_base_us,
+        decode_ns_per_seq: r.decode_ns_per_seq,
     }
 }
 

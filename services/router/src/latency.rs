@@ -20,9 +20,16 @@
 //! constants of its own; a worker that has measured no decode step yet has
 //! no prediction. A cached prefix enters as the prompt tokens it saves.
 //!
-//! What it leaves out, for now: the wait for a free sequence slot on a
-//! worker whose batch is full, and decode steps slowing as the batch grows
-//! between the report and this request's first token.
+//! A request's time per output token on a candidate is the worker's
+//! decode step with one more sequence in its batch, from a line the engine
+//! fits over its recent decode steps (`decode_base_us` + sequences ×
+//! `decode_ns_per_seq`). The router keeps a request off a worker where
+//! that step would exceed the request's TPOT target or the tightest target
+//! of a request already running there, while another worker can take it.
+//!
+//! What the TTFT model leaves out, for now: the wait for a free sequence
+//! slot on a worker whose batch is full, and decode steps slowing as the
+//! batch grows between the report and this request's first token.
 
 /// What one candidate's prediction is computed from.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -59,6 +66,16 @@ pub fn predict_ttft(input: &LatencyInput) -> Option<f64> {
         steps as f64 * per_step * 1e-6
             + tokens as f64 * f64::from(input.prefill_ns_per_token) * 1e-9,
     )
+}
+
+/// The predicted decode step in seconds with `batch` sequences, from the
+/// worker's fitted line (`decode_base_us` + `decode_ns_per_seq` per
+/// sequence); `None` before it measured one.
+pub fn predict_step(decode_base_us: u32, decode_ns_per_seq: u32, batch: u32) -> Option<f64> {
+    if decode_base_us == 0 && decode_ns_per_seq == 0 {
+        return None;
+    }
+    Some(f64::from(decode_base_us) * 1e-6 + f64::from(batch) * f64::from(decode_ns_per_seq) * 1e-9)
 }
 
 /// A placement's predicted time to first token beside the one it got: the
@@ -158,6 +175,14 @@ mod tests {
         };
         let (hit, miss) = (predict_ttft(&hit), predict_ttft(&miss));
         assert!(miss < hit, "miss {miss:?} hit {hit:?}");
+    }
+
+    #[test]
+    fn a_decode_step_grows_with_the_batch_along_the_measured_line() {
+        assert_eq!(predict_step(0, 0, 8), None);
+        // 5 ms, and 0.5 ms a sequence: 9 sequences, 9.5 ms.
+        let step = predict_step(5_000, 500_000, 9).expect("measured");
+        assert!((step - 0.0095).abs() < 1e-12, "{step}");
     }
 
     #[test]

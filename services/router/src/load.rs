@@ -49,6 +49,10 @@ pub struct LoadReport {
     pub prefill_ns_per_token: u32,
     /// Its fixed part per step with prompt tokens, in µs.
     pub prefill_step_us: u32,
+    /// A decode step's fixed part in µs, and its part per sequence in ns
+    /// (both 0: none measured).
+    pub decode_base_us: u32,
+    pub decode_ns_per_seq: u32,
 }
 
 /// A target's effective load: placements plus the unplaced report.
@@ -70,6 +74,8 @@ pub struct EffectiveLoad {
     /// prefilled in chunks counts only what is left of it, where
     /// `active_prefill_tokens` counts all of it until its first token.
     pub reported_prefill_tokens: Option<u64>,
+    /// The tightest TPOT target of the live placements there, in ms.
+    pub tightest_tpot_ms: Option<u32>,
     /// The last report, if any.
     pub report: LoadReport,
 }
@@ -83,6 +89,8 @@ pub(crate) struct Shape {
     pub(crate) hashes: std::sync::Arc<[u64]>,
     /// Every prompt block, the partial last one included.
     pub(crate) blocks: u64,
+    /// The request's TPOT target in ms (0 = none).
+    pub(crate) tpot_target_ms: u32,
 }
 
 impl Shape {
@@ -108,6 +116,8 @@ pub(crate) struct TargetLoad {
     /// Prefill tokens of the placements made since the last report (the
     /// report does not count them yet).
     placed_since_report: u64,
+    /// Live placements' TPOT targets (ms → placements), 0 left out.
+    tpot_targets: BTreeMap<u32, u32>,
 }
 
 impl TargetLoad {
@@ -117,6 +127,9 @@ impl TargetLoad {
         if !started {
             *self.unstarted.entry(shape.prefill_tokens).or_insert(0) += 1;
             self.placed_since_report += shape.prefill_tokens;
+        }
+        if shape.tpot_target_ms > 0 {
+            *self.tpot_targets.entry(shape.tpot_target_ms).or_insert(0) += 1;
         }
         for &h in shape.hashes.iter() {
             *self.block_refs.entry(h).or_insert(0) += 1;
@@ -149,6 +162,12 @@ impl TargetLoad {
             }
         }
         self.unshared_blocks = self.unshared_blocks.saturating_sub(shape.unshared_blocks());
+        if let Some(n) = self.tpot_targets.get_mut(&shape.tpot_target_ms) {
+            *n -= 1;
+            if *n == 0 {
+                self.tpot_targets.remove(&shape.tpot_target_ms);
+            }
+        }
     }
 
     /// Records a worker report received at `now`.
@@ -185,6 +204,7 @@ impl TargetLoad {
             reported_prefill_tokens: self
                 .reported_at
                 .map(|_| r.pending_prefill_tokens + self.placed_since_report),
+            tightest_tpot_ms: self.tpot_targets.keys().next().copied(),
             report: self.report,
         }
     }
@@ -199,7 +219,30 @@ mod tests {
             prefill_tokens,
             hashes: hashes.into(),
             blocks,
+            tpot_target_ms: 0,
         }
+    }
+
+    #[test]
+    fn the_tightest_live_tpot_target_is_kept_until_its_placement_ends() {
+        let mut l = TargetLoad::default();
+        let tight = Shape {
+            tpot_target_ms: 40,
+            ..shape(10, &[1], 1)
+        };
+        let loose = Shape {
+            tpot_target_ms: 200,
+            ..shape(10, &[2], 1)
+        };
+        l.add(&shape(10, &[3], 1), false);
+        assert_eq!(l.effective().tightest_tpot_ms, None, "no target: no cap");
+        l.add(&loose, false);
+        l.add(&tight, false);
+        assert_eq!(l.effective().tightest_tpot_ms, Some(40));
+        l.remove(&tight, false);
+        assert_eq!(l.effective().tightest_tpot_ms, Some(200));
+        l.remove(&loose, true);
+        assert_eq!(l.effective().tightest_tpot_ms, None);
     }
 
     #[test]

@@ -136,6 +136,8 @@ pub struct PlacementRecord {
     pub started: bool,
     /// The request's priority.
     pub priority: i32,
+    /// The request's TPOT target in ms (0 = none).
+    pub tpot_target_ms: u32,
 }
 
 impl PlacementRecord {
@@ -144,6 +146,7 @@ impl PlacementRecord {
             prefill_tokens: self.prefill_tokens,
             hashes: Arc::clone(&self.block_hashes),
             blocks: self.blocks,
+            tpot_target_ms: self.tpot_target_ms,
         }
     }
 }
@@ -796,6 +799,10 @@ impl WorkerPool {
                     prefill_ns_per_token: load.report.prefill_ns_per_token,
                     prefill_step_us: load.report.prefill_step_us,
                     reported_prefill_tokens: load.reported_prefill_tokens,
+                    decode_base_us: load.report.decode_base_us,
+                    decode_ns_per_seq: load.report.decode_ns_per_seq,
+                    tightest_tpot_ms: load.tightest_tpot_ms,
+                    request_tpot_ms: desc.tpot_target_ms,
                 },
                 desc.prompt_tokens,
                 desc.block_size,
@@ -883,6 +890,15 @@ impl WorkerPool {
                 // Only candidates within the bound (the least loaded always is).
                 let mut eligible: Vec<usize> =
                     (0..terms.len()).filter(|&i| !terms[i].over_bound).collect();
+                // The batch cap: off workers whose decode step, with this
+                // request added, would miss a TPOT target, while another
+                // can take it (when none can, the bounds alone decide).
+                if eligible.iter().any(|&i| !terms[i].over_tpot) {
+                    for &i in &eligible {
+                        terms[i].over_bound |= terms[i].over_tpot;
+                    }
+                    eligible.retain(|&i| !terms[i].over_tpot);
+                }
                 if self.cfg.mode == RouterMode::Latency
                     && let Some(target) = target
                 {
@@ -946,6 +962,7 @@ impl WorkerPool {
             blocks: u64::from(desc.prompt_tokens).div_ceil(u64::from(desc.block_size)),
             started: false,
             priority: desc.priority,
+            tpot_target_ms: desc.tpot_target_ms,
         };
         choice.count(
             key,
@@ -1404,6 +1421,69 @@ mod tests {
         // Nobody meets 10 ms: the one predicted soonest, and it says so.
         let d = p.route(&with_target(10), now).expect("route");
         assert_eq!((chosen(&d), d.within_target), ("w0", Some(false)));
+    }
+
+    #[test]
+    fn a_tpot_target_keeps_a_request_off_a_batch_it_would_slow_past_it() {
+        let p = pool(RouterMode::Kv, 2);
+        let now = Instant::now();
+        // Decode steps of 5 ms and 0.5 ms a sequence on both; w0 runs 20
+        // requests no router placed (a step of 15.5 ms with one more).
+        let report = |unplaced_requests| LoadReport {
+            step_time_us: 5_000,
+            decode_base_us: 5_000,
+            decode_ns_per_seq: 500_000,
+            unplaced_requests,
+            ..LoadReport::default()
+        };
+        p.record_load(&target(0), report(20), now);
+        p.record_load(&target(1), report(0), now);
+        let h = sequence_block_hashes(&tokens(13, 256), BS as usize);
+        store(&p, 0, 1, &h);
+        let with_tpot = |ms, id| RouteInput {
+            desc: RequestDescription {
+                tpot_target_ms: ms,
+                ..input(&h, 256).desc
+            },
+            ..held(&h, 256, id)
+        };
+        // No target: the cached prefix wins.
+        let d = p.route(&with_tpot(0, 1), now).expect("route");
+        assert_eq!(chosen(&d), "w0");
+        p.update(&key(1), PlacementState::Released);
+        // A 10 ms target: not w0's 15.5 ms step.
+        let d = p.route(&with_tpot(10, 2), now).expect("route");
+        assert_eq!(chosen(&d), "w1", "{:?}", d.candidates);
+        let w0 = &d
+            .candidates
+            .iter()
+            .find(|c| *c.target.worker_id == *"w0")
+            .expect("w0")
+            .terms;
+        assert!(w0.over_tpot && w0.over_bound, "{w0:?}");
+        // It runs on w1; with 10 ms targets w1 takes ten in all (a step
+        // of 10 ms), while w0 stays over.
+        let on_w1 = |d: &Decision| {
+            d.candidates
+                .iter()
+                .find(|c| *c.target.worker_id == *"w1")
+                .expect("w1")
+                .terms
+        };
+        for id in 3..=11 {
+            let d = p.route(&with_tpot(10, id), now).expect("route");
+            assert_eq!(chosen(&d), "w1", "request {id}: {:?}", on_w1(&d));
+        }
+        // The eleventh would make w1's step 10.5 ms; so would one without
+        // a target of its own (the running requests' targets count): it
+        // goes to w0, which has room for it.
+        let d = p.route(&with_tpot(0, 12), now).expect("route");
+        assert!(on_w1(&d).over_tpot, "{:?}", on_w1(&d));
+        assert_eq!(chosen(&d), "w0");
+        // Where no worker can meet a target, the bounds alone decide.
+        let d = p.route(&with_tpot(1, 13), now).expect("route");
+        assert!(d.candidates.iter().all(|c| c.terms.over_tpot));
+        assert_eq!(chosen(&d), "w0", "the cached prefix, by cost");
     }
 
     #[test]

@@ -54,7 +54,7 @@
 
 use rand::Rng;
 
-use crate::latency::{LatencyInput, predict_ttft};
+use crate::latency::{LatencyInput, predict_step, predict_ttft};
 
 /// How the router chooses among candidates.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, clap::ValueEnum)]
@@ -171,6 +171,13 @@ pub struct CostInput {
     /// Prompt tokens left there by the worker's last report plus those
     /// placed since (`None` before a report).
     pub reported_prefill_tokens: Option<u64>,
+    /// The worker's decode step line: fixed µs, and ns per sequence.
+    pub decode_base_us: u32,
+    pub decode_ns_per_seq: u32,
+    /// The tightest TPOT target among the requests running there (ms).
+    pub tightest_tpot_ms: Option<u32>,
+    /// This request's TPOT target in ms (0 = none).
+    pub request_tpot_ms: u32,
 }
 
 /// One candidate's cost terms (the proto `Candidate` without its target).
@@ -201,6 +208,12 @@ pub struct CostTerms {
     pub saved_prefill: Option<f64>,
     /// Seconds of prefill the uncached prompt costs there (`None` likewise).
     pub own_prefill: Option<f64>,
+    /// Predicted seconds per decode step there with this request added
+    /// (`None` before the worker measured a decode step).
+    pub predicted_tpot: Option<f64>,
+    /// That step exceeds this request's TPOT target or one of a request
+    /// running there.
+    pub over_tpot: bool,
 }
 
 /// Prompt tokens not served from `overlap_blocks` cached blocks.
@@ -238,6 +251,21 @@ pub fn cost(
     };
     let predicted_ttft = predict_ttft(&latency);
     let cached = u64::from(prompt_tokens) - uncached;
+    let predicted_tpot = predict_step(
+        input.decode_base_us,
+        input.decode_ns_per_seq,
+        input.active_requests.saturating_add(1),
+    );
+    let tpot_limit = [
+        Some(input.request_tpot_ms).filter(|&ms| ms > 0),
+        input.tightest_tpot_ms,
+    ]
+    .into_iter()
+    .flatten()
+    .min();
+    let over_tpot = predicted_tpot
+        .zip(tpot_limit)
+        .is_some_and(|(step, ms)| step * 1e3 > f64::from(ms));
     let per_token = f64::from(input.prefill_ns_per_token) * 1e-9;
     let saved_prefill = predicted_ttft.map(|_| cached as f64 * per_token);
     let own_prefill = predicted_ttft.map(|_| uncached as f64 * per_token);
@@ -253,6 +281,8 @@ pub fn cost(
         predicted_ttft,
         saved_prefill,
         own_prefill,
+        predicted_tpot,
+        over_tpot,
     }
 }
 

@@ -41,6 +41,9 @@ pub struct RequestDescription {
     /// The client's TTFT target in milliseconds; 0 = the queue's default
     /// for the priority.
     pub ttft_target_ms: u32,
+    /// The client's TPOT target in milliseconds; 0 = the queue's default
+    /// for the priority (none unless configured).
+    pub tpot_target_ms: u32,
     /// Chained sequence block hashes of the prompt's full blocks.
     pub block_hashes: Arc<[u64]>,
     /// Block size the hashes were computed with, in tokens.
@@ -66,6 +69,7 @@ impl RequestDescription {
             prompt_tokens: d.prompt_tokens,
             expected_output_tokens: d.expected_output_tokens,
             ttft_target_ms: d.ttft_target_ms,
+            tpot_target_ms: d.tpot_target_ms,
             block_hashes: Arc::from(d.block_hashes),
             block_size: d.block_size,
             exclude_worker_ids: Arc::from(d.exclude_worker_ids),
@@ -126,6 +130,7 @@ impl RequestDescription {
             prompt_tokens: self.prompt_tokens,
             expected_output_tokens: self.expected_output_tokens,
             ttft_target_ms: self.ttft_target_ms,
+            tpot_target_ms: self.tpot_target_ms,
             block_hashes: self.block_hashes.to_vec(),
             block_size: self.block_size,
             exclude_worker_ids: self.exclude_worker_ids.to_vec(),
@@ -148,6 +153,7 @@ mod tests {
             prompt_tokens: 40,
             expected_output_tokens: 7,
             ttft_target_ms: 1500,
+            tpot_target_ms: 40,
             block_hashes: vec![1, 2],
             block_size: 16,
             exclude_worker_ids: vec!["w9".into()],

@@ -18,6 +18,7 @@ fn config(policy: Policy) -> Args {
         no_default_holding: false,
         ttft_target_secs: 60.0,
         ttft_targets: crate::config::TtftTargets::default(),
+        tpot_targets: crate::config::TtftTargets::default(),
         shed_protect_priority: 0,
         shed_protect_fraction: 0.0,
         wfq_class: WfqClass::Priority,

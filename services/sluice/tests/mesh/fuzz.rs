@@ -510,6 +510,7 @@ fn hints(rng: &mut StdRng) -> Option<common::PriorityHints> {
         strict_priority: *pick(rng, &[0, 1, 1000, u32::MAX]),
         osl: rng.random(),
         ttft_target_ms: *pick(rng, &[0, 1, 500, u32::MAX]),
+        tpot_target_ms: *pick(rng, &[0, 1, 50, u32::MAX]),
     })
 }
 
@@ -542,6 +543,7 @@ fn description(rng: &mut StdRng) -> common::RequestDescription {
         prompt_tokens: *pick(rng, &[0, 5, 64, u32::MAX]),
         expected_output_tokens: rng.random(),
         ttft_target_ms: *pick(rng, &[0, 1, 1000, u32::MAX]),
+        tpot_target_ms: *pick(rng, &[0, 1, 40, u32::MAX]),
         block_hashes: (0..*pick(rng, &[0usize, 1, 4, 5000]))
             .map(|_| rng.random())
             .collect(),
