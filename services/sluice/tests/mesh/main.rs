@@ -1,13 +1,16 @@
 //! The whole mesh in one process (`sluice_tests::mesh`: frontend, queue
 //! replicas, router, workers on the built-in model or the mocker, real
 //! etcd where discovery is the subject), one module per scenario. One test
-//! binary: the scenarios share nothing but the process. Scenarios that read
-//! their own spans back through an OTLP collector install the process's one
-//! trace subscriber, so each is a test binary of its own beside this folder
-//! (`admission_wait.rs`, `preemption.rs`, `trace_mesh.rs`,
-//! `trace_propagation.rs`).
+//! binary: the scenarios share nothing but the process. Beside this folder,
+//! binaries of their own: the scenarios that read their spans back through
+//! an OTLP collector (they install the process's one trace subscriber:
+//! `admission_wait.rs`, `preemption.rs`, `trace_mesh.rs`,
+//! `trace_propagation.rs`), and `discovery.rs`, whose leases and grace
+//! periods are timed against etcd processes it pauses and restarts: with
+//! the fuzz scenarios beside it in one process, one `make test` run did not
+//! see a lost member's deletion within its test's 10 s wait (root cause
+//! not found; never seen in a binary of its own).
 
-mod discovery;
 mod edge;
 mod fuzz;
 mod kv_events;

@@ -105,8 +105,7 @@ async fn etcd_entry_of_killed_owner_expires_within_ttl() -> anyhow::Result<()> {
     let mut child = std::process::Command::new(exe)
         .args([
             "--exact",
-            // The test's name in this binary (its module path, crate left out).
-            "discovery::child_registers_and_waits",
+            "child_registers_and_waits",
             "--ignored",
             "--nocapture",
             "--test-threads",
