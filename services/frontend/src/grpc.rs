@@ -290,6 +290,9 @@ fn serving_info(serving: Serving, request_id: String) -> pb::ServingInfo {
         predicted_queue_wait_ms: serving.predicted_queue_wait_ms,
         routed_ttft_ms: serving.routed_ttft_ms,
         routed_within_target: serving.routed_within_target,
+        tpot_target_ms: serving.tpot_target_ms,
+        tpot_ms: serving.tpot_ms,
+        tpot_target_met: serving.tpot_target_met,
         ttft_ms: serving.ttft_ms,
         ttft_target_met: serving.ttft_target_met,
     }

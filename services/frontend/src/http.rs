@@ -144,8 +144,18 @@ fn header_priority(headers: &HeaderMap) -> Result<Option<i32>, FrontendError> {
 /// milliseconds (as `nvext.agent_hints.ttft_target_ms`, which it overrides).
 pub(crate) const TTFT_TARGET_HEADER: &str = "x-sluice-ttft-target-ms";
 
-fn header_ttft_target(headers: &HeaderMap) -> Result<Option<u32>, FrontendError> {
-    match headers.get(TTFT_TARGET_HEADER) {
+/// The TPOT target header for gateways (the body's
+/// `nvext.agent_hints.tpot_target_ms` otherwise).
+pub(crate) const TPOT_TARGET_HEADER: &str = "x-sluice-tpot-target-ms";
+
+/// A target header (`header`, in milliseconds > 0); `path` is its field in
+/// the body, named in the error.
+fn header_target(
+    headers: &HeaderMap,
+    header: &'static str,
+    path: &str,
+) -> Result<Option<u32>, FrontendError> {
+    match headers.get(header) {
         None => Ok(None),
         Some(v) => v
             .to_str()
@@ -155,8 +165,8 @@ fn header_ttft_target(headers: &HeaderMap) -> Result<Option<u32>, FrontendError>
             .map(Some)
             .ok_or_else(|| {
                 FrontendError::invalid(
-                    TTFT_TARGET_HEADER,
-                    format!("header `{TTFT_TARGET_HEADER}` must be a whole number of milliseconds > 0; in the body use `{}`", crate::openai::TTFT_TARGET_PATH),
+                    header,
+                    format!("header `{header}` must be a whole number of milliseconds > 0; in the body use `{path}`"),
                 )
             }),
     }
@@ -305,8 +315,19 @@ async fn answer(
             }
             None => PRIORITY_PATH,
         };
-        if let Some(ms) = header_ttft_target(&headers)? {
+        if let Some(ms) = header_target(
+            &headers,
+            TTFT_TARGET_HEADER,
+            crate::openai::TTFT_TARGET_PATH,
+        )? {
             params.hints.ttft_target_ms = ms;
+        }
+        if let Some(ms) = header_target(
+            &headers,
+            TPOT_TARGET_HEADER,
+            crate::openai::TPOT_TARGET_PATH,
+        )? {
+            params.hints.tpot_target_ms = ms;
         }
         sluice_runtime::limits::check_priority(
             priority_field,
@@ -968,18 +989,27 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_ttft_target_header_is_milliseconds_above_zero() {
-        let with = |v: &str| {
-            let mut h = HeaderMap::new();
-            h.insert(TTFT_TARGET_HEADER, v.parse().expect("a header value"));
-            header_ttft_target(&h)
-        };
-        assert_eq!(header_ttft_target(&HeaderMap::new()).ok(), Some(None));
-        assert_eq!(with(" 1500 ").ok(), Some(Some(1500)));
-        for bad in ["0", "-5", "1.5", "soon"] {
-            let err = with(bad).expect_err(bad);
-            assert_eq!(err.status(), StatusCode::BAD_REQUEST, "{bad}");
-            assert!(err.to_string().contains(TTFT_TARGET_HEADER), "{err}");
+    fn the_target_headers_are_milliseconds_above_zero() {
+        for (header, path) in [
+            (TTFT_TARGET_HEADER, crate::openai::TTFT_TARGET_PATH),
+            (TPOT_TARGET_HEADER, crate::openai::TPOT_TARGET_PATH),
+        ] {
+            let with = |v: &str| {
+                let mut h = HeaderMap::new();
+                h.insert(header, v.parse().expect("a header value"));
+                header_target(&h, header, path)
+            };
+            assert_eq!(
+                header_target(&HeaderMap::new(), header, path).ok(),
+                Some(None)
+            );
+            assert_eq!(with(" 1500 ").ok(), Some(Some(1500)));
+            for bad in ["0", "-5", "1.5", "soon"] {
+                let err = with(bad).expect_err(bad);
+                assert_eq!(err.status(), StatusCode::BAD_REQUEST, "{bad}");
+                assert!(err.to_string().contains(header), "{err}");
+                assert!(err.to_string().contains(path), "{err}");
+            }
         }
     }
 

@@ -20,6 +20,7 @@ pub(crate) const PRIORITY_PATH: &str = "nvext.agent_hints.priority";
 
 /// Where a request body names its TTFT target, in milliseconds.
 pub(crate) const TTFT_TARGET_PATH: &str = "nvext.agent_hints.ttft_target_ms";
+pub(crate) const TPOT_TARGET_PATH: &str = "nvext.agent_hints.tpot_target_ms";
 
 /// What the pipeline serves, whichever API it came from.
 #[derive(Debug, Clone)]

@@ -244,6 +244,17 @@ pub(crate) struct Serving {
     pub ttft_ms: f64,
     /// Whether the first token came within the target.
     pub ttft_target_met: bool,
+    /// The TPOT target the request asked for or got by default (0 = none).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub tpot_target_ms: u32,
+    /// Mean time per output token after the first (absent with fewer than
+    /// two tokens).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tpot_ms: Option<f64>,
+    /// Whether it met the TPOT target (absent without a target or a
+    /// measurement).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tpot_target_met: Option<bool>,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -356,6 +367,8 @@ pub(crate) struct Generation {
     want_logprobs: bool,
     priority_label: String,
     received: Instant,
+    /// When the first and the latest output tokens arrived.
+    first_token: Option<Instant>,
     last_token: Option<Instant>,
     deadline: Instant,
     pending: VecDeque<Event>,

@@ -95,6 +95,7 @@ pub(crate) fn grant_response(grant: &Grant) -> pb::AdmitResponse {
             predicted_wait_ms: grant.predicted_wait.map(|d| d.as_secs_f64() * 1000.0),
             routed_ttft_ms: placement.routed_ttft.map(|d| d.as_secs_f64() * 1000.0),
             routed_within_target: placement.routed_within_target,
+            tpot_target_ms: grant.tpot_target_ms,
         })),
     }
 }

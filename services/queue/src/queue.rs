@@ -224,6 +224,9 @@ pub struct Grant {
     /// The request's TTFT target (its own, or the default for its
     /// priority).
     pub ttft_target: Duration,
+    /// The request's TPOT target in ms (its own, or its priority's
+    /// default; 0 = none).
+    pub tpot_target_ms: u32,
     /// The wait the queue predicted at admission; `None` when it could not
     /// (the workers' capacity or speed not known yet).
     pub predicted_wait: Option<Duration>,

@@ -138,6 +138,7 @@ impl Generation {
             // router has stopped counting this request by the time the
             // client's next one (a conversation's next turn) arrives.
             self.end_lease();
+            self.record_tpot();
             self.pending.push_back(Event::Done {
                 finish_reason: r,
                 usage: common::Usage {
@@ -208,6 +209,7 @@ impl Generation {
         let m = &self.pipeline.metrics;
         match self.last_token {
             None => {
+                self.first_token = Some(now);
                 let ttft = (now - self.received).as_secs_f64();
                 m.ttft
                     .with_label_values(&[&self.priority_label])
@@ -291,6 +293,24 @@ impl Generation {
             lease.progress(on_lease);
             self.reported = on_lease;
         }
+    }
+
+    /// The mean time per output token after the first, and whether it met
+    /// the request's TPOT target, into `serving` and the span.
+    fn record_tpot(&mut self) {
+        let tokens = self.completion_tokens();
+        let (Some(first), Some(last)) = (self.first_token, self.last_token) else {
+            return;
+        };
+        if tokens < 2 {
+            return;
+        }
+        let tpot_ms = (last - first).as_secs_f64() * 1e3 / f64::from(tokens - 1);
+        let serving = &mut self.serving;
+        serving.tpot_ms = Some(tpot_ms);
+        serving.tpot_target_met =
+            (serving.tpot_target_ms > 0).then(|| tpot_ms <= f64::from(serving.tpot_target_ms));
+        self.span.record("tpot_ms", tpot_ms);
     }
 
     fn record_end_ok(&self) {

@@ -594,6 +594,7 @@ impl State {
                 waited,
                 express,
                 ttft_target: slot.target,
+                tpot_target_ms: slot.entry.desc.tpot_target_ms,
                 predicted_wait: slot.predicted,
             }));
         }

@@ -695,5 +695,22 @@ async fn predicted_time_to_first_token_tracks_the_served_one() -> anyhow::Result
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum::<f64>();
     assert!(checks >= 8.0, "{checks} checks");
+    // A TPOT target comes back with the time per token measured against it
+    // (decode steps here take about 6 ms: 10 s is met, 1 ms is not).
+    for (target, met) in [(10_000, true), (1, false)] {
+        let body = json!({
+            "model": "sluice-tiny", "prompt": prompt(99), "max_tokens": 8, "ignore_eos": true,
+            "nvext": {"agent_hints": {"tpot_target_ms": target}},
+        });
+        let (status, body) = post_json(&mesh.http, "/v1/completions", &body).await?;
+        assert_eq!(status, 200, "{body}");
+        let nvext = &parse(&body)["nvext"];
+        assert_eq!(nvext["tpot_target_ms"], target, "{nvext}");
+        assert!(
+            nvext["tpot_ms"].as_f64().is_some_and(|ms| ms > 0.0),
+            "{nvext}"
+        );
+        assert_eq!(nvext["tpot_target_met"], met, "{nvext}");
+    }
     mesh.stop().await
 }
