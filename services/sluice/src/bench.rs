@@ -61,7 +61,7 @@ pub(crate) enum BenchError {
     Encode { what: &'static str, detail: String },
 }
 
-/// `--ttft-targets`: milliseconds by priority.
+/// `--ttft-targets` and `--tpot-targets`: milliseconds by priority.
 pub(crate) type TtftTargets = std::collections::BTreeMap<i32, u32>;
 
 fn parse_ttft_targets(s: &str) -> Result<TtftTargets, String> {
@@ -174,6 +174,14 @@ pub(crate) struct BenchArgs {
     /// token came within its target.
     #[arg(long, value_parser = parse_ttft_targets)]
     ttft_targets: Option<TtftTargets>,
+
+    /// TPOT targets by priority, `PRIORITY=MS,...` (e.g. "3=50,0=200"):
+    /// requests of a listed priority carry
+    /// `nvext.agent_hints.tpot_target_ms`. Attainment and goodput count a
+    /// request within target only when its mean time per output token after
+    /// the first was within this one too.
+    #[arg(long, value_parser = parse_ttft_targets)]
+    tpot_targets: Option<TtftTargets>,
 
     /// Seed of the synthetic workload and the tier assignment.
     #[arg(long, default_value_t = 0)]
@@ -327,7 +335,8 @@ pub(crate) async fn run(args: BenchArgs, stop: sluice_runtime::Shutdown) -> anyh
         args.vocab_size,
         args.ca.as_deref(),
     )?
-    .with_ttft_targets(args.ttft_targets.clone().unwrap_or_default());
+    .with_ttft_targets(args.ttft_targets.clone().unwrap_or_default())
+    .with_tpot_targets(args.tpot_targets.clone().unwrap_or_default());
     let last = plan.last().map_or(0.0, |p| p.at.as_secs_f64());
     eprintln!(
         "sluice bench: {} requests to {} over {last:.1} s of schedule",

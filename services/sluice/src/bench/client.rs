@@ -68,6 +68,9 @@ pub(crate) struct RequestRecord {
     /// The request's TTFT target in ms: the server's `nvext.ttft_target_ms`
     /// where it reports one, else the one the bench sent (`--ttft-targets`).
     pub ttft_target_ms: Option<f64>,
+    /// The request's TPOT target in ms, as the bench sent it
+    /// (`--tpot-targets`).
+    pub tpot_target_ms: Option<f64>,
     pub worker_id: Option<String>,
     /// `nvext.routed_overlap_tokens`: the prompt tokens the router expected
     /// cached on the worker it chose (beside `cached_tokens`, what was).
@@ -94,6 +97,7 @@ impl RequestRecord {
             cached_tokens: None,
             queue_wait_ms: None,
             ttft_target_ms: None,
+            tpot_target_ms: None,
             worker_id: None,
             routed_overlap_tokens: None,
             routed_ttft_ms: None,
@@ -109,6 +113,11 @@ impl RequestRecord {
                 (Some(ttft), Some(target)) => ttft <= target,
                 (Some(_), None) => true,
                 (None, _) => false,
+            }
+            && match (self.itl_ms(), self.tpot_target_ms) {
+                (Some(tpot), Some(target)) => tpot <= target,
+                // One token: no time per token to miss.
+                _ => true,
             }
     }
 
@@ -130,6 +139,8 @@ pub(crate) struct Target {
     vocab: u32,
     /// `--ttft-targets`: ms by priority.
     ttft_targets: super::TtftTargets,
+    /// `--tpot-targets`: ms by priority.
+    tpot_targets: super::TtftTargets,
 }
 
 /// The request URI for `base` (`http(s)://host:port`, with or without `/v1`).
@@ -200,10 +211,17 @@ impl Target {
             api_key,
             vocab,
             ttft_targets: super::TtftTargets::new(),
+            tpot_targets: super::TtftTargets::new(),
         })
     }
 
     /// Requests of the listed priorities carry these TTFT targets (ms).
+    /// Sends `targets` (ms by priority) as each request's TPOT target.
+    pub(crate) fn with_tpot_targets(mut self, targets: super::TtftTargets) -> Self {
+        self.tpot_targets = targets;
+        self
+    }
+
     pub(crate) fn with_ttft_targets(mut self, targets: super::TtftTargets) -> Self {
         self.ttft_targets = targets;
         self
@@ -230,10 +248,14 @@ impl Target {
             o.insert("stream".into(), json!(true));
             o.insert("stream_options".into(), json!({ "include_usage": true }));
             let target = self.ttft_targets.get(&p.priority);
-            if p.priority != 0 || target.is_some() {
+            let tpot = self.tpot_targets.get(&p.priority);
+            if p.priority != 0 || target.is_some() || tpot.is_some() {
                 let mut hints = json!({ "priority": p.priority });
                 if let Some(ms) = target {
                     hints["ttft_target_ms"] = json!(ms);
+                }
+                if let Some(ms) = tpot {
+                    hints["tpot_target_ms"] = json!(ms);
                 }
                 o.insert("nvext".into(), json!({ "agent_hints": hints }));
             }
@@ -252,6 +274,7 @@ impl Target {
         let sent = Instant::now();
         let mut rec = RequestRecord::unanswered(p, start, sent);
         rec.ttft_target_ms = self.ttft_targets.get(&p.priority).map(|&ms| f64::from(ms));
+        rec.tpot_target_ms = self.tpot_targets.get(&p.priority).map(|&ms| f64::from(ms));
         let outcome = tokio::time::timeout(timeout, self.stream(body, sent, &mut rec)).await;
         rec.e2e_ms = ms(sent.elapsed());
         let err = match outcome {

@@ -172,6 +172,7 @@ mod tests {
             cached_tokens: Some(0),
             queue_wait_ms: Some(1.0),
             ttft_target_ms: Some(15.0),
+            tpot_target_ms: None,
             worker_id: Some("w".into()),
             routed_overlap_tokens: None,
             routed_ttft_ms: None,

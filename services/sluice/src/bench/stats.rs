@@ -190,6 +190,19 @@ mod tests {
         assert_eq!(Summary::of([]), None);
     }
 
+    #[test]
+    fn a_tpot_target_counts_in_attainment_with_the_ttft_target() {
+        // First token at 100 ms (target 200), then 10 more over 1 s: 100 ms each.
+        let mut r = rec(0, 100.0, 1_100.0, 11, None);
+        assert!(r.within_target(), "no TPOT target: the TTFT's alone");
+        r.tpot_target_ms = Some(150.0);
+        assert!(r.within_target());
+        r.tpot_target_ms = Some(50.0);
+        assert!(!r.within_target(), "100 ms a token misses 50");
+        // One token: no time per token to miss.
+        assert!(rec(0, 100.0, 100.0, 1, None).within_target());
+    }
+
     fn rec(priority: i32, ttft: f64, e2e: f64, out: u32, error: Option<&str>) -> RequestRecord {
         RequestRecord {
             index: 0,
@@ -203,6 +216,7 @@ mod tests {
             cached_tokens: None,
             queue_wait_ms: None,
             ttft_target_ms: Some(200.0),
+            tpot_target_ms: None,
             worker_id: None,
             routed_overlap_tokens: None,
             routed_ttft_ms: None,
