@@ -126,9 +126,9 @@ impl fmt::Display for WfqWeights {
 
 /// `--ttft-targets` and `--tpot-targets`: `PRIORITY=SECS,...`.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct TtftTargets(pub HashMap<i32, f64>);
+pub struct TargetsByPriority(pub HashMap<i32, f64>);
 
-impl FromStr for TtftTargets {
+impl FromStr for TargetsByPriority {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
@@ -142,7 +142,7 @@ impl FromStr for TtftTargets {
     }
 }
 
-impl fmt::Display for TtftTargets {
+impl fmt::Display for TargetsByPriority {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut items: Vec<_> = self.0.iter().collect();
         items.sort_by_key(|(p, _)| std::cmp::Reverse(**p));
@@ -217,10 +217,10 @@ pub struct Args {
     #[arg(
         long,
         env = "SLUICE_TTFT_TARGETS",
-        default_value_t = TtftTargets::default(),
+        default_value_t = TargetsByPriority::default(),
         allow_hyphen_values = true
     )]
-    pub ttft_targets: TtftTargets,
+    pub ttft_targets: TargetsByPriority,
 
     /// Default TPOT targets by priority, `PRIORITY=SECS,...` (e.g.
     /// `3=0.05`): the time per output token a request of that priority
@@ -230,10 +230,10 @@ pub struct Args {
     #[arg(
         long,
         env = "SLUICE_TPOT_TARGETS",
-        default_value_t = TtftTargets::default(),
+        default_value_t = TargetsByPriority::default(),
         allow_hyphen_values = true
     )]
-    pub tpot_targets: TtftTargets,
+    pub tpot_targets: TargetsByPriority,
 
     /// Requests with priority above this keep the reserved share of pending
     /// capacity (`--shed-protect-fraction`).
@@ -465,8 +465,8 @@ mod tests {
         assert_eq!(cfg.ttft_target(0, 0), Duration::from_secs(30));
         assert_eq!(cfg.ttft_target(3, 250), Duration::from_millis(250));
         assert_eq!(cfg.ttft_targets.to_string(), "3=5,-1=120");
-        assert!("3=0".parse::<TtftTargets>().is_err());
-        assert!("x=1".parse::<TtftTargets>().is_err());
+        assert!("3=0".parse::<TargetsByPriority>().is_err());
+        assert!("x=1".parse::<TargetsByPriority>().is_err());
         assert!(parse(&["--ttft-target-secs", "0"]).validate().is_err());
         // Past any Duration: no target, not a panic.
         let huge = parse(&["--ttft-target-secs", "1e300"]);

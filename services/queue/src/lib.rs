@@ -36,7 +36,7 @@ use sluice_runtime::ServiceContext;
 use sluice_runtime::grpc::GrpcServer;
 use tokio::net::TcpListener;
 
-pub use config::{Args, Policy, TtftTargets, WfqClass, WfqCost, WfqWeights};
+pub use config::{Args, Policy, TargetsByPriority, WfqClass, WfqCost, WfqWeights};
 pub use error::{QueueError, Quota};
 pub use metrics::QueueMetrics;
 pub use queue::{

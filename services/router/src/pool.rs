@@ -820,23 +820,22 @@ impl WorkerPool {
         let overlaps = scored.terms.iter().map(|t| t.overlap_blocks);
         let (least, most) = (overlaps.clone().min(), overlaps.max());
         // In time, where every candidate has a prediction.
-        let in_time = if mode == RouterMode::Latency {
-            let costs: Option<Vec<f64>> = scored
-                .terms
-                .iter()
-                .map(|t| selector::latency_cost(&self.cfg.cost, t))
-                .collect();
-            costs
-                .map(|c| {
-                    for (t, &cost) in scored.terms.iter_mut().zip(&c) {
-                        t.total_cost = cost;
-                    }
-                    scored.costs = c;
-                })
-                .is_some()
-        } else {
-            false
-        };
+        let latency_costs: Option<Vec<f64>> = (mode == RouterMode::Latency)
+            .then(|| {
+                scored
+                    .terms
+                    .iter()
+                    .map(|t| selector::latency_cost(&self.cfg.cost, t))
+                    .collect()
+            })
+            .flatten();
+        let in_time = latency_costs.is_some();
+        if let Some(costs) = latency_costs {
+            for (t, &cost) in scored.terms.iter_mut().zip(&costs) {
+                t.total_cost = cost;
+            }
+            scored.costs = costs;
+        }
         if let Some(overlap) = least.filter(|_| least == most)
             && matches!(
                 mode,

@@ -62,9 +62,9 @@ pub(crate) enum BenchError {
 }
 
 /// `--ttft-targets` and `--tpot-targets`: milliseconds by priority.
-pub(crate) type TtftTargets = std::collections::BTreeMap<i32, u32>;
+pub(crate) type TargetsMs = std::collections::BTreeMap<i32, u32>;
 
-fn parse_ttft_targets(s: &str) -> Result<TtftTargets, String> {
+fn parse_targets_ms(s: &str) -> Result<TargetsMs, String> {
     let pairs = sluice_runtime::config::parse_pairs::<i32, u32>(s, '=', "PRIORITY=MS")?;
     if let Some((priority, _)) = pairs.iter().find(|(_, ms)| *ms == 0) {
         return Err(format!(
@@ -172,16 +172,16 @@ pub(crate) struct BenchArgs {
     /// Others get the server's default, which it reports in `nvext`.
     /// Attainment and goodput count a request within target when its first
     /// token came within its target.
-    #[arg(long, value_parser = parse_ttft_targets)]
-    ttft_targets: Option<TtftTargets>,
+    #[arg(long, value_parser = parse_targets_ms)]
+    ttft_targets: Option<TargetsMs>,
 
     /// TPOT targets by priority, `PRIORITY=MS,...` (e.g. "3=50,0=200"):
     /// requests of a listed priority carry
     /// `nvext.agent_hints.tpot_target_ms`. Attainment and goodput count a
     /// request within target only when its mean time per output token after
     /// the first was within this one too.
-    #[arg(long, value_parser = parse_ttft_targets)]
-    tpot_targets: Option<TtftTargets>,
+    #[arg(long, value_parser = parse_targets_ms)]
+    tpot_targets: Option<TargetsMs>,
 
     /// Seed of the synthetic workload and the tier assignment.
     #[arg(long, default_value_t = 0)]

@@ -138,9 +138,9 @@ pub(crate) struct Target {
     api_key: Option<String>,
     vocab: u32,
     /// `--ttft-targets`: ms by priority.
-    ttft_targets: super::TtftTargets,
+    ttft_targets: super::TargetsMs,
     /// `--tpot-targets`: ms by priority.
-    tpot_targets: super::TtftTargets,
+    tpot_targets: super::TargetsMs,
 }
 
 /// The request URI for `base` (`http(s)://host:port`, with or without `/v1`).
@@ -210,19 +210,19 @@ impl Target {
             endpoint,
             api_key,
             vocab,
-            ttft_targets: super::TtftTargets::new(),
-            tpot_targets: super::TtftTargets::new(),
+            ttft_targets: super::TargetsMs::new(),
+            tpot_targets: super::TargetsMs::new(),
         })
     }
 
     /// Requests of the listed priorities carry these TTFT targets (ms).
     /// Sends `targets` (ms by priority) as each request's TPOT target.
-    pub(crate) fn with_tpot_targets(mut self, targets: super::TtftTargets) -> Self {
+    pub(crate) fn with_tpot_targets(mut self, targets: super::TargetsMs) -> Self {
         self.tpot_targets = targets;
         self
     }
 
-    pub(crate) fn with_ttft_targets(mut self, targets: super::TtftTargets) -> Self {
+    pub(crate) fn with_ttft_targets(mut self, targets: super::TargetsMs) -> Self {
         self.ttft_targets = targets;
         self
     }
