@@ -68,11 +68,31 @@ async fn one_port_serves_a_listed_model_at_once_and_every_services_metrics() -> 
         1,
         "one family for both workers"
     );
-    let workers: BTreeSet<&str> = metrics
+    // The model is listed once one worker can serve it; the second may
+    // still be starting. Both report into the same page once they run.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (status, metrics) = get(&http, "/metrics").await?;
+        assert_eq!(status, 200);
+        let workers = worker_ids(&metrics);
+        if workers.len() == 2 {
+            break;
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "both workers' series never shown, only {workers:?}; log in {}",
+            dir.path().display()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(())
+}
+
+/// The `worker_id`s the page's worker KV gauges name.
+fn worker_ids(metrics: &str) -> BTreeSet<&str> {
+    metrics
         .lines()
         .filter(|l| l.starts_with("sluice_worker_kv_usage"))
         .filter_map(|l| l.split("worker_id=\"").nth(1)?.split('"').next())
-        .collect();
-    assert_eq!(workers.len(), 2, "both workers' series: {workers:?}");
-    Ok(())
+        .collect()
 }
