@@ -13,12 +13,14 @@
 //! [`KvArena::control`]).
 //!
 //! Two backings. [`KvBacking::Private`]: an anonymous mapping (pages are
-//! committed as they are first touched). [`KvBacking::Shared`]: a file in a
-//! shared-memory directory (`/dev/shm`), reserved in full with
-//! `posix_fallocate` — so a full tmpfs is a clean error at start-up instead
-//! of a `SIGBUS` later — that a prefill worker on the same host maps to write
-//! into. The file is removed when the arena drops; files of dead processes
-//! are removed when a new one is created.
+//! committed as they are first touched). [`KvBacking::Shared`]: a memory
+//! file with no name (`memfd_create`), reserved in full with
+//! `posix_fallocate` — so a full memory limit is a clean error at start-up
+//! instead of a `SIGBUS` later — whose descriptor a transport hands to a
+//! prefill worker on the same host ([`KvArena::shared_fd`]) to map and write
+//! into. Nothing of it is in any directory: however the process ends, even
+//! by `kill -9`, the kernel frees the memory once the last mapping of it
+//! goes, and no `/dev/shm` size limit applies.
 //!
 //! Layout (both backings; offsets from the mapping's start):
 //!
@@ -32,10 +34,8 @@
 //! [`KvArena::write_block`] exchange and transfers carry) is its `2·layers`
 //! chunks in slab order: layer 0's K, layer 0's V, layer 1's K, …
 
-use std::fs::OpenOptions;
-use std::os::fd::AsRawFd;
-use std::os::unix::fs::OpenOptionsExt;
-use std::path::{Path, PathBuf};
+use std::fs::File;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd};
 use std::sync::atomic::AtomicU64;
 
 use memmap2::{MmapOptions, MmapRaw};
@@ -54,27 +54,16 @@ const PAGE: usize = 4096;
 const SHARED_SKEW: usize = PAGE / 2;
 /// Control words per block.
 pub const CONTROL_WORDS: usize = 4;
-const FILE_PREFIX: &str = "sluice-kv-";
 
 /// Where KV memory lives.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum KvBacking {
     /// Anonymous memory of this process.
     #[default]
     Private,
-    /// A file in this directory (normally `/dev/shm`) that other processes
-    /// on the host can map.
-    Shared(PathBuf),
-}
-
-/// The shared-memory directory: `/dev/shm` when present, else the temp dir.
-pub fn shm_dir() -> PathBuf {
-    let dev_shm = Path::new("/dev/shm");
-    if dev_shm.is_dir() {
-        dev_shm.to_path_buf()
-    } else {
-        std::env::temp_dir()
-    }
+    /// A memory file other processes on the host can map once handed its
+    /// descriptor.
+    Shared,
 }
 
 /// Where everything of an arena lies: computed from a layout and a block
@@ -252,16 +241,8 @@ impl ArenaGeometry {
 pub struct KvArena {
     geometry: ArenaGeometry,
     map: MmapRaw,
-    /// The shared file, removed on drop.
-    path: Option<PathBuf>,
-}
-
-impl Drop for KvArena {
-    fn drop(&mut self) {
-        if let Some(p) = &self.path {
-            let _ = std::fs::remove_file(p);
-        }
-    }
+    /// The memory file of a shared arena.
+    shared: Option<File>,
 }
 
 impl KvArena {
@@ -277,26 +258,26 @@ impl KvArena {
         // run ~15% slower here (4K aliasing between loads and stores).
         let skew = match backing {
             KvBacking::Private => 0,
-            KvBacking::Shared(_) => SHARED_SKEW,
+            KvBacking::Shared => SHARED_SKEW,
         };
         let geometry = ArenaGeometry::new(layout, num_blocks, skew)?;
         let len = geometry.mapping_len();
-        let (map, path) = match backing {
+        let (map, shared) = match backing {
             KvBacking::Private => {
                 let map = MmapOptions::new().len(len).map_anon().map_err(|e| {
                     EngineError::InvalidConfig(format!("cannot map {len} bytes of KV memory: {e}"))
                 })?;
                 (MmapRaw::from(map), None)
             }
-            KvBacking::Shared(dir) => {
-                let (map, path) = create_shared(dir, len)?;
-                (map, Some(path))
+            KvBacking::Shared => {
+                let (map, file) = create_shared(len)?;
+                (map, Some(file))
             }
         };
         let arena = Self {
             geometry,
             map,
-            path,
+            shared,
         };
         let header = geometry.header();
         // SAFETY: the mapping is at least a page long and nobody else has
@@ -322,9 +303,9 @@ impl KvArena {
         self.geometry.num_blocks
     }
 
-    /// The shared file other processes map, for a shared arena.
-    pub fn path(&self) -> Option<&Path> {
-        self.path.as_deref()
+    /// The memory file other processes map, for a shared arena.
+    pub fn shared_fd(&self) -> Option<BorrowedFd<'_>> {
+        self.shared.as_ref().map(File::as_fd)
     }
 
     /// Start of the mapping (to register it with an RDMA device).
@@ -446,63 +427,31 @@ impl KvArena {
     }
 }
 
-/// Creates, reserves and maps a shared arena file of `len` bytes in `dir`.
-fn create_shared(dir: &Path, len: usize) -> Result<(MmapRaw, PathBuf), EngineError> {
+/// Creates, reserves and maps a shared arena's memory file of `len` bytes.
+fn create_shared(len: usize) -> Result<(MmapRaw, File), EngineError> {
     let err = |what: String| EngineError::InvalidConfig(format!("shared KV memory: {what}"));
-    remove_stale(dir);
-    let path = dir.join(format!(
-        "{FILE_PREFIX}{}-{:016x}",
-        std::process::id(),
-        rand::random::<u64>()
-    ));
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(&path)
-        .map_err(|e| err(format!("create {}: {e}", path.display())))?;
-    let remove = RemoveOnDrop(path.clone());
+    // SAFETY: a NUL-terminated name and valid flags; the descriptor
+    // returned (if any) is new and owned by nobody else.
+    let fd = unsafe { libc::memfd_create(c"sluice-kv".as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(err(format!(
+            "memfd_create: {}",
+            std::io::Error::last_os_error()
+        )));
+    }
+    // SAFETY: `fd` was just created and nothing else owns it.
+    let file = unsafe { File::from_raw_fd(fd) };
     // SAFETY: plain syscall on an open file descriptor.
     let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
     if rc != 0 {
         return Err(err(format!(
-            "reserve {} MiB in {}: {}",
+            "reserve {} MiB: {}",
             len >> 20,
-            dir.display(),
             std::io::Error::from_raw_os_error(rc)
         )));
     }
-    let map = MmapRaw::map_raw(&file).map_err(|e| err(format!("map {}: {e}", path.display())))?;
-    std::mem::forget(remove);
-    Ok((map, path))
-}
-
-struct RemoveOnDrop(PathBuf);
-
-impl Drop for RemoveOnDrop {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
-/// Removes arena files whose creating process is gone (no `/proc/<pid>`).
-fn remove_stale(dir: &Path) {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for e in entries.flatten() {
-        let name = e.file_name();
-        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(FILE_PREFIX)) else {
-            continue;
-        };
-        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
-            continue;
-        };
-        if !Path::new(&format!("/proc/{pid}")).exists() {
-            let _ = std::fs::remove_file(e.path());
-        }
-    }
+    let map = MmapRaw::map_raw(&file).map_err(|e| err(format!("map: {e}")))?;
+    Ok((map, file))
 }
 
 /// A small layout for unit tests: 2 layers, 2 KV heads, head_dim 4, 3-token blocks, f32.
@@ -533,8 +482,7 @@ mod tests {
 
     #[test]
     fn blocks_round_trip_and_leave_others_alone() {
-        let dir = tempfile::tempdir().expect("dir");
-        for backing in [KvBacking::Private, KvBacking::Shared(dir.path().into())] {
+        for backing in [KvBacking::Private, KvBacking::Shared] {
             let a = KvArena::new(layout(), 4, &backing).expect("arena");
             let data = pattern(1);
             // SAFETY: the test owns every block.
@@ -577,15 +525,18 @@ mod tests {
     }
 
     #[test]
-    fn a_shared_arena_is_a_file_another_mapping_sees_and_reads_the_geometry_of() {
-        let dir = tempfile::tempdir().expect("dir");
-        let a = KvArena::new(layout(), 5, &KvBacking::Shared(dir.path().into())).expect("arena");
-        let path = a.path().expect("shared").to_path_buf();
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&path)
-            .expect("open");
+    fn a_shared_arena_is_a_nameless_file_another_mapping_sees_and_reads_the_geometry_of() {
+        let a = KvArena::new(layout(), 5, &KvBacking::Shared).expect("arena");
+        let fd = a.shared_fd().expect("shared");
+        // In no directory: the descriptor names an anonymous memory file.
+        let link = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())).expect("link");
+        assert!(
+            link.to_string_lossy().starts_with("/memfd:sluice-kv"),
+            "{}",
+            link.display()
+        );
+        // Another process maps what it was handed (here: a duplicate).
+        let file = File::from(fd.try_clone_to_owned().expect("dup"));
         let other = MmapRaw::map_raw(&file).expect("map");
         // SAFETY: reading the header bytes of a live mapping.
         let header = unsafe { std::slice::from_raw_parts(other.as_ptr(), HEADER_BYTES) };
@@ -607,8 +558,6 @@ mod tests {
         // SAFETY: this test is the only user of the arena.
         unsafe { a.read_block(3, &mut back) }.expect("read");
         assert_eq!(back, data);
-        drop(a);
-        assert!(!path.exists(), "the file goes with the arena");
     }
 
     #[test]

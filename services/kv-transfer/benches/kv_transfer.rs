@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput};
 use parking_lot::Mutex;
-use sluice_engine::backend::{Backend, KvBacking, arena};
+use sluice_engine::backend::{Backend, KvBacking};
 use sluice_engine::{
     EngineConfig, EngineHandle, MockerBackend, MockerConfig, RemoteSlot, SchedulerConfig,
 };
@@ -65,7 +65,7 @@ fn source_engine() -> EngineHandle {
 
 fn engine() -> EngineHandle {
     // As a decode worker offering shm: KV memory in a shared file.
-    engine_in(&KvBacking::Shared(arena::shm_dir()))
+    engine_in(&KvBacking::Shared)
 }
 
 fn engine_in(backing: &KvBacking) -> EngineHandle {

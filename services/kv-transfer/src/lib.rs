@@ -777,13 +777,18 @@ pub async fn start_receiver(
                 .await
                 .map(|t| Arc::new(t) as Arc<dyn Inbound>)
             }
-            TransportKind::Shm => Ok(Arc::new(shm::ShmInbound {
-                checksums: cfg.shm_checksums,
-            }) as Arc<dyn Inbound>),
+            TransportKind::Shm => shm::ShmInbound::start(
+                cfg.shm_checksums,
+                cfg.security.limits(),
+                shutdown.child_token(),
+                tasks,
+            )
+            .map(|i| Arc::new(i) as Arc<dyn Inbound>),
             #[cfg(feature = "rdma")]
             TransportKind::Rdma => rdma::RdmaInbound::start(
                 std::net::SocketAddr::new(grpc_bind.ip(), 0),
                 &cfg.endpoint,
+                cfg.security.limits(),
                 shutdown.child_token(),
                 tasks,
             )

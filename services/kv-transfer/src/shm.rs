@@ -1,13 +1,19 @@
 //! The `shm` transport: same host, one-sided writes straight into the decode
 //! engine's KV memory (the RDMA model without the NIC).
 //!
-//! A decode worker that offers `shm` keeps its KV memory in a shared file
-//! ([`KvArena`] with [`sluice_engine::backend::KvBacking::Shared`], under
-//! `/dev/shm`). Its region names that file; the prefill worker maps it once,
-//! reads the geometry from its header and copies each block's `2·layers`
-//! parts into the destination block's place in the slabs — one copy, from
-//! the sender's memory into the engine's, no staging buffer, no round trip
-//! through the decode engine's thread.
+//! A decode worker that offers `shm` keeps its KV memory in a nameless
+//! memory file ([`KvArena`] with [`sluice_engine::backend::KvBacking::Shared`])
+//! and listens on an abstract unix socket (no file either: it goes with the
+//! process). Its region names the socket and the arena; a prefill worker on
+//! the same host connects, is checked to run as the same user (the socket's
+//! peer credentials: what a `0600` file used to ensure), receives the
+//! arena's descriptor (`SCM_RIGHTS`), maps it once, reads the geometry from
+//! its header and copies each block's `2·layers` parts into the destination
+//! block's place in the slabs — one copy, from the sender's memory into the
+//! engine's, no staging buffer, no round trip through the decode engine's
+//! thread. The connection stays open while the sender keeps the mapping:
+//! when the decode worker goes (even by `kill -9`) it closes, the sender
+//! unmaps, and the kernel frees the memory; nothing is left in `/dev/shm`.
 //!
 //! Who may write which block is settled through each block's control words
 //! in the file (`tag`, `state`, `checksum`):
@@ -29,24 +35,40 @@
 //! inside and waits: a write never lands in a block after it is reused.
 
 use std::collections::HashMap;
-use std::fs::OpenOptions;
-use std::path::Path;
-use std::sync::Arc;
+use std::io::{IoSlice, IoSliceMut, Read};
+use std::mem::MaybeUninit;
+use std::os::fd::OwnedFd;
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener, UnixStream};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use memmap2::MmapRaw;
 use parking_lot::Mutex;
+use rustix::net::{
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags,
+};
 use sluice_engine::backend::{ArenaGeometry, KvArena, arena};
 use sluice_proto::kv::v1 as pb;
+use sluice_runtime::edge::ConnectionGate;
+use sluice_runtime::security::ConnectionLimits;
+use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
 use crate::{
     Block, Inbound, KvSender, KvTransferError, OneSided, Registration, TransferSpec, TransportKind,
 };
 
-/// Mapped arena files a sender keeps open.
+/// Mapped arenas a sender keeps.
 const MAX_MAPPED: usize = 16;
+/// The abstract socket names' prefix (`@` marks the abstract namespace).
+const SOCKET_PREFIX: &str = "@sluice-kv-";
+/// How long a sender waits for a receiver's arena.
+const OPEN_TIMEOUT: Duration = Duration::from_secs(2);
+/// Longest refusal reason a sender reads.
+const MAX_REASON: usize = 4096;
 /// How long revoking a transfer waits for a writer still inside a block.
 const REVOKE_WAIT: Duration = Duration::from_millis(500);
 pub(crate) const WRITING: u64 = 1 << 32;
@@ -96,12 +118,156 @@ unsafe fn control<'a>(base: *mut u8, g: &ArenaGeometry, id: u32) -> &'a [AtomicU
     unsafe { &*(base.add(g.control_offset_of(id)) as *const [AtomicU64; 4]) }
 }
 
-/// The `shm` side of a decode worker: offers the engine's KV file to
-/// senders on this host.
-#[derive(Debug, Default)]
+/// The `shm` side of a decode worker: hands the engine's KV memory to
+/// senders on this host over its socket.
+#[derive(Debug)]
 pub struct ShmInbound {
     /// Whether senders record checksums and completion verifies them.
-    pub checksums: bool,
+    checksums: bool,
+    /// The socket's name, `@sluice-kv-<pid>-<random>`.
+    name: String,
+    /// The arenas registered transfers named, by the id regions carry.
+    arenas: Arc<Mutex<HashMap<u64, Weak<KvArena>>>>,
+}
+
+impl ShmInbound {
+    /// Listens on a new abstract socket and hands arenas to same-user
+    /// peers there until `shutdown`, within `limits` (connections held,
+    /// the request due by the first-frame deadline).
+    pub fn start(
+        checksums: bool,
+        limits: ConnectionLimits,
+        shutdown: sluice_runtime::Shutdown,
+        tasks: &tokio_util::task::TaskTracker,
+    ) -> Result<Self, KvTransferError> {
+        let name = format!(
+            "{SOCKET_PREFIX}{}-{:016x}",
+            std::process::id(),
+            rand::random::<u64>()
+        );
+        let listener = UnixAddr::from_abstract_name(&name.as_bytes()[1..])
+            .and_then(|addr| UnixListener::bind_addr(&addr))
+            .and_then(|l| {
+                l.set_nonblocking(true)?;
+                tokio::net::UnixListener::from_std(l)
+            })
+            .map_err(shm_failed(format!("listen on {name}")))?;
+        let arenas: Arc<Mutex<HashMap<u64, Weak<KvArena>>>> = Arc::default();
+        let gate = Arc::new(ConnectionGate::new("kv-shm", limits));
+        let (served, connections) = (Arc::clone(&arenas), tasks.clone());
+        tasks.spawn(async move {
+            loop {
+                let accepted = tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    a = listener.accept() => a,
+                };
+                let stream = match accepted {
+                    Ok((stream, _)) => stream,
+                    Err(e) => {
+                        gate.refuse("a local process", &format!("KV shm accept failed: {e}"));
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let Some(slot) = gate.slot("a local process") else {
+                    continue;
+                };
+                let (served, gate, stop) =
+                    (Arc::clone(&served), Arc::clone(&gate), shutdown.clone());
+                connections.spawn(async move {
+                    let _slot = slot;
+                    tokio::select! {
+                        _ = stop.cancelled() => {}
+                        () = hand_over(stream, &served, &gate, limits.header_read_timeout) => {}
+                    }
+                });
+            }
+        });
+        tracing::info!(socket = %name, "KV shm socket bound");
+        Ok(Self {
+            checksums,
+            name,
+            arenas,
+        })
+    }
+}
+
+/// Serves one peer: checks it runs as this process's user, reads which
+/// arena it wants (by `first`), sends that arena's descriptor, then holds
+/// the connection until the peer closes it (it keeps the mapping that
+/// long; our end closing tells it we are gone).
+async fn hand_over(
+    mut stream: tokio::net::UnixStream,
+    arenas: &Mutex<HashMap<u64, Weak<KvArena>>>,
+    gate: &ConnectionGate,
+    first: Duration,
+) {
+    let refuse = |why: String| async {
+        gate.refuse(
+            "a local process",
+            &format!("KV shm connection refused: {why}"),
+        );
+        why
+    };
+    let outcome: Result<(), String> = async {
+        let uid = rustix::net::sockopt::socket_peercred(&stream)
+            .map_err(|e| format!("no peer credentials: {e}"))?
+            .uid;
+        if uid != rustix::process::geteuid() {
+            return Err(format!(
+                "peer runs as uid {}, this worker as {}",
+                uid.as_raw(),
+                rustix::process::geteuid().as_raw()
+            ));
+        }
+        let mut id = [0u8; 8];
+        match tokio::time::timeout(first, stream.read_exact(&mut id)).await {
+            Err(_) => {
+                return Err(format!(
+                    "no request within {} s (--header-read-timeout)",
+                    first.as_secs()
+                ));
+            }
+            // A probe (`accepts`) or a peer that changed its mind.
+            Ok(Err(_)) => return Ok(()),
+            Ok(Ok(_)) => {}
+        }
+        let id = u64::from_le_bytes(id);
+        let arena = arenas.lock().get(&id).and_then(Weak::upgrade);
+        let arena = arena.ok_or_else(|| format!("no KV arena {id:x} here"))?;
+        let fd = arena
+            .shared_fd()
+            .ok_or_else(|| "the arena is not shared".to_string())?;
+        stream
+            .async_io(Interest::WRITABLE, || {
+                let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+                let mut control = SendAncillaryBuffer::new(&mut space);
+                let fds = [fd];
+                control.push(SendAncillaryMessage::ScmRights(&fds));
+                rustix::net::sendmsg(
+                    &stream,
+                    &[IoSlice::new(&[0])],
+                    &mut control,
+                    SendFlags::empty(),
+                )
+                .map_err(std::io::Error::from)
+            })
+            .await
+            .map_err(|e| format!("sending the arena: {e}"))?;
+        drop(arena);
+        // Held until the peer lets go of the mapping (or goes).
+        let mut byte = [0u8; 1];
+        while matches!(stream.read(&mut byte).await, Ok(n) if n > 0) {}
+        Ok(())
+    }
+    .await;
+    if let Err(why) = outcome {
+        let why = refuse(why).await;
+        let mut answer = vec![1u8];
+        answer.extend(why.as_bytes());
+        let _ = stream.write_all(&answer).await;
+        let _ = stream.shutdown().await;
+    }
 }
 
 impl Inbound for ShmInbound {
@@ -113,9 +279,19 @@ impl Inbound for ShmInbound {
         if !spec.same_host {
             return Ok(None);
         }
-        let Some(arena) = spec.arena.filter(|a| a.path().is_some()) else {
+        let Some(arena) = spec.arena.filter(|a| a.shared_fd().is_some()) else {
             return Ok(None);
         };
+        // The allocation's address: unique among live arenas (a `Weak`
+        // keeps it from being reused while listed).
+        let arena_id = Arc::as_ptr(arena) as usize as u64;
+        {
+            let mut arenas = self.arenas.lock();
+            if !arenas.contains_key(&arena_id) {
+                arenas.retain(|_, a| a.strong_count() > 0);
+                arenas.insert(arena_id, Arc::downgrade(arena));
+            }
+        }
         let tag = tag_of(spec.id);
         for &id in spec.writable {
             let c = arena.control(id)?;
@@ -123,11 +299,10 @@ impl Inbound for ShmInbound {
             c[CHECKSUM].store(0, Ordering::Relaxed);
             c[TAG].store(tag, Ordering::SeqCst);
         }
-        let path = arena.path().map(|p| p.to_string_lossy().into_owned());
         Ok(Some(Registration {
             region: pb::Region {
                 transport: pb::Transport::Shm as i32,
-                address: path.unwrap_or_default(),
+                address: format!("{}/{arena_id:x}", self.name),
                 rkey: 0,
                 base_addr: 0,
                 length: arena.len() as u64,
@@ -235,20 +410,170 @@ impl Drop for Armed {
     }
 }
 
-/// A mapped arena file and its geometry.
+/// A receiver's arena, mapped, and the connection it came on.
 #[derive(Debug)]
 struct Mapped {
     map: MmapRaw,
     geometry: ArenaGeometry,
+    /// Open while the receiver is (non-blocking; nothing is ever sent).
+    receiver: UnixStream,
+}
+
+impl Mapped {
+    /// Whether the receiver still runs: its end of the connection is open.
+    fn receiver_alive(&self) -> bool {
+        let mut byte = [0u8; 1];
+        match (&self.receiver).read(&mut byte) {
+            Ok(0) => false,
+            Ok(_) => true,
+            Err(e) => e.kind() == std::io::ErrorKind::WouldBlock,
+        }
+    }
 }
 
 // The geometry is read once; the mapping is shared memory written only
 // through raw pointers and atomics.
 
-/// Writes into decode engines' KV files on this host; keeps each mapped.
+/// Writes into decode engines' KV memory on this host; keeps each mapped
+/// while its receiver runs.
 #[derive(Debug, Default)]
 pub struct ShmSender {
     mapped: Mutex<HashMap<String, Arc<Mapped>>>,
+}
+
+/// A region address's socket name (with its `@`) and arena id.
+fn parse_address(address: &str) -> Option<(&str, u64)> {
+    let (name, id) = address.split_once('/')?;
+    let id = u64::from_str_radix(id, 16).ok()?;
+    (name.starts_with(SOCKET_PREFIX) && name.len() > SOCKET_PREFIX.len()).then_some((name, id))
+}
+
+/// Connects to the receiver's socket `name` (blocking: a unix connect
+/// completes or fails at once).
+fn connect(name: &str) -> std::io::Result<UnixStream> {
+    let addr = UnixAddr::from_abstract_name(&name.as_bytes()[1..])?;
+    UnixStream::connect_addr(&addr)
+}
+
+/// Reads the receiver's answer to an arena request: the descriptor, or the
+/// reason it refused.
+async fn receive_arena(stream: &mut tokio::net::UnixStream) -> Result<OwnedFd, String> {
+    let (status, fd) = loop {
+        stream.readable().await.map_err(|e| e.to_string())?;
+        let mut byte = [0u8; 1];
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut control = RecvAncillaryBuffer::new(&mut space);
+        let got = stream.try_io(Interest::READABLE, || {
+            rustix::net::recvmsg(
+                &*stream,
+                &mut [IoSliceMut::new(&mut byte)],
+                &mut control,
+                RecvFlags::CMSG_CLOEXEC,
+            )
+            .map_err(std::io::Error::from)
+        });
+        match got {
+            Ok(msg) if msg.bytes == 0 => return Err("the receiver closed the connection".into()),
+            Ok(_) => {
+                let mut fd = None;
+                for m in control.drain() {
+                    if let RecvAncillaryMessage::ScmRights(mut fds) = m {
+                        fd = fd.or_else(|| fds.next());
+                    }
+                }
+                break (byte[0], fd);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e.to_string()),
+        }
+    };
+    match (status, fd) {
+        (0, Some(fd)) => Ok(fd),
+        (0, None) => Err("the receiver sent no descriptor".into()),
+        _ => {
+            let mut reason = Vec::new();
+            let _ = (&mut *stream)
+                .take(MAX_REASON as u64)
+                .read_to_end(&mut reason)
+                .await;
+            Err(String::from_utf8_lossy(&reason).into_owned())
+        }
+    }
+}
+
+impl ShmSender {
+    /// Arenas mapped now.
+    #[cfg(test)]
+    pub(crate) fn mapped(&self) -> usize {
+        self.mapped.lock().len()
+    }
+
+    /// The receiver's arena at `address`, mapped (once).
+    async fn open(&self, address: &str) -> Result<Arc<Mapped>, KvTransferError> {
+        {
+            let mut cache = self.mapped.lock();
+            match cache.get(address) {
+                Some(m) if m.receiver_alive() => return Ok(Arc::clone(m)),
+                Some(_) => drop(cache.remove(address)),
+                None => {}
+            }
+        }
+        let (name, id) = parse_address(address)
+            .ok_or_else(|| shm_err("open", format!("{address} is not a KV arena address")))?;
+        let stream = connect(name)
+            .and_then(|s| {
+                s.set_nonblocking(true)?;
+                tokio::net::UnixStream::from_std(s)
+            })
+            .map_err(shm_failed(format!("connect to {name}")))?;
+        let opened = tokio::time::timeout(OPEN_TIMEOUT, async move {
+            let mut stream = stream;
+            stream
+                .write_all(&id.to_le_bytes())
+                .await
+                .map_err(|e| e.to_string())?;
+            let fd = receive_arena(&mut stream).await?;
+            Ok::<_, String>((fd, stream))
+        })
+        .await
+        .map_err(|_| {
+            shm_err(
+                "open",
+                format!(
+                    "{address} did not answer within {} s",
+                    OPEN_TIMEOUT.as_secs()
+                ),
+            )
+        })?
+        .map_err(|why| shm_err("open", format!("{address}: {why}")))?;
+        let (fd, stream) = opened;
+        let file = std::fs::File::from(fd);
+        let map = MmapRaw::map_raw(&file).map_err(shm_failed(format!("map {address}")))?;
+        if map.len() < arena::HEADER_BYTES {
+            return Err(shm_err("open", format!("{address} is too short")));
+        }
+        // SAFETY: the header lies within the mapping; plain bytes.
+        let header = unsafe { std::slice::from_raw_parts(map.as_ptr(), arena::HEADER_BYTES) };
+        let geometry = ArenaGeometry::from_header(header, map.len())
+            .map_err(shm_failed(format!("header of {address}")))?;
+        let receiver = stream
+            .into_std()
+            .map_err(shm_failed(format!("keeping the connection to {name}")))?;
+        let m = Arc::new(Mapped {
+            map,
+            geometry,
+            receiver,
+        });
+        let mut cache = self.mapped.lock();
+        // A mapping keeps a gone receiver's memory alive: let go of the
+        // arenas of decode workers that have gone.
+        cache.retain(|_, m| m.receiver_alive());
+        if cache.len() >= MAX_MAPPED {
+            cache.clear();
+        }
+        cache.insert(address.to_string(), Arc::clone(&m));
+        Ok(m)
+    }
 }
 
 impl ShmSender {
@@ -259,7 +584,7 @@ impl ShmSender {
         src: &Arc<KvArena>,
         pairs: &[(u32, u32)],
     ) -> Result<u32, KvTransferError> {
-        let m = self.open(&region.address)?;
+        let m = self.open(&region.address).await?;
         let g = m.geometry;
         if src.layout() != g.layout {
             return Err(shm_err(
@@ -287,47 +612,6 @@ impl ShmSender {
         } else {
             write_pairs(&m, transfer_id, src, pairs, checksums)
         }
-    }
-}
-
-fn is_arena_path(path: &str) -> bool {
-    Path::new(path)
-        .file_name()
-        .and_then(|n| n.to_str())
-        .is_some_and(|n| n.starts_with("sluice-kv-"))
-}
-
-impl ShmSender {
-    fn open(&self, path: &str) -> Result<Arc<Mapped>, KvTransferError> {
-        if let Some(m) = self.mapped.lock().get(path) {
-            return Ok(Arc::clone(m));
-        }
-        if !is_arena_path(path) {
-            return Err(shm_err("open", format!("{path} is not a KV arena file")));
-        }
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(path)
-            .map_err(shm_failed(format!("open {path}")))?;
-        let map = MmapRaw::map_raw(&file).map_err(shm_failed(format!("map {path}")))?;
-        if map.len() < arena::HEADER_BYTES {
-            return Err(shm_err("open", format!("{path} is too short")));
-        }
-        // SAFETY: the header lies within the mapping; plain bytes.
-        let header = unsafe { std::slice::from_raw_parts(map.as_ptr(), arena::HEADER_BYTES) };
-        let geometry = ArenaGeometry::from_header(header, map.len())
-            .map_err(shm_failed(format!("header of {path}")))?;
-        let m = Arc::new(Mapped { map, geometry });
-        let mut cache = self.mapped.lock();
-        // A mapping keeps a removed file's memory alive: let go of the
-        // arenas of decode workers that have gone.
-        cache.retain(|p, _| Path::new(p).exists());
-        if cache.len() >= MAX_MAPPED {
-            cache.clear();
-        }
-        cache.insert(path.to_string(), Arc::clone(&m));
-        Ok(m)
     }
 }
 
@@ -443,11 +727,16 @@ impl KvSender for ShmSender {
         region.checksums
     }
 
-    /// Only arena files visible on this host.
+    /// Only arenas whose receiver's socket is reachable from here (same
+    /// host, same network namespace).
     fn accepts(&self, region: &pb::Region) -> bool {
-        is_arena_path(&region.address)
-            && (self.mapped.lock().contains_key(&region.address)
-                || Path::new(&region.address).is_file())
+        parse_address(&region.address).is_some_and(|(name, _)| {
+            self.mapped
+                .lock()
+                .get(&region.address)
+                .is_some_and(|m| m.receiver_alive())
+                || connect(name).is_ok()
+        })
     }
 
     async fn write_from(
@@ -466,7 +755,7 @@ impl KvSender for ShmSender {
         transfer_id: &str,
         blocks: Vec<Block>,
     ) -> Result<u32, KvTransferError> {
-        let m = self.open(&region.address)?;
+        let m = self.open(&region.address).await?;
         let g = m.geometry;
         if let Some(b) = blocks
             .iter()

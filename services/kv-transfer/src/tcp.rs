@@ -36,6 +36,8 @@ use tokio_util::task::TaskTracker;
 
 use sluice_engine::backend::KvArena;
 use sluice_runtime::Security;
+use sluice_runtime::edge::ConnectionGate;
+use sluice_runtime::security::ConnectionLimits;
 use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
 use crate::{AddressInbound, Block, KvSender, KvTransferError, Receiver, TransportKind};
@@ -52,8 +54,6 @@ pub(crate) const KIND_HELLO: u32 = 4;
 const MAX_ID_LEN: usize = 1024;
 /// Longest `HELLO` payload read (a mesh token is printable ASCII).
 const MAX_TOKEN_LEN: usize = 4096;
-/// How long a new connection has to present the mesh token.
-pub(crate) const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 /// What a refused connection may still send before it is closed.
 const REFUSED_DRAIN_BYTES: usize = 1 << 20;
 const REFUSED_DRAIN_TIME: Duration = Duration::from_secs(1);
@@ -173,32 +173,29 @@ async fn accept_loop(
     shutdown: sluice_runtime::Shutdown,
     tasks: TaskTracker,
 ) {
-    let members_only = security.mesh_token().is_some();
+    let gate = Arc::new(ConnectionGate::new("kv-tcp", security.limits()));
     loop {
         let accepted = tokio::select! {
             _ = shutdown.cancelled() => return,
-            a = listener.accept() => a,
+            a = gate.accept(&listener) => a,
         };
-        let (stream, peer) = match accepted {
-            Ok(a) => a,
-            Err(e) => {
-                tracing::warn!(error = %e, "KV tcp accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
+        let Some((stream, peer, slot)) = accepted else {
+            continue;
         };
         let Some(receiver) = receiver.get().and_then(Weak::upgrade) else {
             continue;
         };
-        let (shutdown, security) = (shutdown.clone(), Arc::clone(&security));
+        let (shutdown, security, gate) =
+            (shutdown.clone(), Arc::clone(&security), Arc::clone(&gate));
         tasks.spawn(async move {
+            let _slot = slot;
             let mut stream = stream;
             let _ = stream.set_nodelay(true);
             let serve = async {
-                if members_only && !admitted(&mut stream, &security, peer).await {
+                if !admitted(&mut stream, &security, &gate, peer).await {
                     return Ok(());
                 }
-                serve_connection(stream, receiver).await
+                serve_connection(stream, receiver, gate.limits()).await
             };
             tokio::select! {
                 _ = shutdown.cancelled() => {}
@@ -210,16 +207,25 @@ async fn accept_loop(
     }
 }
 
-/// Whether the peer on `stream` opened with the mesh token (within
-/// [`HELLO_TIMEOUT`]); a refused peer is told why before the connection
-/// closes.
+/// Whether the peer on `stream` may send transfers. With a mesh token, it
+/// must open with it (a `HELLO`) within the first-frame deadline; a refused
+/// peer is told why before the connection closes. Without one, anyone may:
+/// the first frame is read by [`serve_connection`] under the same deadline.
 async fn admitted<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
     security: &Security,
+    gate: &ConnectionGate,
     peer: SocketAddr,
 ) -> bool {
-    let why = match tokio::time::timeout(HELLO_TIMEOUT, read_hello(stream)).await {
-        Err(_) => format!("no mesh token within {} s", HELLO_TIMEOUT.as_secs()),
+    if security.mesh_token().is_none() {
+        return true;
+    }
+    let first = gate.limits().header_read_timeout;
+    let why = match tokio::time::timeout(first, read_hello(stream)).await {
+        Err(_) => format!(
+            "no mesh token within {} s (--header-read-timeout)",
+            first.as_secs()
+        ),
         Ok(Err(e)) => {
             tracing::debug!(%peer, error = %e, "KV tcp connection closed before its hello");
             return false;
@@ -231,7 +237,10 @@ async fn admitted<S: AsyncRead + AsyncWrite + Unpin>(
                 .to_string()
         }
     };
-    tracing::warn!(%peer, reason = %why, "KV tcp connection refused: not a mesh member");
+    gate.refuse(
+        peer,
+        &format!("KV tcp connection refused: not a mesh member: {why}"),
+    );
     let _ = write_ack(stream, 1, 0, &why).await;
     // Close our side, then read (and drop) what the peer already sent, for
     // a little while: closing with unread data would reset the connection
@@ -266,20 +275,31 @@ async fn read_hello<S: AsyncRead + Unpin>(stream: &mut S) -> std::io::Result<Opt
     }
 }
 
-/// Serves transfers on one connection until the peer closes it or a
-/// transfer is refused.
+/// Serves transfers on one connection until the peer closes it, a
+/// transfer is refused, or the peer is too slow: the first frame must
+/// arrive within `header_read_timeout`, the next transfer within
+/// `idle_timeout` of the last one's ack, and inside a transfer every read
+/// must progress within `idle_timeout` (a stalled sender holds blocks the
+/// receiver reserved).
 pub(crate) async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
     mut stream: S,
     receiver: Arc<Receiver>,
+    limits: ConnectionLimits,
 ) -> std::io::Result<()> {
     let mut buf = Vec::new();
+    let mut wait = limits.header_read_timeout;
     loop {
         let mut raw = [0u8; HEADER_LEN];
-        match stream.read_exact(&mut raw).await {
-            Ok(_) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
-            Err(e) => return Err(e),
+        match tokio::time::timeout(wait, stream.read_exact(&mut raw)).await {
+            Err(_) => return Ok(()),
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Ok(Err(e)) => return Err(e),
         }
+        let mut stream = Deadlined {
+            inner: &mut stream,
+            within: limits.idle_timeout,
+        };
         let outcome = match Header::decode(&raw) {
             Ok(h) if h.kind == KIND_BEGIN && h.len as usize <= MAX_ID_LEN => {
                 receive_transfer(&mut stream, &receiver, h, &mut buf).await
@@ -297,12 +317,34 @@ pub(crate) async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
             Err(e) => Err(Refusal::Protocol(e)),
         };
         match outcome {
-            Ok(written) => write_ack(&mut stream, 0, written, "").await?,
+            Ok(written) => write_ack(stream.inner, 0, written, "").await?,
             Err(Refusal::Io(e)) => return Err(e),
             Err(Refusal::Protocol(msg)) => {
-                write_ack(&mut stream, 1, 0, &msg).await?;
+                write_ack(stream.inner, 1, 0, &msg).await?;
                 return Ok(());
             }
+        }
+        wait = limits.idle_timeout;
+    }
+}
+
+/// A stream whose every `read_exact` must finish within `within`.
+struct Deadlined<'a, S> {
+    inner: &'a mut S,
+    within: Duration,
+}
+
+impl<S: AsyncRead + Unpin> Deadlined<'_, S> {
+    async fn read_exact(&mut self, buf: &mut [u8]) -> std::io::Result<()> {
+        match tokio::time::timeout(self.within, self.inner.read_exact(buf)).await {
+            Ok(r) => r.map(|_| ()),
+            Err(_) => Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "the sender stalled mid-transfer for {} s (--idle-timeout)",
+                    self.within.as_secs()
+                ),
+            )),
         }
     }
 }
@@ -325,7 +367,7 @@ impl From<KvTransferError> for Refusal {
 }
 
 async fn receive_transfer<S: AsyncRead + Unpin>(
-    stream: &mut S,
+    stream: &mut Deadlined<'_, S>,
     receiver: &Arc<Receiver>,
     begin: Header,
     buf: &mut Vec<u8>,

@@ -4,18 +4,19 @@
 
 use std::sync::Arc;
 
-use sluice_engine::backend::{Backend, KvBacking, arena};
+use sluice_engine::backend::{Backend, KvBacking};
 use sluice_engine::{EngineConfig, EngineHandle, MockerBackend, MockerConfig, SchedulerConfig};
 use sluice_proto::kv::v1 as pb;
 
 use super::shm::ShmSender;
 use super::tcp::{Header, TcpSender};
 use super::*;
+use sluice_runtime::security::ConnectionLimits;
 
 /// A mocker engine whose KV memory is a shared arena (as a decode worker
 /// offering `shm` has).
 fn engine(num_blocks: usize) -> EngineHandle {
-    engine_in(num_blocks, &KvBacking::Shared(arena::shm_dir()))
+    engine_in(num_blocks, &KvBacking::Shared)
 }
 
 /// A mocker engine without an arena: transports go through the engine thread.
@@ -228,6 +229,61 @@ async fn shm_and_tcp_send_straight_from_the_senders_kv_memory() {
 #[tokio::test]
 async fn shm_writes_blocks_into_the_reserved_slot() {
     round_trip(TransportKind::Shm, &ShmSender::default()).await;
+}
+
+/// The shm receiver's memory is handed over its socket, never named in a
+/// directory: when the receiver goes (its socket and connections close, as
+/// when its process dies, `kill -9` included) the sender stops offering the
+/// transport to it and lets go of the mapping, and the kernel frees the
+/// memory with the last mapping. Nothing is left to reclaim.
+#[tokio::test]
+async fn shm_sender_lets_go_of_a_gone_receivers_memory() {
+    let e = engine(64);
+    let shutdown = sluice_runtime::Shutdown::new();
+    let cfg = ReceiverConfig {
+        transports: vec![TransportKind::Shm],
+        endpoint: "127.0.0.1:1".into(),
+        tcp_listen: None,
+        shm_checksums: false,
+        security: Arc::default(),
+    };
+    let receiver = start_receiver(
+        &cfg,
+        "127.0.0.1:0".parse().expect("addr"),
+        shutdown.clone(),
+        &tokio_util::task::TaskTracker::new(),
+    )
+    .await
+    .expect("receiver");
+    let (_slot, ids, exp, regions) = expected(&e, &receiver, 2, 3, "t").await;
+    let r = region(&regions, TransportKind::Shm);
+    assert!(r.address.starts_with("@sluice-kv-"), "{}", r.address);
+    let sender = ShmSender::default();
+    assert!(sender.accepts(&r));
+    let blocks = blocks_for(&ids, e.kv_layout().block_bytes(), 2);
+    assert_eq!(sender.write(&r, "t", blocks).await.expect("written"), 2);
+    assert_eq!(exp.finish(TransportKind::Shm).await.expect("finished"), 2);
+    assert_eq!(sender.mapped(), 1);
+
+    shutdown.cancel();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while sender.accepts(&r) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "still offered 10 s after the receiver went"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    let err = sender
+        .write(&r, "t", blocks_for(&ids, e.kv_layout().block_bytes(), 4))
+        .await
+        .expect_err("the receiver is gone");
+    assert!(err.to_string().contains("connect"), "{err}");
+    assert_eq!(
+        sender.mapped(),
+        0,
+        "the gone receiver's memory is still mapped"
+    );
 }
 
 #[tokio::test]
@@ -469,12 +525,12 @@ fn negotiation_picks_the_receivers_first_choice_the_sender_supports() {
         ..Default::default()
     };
     let offered = vec![
-        region(pb::Transport::Shm, "/nonexistent/sluice-kv-1-x"),
+        region(pb::Transport::Shm, "@sluice-kv-1-nobody-listens/1"),
         region(pb::Transport::Tcp, "127.0.0.1:9"),
         region(pb::Transport::Grpc, "127.0.0.1:8"),
     ];
     let all = Senders::new(&TransportKind::ALL, &Arc::default());
-    // The shm file is not on this host: the next choice, tcp.
+    // Nobody listens on that shm socket here: the next choice, tcp.
     let (s, r) = all.choose(&offered).expect("a transport in common");
     assert_eq!(
         (s.kind(), r.address.as_str()),
@@ -616,10 +672,15 @@ async fn stranger(
 /// alongside on another connection, completes with its own bytes.
 #[tokio::test]
 async fn tcp_with_a_mesh_token_refuses_strangers_without_disturbing_a_member() {
+    let first_frame = std::time::Duration::from_secs(2);
     let security = Arc::new(
         sluice_runtime::Security::open()
             .with_token(MESH_TOKEN)
-            .expect("token"),
+            .expect("token")
+            .with_limits(ConnectionLimits {
+                header_read_timeout: first_frame,
+                ..ConnectionLimits::default()
+            }),
     );
     let e = engine(64);
     let receiver = receiver_secured(&[TransportKind::Tcp], false, Arc::clone(&security)).await;
@@ -673,11 +734,11 @@ async fn tcp_with_a_mesh_token_refuses_strangers_without_disturbing_a_member() {
     let back = e.read_blocks(ids).await.expect("read back");
     assert_eq!(back, blocks.into_iter().map(|b| b.data).collect::<Vec<_>>());
 
-    // The silent stranger is closed after the hello timeout, told why.
+    // The silent stranger is closed after the first-frame deadline, told why.
     let mut silent = silent;
     let mut answer = Vec::new();
     let read = tokio::time::timeout(
-        tcp::HELLO_TIMEOUT + std::time::Duration::from_secs(5),
+        first_frame + std::time::Duration::from_secs(10),
         tokio::io::AsyncReadExt::read_to_end(&mut silent, &mut answer),
     )
     .await
@@ -727,5 +788,105 @@ async fn tcp_hello_is_skipped_without_a_token_and_tls_turns_tcp_off() {
     assert_eq!(
         Senders::new(&[TransportKind::Tcp, TransportKind::Grpc], &tls).kinds(),
         vec![TransportKind::Grpc]
+    );
+}
+
+/// With no mesh token (the default on loopback) the tcp KV listener keeps
+/// the edge's limits like every other port: one connection past
+/// `--max-connections` is closed at accept, a connection that sends nothing
+/// is closed at the first-frame deadline, one idle after its transfer at
+/// the idle deadline, and a sender whose kept connection was closed that
+/// way sends its next transfer on a new one.
+#[tokio::test]
+async fn tcp_without_a_token_obeys_the_connection_limits() {
+    use tokio::io::AsyncReadExt;
+    let limits = ConnectionLimits {
+        max_connections: 2,
+        header_read_timeout: std::time::Duration::from_secs(3),
+        idle_timeout: std::time::Duration::from_secs(1),
+    };
+    let security = Arc::new(sluice_runtime::Security::open().with_limits(limits));
+    let e = engine(64);
+    let receiver = receiver_secured(&[TransportKind::Tcp], false, security).await;
+    let (_slot, ids, exp, regions) = expected(&e, &receiver, 2, 3, "first").await;
+    let r = region(&regions, TransportKind::Tcp);
+    let block_bytes = e.kv_layout().block_bytes();
+    let closed_within = |mut s: tokio::net::TcpStream, within: std::time::Duration| async move {
+        let mut sink = Vec::new();
+        tokio::time::timeout(within, s.read_to_end(&mut sink))
+            .await
+            .is_ok()
+    };
+
+    // Two silent connections hold both slots; a third is closed at once.
+    let silent: Vec<_> =
+        futures::future::join_all((0..2).map(|_| tokio::net::TcpStream::connect(&r.address)))
+            .await
+            .into_iter()
+            .collect::<Result<_, _>>()
+            .expect("connect");
+    // The listener has taken both (each held a slot) once a third is refused.
+    let third = tokio::net::TcpStream::connect(&r.address)
+        .await
+        .expect("connect");
+    // (Well before the silent ones' first-frame deadline.)
+    assert!(
+        closed_within(third, std::time::Duration::from_millis(2500)).await,
+        "a connection past --max-connections stayed open"
+    );
+    // The silent ones go at the first-frame deadline, which frees the slots.
+    for s in silent {
+        assert!(
+            closed_within(s, std::time::Duration::from_secs(10)).await,
+            "a silent connection outlived the first-frame deadline"
+        );
+    }
+
+    // The sender keeps its connection after a transfer.
+    let sender = TcpSender::default();
+    let n = sender
+        .write(&r, "first", blocks_for(&ids, block_bytes, 5))
+        .await
+        .expect("sent");
+    assert_eq!(
+        (n, exp.finish(TransportKind::Tcp).await.expect("finished")),
+        (2, 2)
+    );
+    // A connection idle after its transfer is closed at the idle deadline
+    // (this one's started after the sender's kept one's, so that one is
+    // closed too by then).
+    let (_slot2, ids2, exp2, _) = expected(&e, &receiver, 2, 3, "second").await;
+    let mut raw = tokio::net::TcpStream::connect(&r.address)
+        .await
+        .expect("connect");
+    let blocks = blocks_for(&ids2, block_bytes, 6);
+    let frames: Vec<tcp::Frame<'_>> = blocks
+        .iter()
+        .map(|b| tcp::Frame {
+            id: b.id,
+            checksum: b.checksum,
+            parts: vec![&b.data],
+        })
+        .collect();
+    let sent = tcp::send_on(&mut raw, "second", &frames).await;
+    assert!(matches!(sent, Ok(2)), "the raw transfer was not acked");
+    assert_eq!(exp2.finish(TransportKind::Tcp).await.expect("finished"), 2);
+    assert!(
+        closed_within(raw, std::time::Duration::from_secs(10)).await,
+        "an idle connection outlived the idle deadline"
+    );
+    // The sender's next transfer goes on a new connection.
+    let (_slot3, ids3, exp3, regions3) = expected(&e, &receiver, 2, 3, "third").await;
+    let n = sender
+        .write(
+            &region(&regions3, TransportKind::Tcp),
+            "third",
+            blocks_for(&ids3, block_bytes, 7),
+        )
+        .await
+        .expect("sent on a new connection");
+    assert_eq!(
+        (n, exp3.finish(TransportKind::Tcp).await.expect("finished")),
+        (2, 2)
     );
 }

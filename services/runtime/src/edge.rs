@@ -17,6 +17,11 @@
 //! span of [`grpc_server_span`]. Shutdown stops accepting at once, lets
 //! in-flight requests finish, and drops every connection if the serving
 //! future itself is dropped (the drain deadline passed).
+//!
+//! Listeners that speak their own protocol on a raw socket (the KV plane's
+//! `tcp` and `rdma` side channel) take their connections through the same
+//! [`ConnectionGate`]: the same `max_connections`, the same first-frame and
+//! idle deadlines, the same rate-limited refusal log.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -58,40 +63,21 @@ pub(crate) async fn serve(
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), RuntimeError> {
     let limits = security.limits();
-    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let gate = ConnectionGate::new("http", limits);
     let tracker = TaskTracker::new();
     // Graceful: stop taking requests, finish those in flight.
     let drain = CancellationToken::new();
     // Hard: dropped with this future (the drain deadline passed).
     let hard = CancellationToken::new();
     let _hard_on_drop = hard.clone().drop_guard();
-    let mut refused_log = RateLimitedLog::default();
     {
         let mut shutdown = std::pin::pin!(shutdown);
         loop {
             let accepted = tokio::select! {
                 () = &mut shutdown => break,
-                accepted = listener.accept() => accepted,
+                accepted = gate.accept(&listener) => accepted,
             };
-            let (tcp, peer) = match accepted {
-                Ok(a) => a,
-                Err(e) => {
-                    // Out of descriptors and the like: back off, never spin.
-                    refused_log.warn(|n| tracing::warn!(error = %e, errors = n, "accept failed"));
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            };
-            let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
-                refused_log.warn(|n| {
-                    tracing::warn!(
-                        %peer,
-                        refused = n,
-                        max_connections = limits.max_connections,
-                        "connection limit reached; closing new connections (--max-connections)"
-                    )
-                });
-                drop(tcp);
+            let Some((tcp, peer, slot)) = accepted else {
                 continue;
             };
             let conn = Connection {
@@ -114,6 +100,96 @@ pub(crate) async fn serve(
     tracker.close();
     tracker.wait().await;
     Ok(())
+}
+
+/// Takes connections on a listener within the edge's limits: at most
+/// `max_connections` held at once (one more is closed as soon as it is
+/// accepted), refusals and accept errors logged at most once a second with
+/// how many happened since.
+pub struct ConnectionGate {
+    listener: &'static str,
+    limits: ConnectionLimits,
+    slots: Arc<Semaphore>,
+    refused: parking_lot::Mutex<RateLimitedLog>,
+}
+
+impl std::fmt::Debug for ConnectionGate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConnectionGate")
+            .field("listener", &self.listener)
+            .field("limits", &self.limits)
+            .field("open", &self.open())
+            .finish()
+    }
+}
+
+/// A connection's place under [`ConnectionLimits::max_connections`]; it
+/// frees when dropped.
+pub type ConnectionSlot = tokio::sync::OwnedSemaphorePermit;
+
+impl ConnectionGate {
+    /// A gate for the listener named `listener` in its logs.
+    pub fn new(listener: &'static str, limits: ConnectionLimits) -> Self {
+        Self {
+            listener,
+            limits,
+            slots: Arc::new(Semaphore::new(limits.max_connections)),
+            refused: parking_lot::Mutex::default(),
+        }
+    }
+
+    /// The limits it enforces (its connections apply the deadlines).
+    pub fn limits(&self) -> ConnectionLimits {
+        self.limits
+    }
+
+    /// Connections held now.
+    pub fn open(&self) -> usize {
+        self.limits.max_connections - self.slots.available_permits()
+    }
+
+    /// The next connection on `listener` with its slot, or `None` when the
+    /// one accepted was closed at once (the limit is reached) or accepting
+    /// failed (after a short back-off: out of descriptors never spins).
+    pub async fn accept(
+        &self,
+        listener: &TcpListener,
+    ) -> Option<(TcpStream, SocketAddr, ConnectionSlot)> {
+        let (tcp, peer) = match listener.accept().await {
+            Ok(a) => a,
+            Err(e) => {
+                let listener = self.listener;
+                self.refused
+                    .lock()
+                    .warn(|n| tracing::warn!(listener, error = %e, errors = n, "accept failed"));
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                return None;
+            }
+        };
+        self.slot(peer).map(|slot| (tcp, peer, slot))
+    }
+
+    /// A slot for a connection just accepted from `peer`, or `None` (close
+    /// it): the limit is reached.
+    pub fn slot(&self, peer: impl std::fmt::Display) -> Option<ConnectionSlot> {
+        let slot = Arc::clone(&self.slots).try_acquire_owned().ok();
+        if slot.is_none() {
+            self.refuse(
+                peer,
+                "connection limit reached; closing new connections (--max-connections)",
+            );
+        }
+        slot
+    }
+
+    /// Logs that a connection from `peer` was refused and why, at most once
+    /// a second with the count since.
+    pub fn refuse(&self, peer: impl std::fmt::Display, reason: &str) {
+        let (listener, max_connections) = (self.listener, self.limits.max_connections);
+        self.refused
+            .lock()
+            .warn(|n| tracing::warn!(listener, %peer, refused = n, max_connections, "{reason}"));
+    }
 }
 
 /// Logs a repeated condition at most once a second, with how many times it

@@ -26,7 +26,7 @@
 
 pub mod config;
 pub mod discovery;
-mod edge;
+pub mod edge;
 pub mod error;
 pub mod grpc;
 pub mod limits;

@@ -138,7 +138,7 @@ fn settle_args(args: &mut UpArgs) -> anyhow::Result<()> {
     args.worker.validate()?;
     if !args.disagg && args.common.etcd.is_none() {
         // No prefill worker can ever join this mesh: shared KV memory
-        // (committed up front in /dev/shm) would buy nothing.
+        // (committed up front) would buy nothing.
         args.worker
             .kv_transports
             .retain(|t| *t != sluice_kv_transfer::TransportKind::Shm);

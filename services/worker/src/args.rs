@@ -341,9 +341,9 @@ impl WorkerArgs {
 
     /// Starts one engine rank for the model in `dir`.
     ///
-    /// Its KV memory lives in `backing`; when a shared file cannot be had
-    /// (e.g. `/dev/shm` is too small), in private memory, and `shm` is then
-    /// not offered for this rank.
+    /// Its KV memory lives in `backing`; when shared memory cannot be had
+    /// (e.g. the memory limit is too low to reserve it), in private memory,
+    /// and `shm` is then not offered for this rank.
     pub fn start_engine(
         &self,
         dir: &Path,

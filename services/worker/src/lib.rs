@@ -56,7 +56,7 @@ pub fn build_core(
     let backing = if role == WorkerRole::Decode
         && transfer::available(&args.kv_transports).contains(&transfer::TransportKind::Shm)
     {
-        KvBacking::Shared(sluice_engine::backend::arena::shm_dir())
+        KvBacking::Shared
     } else {
         KvBacking::Private
     };

@@ -70,10 +70,13 @@ pub struct RdmaInbound {
 }
 
 impl RdmaInbound {
-    /// Opens the device and serves the side channel on `bind` until `shutdown`.
+    /// Opens the device and serves the side channel on `bind` until
+    /// `shutdown`, within the edge's connection limits: a peer must finish
+    /// its queue-pair exchange by the first-frame deadline.
     pub async fn start(
         bind: SocketAddr,
         endpoint: &str,
+        limits: sluice_runtime::security::ConnectionLimits,
         shutdown: sluice_runtime::Shutdown,
         tasks: &tokio_util::task::TaskTracker,
     ) -> Result<Self, KvTransferError> {
@@ -91,19 +94,20 @@ impl RdmaInbound {
         let address = crate::tcp::advertised(local, endpoint);
         let d = device.clone();
         let connections = tasks.clone();
+        let gate = sluice_runtime::edge::ConnectionGate::new("kv-rdma", limits);
         tasks.spawn(async move {
             loop {
                 let accepted = tokio::select! {
                     _ = shutdown.cancelled() => return,
-                    a = listener.accept() => a,
+                    a = gate.accept(&listener) => a,
                 };
-                let Ok((stream, peer)) = accepted else {
-                    tokio::time::sleep(Duration::from_millis(50)).await;
+                let Some((stream, peer, slot)) = accepted else {
                     continue;
                 };
                 let (d, stop) = (d.clone(), shutdown.clone());
                 connections.spawn(async move {
-                    if let Err(e) = serve_peer(stream, &d, stop).await {
+                    let _slot = slot;
+                    if let Err(e) = serve_peer(stream, &d, limits.header_read_timeout, stop).await {
                         tracing::warn!(%peer, error = %e, "KV rdma side channel closed");
                     }
                 });
@@ -121,10 +125,21 @@ impl RdmaInbound {
 async fn serve_peer(
     mut stream: TcpStream,
     device: &Device,
+    first: Duration,
     stop: sluice_runtime::Shutdown,
 ) -> Result<(), KvTransferError> {
     let (mut conn, local) = Connection::new(device)?;
-    let remote = exchange_as_server(&mut stream, &local).await?;
+    let remote = tokio::time::timeout(first, exchange_as_server(&mut stream, &local))
+        .await
+        .map_err(|_| {
+            KvTransferError::transport(
+                TransportKind::Rdma,
+                format!(
+                    "the peer did not finish its queue-pair exchange within {} s (--header-read-timeout)",
+                    first.as_secs()
+                ),
+            )
+        })??;
     conn.connect(&remote)?;
     stream
         .write_all(&[READY])
