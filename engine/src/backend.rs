@@ -167,6 +167,9 @@ where
     fn thread_pool(&self) -> Option<Arc<rayon::ThreadPool>> {
         self.inner.thread_pool()
     }
+    fn kv_transfer_model(&self) -> Option<KvTransferModel> {
+        self.inner.kv_transfer_model()
+    }
 }
 
 impl Backend for Box<dyn Backend> {
@@ -199,6 +202,9 @@ impl Backend for Box<dyn Backend> {
     }
     fn thread_pool(&self) -> Option<Arc<rayon::ThreadPool>> {
         (**self).thread_pool()
+    }
+    fn kv_transfer_model(&self) -> Option<KvTransferModel> {
+        (**self).kv_transfer_model()
     }
 }
 
@@ -240,5 +246,30 @@ pub trait Backend: Send {
     /// global pool.
     fn thread_pool(&self) -> Option<Arc<rayon::ThreadPool>> {
         None
+    }
+    /// What moving KV blocks between workers costs in the model a timing
+    /// backend (the mocker) runs instead of compute; `None`: the bytes
+    /// really move, at whatever speed the transport has.
+    fn kv_transfer_model(&self) -> Option<KvTransferModel> {
+        None
+    }
+}
+
+/// A modelled KV transfer: the bytes a block of the modelled model holds and
+/// the modelled link's speed (both after the timing model's speed-up).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KvTransferModel {
+    /// Bytes of one block of the modelled model.
+    pub block_bytes: u64,
+    /// Bytes per second the modelled link moves.
+    pub bytes_per_sec: f64,
+}
+
+impl KvTransferModel {
+    /// How long moving `blocks` blocks takes.
+    pub fn duration(&self, blocks: usize) -> std::time::Duration {
+        std::time::Duration::from_secs_f64(
+            blocks as f64 * self.block_bytes as f64 / self.bytes_per_sec.max(1.0),
+        )
     }
 }

@@ -66,6 +66,23 @@ enum Command {
         logprobs: Option<PositionLogprobs>,
         tx: mpsc::UnboundedSender<Output>,
     },
+    ReserveImport {
+        id: SeqId,
+        req: Request,
+        blocks: usize,
+        reply: oneshot::Sender<Result<RemoteSlot, EngineError>>,
+    },
+    CommitImport {
+        id: SeqId,
+        written: usize,
+        reply: oneshot::Sender<Result<usize, EngineError>>,
+    },
+    HoldPrefix {
+        id: SeqId,
+        prompt: Vec<u32>,
+        max_blocks: usize,
+        reply: oneshot::Sender<HeldBlocks>,
+    },
     WriteBlocks {
         id: SeqId,
         blocks: Vec<(u32, Vec<u8>)>,
@@ -114,6 +131,9 @@ impl std::fmt::Debug for Command {
             Self::Prefill { .. } => "Prefill",
             Self::Reserve { .. } => "Reserve",
             Self::Commit { .. } => "Commit",
+            Self::ReserveImport { .. } => "ReserveImport",
+            Self::CommitImport { .. } => "CommitImport",
+            Self::HoldPrefix { .. } => "HoldPrefix",
             Self::WriteBlocks { .. } => "WriteBlocks",
             Self::ReadBlocks { .. } => "ReadBlocks",
             Self::Abort(_) => "Abort",
@@ -300,6 +320,7 @@ struct Shared {
     vocab_size: usize,
     grammars: Option<sluice_tokens::grammar::Grammars>,
     backend_name: &'static str,
+    kv_transfer_model: Option<crate::backend::KvTransferModel>,
     thread: parking_lot::Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
@@ -342,6 +363,7 @@ impl EngineHandle {
         let backend_name = backend.name();
         let vocab_size = backend.vocab_size();
         let kv_arena = backend.kv_arena();
+        let kv_transfer_model = backend.kv_transfer_model();
         let core = core::EngineCore::new(backend, sched, tx.clone(), load_tx, cfg.balance_group);
         let thread = std::thread::Builder::new()
             .name(format!("sluice-engine-{backend_name}"))
@@ -360,6 +382,7 @@ impl EngineHandle {
                 vocab_size,
                 grammars,
                 backend_name,
+                kv_transfer_model,
                 thread: parking_lot::Mutex::new(Some(thread)),
             }),
         })
@@ -396,6 +419,71 @@ impl EngineHandle {
         let (reply, rx) = oneshot::channel();
         self.send(Command::Reserve { id, req, reply })?;
         rx.await.map_err(|_| EngineError::Shutdown)?
+    }
+
+    /// Allocates local blocks for the first `blocks` full blocks of `req`'s
+    /// prompt (reusing the locally cached ones: `skip_blocks`) for a peer
+    /// that holds them cached to write into; [`EngineHandle::commit_import`]
+    /// makes them this engine's cached prefix.
+    pub async fn reserve_import(
+        &self,
+        req: Request,
+        blocks: usize,
+    ) -> Result<RemoteSlot, EngineError> {
+        self.check(&req)?;
+        let id = self.next_id();
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::ReserveImport {
+            id,
+            req,
+            blocks,
+            reply,
+        })?;
+        rx.await.map_err(|_| EngineError::Shutdown)?
+    }
+
+    /// The peer wrote the first `written` blocks of an import slot past its
+    /// skipped ones: they enter the prefix cache and the KV events as if
+    /// computed here (the rest is freed). Returns the prompt tokens the
+    /// cache now holds of the prefix.
+    pub async fn commit_import(
+        &self,
+        mut slot: RemoteSlot,
+        written: usize,
+    ) -> Result<usize, EngineError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::CommitImport {
+            id: slot.id,
+            written,
+            reply,
+        })?;
+        slot.release.disarm();
+        rx.await.map_err(|_| EngineError::Shutdown)?
+    }
+
+    /// Holds the cached prefix of `prompt` (its leading full blocks, at most
+    /// `max_blocks`) for reading, e.g. by a peer that imports it, until the
+    /// returned blocks are dropped; none when nothing of it is cached.
+    pub async fn hold_prefix(
+        &self,
+        prompt: Vec<u32>,
+        max_blocks: usize,
+    ) -> Result<HeldBlocks, EngineError> {
+        let id = self.next_id();
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::HoldPrefix {
+            id,
+            prompt,
+            max_blocks,
+            reply,
+        })?;
+        rx.await.map_err(|_| EngineError::Shutdown)
+    }
+
+    /// What a KV transfer between workers costs in a timing backend's model
+    /// (the mocker's); `None` for a backend whose bytes really move.
+    pub fn kv_transfer_model(&self) -> Option<crate::backend::KvTransferModel> {
+        self.shared.kv_transfer_model
     }
 
     /// Writes received KV blocks into a reserved slot. Every id must be one

@@ -247,6 +247,11 @@ impl Scheduler {
         self.kv.clear_prefix_cache();
     }
 
+    /// Tokens per KV block.
+    pub fn block_size(&self) -> usize {
+        self.kv.block_size()
+    }
+
     /// Longest sequence (prompt + output) this engine can hold.
     pub fn max_len(&self) -> usize {
         self.max_len
@@ -383,6 +388,66 @@ impl Scheduler {
             self.waiting.insert(key, id);
         }
         Ok(out)
+    }
+
+    /// Allocates blocks for the first `blocks` full blocks of `req`'s prompt
+    /// (reusing the locally cached ones) for a peer to write its cached
+    /// prefix into. The slot waits (status reserved) until
+    /// [`Scheduler::commit_import`] or [`Scheduler::abort`].
+    pub fn reserve_import(
+        &mut self,
+        id: SeqId,
+        mut req: Request,
+        blocks: usize,
+    ) -> Result<RemoteReservation, EngineError> {
+        let bs = self.kv.block_size();
+        // Full blocks only, and never the prompt's last token (it is
+        // computed for its logits).
+        let blocks = blocks.min(req.prompt.len().saturating_sub(1) / bs);
+        req.prompt.truncate(blocks * bs);
+        if blocks == 0 {
+            return Err(EngineError::InvalidRequest(
+                "nothing to import: the prompt has no full block before its last token".into(),
+            ));
+        }
+        self.reserve_remote(id, req)
+    }
+
+    /// A peer wrote the first `written` blocks past the reserved slot's
+    /// cached ones: they enter the prefix cache (and the KV events) as if
+    /// computed here, and the slot is released, its blocks kept cached like
+    /// any freed prefix. Blocks past those written are freed uncached.
+    pub fn commit_import(&mut self, id: SeqId, written: usize) -> Result<usize, EngineError> {
+        let seq = self.seqs.get(&id).ok_or(EngineError::UnknownSequence(id))?;
+        if seq.status != Status::Reserved {
+            return Err(EngineError::InvalidRequest(format!(
+                "sequence {id} is not a reserved slot"
+            )));
+        }
+        let bs = self.kv.block_size();
+        let skip = seq.cached_tokens.unwrap_or(0) / bs;
+        let tokens = ((skip + written) * bs).min(seq.prompt_len);
+        self.kv.cache_full_blocks(id, seq.hashes.hashes(), tokens);
+        self.abort(id);
+        Ok(tokens)
+    }
+
+    /// Takes references on the cached prefix of `prompt` (its leading full
+    /// blocks, at most `max_blocks`) for a peer to read, under `id` (no
+    /// sequence); [`Scheduler::release_table`] lets go. The blocks, in order.
+    pub fn hold_prefix(&mut self, id: SeqId, prompt: &[u32], max_blocks: usize) -> Vec<u32> {
+        let hashes = sluice_tokens::sequence_block_hashes(prompt, self.kv.block_size());
+        let hits = self
+            .kv
+            .acquire_prefix(id, &hashes[..hashes.len().min(max_blocks)]);
+        self.kv.block_table(id)[..hits].to_vec()
+    }
+
+    /// Releases blocks held by [`Scheduler::hold_prefix`].
+    pub fn release_table(&mut self, id: SeqId) {
+        if !self.seqs.contains_key(&id) && self.kv.has_table(id) {
+            self.kv.free(id);
+        }
     }
 
     /// Feeds the largest running count among the other data-parallel ranks

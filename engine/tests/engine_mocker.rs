@@ -313,6 +313,94 @@ async fn remote_prefill_continues_like_local_generation() {
     wait_idle(&decode_engine).await;
 }
 
+/// A peer's cached prefix imported: the holder holds its cached blocks
+/// while they are read, the importer reserves only the blocks it lacks,
+/// and once written they are its own cached prefix (stored in its KV
+/// events), which the prompt then hits like one it computed; blocks past
+/// those written are freed, not cached; dropping a hold or an uncommitted
+/// slot frees everything.
+#[tokio::test]
+async fn an_imported_prefix_is_cached_like_a_computed_one() {
+    let holder = spawn(64);
+    let importer = spawn(64);
+    let prompt: Vec<u32> = (1..=14).collect();
+    // The holder computed the prompt: 3 full blocks cached (of 4 tokens).
+    let (want, _) = holder
+        .generate(req(prompt.clone(), 6))
+        .expect("valid")
+        .collect()
+        .await;
+    wait_idle(&holder).await;
+    let held = holder.hold_prefix(prompt.clone(), 8).await.expect("held");
+    assert_eq!((held.block_ids().len(), held.num_tokens()), (3, 12));
+    let mut load = holder.load();
+    tokio::time::timeout(
+        Duration::from_secs(5),
+        load.wait_for(|l| l.active_blocks == 3),
+    )
+    .await
+    .expect("the held blocks are in use while read")
+    .expect("engine alive");
+    // The importer has the first block already (a shorter prompt).
+    let _ = importer
+        .generate(req(prompt[..5].to_vec(), 1))
+        .expect("valid")
+        .collect()
+        .await;
+    wait_idle(&importer).await;
+    let events = importer.kv_snapshot().block_hashes.len();
+    let slot = importer
+        .reserve_import(req(prompt.clone(), 6), 3)
+        .await
+        .expect("fits");
+    assert_eq!((slot.block_ids().len(), slot.skip_blocks()), (3, 1));
+    let data = holder
+        .read_blocks(held.block_ids()[1..].to_vec())
+        .await
+        .expect("read");
+    let writes: Vec<(u32, Vec<u8>)> = slot.block_ids()[1..].iter().copied().zip(data).collect();
+    importer
+        .write_blocks(slot.id(), writes)
+        .await
+        .expect("write");
+    drop(held);
+    wait_idle(&holder).await;
+    let cached = importer.commit_import(slot, 2).await.expect("commit");
+    assert_eq!(cached, 12);
+    wait_idle(&importer).await;
+    assert_eq!(
+        importer.kv_snapshot().block_hashes.len(),
+        events + 2,
+        "the imported blocks are in the KV events"
+    );
+    let (got, f) = importer
+        .generate(req(prompt.clone(), 6))
+        .expect("valid")
+        .collect()
+        .await;
+    assert_eq!(got, want, "the same tokens as where it was computed");
+    assert_eq!(f.expect("done").usage.cached_tokens, 12);
+    wait_idle(&importer).await;
+
+    // Only what was written is cached; an uncommitted slot frees all.
+    let other: Vec<u32> = (100..=113).collect();
+    let slot = importer
+        .reserve_import(req(other.clone(), 6), 3)
+        .await
+        .expect("fits");
+    assert_eq!(importer.commit_import(slot, 1).await.expect("commit"), 4);
+    let slot = importer
+        .reserve_import(req((200..=213).collect(), 6), 3)
+        .await
+        .expect("fits");
+    drop(slot);
+    wait_idle(&importer).await;
+    assert_eq!(importer.cached_prefix_tokens(&other), 4);
+    // Nothing cached, nothing held.
+    let none = holder.hold_prefix(other, 8).await.expect("held");
+    assert_eq!(none.block_ids().len(), 0);
+}
+
 /// The mocker's first token for `prompt` (what a prefill worker returns).
 fn p_first(prompt: &[u32]) -> u32 {
     let m = MockerBackend::new(mocker_cfg(4)).expect("valid");

@@ -64,7 +64,18 @@ pub struct MockerConfig {
     /// Token ids never emitted (typically the EOS ids, so requests run to
     /// `max_tokens`, like a benchmark with `ignore_eos`).
     pub avoid_token_ids: Vec<u32>,
+    /// KV bytes per token of the modelled model: what a KV transfer between
+    /// workers moves (the blocks themselves have the advertised layout).
+    pub kv_bytes_per_token: u64,
+    /// Bytes per second a modelled KV transfer between workers moves.
+    pub kv_transfer_bytes_per_sec: f64,
 }
+
+/// KV bytes per token of the model the timing polynomial was measured on
+/// (Llama-3-8B in bf16: 2 × 32 layers × 8 KV heads × 128 dims × 2 bytes).
+pub const MODELLED_KV_BYTES_PER_TOKEN: u64 = 131_072;
+/// A modelled KV link: 25 GB/s, a 200 Gb/s RDMA NIC's worth.
+pub const MODELLED_KV_TRANSFER_BYTES_PER_SEC: f64 = 25e9;
 
 impl Default for MockerConfig {
     fn default() -> Self {
@@ -80,6 +91,8 @@ impl Default for MockerConfig {
             timing: MockerTiming::Polynomial,
             output: MockerOutput::Tokens,
             avoid_token_ids: Vec::new(),
+            kv_bytes_per_token: MODELLED_KV_BYTES_PER_TOKEN,
+            kv_transfer_bytes_per_sec: MODELLED_KV_TRANSFER_BYTES_PER_SEC,
         }
     }
 }
@@ -184,6 +197,9 @@ impl MockerBackend {
         }
         if cfg.block_size == 0 || cfg.num_blocks == 0 {
             return bad("block_size and num_blocks must be at least 1");
+        }
+        if !(cfg.kv_transfer_bytes_per_sec.is_finite() && cfg.kv_transfer_bytes_per_sec > 0.0) {
+            return bad("kv_transfer_bytes_per_sec must be > 0");
         }
         if !(cfg.speedup_ratio.is_finite() && cfg.speedup_ratio > 0.0) {
             return bad("speedup_ratio must be > 0");
@@ -364,6 +380,13 @@ impl Backend for MockerBackend {
 
     fn vocab_size(&self) -> usize {
         self.cfg.vocab_size
+    }
+
+    fn kv_transfer_model(&self) -> Option<crate::backend::KvTransferModel> {
+        (self.cfg.timing == MockerTiming::Polynomial).then(|| crate::backend::KvTransferModel {
+            block_bytes: self.cfg.kv_bytes_per_token * self.cfg.block_size as u64,
+            bytes_per_sec: self.cfg.kv_transfer_bytes_per_sec * self.cfg.speedup_ratio,
+        })
     }
 
     fn name(&self) -> &'static str {

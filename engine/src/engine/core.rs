@@ -34,6 +34,8 @@ pub(super) struct EngineCore {
     prefills: HashMap<SeqId, oneshot::Sender<Result<PrefillOutput, EngineError>>>,
     /// Reserved slot → blocks the sender skips (not writable).
     reserved: HashMap<SeqId, usize>,
+    /// Prefixes held for a peer to read (no sequence of their own).
+    held_prefixes: std::collections::HashSet<SeqId>,
     shutting_down: bool,
     /// Mean duration of a decode step (every row one token: no prompt
     /// tokens), in µs (an exponential average; 0 before the first). What a
@@ -131,6 +133,7 @@ impl EngineCore {
             streams: HashMap::new(),
             prefills: HashMap::new(),
             reserved: HashMap::new(),
+            held_prefixes: Default::default(),
             shutting_down: false,
             step_us: 0.0,
             prefill_fit: LineFit::default(),
@@ -382,6 +385,48 @@ impl EngineCore {
                 // A dropped receiver drops the slot, whose guard releases it.
                 let _ = reply.send(res);
             }
+            Command::ReserveImport {
+                id,
+                req,
+                blocks,
+                reply,
+            } => {
+                let res = self.sched.reserve_import(id, req, blocks).map(|r| {
+                    self.reserved.insert(id, r.skip_blocks);
+                    RemoteSlot {
+                        id,
+                        block_ids: r.block_ids,
+                        skip_blocks: r.skip_blocks,
+                        cached_tokens: r.cached_tokens,
+                        release: AbortOnDrop::new(id, self.tx.clone()),
+                    }
+                });
+                let _ = reply.send(res);
+            }
+            Command::CommitImport { id, written, reply } => {
+                self.reserved.remove(&id);
+                let res = self.sched.commit_import(id, written);
+                if res.is_err() {
+                    self.sched.abort(id);
+                }
+                let _ = reply.send(res);
+            }
+            Command::HoldPrefix {
+                id,
+                prompt,
+                max_blocks,
+                reply,
+            } => {
+                let block_ids = self.sched.hold_prefix(id, &prompt, max_blocks);
+                self.held_prefixes.insert(id);
+                let num_tokens = block_ids.len() * self.sched.block_size();
+                // A dropped receiver drops the blocks, whose guard releases them.
+                let _ = reply.send(HeldBlocks {
+                    block_ids,
+                    num_tokens,
+                    _release: AbortOnDrop::new(id, self.tx.clone()),
+                });
+            }
             Command::WriteBlocks { id, blocks, reply } => {
                 let blocks = blocks.iter().map(|(b, d)| (*b, d.as_slice()));
                 let _ = reply.send(self.write_blocks(id, blocks));
@@ -426,12 +471,7 @@ impl EngineCore {
                     }
                 }
             }
-            Command::Abort(id) => {
-                self.sched.abort(id);
-                self.streams.remove(&id);
-                self.prefills.remove(&id);
-                self.reserved.remove(&id);
-            }
+            Command::Abort(id) => self.abort(id),
             Command::ClearPrefixCache => self.sched.clear_prefix_cache(),
             Command::Shutdown => self.shutting_down = true,
         }
@@ -508,6 +548,9 @@ impl EngineCore {
         self.streams.remove(&id);
         self.prefills.remove(&id);
         self.reserved.remove(&id);
+        if self.held_prefixes.remove(&id) {
+            self.sched.release_table(id);
+        }
     }
 
     /// Aborts sequences whose stream or prefill caller is gone.

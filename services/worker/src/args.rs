@@ -153,6 +153,16 @@ pub struct WorkerArgs {
     #[arg(long, env = "SLUICE_SPEEDUP_RATIO", default_value_t = 1.0)]
     pub speedup_ratio: f64,
 
+    /// Mocker only: KV bytes per token of the modelled model, what a KV
+    /// transfer between workers is timed by (default: Llama-3-8B in bf16,
+    /// the model the timing polynomial describes).
+    #[arg(long, env = "SLUICE_MOCKER_KV_BYTES_PER_TOKEN", default_value_t = sluice_engine::backend::mocker::MODELLED_KV_BYTES_PER_TOKEN)]
+    pub mocker_kv_bytes_per_token: u64,
+
+    /// Mocker only: GB/s of the modelled KV link between workers.
+    #[arg(long, env = "SLUICE_MOCKER_KV_TRANSFER_GBPS", default_value_t = 25.0)]
+    pub mocker_kv_transfer_gbps: f64,
+
     /// KV events kept for late subscribers.
     #[arg(long, env = "SLUICE_EVENT_RING_CAPACITY", default_value_t = 10_000)]
     pub event_ring_capacity: usize,
@@ -244,6 +254,8 @@ impl Default for WorkerArgs {
             no_preempt_on_seq_limit: false,
             no_prefix_caching: false,
             speedup_ratio: 1.0,
+            mocker_kv_bytes_per_token: sluice_engine::backend::mocker::MODELLED_KV_BYTES_PER_TOKEN,
+            mocker_kv_transfer_gbps: 25.0,
             event_ring_capacity: 10_000,
             max_local_prefill_length: 512,
             max_prefill_queue_size: 8,
@@ -284,6 +296,9 @@ impl WorkerArgs {
         }
         if !(self.speedup_ratio.is_finite() && self.speedup_ratio > 0.0) {
             return bad("--speedup-ratio", "must be a positive number");
+        }
+        if !(self.mocker_kv_transfer_gbps.is_finite() && self.mocker_kv_transfer_gbps > 0.0) {
+            return bad("--mocker-kv-transfer-gbps", "must be a positive number");
         }
         if self.data_parallel_size == 0 || self.data_parallel_size > 64 {
             return bad("--data-parallel-size", "must be in 1..=64");
@@ -400,6 +415,8 @@ impl WorkerArgs {
                 num_blocks: self.num_gpu_blocks,
                 speedup_ratio: self.speedup_ratio,
                 avoid_token_ids: eos.clone(),
+                kv_bytes_per_token: self.mocker_kv_bytes_per_token,
+                kv_transfer_bytes_per_sec: self.mocker_kv_transfer_gbps * 1e9,
                 ..MockerConfig::default()
             })?),
         };
