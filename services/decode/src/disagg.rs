@@ -5,92 +5,38 @@
 //! path. The request always completes; the fallback is counted in
 //! `sluice_worker_remote_prefill_total{outcome}` and logged.
 //!
-//! The worker dials only prefill workers discovery lists ([`PrefillWorkers`]):
+//! The worker dials only prefill workers discovery lists ([`Peers`]):
 //! the request names one by id, and its endpoint comes from discovery, never
 //! from the request, so a `Generate` cannot make this worker connect
 //! anywhere else.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use parking_lot::RwLock;
 use sluice_engine::GenerateStream;
 use sluice_proto::kv::v1 as kvpb;
 use sluice_proto::worker::v1 as pb;
 use tracing::Instrument;
 
-use sluice_runtime::{DiscoveryEvent, Security, ServiceContext};
+use sluice_runtime::Security;
+
+use crate::peers::Peers;
 
 use sluice_kv_transfer::{Receiver, TransportKind, layout_to_pb, same_host};
-use sluice_worker::{InflightGuard, RemotePrefill, WorkerCore, WorkerError};
-
-/// The prefill workers discovery lists, id → endpoint: the only prefill
-/// endpoints this worker ever dials.
-#[derive(Debug, Default)]
-pub struct PrefillWorkers {
-    by_id: RwLock<HashMap<String, String>>,
-}
-
-impl PrefillWorkers {
-    /// Follows the `prefill` component in `discovery` until `shutdown`;
-    /// `known` shows how many are known.
-    pub async fn follow(
-        ctx: &ServiceContext,
-        known: prometheus::IntGauge,
-    ) -> Result<Arc<Self>, WorkerError> {
-        let watch = ctx
-            .discovery
-            .watch(sluice_runtime::discovery::WorkerRole::Prefill.as_str())
-            .await
-            .map_err(WorkerError::startup("watching prefill workers"))?;
-        let workers = Arc::new(Self::default());
-        let w = Arc::clone(&workers);
-        let stop = ctx.background().clone();
-        ctx.spawn(async move {
-            watch
-                .follow(&stop, |event| {
-                    let mut by_id = w.by_id.write();
-                    match event {
-                        DiscoveryEvent::Put(i) => {
-                            by_id.insert(i.id, i.endpoint);
-                        }
-                        DiscoveryEvent::Delete { id, .. } => {
-                            by_id.remove(&id);
-                        }
-                    }
-                    known.set(i64::try_from(by_id.len()).unwrap_or(i64::MAX));
-                })
-                .await;
-        });
-        Ok(workers)
-    }
-
-    /// A set of known workers (tests).
-    pub fn from_known(known: impl IntoIterator<Item = (String, String)>) -> Self {
-        Self {
-            by_id: RwLock::new(known.into_iter().collect()),
-        }
-    }
-
-    /// The endpoint discovery gives for prefill worker `id`.
-    pub fn endpoint(&self, id: &str) -> Option<String> {
-        self.by_id.read().get(id).cloned()
-    }
-}
+use sluice_worker::{InflightGuard, RemotePrefill, WorkerCore};
 
 /// How long past the remote-prefill timeout the blocks of a failed transfer
 /// that may have gone over `rdma` stay reserved: a posted RDMA write cannot
 /// be revoked, and the prefill worker's sender may finish one (its own send
 /// is bounded by the same timeout, its completion wait by 10 s).
-const RDMA_QUARANTINE: Duration = Duration::from_secs(15);
+pub(crate) const RDMA_QUARANTINE: Duration = Duration::from_secs(15);
 
 /// A reserved slot that, dropped while `hold` is set, stays reserved that
 /// long before its blocks are freed.
-struct Quarantine {
-    slot: Option<sluice_engine::RemoteSlot>,
-    hold: Option<Duration>,
+pub(crate) struct Quarantine {
+    pub(crate) slot: Option<sluice_engine::RemoteSlot>,
+    pub(crate) hold: Option<Duration>,
 }
 
 impl Drop for Quarantine {
@@ -117,9 +63,11 @@ pub struct Disagg {
     /// this host, where `shm` applies).
     pub endpoint: String,
     /// The prefill workers it may dial.
-    pub prefill_workers: Arc<PrefillWorkers>,
+    pub prefill_workers: Arc<Peers>,
     /// TLS and mesh token for the `Prefill` call.
     pub security: Arc<Security>,
+    /// Fetching a cached prefix from a peer.
+    pub fetcher: crate::fetch::Fetcher,
 }
 
 impl Disagg {
@@ -197,6 +145,15 @@ impl RemotePrefill for Disagg {
         self.remote(core, req, &prefill_endpoint, engine_req, engine, &span)
             .instrument(span.clone())
             .await
+    }
+
+    async fn fetch_prefix(
+        &self,
+        core: &Arc<WorkerCore>,
+        req: &pb::GenerateRequest,
+        engine_req: &sluice_engine::Request,
+    ) -> usize {
+        self.fetcher.fetch(core, req, engine_req).await
     }
 }
 

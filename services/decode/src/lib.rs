@@ -10,6 +10,8 @@
 #![forbid(unsafe_code)]
 
 pub mod disagg;
+pub mod fetch;
+pub mod peers;
 
 use std::sync::Arc;
 
@@ -54,21 +56,46 @@ pub async fn serve(
         ctx.tasks(),
     )
     .await?;
-    let prefill_workers =
-        disagg::PrefillWorkers::follow(&ctx, core.metrics.prefill_peers.clone()).await?;
+    let prefill_workers = peers::Peers::follow(
+        &ctx,
+        WorkerRole::Prefill,
+        core.metrics.prefill_peers.clone(),
+    )
+    .await?;
+    let decode_workers =
+        peers::Peers::follow(&ctx, WorkerRole::Decode, core.metrics.prefix_peers.clone()).await?;
+    if let Some(engine) = core.engines.first() {
+        core.fetch_rate.store(
+            fetch::initial_fetch_rate(engine),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
+    let timeout = std::time::Duration::from_millis(args.remote_prefill_timeout_ms);
+    let fetcher = fetch::Fetcher {
+        receiver: Arc::clone(&receiver),
+        endpoint: endpoint.clone(),
+        peers: decode_workers,
+        security: Arc::clone(&ctx.security),
+        max_timeout: timeout,
+    };
     let remote = disagg::Disagg {
         max_local_prefill_length: args.max_local_prefill_length,
         max_prefill_queue_size: args.max_prefill_queue_size,
-        timeout: std::time::Duration::from_millis(args.remote_prefill_timeout_ms),
+        timeout,
         receiver: Arc::clone(&receiver),
         endpoint,
         prefill_workers,
         security: Arc::clone(&ctx.security),
+        fetcher,
     };
     let service = WorkerService {
         core,
         prefill: None,
         remote: Some(Arc::new(remote)),
+        senders: Some(Arc::new(transfer::Senders::new(
+            &args.kv_transports,
+            &ctx.security,
+        ))),
         draining: ctx.shutdown.clone(),
         tasks: ctx.tasks().clone(),
     };

@@ -293,6 +293,8 @@ fn serving_info(serving: Serving, request_id: String) -> pb::ServingInfo {
         tpot_target_ms: serving.tpot_target_ms,
         tpot_ms: serving.tpot_ms,
         tpot_target_met: serving.tpot_target_met,
+        fetched_tokens: serving.fetched_tokens,
+        prefix_source_worker_id: serving.prefix_source_worker_id,
         ttft_ms: serving.ttft_ms,
         ttft_target_met: serving.ttft_target_met,
     }

@@ -223,6 +223,13 @@ pub(crate) struct Serving {
     /// Prompt tokens the router expected cached on the worker it chose
     /// (routing you can check against `usage.prompt_tokens_details`).
     pub routed_overlap_tokens: u32,
+    /// Prompt tokens the worker fetched from a peer's cache instead of
+    /// computing them (counted in `usage.cached_tokens` too).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub fetched_tokens: u32,
+    /// The peer the router named to fetch the prompt's prefix from.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub prefix_source_worker_id: String,
     /// Moves to another worker after a worker failed mid-stream.
     #[serde(skip_serializing_if = "is_zero")]
     pub migrations: u32,

@@ -221,6 +221,57 @@ pub fn same_host(a: &str, b: &str) -> bool {
     ha.eq_ignore_ascii_case(hb) || (loopback(ha) && loopback(hb))
 }
 
+/// Sends blocks of `engine`'s KV memory to a receiver's region over
+/// `sender`, each `(source, destination)` pair one block, within `timeout`:
+/// straight from the engine's KV memory where the transport can (`shm`),
+/// else read out of the engine and sent. Returns the blocks the receiver
+/// took. The sending half of a remote prefill and of a prefix fetch.
+pub async fn send_blocks(
+    engine: &EngineHandle,
+    sender: &dyn KvSender,
+    region: &pb::Region,
+    transfer_id: &str,
+    pairs: &[(u32, u32)],
+    timeout: std::time::Duration,
+) -> Result<u32, KvTransferError> {
+    use tracing::Instrument;
+    let transport = sender.kind();
+    let span = tracing::info_span!(
+        "kv.transfer",
+        transport = transport.as_str(),
+        blocks = pairs.len(),
+        bytes = pairs.len() * engine.kv_layout().block_bytes()
+    );
+    let send = async {
+        if let Some(arena) = engine.kv_arena()
+            && let Some(r) = sender.write_from(region, transfer_id, arena, pairs).await
+        {
+            return r;
+        }
+        let src: Vec<u32> = pairs.iter().map(|&(s, _)| s).collect();
+        let data = engine
+            .read_blocks(src)
+            .await
+            .map_err(KvTransferError::failed(
+                transport,
+                "reading the source blocks",
+            ))?;
+        let checked = sender.needs_checksums(region);
+        let blocks: Vec<Block> = pairs
+            .iter()
+            .zip(data)
+            .map(|(&(_, d), data)| Block::for_region(d, data, checked))
+            .collect();
+        sender.write(region, transfer_id, blocks).await
+    };
+    tokio::time::timeout(timeout, send.instrument(span))
+        .await
+        .map_err(|_| KvTransferError::Timeout {
+            transport,
+            after: timeout,
+        })?
+}
+
 /// One KV block on its way: destination block id, XXH3-64 of `data`, bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Block {
@@ -561,8 +612,45 @@ impl Expectation {
     /// `transport`: what a one-sided transport wrote is checked now.
     /// Returns the blocks written in all.
     pub async fn finish(&self, transport: TransportKind) -> Result<usize, KvTransferError> {
+        self.check_one_sided(transport, self.target.writable.len())
+            .await?;
+        Ok(self.written())
+    }
+
+    /// Completes a transfer the sender says wrote only the first `n`
+    /// writable blocks (a peer's prefix of which it still held that much):
+    /// those must all have landed, checked as [`Expectation::finish`] does.
+    pub async fn finish_first(
+        &self,
+        transport: TransportKind,
+        n: usize,
+    ) -> Result<usize, KvTransferError> {
+        let n = n.min(self.target.writable.len());
+        self.check_one_sided(transport, n).await?;
+        match self.target.done[..n]
+            .iter()
+            .position(|d| !d.load(Ordering::Acquire))
+        {
+            Some(i) => Err(KvTransferError::transport(
+                transport,
+                format!(
+                    "block {} of transfer {} did not arrive",
+                    self.target.writable[i], self.target.transfer
+                ),
+            )),
+            None => Ok(n),
+        }
+    }
+
+    /// Checks what a one-sided `transport` wrote into the first `n`
+    /// writable blocks, and marks them arrived.
+    async fn check_one_sided(
+        &self,
+        transport: TransportKind,
+        n: usize,
+    ) -> Result<(), KvTransferError> {
         if let Some((_, one_sided)) = self.one_sided.iter().find(|(k, _)| *k == transport) {
-            let ids = Arc::clone(&self.target.writable);
+            let ids: Arc<[u32]> = self.target.writable[..n].into();
             // Checksums read every block: large transfers leave the runtime's
             // threads alone.
             if ids.len() >= BLOCKING_COPY_BLOCKS {
@@ -576,11 +664,11 @@ impl Expectation {
             } else {
                 one_sided.complete(&ids)?;
             }
-            for d in self.target.done.iter() {
+            for d in &self.target.done[..n] {
                 d.store(true, Ordering::Release);
             }
         }
-        Ok(self.written())
+        Ok(())
     }
 }
 

@@ -15,7 +15,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use sluice_kv_transfer::{Block, KvTransferError, Senders, check_layout};
+#[cfg(feature = "fault-injection")]
+use sluice_kv_transfer::{Block, KvTransferError};
+use sluice_kv_transfer::{Senders, check_layout, send_blocks};
 use sluice_proto::kv::v1 as kvpb;
 use sluice_proto::worker::v1 as pb;
 use sluice_runtime::discovery::WorkerRole;
@@ -57,16 +59,6 @@ struct Handler {
     #[cfg(feature = "fault-injection")]
     fault: Option<Fault>,
     senders: Senders,
-}
-
-impl Handler {
-    /// Whether a test asked for a fault (never without the feature).
-    fn faulty(&self) -> bool {
-        #[cfg(feature = "fault-injection")]
-        return self.fault.is_some();
-        #[cfg(not(feature = "fault-injection"))]
-        false
-    }
 }
 
 #[tonic::async_trait]
@@ -174,9 +166,8 @@ async fn compute(
 
 impl Handler {
     /// Writes the computed blocks (past the destination's cached ones) into
-    /// the destination over `sender`, within the descriptor's timeout:
-    /// straight from this engine's KV memory when the transport can (shm),
-    /// else read out and sent.
+    /// the destination over `sender`, within the descriptor's timeout
+    /// ([`send_blocks`]; a test's fault reads them out and breaks them).
     async fn send(
         &self,
         engine: &sluice_engine::EngineHandle,
@@ -185,70 +176,72 @@ impl Handler {
         dest: &kvpb::TransferDescriptor,
         computed: &[u32],
     ) -> Result<u32, WorkerError> {
-        let transport = sender.kind();
         let skip = dest.skip_blocks as usize;
-        let src: Vec<u32> = computed.iter().skip(skip).copied().collect();
-        let dst: Vec<u32> = dest.block_ids.iter().skip(skip).copied().collect();
-        let send_span = tracing::info_span!(
-            "kv.transfer",
-            transport = transport.as_str(),
-            blocks = src.len(),
-            bytes = tracing::field::Empty
-        );
+        let pairs: Vec<(u32, u32)> = computed
+            .iter()
+            .zip(&dest.block_ids)
+            .skip(skip)
+            .map(|(&s, &d)| (s, d))
+            .collect();
         let timeout = match dest.timeout_ms {
             0 => DEFAULT_TRANSFER_TIMEOUT,
             ms => Duration::from_millis(u64::from(ms)),
         };
-        let send = async {
-            // Faults need blocks in hand.
-            if !self.faulty()
-                && let Some(arena) = engine.kv_arena()
-            {
-                let pairs: Vec<(u32, u32)> = src.iter().copied().zip(dst.iter().copied()).collect();
-                let direct = sender.write_from(region, &dest.transfer_id, arena, &pairs);
-                if let Some(r) = direct.await {
-                    tracing::Span::current()
-                        .record("bytes", pairs.len() * engine.kv_layout().block_bytes());
-                    return r.map_err(WorkerError::from);
-                }
-            }
-            let data = engine.read_blocks(src).await?;
-            tracing::Span::current().record("bytes", data.iter().map(Vec::len).sum::<usize>());
-            let checked = sender.needs_checksums(region);
-            #[cfg_attr(not(feature = "fault-injection"), allow(unused_mut))]
-            let mut blocks: Vec<Block> = dst
-                .into_iter()
-                .zip(data)
-                .map(|(id, d)| Block::for_region(id, d, checked))
-                .collect();
-            #[cfg(feature = "fault-injection")]
-            match self.fault {
-                Some(Fault::DropBlocks) => return Ok(0),
-                Some(Fault::CorruptBlocks) => {
-                    for b in &mut blocks {
-                        if let Some(x) = b.data.first_mut() {
-                            *x ^= 0xff;
-                        }
+        #[cfg(feature = "fault-injection")]
+        if let Some(fault) = self.fault {
+            return faulty_send(fault, engine, sender, region, dest, &pairs, timeout).await;
+        }
+        Ok(send_blocks(engine, sender, region, &dest.transfer_id, &pairs, timeout).await?)
+    }
+}
+
+/// Sends `pairs` as a test's `fault` asks.
+#[cfg(feature = "fault-injection")]
+async fn faulty_send(
+    fault: Fault,
+    engine: &sluice_engine::EngineHandle,
+    sender: &dyn sluice_kv_transfer::KvSender,
+    region: &kvpb::Region,
+    dest: &kvpb::TransferDescriptor,
+    pairs: &[(u32, u32)],
+    timeout: Duration,
+) -> Result<u32, WorkerError> {
+    let transport = sender.kind();
+    let send = async {
+        let data = engine
+            .read_blocks(pairs.iter().map(|&(s, _)| s).collect())
+            .await?;
+        let checked = sender.needs_checksums(region);
+        let mut blocks: Vec<Block> = pairs
+            .iter()
+            .zip(data)
+            .map(|(&(_, id), d)| Block::for_region(id, d, checked))
+            .collect();
+        match fault {
+            Fault::DropBlocks => return Ok(0),
+            Fault::CorruptBlocks => {
+                for b in &mut blocks {
+                    if let Some(x) = b.data.first_mut() {
+                        *x ^= 0xff;
                     }
                 }
-                Some(Fault::StallMidTransfer) => {
-                    let rest = blocks.split_off(blocks.len() / 2);
-                    let first = sender.write(region, &dest.transfer_id, blocks).await?;
-                    tokio::time::sleep(timeout).await;
-                    return Ok(first + sender.write(region, &dest.transfer_id, rest).await?);
-                }
-                None => {}
             }
-            Ok(sender.write(region, &dest.transfer_id, blocks).await?)
-        };
-        tokio::time::timeout(timeout, send.instrument(send_span))
-            .await
-            .map_err(|_| KvTransferError::Timeout {
-                transport,
-                after: timeout,
-            })
-            .map_err(WorkerError::from)?
-    }
+            Fault::StallMidTransfer => {
+                let rest = blocks.split_off(blocks.len() / 2);
+                let first = sender.write(region, &dest.transfer_id, blocks).await?;
+                tokio::time::sleep(timeout).await;
+                return Ok(first + sender.write(region, &dest.transfer_id, rest).await?);
+            }
+        }
+        Ok(sender.write(region, &dest.transfer_id, blocks).await?)
+    };
+    tokio::time::timeout(timeout, send)
+        .await
+        .map_err(|_| KvTransferError::Timeout {
+            transport,
+            after: timeout,
+        })
+        .map_err(WorkerError::from)?
 }
 
 /// Serves a prefill worker on `listener` until `ctx.shutdown`.
@@ -282,6 +275,7 @@ pub async fn serve_with(
         core,
         prefill: Some(Arc::new(handler)),
         remote: None,
+        senders: Some(Arc::new(Senders::new(&args.kv_transports, &ctx.security))),
         draining: ctx.shutdown.clone(),
         tasks: ctx.tasks().clone(),
     };

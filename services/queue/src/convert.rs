@@ -96,6 +96,13 @@ pub(crate) fn grant_response(grant: &Grant) -> pb::AdmitResponse {
             routed_ttft_ms: placement.routed_ttft.map(|d| d.as_secs_f64() * 1000.0),
             routed_within_target: placement.routed_within_target,
             tpot_target_ms: grant.tpot_target_ms,
+            prefix_source: placement.prefix_source.as_ref().map(|(holder, blocks)| {
+                sluice_proto::common::v1::PrefixSource {
+                    worker_id: holder.worker_id.to_string(),
+                    dp_rank: holder.dp_rank,
+                    blocks: *blocks,
+                }
+            }),
         })),
     }
 }

@@ -772,6 +772,12 @@ impl Placer for RouterPlacer {
                 overlap_tokens: overlap_tokens(entry, decode),
                 routed_ttft: routed_ttft(decode),
                 routed_within_target: decode.predicted_within_target,
+                prefix_source: decode.prefix_source.as_ref().map(|s| {
+                    (
+                        sluice_runtime::discovery::WorkerRank::new(s.worker_id.clone(), s.dp_rank),
+                        s.blocks,
+                    )
+                }),
             },
             lease: Some(Box::new(lease)),
         })

@@ -212,6 +212,9 @@ pub struct Placement {
     /// Whether the router predicted it within what was left of the
     /// request's TTFT target (`None`: no prediction).
     pub routed_within_target: Option<bool>,
+    /// The peer `worker` fetches the prompt's cached prefix from, and the
+    /// blocks it holds (`None`: no fetch).
+    pub prefix_source: Option<(WorkerRank, u32)>,
 }
 
 /// A granted request: its placement and how long it waited.

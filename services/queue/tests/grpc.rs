@@ -56,6 +56,7 @@ impl TestRouter {
             mode: router_pb::RouterMode::Kv as i32,
             candidates: Vec::new(),
             predicted_within_target: None,
+            prefix_source: None,
             placement: req.commit.then(|| router_pb::Placement {
                 placement_id: req.placement_id,
                 pool: req.pool,

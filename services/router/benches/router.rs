@@ -227,6 +227,7 @@ fn run(workers: usize, entries: usize, queries: usize, seed: u64) -> Row {
                 endpoint: format!("10.0.0.{w}:9000"),
                 model: "m".into(),
                 role: sluice_runtime::discovery::WorkerRole::Decode,
+                kv_block_bytes: 0,
             })
         })
         .collect();

@@ -249,6 +249,7 @@ fn pool_of(mode: Mode) -> Arc<WorkerPool> {
             endpoint: format!("w{i}"),
             model: String::new(),
             role: sluice_runtime::discovery::WorkerRole::Decode,
+            kv_block_bytes: 0,
         });
     }
     pool

@@ -195,6 +195,8 @@ fn candidate(c: &Candidate) -> pb::Candidate {
         predicted_ttft_ms: c.terms.predicted_ttft.map(|s| s * 1e3),
         predicted_tpot_ms: c.terms.predicted_tpot.map(|s| s * 1e3),
         over_tpot: c.terms.over_tpot,
+        fetch_blocks: c.terms.fetch_blocks,
+        fetch_ms: c.terms.fetch_seconds.map(|s| s * 1e3),
     }
 }
 
@@ -211,6 +213,13 @@ pub(crate) fn route_response(kind: PoolKind, d: &Decision) -> pb::RouteResponse 
             .as_ref()
             .map(|p| placement(kind, p, &chosen.endpoint)),
         predicted_within_target: d.within_target,
+        prefix_source: d.prefix_source.as_ref().map(|(holder, blocks)| {
+            sluice_proto::common::v1::PrefixSource {
+                worker_id: holder.worker_id.to_string(),
+                dp_rank: holder.dp_rank,
+                blocks: *blocks,
+            }
+        }),
     }
 }
 
@@ -274,6 +283,7 @@ pub(crate) fn load_report(r: &wpb::LoadReport) -> LoadReport {
         prefill_step_us: r.prefill_step_us,
         decode_base_us: r.decode_base_us,
         decode_ns_per_seq: r.decode_ns_per_seq,
+        kv_fetch_bytes_per_sec: r.kv_fetch_bytes_per_sec,
     }
 }
 

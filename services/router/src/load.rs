@@ -53,6 +53,9 @@ pub struct LoadReport {
     /// (both 0: none measured).
     pub decode_base_us: u32,
     pub decode_ns_per_seq: u32,
+    /// Bytes per second a prefix fetched from a peer arrives at there (0:
+    /// it does not fetch).
+    pub kv_fetch_bytes_per_sec: u64,
 }
 
 /// A target's effective load: placements plus the unplaced report.

@@ -171,6 +171,9 @@ pub struct MemberInfo {
     pub model: String,
     /// What the worker does (its discovery entry says).
     pub role: WorkerRole,
+    /// Bytes a KV transfer moves per block there (0: not said; no prefix
+    /// is fetched from it).
+    pub kv_block_bytes: u64,
 }
 
 struct Member {
@@ -248,6 +251,9 @@ pub struct Decision {
     /// within the request's TTFT target (`None`: no target or no
     /// prediction).
     pub within_target: Option<bool>,
+    /// The peer the chosen candidate fetches the prompt's prefix from, and
+    /// the blocks that peer holds (`None`: no fetch).
+    pub prefix_source: Option<(WorkerRank, u32)>,
 }
 
 impl Decision {
@@ -293,6 +299,9 @@ struct Scored {
     /// How far above the cheapest a candidate may cost and still be chosen
     /// for its lower `spread`: such a prompt's uncached blocks, else 0.
     tolerance: f64,
+    /// The candidate holding the most of the prompt (others may fetch
+    /// from it); `None` when none holds any or it cannot send.
+    holder: Option<usize>,
 }
 
 struct ChoiceState {
@@ -681,12 +690,16 @@ impl WorkerPool {
             costs,
             spread,
             tolerance,
+            holder,
         } = scored;
         let target = ttft_target(&input.desc);
         let chosen = self.choose(&mut choice, &mut terms, &costs, &spread, tolerance, target);
         let within_target = target
             .zip(terms[chosen].predicted_ttft)
             .map(|(target, predicted)| predicted <= target);
+        let prefix_source = holder
+            .filter(|_| terms[chosen].fetch_blocks > 0)
+            .map(|h| (candidates[h].info.target.clone(), terms[h].overlap_blocks));
         let placement = match &input.commit {
             Commit::DryRun => None,
             commit => Some(self.commit(
@@ -714,6 +727,7 @@ impl WorkerPool {
             mode: self.cfg.mode,
             placement,
             within_target,
+            prefix_source,
         })
     }
 
@@ -772,13 +786,42 @@ impl WorkerPool {
             costs: Vec::with_capacity(candidates.len()),
             spread: Vec::new(),
             tolerance: 0.0,
+            holder: None,
         };
-        for m in candidates {
-            let overlap = match external {
+        let overlaps: Vec<u32> = candidates
+            .iter()
+            .map(|m| match external {
                 Some(f) => f(&m.info.target),
                 None => scores.get(id_of(m)),
-            };
+            })
+            .collect();
+        // The candidate holding the most of the prompt: the others may fetch
+        // what they lack of it from there (kv, approx and latency modes).
+        let fetching = matches!(
+            mode,
+            RouterMode::Kv | RouterMode::Approx | RouterMode::Latency
+        );
+        let holder = (0..candidates.len())
+            .filter(|_| fetching)
+            .max_by_key(|&i| overlaps[i])
+            .filter(|&i| overlaps[i] > 0 && candidates[i].info.kv_block_bytes > 0);
+        scored.holder = holder;
+        let holder_step = holder.map_or(0.0, |h| {
+            f64::from(candidates[h].load.lock().effective().report.step_time_us) * 1e-6
+        });
+        for (i, m) in candidates.iter().enumerate() {
+            let overlap = overlaps[i];
             let load = m.load.lock().effective();
+            let fetch = holder.and_then(|h| {
+                let blocks = overlaps[h].checked_sub(overlap).filter(|&b| b > 0)?;
+                let rate = load.report.kv_fetch_bytes_per_sec;
+                (rate > 0).then(|| selector::FetchInput {
+                    blocks,
+                    seconds: f64::from(blocks) * candidates[h].info.kv_block_bytes as f64
+                        / rate as f64
+                        + holder_step,
+                })
+            });
             // Least-loaded: load only, costed as if nothing were cached.
             let counted_overlap = if mode == RouterMode::LeastLoaded {
                 0
@@ -789,6 +832,7 @@ impl WorkerPool {
                 &self.cfg.cost,
                 &CostInput {
                     overlap_blocks: counted_overlap,
+                    fetch,
                     active_prefill_tokens: load.active_prefill_tokens,
                     long_prefill_tokens: load.long_prefill_tokens,
                     long_prefill_threshold: load.report.long_prefill_token_threshold,
@@ -956,7 +1000,11 @@ impl WorkerPool {
         let record = PlacementRecord {
             id: key.id,
             target: member.info.target.clone(),
-            prefill_tokens: selector::uncached_tokens(desc.prompt_tokens, overlap, desc.block_size),
+            prefill_tokens: selector::uncached_tokens(
+                desc.prompt_tokens,
+                overlap + terms.fetch_blocks,
+                desc.block_size,
+            ),
             block_hashes: Arc::clone(&desc.block_hashes),
             blocks: u64::from(desc.prompt_tokens).div_ceil(u64::from(desc.block_size)),
             started: false,
@@ -1123,6 +1171,7 @@ mod tests {
             endpoint: format!("127.0.0.1:{}", 9000 + i),
             model: "m".into(),
             role: sluice_runtime::discovery::WorkerRole::Decode,
+            kv_block_bytes: 0,
         }
     }
 

@@ -144,11 +144,24 @@ impl Default for CostParams {
     }
 }
 
+/// Fetching the part of a prompt's cached prefix a candidate lacks from
+/// the worker that holds the most of it.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct FetchInput {
+    /// Prompt blocks the holder has beyond the candidate's own.
+    pub blocks: u32,
+    /// Predicted seconds to fetch them: their bytes at the candidate's
+    /// measured fetch rate, and the holder's step before it sends.
+    pub seconds: f64,
+}
+
 /// What the cost of one candidate is computed from.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct CostInput {
     /// Prompt blocks cached on the candidate.
     pub overlap_blocks: u32,
+    /// Fetching more of the prefix from a peer, where one holds more.
+    pub fetch: Option<FetchInput>,
     /// Prefill tokens admitted or placed there, not yet computed.
     pub active_prefill_tokens: u64,
     /// The part of them in prompts longer than `long_prefill_threshold`.
@@ -185,6 +198,11 @@ pub struct CostInput {
 pub struct CostTerms {
     /// Prompt blocks cached on the candidate.
     pub overlap_blocks: u32,
+    /// Prompt blocks it would fetch from a peer instead of computing (the
+    /// fetch is predicted faster than the compute it saves there).
+    pub fetch_blocks: u32,
+    /// Predicted seconds that fetch takes (`None`: no fetch).
+    pub fetch_seconds: Option<f64>,
     /// `prefill_load_scale × (prefill_blocks − overlap_credit × overlap)`.
     pub prefill_cost: f64,
     /// `decode_load_scale × active decode blocks`.
@@ -229,9 +247,25 @@ pub fn cost(
     block_size: u32,
 ) -> CostTerms {
     let bs = f64::from(block_size.max(1));
-    let uncached = uncached_tokens(prompt_tokens, input.overlap_blocks, block_size);
+    let per_token = f64::from(input.prefill_ns_per_token) * 1e-9;
+    // A fetch counts only where it is predicted faster than computing what
+    // it brings (and so never before the candidate measured its prompts).
+    let fetch = input
+        .fetch
+        .filter(|f| f.blocks > 0 && f.seconds < f64::from(f.blocks) * bs * per_token);
+    let fetch_blocks = fetch.map_or(0, |f| f.blocks);
+    let uncached = uncached_tokens(
+        prompt_tokens,
+        input.overlap_blocks + fetch_blocks,
+        block_size,
+    );
     let queued = queued_prefill_tokens(input, uncached);
-    let prefill_blocks = (queued + uncached) as f64 / bs;
+    // The fetch's time, in the blocks of prefill it equals there.
+    let fetch_cost_blocks = fetch.map_or(0.0, |f| f.seconds / (bs * per_token));
+    let prefill_blocks = (queued + uncached) as f64 / bs + fetch_cost_blocks;
+    // The credit rewards the candidate's own cache: a fetched prefix is
+    // not recomputed either, but keeping a conversation where its prefix
+    // lies needs no transfer at all.
     let credited = prefill_blocks - params.overlap_credit * f64::from(input.overlap_blocks);
     let prefill_cost = params.prefill_load_scale * credited;
     let decode_cost = params.decode_load_scale * input.active_decode_blocks as f64;
@@ -249,8 +283,9 @@ pub fn cost(
         prefill_ns_per_token: input.prefill_ns_per_token,
         prefill_step_us: input.prefill_step_us,
     };
-    let predicted_ttft = predict_ttft(&latency);
-    let cached = u64::from(prompt_tokens) - uncached;
+    let predicted_ttft = predict_ttft(&latency).map(|t| t + fetch.map_or(0.0, |f| f.seconds));
+    let cached = uncached_tokens(prompt_tokens, 0, block_size)
+        - uncached_tokens(prompt_tokens, input.overlap_blocks, block_size);
     let predicted_tpot = predict_step(
         input.decode_base_us,
         input.decode_ns_per_seq,
@@ -266,11 +301,12 @@ pub fn cost(
     let over_tpot = predicted_tpot
         .zip(tpot_limit)
         .is_some_and(|(step, ms)| step * 1e3 > f64::from(ms));
-    let per_token = f64::from(input.prefill_ns_per_token) * 1e-9;
     let saved_prefill = predicted_ttft.map(|_| cached as f64 * per_token);
     let own_prefill = predicted_ttft.map(|_| uncached as f64 * per_token);
     CostTerms {
         overlap_blocks: input.overlap_blocks,
+        fetch_blocks,
+        fetch_seconds: fetch.map(|f| f.seconds),
         prefill_cost,
         decode_cost,
         total_cost,

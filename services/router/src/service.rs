@@ -508,6 +508,7 @@ mod tests {
                 endpoint: format!("127.0.0.1:{i}"),
                 model: "m".into(),
                 role: sluice_runtime::discovery::WorkerRole::Decode,
+                kv_block_bytes: 0,
             });
         }
         let hashes = vec![11u64, 12, 13];

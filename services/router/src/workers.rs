@@ -193,6 +193,11 @@ fn member_info(inst: &Instance, kind: PoolKind, rank: u32) -> MemberInfo {
         model: inst.model.clone(),
         // An entry without worker facts has its pool's role.
         role: inst.worker.as_ref().map_or(kind.role(), |w| w.role),
+        kv_block_bytes: inst
+            .worker
+            .as_ref()
+            .and_then(|w| w.kv_block_bytes)
+            .unwrap_or(0),
     }
 }
 

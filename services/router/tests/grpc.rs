@@ -143,6 +143,13 @@ impl Worker for FakeWorker {
         Err(Status::unimplemented("fake worker"))
     }
 
+    async fn fetch_prefix(
+        &self,
+        _: Request<wpb::FetchPrefixRequest>,
+    ) -> Result<Response<wpb::FetchPrefixResponse>, Status> {
+        Err(Status::unimplemented("fake worker"))
+    }
+
     type SubscribeKvEventsStream = BoxStream<wpb::KvEventBatch>;
     async fn subscribe_kv_events(
         &self,

@@ -40,6 +40,7 @@ async fn suite(d: Arc<dyn Discovery>) {
             max_num_batched_tokens: 512,
             max_model_len: Some(2048),
             kv_transports: vec![Transport::Shm, Transport::Grpc],
+            kv_block_bytes: Some(1 << 21),
         });
     let reg_a = d.register(a.clone(), 3).await.expect("register a");
     let listed = d.list("decode").await.expect("list");

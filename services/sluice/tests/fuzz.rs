@@ -581,6 +581,15 @@ fn worker_generate(rng: &mut StdRng, endpoint: &str) -> wpb::GenerateRequest {
             String::new()
         },
         placed: rng.random_bool(0.5),
+        // A peer to fetch the prefix from: unknown ones, absurd block
+        // counts and ranks are a recompute, never a failure.
+        prefix_source: rng
+            .random_bool(0.1)
+            .then(|| sluice_proto::common::v1::PrefixSource {
+                worker_id: string(rng),
+                dp_rank: *pick(rng, &[0, 1, u32::MAX]),
+                blocks: *pick(rng, &[0, 1, 3, u32::MAX]),
+            }),
     }
 }
 

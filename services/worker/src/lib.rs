@@ -22,7 +22,7 @@ mod metrics;
 mod service;
 
 use std::sync::Arc;
-use std::sync::atomic::AtomicU32;
+use std::sync::atomic::{AtomicU32, AtomicU64};
 
 use sluice_kv_transfer as transfer;
 use sluice_runtime::discovery::{WorkerInfo, WorkerRole};
@@ -71,6 +71,7 @@ pub fn build_core(
         metrics,
         remote_prefills: AtomicU32::new(0),
         unplaced: Arc::default(),
+        fetch_rate: AtomicU64::new(0),
         #[cfg(feature = "fault-injection")]
         reply_lag: args.reply_lag,
     }))
@@ -115,6 +116,13 @@ pub async fn run_worker(
             // refuses longer prompts before they travel.
             max_model_len: Some(saturating_u32(engine.max_len())),
             kv_transports: kv_transports.iter().map(|k| k.to_pb()).collect(),
+            // What a fetch of one block moves (the modelled model's, on a
+            // timing backend): the router prices fetches by it.
+            kv_block_bytes: Some(
+                engine
+                    .kv_transfer_model()
+                    .map_or(layout.block_bytes() as u64, |m| m.block_bytes),
+            ),
         });
     let mut server = GrpcServer::new()
         .map_err(WorkerError::startup("building the gRPC server"))?

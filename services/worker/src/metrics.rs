@@ -1,5 +1,6 @@
 //! Worker metrics: requests by finish reason, tokens, time to first token,
-//! remote prefill outcomes and known prefill peers, preemptions by request priority and the tokens
+//! remote prefill outcomes and known prefill peers, prefix fetches (asked
+//! and served), preemptions by request priority and the tokens
 //! they made the engine compute again, and each rank's scheduler load.
 
 use prometheus::{GaugeVec, Histogram, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Registry};
@@ -35,6 +36,14 @@ pub struct WorkerMetrics {
     pub recomputed_tokens: IntCounter,
     /// `GenerateSession` streams open (a frontend keeps one per worker).
     pub generate_sessions: IntGauge,
+    /// Prefix fetches from a peer, by outcome (ok, or why it recomputed).
+    pub prefix_fetch: IntCounterVec,
+    /// Prompt tokens fetched from peers instead of computed.
+    pub prefix_fetched_tokens: IntCounter,
+    /// Blocks this worker sent to peers that fetched a prefix it held.
+    pub prefix_served_blocks: IntCounter,
+    /// Workers this worker may fetch prefixes from (discovery's).
+    pub prefix_peers: IntGauge,
 }
 
 impl WorkerMetrics {
@@ -108,6 +117,23 @@ impl WorkerMetrics {
             generate_sessions: r.gauge(
                 "sluice_worker_generate_sessions",
                 "GenerateSession streams open (a frontend keeps one per worker)",
+            )?,
+            prefix_fetch: r.counter_vec(
+                "sluice_worker_prefix_fetch_total",
+                "Prefix fetches from a peer, by outcome (ok, or why the prefix was recomputed)",
+                &["outcome"],
+            )?,
+            prefix_fetched_tokens: r.counter(
+                "sluice_worker_prefix_fetched_tokens_total",
+                "Prompt tokens fetched from peers instead of computed",
+            )?,
+            prefix_served_blocks: r.counter(
+                "sluice_worker_prefix_served_blocks_total",
+                "KV blocks sent to peers that fetched a prefix this worker held",
+            )?,
+            prefix_peers: r.gauge(
+                "sluice_worker_prefix_peers",
+                "Workers known from discovery that prefixes may be fetched from",
             )?,
             prefill_peers: r.gauge(
                 "sluice_worker_prefill_peers",

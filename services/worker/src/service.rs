@@ -20,6 +20,7 @@ use tokio_util::task::TaskTracker;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
 
+mod fetch;
 mod session;
 
 use crate::convert;
@@ -39,6 +40,9 @@ pub struct WorkerCore {
     pub remote_prefills: AtomicU32,
     /// Requests that came without a router's placement.
     pub unplaced: Arc<UnplacedLoad>,
+    /// Bytes per second a prefix fetched from a peer arrives at (what the
+    /// load report says; 0: this worker does not fetch).
+    pub fetch_rate: AtomicU64,
     /// Tests only: see `WorkerArgs::reply_lag`.
     #[cfg(feature = "fault-injection")]
     pub reply_lag: Option<std::time::Duration>,
@@ -147,6 +151,20 @@ pub trait RemotePrefill: Send + Sync + std::fmt::Debug {
         req: &pb::GenerateRequest,
         engine_req: &sluice_engine::Request,
     ) -> Option<(GenerateStream, String)>;
+
+    /// Fetches the prompt's cached prefix from the peer the request names
+    /// (`prefix_source`) into the engine's prefix cache before the prompt
+    /// is admitted; the prompt tokens fetched (0 on any failure: the
+    /// prompt is computed as if nothing was asked).
+    async fn fetch_prefix(
+        &self,
+        core: &Arc<WorkerCore>,
+        req: &pb::GenerateRequest,
+        engine_req: &sluice_engine::Request,
+    ) -> usize {
+        let _ = (core, req, engine_req);
+        0
+    }
 }
 
 /// The tonic `Worker` service.
@@ -155,6 +173,9 @@ pub struct WorkerService {
     pub core: Arc<WorkerCore>,
     pub prefill: Option<Arc<dyn PrefillHandler>>,
     pub remote: Option<Arc<dyn RemotePrefill>>,
+    /// How this worker sends KV blocks to a peer that fetches a prefix it
+    /// holds (`FetchPrefix`); `None`: it serves no fetches.
+    pub senders: Option<Arc<sluice_kv_transfer::Senders>>,
     /// Cancelled when the worker starts to drain: sessions then take no new
     /// generations.
     pub draining: sluice_runtime::Shutdown,
@@ -177,6 +198,8 @@ struct Admitted {
     cached_tokens: usize,
     /// The prefill worker, when prefill ran remotely.
     prefill_worker_id: String,
+    /// Prompt tokens fetched from a peer before admission.
+    fetched_tokens: usize,
     /// The request's share of the worker's unplaced load, if no router placed it.
     unplaced: Option<UnplacedGuard>,
     priority: i32,
@@ -257,6 +280,7 @@ impl Reply {
         // token in between.
         if first || last {
             msg.worker_id = self.core.id.clone();
+            msg.fetched_tokens = self.admitted.fetched_tokens as u32;
         }
         msg
     }
@@ -416,7 +440,6 @@ impl WorkerService {
         core.check_model(&req.model)?;
         let engine = core.engine(req.dp_rank)?;
         let engine_req = convert::request(&req, engine)?;
-        let cached = engine.cached_prefix_tokens(&engine_req.prompt);
         let parent = match traceparent {
             Some(_) => None,
             None => tracing::Span::current().id(),
@@ -429,7 +452,8 @@ impl WorkerService {
             priority = req.priority,
             dp_rank = req.dp_rank,
             prompt_tokens = engine_req.prompt.len(),
-            cached_tokens = cached,
+            cached_tokens = tracing::field::Empty,
+            fetched_tokens = tracing::field::Empty,
             prefill = tracing::field::Empty,
             completion_tokens = tracing::field::Empty,
             preemptions = tracing::field::Empty,
@@ -439,6 +463,17 @@ impl WorkerService {
         if let Some(tp) = traceparent {
             sluice_runtime::telemetry::set_parent_from_traceparent(tp, &span);
         }
+        let fetched = match &self.remote {
+            Some(r) if req.prefix_source.is_some() => {
+                r.fetch_prefix(core, &req, &engine_req)
+                    .instrument(span.clone())
+                    .await
+            }
+            _ => 0,
+        };
+        let cached = engine.cached_prefix_tokens(&engine_req.prompt);
+        span.record("cached_tokens", cached);
+        span.record("fetched_tokens", fetched);
         let prompt_tokens = engine_req.prompt.len();
         let unplaced = (!req.placed).then(|| {
             let bs = engine.kv_layout().block_size.max(1);
@@ -475,6 +510,7 @@ impl WorkerService {
             Admitted {
                 prompt_tokens,
                 cached_tokens: cached,
+                fetched_tokens: fetched,
                 prefill_worker_id: prefill_worker,
                 unplaced,
                 priority: req.priority,
@@ -522,6 +558,13 @@ impl pb::worker_server::Worker for WorkerService {
         let req = request.into_inner();
         self.core.check_model(&req.model)?;
         Ok(Response::new(handler.prefill(&self.core, req).await?))
+    }
+
+    async fn fetch_prefix(
+        &self,
+        request: Request<pb::FetchPrefixRequest>,
+    ) -> Result<Response<pb::FetchPrefixResponse>, Status> {
+        Ok(Response::new(self.serve_fetch(request.into_inner()).await?))
     }
 
     async fn subscribe_kv_events(
@@ -578,6 +621,7 @@ impl pb::worker_server::Worker for WorkerService {
                             &l,
                             core.remote_prefills.load(Ordering::Relaxed),
                         );
+                        report.kv_fetch_bytes_per_sec = core.fetch_rate.load(Ordering::Relaxed);
                         // Unplaced requests are counted per worker, on rank 0.
                         if rank == 0 {
                             let (n, prefill, blocks) = core.unplaced.figures();

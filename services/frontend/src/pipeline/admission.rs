@@ -71,6 +71,12 @@ impl Pipeline {
                 tenant: p.desc.tenant.clone(),
                 queue_wait_ms: grant.queue_wait_ms,
                 routed_overlap_tokens: grant.overlap_tokens,
+                fetched_tokens: 0,
+                prefix_source_worker_id: grant
+                    .prefix_source
+                    .as_ref()
+                    .map(|s| s.worker_id.clone())
+                    .unwrap_or_default(),
                 migrations: failed.len() as u32,
                 ttft_target_ms: grant.ttft_target_ms,
                 predicted_queue_wait_ms: grant.predicted_wait_ms,
@@ -166,6 +172,8 @@ impl Pipeline {
             tpot_ms = tracing::field::Empty,
             completion_tokens = tracing::field::Empty,
             cached_tokens = tracing::field::Empty,
+            fetched_tokens = tracing::field::Empty,
+            prefix_source = grant.prefix_source.as_ref().map(|s| s.worker_id.as_str()),
         );
         let channel = self.channels.get(&grant.worker_endpoint)?;
         let req = wpb::GenerateRequest {
@@ -179,6 +187,7 @@ impl Pipeline {
             prefill_worker_endpoint: grant.prefill_worker_endpoint.clone(),
             // The router counts this request's load until its lease ends.
             placed: true,
+            prefix_source: grant.prefix_source.clone(),
         };
         let mut stream =
             span.in_scope(|| self.generations.start(&grant.worker_endpoint, channel, req));

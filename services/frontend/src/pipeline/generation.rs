@@ -188,6 +188,9 @@ impl Generation {
         if !msg.prefill_worker_id.is_empty() {
             self.serving.prefill_worker_id = msg.prefill_worker_id.clone();
         }
+        if msg.fetched_tokens > 0 {
+            self.serving.fetched_tokens = msg.fetched_tokens;
+        }
     }
 
     /// TTFT at the first tokens, inter-token latency after; the lease's
@@ -322,6 +325,8 @@ impl Generation {
         self.span
             .record("completion_tokens", self.completion_tokens());
         self.span.record("cached_tokens", self.usage.cached_tokens);
+        self.span
+            .record("fetched_tokens", self.serving.fetched_tokens);
     }
 
     fn record_end(&self, e: &FrontendError) {

@@ -95,6 +95,7 @@ impl Placer for TestPlacer {
                 overlap_tokens: entry.overlap_tokens,
                 routed_ttft: None,
                 routed_within_target: None,
+                prefix_source: None,
             },
             lease: Some(Box::new(TestLease {
                 id: entry.desc.request_id.clone(),

@@ -134,6 +134,8 @@ pub struct WorkerInfo {
     /// The KV transports it offers (decode) or accepts (prefill), preferred
     /// first; never UNSPECIFIED.
     pub kv_transports: Vec<Transport>,
+    /// Bytes a KV transfer moves per block; `None`: not said.
+    pub kv_block_bytes: Option<u64>,
 }
 
 /// Why a worker's discovery entry was refused.
@@ -161,6 +163,7 @@ impl WorkerInfo {
             max_num_batched_tokens: 0,
             max_model_len: None,
             kv_transports: Vec::new(),
+            kv_block_bytes: None,
         }
     }
 
@@ -178,6 +181,7 @@ impl WorkerInfo {
             max_num_batched_tokens: self.max_num_batched_tokens,
             max_model_len: self.max_model_len.unwrap_or(0),
             kv_transports: self.kv_transports.iter().map(|t| *t as i32).collect(),
+            kv_block_bytes: self.kv_block_bytes.unwrap_or(0),
         }
     }
 
@@ -204,6 +208,7 @@ impl WorkerInfo {
                 .filter_map(|&t| Transport::try_from(t).ok())
                 .filter(|&t| t != Transport::Unspecified)
                 .collect(),
+            kv_block_bytes: (m.kv_block_bytes > 0).then_some(m.kv_block_bytes),
         })
     }
 
@@ -269,6 +274,7 @@ mod tests {
             max_num_batched_tokens: 2048,
             max_model_len: Some(4096),
             kv_transports: vec![Transport::Shm, Transport::Grpc],
+            kv_block_bytes: Some(2 << 20),
         };
         assert_eq!(WorkerInfo::decode(&info.encode()), Ok(info.clone()));
 

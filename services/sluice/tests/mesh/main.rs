@@ -18,6 +18,7 @@ mod edge;
 mod kv_events;
 mod kv_transfer;
 mod overload;
+mod prefix_fetch;
 mod replicas;
 mod serving;
 mod tenants;

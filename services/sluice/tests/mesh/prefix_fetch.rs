@@ -1,0 +1,192 @@
+//! Prefix fetch end to end on the real CPU engine (the built-in model): a
+//! worker named a peer that holds the prompt's cached prefix fetches it
+//! over each transport and generates what computing the prompt generates;
+//! a peer it does not know, one that holds less than it was said to, and
+//! the worker itself named as the peer cost a recompute (or a shorter
+//! fetch) with the same tokens; blocks are freed on every path.
+
+use std::time::{Duration, Instant};
+
+use sluice_kv_transfer::TransportKind;
+use sluice_proto::common::v1::{PrefixSource, SamplingParams};
+use sluice_proto::worker::v1 as wpb;
+use sluice_tests::mesh::{Mesh, MeshOptions, active_blocks};
+
+/// 150 tokens: 9 full blocks of 16 before the last token.
+fn prompt(seed: u32) -> Vec<u32> {
+    (0..150u32)
+        .map(|i| (i * 37 + seed * 101 + 11) % 900 + 5)
+        .collect()
+}
+
+const FULL_BLOCKS: u32 = 9;
+const BLOCK: u32 = 16;
+
+struct Run {
+    tokens: Vec<u32>,
+    fetched: u32,
+    cached: u32,
+}
+
+/// A greedy 16-token generation of `prompt` on the worker at `endpoint`.
+async fn generate(
+    endpoint: &str,
+    prompt: &[u32],
+    source: Option<PrefixSource>,
+) -> anyhow::Result<Run> {
+    let mut client =
+        wpb::worker_client::WorkerClient::connect(format!("http://{endpoint}")).await?;
+    let mut stream = client
+        .generate(wpb::GenerateRequest {
+            request_id: "fetch".into(),
+            model: "sluice-tiny".into(),
+            prompt_token_ids: prompt.to_vec(),
+            sampling: Some(SamplingParams {
+                max_tokens: 16,
+                ignore_eos: true,
+                temperature: Some(0.0),
+                ..Default::default()
+            }),
+            prefix_source: source,
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    let mut run = Run {
+        tokens: Vec::new(),
+        fetched: 0,
+        cached: 0,
+    };
+    while let Some(m) = stream.message().await? {
+        run.tokens.extend(&m.token_ids);
+        run.fetched = run.fetched.max(m.fetched_tokens);
+        if let Some(u) = m.usage {
+            run.cached = run.cached.max(u.cached_tokens);
+        }
+    }
+    Ok(run)
+}
+
+/// The mesh's two workers, (id, endpoint) each.
+async fn workers(mesh: &Mesh) -> anyhow::Result<[(String, String); 2]> {
+    let mut list = mesh.discovery.list("decode").await?;
+    anyhow::ensure!(list.len() == 2, "two workers: {list:?}");
+    let b = list.remove(1);
+    let a = list.remove(0);
+    Ok([(a.id, a.endpoint), (b.id, b.endpoint)])
+}
+
+fn source(id: &str, blocks: u32) -> Option<PrefixSource> {
+    Some(PrefixSource {
+        worker_id: id.to_string(),
+        dp_rank: 0,
+        blocks,
+    })
+}
+
+/// Waits until neither worker holds a block for a request.
+async fn all_freed(endpoints: &[&str]) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    for e in endpoints {
+        while active_blocks(e).await? != 0 {
+            anyhow::ensure!(Instant::now() < deadline, "{e} still holds blocks");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    Ok(())
+}
+
+/// The worker's `sluice_worker_prefix_fetch_total` for `outcome`.
+async fn fetches(endpoint: &str, outcome: &str) -> anyhow::Result<u64> {
+    let (_, metrics) = sluice_tests::http::get(endpoint, "/metrics").await?;
+    Ok(metrics
+        .lines()
+        .filter(|l| {
+            l.starts_with("sluice_worker_prefix_fetch_total{")
+                && l.contains(&format!("outcome=\"{outcome}\""))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum())
+}
+
+fn two_workers(transport: TransportKind) -> MeshOptions {
+    let mut o = MeshOptions {
+        decode_workers: 2,
+        ..Default::default()
+    };
+    o.worker.kv_transports = vec![transport];
+    o
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fetched_prefix_over_shm_tcp_and_grpc_generates_what_computing_it_does()
+-> anyhow::Result<()> {
+    for (i, kind) in [TransportKind::Shm, TransportKind::Tcp, TransportKind::Grpc]
+        .into_iter()
+        .enumerate()
+    {
+        let mesh = Mesh::start(two_workers(kind)).await?;
+        let [(a, a_at), (_, b_at)] = workers(&mesh).await?;
+        let p = prompt(i as u32);
+        let computed = generate(&a_at, &p, None).await?;
+        assert_eq!(computed.tokens.len(), 16, "{kind}");
+        let fetched = generate(&b_at, &p, source(&a, FULL_BLOCKS)).await?;
+        assert_eq!(fetched.tokens, computed.tokens, "{kind}: same tokens");
+        assert_eq!(
+            fetched.fetched,
+            FULL_BLOCKS * BLOCK,
+            "{kind}: fetched the prefix"
+        );
+        assert_eq!(
+            fetched.cached,
+            FULL_BLOCKS * BLOCK,
+            "{kind}: served from cache"
+        );
+        assert_eq!(fetches(&b_at, "ok").await?, 1, "{kind}");
+        // The fetched blocks are the worker's own cache now: the next turn
+        // of the prompt hits it without asking anyone.
+        let again = generate(&b_at, &p, None).await?;
+        assert_eq!(
+            (again.tokens, again.cached),
+            (computed.tokens, FULL_BLOCKS * BLOCK)
+        );
+        all_freed(&[&a_at, &b_at]).await?;
+        mesh.stop().await?;
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_a_short_or_a_self_named_peer_costs_a_recompute_with_the_same_tokens()
+-> anyhow::Result<()> {
+    let mesh = Mesh::start(two_workers(TransportKind::Tcp)).await?;
+    let [(a, a_at), (_, b_at)] = workers(&mesh).await?;
+    // The reference: computed on the other worker, nothing cached.
+    let p = prompt(7);
+    let reference = generate(&a_at, &p, None).await?;
+
+    // A peer discovery does not list: never dialled.
+    let unknown = generate(&b_at, &p, source("decode-nobody", FULL_BLOCKS)).await?;
+    assert_eq!(
+        (unknown.tokens, unknown.fetched),
+        (reference.tokens.clone(), 0)
+    );
+    assert_eq!(fetches(&b_at, "unknown_peer").await?, 1);
+
+    // A peer that holds less than it was said to: `a` computed only the
+    // first 3 blocks of `q` (the rest of its sequence was its own output).
+    let q = prompt(8);
+    let _ = generate(&a_at, &q[..3 * BLOCK as usize + 1], None).await?;
+    let short = generate(&b_at, &q, source(&a, FULL_BLOCKS)).await?;
+    assert_eq!(short.fetched, 3 * BLOCK, "what `a` still held, no more");
+    assert_eq!(fetches(&b_at, "partial").await?, 1);
+    // The same tokens as where those blocks were computed.
+    let computed = generate(&a_at, &q, None).await?;
+    assert_eq!(short.tokens, computed.tokens);
+
+    // The worker itself named: nothing to fetch.
+    let own = generate(&a_at, &p, source(&a, FULL_BLOCKS)).await?;
+    assert_eq!((own.tokens, own.fetched), (reference.tokens, 0));
+    all_freed(&[&a_at, &b_at]).await?;
+    mesh.stop().await
+}
