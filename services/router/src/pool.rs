@@ -1407,6 +1407,83 @@ mod tests {
         }
     }
 
+    /// Two members that report fetch rates and block bytes; member 0
+    /// holds the first 48 blocks of `h`, behind `queued` prefill tokens.
+    fn fetch_pool(mode: RouterMode, rate: u64, queued: u64, h: &[u64], now: Instant) -> WorkerPool {
+        let p = WorkerPool::with_seed(
+            PoolKind::Decode,
+            PoolConfig {
+                mode,
+                ..PoolConfig::default()
+            },
+            7,
+        );
+        for i in 0..2 {
+            p.add_member(MemberInfo {
+                // 1 MiB a block.
+                kv_block_bytes: 1 << 20,
+                ..info(i)
+            });
+            let q = if i == 0 { queued } else { 0 };
+            p.record_load(
+                &target(i),
+                LoadReport {
+                    kv_fetch_bytes_per_sec: rate,
+                    ..measured(q)
+                },
+                now,
+            );
+        }
+        store(&p, 0, 1, &h[..48]);
+        p
+    }
+
+    #[test]
+    fn a_busy_holders_prefix_is_fetched_where_that_beats_computing_it() {
+        let now = Instant::now();
+        let t = tokens(3, 1024);
+        let h = sequence_block_hashes(&t, BS as usize);
+        for mode in [RouterMode::Kv, RouterMode::Latency] {
+            // The holder has 20,000 prefill tokens queued; 48 blocks fetched
+            // at 10 GB/s take ~5 ms, computing their 768 tokens ~38 ms.
+            let p = fetch_pool(mode, 10_000_000_000, 20_000, &h, now);
+            let d = p.route(&input(&h, 1024), now).expect("route");
+            assert_eq!(chosen(&d), "w1", "{mode}");
+            let fetched = &d.target().terms;
+            assert_eq!(fetched.fetch_blocks, 48, "{mode}");
+            let seconds = fetched.fetch_seconds.expect("priced");
+            assert!(
+                (seconds - 48.0 * (1 << 20) as f64 / 1e10 - 0.02).abs() < 1e-9,
+                "{seconds}"
+            );
+            assert_eq!(d.prefix_source, Some((target(0), 48)), "{mode}");
+            // Counted as the prefill left after the fetch.
+            let placed = d.placement.as_ref().expect("committed");
+            assert_eq!(placed.prefill_tokens, 1024 - 48 * u64::from(BS), "{mode}");
+        }
+    }
+
+    #[test]
+    fn a_fetch_slower_than_computing_or_unmeasured_is_not_counted() {
+        let now = Instant::now();
+        let t = tokens(4, 1024);
+        let h = sequence_block_hashes(&t, BS as usize);
+        // 48 MiB at 100 MB/s: half a second, far above computing 768 tokens.
+        for rate in [100_000_000, 0] {
+            let p = fetch_pool(RouterMode::Kv, rate, 20_000, &h, now);
+            let d = p.route(&input(&h, 1024), now).expect("route");
+            assert!(
+                d.candidates.iter().all(|c| c.terms.fetch_blocks == 0),
+                "{rate}"
+            );
+            assert_eq!(d.prefix_source, None, "{rate}");
+        }
+        // The holder itself never fetches what it holds.
+        let p = fetch_pool(RouterMode::Kv, 10_000_000_000, 0, &h, now);
+        let d = p.route(&input(&h, 1024), now).expect("route");
+        assert_eq!((chosen(&d), d.prefix_source.clone()), ("w0", None));
+    }
+
     #[test]
     fn latency_mode_costs_in_predicted_seconds_and_skips_a_congested_hit() {
         let p = pool(RouterMode::Latency, 2);
