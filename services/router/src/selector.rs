@@ -28,6 +28,15 @@
 //! longer. The credit is not clamped, so a larger overlap always counts (a
 //! candidate's prefill cost may be negative).
 //!
+//! Prefix fetch: where another candidate (the holder) has more of the
+//! prompt cached, a candidate may fetch the difference from it instead of
+//! computing it. The fetch counts where it is predicted faster than the
+//! compute it saves there (its blocks' bytes at the candidate's measured
+//! fetch rate, plus a step of the holder's): the fetched blocks leave the
+//! uncached prompt, the fetch's time enters the prefill blocks as the
+//! blocks of prefill it equals there, and the credit counts fetched blocks
+//! like cached ones (neither is computed again).
+//!
 //! Choice: temperature 0 takes the lowest cost; ties go to the candidate
 //! holding the smaller share of the index (spreading cache), then at random.
 //! A new prompt (no candidate holds more of it than another) instead goes,
@@ -263,10 +272,12 @@ pub fn cost(
     // The fetch's time, in the blocks of prefill it equals there.
     let fetch_cost_blocks = fetch.map_or(0.0, |f| f.seconds / (bs * per_token));
     let prefill_blocks = (queued + uncached) as f64 / bs + fetch_cost_blocks;
-    // The credit rewards the candidate's own cache: a fetched prefix is
-    // not recomputed either, but keeping a conversation where its prefix
-    // lies needs no transfer at all.
-    let credited = prefill_blocks - params.overlap_credit * f64::from(input.overlap_blocks);
+    // The credit rewards every block the mesh need not compute again, a
+    // fetched one as a cached one (the fetch's own time is in the prefill
+    // blocks above): with a fetch a conversation's next turn is no longer
+    // pinned to the one worker holding its prefix.
+    let served = input.overlap_blocks + fetch_blocks;
+    let credited = prefill_blocks - params.overlap_credit * f64::from(served);
     let prefill_cost = params.prefill_load_scale * credited;
     let decode_cost = params.decode_load_scale * input.active_decode_blocks as f64;
     let total_cost = prefill_cost
@@ -284,8 +295,7 @@ pub fn cost(
         prefill_step_us: input.prefill_step_us,
     };
     let predicted_ttft = predict_ttft(&latency).map(|t| t + fetch.map_or(0.0, |f| f.seconds));
-    let cached = uncached_tokens(prompt_tokens, 0, block_size)
-        - uncached_tokens(prompt_tokens, input.overlap_blocks, block_size);
+    let cached = u64::from(prompt_tokens) - uncached;
     let predicted_tpot = predict_step(
         input.decode_base_us,
         input.decode_ns_per_seq,
