@@ -40,6 +40,9 @@ pub struct ForwardBatch {
     pub active_kv_tokens: usize,
     /// Tokens the whole KV pool can hold (for timing models).
     pub total_kv_tokens: usize,
+    /// Blocks moved back from the second tier into KV memory for this step
+    /// (for timing models: the copies a real backend has already made).
+    pub restored_blocks: usize,
 }
 
 /// What a step produced, one row per sequence with `needs_logits`, in batch order.

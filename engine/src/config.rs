@@ -126,6 +126,9 @@ pub struct EngineConfig {
     /// Compiles the grammars of structured outputs for this model's
     /// vocabulary; `None`: requests with one are refused.
     pub grammars: Option<sluice_tokens::grammar::Grammars>,
+    /// Bytes of the second KV tier (blocks evicted from KV memory, kept in
+    /// host memory and restored on a prefix hit); 0: none.
+    pub kv_tier_bytes: u64,
 }
 
 impl Default for EngineConfig {
@@ -138,6 +141,7 @@ impl Default for EngineConfig {
             event_ring_capacity: 10_000,
             eos_token_ids: Vec::new(),
             balance_group: None,
+            kv_tier_bytes: 0,
             grammars: None,
         }
     }

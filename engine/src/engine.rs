@@ -349,12 +349,20 @@ impl EngineHandle {
             )));
         }
         let events = Arc::new(KvEventLog::new(cfg.event_ring_capacity));
-        let kv = KvCache::new(
+        let mut kv = KvCache::new(
             num_blocks,
             cfg.block_size,
             cfg.enable_prefix_caching,
             events.clone(),
         );
+        if cfg.kv_tier_bytes > 0 && cfg.enable_prefix_caching {
+            // A timing backend keeps no bytes: its budget counts the
+            // modelled model's blocks.
+            let block_bytes = backend
+                .kv_transfer_model()
+                .map_or(layout.block_bytes() as u64, |m| m.block_bytes);
+            kv = kv.with_tier(crate::kv::TierStore::new(cfg.kv_tier_bytes, block_bytes));
+        }
         let sched = Scheduler::new(cfg.scheduler.clone(), kv, cfg.eos_token_ids.clone());
         let grammars = cfg.grammars.clone();
         let max_len = sched.max_len();

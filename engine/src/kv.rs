@@ -9,8 +9,10 @@
 
 mod block_pool;
 mod events;
+mod tier;
 
-pub use block_pool::{KvCache, SeqId};
+pub use block_pool::{KvCache, SeqId, TierOp};
 pub use events::{
     KvEvent, KvEventLog, KvEventRecord, KvSnapshot, KvSubscription, SnapshotRequired,
 };
+pub use tier::{Restored, TierStore};

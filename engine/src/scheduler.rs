@@ -242,6 +242,11 @@ impl Scheduler {
         &self.kv
     }
 
+    /// The KV cache, for the engine thread's second-tier replay.
+    pub fn kv_mut(&mut self) -> &mut KvCache {
+        &mut self.kv
+    }
+
     /// Drops every cached prefix (publishes `Cleared`).
     pub fn clear_prefix_cache(&mut self) {
         self.kv.clear_prefix_cache();

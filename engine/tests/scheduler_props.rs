@@ -508,6 +508,11 @@ impl Harness {
                         prop_assert!(cached.remove(h), "removed unknown");
                     }
                 }
+                KvEvent::Moved { block_hashes, .. } => {
+                    for h in block_hashes {
+                        prop_assert!(cached.contains(h), "moved unknown");
+                    }
+                }
                 KvEvent::Cleared => cached.clear(),
             }
         }

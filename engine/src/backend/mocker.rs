@@ -69,6 +69,8 @@ pub struct MockerConfig {
     pub kv_bytes_per_token: u64,
     /// Bytes per second a modelled KV transfer between workers moves.
     pub kv_transfer_bytes_per_sec: f64,
+    /// Bytes per second a block restored from the second tier moves at.
+    pub kv_tier_bytes_per_sec: f64,
 }
 
 /// KV bytes per token of the model the timing polynomial was measured on
@@ -76,6 +78,8 @@ pub struct MockerConfig {
 pub const MODELLED_KV_BYTES_PER_TOKEN: u64 = 131_072;
 /// A modelled KV link: 25 GB/s, a 200 Gb/s RDMA NIC's worth.
 pub const MODELLED_KV_TRANSFER_BYTES_PER_SEC: f64 = 25e9;
+/// A modelled second tier: host memory 50 GB/s from the GPU (PCIe 5 x16).
+pub const MODELLED_KV_TIER_BYTES_PER_SEC: f64 = 50e9;
 
 impl Default for MockerConfig {
     fn default() -> Self {
@@ -93,6 +97,7 @@ impl Default for MockerConfig {
             avoid_token_ids: Vec::new(),
             kv_bytes_per_token: MODELLED_KV_BYTES_PER_TOKEN,
             kv_transfer_bytes_per_sec: MODELLED_KV_TRANSFER_BYTES_PER_SEC,
+            kv_tier_bytes_per_sec: MODELLED_KV_TIER_BYTES_PER_SEC,
         }
     }
 }
@@ -201,6 +206,9 @@ impl MockerBackend {
         if !(cfg.kv_transfer_bytes_per_sec.is_finite() && cfg.kv_transfer_bytes_per_sec > 0.0) {
             return bad("kv_transfer_bytes_per_sec must be > 0");
         }
+        if !(cfg.kv_tier_bytes_per_sec.is_finite() && cfg.kv_tier_bytes_per_sec > 0.0) {
+            return bad("kv_tier_bytes_per_sec must be > 0");
+        }
         if !(cfg.speedup_ratio.is_finite() && cfg.speedup_ratio > 0.0) {
             return bad("speedup_ratio must be > 0");
         }
@@ -240,6 +248,10 @@ impl MockerBackend {
             let total = batch.total_kv_tokens.max(1) as f64;
             ms += decode_ms((batch.active_kv_tokens as f64 / total).clamp(0.0, 1.0));
         }
+        // Blocks copied back from the second tier before the step.
+        let restored_bytes = (batch.restored_blocks * self.cfg.block_size) as f64
+            * self.cfg.kv_bytes_per_token as f64;
+        ms += restored_bytes / self.cfg.kv_tier_bytes_per_sec * 1000.0;
         Duration::from_secs_f64(ms / 1000.0 / self.cfg.speedup_ratio)
     }
 
@@ -472,10 +484,23 @@ mod tests {
             seqs: vec![chunk(vec![1; 100], 0), chunk(vec![2], 40)],
             active_kv_tokens: 141,
             total_kv_tokens: 282,
+            restored_blocks: 0,
         };
         let want = (prefill_ms(100) + decode_ms(0.5)) / 10.0;
         let got = m.step_duration(&batch).as_secs_f64() * 1000.0;
         assert!((got - want).abs() < 1e-6, "{got} vs {want}");
+        // Blocks restored from the second tier add their copy: 2 blocks of
+        // 16 tokens × 128 KiB at 50 GB/s, then the speed-up.
+        let restoring = ForwardBatch {
+            restored_blocks: 2,
+            ..batch
+        };
+        let copy_ms = 2.0 * 16.0 * 131_072.0 / 50e9 * 1000.0 / 10.0;
+        let got = m.step_duration(&restoring).as_secs_f64() * 1000.0;
+        assert!(
+            (got - want - copy_ms).abs() < 1e-6,
+            "{got} vs {want} + {copy_ms}"
+        );
     }
 
     #[test]

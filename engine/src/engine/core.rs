@@ -14,6 +14,7 @@ use crate::backend::{Backend, ForwardBatch, ForwardOutput, validate_seq};
 use crate::config::BalanceGroup;
 use crate::error::EngineError;
 use crate::kv::SeqId;
+use crate::kv::TierOp;
 use crate::scheduler::{FinishReason, Finished, LoadStats, ScheduledStep, Scheduler, StepOutput};
 
 /// How long a stalled engine (work queued, nothing schedulable: blocks held
@@ -36,6 +37,9 @@ pub(super) struct EngineCore {
     reserved: HashMap<SeqId, usize>,
     /// Prefixes held for a peer to read (no sequence of their own).
     held_prefixes: std::collections::HashSet<SeqId>,
+    /// Blocks restored from the second tier outside a step (reservations,
+    /// holds), for the next step's timing model.
+    restored_pending: usize,
     shutting_down: bool,
     /// Mean duration of a decode step (every row one token: no prompt
     /// tokens), in µs (an exponential average; 0 before the first). What a
@@ -134,6 +138,7 @@ impl EngineCore {
             prefills: HashMap::new(),
             reserved: HashMap::new(),
             held_prefixes: Default::default(),
+            restored_pending: 0,
             shutting_down: false,
             step_us: 0.0,
             prefill_fit: LineFit::default(),
@@ -227,6 +232,8 @@ impl EngineCore {
             return true;
         }
         let mut step = self.sched.schedule();
+        step.batch.restored_blocks =
+            self.replay_tier_ops() + std::mem::take(&mut self.restored_pending);
         if step.is_empty() {
             return false;
         }
@@ -311,6 +318,7 @@ impl EngineCore {
                 seqs: vec![seq.clone()],
                 active_kv_tokens: step.batch.active_kv_tokens,
                 total_kv_tokens: step.batch.total_kv_tokens,
+                restored_blocks: 0,
             };
             match self.backend.forward(&alone) {
                 Ok(out) => outputs.push(out),
@@ -371,7 +379,10 @@ impl EngineCore {
                 }
             },
             Command::Reserve { id, req, reply } => {
-                let res = self.sched.reserve_remote(id, req).map(|r| {
+                let res = self.sched.reserve_remote(id, req);
+                // Before a transport can write the reserved blocks.
+                self.restored_pending += self.replay_tier_ops();
+                let res = res.map(|r| {
                     self.reserved.insert(id, r.skip_blocks);
                     RemoteSlot {
                         id,
@@ -391,7 +402,9 @@ impl EngineCore {
                 blocks,
                 reply,
             } => {
-                let res = self.sched.reserve_import(id, req, blocks).map(|r| {
+                let res = self.sched.reserve_import(id, req, blocks);
+                self.restored_pending += self.replay_tier_ops();
+                let res = res.map(|r| {
                     self.reserved.insert(id, r.skip_blocks);
                     RemoteSlot {
                         id,
@@ -418,6 +431,8 @@ impl EngineCore {
                 reply,
             } => {
                 let block_ids = self.sched.hold_prefix(id, &prompt, max_blocks);
+                // Restored blocks hold their bytes before a peer reads them.
+                self.restored_pending += self.replay_tier_ops();
                 self.held_prefixes.insert(id);
                 let num_tokens = block_ids.len() * self.sched.block_size();
                 // A dropped receiver drops the blocks, whose guard releases them.
@@ -541,6 +556,57 @@ impl EngineCore {
         if let Some(reply) = self.prefills.remove(&id) {
             let _ = reply.send(Err(EngineError::StepFailed(err.to_string())));
         }
+    }
+
+    /// Moves block bytes between KV memory and the second tier as the
+    /// cache's last calls decided, in order (see `kv::TierOp`), before
+    /// anything else can touch the blocks; the blocks restored. A timing
+    /// backend keeps no bytes. Blocks the second tier drops to make room
+    /// are published as removed.
+    fn replay_tier_ops(&mut self) -> usize {
+        let ops = self.sched.kv_mut().take_tier_ops();
+        if ops.is_empty() {
+            return 0;
+        }
+        let keep_bytes = self.backend.kv_transfer_model().is_none();
+        let bytes = self.backend.kv_layout().block_bytes();
+        let mut restored = 0;
+        let mut dropped = Vec::new();
+        for op in ops {
+            match op {
+                TierOp::Demote { hash, block, reuse } => {
+                    let data = if keep_bytes {
+                        let mut buf = vec![0u8; bytes];
+                        match self.backend.read_block(block, &mut buf) {
+                            Ok(()) => Some(buf.into_boxed_slice()),
+                            Err(e) => {
+                                tracing::warn!(error = %e, block, "KV block not kept in the second tier");
+                                dropped.push(hash);
+                                continue;
+                            }
+                        }
+                    } else {
+                        None
+                    };
+                    if let Some(tier) = self.sched.kv_mut().tier_mut() {
+                        dropped.extend(tier.insert(hash, data, reuse));
+                    }
+                }
+                TierOp::Restore { block, data } => {
+                    restored += 1;
+                    if let Some(data) = data
+                        && let Err(e) = self.backend.write_block(block, &data)
+                    {
+                        // The block's hash is registered: a wrong restore
+                        // would serve wrong K/V, so the cache forgets it.
+                        tracing::error!(error = %e, block, "restoring a KV block from the second tier failed; clearing the prefix cache");
+                        self.sched.clear_prefix_cache();
+                    }
+                }
+            }
+        }
+        self.sched.kv_mut().tier_dropped(dropped);
+        restored
     }
 
     fn abort(&mut self, id: SeqId) {

@@ -6,11 +6,19 @@
 //! (keeps its hash and contents until evicted, least recently freed first).
 //! Allocation never fails part-way: it either extends a table completely or
 //! changes nothing.
+//!
+//! With a second tier ([`TierStore`]), an evicted block's hash moves there
+//! instead of being forgotten, and a prefix that runs on into the second
+//! tier is restored: the blocks are allocated again, registered under their
+//! hashes, and count as hits. The bytes move on the engine thread, which
+//! replays [`KvCache::take_tier_ops`] in order right after each call that
+//! can evict or restore, before anything else touches the blocks.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use super::events::{KvEvent, KvEventLog};
+use super::tier::TierStore;
 use crate::error::EngineError;
 
 /// Identifies a sequence inside one engine.
@@ -22,6 +30,20 @@ struct Block {
     hash: Option<u64>,
     /// Key in the LRU map while free and cached.
     lru_stamp: Option<u64>,
+    /// Prefix hits on its hash so far (what the second tier ranks by).
+    reuse: u32,
+}
+
+/// A move of block bytes between KV memory and the second tier, for the
+/// engine thread to replay in order.
+#[derive(Debug)]
+pub enum TierOp {
+    /// Copy block `block`'s bytes into the second tier under `hash` (it was
+    /// evicted and is about to be reused).
+    Demote { hash: u64, block: u32, reuse: u32 },
+    /// Write a block's bytes, taken out of the second tier, into block
+    /// `block` (`None` on a timing backend, which keeps no bytes).
+    Restore { block: u32, data: Option<Box<[u8]>> },
 }
 
 #[derive(Debug, Default)]
@@ -44,6 +66,10 @@ pub struct KvCache {
     by_hash: HashMap<u64, u32>,
     tables: HashMap<SeqId, SeqBlocks>,
     events: Arc<KvEventLog>,
+    /// The second tier, if any.
+    tier: Option<TierStore>,
+    /// Byte moves not yet replayed by the engine thread.
+    tier_ops: Vec<TierOp>,
 }
 
 impl KvCache {
@@ -66,6 +92,39 @@ impl KvCache {
             by_hash: HashMap::new(),
             tables: HashMap::new(),
             events,
+            tier: None,
+            tier_ops: Vec::new(),
+        }
+    }
+
+    /// Adds a second tier (see the module docs).
+    pub fn with_tier(mut self, tier: TierStore) -> Self {
+        self.tier = Some(tier);
+        self
+    }
+
+    /// The second tier, if any.
+    pub fn tier(&self) -> Option<&TierStore> {
+        self.tier.as_ref()
+    }
+
+    /// The second tier, for the engine thread's replay of [`TierOp`]s.
+    pub fn tier_mut(&mut self) -> Option<&mut TierStore> {
+        self.tier.as_mut()
+    }
+
+    /// The byte moves since the last call, in the order they must happen.
+    pub fn take_tier_ops(&mut self) -> Vec<TierOp> {
+        std::mem::take(&mut self.tier_ops)
+    }
+
+    /// Publishes that the second tier dropped `hashes` (they are gone from
+    /// this engine).
+    pub fn tier_dropped(&self, hashes: Vec<u64>) {
+        if !hashes.is_empty() {
+            self.events.publish(KvEvent::Removed {
+                block_hashes: hashes,
+            });
         }
     }
 
@@ -120,7 +179,9 @@ impl KvCache {
         }
         hashes
             .iter()
-            .take_while(|h| self.by_hash.contains_key(h))
+            .take_while(|h| {
+                self.by_hash.contains_key(h) || self.tier.as_ref().is_some_and(|t| t.contains(**h))
+            })
             .count()
     }
 
@@ -160,11 +221,19 @@ impl KvCache {
     /// a reference on each hit block. Returns the number of hit blocks.
     /// `seq` must not hold a table yet.
     pub fn acquire_prefix(&mut self, seq: SeqId, hashes: &[u64]) -> usize {
-        let hits = self.cached_prefix_len(hashes);
-        let mut ids = Vec::with_capacity(hits);
-        for h in &hashes[..hits] {
+        let in_memory = if self.enable_prefix_caching {
+            hashes
+                .iter()
+                .take_while(|h| self.by_hash.contains_key(h))
+                .count()
+        } else {
+            0
+        };
+        let mut ids = Vec::with_capacity(in_memory);
+        for h in &hashes[..in_memory] {
             let id = self.by_hash[h];
             self.take_ref(id);
+            self.blocks[id as usize].reuse += 1;
             ids.push(id);
         }
         let table = self.tables.entry(seq).or_default();
@@ -173,8 +242,51 @@ impl KvCache {
             "acquire_prefix on a sequence with blocks"
         );
         table.ids = ids;
-        table.num_cached = hits;
-        hits
+        table.num_cached = in_memory;
+        in_memory + self.restore(seq, &hashes[in_memory..])
+    }
+
+    /// Moves the leading `hashes` the second tier holds back into KV memory
+    /// for `seq` (whose table ends where they start), as far as free blocks
+    /// allow; the blocks restored.
+    fn restore(&mut self, seq: SeqId, hashes: &[u64]) -> usize {
+        let Some(tier) = &self.tier else {
+            return 0;
+        };
+        let want = hashes.iter().take_while(|h| tier.contains(**h)).count();
+        let n = want.min(self.num_free());
+        if n == 0 {
+            return 0;
+        }
+        let start = self.block_table(seq).len();
+        let tokens = (start + n) * self.block_size;
+        if self.allocate(seq, tokens).is_err() {
+            return 0;
+        }
+        let Some(table) = self.tables.get_mut(&seq) else {
+            return 0;
+        };
+        let mut restored = Vec::with_capacity(n);
+        for (i, &h) in hashes[..n].iter().enumerate() {
+            let id = table.ids[start + i];
+            let (data, reuse) = self
+                .tier
+                .as_mut()
+                .and_then(|t| t.take(h))
+                .map_or((None, 0), |r| (r.data, r.reuse));
+            let block = &mut self.blocks[id as usize];
+            block.hash = Some(h);
+            block.reuse = reuse + 1;
+            self.by_hash.insert(h, id);
+            self.tier_ops.push(TierOp::Restore { block: id, data });
+            restored.push(h);
+        }
+        table.num_cached = start + n;
+        self.events.publish(KvEvent::Moved {
+            block_hashes: restored,
+            tier: 1,
+        });
+        n
     }
 
     /// Extends `seq`'s table to cover `num_tokens` tokens, evicting free cached
@@ -190,6 +302,7 @@ impl KvCache {
         }
         let mut new_ids = Vec::with_capacity(needed);
         let mut evicted = Vec::new();
+        let mut demoted = Vec::new();
         for _ in 0..needed {
             let id = match self.free_uncached.pop() {
                 Some(id) => id,
@@ -197,9 +310,19 @@ impl KvCache {
                     let (_, id) = self.lru.pop_first().expect("num_free counted this block");
                     let block = &mut self.blocks[id as usize];
                     block.lru_stamp = None;
+                    let reuse = std::mem::take(&mut block.reuse);
                     if let Some(h) = block.hash.take() {
                         self.by_hash.remove(&h);
-                        evicted.push(h);
+                        if self.tier.is_some() {
+                            self.tier_ops.push(TierOp::Demote {
+                                hash: h,
+                                block: id,
+                                reuse,
+                            });
+                            demoted.push(h);
+                        } else {
+                            evicted.push(h);
+                        }
                     }
                     id
                 }
@@ -210,6 +333,12 @@ impl KvCache {
         if !evicted.is_empty() {
             self.events.publish(KvEvent::Removed {
                 block_hashes: evicted,
+            });
+        }
+        if !demoted.is_empty() {
+            self.events.publish(KvEvent::Moved {
+                block_hashes: demoted,
+                tier: 2,
             });
         }
         self.tables.entry(seq).or_default().ids.extend(new_ids);
@@ -245,6 +374,11 @@ impl KvCache {
             }
             block.hash = Some(h);
             self.by_hash.insert(h, id);
+            // Computed again while the second tier still held it: one copy,
+            // in KV memory (the event below says it is cached, as it was).
+            if let Some(t) = self.tier.as_mut() {
+                t.take(h);
+            }
             if run_open && let Some(run) = runs.last_mut() {
                 run.1.push(h);
             } else {
@@ -288,6 +422,10 @@ impl KvCache {
         for table in self.tables.values_mut() {
             table.num_cached = 0;
         }
+        if let Some(t) = self.tier.as_mut() {
+            t.clear();
+        }
+        self.tier_ops.clear();
         self.events.publish(KvEvent::Cleared);
     }
 
@@ -503,6 +641,88 @@ mod tests {
             })
         );
         c.check_invariants().expect("invariants");
+    }
+
+    #[test]
+    fn an_evicted_block_moves_to_the_second_tier_and_a_hit_restores_it() {
+        // Two blocks in memory, two in the second tier.
+        let mut c = cache(2).with_tier(TierStore::new(2 * 64, 64));
+        let a = sequence_block_hashes(&[1, 1, 1, 1, 2, 2, 2, 2], 4);
+        c.allocate(1, 8).expect("fits");
+        c.cache_full_blocks(1, &a, 8);
+        c.free(1);
+        // Another prompt takes both blocks: `a` moves to the second tier.
+        c.allocate(2, 8).expect("evicts a");
+        let ops = c.take_tier_ops();
+        assert!(
+            matches!(
+                ops.as_slice(),
+                [TierOp::Demote { .. }, TierOp::Demote { .. }]
+            ),
+            "{ops:?}"
+        );
+        assert!(matches!(
+            events(&c).last(),
+            Some(KvEvent::Moved { tier: 2, .. })
+        ));
+        // The engine thread keeps the bytes it was asked to.
+        for op in ops {
+            if let TierOp::Demote { hash, reuse, .. } = op {
+                let data = Some(vec![hash as u8; 4].into_boxed_slice());
+                assert!(
+                    c.tier_mut()
+                        .expect("tier")
+                        .insert(hash, data, reuse)
+                        .is_empty()
+                );
+            }
+        }
+        // Still a hit, and where memory is free it comes back.
+        assert_eq!(c.cached_prefix_len(&a), 2);
+        c.free(2);
+        assert_eq!(
+            c.acquire_prefix(3, &a),
+            2,
+            "restored, hits as cached blocks"
+        );
+        let ops = c.take_tier_ops();
+        let restored: Vec<u8> = ops
+            .iter()
+            .filter_map(|op| match op {
+                TierOp::Restore { data: Some(d), .. } => Some(d[0]),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(restored, vec![a[0] as u8, a[1] as u8], "{ops:?}");
+        assert!(matches!(
+            events(&c).last(),
+            Some(KvEvent::Moved { tier: 1, .. })
+        ));
+        assert!(c.tier().expect("tier").is_empty(), "moved, not copied");
+        c.check_invariants().expect("invariants");
+    }
+
+    #[test]
+    fn a_block_the_second_tier_cannot_keep_is_removed() {
+        let mut c = cache(1).with_tier(TierStore::new(0, 64));
+        let a = sequence_block_hashes(&[1, 1, 1, 1], 4);
+        c.allocate(1, 4).expect("fits");
+        c.cache_full_blocks(1, &a, 4);
+        c.free(1);
+        c.allocate(2, 4).expect("evicts a");
+        for op in c.take_tier_ops() {
+            if let TierOp::Demote { hash, reuse, .. } = op {
+                let dropped = c.tier_mut().expect("tier").insert(hash, None, reuse);
+                c.tier_dropped(dropped);
+            }
+        }
+        assert_eq!(
+            events(&c).last(),
+            Some(&KvEvent::Removed {
+                block_hashes: a.clone()
+            })
+        );
+        assert_eq!(c.cached_prefix_len(&a), 0);
     }
 
     #[test]

@@ -24,6 +24,10 @@ pub enum KvEvent {
     },
     /// Blocks evicted from the cache.
     Removed { block_hashes: Vec<u64> },
+    /// Blocks still cached that moved between tiers: to the second tier
+    /// (`tier` 2: evicted from KV memory, restored on a hit at the cost of
+    /// a copy) or back into KV memory (`tier` 1).
+    Moved { block_hashes: Vec<u64>, tier: u32 },
     /// Every cached block is gone.
     Cleared,
 }
@@ -117,6 +121,8 @@ impl KvEventLog {
                     g.cached.remove(h);
                 }
             }
+            // Still cached (in either tier).
+            KvEvent::Moved { .. } => {}
             KvEvent::Cleared => g.cached.clear(),
         }
         g.last_seq += 1;

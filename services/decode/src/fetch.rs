@@ -35,8 +35,9 @@ use crate::peers::Peers;
 const RATE_EWMA: f64 = 0.2;
 /// A fetch may take this many times what the reported rate predicts ...
 const TIMEOUT_FACTOR: u32 = 4;
-/// ... and at least this long.
-const MIN_TIMEOUT: Duration = Duration::from_millis(500);
+/// ... and at least this long (a fetch waits for a step of the holder's
+/// engine and two of this one's, between which each takes commands).
+const MIN_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The decode worker's prefix-fetch path.
 #[derive(Debug)]

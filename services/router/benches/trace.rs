@@ -183,6 +183,10 @@ fn follow(
                 EngineEvent::Removed { block_hashes } => KvEventKind::Removed {
                     hashes: block_hashes,
                 },
+                EngineEvent::Moved { block_hashes, tier } => KvEventKind::Moved {
+                    hashes: block_hashes,
+                    tier,
+                },
                 EngineEvent::Cleared => KvEventKind::Cleared,
             };
             let _ = p.indexer().apply(id, &KvEvent { seq: rec.seq, kind });

@@ -258,6 +258,10 @@ pub(crate) fn kv_event(ev: wpb::KvEvent) -> Option<KvEvent> {
         wpb::kv_event::Kind::Removed(r) => KvEventKind::Removed {
             hashes: r.block_hashes,
         },
+        wpb::kv_event::Kind::Moved(m) => KvEventKind::Moved {
+            hashes: m.block_hashes,
+            tier: m.tier,
+        },
         wpb::kv_event::Kind::Cleared(_) => KvEventKind::Cleared,
     };
     Some(KvEvent { seq: ev.seq, kind })

@@ -87,6 +87,15 @@ pub enum KvEventKind {
         /// Sequence hashes.
         hashes: Vec<u64>,
     },
+    /// Blocks still cached moved between the worker's tiers (`tier` 2: out
+    /// of KV memory into the second tier; 1: back). The index counts them
+    /// cached either way: a second-tier hit costs a copy, not a recompute.
+    Moved {
+        /// Sequence hashes.
+        hashes: Vec<u64>,
+        /// The tier they are in now.
+        tier: u32,
+    },
     /// Every block left the prefix cache.
     Cleared,
 }
@@ -362,6 +371,7 @@ impl KvIndexer {
                 self.store_locked(&entry, &mut state, id, *parent, hashes);
             }
             KvEventKind::Removed { hashes } => self.remove_locked(&entry, &mut state, id, hashes),
+            KvEventKind::Moved { .. } => {}
             KvEventKind::Cleared => self.clear_locked(&entry, &mut state, id),
         }
         Ok(Applied::Applied)

@@ -77,6 +77,7 @@ impl FakeWorker {
                     }
                 }
                 wpb::kv_event::Kind::Cleared(_) => s.blocks.clear(),
+                wpb::kv_event::Kind::Moved(_) => {}
             }
             let ev = wpb::KvEvent {
                 seq: s.seq,

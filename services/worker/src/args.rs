@@ -153,6 +153,17 @@ pub struct WorkerArgs {
     #[arg(long, env = "SLUICE_SPEEDUP_RATIO", default_value_t = 1.0)]
     pub speedup_ratio: f64,
 
+    /// Bytes of the second KV tier: full blocks evicted from KV memory are
+    /// kept there (host memory), most reused longest, and restored on a
+    /// prefix hit instead of being computed again. Default: as much again
+    /// as the KV memory; 0 turns it off.
+    #[arg(long, env = "SLUICE_KV_TIER_BYTES")]
+    pub kv_tier_bytes: Option<u64>,
+
+    /// Mocker only: GB/s a block restored from the second tier moves at.
+    #[arg(long, env = "SLUICE_MOCKER_KV_TIER_GBPS", default_value_t = 50.0)]
+    pub mocker_kv_tier_gbps: f64,
+
     /// Mocker only: KV bytes per token of the modelled model, what a KV
     /// transfer between workers is timed by (default: Llama-3-8B in bf16,
     /// the model the timing polynomial describes).
@@ -256,6 +267,8 @@ impl Default for WorkerArgs {
             speedup_ratio: 1.0,
             mocker_kv_bytes_per_token: sluice_engine::backend::mocker::MODELLED_KV_BYTES_PER_TOKEN,
             mocker_kv_transfer_gbps: 25.0,
+            kv_tier_bytes: None,
+            mocker_kv_tier_gbps: 50.0,
             event_ring_capacity: 10_000,
             max_local_prefill_length: 512,
             max_prefill_queue_size: 8,
@@ -299,6 +312,9 @@ impl WorkerArgs {
         }
         if !(self.mocker_kv_transfer_gbps.is_finite() && self.mocker_kv_transfer_gbps > 0.0) {
             return bad("--mocker-kv-transfer-gbps", "must be a positive number");
+        }
+        if !(self.mocker_kv_tier_gbps.is_finite() && self.mocker_kv_tier_gbps > 0.0) {
+            return bad("--mocker-kv-tier-gbps", "must be a positive number");
         }
         if self.data_parallel_size == 0 || self.data_parallel_size > 64 {
             return bad("--data-parallel-size", "must be in 1..=64");
@@ -417,12 +433,16 @@ impl WorkerArgs {
                 avoid_token_ids: eos.clone(),
                 kv_bytes_per_token: self.mocker_kv_bytes_per_token,
                 kv_transfer_bytes_per_sec: self.mocker_kv_transfer_gbps * 1e9,
+                kv_tier_bytes_per_sec: self.mocker_kv_tier_gbps * 1e9,
                 ..MockerConfig::default()
             })?),
         };
-        if *backing != KvBacking::Private
-            && let Err(e) = backend.set_kv_backing(backing)
-        {
+        // A mocker keeps real KV memory too (private pages are committed
+        // only as blocks are written): KV transfers and prefix fetches then
+        // move its blocks straight in and out of that memory instead of
+        // one engine step per block.
+        let real_memory = *backing != KvBacking::Private || self.engine == EngineKind::Mocker;
+        if real_memory && let Err(e) = backend.set_kv_backing(backing) {
             tracing::warn!(error = %e, "KV memory stays private; shm is not offered");
         }
         #[cfg(feature = "fault-injection")]
@@ -451,6 +471,14 @@ impl WorkerArgs {
             eos_token_ids: eos,
             balance_group,
             grammars,
+            kv_tier_bytes: self.kv_tier_bytes.unwrap_or_else(|| {
+                // As much again as the KV memory (the modelled model's on a
+                // timing backend, which keeps no bytes).
+                let block = backend
+                    .kv_transfer_model()
+                    .map_or(backend.kv_layout().block_bytes() as u64, |m| m.block_bytes);
+                block * self.num_gpu_blocks as u64
+            }),
         };
         Ok(EngineHandle::spawn(backend, cfg)?)
     }

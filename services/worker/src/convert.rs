@@ -187,6 +187,12 @@ pub(crate) fn kv_event(r: &engine::KvEventRecord) -> pb::KvEvent {
                 block_hashes: block_hashes.clone(),
             })
         }
+        engine::KvEvent::Moved { block_hashes, tier } => {
+            pb::kv_event::Kind::Moved(pb::BlocksMoved {
+                block_hashes: block_hashes.clone(),
+                tier: *tier,
+            })
+        }
         engine::KvEvent::Cleared => pb::kv_event::Kind::Cleared(pb::AllBlocksCleared {}),
     };
     pb::KvEvent {

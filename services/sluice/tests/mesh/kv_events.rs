@@ -41,7 +41,8 @@ fn apply(set: &mut BTreeSet<u64>, ev: &wpb::KvEvent) {
             set.remove(h);
         }),
         Some(wpb::kv_event::Kind::Cleared(_)) => set.clear(),
-        None => {}
+        // Still cached, in another tier.
+        Some(wpb::kv_event::Kind::Moved(_)) | None => {}
     }
 }
 

@@ -3,7 +3,9 @@
 //! over each transport and generates what computing the prompt generates;
 //! a peer it does not know, one that holds less than it was said to, and
 //! the worker itself named as the peer cost a recompute (or a shorter
-//! fetch) with the same tokens; blocks are freed on every path.
+//! fetch) with the same tokens; blocks are freed on every path. A prefix
+//! evicted from KV memory comes back from the second tier (on by default)
+//! with the same tokens as computing it.
 
 use std::time::{Duration, Instant};
 
@@ -188,5 +190,49 @@ async fn an_unknown_a_short_or_a_self_named_peer_costs_a_recompute_with_the_same
     let own = generate(&a_at, &p, source(&a, FULL_BLOCKS)).await?;
     assert_eq!((own.tokens, own.fetched), (reference.tokens, 0));
     all_freed(&[&a_at, &b_at]).await?;
+    mesh.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_evicted_prefix_comes_back_from_the_second_tier_with_the_same_tokens()
+-> anyhow::Result<()> {
+    // 24 blocks of KV memory: a 150-token prompt and its 16 tokens take 11,
+    // so three more such prompts evict all of the first; the second tier is
+    // on by default (as much again as the KV memory).
+    let mut opts = MeshOptions::default();
+    opts.worker.num_gpu_blocks = 24;
+    let mesh = Mesh::start(opts).await?;
+    let worker = mesh.endpoints("decode").await?.remove(0);
+    let p = prompt(20);
+    let first = generate(&worker, &p, None).await?;
+    assert_eq!(first.cached, 0);
+    for seed in [21, 22, 23] {
+        let _ = generate(&worker, &prompt(seed), None).await?;
+    }
+    let again = generate(&worker, &p, None).await?;
+    assert_eq!(
+        again.tokens, first.tokens,
+        "same tokens from restored blocks"
+    );
+    assert_eq!(
+        again.cached,
+        FULL_BLOCKS * BLOCK,
+        "served from the second tier"
+    );
+    // Without the second tier the same sequence recomputes the prompt.
+    mesh.stop().await?;
+    let mut off = MeshOptions::default();
+    off.worker.num_gpu_blocks = 24;
+    off.worker.kv_tier_bytes = Some(0);
+    let mesh = Mesh::start(off).await?;
+    let worker = mesh.endpoints("decode").await?.remove(0);
+    let _ = generate(&worker, &p, None).await?;
+    for seed in [21, 22, 23] {
+        let _ = generate(&worker, &prompt(seed), None).await?;
+    }
+    let recomputed = generate(&worker, &p, None).await?;
+    assert_eq!(recomputed.tokens, first.tokens);
+    assert_eq!(recomputed.cached, 0, "evicted and gone without the tier");
+    all_freed(&[&worker]).await?;
     mesh.stop().await
 }
