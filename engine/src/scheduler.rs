@@ -163,6 +163,9 @@ pub struct LoadStats {
     pub decode_ns_per_seq: u32,
     /// Steps where admission waited for slots about to free.
     pub admission_held_steps: u64,
+    /// Blocks the second KV tier holds, and blocks restored from it so far.
+    pub tier_blocks: usize,
+    pub tier_restored_blocks: u64,
 }
 
 /// Where a remote prefill must write a prompt's KV.
@@ -534,6 +537,8 @@ impl Scheduler {
             prefill_step_us: 0,
             decode_base_us: 0,
             decode_ns_per_seq: 0,
+            tier_blocks: self.kv.tier_figures().0,
+            tier_restored_blocks: self.kv.tier_figures().1,
         }
     }
 

@@ -70,6 +70,8 @@ pub struct KvCache {
     tier: Option<TierStore>,
     /// Byte moves not yet replayed by the engine thread.
     tier_ops: Vec<TierOp>,
+    /// Blocks restored from the second tier so far.
+    tier_restored: u64,
 }
 
 impl KvCache {
@@ -94,7 +96,16 @@ impl KvCache {
             events,
             tier: None,
             tier_ops: Vec::new(),
+            tier_restored: 0,
         }
+    }
+
+    /// Blocks the second tier holds, and blocks restored from it so far.
+    pub fn tier_figures(&self) -> (usize, u64) {
+        (
+            self.tier.as_ref().map_or(0, TierStore::len),
+            self.tier_restored,
+        )
     }
 
     /// Adds a second tier (see the module docs).
@@ -282,6 +293,7 @@ impl KvCache {
             restored.push(h);
         }
         table.num_cached = start + n;
+        self.tier_restored += n as u64;
         self.events.publish(KvEvent::Moved {
             block_hashes: restored,
             tier: 1,

@@ -75,6 +75,9 @@ fn route_span(req: &pb::RouteRequest) -> Span {
         within_target = tracing::field::Empty,
         mode = tracing::field::Empty,
         candidates = tracing::field::Empty,
+        fetch_blocks = tracing::field::Empty,
+        fetch_ms = tracing::field::Empty,
+        prefix_source = tracing::field::Empty,
     )
 }
 
@@ -281,6 +284,13 @@ impl RouterService {
             }
         }
         span.record("mode", mode);
+        if let Some((holder, _)) = &d.prefix_source {
+            span.record("prefix_source", holder.worker_id.as_ref());
+            span.record("fetch_blocks", chosen.terms.fetch_blocks);
+            if let Some(s) = chosen.terms.fetch_seconds {
+                span.record("fetch_ms", s * 1e3);
+            }
+        }
         let candidates = candidates_field(d);
         span.record("candidates", candidates.as_str());
         tracing::debug!(
@@ -303,10 +313,11 @@ fn candidates_field(d: &Decision) -> String {
         }
         let _ = write!(
             s,
-            "{}{} overlap={} queued={} prefill={:.2} decode={:.2} total={:.2} active={}{}",
+            "{}{} overlap={} fetch={} queued={} prefill={:.2} decode={:.2} total={:.2} active={}{}",
             c.target,
             if i == d.chosen { "*" } else { "" },
             c.terms.overlap_blocks,
+            c.terms.fetch_blocks,
             c.terms.queued_prefill_tokens,
             c.terms.prefill_cost,
             c.terms.decode_cost,

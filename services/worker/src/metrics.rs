@@ -28,6 +28,10 @@ pub struct WorkerMetrics {
     pub balance_held_steps: IntGaugeVec,
     pub admission_held_steps: IntGaugeVec,
     pub preemptions: IntGaugeVec,
+    /// Per engine rank: blocks the second KV tier holds, and blocks restored
+    /// from it (cumulative).
+    pub tier_blocks: IntGaugeVec,
+    pub tier_restored_blocks: IntGaugeVec,
     /// Preemptions of this worker's requests, by the request's priority;
     /// counted as the request's stream learns of them (its next token or
     /// its end), so a request dropped while preempted leaves its last one out.
@@ -88,6 +92,16 @@ impl WorkerMetrics {
             preemptions: r.gauge_vec(
                 "sluice_worker_preemptions",
                 "Preemptions so far, by engine rank",
+                rank,
+            )?,
+            tier_blocks: r.gauge_vec(
+                "sluice_worker_kv_tier_blocks",
+                "KV blocks the second tier holds (evicted from KV memory, restorable), by engine rank",
+                rank,
+            )?,
+            tier_restored_blocks: r.gauge_vec(
+                "sluice_worker_kv_tier_restored_blocks",
+                "KV blocks restored from the second tier instead of computed (cumulative), by engine rank",
                 rank,
             )?,
             kv_usage: r.float_gauge_vec(
@@ -181,5 +195,11 @@ impl WorkerMetrics {
         self.preemptions
             .with_label_values(&r)
             .set(l.preemptions as i64);
+        self.tier_blocks
+            .with_label_values(&r)
+            .set(l.tier_blocks as i64);
+        self.tier_restored_blocks
+            .with_label_values(&r)
+            .set(l.tier_restored_blocks as i64);
     }
 }
