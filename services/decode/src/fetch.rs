@@ -159,7 +159,6 @@ impl Fetcher {
         if want <= local {
             return Ok(nothing);
         }
-        let started = Instant::now();
         let block_bytes = engine
             .kv_transfer_model()
             .map_or(layout.block_bytes() as u64, |m| m.block_bytes);
@@ -203,6 +202,9 @@ impl Fetcher {
             .channel(&peer)
             .map_err(|e| Recompute::new("bad_endpoint", e))?;
         let mut client = pb::worker_client::WorkerClient::new(channel);
+        // The transfer's time (what the reported rate measures; the router
+        // adds the engines' waits for the reservation and the import).
+        let started = Instant::now();
         let call = client.fetch_prefix(pb::FetchPrefixRequest {
             request_id: req.request_id.clone(),
             model: core.model.clone(),
@@ -256,6 +258,7 @@ impl Fetcher {
         if let Some(model) = engine.kv_transfer_model() {
             tokio::time::sleep(model.duration(written).saturating_sub(started.elapsed())).await;
         }
+        let took = started.elapsed();
         let Some(reserved) = slot.slot.take() else {
             return Err(Recompute::new("commit_failed", "the reserved slot is gone"));
         };
@@ -264,7 +267,7 @@ impl Fetcher {
             .await
             .map_err(|e| Recompute::new("commit_failed", e))?;
         if written > 0 {
-            self.measured(core, written as u64 * block_bytes, started.elapsed());
+            self.measured(core, written as u64 * block_bytes, took);
         }
         Ok(Fetched {
             asked: writable.len(),

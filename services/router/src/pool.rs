@@ -807,7 +807,7 @@ impl WorkerPool {
             .filter(|&i| overlaps[i] > 0 && candidates[i].info.kv_block_bytes > 0);
         scored.holder = holder;
         let holder_step = holder.map_or(0.0, |h| {
-            f64::from(candidates[h].load.lock().effective().report.step_time_us) * 1e-6
+            0.5 * f64::from(candidates[h].load.lock().effective().report.step_time_us) * 1e-6
         });
         for (i, m) in candidates.iter().enumerate() {
             let overlap = overlaps[i];
@@ -815,10 +815,12 @@ impl WorkerPool {
             let fetch = holder.and_then(|h| {
                 let blocks = overlaps[h].checked_sub(overlap).filter(|&b| b > 0)?;
                 let rate = load.report.kv_fetch_bytes_per_sec;
-                // The bytes, a step of the holder's (it takes the request
-                // between steps) and two of the candidate's (reserving the
-                // blocks, then making them its cached prefix).
-                let own_steps = 2.0 * f64::from(load.report.step_time_us) * 1e-6;
+                // The bytes, and the waits for the engines to take the
+                // fetch's requests between their steps: half a step of the
+                // holder's on average, and two half steps of the
+                // candidate's (reserving the blocks, then making them its
+                // cached prefix).
+                let own_steps = f64::from(load.report.step_time_us) * 1e-6;
                 (rate > 0).then(|| selector::FetchInput {
                     blocks,
                     seconds: f64::from(blocks) * candidates[h].info.kv_block_bytes as f64
@@ -1451,8 +1453,9 @@ mod tests {
         let h = sequence_block_hashes(&t, BS as usize);
         for mode in [RouterMode::Kv, RouterMode::Latency] {
             // The holder has 20,000 prefill tokens queued; 48 blocks fetched
-            // at 10 GB/s take ~5 ms, with three 5 ms steps (the holder's, two
-            // of the candidate's) ~20 ms; computing their 768 tokens ~38 ms.
+            // at 10 GB/s take ~5 ms, with the engines' waits (half a 5 ms
+            // step of the holder's, two of the candidate's) ~12.5 ms;
+            // computing their 768 tokens ~38 ms.
             let p = fetch_pool(mode, 10_000_000_000, 20_000, &h, now);
             let d = p.route(&input(&h, 1024), now).expect("route");
             assert_eq!(chosen(&d), "w1", "{mode}");
@@ -1460,7 +1463,7 @@ mod tests {
             assert_eq!(fetched.fetch_blocks, 48, "{mode}");
             let seconds = fetched.fetch_seconds.expect("priced");
             assert!(
-                (seconds - 48.0 * (1 << 20) as f64 / 1e10 - 0.015).abs() < 1e-9,
+                (seconds - 48.0 * (1 << 20) as f64 / 1e10 - 0.0075).abs() < 1e-9,
                 "{seconds}"
             );
             assert_eq!(d.prefix_source, Some((target(0), 48)), "{mode}");

@@ -32,7 +32,8 @@
 //! prompt cached, a candidate may fetch the difference from it instead of
 //! computing it. The fetch counts where it is predicted faster than the
 //! compute it saves there (its blocks' bytes at the candidate's measured
-//! fetch rate, plus a step of the holder's): the fetched blocks leave the
+//! fetch rate, plus the mean waits for the holder's engine and twice for
+//! the candidate's to take the fetch between steps): the fetched blocks leave the
 //! uncached prompt, the fetch's time enters the prefill blocks as the
 //! blocks of prefill it equals there, and the credit counts fetched blocks
 //! like cached ones (neither is computed again).

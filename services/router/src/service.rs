@@ -575,11 +575,11 @@ mod tests {
         assert_eq!(f.get("request_id").map(String::as_str), Some("req-1"));
         let candidates = f.get("candidates").expect("candidates recorded");
         assert!(
-            candidates.contains("w0/0 overlap=0 queued=0 prefill=3.00"),
+            candidates.contains("w0/0 overlap=0 fetch=0 queued=0 prefill=3.00"),
             "{candidates}"
         );
         assert!(
-            candidates.contains("w1/0* overlap=3 queued=0 prefill=0.00"),
+            candidates.contains("w1/0* overlap=3 fetch=0 queued=0 prefill=0.00"),
             "{candidates}"
         );
         let placed = metrics
