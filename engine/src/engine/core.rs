@@ -380,18 +380,7 @@ impl EngineCore {
             },
             Command::Reserve { id, req, reply } => {
                 let res = self.sched.reserve_remote(id, req);
-                // Before a transport can write the reserved blocks.
-                self.restored_pending += self.replay_tier_ops();
-                let res = res.map(|r| {
-                    self.reserved.insert(id, r.skip_blocks);
-                    RemoteSlot {
-                        id,
-                        block_ids: r.block_ids,
-                        skip_blocks: r.skip_blocks,
-                        cached_tokens: r.cached_tokens,
-                        release: AbortOnDrop::new(id, self.tx.clone()),
-                    }
-                });
+                let res = self.reserved_slot(id, res);
                 self.publish_load();
                 // A dropped receiver drops the slot, whose guard releases it.
                 let _ = reply.send(res);
@@ -403,17 +392,7 @@ impl EngineCore {
                 reply,
             } => {
                 let res = self.sched.reserve_import(id, req, blocks);
-                self.restored_pending += self.replay_tier_ops();
-                let res = res.map(|r| {
-                    self.reserved.insert(id, r.skip_blocks);
-                    RemoteSlot {
-                        id,
-                        block_ids: r.block_ids,
-                        skip_blocks: r.skip_blocks,
-                        cached_tokens: r.cached_tokens,
-                        release: AbortOnDrop::new(id, self.tx.clone()),
-                    }
-                });
+                let res = self.reserved_slot(id, res);
                 let _ = reply.send(res);
             }
             Command::CommitImport { id, written, reply } => {
@@ -556,6 +535,27 @@ impl EngineCore {
         if let Some(reply) = self.prefills.remove(&id) {
             let _ = reply.send(Err(EngineError::StepFailed(err.to_string())));
         }
+    }
+
+    /// The handle of a slot the scheduler reserved (a remote prefill's or an
+    /// import's), once the second tier's moves it caused are made: before
+    /// a transport can write its blocks.
+    fn reserved_slot(
+        &mut self,
+        id: SeqId,
+        res: Result<crate::scheduler::RemoteReservation, EngineError>,
+    ) -> Result<RemoteSlot, EngineError> {
+        self.restored_pending += self.replay_tier_ops();
+        res.map(|r| {
+            self.reserved.insert(id, r.skip_blocks);
+            RemoteSlot {
+                id,
+                block_ids: r.block_ids,
+                skip_blocks: r.skip_blocks,
+                cached_tokens: r.cached_tokens,
+                release: AbortOnDrop::new(id, self.tx.clone()),
+            }
+        })
     }
 
     /// Moves block bytes between KV memory and the second tier as the

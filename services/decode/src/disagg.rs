@@ -212,51 +212,14 @@ impl Disagg {
             .reserve_remote(engine_req.clone())
             .await
             .map_err(|e| Fallback::new("reserve_failed", e))?;
-        let (slot_id, block_ids, skip) = (slot.id(), slot.block_ids().to_vec(), slot.skip_blocks());
-        let mut slot = Quarantine {
-            slot: Some(slot),
-            hold: None,
-        };
-        let transfer_id = format!("{}-{}", req.request_id, uuid::Uuid::new_v4().simple());
-        let writable: Vec<u32> = block_ids[skip..].to_vec();
-        let (expectation, regions) = self
-            .receiver
-            .expect(
-                &transfer_id,
-                engine.clone(),
-                slot_id,
-                writable.clone(),
-                same_host(&self.endpoint, prefill_endpoint),
-            )
-            .map_err(|e| Fallback::new("register_failed", e))?;
-        if regions.is_empty() {
-            return Err(Fallback::new(
-                "no_transport",
-                "this worker offers no KV transport",
-            ));
-        }
-        if regions
-            .iter()
-            .any(|r| r.transport == kvpb::Transport::Rdma as i32)
-        {
-            // Until the prefill worker says it used another transport, an
-            // RDMA write may still land after a failure here.
-            slot.hold = Some(self.timeout + RDMA_QUARANTINE);
-        }
-        let descriptor = kvpb::TransferDescriptor {
-            transfer_id,
-            layout: Some(layout_to_pb(&engine.kv_layout())),
-            block_ids,
-            regions,
-            skip_blocks: skip as u32,
-            timeout_ms: self.timeout.as_millis().min(u128::from(u32::MAX)) as u32,
-        };
-        Ok(Inbound {
+        Inbound::register(
+            &self.receiver,
+            engine,
             slot,
-            expectation,
-            writable: writable.len(),
-            descriptor: Some(descriptor),
-        })
+            format!("{}-{}", req.request_id, uuid::Uuid::new_v4().simple()),
+            same_host(&self.endpoint, prefill_endpoint),
+            self.timeout,
+        )
     }
 
     /// Asks the prefill worker to compute the prompt into the registered
@@ -295,20 +258,75 @@ impl Disagg {
     }
 }
 
-/// A remote prefill's receiving side: the reserved slot (quarantined while
-/// an RDMA write may still land), the registered transfer, and the
-/// descriptor to send the prefill worker.
-struct Inbound {
-    slot: Quarantine,
-    expectation: sluice_kv_transfer::Expectation,
-    /// Blocks the prefill worker must write (the uncached ones).
-    writable: usize,
-    descriptor: Option<kvpb::TransferDescriptor>,
+/// A transfer's receiving side (a remote prefill's, a prefix fetch's): the
+/// reserved slot (quarantined while an RDMA write may still land), the
+/// registered transfer, and the descriptor to send the writer.
+pub(crate) struct Inbound {
+    pub(crate) slot: Quarantine,
+    pub(crate) expectation: sluice_kv_transfer::Expectation,
+    /// Blocks the writer must write (those past the slot's cached ones).
+    pub(crate) writable: usize,
+    pub(crate) descriptor: Option<kvpb::TransferDescriptor>,
 }
 
 impl Inbound {
+    /// Registers `slot`'s blocks past its cached ones with `receiver` as
+    /// transfer `transfer_id`, for the transports this worker offers a
+    /// writer (`same_host`: on this host) within `timeout`.
+    pub(crate) fn register(
+        receiver: &Arc<Receiver>,
+        engine: &sluice_engine::EngineHandle,
+        slot: sluice_engine::RemoteSlot,
+        transfer_id: String,
+        same_host: bool,
+        timeout: Duration,
+    ) -> Result<Self, Fallback> {
+        let (slot_id, block_ids, skip) = (slot.id(), slot.block_ids().to_vec(), slot.skip_blocks());
+        let mut slot = Quarantine {
+            slot: Some(slot),
+            hold: None,
+        };
+        let writable: Vec<u32> = block_ids[skip..].to_vec();
+        let (expectation, regions) = receiver
+            .expect(
+                &transfer_id,
+                engine.clone(),
+                slot_id,
+                writable.clone(),
+                same_host,
+            )
+            .map_err(|e| Fallback::new("register_failed", e))?;
+        if regions.is_empty() {
+            return Err(Fallback::new(
+                "no_transport",
+                "this worker offers no KV transport",
+            ));
+        }
+        if regions
+            .iter()
+            .any(|r| r.transport == kvpb::Transport::Rdma as i32)
+        {
+            // Until the writer says it used another transport, an RDMA
+            // write may still land after a failure here.
+            slot.hold = Some(timeout + RDMA_QUARANTINE);
+        }
+        Ok(Inbound {
+            slot,
+            expectation,
+            writable: writable.len(),
+            descriptor: Some(kvpb::TransferDescriptor {
+                transfer_id,
+                layout: Some(layout_to_pb(&engine.kv_layout())),
+                block_ids,
+                regions,
+                skip_blocks: skip as u32,
+                timeout_ms: timeout.as_millis().min(u128::from(u32::MAX)) as u32,
+            }),
+        })
+    }
+
     /// The transfer is over: its registration goes, the slot stays.
-    fn into_slot(self) -> Quarantine {
+    pub(crate) fn into_slot(self) -> Quarantine {
         drop(self.expectation);
         self.slot
     }
@@ -351,15 +369,15 @@ impl Inbound {
     }
 }
 
-/// Why a remote prefill gave way to a local one: the metric's reason and
-/// the detail for the log.
-struct Fallback {
-    reason: &'static str,
-    detail: String,
+/// Why a remote prefill (or a prefix fetch) gave way to local compute: the
+/// metric's reason and the detail for the log.
+pub(crate) struct Fallback {
+    pub(crate) reason: &'static str,
+    pub(crate) detail: String,
 }
 
 impl Fallback {
-    fn new(reason: &'static str, detail: impl ToString) -> Self {
+    pub(crate) fn new(reason: &'static str, detail: impl ToString) -> Self {
         Self {
             reason,
             detail: detail.to_string(),

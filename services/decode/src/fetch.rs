@@ -20,15 +20,14 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use sluice_kv_transfer::{Receiver, TransportKind, layout_to_pb, same_host};
+use sluice_kv_transfer::{Receiver, TransportKind, same_host};
 use sluice_proto::common::v1::PrefixSource;
-use sluice_proto::kv::v1 as kvpb;
 use sluice_proto::worker::v1 as pb;
 use sluice_runtime::Security;
 use sluice_worker::WorkerCore;
 use tracing::Instrument;
 
-use crate::disagg::{Quarantine, RDMA_QUARANTINE};
+use crate::disagg::{Fallback, Inbound};
 use crate::peers::Peers;
 
 /// Weight of the newest fetch in the reported rate.
@@ -59,22 +58,6 @@ struct Fetched {
     asked: usize,
     written: usize,
     tokens: usize,
-}
-
-/// Why a fetch gave way to a recompute: the metric's outcome and the
-/// detail for the log.
-struct Recompute {
-    outcome: &'static str,
-    detail: String,
-}
-
-impl Recompute {
-    fn new(outcome: &'static str, detail: impl ToString) -> Self {
-        Self {
-            outcome,
-            detail: detail.to_string(),
-        }
-    }
 }
 
 impl Fetcher {
@@ -119,8 +102,8 @@ impl Fetcher {
                 tokens
             }
             Err(r) => {
-                m.prefix_fetch.with_label_values(&[r.outcome]).inc();
-                tracing::warn!(outcome = r.outcome, detail = %r.detail, peer = %source.worker_id, "prefix fetch failed; computing the prefix");
+                m.prefix_fetch.with_label_values(&[r.reason]).inc();
+                tracing::warn!(outcome = r.reason, detail = %r.detail, peer = %source.worker_id, "prefix fetch failed; computing the prefix");
                 0
             }
         }
@@ -133,7 +116,7 @@ impl Fetcher {
         source: &PrefixSource,
         engine_req: &sluice_engine::Request,
         span: &tracing::Span,
-    ) -> Result<Fetched, Recompute> {
+    ) -> Result<Fetched, Fallback> {
         let nothing = Fetched {
             asked: 0,
             written: 0,
@@ -143,14 +126,14 @@ impl Fetcher {
             return Ok(nothing);
         }
         let peer = self.peers.endpoint(&source.worker_id).ok_or_else(|| {
-            Recompute::new(
+            Fallback::new(
                 "unknown_peer",
                 format!("{:?} is not in discovery", source.worker_id),
             )
         })?;
         let engine = core
             .engine(req.dp_rank)
-            .map_err(|e| Recompute::new("bad_rank", e))?;
+            .map_err(|e| Fallback::new("bad_rank", e))?;
         let layout = engine.kv_layout();
         let bs = layout.block_size;
         let prompt = &engine_req.prompt;
@@ -166,41 +149,20 @@ impl Fetcher {
         let slot = engine
             .reserve_import(engine_req.clone(), want)
             .await
-            .map_err(|e| Recompute::new("reserve_failed", e))?;
-        let (slot_id, block_ids, skip) = (slot.id(), slot.block_ids().to_vec(), slot.skip_blocks());
-        let mut slot = Quarantine {
-            slot: Some(slot),
-            hold: None,
-        };
-        span.record("blocks", block_ids.len() - skip);
-        let transfer_id = format!("{}-fetch-{}", req.request_id, uuid::Uuid::new_v4().simple());
-        let writable = block_ids[skip..].to_vec();
-        let (expectation, regions) = self
-            .receiver
-            .expect(
-                &transfer_id,
-                engine.clone(),
-                slot_id,
-                writable.clone(),
-                same_host(&self.endpoint, &peer),
-            )
-            .map_err(|e| Recompute::new("register_failed", e))?;
-        if regions.is_empty() {
-            return Err(Recompute::new(
-                "no_transport",
-                "this worker offers no KV transport",
-            ));
-        }
-        if regions
-            .iter()
-            .any(|r| r.transport == kvpb::Transport::Rdma as i32)
-        {
-            slot.hold = Some(timeout + RDMA_QUARANTINE);
-        }
+            .map_err(|e| Fallback::new("reserve_failed", e))?;
+        let mut inbound = Inbound::register(
+            &self.receiver,
+            engine,
+            slot,
+            format!("{}-fetch-{}", req.request_id, uuid::Uuid::new_v4().simple()),
+            same_host(&self.endpoint, &peer),
+            timeout,
+        )?;
+        span.record("blocks", inbound.writable);
         let channel = self
             .security
             .channel(&peer)
-            .map_err(|e| Recompute::new("bad_endpoint", e))?;
+            .map_err(|e| Fallback::new("bad_endpoint", e))?;
         let mut client = pb::worker_client::WorkerClient::new(channel);
         // The transfer's time (what the reported rate measures; the router
         // adds the engines' waits for the reservation and the import).
@@ -210,67 +172,58 @@ impl Fetcher {
             model: core.model.clone(),
             prompt_token_ids: prompt[..want * bs].to_vec(),
             dp_rank: source.dp_rank,
-            destination: Some(kvpb::TransferDescriptor {
-                transfer_id,
-                layout: Some(layout_to_pb(&layout)),
-                block_ids,
-                regions,
-                skip_blocks: skip as u32,
-                timeout_ms: timeout.as_millis().min(u128::from(u32::MAX)) as u32,
-            }),
+            destination: inbound.descriptor.take(),
         });
         let resp = match tokio::time::timeout(timeout, call).await {
             Err(_) => {
-                return Err(Recompute::new(
+                return Err(Fallback::new(
                     "timeout",
                     format!("no answer within {timeout:?}"),
                 ));
             }
-            Ok(Err(s)) => return Err(Recompute::new("fetch_error", s)),
+            Ok(Err(s)) => return Err(Fallback::new("fetch_error", s)),
             Ok(Ok(r)) => r.into_inner(),
         };
         let transport = TransportKind::from_pb(resp.transport).ok_or_else(|| {
-            Recompute::new(
+            Fallback::new(
                 "refused_transfer",
                 format!("the peer names no transport ({})", resp.transport),
             )
         })?;
         span.record("transport", transport.as_str());
         if transport != TransportKind::Rdma {
-            slot.hold = None;
+            inbound.slot.hold = None;
         }
-        let written = resp.blocks_written as usize;
-        if written > writable.len() {
-            return Err(Recompute::new(
+        let (written, asked) = (resp.blocks_written as usize, inbound.writable);
+        if written > asked {
+            return Err(Fallback::new(
                 "refused_transfer",
-                format!(
-                    "the peer says it wrote {written} of {} blocks",
-                    writable.len()
-                ),
+                format!("the peer says it wrote {written} of {asked} blocks"),
             ));
         }
-        expectation
+        inbound
+            .expectation
             .finish_first(transport, written)
             .await
-            .map_err(|e| Recompute::new("refused_transfer", e))?;
-        drop(expectation);
+            .map_err(|e| Fallback::new("refused_transfer", e))?;
+        let mut slot = inbound.into_slot();
         // A timing backend's fetch lasts what its model says.
         if let Some(model) = engine.kv_transfer_model() {
             tokio::time::sleep(model.duration(written).saturating_sub(started.elapsed())).await;
         }
         let took = started.elapsed();
         let Some(reserved) = slot.slot.take() else {
-            return Err(Recompute::new("commit_failed", "the reserved slot is gone"));
+            return Err(Fallback::new("commit_failed", "the reserved slot is gone"));
         };
         engine
             .commit_import(reserved, written)
             .await
-            .map_err(|e| Recompute::new("commit_failed", e))?;
+            .map_err(|e| Fallback::new("commit_failed", e))?;
         if written > 0 {
             self.measured(core, written as u64 * block_bytes, took);
         }
         Ok(Fetched {
-            asked: writable.len(),
+            asked,
             written,
             tokens: written * bs,
         })

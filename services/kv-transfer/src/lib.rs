@@ -221,6 +221,15 @@ pub fn same_host(a: &str, b: &str) -> bool {
     ha.eq_ignore_ascii_case(hb) || (loopback(ha) && loopback(hb))
 }
 
+/// How long a writer may take to send a descriptor's blocks: its
+/// `timeout_ms`, or 10 s when it names none.
+pub fn transfer_timeout(d: &pb::TransferDescriptor) -> std::time::Duration {
+    match d.timeout_ms {
+        0 => std::time::Duration::from_secs(10),
+        ms => std::time::Duration::from_millis(u64::from(ms)),
+    }
+}
+
 /// Sends blocks of `engine`'s KV memory to a receiver's region over
 /// `sender`, each `(source, destination)` pair one block, within `timeout`:
 /// straight from the engine's KV memory where the transport can (`shm`),

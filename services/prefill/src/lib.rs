@@ -49,9 +49,6 @@ pub struct Prefiller {
     pub fault: Option<Fault>,
 }
 
-/// Used when a descriptor names no timeout.
-const DEFAULT_TRANSFER_TIMEOUT: Duration = Duration::from_secs(10);
-
 /// The `Prefill` implementation: a [`Prefiller`] and the transports this
 /// worker accepts.
 #[derive(Debug)]
@@ -183,10 +180,7 @@ impl Handler {
             .skip(skip)
             .map(|(&s, &d)| (s, d))
             .collect();
-        let timeout = match dest.timeout_ms {
-            0 => DEFAULT_TRANSFER_TIMEOUT,
-            ms => Duration::from_millis(u64::from(ms)),
-        };
+        let timeout = sluice_kv_transfer::transfer_timeout(dest);
         #[cfg(feature = "fault-injection")]
         if let Some(fault) = self.fault {
             return faulty_send(fault, engine, sender, region, dest, &pairs, timeout).await;

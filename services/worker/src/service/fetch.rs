@@ -7,16 +7,11 @@
 //! a prefix evicted since the router looked is a shorter (or no) fetch,
 //! never a wrong block.
 
-use std::time::Duration;
-
-use sluice_kv_transfer::{check_layout, send_blocks};
+use sluice_kv_transfer::{check_layout, send_blocks, transfer_timeout};
 use sluice_proto::worker::v1 as pb;
 
 use super::WorkerService;
 use crate::{WorkerError, convert};
-
-/// Used when a descriptor names no timeout.
-const DEFAULT_FETCH_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl WorkerService {
     /// Serves one `FetchPrefix`.
@@ -68,10 +63,7 @@ impl WorkerService {
             .skip(skip)
             .map(|(&s, &d)| (s, d))
             .collect();
-        let timeout = match dest.timeout_ms {
-            0 => DEFAULT_FETCH_TIMEOUT,
-            ms => Duration::from_millis(u64::from(ms)),
-        };
+        let timeout = transfer_timeout(&dest);
         let written = if pairs.is_empty() {
             0
         } else {
