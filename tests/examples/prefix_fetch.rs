@@ -10,12 +10,11 @@
 //! cargo run --release -p sluice-tests --example prefix_fetch -- [PROMPTS]
 //! ```
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use sluice_kv_transfer::TransportKind;
-use sluice_proto::common::v1::{PrefixSource, SamplingParams};
-use sluice_proto::worker::v1 as wpb;
-use sluice_tests::mesh::{Mesh, MeshOptions};
+use sluice_proto::common::v1::PrefixSource;
+use sluice_tests::mesh::{Mesh, MeshOptions, worker_generate};
 
 const PROMPT_TOKENS: u32 = 2_000;
 
@@ -23,42 +22,6 @@ fn prompt(seed: u32) -> Vec<u32> {
     (0..PROMPT_TOKENS)
         .map(|i| (i.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(40_503)) % 900 + 5)
         .collect()
-}
-
-/// Time to the first token and the tokens of a greedy 8-token generation.
-async fn generate(
-    endpoint: &str,
-    prompt: &[u32],
-    source: Option<PrefixSource>,
-) -> anyhow::Result<(Duration, Vec<u32>, u32)> {
-    let mut client =
-        wpb::worker_client::WorkerClient::connect(format!("http://{endpoint}")).await?;
-    let started = Instant::now();
-    let mut stream = client
-        .generate(wpb::GenerateRequest {
-            request_id: "bench".into(),
-            model: "sluice-tiny".into(),
-            prompt_token_ids: prompt.to_vec(),
-            sampling: Some(SamplingParams {
-                max_tokens: 8,
-                ignore_eos: true,
-                temperature: Some(0.0),
-                ..Default::default()
-            }),
-            prefix_source: source,
-            ..Default::default()
-        })
-        .await?
-        .into_inner();
-    let (mut ttft, mut tokens, mut fetched) = (None, Vec::new(), 0);
-    while let Some(m) = stream.message().await? {
-        if ttft.is_none() && !m.token_ids.is_empty() {
-            ttft = Some(started.elapsed());
-        }
-        tokens.extend(&m.token_ids);
-        fetched = fetched.max(m.fetched_tokens);
-    }
-    Ok((ttft.unwrap_or_default(), tokens, fetched))
 }
 
 fn median(mut v: Vec<Duration>) -> Duration {
@@ -82,23 +45,27 @@ async fn main() -> anyhow::Result<()> {
     for seed in 0..prompts {
         let p = prompt(seed);
         // Computed on `a` (its cache now holds the prompt).
-        let (on_a, want, _) = generate(&a.endpoint, &p, None).await?;
+        let on_a = worker_generate(&a.endpoint, &p, 8, None).await?;
         // Fetched by `b` from `a`.
         let source = PrefixSource {
             worker_id: a.id.clone(),
             dp_rank: 0,
             blocks: PROMPT_TOKENS / 16,
         };
-        let (on_b, got, n) = generate(&b.endpoint, &p, Some(source)).await?;
-        anyhow::ensure!(got == want, "prompt {seed}: fetched tokens differ");
+        let on_b = worker_generate(&b.endpoint, &p, 8, Some(source)).await?;
+        anyhow::ensure!(
+            on_b.tokens == on_a.tokens,
+            "prompt {seed}: fetched tokens differ"
+        );
+        let n = on_b.fetched_tokens;
         anyhow::ensure!(n > 0, "prompt {seed}: nothing fetched");
         println!(
             "prompt {seed}: computed {:.1} ms, fetched {n} tokens {:.1} ms",
-            on_a.as_secs_f64() * 1e3,
-            on_b.as_secs_f64() * 1e3
+            on_a.ttft.as_secs_f64() * 1e3,
+            on_b.ttft.as_secs_f64() * 1e3
         );
-        computed.push(on_a);
-        fetched.push(on_b);
+        computed.push(on_a.ttft);
+        fetched.push(on_b.ttft);
     }
     let (c, f) = (median(computed), median(fetched));
     println!(

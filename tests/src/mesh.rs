@@ -360,3 +360,63 @@ pub async fn active_blocks(endpoint: &str) -> anyhow::Result<u64> {
         .map(|r| r.active_blocks)
         .unwrap_or(u64::MAX))
 }
+
+/// One generation run straight on a worker (its `Generate`, no queue or
+/// router): what came back and when.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkerRun {
+    /// From the call to the first token.
+    pub ttft: Duration,
+    pub tokens: Vec<u32>,
+    /// Prompt tokens the worker fetched from a peer.
+    pub fetched_tokens: u32,
+    /// Prompt tokens served from its cache (fetched ones included).
+    pub cached_tokens: u32,
+}
+
+/// A greedy generation of `max_tokens` for `prompt` on the worker at
+/// `endpoint`, fetching the prefix from `source` when one is named.
+pub async fn worker_generate(
+    endpoint: &str,
+    prompt: &[u32],
+    max_tokens: u32,
+    source: Option<sluice_proto::common::v1::PrefixSource>,
+) -> anyhow::Result<WorkerRun> {
+    use sluice_proto::worker::v1 as wpb;
+    let mut client =
+        wpb::worker_client::WorkerClient::connect(format!("http://{endpoint}")).await?;
+    let started = std::time::Instant::now();
+    let mut stream = client
+        .generate(wpb::GenerateRequest {
+            request_id: "worker-run".into(),
+            model: "sluice-tiny".into(),
+            prompt_token_ids: prompt.to_vec(),
+            sampling: Some(sluice_proto::common::v1::SamplingParams {
+                max_tokens,
+                ignore_eos: true,
+                temperature: Some(0.0),
+                ..Default::default()
+            }),
+            prefix_source: source,
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    let mut run = WorkerRun {
+        ttft: Duration::ZERO,
+        tokens: Vec::new(),
+        fetched_tokens: 0,
+        cached_tokens: 0,
+    };
+    while let Some(m) = stream.message().await? {
+        if run.tokens.is_empty() && !m.token_ids.is_empty() {
+            run.ttft = started.elapsed();
+        }
+        run.tokens.extend(&m.token_ids);
+        run.fetched_tokens = run.fetched_tokens.max(m.fetched_tokens);
+        if let Some(u) = m.usage {
+            run.cached_tokens = run.cached_tokens.max(u.cached_tokens);
+        }
+    }
+    Ok(run)
+}

@@ -10,9 +10,8 @@
 use std::time::{Duration, Instant};
 
 use sluice_kv_transfer::TransportKind;
-use sluice_proto::common::v1::{PrefixSource, SamplingParams};
-use sluice_proto::worker::v1 as wpb;
-use sluice_tests::mesh::{Mesh, MeshOptions, active_blocks};
+use sluice_proto::common::v1::PrefixSource;
+use sluice_tests::mesh::{Mesh, MeshOptions, WorkerRun, active_blocks, worker_generate};
 
 /// 150 tokens: 9 full blocks of 16 before the last token.
 fn prompt(seed: u32) -> Vec<u32> {
@@ -24,49 +23,13 @@ fn prompt(seed: u32) -> Vec<u32> {
 const FULL_BLOCKS: u32 = 9;
 const BLOCK: u32 = 16;
 
-struct Run {
-    tokens: Vec<u32>,
-    fetched: u32,
-    cached: u32,
-}
-
 /// A greedy 16-token generation of `prompt` on the worker at `endpoint`.
 async fn generate(
     endpoint: &str,
     prompt: &[u32],
     source: Option<PrefixSource>,
-) -> anyhow::Result<Run> {
-    let mut client =
-        wpb::worker_client::WorkerClient::connect(format!("http://{endpoint}")).await?;
-    let mut stream = client
-        .generate(wpb::GenerateRequest {
-            request_id: "fetch".into(),
-            model: "sluice-tiny".into(),
-            prompt_token_ids: prompt.to_vec(),
-            sampling: Some(SamplingParams {
-                max_tokens: 16,
-                ignore_eos: true,
-                temperature: Some(0.0),
-                ..Default::default()
-            }),
-            prefix_source: source,
-            ..Default::default()
-        })
-        .await?
-        .into_inner();
-    let mut run = Run {
-        tokens: Vec::new(),
-        fetched: 0,
-        cached: 0,
-    };
-    while let Some(m) = stream.message().await? {
-        run.tokens.extend(&m.token_ids);
-        run.fetched = run.fetched.max(m.fetched_tokens);
-        if let Some(u) = m.usage {
-            run.cached = run.cached.max(u.cached_tokens);
-        }
-    }
-    Ok(run)
+) -> anyhow::Result<WorkerRun> {
+    worker_generate(endpoint, prompt, 16, source).await
 }
 
 /// The mesh's two workers, (id, endpoint) each.
@@ -135,12 +98,12 @@ async fn a_fetched_prefix_over_shm_tcp_and_grpc_generates_what_computing_it_does
         let fetched = generate(&b_at, &p, source(&a, FULL_BLOCKS)).await?;
         assert_eq!(fetched.tokens, computed.tokens, "{kind}: same tokens");
         assert_eq!(
-            fetched.fetched,
+            fetched.fetched_tokens,
             FULL_BLOCKS * BLOCK,
             "{kind}: fetched the prefix"
         );
         assert_eq!(
-            fetched.cached,
+            fetched.cached_tokens,
             FULL_BLOCKS * BLOCK,
             "{kind}: served from cache"
         );
@@ -149,7 +112,7 @@ async fn a_fetched_prefix_over_shm_tcp_and_grpc_generates_what_computing_it_does
         // of the prompt hits it without asking anyone.
         let again = generate(&b_at, &p, None).await?;
         assert_eq!(
-            (again.tokens, again.cached),
+            (again.tokens, again.cached_tokens),
             (computed.tokens, FULL_BLOCKS * BLOCK)
         );
         all_freed(&[&a_at, &b_at]).await?;
@@ -170,7 +133,7 @@ async fn an_unknown_a_short_or_a_self_named_peer_costs_a_recompute_with_the_same
     // A peer discovery does not list: never dialled.
     let unknown = generate(&b_at, &p, source("decode-nobody", FULL_BLOCKS)).await?;
     assert_eq!(
-        (unknown.tokens, unknown.fetched),
+        (unknown.tokens, unknown.fetched_tokens),
         (reference.tokens.clone(), 0)
     );
     assert_eq!(fetches(&b_at, "unknown_peer").await?, 1);
@@ -180,7 +143,11 @@ async fn an_unknown_a_short_or_a_self_named_peer_costs_a_recompute_with_the_same
     let q = prompt(8);
     let _ = generate(&a_at, &q[..3 * BLOCK as usize + 1], None).await?;
     let short = generate(&b_at, &q, source(&a, FULL_BLOCKS)).await?;
-    assert_eq!(short.fetched, 3 * BLOCK, "what `a` still held, no more");
+    assert_eq!(
+        short.fetched_tokens,
+        3 * BLOCK,
+        "what `a` still held, no more"
+    );
     assert_eq!(fetches(&b_at, "partial").await?, 1);
     // The same tokens as where those blocks were computed.
     let computed = generate(&a_at, &q, None).await?;
@@ -188,7 +155,7 @@ async fn an_unknown_a_short_or_a_self_named_peer_costs_a_recompute_with_the_same
 
     // The worker itself named: nothing to fetch.
     let own = generate(&a_at, &p, source(&a, FULL_BLOCKS)).await?;
-    assert_eq!((own.tokens, own.fetched), (reference.tokens, 0));
+    assert_eq!((own.tokens, own.fetched_tokens), (reference.tokens, 0));
     all_freed(&[&a_at, &b_at]).await?;
     mesh.stop().await
 }
@@ -205,7 +172,7 @@ async fn an_evicted_prefix_comes_back_from_the_second_tier_with_the_same_tokens(
     let worker = mesh.endpoints("decode").await?.remove(0);
     let p = prompt(20);
     let first = generate(&worker, &p, None).await?;
-    assert_eq!(first.cached, 0);
+    assert_eq!(first.cached_tokens, 0);
     for seed in [21, 22, 23] {
         let _ = generate(&worker, &prompt(seed), None).await?;
     }
@@ -215,7 +182,7 @@ async fn an_evicted_prefix_comes_back_from_the_second_tier_with_the_same_tokens(
         "same tokens from restored blocks"
     );
     assert_eq!(
-        again.cached,
+        again.cached_tokens,
         FULL_BLOCKS * BLOCK,
         "served from the second tier"
     );
@@ -232,7 +199,10 @@ async fn an_evicted_prefix_comes_back_from_the_second_tier_with_the_same_tokens(
     }
     let recomputed = generate(&worker, &p, None).await?;
     assert_eq!(recomputed.tokens, first.tokens);
-    assert_eq!(recomputed.cached, 0, "evicted and gone without the tier");
+    assert_eq!(
+        recomputed.cached_tokens, 0,
+        "evicted and gone without the tier"
+    );
     all_freed(&[&worker]).await?;
     mesh.stop().await
 }
