@@ -266,6 +266,8 @@ pub struct KvTransferModel {
     pub block_bytes: u64,
     /// Bytes per second the modelled link moves.
     pub bytes_per_sec: f64,
+    /// Bytes per second a block restored from the second tier moves at.
+    pub tier_bytes_per_sec: f64,
 }
 
 impl KvTransferModel {

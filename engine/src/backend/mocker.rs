@@ -398,6 +398,7 @@ impl Backend for MockerBackend {
         (self.cfg.timing == MockerTiming::Polynomial).then(|| crate::backend::KvTransferModel {
             block_bytes: self.cfg.kv_bytes_per_token * self.cfg.block_size as u64,
             bytes_per_sec: self.cfg.kv_transfer_bytes_per_sec * self.cfg.speedup_ratio,
+            tier_bytes_per_sec: self.cfg.kv_tier_bytes_per_sec * self.cfg.speedup_ratio,
         })
     }
 

@@ -257,18 +257,7 @@ impl Fetcher {
 /// bandwidth (what `shm`, the transport between same-host workers, moves
 /// at; the first fetches correct it for the transport really used).
 pub fn initial_fetch_rate(engine: &sluice_engine::EngineHandle) -> u64 {
-    if let Some(model) = engine.kv_transfer_model() {
-        return model.bytes_per_sec as u64;
-    }
-    const BYTES: usize = 16 << 20;
-    let src = vec![1u8; BYTES];
-    let mut dst = vec![0u8; BYTES];
-    let mut best = f64::MAX;
-    for _ in 0..3 {
-        let t = Instant::now();
-        dst.copy_from_slice(&src);
-        std::hint::black_box(&dst);
-        best = best.min(t.elapsed().as_secs_f64());
-    }
-    (BYTES as f64 / best.max(1e-9)) as u64
+    engine
+        .kv_transfer_model()
+        .map_or_else(sluice_worker::copy_bandwidth, |m| m.bytes_per_sec as u64)
 }

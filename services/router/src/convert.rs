@@ -197,6 +197,7 @@ fn candidate(c: &Candidate) -> pb::Candidate {
         over_tpot: c.terms.over_tpot,
         fetch_blocks: c.terms.fetch_blocks,
         fetch_ms: c.terms.fetch_seconds.map(|s| s * 1e3),
+        restore_ms: c.terms.restore_seconds * 1e3,
     }
 }
 
@@ -288,6 +289,7 @@ pub(crate) fn load_report(r: &wpb::LoadReport) -> LoadReport {
         decode_base_us: r.decode_base_us,
         decode_ns_per_seq: r.decode_ns_per_seq,
         kv_fetch_bytes_per_sec: r.kv_fetch_bytes_per_sec,
+        kv_tier_bytes_per_sec: r.kv_tier_bytes_per_sec,
     }
 }
 

@@ -220,6 +220,10 @@ struct TargetState {
     /// Set on a gap; cleared by a snapshot.
     needs_snapshot: bool,
     hashes: HashSet<u64, MixHasher>,
+    /// Of `hashes`, those the target keeps in its second tier (restored on
+    /// a hit at the cost of a copy). A snapshot does not say: it resets
+    /// them to the first tier.
+    tier2: HashSet<u64, MixHasher>,
     /// Blocks newly stored lately (see [`Inflow`]).
     inflow: Inflow,
 }
@@ -310,6 +314,7 @@ impl KvIndexer {
                 next_seq: 1,
                 needs_snapshot: false,
                 hashes: HashSet::with_hasher(self.hasher),
+                tier2: HashSet::with_hasher(self.hasher),
                 inflow: Inflow::default(),
             }),
         });
@@ -337,6 +342,7 @@ impl KvIndexer {
         self.ids.write().remove(&entry.target);
         let mut state = entry.state.lock();
         state.removed = true;
+        state.tier2.clear();
         let hashes = std::mem::replace(&mut state.hashes, HashSet::with_hasher(self.hasher));
         for h in &hashes {
             self.unlink(*h, id);
@@ -371,7 +377,15 @@ impl KvIndexer {
                 self.store_locked(&entry, &mut state, id, *parent, hashes);
             }
             KvEventKind::Removed { hashes } => self.remove_locked(&entry, &mut state, id, hashes),
-            KvEventKind::Moved { .. } => {}
+            KvEventKind::Moved { hashes, tier } => {
+                for h in hashes {
+                    if *tier >= 2 && state.hashes.contains(h) {
+                        state.tier2.insert(*h);
+                    } else {
+                        state.tier2.remove(h);
+                    }
+                }
+            }
             KvEventKind::Cleared => self.clear_locked(&entry, &mut state, id),
         }
         Ok(Applied::Applied)
@@ -402,6 +416,7 @@ impl KvIndexer {
         entry.blocks.store(state.hashes.len(), Ordering::Relaxed);
         state.next_seq = seq + 1;
         state.needs_snapshot = false;
+        state.tier2.clear();
         Ok(())
     }
 
@@ -549,6 +564,19 @@ impl KvIndexer {
         }
     }
 
+    /// How many of `hashes` (a prefix the target holds) it keeps in its
+    /// second tier.
+    pub fn tier2_blocks(&self, id: TargetId, hashes: &[u64]) -> u32 {
+        let Some(entry) = self.entry(id) else {
+            return 0;
+        };
+        let state = entry.state.lock();
+        if state.tier2.is_empty() {
+            return 0;
+        }
+        hashes.iter().filter(|h| state.tier2.contains(h)).count() as u32
+    }
+
     fn entry(&self, id: TargetId) -> Option<Arc<TargetEntry>> {
         self.targets.read().get(&id).cloned()
     }
@@ -592,6 +620,7 @@ impl KvIndexer {
         hashes: &[u64],
     ) {
         for h in hashes {
+            state.tier2.remove(h);
             if state.hashes.remove(h) {
                 self.unlink(*h, id);
             }

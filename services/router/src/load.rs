@@ -56,6 +56,9 @@ pub struct LoadReport {
     /// Bytes per second a prefix fetched from a peer arrives at there (0:
     /// it does not fetch).
     pub kv_fetch_bytes_per_sec: u64,
+    /// Bytes per second a block restored from its second tier moves at (0:
+    /// none).
+    pub kv_tier_bytes_per_sec: u64,
 }
 
 /// A target's effective load: placements plus the unplaced report.

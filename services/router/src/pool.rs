@@ -812,6 +812,18 @@ impl WorkerPool {
         for (i, m) in candidates.iter().enumerate() {
             let overlap = overlaps[i];
             let load = m.load.lock().effective();
+            // The prompt's blocks it keeps in its second tier: a copy each.
+            let tier2 = if approx || external.is_some() || overlap == 0 {
+                0
+            } else {
+                let end = (overlap as usize).min(desc.block_hashes.len());
+                self.indexer
+                    .tier2_blocks(m.kv_id, &desc.block_hashes[..end])
+            };
+            let restore_seconds = match load.report.kv_tier_bytes_per_sec {
+                0 => 0.0,
+                rate => f64::from(tier2) * m.info.kv_block_bytes as f64 / rate as f64,
+            };
             let fetch = holder.and_then(|h| {
                 let blocks = overlaps[h].checked_sub(overlap).filter(|&b| b > 0)?;
                 let rate = load.report.kv_fetch_bytes_per_sec;
@@ -840,6 +852,7 @@ impl WorkerPool {
                 &CostInput {
                     overlap_blocks: counted_overlap,
                     fetch,
+                    restore_seconds,
                     active_prefill_tokens: load.active_prefill_tokens,
                     long_prefill_tokens: load.long_prefill_tokens,
                     long_prefill_threshold: load.report.long_prefill_token_threshold,
@@ -1471,6 +1484,53 @@ mod tests {
             let placed = d.placement.as_ref().expect("committed");
             assert_eq!(placed.prefill_tokens, 1024 - 48 * u64::from(BS), "{mode}");
         }
+    }
+
+    #[test]
+    fn a_second_tier_hit_costs_its_copy() {
+        let now = Instant::now();
+        let t = tokens(5, 1024);
+        let h = sequence_block_hashes(&t, BS as usize);
+        let p = pool(RouterMode::Kv, 2);
+        for i in 0..2 {
+            p.add_member(MemberInfo {
+                kv_block_bytes: 1 << 20,
+                ..info(i)
+            });
+            // Restores at 1 GB/s: 48 MiB take ~50 ms, computing the 768
+            // tokens ~38 ms.
+            p.record_load(
+                &target(i),
+                LoadReport {
+                    kv_tier_bytes_per_sec: 1_000_000_000,
+                    ..measured(0)
+                },
+                now,
+            );
+            store(&p, i, 1, &h[..48]);
+        }
+        // Worker 0 moved its copy to the second tier.
+        let id = p.kv_id(&target(0)).expect("member");
+        p.indexer()
+            .apply(
+                id,
+                &KvEvent {
+                    seq: 2,
+                    kind: KvEventKind::Moved {
+                        hashes: h[..48].to_vec(),
+                        tier: 2,
+                    },
+                },
+            )
+            .expect("apply");
+        let d = p.route(&input(&h, 1024), now).expect("route");
+        assert_eq!(chosen(&d), "w1", "the copy in KV memory wins");
+        let restore = d.candidates[0].terms.restore_seconds;
+        assert!(
+            (restore - 48.0 * (1 << 20) as f64 / 1e9).abs() < 1e-9,
+            "{restore}"
+        );
+        assert_eq!(d.candidates[1].terms.restore_seconds, 0.0);
     }
 
     #[test]

@@ -38,6 +38,11 @@
 //! blocks of prefill it equals there, and the credit counts fetched blocks
 //! like cached ones (neither is computed again).
 //!
+//! Second tier: a cached block the candidate keeps in its second tier (its
+//! `Moved` events say so) is a hit that costs a copy: its bytes at the
+//! worker's reported restore rate enter the prefill blocks and the
+//! predicted time to first token like a fetch's time.
+//!
 //! Choice: temperature 0 takes the lowest cost; ties go to the candidate
 //! holding the smaller share of the index (spreading cache), then at random.
 //! A new prompt (no candidate holds more of it than another) instead goes,
@@ -172,6 +177,9 @@ pub struct CostInput {
     pub overlap_blocks: u32,
     /// Fetching more of the prefix from a peer, where one holds more.
     pub fetch: Option<FetchInput>,
+    /// Seconds to restore the part of the cached prefix the candidate keeps
+    /// in its second tier (0: none there).
+    pub restore_seconds: f64,
     /// Prefill tokens admitted or placed there, not yet computed.
     pub active_prefill_tokens: u64,
     /// The part of them in prompts longer than `long_prefill_threshold`.
@@ -213,6 +221,9 @@ pub struct CostTerms {
     pub fetch_blocks: u32,
     /// Predicted seconds that fetch takes (`None`: no fetch).
     pub fetch_seconds: Option<f64>,
+    /// Seconds restoring the candidate's second-tier blocks of the prompt
+    /// takes (0: none there).
+    pub restore_seconds: f64,
     /// `prefill_load_scale × (prefill_blocks − overlap_credit × overlap)`.
     pub prefill_cost: f64,
     /// `decode_load_scale × active decode blocks`.
@@ -271,8 +282,16 @@ pub fn cost(
     );
     let queued = queued_prefill_tokens(input, uncached);
     // The fetch's time, in the blocks of prefill it equals there.
-    let fetch_cost_blocks = fetch.map_or(0.0, |f| f.seconds / (bs * per_token));
-    let prefill_blocks = (queued + uncached) as f64 / bs + fetch_cost_blocks;
+    // The copies a fetch and a second-tier restore take, in the blocks of
+    // prefill they equal there (none before the candidate measured its
+    // prompts).
+    let copy_seconds = fetch.map_or(0.0, |f| f.seconds) + input.restore_seconds;
+    let copy_cost_blocks = if per_token > 0.0 {
+        copy_seconds / (bs * per_token)
+    } else {
+        0.0
+    };
+    let prefill_blocks = (queued + uncached) as f64 / bs + copy_cost_blocks;
     // The credit rewards every block the mesh need not compute again, a
     // fetched one as a cached one (the fetch's own time is in the prefill
     // blocks above): with a fetch a conversation's next turn is no longer
@@ -295,7 +314,7 @@ pub fn cost(
         prefill_ns_per_token: input.prefill_ns_per_token,
         prefill_step_us: input.prefill_step_us,
     };
-    let predicted_ttft = predict_ttft(&latency).map(|t| t + fetch.map_or(0.0, |f| f.seconds));
+    let predicted_ttft = predict_ttft(&latency).map(|t| t + copy_seconds);
     let cached = u64::from(prompt_tokens) - uncached;
     let predicted_tpot = predict_step(
         input.decode_base_us,
@@ -318,6 +337,7 @@ pub fn cost(
         overlap_blocks: input.overlap_blocks,
         fetch_blocks,
         fetch_seconds: fetch.map(|f| f.seconds),
+        restore_seconds: input.restore_seconds,
         prefill_cost,
         decode_cost,
         total_cost,

@@ -313,11 +313,12 @@ fn candidates_field(d: &Decision) -> String {
         }
         let _ = write!(
             s,
-            "{}{} overlap={} fetch={} queued={} prefill={:.2} decode={:.2} total={:.2} active={}{}",
+            "{}{} overlap={} fetch={} restore_ms={:.1} queued={} prefill={:.2} decode={:.2} total={:.2} active={}{}",
             c.target,
             if i == d.chosen { "*" } else { "" },
             c.terms.overlap_blocks,
             c.terms.fetch_blocks,
+            c.terms.restore_seconds * 1e3,
             c.terms.queued_prefill_tokens,
             c.terms.prefill_cost,
             c.terms.decode_cost,
@@ -575,11 +576,11 @@ mod tests {
         assert_eq!(f.get("request_id").map(String::as_str), Some("req-1"));
         let candidates = f.get("candidates").expect("candidates recorded");
         assert!(
-            candidates.contains("w0/0 overlap=0 fetch=0 queued=0 prefill=3.00"),
+            candidates.contains("w0/0 overlap=0 fetch=0 restore_ms=0.0 queued=0 prefill=3.00"),
             "{candidates}"
         );
         assert!(
-            candidates.contains("w1/0* overlap=3 fetch=0 queued=0 prefill=0.00"),
+            candidates.contains("w1/0* overlap=3 fetch=0 restore_ms=0.0 queued=0 prefill=0.00"),
             "{candidates}"
         );
         let placed = metrics

@@ -63,6 +63,12 @@ pub fn build_core(
     let engines = args.start_engines(dir, &backing)?;
     let metrics =
         WorkerMetrics::new(&id).map_err(WorkerError::startup("registering the worker metrics"))?;
+    let tier_rate = match engines.first() {
+        Some(e) if args.kv_tier_bytes != Some(0) => e
+            .kv_transfer_model()
+            .map_or_else(copy_bandwidth, |m| m.tier_bytes_per_sec as u64),
+        _ => 0,
+    };
     Ok(Arc::new(WorkerCore {
         id,
         model: model.name(),
@@ -72,6 +78,7 @@ pub fn build_core(
         remote_prefills: AtomicU32::new(0),
         unplaced: Arc::default(),
         fetch_rate: AtomicU64::new(0),
+        tier_rate,
         #[cfg(feature = "fault-injection")]
         reply_lag: args.reply_lag,
     }))
@@ -165,4 +172,21 @@ pub async fn run_worker(
 
 fn saturating_u32(n: usize) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+/// This host's memory copy bandwidth in bytes per second (the best of a few
+/// 16 MiB copies): what a second-tier restore and a same-host (`shm`)
+/// transfer move at, before either was measured.
+pub fn copy_bandwidth() -> u64 {
+    const BYTES: usize = 16 << 20;
+    let src = vec![1u8; BYTES];
+    let mut dst = vec![0u8; BYTES];
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let t = std::time::Instant::now();
+        dst.copy_from_slice(&src);
+        std::hint::black_box(&dst);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    (BYTES as f64 / best.max(1e-9)) as u64
 }

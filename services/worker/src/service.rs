@@ -43,6 +43,9 @@ pub struct WorkerCore {
     /// Bytes per second a prefix fetched from a peer arrives at (what the
     /// load report says; 0: this worker does not fetch).
     pub fetch_rate: AtomicU64,
+    /// Bytes per second a block restored from the second KV tier moves at
+    /// (0: no second tier).
+    pub tier_rate: u64,
     /// Tests only: see `WorkerArgs::reply_lag`.
     #[cfg(feature = "fault-injection")]
     pub reply_lag: Option<std::time::Duration>,
@@ -622,6 +625,7 @@ impl pb::worker_server::Worker for WorkerService {
                             core.remote_prefills.load(Ordering::Relaxed),
                         );
                         report.kv_fetch_bytes_per_sec = core.fetch_rate.load(Ordering::Relaxed);
+                        report.kv_tier_bytes_per_sec = core.tier_rate;
                         // Unplaced requests are counted per worker, on rank 0.
                         if rank == 0 {
                             let (n, prefill, blocks) = core.unplaced.figures();
