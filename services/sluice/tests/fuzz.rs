@@ -908,7 +908,7 @@ async fn generated_grpc_messages_never_panic_or_get_internal() -> anyhow::Result
             let mut c = worker.clone();
             let decode = decode.clone();
             async move {
-                match rng.random_range(0..10) {
+                match rng.random_range(0..11) {
                     0..=4 => {
                         let req = worker_generate(&mut rng, &decode);
                         let input = shown(&req);
@@ -964,6 +964,42 @@ async fn generated_grpc_messages_never_panic_or_get_internal() -> anyhow::Result
                         sample_stream(c.subscribe_kv_events(req).await, false)
                             .await
                             .map_err(|s| (s, input))
+                    }
+                    9 => {
+                        // A peer asking for a prefix: any descriptor, any
+                        // region (a refusal, never a failure or a dial
+                        // that hangs the call).
+                        let req = wpb::FetchPrefixRequest {
+                            request_id: string(&mut rng),
+                            model: model(&mut rng),
+                            prompt_token_ids: token_ids(&mut rng),
+                            dp_rank: *pick(&mut rng, &[0, 1, u32::MAX]),
+                            destination: rng.random_bool(0.7).then(|| kpb::TransferDescriptor {
+                                transfer_id: string(&mut rng),
+                                block_ids: token_ids(&mut rng),
+                                skip_blocks: *pick(&mut rng, &[0, 1, 3, u32::MAX]),
+                                timeout_ms: *pick(&mut rng, &[0, 1, 100]),
+                                regions: (0..rng.random_range(0..3))
+                                    .map(|_| kpb::Region {
+                                        transport: rng.random_range(0..6),
+                                        address: pick(
+                                            &mut rng,
+                                            &[
+                                                "127.0.0.1:1",
+                                                "@sluice-kv-1-x/1",
+                                                "not an address",
+                                                "",
+                                            ],
+                                        )
+                                        .to_string(),
+                                        ..Default::default()
+                                    })
+                                    .collect(),
+                                ..Default::default()
+                            }),
+                        };
+                        let input = shown(&req);
+                        c.fetch_prefix(req).await.map(drop).map_err(|s| (s, input))
                     }
                     _ => {
                         let req = wpb::LoadRequest {
