@@ -3,7 +3,8 @@
 //! over each transport and generates what computing the prompt generates;
 //! a peer it does not know, one that holds less than it was said to, and
 //! the worker itself named as the peer cost a recompute (or a shorter
-//! fetch) with the same tokens; blocks are freed on every path. A prefix
+//! fetch) with the same tokens, and so does a holder that is gone or never
+//! answers; blocks are freed on every path. A prefix
 //! evicted from KV memory comes back from the second tier (on by default)
 //! with the same tokens as computing it.
 
@@ -204,5 +205,61 @@ async fn an_evicted_prefix_comes_back_from_the_second_tier_with_the_same_tokens(
         "evicted and gone without the tier"
     );
     all_freed(&[&worker]).await?;
+    mesh.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_that_is_gone_or_never_answers_costs_a_recompute() -> anyhow::Result<()> {
+    use sluice_runtime::discovery::Instance;
+    let mesh = Mesh::start(MeshOptions::default()).await?;
+    let worker = mesh.endpoints("decode").await?.remove(0);
+    let p = prompt(30);
+    // Computed with nothing to fetch: the reference.
+    let reference = generate(&worker, &p, None).await?;
+    // Two holders discovery lists: one whose port refuses connections (it
+    // died), one that takes the connection and never answers (it hangs).
+    let hung = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+        l.local_addr()?
+        // dropped: nothing listens there any more
+    };
+    let gone = Instance::new("decode", dead.to_string()).with_model("sluice-tiny");
+    let stuck = Instance::new("decode", hung.local_addr()?.to_string()).with_model("sluice-tiny");
+    let _gone = mesh.discovery.register(gone.clone(), 30).await?;
+    let _stuck = mesh.discovery.register(stuck.clone(), 30).await?;
+    // The worker knows them (itself and the two).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (_, metrics) = sluice_tests::http::get(&worker, "/metrics").await?;
+        let known =
+            sluice_tests::wait::sample(&metrics, "sluice_worker_prefix_peers").unwrap_or(0.0);
+        if known >= 3.0 {
+            break;
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the peers never showed up: {known}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // A new prompt each time (the worker holds the reference's).
+    for (holder, outcome, seed) in [(&gone, "fetch_error", 31), (&stuck, "timeout", 32)] {
+        let q = prompt(seed);
+        let alone = generate(&worker, &q, source(&holder.id, FULL_BLOCKS)).await?;
+        assert_eq!(alone.fetched_tokens, 0, "{outcome}: nothing fetched");
+        assert_eq!(fetches(&worker, outcome).await?, 1, "{outcome}");
+        // Computed as without a fetch: a second run, served from the cache
+        // the first one filled, agrees.
+        let cached = generate(&worker, &q, None).await?;
+        assert_eq!(cached.cached_tokens, FULL_BLOCKS * BLOCK);
+        assert_eq!(
+            alone.tokens, cached.tokens,
+            "{outcome}: computed as without a fetch"
+        );
+    }
+    assert_eq!(reference.tokens.len(), 16);
+    all_freed(&[&worker]).await?;
+    drop(hung);
     mesh.stop().await
 }
