@@ -188,11 +188,25 @@ impl KvCache {
         if !self.enable_prefix_caching {
             return 0;
         }
+        let in_memory = self.in_memory_prefix_len(hashes);
+        in_memory + self.tier_prefix_len(&hashes[in_memory..])
+    }
+
+    /// How many leading `hashes` the second tier holds.
+    fn tier_prefix_len(&self, hashes: &[u64]) -> usize {
+        self.tier
+            .as_ref()
+            .map_or(0, |t| hashes.iter().take_while(|h| t.contains(**h)).count())
+    }
+
+    /// How many leading `hashes` KV memory holds (the second tier aside).
+    fn in_memory_prefix_len(&self, hashes: &[u64]) -> usize {
+        if !self.enable_prefix_caching {
+            return 0;
+        }
         hashes
             .iter()
-            .take_while(|h| {
-                self.by_hash.contains_key(h) || self.tier.as_ref().is_some_and(|t| t.contains(**h))
-            })
+            .take_while(|h| self.by_hash.contains_key(h))
             .count()
     }
 
@@ -232,14 +246,7 @@ impl KvCache {
     /// a reference on each hit block. Returns the number of hit blocks.
     /// `seq` must not hold a table yet.
     pub fn acquire_prefix(&mut self, seq: SeqId, hashes: &[u64]) -> usize {
-        let in_memory = if self.enable_prefix_caching {
-            hashes
-                .iter()
-                .take_while(|h| self.by_hash.contains_key(h))
-                .count()
-        } else {
-            0
-        };
+        let in_memory = self.in_memory_prefix_len(hashes);
         let mut ids = Vec::with_capacity(in_memory);
         for h in &hashes[..in_memory] {
             let id = self.by_hash[h];
@@ -261,11 +268,7 @@ impl KvCache {
     /// for `seq` (whose table ends where they start), as far as free blocks
     /// allow; the blocks restored.
     fn restore(&mut self, seq: SeqId, hashes: &[u64]) -> usize {
-        let Some(tier) = &self.tier else {
-            return 0;
-        };
-        let want = hashes.iter().take_while(|h| tier.contains(**h)).count();
-        let n = want.min(self.num_free());
+        let n = self.tier_prefix_len(hashes).min(self.num_free());
         if n == 0 {
             return 0;
         }

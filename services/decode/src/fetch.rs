@@ -256,8 +256,9 @@ impl Fetcher {
 /// modelled link on a timing backend, else this host's memory copy
 /// bandwidth (what `shm`, the transport between same-host workers, moves
 /// at; the first fetches correct it for the transport really used).
-pub fn initial_fetch_rate(engine: &sluice_engine::EngineHandle) -> u64 {
-    engine
-        .kv_transfer_model()
-        .map_or_else(sluice_worker::copy_bandwidth, |m| m.bytes_per_sec as u64)
+pub fn initial_fetch_rate(core: &WorkerCore) -> u64 {
+    core.engines
+        .first()
+        .and_then(|e| e.kv_transfer_model())
+        .map_or(core.host_copy_rate, |m| m.bytes_per_sec as u64)
 }

@@ -63,11 +63,18 @@ pub fn build_core(
     let engines = args.start_engines(dir, &backing)?;
     let metrics =
         WorkerMetrics::new(&id).map_err(WorkerError::startup("registering the worker metrics"))?;
-    let tier_rate = match engines.first() {
-        Some(e) if args.kv_tier_bytes != Some(0) => e
-            .kv_transfer_model()
-            .map_or_else(copy_bandwidth, |m| m.tier_bytes_per_sec as u64),
-        _ => 0,
+    // Measured once: what a second-tier restore moves at here, and what a
+    // prefix fetch is expected to before one was measured.
+    let modelled = engines.first().and_then(|e| e.kv_transfer_model());
+    let host_copy_rate = if modelled.is_none() {
+        copy_bandwidth()
+    } else {
+        0
+    };
+    let tier_rate = match modelled {
+        _ if args.kv_tier_bytes == Some(0) => 0,
+        Some(m) => m.tier_bytes_per_sec as u64,
+        None => host_copy_rate,
     };
     Ok(Arc::new(WorkerCore {
         id,
@@ -79,6 +86,7 @@ pub fn build_core(
         unplaced: Arc::default(),
         fetch_rate: AtomicU64::new(0),
         tier_rate,
+        host_copy_rate,
         #[cfg(feature = "fault-injection")]
         reply_lag: args.reply_lag,
     }))
@@ -177,7 +185,7 @@ fn saturating_u32(n: usize) -> u32 {
 /// This host's memory copy bandwidth in bytes per second (the best of a few
 /// 16 MiB copies): what a second-tier restore and a same-host (`shm`)
 /// transfer move at, before either was measured.
-pub fn copy_bandwidth() -> u64 {
+fn copy_bandwidth() -> u64 {
     const BYTES: usize = 16 << 20;
     let src = vec![1u8; BYTES];
     let mut dst = vec![0u8; BYTES];

@@ -46,6 +46,9 @@ pub struct WorkerCore {
     /// Bytes per second a block restored from the second KV tier moves at
     /// (0: no second tier).
     pub tier_rate: u64,
+    /// This host's memory copy bandwidth, measured once at start (0 on a
+    /// timing backend, whose rates are modelled).
+    pub host_copy_rate: u64,
     /// Tests only: see `WorkerArgs::reply_lag`.
     #[cfg(feature = "fault-injection")]
     pub reply_lag: Option<std::time::Duration>,
