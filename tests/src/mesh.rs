@@ -372,6 +372,8 @@ pub struct WorkerRun {
     pub fetched_tokens: u32,
     /// Prompt tokens served from its cache (fetched ones included).
     pub cached_tokens: u32,
+    /// The worker that served it.
+    pub worker_id: String,
 }
 
 /// A greedy generation of `max_tokens` for `prompt` on the worker at
@@ -407,8 +409,12 @@ pub async fn worker_generate(
         tokens: Vec::new(),
         fetched_tokens: 0,
         cached_tokens: 0,
+        worker_id: String::new(),
     };
     while let Some(m) = stream.message().await? {
+        if run.worker_id.is_empty() {
+            run.worker_id = m.worker_id.clone();
+        }
         if run.tokens.is_empty() && !m.token_ids.is_empty() {
             run.ttft = started.elapsed();
         }
