@@ -3,11 +3,13 @@
 //! llama.cpp keeps the vocabulary as `tokenizer.ggml.*` arrays and names
 //! the pre-tokenizer (`tokenizer.ggml.pre`) instead of storing it; this
 //! module rebuilds the equivalent Hugging Face `tokenizers` pipeline for
-//! the byte-level BPE families (`tokenizer.ggml.model = "gpt2"`): the
-//! vocabulary and merges, the pre-tokenizer split that llama.cpp uses for
-//! each named `pre` (llama-vocab.cpp), control tokens as special added
-//! tokens, and a leading bos when `add_bos_token` says so. Other tokenizer
-//! models and unknown `pre` names are errors that name them.
+//! the two tokenizer models llama.cpp's GGUFs of the served families use:
+//! byte-level BPE (`tokenizer.ggml.model = "gpt2"`: the vocabulary and
+//! merges, the pre-tokenizer split llama.cpp uses for each named `pre`,
+//! llama-vocab.cpp) and SentencePiece BPE (`"llama"`: pieces and scores,
+//! see [`sentencepiece_bpe`]). Control tokens become special added tokens,
+//! and bos leads when `add_bos_token` says so. Other tokenizer models and
+//! unknown `pre` names are errors that name them.
 
 use serde_json::{Value as Json, json};
 use sluice_gguf::{GgufFile, Value};
@@ -25,6 +27,7 @@ const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L
 const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// ggml token types (`llama_token_type`).
+const TOKEN_TYPE_NORMAL: u64 = 1;
 const TOKEN_TYPE_CONTROL: u64 = 3;
 const TOKEN_TYPE_USER_DEFINED: u64 = 4;
 
@@ -99,36 +102,22 @@ pub fn tokenizer(file: &GgufFile) -> Result<Tokenizer, TokensError> {
         .get("tokenizer.ggml.model")
         .and_then(Value::as_str)
         .ok_or_else(|| bad(file, "tokenizer.ggml.model", "is missing"))?;
-    if model != "gpt2" {
-        return Err(bad(
-            file,
-            "tokenizer.ggml.model",
-            format!(
-                "{model:?} is not supported yet (supported: \"gpt2\", byte-level BPE); serve the model's Hugging Face directory instead"
-            ),
-        ));
-    }
     let tokens = strings(file, "tokenizer.ggml.tokens")?;
-    let merges = strings(file, "tokenizer.ggml.merges")?;
     let types: Vec<u64> = match file.get("tokenizer.ggml.token_type") {
         None => Vec::new(),
         Some(v) => v
             .as_array()
             .ok_or_else(|| bad(file, "tokenizer.ggml.token_type", "is not an array"))?
             .iter()
-            .map(|t| t.as_u64().unwrap_or(1))
+            .map(|t| t.as_u64().unwrap_or(TOKEN_TYPE_NORMAL))
             .collect(),
     };
-    let pre = file
-        .get("tokenizer.ggml.pre")
-        .and_then(Value::as_str)
-        .unwrap_or("default");
+    let ty = |id: usize| types.get(id).copied().unwrap_or(TOKEN_TYPE_NORMAL);
     let mut vocab = serde_json::Map::with_capacity(tokens.len());
     let mut added = Vec::new();
     for (id, token) in tokens.iter().enumerate() {
         vocab.insert((*token).to_owned(), json!(id));
-        let ty = types.get(id).copied().unwrap_or(1);
-        if ty == TOKEN_TYPE_CONTROL || ty == TOKEN_TYPE_USER_DEFINED {
+        if ty(id) == TOKEN_TYPE_CONTROL || ty(id) == TOKEN_TYPE_USER_DEFINED {
             added.push(json!({
                 "id": id,
                 "content": token,
@@ -136,19 +125,33 @@ pub fn tokenizer(file: &GgufFile) -> Result<Tokenizer, TokensError> {
                 "lstrip": false,
                 "rstrip": false,
                 "normalized": false,
-                "special": ty == TOKEN_TYPE_CONTROL,
+                "special": ty(id) == TOKEN_TYPE_CONTROL,
             }));
         }
     }
-    let bos_token_id = file.token_id("tokenizer.ggml.bos_token_id")?;
-    let add_bos = file
-        .get("tokenizer.ggml.add_bos_token")
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
     let name = |id: Option<u32>| {
         id.and_then(|i| tokens.get(i as usize))
             .map(|t| (*t).to_owned())
     };
+    let bos_token_id = file.token_id("tokenizer.ggml.bos_token_id")?;
+    let pipeline = match model {
+        "gpt2" => byte_level_bpe(file, vocab)?,
+        "llama" => sentencepiece_bpe(file, &tokens, vocab, name)?,
+        other => {
+            return Err(bad(
+                file,
+                "tokenizer.ggml.model",
+                format!(
+                    "{other:?} is not supported yet (supported: \"gpt2\", byte-level BPE; \"llama\", SentencePiece BPE); serve the model's Hugging Face directory instead"
+                ),
+            ));
+        }
+    };
+    // llama.cpp adds bos by default for SentencePiece vocabularies only.
+    let add_bos = file
+        .get("tokenizer.ggml.add_bos_token")
+        .and_then(Value::as_bool)
+        .unwrap_or(model == "llama");
     let post_processor = match (add_bos, name(bos_token_id)) {
         (true, Some(bos)) => json!({
             "type": "TemplateProcessing",
@@ -163,22 +166,11 @@ pub fn tokenizer(file: &GgufFile) -> Result<Tokenizer, TokensError> {
         "truncation": null,
         "padding": null,
         "added_tokens": added,
-        "normalizer": null,
-        "pre_tokenizer": pre_tokenizer(file, pre)?,
+        "normalizer": pipeline.normalizer,
+        "pre_tokenizer": pipeline.pre_tokenizer,
         "post_processor": post_processor,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
-        "model": {
-            "type": "BPE",
-            "dropout": null,
-            "unk_token": null,
-            "continuing_subword_prefix": null,
-            "end_of_word_suffix": null,
-            "fuse_unk": false,
-            "byte_fallback": false,
-            "ignore_merges": false,
-            "vocab": vocab,
-            "merges": merges,
-        },
+        "decoder": pipeline.decoder,
+        "model": pipeline.model,
     });
     let inner: tokenizers::Tokenizer =
         spec.to_string()
@@ -195,6 +187,147 @@ pub fn tokenizer(file: &GgufFile) -> Result<Tokenizer, TokensError> {
         eos_token_ids,
     };
     Ok(Tokenizer::from_parts(inner, special))
+}
+
+/// The parts of a `tokenizers` pipeline that differ between tokenizer models.
+struct Pipeline {
+    normalizer: Json,
+    pre_tokenizer: Json,
+    decoder: Json,
+    model: Json,
+}
+
+/// `tokenizer.ggml.model = "gpt2"`: byte-level BPE with the merges the file
+/// lists and the split its `pre` names.
+fn byte_level_bpe(
+    file: &GgufFile,
+    vocab: serde_json::Map<String, Json>,
+) -> Result<Pipeline, TokensError> {
+    let merges = strings(file, "tokenizer.ggml.merges")?;
+    let pre = file
+        .get("tokenizer.ggml.pre")
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    Ok(Pipeline {
+        normalizer: Json::Null,
+        pre_tokenizer: pre_tokenizer(file, pre)?,
+        decoder: json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true}),
+        model: json!({
+            "type": "BPE",
+            "dropout": null,
+            "unk_token": null,
+            "continuing_subword_prefix": null,
+            "end_of_word_suffix": null,
+            "fuse_unk": false,
+            "byte_fallback": false,
+            "ignore_merges": false,
+            "vocab": vocab,
+            "merges": merges,
+        }),
+    })
+}
+
+/// SentencePiece's word-boundary mark, which stands for a space in pieces.
+const SPM_SPACE: &str = "\u{2581}";
+
+/// `tokenizer.ggml.model = "llama"`: a SentencePiece BPE vocabulary
+/// (Llama 2, Mistral, Phi-3, Gemma), tokenized as llama.cpp's
+/// `llm_tokenizer_spm` does.
+///
+/// llama.cpp keeps no merges for these: it splits text into characters and
+/// repeatedly joins the adjacent pair whose concatenation is the piece with
+/// the highest score (the leftmost on ties), then spells whatever is not a
+/// piece as `<0xXX>` byte pieces. A BPE whose merges are every split of
+/// every piece into two pieces, ranked by the joined piece's score, joins
+/// the same pairs in the same order; this builds those merges (as
+/// transformers' `SentencePieceExtractor` does) with byte fallback. Spaces
+/// become `▁`, and with `add_space_prefix` (on unless the file says
+/// otherwise) each run of text gets one in front — at the start and after
+/// every special token, as llama.cpp does.
+fn sentencepiece_bpe(
+    file: &GgufFile,
+    tokens: &[&str],
+    vocab: serde_json::Map<String, Json>,
+    name: impl Fn(Option<u32>) -> Option<String>,
+) -> Result<Pipeline, TokensError> {
+    let scores: Vec<f64> = file
+        .get("tokenizer.ggml.scores")
+        .and_then(Value::as_array)
+        .ok_or_else(|| bad(file, "tokenizer.ggml.scores", "is missing or not an array"))?
+        .iter()
+        .map(|v| {
+            v.as_f64()
+                .ok_or_else(|| bad(file, "tokenizer.ggml.scores", "holds a non-number"))
+        })
+        .collect::<Result<_, _>>()?;
+    if scores.len() != tokens.len() {
+        return Err(bad(
+            file,
+            "tokenizer.ggml.scores",
+            format!("has {} scores for {} tokens", scores.len(), tokens.len()),
+        ));
+    }
+    let merges = spm_merges(tokens, &scores);
+    let add_space_prefix = file
+        .get("tokenizer.ggml.add_space_prefix")
+        .and_then(Value::as_bool)
+        .unwrap_or(true);
+    let mut normalizers = Vec::new();
+    if add_space_prefix {
+        normalizers.push(json!({"type": "Prepend", "prepend": SPM_SPACE}));
+    }
+    normalizers.push(json!({"type": "Replace", "pattern": {"String": " "}, "content": SPM_SPACE}));
+    let mut decoders = vec![
+        json!({"type": "Replace", "pattern": {"String": SPM_SPACE}, "content": " "}),
+        json!({"type": "ByteFallback"}),
+        json!({"type": "Fuse"}),
+    ];
+    if add_space_prefix {
+        decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
+    }
+    Ok(Pipeline {
+        normalizer: json!({"type": "Sequence", "normalizers": normalizers}),
+        pre_tokenizer: Json::Null,
+        decoder: json!({"type": "Sequence", "decoders": decoders}),
+        model: json!({
+            "type": "BPE",
+            "dropout": null,
+            "unk_token": name(file.token_id("tokenizer.ggml.unknown_token_id")?.or(Some(0))),
+            "continuing_subword_prefix": null,
+            "end_of_word_suffix": null,
+            "fuse_unk": true,
+            "byte_fallback": true,
+            "ignore_merges": false,
+            "vocab": vocab,
+            "merges": merges,
+        }),
+    })
+}
+
+/// BPE merges equivalent to SentencePiece's score-ordered joining: for every
+/// piece, each split into two pieces, ranked by the piece's score (highest
+/// first; splits of one piece by their halves' ids).
+fn spm_merges(tokens: &[&str], scores: &[f64]) -> Vec<(String, String)> {
+    let ids: std::collections::HashMap<&str, usize> =
+        tokens.iter().enumerate().map(|(i, t)| (*t, i)).collect();
+    let mut merges: Vec<(f64, usize, usize, usize)> = Vec::new();
+    for (id, piece) in tokens.iter().enumerate() {
+        let mut local = Vec::new();
+        for (at, _) in piece.char_indices().skip(1) {
+            let (left, right) = piece.split_at(at);
+            if let (Some(&l), Some(&r)) = (ids.get(left), ids.get(right)) {
+                local.push((l, r));
+            }
+        }
+        local.sort_unstable();
+        merges.extend(local.into_iter().map(|(l, r)| (scores[id], id, l, r)));
+    }
+    // Stable: equal scores keep vocabulary order.
+    merges.sort_by(|a, b| b.0.total_cmp(&a.0));
+    merges
+        .into_iter()
+        .map(|(_, _, l, r)| (tokens[l].to_owned(), tokens[r].to_owned()))
+        .collect()
 }
 
 /// The chat template in a GGUF file's metadata (`tokenizer.chat_template`),
