@@ -18,7 +18,9 @@ pub enum EngineError {
     #[error(transparent)]
     Gguf(#[from] sluice_gguf::GgufError),
     #[error(
-        "unsupported architecture {0:?} (supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, Phi3ForCausalLM; GGUF: llama, qwen2, qwen3)"
+        "unsupported architecture {0:?} (supported: {hf}; GGUF: {gguf})",
+        hf = crate::model::Architecture::supported(),
+        gguf = crate::model::gguf::ARCHITECTURES
     )]
     UnsupportedArchitecture(String),
     #[error("weight {name} is missing from the safetensors files")]

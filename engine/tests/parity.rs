@@ -442,7 +442,10 @@ async fn families_greedy_generation_reproduces_transformers_tokens() {
 
 /// The same models as GGUF files, written the way llama.cpp's converter
 /// writes them (`tests/fixtures/gguf/make_family_ggufs.py`: names, q/k row
-/// permutation, `rope_freqs` for Llama 3 scaling, linear scaling keys): in
+/// permutation, `rope_freqs` for Llama 3 scaling, linear scaling keys,
+/// Phi-3's fused tensors, Gemma's norms stored with their 1 added, the
+/// window and pattern keys llama.cpp reads; the script also ran llama.cpp
+/// on each, bar Mistral's window, and it matched transformers): in
 /// f32 they must match transformers as the directories do; in Q8_0 (weights
 /// computed on 8-bit blocks, activations quantized) within 5% (measured:
 /// 1.1% at the prompt, up to 2.1% after a few decode steps, these random
@@ -457,6 +460,10 @@ fn gguf_files_of_the_fixtures_match_transformers() {
         ("llama3_tied", &reference),
         ("qwen2_tied", &reference),
         ("qwen3_tied", &families),
+        ("mistral_sliding", &families),
+        ("phi3_fused", &families),
+        ("gemma2_softcap", &families),
+        ("gemma3_text", &families),
     ];
     for (name, file) in cases {
         let case = &file.cases[name];

@@ -63,6 +63,11 @@ impl Architecture {
         Architecture::Gemma3,
     ];
 
+    /// The Hugging Face names of [`Architecture::ALL`], for error messages.
+    pub fn supported() -> String {
+        Self::ALL.map(Self::hf_name).join(", ")
+    }
+
     fn from_hf_name(name: &str) -> Option<Self> {
         Self::ALL.into_iter().find(|a| a.hf_name() == name)
     }
