@@ -16,6 +16,7 @@ mod linear;
 mod matmul;
 mod paged_kv;
 mod quant;
+mod team;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -171,12 +172,14 @@ pub struct CpuBackend {
     weights: Arc<CpuWeights>,
     kv: PagedKv,
     scratch: Scratch,
-    /// This backend's own threads: a step runs on one of them, so its
-    /// ~150 parallel sections start on a pool thread instead of each being
-    /// injected from the engine thread while it sleeps. Not the global
+    /// This backend's own rayon threads: a step runs on one of them (gemm's
+    /// prefill products and grammar masks use the pool). Not the global
     /// pool: a step never runs nested inside another engine's step (ranks
     /// of a lockstep group wait for each other).
     pool: Arc<rayon::ThreadPool>,
+    /// The threads the step's ~150 small parallel sections (decode
+    /// products, attention) split over; see [`team`].
+    team: Arc<team::Team>,
 }
 
 impl CpuBackend {
@@ -225,11 +228,15 @@ impl CpuBackend {
             .map_err(|e| {
                 EngineError::InvalidConfig(format!("starting the CPU backend's threads: {e}"))
             })?;
+        let team = team::Team::new(threads, "sluice-cpu-team").map_err(|e| {
+            EngineError::InvalidConfig(format!("starting the CPU backend's threads: {e}"))
+        })?;
         Ok(CpuBackend {
             kv: PagedKv::new(layout, num_blocks, &KvBacking::Private)?,
             scratch: Scratch::default(),
             weights,
             pool: Arc::new(pool),
+            team: Arc::new(team),
         })
     }
 
@@ -464,9 +471,9 @@ impl Backend for CpuBackend {
         let data = if batch.seqs.is_empty() {
             Vec::new()
         } else {
-            // See `pool`: the step's parallel sections start on a pool thread.
-            let pool = Arc::clone(&self.pool);
-            pool.install(|| self.run(batch))
+            // See `pool` and `team`.
+            let (pool, team) = (Arc::clone(&self.pool), Arc::clone(&self.team));
+            pool.install(|| team.install(|| self.run(batch)))
         };
         Ok(ForwardOutput::Logits {
             vocab_size: self.weights.config.vocab_size,

@@ -4,11 +4,11 @@
 //! last `window` of them on a sliding layer), read
 //! from the KV slabs through the sequence's block table (K/V of the step's
 //! own tokens were written beforehand). Work is split over (token, kv head)
-//! with rayon; a task computes every query head sharing that kv head, block
+//! on the backend's team; a task computes every query head sharing that kv head, block
 //! by block, with an online softmax, so K/V rows are read once per group and
 //! nothing is allocated.
 
-use rayon::prelude::*;
+use super::team;
 
 use super::kernels::{axpy, dot_rows, fast_exp};
 use super::paged_kv::Slab;
@@ -67,26 +67,25 @@ pub(crate) fn paged_attention(
     debug_assert!(group <= MAX_GROUP);
     debug_assert_eq!(out.len(), tokens.len() * num_heads * head_dim);
     let avx2 = has_avx2_fma();
-    out.par_chunks_mut(group * head_dim)
-        .enumerate()
-        .for_each(|(task, out)| {
-            let (t, g) = (task / num_kv_heads, task % num_kv_heads);
-            let TokenPos { seq, pos } = tokens[t];
-            let q_start = t * qkv_dim + g * group * head_dim;
-            let q = &qkv[q_start..q_start + group * head_dim];
-            let task = Task {
-                out,
-                q,
-                k_slab,
-                v_slab,
-                table: tables[seq],
-                start: shape.window.map_or(0, |w| (pos + 1).saturating_sub(w)),
-                context: pos + 1,
-                kv_head: g,
-                shape,
-            };
-            dispatch(task, avx2);
-        });
+    let mut chunks: Vec<&mut [f32]> = out.chunks_mut(group * head_dim).collect();
+    team::for_each_mut(&mut chunks, |task, out| {
+        let (t, g) = (task / num_kv_heads, task % num_kv_heads);
+        let TokenPos { seq, pos } = tokens[t];
+        let q_start = t * qkv_dim + g * group * head_dim;
+        let q = &qkv[q_start..q_start + group * head_dim];
+        let task = Task {
+            out: &mut **out,
+            q,
+            k_slab,
+            v_slab,
+            table: tables[seq],
+            start: shape.window.map_or(0, |w| (pos + 1).saturating_sub(w)),
+            context: pos + 1,
+            kv_head: g,
+            shape,
+        };
+        dispatch(task, avx2);
+    });
 }
 
 /// One (token, kv head) pair's share of the attention step.

@@ -9,10 +9,12 @@
 //! (decode steps) run [`skinny`] instead: gemm's matrix-vector path is
 //! single-threaded and 2-3x slower here, and for a few rows the one pass over
 //! the weights that `skinny` makes matches gemm. It is split over output
-//! columns with rayon and compiled for AVX2+FMA when the CPU has them.
+//! columns on the backend's team and compiled for AVX2+FMA when the CPU has
+//! them.
 
 use gemm::Parallelism;
-use rayon::prelude::*;
+
+use super::team;
 
 /// Multiply-adds below which a product stays on the calling thread.
 const PARALLEL_MIN_WORK: usize = 1 << 16;
@@ -41,10 +43,10 @@ pub(crate) fn matmul(
     if m == 0 || n == 0 {
         return;
     }
-    let threads = rayon::current_num_threads();
-    let parallel = threads > 1 && m * n * k >= PARALLEL_MIN_WORK;
+    let big = m * n * k >= PARALLEL_MIN_WORK;
     if m <= SKINNY_MAX_ROWS {
-        let tasks = if parallel { threads * 2 } else { 1 };
+        let threads = team::threads();
+        let tasks = if big && threads > 1 { threads * 2 } else { 1 };
         let per_task = n.div_ceil(tasks).max(SKINNY_MIN_COLUMNS);
         let mut parts: Vec<Vec<&mut [f32]>> = Vec::with_capacity(n.div_ceil(per_task));
         for row in out.chunks_mut(n) {
@@ -58,14 +60,14 @@ pub(crate) fn matmul(
         if parts.len() == 1 {
             skinny(&mut parts[0], x, w, n, 0, accumulate);
         } else {
-            parts
-                .into_par_iter()
-                .enumerate()
-                .for_each(|(t, mut rows)| skinny(&mut rows, x, w, n, t * per_task, accumulate));
+            team::for_each_mut(&mut parts, |t, rows| {
+                skinny(rows, x, w, n, t * per_task, accumulate)
+            });
         }
         return;
     }
-    let parallelism = if parallel {
+    let threads = rayon::current_num_threads();
+    let parallelism = if big && threads > 1 {
         Parallelism::Rayon(threads)
     } else {
         Parallelism::None

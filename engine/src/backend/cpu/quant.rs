@@ -10,13 +10,14 @@
 //! super-blocks are de-quantized 256 values at a time into a buffer that
 //! stays in L1 and dotted with the f32 activations.
 //!
-//! Work is split over output features (weight rows) with rayon; every
+//! Work is split over output features (weight rows) on the backend's team;
+//! every
 //! activation row is dotted with a weight row while that row is in cache.
 
-use rayon::prelude::*;
 use sluice_gguf::GgmlType;
 use sluice_gguf::quant::{QK, QK_K, dequantize, f16_at};
 
+use super::team;
 use crate::model::QuantTensor;
 
 /// Multiply-adds below which a product stays on the calling thread.
@@ -126,7 +127,7 @@ pub(crate) fn matmul(
             }
         }
     };
-    let threads = rayon::current_num_threads();
+    let threads = team::threads();
     let parallel = threads > 1 && m * k * rows >= PARALLEL_MIN_WORK;
     let per_task = if parallel {
         rows.div_ceil(threads * 4).max(MIN_ROWS_PER_TASK)
@@ -135,18 +136,11 @@ pub(crate) fn matmul(
     };
     // Each task writes a private `[m, len]` tile; tiles are added into
     // `out` afterwards (a few KB: rows are outputs, not weights).
-    let tiles: Vec<(usize, Vec<f32>)> = (0..rows)
+    let mut tiles: Vec<(usize, Vec<f32>)> = (0..rows)
         .step_by(per_task.max(1))
-        .collect::<Vec<_>>()
-        .into_par_iter()
-        .with_max_len(1)
-        .map(|first| {
-            let len = per_task.min(rows - first);
-            let mut tile = vec![0.0; m * len];
-            task(first, &mut tile);
-            (first, tile)
-        })
+        .map(|first| (first, vec![0.0; m * per_task.min(rows - first)]))
         .collect();
+    team::for_each_mut(&mut tiles, |_, (first, tile)| task(*first, tile));
     for (first, tile) in tiles {
         let len = tile.len() / m;
         for i in 0..m {
@@ -459,9 +453,15 @@ mod avx2 {
     /// Bytes ahead of the current block that a weight stream prefetches.
     const PREFETCH: usize = 640;
 
+    /// Weight rows a [`gemv_q4`] / [`gemv_q8_0`] pass shares each
+    /// activation block among.
+    const GEMV_ROWS: usize = 4;
+
     /// One activation row against consecutive weight rows of `row_bytes`
     /// each: `out[r] = Σ w_r · x`, the row loop inside the SIMD build so
-    /// nothing is dispatched per row (decode steps, batch 1).
+    /// nothing is dispatched per row (decode steps, batch 1). Rows go four
+    /// at a time: each activation block is loaded once for four weight
+    /// blocks, and the four accumulator chains are independent.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn gemv_q4<const MIN: bool>(
         w: &[u8],
@@ -469,7 +469,47 @@ mod avx2 {
         xq: &[Q8Block],
         out: &mut [f32],
     ) {
-        for (o, row) in out.iter_mut().zip(w.chunks_exact(row_bytes)) {
+        let (bytes, at) = if MIN { (20, 4) } else { (18, 2) };
+        let blocks = (row_bytes / bytes).min(xq.len());
+        let ones = _mm256_set1_epi16(1);
+        let mut rows = out.chunks_exact_mut(GEMV_ROWS);
+        let mut r0 = 0;
+        for o in &mut rows {
+            let mut acc = [_mm256_setzero_ps(); GEMV_ROWS];
+            let mut offs = [_mm_setzero_ps(); GEMV_ROWS];
+            let base = w[r0 * row_bytes..(r0 + GEMV_ROWS) * row_bytes].as_ptr();
+            for i in 0..blocks {
+                // SAFETY: block i of each of the four rows lies within the
+                // slice `base` starts (blocks * bytes <= row_bytes), and
+                // block i of `xq` exists; a prefetch of any address is
+                // harmless.
+                unsafe {
+                    let x = xq.get_unchecked(i);
+                    let xv = _mm256_loadu_si256(x.q.as_ptr() as *const __m256i);
+                    let xs = x_scales(x);
+                    for r in 0..GEMV_ROWS {
+                        let b = base.add(r * row_bytes + i * bytes);
+                        _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(PREFETCH) as *const i8);
+                        let p =
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(nibbles(b.add(at)), xv), ones);
+                        let prod = _mm_mul_ps(q4_scales::<MIN>(b), xs);
+                        acc[r] = _mm256_fmadd_ps(
+                            _mm256_broadcastss_ps(prod),
+                            _mm256_cvtepi32_ps(p),
+                            acc[r],
+                        );
+                        offs[r] = _mm_add_ps(offs[r], prod);
+                    }
+                }
+            }
+            for r in 0..GEMV_ROWS {
+                // SAFETY: register arithmetic.
+                o[r] = unsafe { finish::<MIN>(acc[r], offs[r]) };
+            }
+            r0 += GEMV_ROWS;
+        }
+        for (j, o) in rows.into_remainder().iter_mut().enumerate() {
+            let row = &w[(r0 + j) * row_bytes..(r0 + j + 1) * row_bytes];
             // SAFETY: as `dot_q4`; the features are enabled here.
             *o = unsafe { dot_q4::<MIN>(row, xq) };
         }
@@ -478,7 +518,46 @@ mod avx2 {
     /// [`gemv_q4`] for Q8_0 weights.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn gemv_q8_0(w: &[u8], row_bytes: usize, xq: &[Q8Block], out: &mut [f32]) {
-        for (o, row) in out.iter_mut().zip(w.chunks_exact(row_bytes)) {
+        let blocks = (row_bytes / 34).min(xq.len());
+        let ones = _mm256_set1_epi16(1);
+        let mut rows = out.chunks_exact_mut(GEMV_ROWS);
+        let mut r0 = 0;
+        for o in &mut rows {
+            let mut acc = [_mm256_setzero_ps(); GEMV_ROWS];
+            let base = w[r0 * row_bytes..(r0 + GEMV_ROWS) * row_bytes].as_ptr();
+            for i in 0..blocks {
+                // SAFETY: as in `gemv_q4`.
+                unsafe {
+                    let x = xq.get_unchecked(i);
+                    let x8 = _mm256_loadu_si256(x.q.as_ptr() as *const __m256i);
+                    let xs = x_scales(x);
+                    for r in 0..GEMV_ROWS {
+                        let b = base.add(r * row_bytes + i * 34);
+                        _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(PREFETCH) as *const i8);
+                        let w8 = _mm256_loadu_si256(b.add(2) as *const __m256i);
+                        // |w| against x with w's sign: maddubs needs one
+                        // unsigned side.
+                        let p = _mm256_madd_epi16(
+                            _mm256_maddubs_epi16(
+                                _mm256_sign_epi8(w8, w8),
+                                _mm256_sign_epi8(x8, w8),
+                            ),
+                            ones,
+                        );
+                        let d = _mm_cvtph_ps(_mm_set1_epi16((b as *const i16).read_unaligned()));
+                        let scale = _mm256_broadcastss_ps(_mm_mul_ps(d, xs));
+                        acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(p), acc[r]);
+                    }
+                }
+            }
+            for r in 0..GEMV_ROWS {
+                // SAFETY: register arithmetic.
+                o[r] = unsafe { hsum(acc[r]) };
+            }
+            r0 += GEMV_ROWS;
+        }
+        for (j, o) in rows.into_remainder().iter_mut().enumerate() {
+            let row = &w[(r0 + j) * row_bytes..(r0 + j + 1) * row_bytes];
             // SAFETY: as `dot_q8_0`.
             *o = unsafe { dot_q8_0(row, xq) };
         }
@@ -728,6 +807,13 @@ mod tests {
 
     #[test]
     fn every_type_matches_its_dequantized_product() {
+        check_every_type();
+        // Split over a team: tasks of whole row ranges, gemv remainders.
+        let team = super::team::Team::new(2, "quant-test").expect("team");
+        team.install(check_every_type);
+    }
+
+    fn check_every_type() {
         for ty in [
             GgmlType::Q4_0,
             GgmlType::Q4_1,
@@ -736,7 +822,7 @@ mod tests {
             GgmlType::Q5_K,
             GgmlType::Q6_K,
         ] {
-            for (m, rows) in [(1, 300), (5, 40), (17, 64)] {
+            for (m, rows) in [(1, 300), (1, 301), (1, 3), (5, 40), (17, 64)] {
                 let k = 512;
                 let w = random_blocks(ty, rows, k, m as u64);
                 let x = data(m * k, 7 + m as u64);
