@@ -74,7 +74,7 @@ pub(crate) fn paged_attention(
         let q_start = t * qkv_dim + g * group * head_dim;
         let q = &qkv[q_start..q_start + group * head_dim];
         let task = Task {
-            out: &mut **out,
+            out,
             q,
             k_slab,
             v_slab,

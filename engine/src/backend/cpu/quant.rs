@@ -502,9 +502,9 @@ mod avx2 {
                     }
                 }
             }
-            for r in 0..GEMV_ROWS {
+            for ((o, acc), offs) in o.iter_mut().zip(acc).zip(offs) {
                 // SAFETY: register arithmetic.
-                o[r] = unsafe { finish::<MIN>(acc[r], offs[r]) };
+                *o = unsafe { finish::<MIN>(acc, offs) };
             }
             r0 += GEMV_ROWS;
         }
@@ -531,7 +531,7 @@ mod avx2 {
                     let x = xq.get_unchecked(i);
                     let x8 = _mm256_loadu_si256(x.q.as_ptr() as *const __m256i);
                     let xs = x_scales(x);
-                    for r in 0..GEMV_ROWS {
+                    for (r, acc) in acc.iter_mut().enumerate() {
                         let b = base.add(r * row_bytes + i * 34);
                         _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(PREFETCH) as *const i8);
                         let w8 = _mm256_loadu_si256(b.add(2) as *const __m256i);
@@ -546,13 +546,13 @@ mod avx2 {
                         );
                         let d = _mm_cvtph_ps(_mm_set1_epi16((b as *const i16).read_unaligned()));
                         let scale = _mm256_broadcastss_ps(_mm_mul_ps(d, xs));
-                        acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(p), acc[r]);
+                        *acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(p), *acc);
                     }
                 }
             }
-            for r in 0..GEMV_ROWS {
+            for (o, acc) in o.iter_mut().zip(acc) {
                 // SAFETY: register arithmetic.
-                o[r] = unsafe { hsum(acc[r]) };
+                *o = unsafe { hsum(acc) };
             }
             r0 += GEMV_ROWS;
         }

@@ -195,7 +195,7 @@ fn worker(shared: &Shared) {
                 break;
             }
             spins = spins.wrapping_add(1);
-            if spins % 64 == 0 && idle.elapsed() >= SPIN {
+            if spins.is_multiple_of(64) && idle.elapsed() >= SPIN {
                 // A section published after the check above also unparks.
                 thread::park();
             } else {
