@@ -172,10 +172,10 @@ pub struct CpuBackend {
     weights: Arc<CpuWeights>,
     kv: PagedKv,
     scratch: Scratch,
-    /// This backend's own rayon threads: a step runs on one of them (gemm's
-    /// prefill products and grammar masks use the pool). Not the global
-    /// pool: a step never runs nested inside another engine's step (ranks
-    /// of a lockstep group wait for each other).
+    /// This backend's own rayon threads, for gemm's prefill products and
+    /// grammar masks. Not the global pool: a step's products never run
+    /// nested inside another engine's (ranks of a lockstep group wait for
+    /// each other).
     pool: Arc<rayon::ThreadPool>,
     /// The threads the step's ~150 small parallel sections (decode
     /// products, attention) split over; see [`team`].
@@ -228,14 +228,15 @@ impl CpuBackend {
             .map_err(|e| {
                 EngineError::InvalidConfig(format!("starting the CPU backend's threads: {e}"))
             })?;
-        let team = team::Team::new(threads, "sluice-cpu-team").map_err(|e| {
+        let pool = Arc::new(pool);
+        let team = team::Team::new(threads, "sluice-cpu-team", Arc::clone(&pool)).map_err(|e| {
             EngineError::InvalidConfig(format!("starting the CPU backend's threads: {e}"))
         })?;
         Ok(CpuBackend {
             kv: PagedKv::new(layout, num_blocks, &KvBacking::Private)?,
             scratch: Scratch::default(),
             weights,
-            pool: Arc::new(pool),
+            pool,
             team: Arc::new(team),
         })
     }
@@ -471,9 +472,9 @@ impl Backend for CpuBackend {
         let data = if batch.seqs.is_empty() {
             Vec::new()
         } else {
-            // See `pool` and `team`.
-            let (pool, team) = (Arc::clone(&self.pool), Arc::clone(&self.team));
-            pool.install(|| team.install(|| self.run(batch)))
+            // The step runs on the calling (engine) thread; see `team`.
+            let team = Arc::clone(&self.team);
+            team.install(|| self.run(batch))
         };
         Ok(ForwardOutput::Logits {
             vocab_size: self.weights.config.vocab_size,

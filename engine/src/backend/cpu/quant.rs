@@ -809,7 +809,12 @@ mod tests {
     fn every_type_matches_its_dequantized_product() {
         check_every_type();
         // Split over a team: tasks of whole row ranges, gemv remainders.
-        let team = super::team::Team::new(2, "quant-test").expect("team");
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .expect("pool");
+        let team =
+            super::team::Team::new(2, "quant-test", std::sync::Arc::new(pool)).expect("team");
         team.install(check_every_type);
     }
 

@@ -73,6 +73,8 @@ struct Shared {
 pub(crate) struct Team {
     shared: Arc<Shared>,
     workers: Vec<(Thread, JoinHandle<()>)>,
+    /// The rayon pool big products (gemm's prefill) run on: see [`on_pool`].
+    pool: Arc<rayon::ThreadPool>,
 }
 
 thread_local! {
@@ -81,8 +83,13 @@ thread_local! {
 }
 
 impl Team {
-    /// A team of `threads` (the caller counts as one).
-    pub(crate) fn new(threads: usize, name: &str) -> std::io::Result<Team> {
+    /// A team of `threads` (the caller counts as one), whose big products
+    /// run on `pool`.
+    pub(crate) fn new(
+        threads: usize,
+        name: &str,
+        pool: Arc<rayon::ThreadPool>,
+    ) -> std::io::Result<Team> {
         let shared = Arc::new(Shared {
             epoch: AtomicU64::new(0),
             section: AtomicPtr::new(ptr::null_mut()),
@@ -97,7 +104,11 @@ impl Team {
                 .spawn(move || worker(&shared))?;
             workers.push((handle.thread().clone(), handle));
         }
-        Ok(Team { shared, workers })
+        Ok(Team {
+            shared,
+            workers,
+            pool,
+        })
     }
 
     /// Threads that run a section, the caller included.
@@ -195,11 +206,16 @@ fn worker(shared: &Shared) {
                 break;
             }
             spins = spins.wrapping_add(1);
-            if spins.is_multiple_of(64) && idle.elapsed() >= SPIN {
+            if !spins.is_multiple_of(64) {
+                std::hint::spin_loop();
+            } else if idle.elapsed() < SPIN {
+                // Every few microseconds, let a thread that has work run
+                // (the engine's own, the services beside it on a small
+                // host): the next section waits at most that long.
+                thread::yield_now();
+            } else {
                 // A section published after the check above also unparks.
                 thread::park();
-            } else {
-                std::hint::spin_loop();
             }
         }
         shared.busy.fetch_add(1, SeqCst);
@@ -227,6 +243,18 @@ pub(crate) fn threads() -> usize {
             unsafe { (*team).threads() }
         }
     })
+}
+
+/// Runs `f` on the current team's rayon pool (gemm parallelises through
+/// rayon), or where it is called outside a team.
+pub(crate) fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    let team = CURRENT.with(Cell::get);
+    if team.is_null() {
+        f()
+    } else {
+        // SAFETY: as in `threads`.
+        unsafe { (*team).pool.install(f) }
+    }
 }
 
 /// `f(i)` for `i` in `0..n` on the current team, or serially outside one
@@ -267,9 +295,18 @@ pub(crate) fn for_each_mut<T: Send>(items: &mut [T], f: impl Fn(usize, &mut T) +
 mod tests {
     use super::*;
 
+    fn pool() -> Arc<rayon::ThreadPool> {
+        Arc::new(
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(2)
+                .build()
+                .expect("pool"),
+        )
+    }
+
     #[test]
     fn every_task_runs_once_across_many_sections() {
-        let team = Team::new(3, "test-team").expect("team");
+        let team = Team::new(3, "test-team", pool()).expect("team");
         let hits: Vec<AtomicUsize> = (0..97).map(|_| AtomicUsize::new(0)).collect();
         for _ in 0..500 {
             team.run(hits.len(), &|i| {
@@ -281,7 +318,7 @@ mod tests {
 
     #[test]
     fn sections_after_the_workers_parked_still_run() {
-        let team = Team::new(2, "test-team").expect("team");
+        let team = Team::new(2, "test-team", pool()).expect("team");
         let sum = AtomicUsize::new(0);
         for round in 0..3 {
             // Longer than the spin window: the worker parks in between.
@@ -295,7 +332,7 @@ mod tests {
 
     #[test]
     fn a_panicking_task_is_raised_on_the_caller_after_the_others() {
-        let team = Team::new(2, "test-team").expect("team");
+        let team = Team::new(2, "test-team", pool()).expect("team");
         let done = AtomicUsize::new(0);
         let caught = catch_unwind(AssertUnwindSafe(|| {
             team.run(32, &|i| {
@@ -318,7 +355,7 @@ mod tests {
 
     #[test]
     fn items_are_handed_out_once_each_and_sections_do_not_nest() {
-        let team = Team::new(2, "test-team").expect("team");
+        let team = Team::new(2, "test-team", pool()).expect("team");
         let mut items = vec![0usize; 50];
         team.install(|| {
             for_each_mut(&mut items, |i, item| {
@@ -336,8 +373,11 @@ mod tests {
     #[test]
     fn install_scopes_the_current_team() {
         assert_eq!(threads(), 1);
-        let team = Team::new(2, "test-team").expect("team");
-        team.install(|| assert_eq!(threads(), 2));
+        let team = Team::new(2, "test-team", pool()).expect("team");
+        team.install(|| {
+            assert_eq!(threads(), 2);
+            assert_eq!(on_pool(rayon::current_num_threads), 2);
+        });
         assert_eq!(threads(), 1);
     }
 }
