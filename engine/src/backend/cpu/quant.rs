@@ -59,12 +59,49 @@ pub(crate) fn quantize_rows(x: &[f32], k: usize, out: &mut Vec<Q8Block>) {
     quantize_blocks(x, out);
 }
 
-/// [`quantize_blocks`] compiled for AVX2 (rounding and the max
-/// vectorize instead of calling libm per value).
+/// [`quantize_blocks`] in AVX2, a block per iteration: the same values
+/// (`cvtps_epi32` rounds to nearest even, as `round_ties_even`; ggml's
+/// AVX2 `quantize_row_q8_1` is the same sequence).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn quantize_avx2(x: &[f32], out: &mut [Q8Block]) {
-    quantize_blocks(x, out);
+    use std::arch::x86_64::*;
+    let abs_mask = _mm256_set1_ps(-0.0);
+    for (block, xs) in out.iter_mut().zip(x.chunks_exact(QK)) {
+        // SAFETY: `xs` is 32 f32s (four unaligned loads), `block.q` 32
+        // bytes; register arithmetic otherwise.
+        unsafe {
+            let p = xs.as_ptr();
+            let v = [
+                _mm256_loadu_ps(p),
+                _mm256_loadu_ps(p.add(8)),
+                _mm256_loadu_ps(p.add(16)),
+                _mm256_loadu_ps(p.add(24)),
+            ];
+            let m = v.iter().fold(_mm256_setzero_ps(), |m, v| {
+                _mm256_max_ps(m, _mm256_andnot_ps(abs_mask, *v))
+            });
+            let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+            let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+            let d = amax / 127.0;
+            let inv = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+            let [a, b, c, e] = v.map(|v| _mm256_cvtps_epi32(_mm256_mul_ps(v, inv)));
+            let sum = _mm256_add_epi32(_mm256_add_epi32(a, b), _mm256_add_epi32(c, e));
+            let sum = _mm_add_epi32(
+                _mm256_castsi256_si128(sum),
+                _mm256_extracti128_si256(sum, 1),
+            );
+            let sum = _mm_hadd_epi32(sum, sum);
+            let sum = _mm_cvtsi128_si32(_mm_hadd_epi32(sum, sum));
+            // packs interleave 128-bit lanes; the permute puts them back.
+            let q = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, e));
+            let q = _mm256_permutevar8x32_epi32(q, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256(block.q.as_mut_ptr() as *mut __m256i, q);
+            block.d = half::f16::from_f32(d).to_f32();
+            block.s = half::f16::from_f32(d * sum as f32).to_f32();
+        }
+    }
 }
 
 #[inline(always)]
@@ -111,6 +148,12 @@ pub(crate) fn matmul(
     }
     debug_assert!(col + rows <= n);
     let kernel = Kernel::pick(w.ty);
+    // The activation blocks' scales side by side, for kernels that scale
+    // eight blocks at once.
+    let scales = XScales {
+        d: xq.iter().map(|b| b.d).collect(),
+        s: xq.iter().map(|b| b.s).collect(),
+    };
     let task = |first: usize, outs: &mut [f32]| {
         // `outs` is `[m, len]` for weight rows first..first + len.
         let len = outs.len() / m;
@@ -121,7 +164,7 @@ pub(crate) fn matmul(
         let mut buf = [0.0f32; QK_K];
         let mut dots = vec![0.0f32; m];
         for r in 0..len {
-            kernel.dot_rows(w.row(first + r), x, xq, k, &mut dots, &mut buf);
+            kernel.dot_rows(w.row(first + r), x, xq, &scales, k, &mut dots, &mut buf);
             for (i, d) in dots.iter().enumerate() {
                 outs[i * len + r] = *d;
             }
@@ -157,9 +200,15 @@ pub(crate) fn matmul(
     }
 }
 
-fn xq_row(xq: &[Q8Block], i: usize, k: usize) -> &[Q8Block] {
+fn xq_row<T>(xq: &[T], i: usize, k: usize) -> &[T] {
     let per_row = k / QK;
     xq.get(i * per_row..(i + 1) * per_row).unwrap_or(&[])
+}
+
+/// Each activation block's `d` and `s` ([`Q8Block`]), contiguous.
+struct XScales {
+    d: Vec<f32>,
+    s: Vec<f32>,
 }
 
 /// Activation rows handled per pass over a weight row by the SIMD kernels.
@@ -173,6 +222,13 @@ enum Kernel {
     Q8_0(Isa),
     /// De-quantize 256 at a time, then an f32 dot.
     Blocks(GgmlType),
+}
+
+/// Whether the CPU has AVX-VNNI (`vpdpbusd` on 256-bit registers).
+#[cfg(target_arch = "x86_64")]
+fn vnni() -> bool {
+    static VNNI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *VNNI.get_or_init(|| std::is_x86_feature_detected!("avxvnni"))
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -211,11 +267,13 @@ impl Kernel {
     /// `out[i] = Σ w · x_i` for every activation row `i` (`x` is rows of
     /// `k`, `xq` the same rows quantized); `buf` is scratch for
     /// de-quantized blocks.
+    #[allow(clippy::too_many_arguments)]
     fn dot_rows(
         self,
         w: &[u8],
         x: &[f32],
         xq: &[Q8Block],
+        scales: &XScales,
         k: usize,
         out: &mut [f32],
         buf: &mut [f32; QK_K],
@@ -228,13 +286,18 @@ impl Kernel {
             #[cfg(target_arch = "x86_64")]
             if i + ROWS <= out.len() && self.isa() == Isa::Avx2 {
                 let xs: [&[Q8Block]; ROWS] = std::array::from_fn(|r| xq_row(xq, i + r, k));
+                let ds: [&[f32]; ROWS] = std::array::from_fn(|r| xq_row(&scales.d, i + r, k));
+                let ss: [&[f32]; ROWS] = std::array::from_fn(|r| xq_row(&scales.s, i + r, k));
                 // SAFETY: `Isa::Avx2` is only picked when the CPU has avx2,
-                // fma and f16c; the kernels read whole blocks within `w`
-                // and each `xs` row.
+                // fma and f16c (and `vnni` when it has avxvnni); the kernels
+                // read whole blocks within `w` and each `xs` row, and the
+                // scales of those blocks.
                 let dots = unsafe {
-                    match self {
-                        Kernel::Q4_0(_) => avx2::dot_q4_rows::<false>(w, xs),
-                        Kernel::Q4_1(_) => avx2::dot_q4_rows::<true>(w, xs),
+                    match (self, vnni()) {
+                        (Kernel::Q4_0(_), false) => avx2::dot_q4_rows::<false>(w, xs, ds, ss),
+                        (Kernel::Q4_1(_), false) => avx2::dot_q4_rows::<true>(w, xs, ds, ss),
+                        (Kernel::Q4_0(_), true) => avx2::dot_q4_rows_vnni::<false>(w, xs, ds, ss),
+                        (Kernel::Q4_1(_), true) => avx2::dot_q4_rows_vnni::<true>(w, xs, ds, ss),
                         _ => avx2::dot_q8_0_rows(w, xs),
                     }
                 };
@@ -649,43 +712,156 @@ mod avx2 {
         unsafe { finish::<MIN>(_mm256_add_ps(a0, a1), _mm_add_ps(o0, o1)) }
     }
 
-    /// [`ROWS`] activation rows against one weight row: each block's
-    /// nibbles are unpacked once.
+    /// Blocks whose integer dot products are reduced and scaled together.
+    const GROUP: usize = 8;
+
+    /// Lane `j` of the result is the sum of `v[j]`'s eight lanes.
+    #[inline(always)]
+    unsafe fn reduce8(v: [__m256i; GROUP]) -> __m256i {
+        // SAFETY: register arithmetic.
+        unsafe {
+            // Per 128-bit lane, hadd(a, b) = [a0+a1, a2+a3, b0+b1, b2+b3].
+            let ab =
+                _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+            let cd =
+                _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+            // Each now holds [low-half sums of 4 vectors | high-half sums].
+            _mm256_add_epi32(
+                _mm256_permute2x128_si256(ab, cd, 0x20),
+                _mm256_permute2x128_si256(ab, cd, 0x31),
+            )
+        }
+    }
+
+    /// Eight f16 values, one in the low half of each 32-bit lane, as f32.
+    #[inline(always)]
+    unsafe fn f16_lanes(v: __m256i) -> __m256 {
+        // SAFETY: register arithmetic.
+        unsafe {
+            let packed = _mm256_packus_epi32(v, v); // [l0..l3 x2 | l4..l7 x2]
+            let packed = _mm256_permute4x64_epi64(packed, 0b1000); // l0..l7 low
+            _mm256_cvtph_ps(_mm256_castsi256_si128(packed))
+        }
+    }
+
+    /// [`ROWS`] activation rows against one weight row. Eight blocks at a
+    /// time: each block's nibbles are unpacked once for all rows; each
+    /// row's eight integer block dots are reduced to one vector (a lane per
+    /// block) and scaled by eight `d_w · d_x` with one multiply-add, its
+    /// offsets (`m_w · s_x`, or `d_w · s_x` times -8) with another. The
+    /// blocks after the last whole group go one at a time.
+    #[inline(always)]
+    unsafe fn dot_q4_rows_body<const MIN: bool, const VNNI: bool>(
+        w: &[u8],
+        xs: [&[Q8Block]; ROWS],
+        ds: [&[f32]; ROWS],
+        ss: [&[f32]; ROWS],
+    ) -> [f32; ROWS] {
+        let (bytes, at) = if MIN { (20, 4) } else { (18, 2) };
+        let blocks = xs.iter().fold(w.len() / bytes, |n, x| n.min(x.len()));
+        let blocks = ds.iter().chain(&ss).fold(blocks, |n, x| n.min(x.len()));
+        let groups = blocks / GROUP;
+        // SAFETY: register arithmetic (the caller runs on an avx2 CPU).
+        let (ones, mask16, offsets) = unsafe {
+            (
+                _mm256_set1_epi16(1),
+                _mm256_set1_epi32(0xFFFF),
+                _mm256_setr_epi32(
+                    0,
+                    bytes as i32,
+                    2 * bytes as i32,
+                    3 * bytes as i32,
+                    4 * bytes as i32,
+                    5 * bytes as i32,
+                    6 * bytes as i32,
+                    7 * bytes as i32,
+                ),
+            )
+        };
+        let mut acc = [unsafe { _mm256_setzero_ps() }; ROWS];
+        let mut offs = [unsafe { _mm256_setzero_ps() }; ROWS];
+        for g in 0..groups {
+            let first = g * GROUP;
+            // SAFETY: blocks first..first + 8 of `w`, of every `xs` row and
+            // of every scale row exist (first + 8 <= blocks); the gather
+            // reads 4 bytes at the start of each of those weight blocks.
+            unsafe {
+                let base = w.as_ptr().add(first * bytes);
+                _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(PREFETCH) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(PREFETCH + 64) as *const i8);
+                let heads = _mm256_i32gather_epi32::<1>(base as *const i32, offsets);
+                let dw = f16_lanes(_mm256_and_si256(heads, mask16));
+                // Q4_1: the offsets' scale is m; Q4_0: d (times -8 at the end).
+                let mw = if MIN {
+                    f16_lanes(_mm256_srli_epi32(heads, 16))
+                } else {
+                    dw
+                };
+                let w8: [__m256i; GROUP] =
+                    std::array::from_fn(|j| nibbles(base.add(j * bytes + at)));
+                for r in 0..ROWS {
+                    let x = xs[r].as_ptr().add(first);
+                    let dots: [__m256i; GROUP] = std::array::from_fn(|j| {
+                        let xv = _mm256_loadu_si256((*x.add(j)).q.as_ptr() as *const __m256i);
+                        if VNNI {
+                            _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w8[j], xv)
+                        } else {
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(w8[j], xv), ones)
+                        }
+                    });
+                    let dx = _mm256_loadu_ps(ds[r].as_ptr().add(first));
+                    let sx = _mm256_loadu_ps(ss[r].as_ptr().add(first));
+                    acc[r] = _mm256_fmadd_ps(
+                        _mm256_mul_ps(dw, dx),
+                        _mm256_cvtepi32_ps(reduce8(dots)),
+                        acc[r],
+                    );
+                    offs[r] = _mm256_fmadd_ps(mw, sx, offs[r]);
+                }
+            }
+        }
+        let mut tail = [unsafe { _mm256_setzero_ps() }; ROWS];
+        let mut tail_offs = [unsafe { _mm_setzero_ps() }; ROWS];
+        for i in groups * GROUP..blocks {
+            // SAFETY: block i of `w` and of every row exists.
+            unsafe {
+                let b = w.as_ptr().add(i * bytes);
+                for r in 0..ROWS {
+                    q4_block::<MIN>(b, xs[r].get_unchecked(i), &mut tail[r], &mut tail_offs[r]);
+                }
+            }
+        }
+        std::array::from_fn(|r| {
+            // SAFETY: register arithmetic.
+            unsafe {
+                let o = hsum(offs[r]);
+                hsum(acc[r]) + if MIN { o } else { -8.0 * o } + finish::<MIN>(tail[r], tail_offs[r])
+            }
+        })
+    }
+
+    /// [`dot_q4_rows_body`] with `maddubs` + `madd` block dots.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dot_q4_rows<const MIN: bool>(
         w: &[u8],
         xs: [&[Q8Block]; ROWS],
+        ds: [&[f32]; ROWS],
+        ss: [&[f32]; ROWS],
     ) -> [f32; ROWS] {
-        let (bytes, at) = if MIN { (20, 4) } else { (18, 2) };
-        let blocks = xs.iter().fold(w.len() / bytes, |n, x| n.min(x.len()));
-        let ones = _mm256_set1_epi16(1);
-        let mut acc = [_mm256_setzero_ps(); ROWS];
-        let mut offs = [_mm_setzero_ps(); ROWS];
-        for i in 0..blocks {
-            // SAFETY: as in `dot_q4`, for every row.
-            unsafe {
-                let b = w.as_ptr().add(i * bytes);
-                _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(PREFETCH) as *const i8);
-                let w8 = nibbles(b.add(at));
-                let scales = q4_scales::<MIN>(b);
-                for r in 0..ROWS {
-                    let x = xs[r].get_unchecked(i);
-                    let p = _mm256_madd_epi16(
-                        _mm256_maddubs_epi16(
-                            w8,
-                            _mm256_loadu_si256(x.q.as_ptr() as *const __m256i),
-                        ),
-                        ones,
-                    );
-                    let prod = _mm_mul_ps(scales, x_scales(x));
-                    acc[r] =
-                        _mm256_fmadd_ps(_mm256_broadcastss_ps(prod), _mm256_cvtepi32_ps(p), acc[r]);
-                    offs[r] = _mm_add_ps(offs[r], prod);
-                }
-            }
-        }
-        // SAFETY: register arithmetic.
-        std::array::from_fn(|r| unsafe { finish::<MIN>(acc[r], offs[r]) })
+        // SAFETY: as the body's; the features are enabled here.
+        unsafe { dot_q4_rows_body::<MIN, false>(w, xs, ds, ss) }
+    }
+
+    /// [`dot_q4_rows_body`] with AVX-VNNI's `vpdpbusd` block dots.
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    pub(super) unsafe fn dot_q4_rows_vnni<const MIN: bool>(
+        w: &[u8],
+        xs: [&[Q8Block]; ROWS],
+        ds: [&[f32]; ROWS],
+        ss: [&[f32]; ROWS],
+    ) -> [f32; ROWS] {
+        // SAFETY: as the body's; the features are enabled here.
+        unsafe { dot_q4_rows_body::<MIN, true>(w, xs, ds, ss) }
     }
 
     /// Q8_0 against `R` activation rows (1 or [`ROWS`]).
@@ -827,8 +1003,11 @@ mod tests {
             GgmlType::Q5_K,
             GgmlType::Q6_K,
         ] {
-            for (m, rows) in [(1, 300), (1, 301), (1, 3), (5, 40), (17, 64)] {
-                let k = 512;
+            let ks: &[usize] = if uses_q8(ty) { &[512, 576] } else { &[512] };
+            for (m, rows, &k) in [(1, 300), (1, 301), (1, 3), (5, 40), (17, 64)]
+                .into_iter()
+                .flat_map(|(m, rows)| ks.iter().map(move |k| (m, rows, k)))
+            {
                 let w = random_blocks(ty, rows, k, m as u64);
                 let x = data(m * k, 7 + m as u64);
                 let mut xq = Vec::new();
@@ -849,6 +1028,60 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn simd_quantization_equals_the_scalar_one_bit_for_bit() {
+        if Isa::detect() == Isa::Portable {
+            return;
+        }
+        let mut x = data(32 * 40, 5);
+        // A zero block, and a block whose values land on .5 steps (ties).
+        x[..32].fill(0.0);
+        for (i, v) in x[32..64].iter_mut().enumerate() {
+            *v = (i as f32 - 16.0) * 0.5 * (127.0 / 8.0) / 127.0 * 8.0;
+        }
+        let (mut fast, mut slow) = (vec![Q8Block::ZERO; 40], vec![Q8Block::ZERO; 40]);
+        // SAFETY: the CPU has AVX2 (checked above).
+        unsafe { quantize_avx2(&x, &mut fast) };
+        quantize_blocks(&x, &mut slow);
+        for (i, (f, s)) in fast.iter().zip(&slow).enumerate() {
+            assert_eq!((f.d, f.s, f.q), (s.d, s.s, s.q), "block {i}");
+        }
+    }
+
+    #[test]
+    fn vnni_block_dots_equal_the_avx2_ones() {
+        if Isa::detect() == Isa::Portable || !vnni() {
+            return;
+        }
+        // 18 blocks: two groups of eight and a tail of two.
+        let k = 576;
+        let x = data(ROWS * k, 9);
+        let mut xq = Vec::new();
+        quantize_rows(&x, k, &mut xq);
+        let d: Vec<f32> = xq.iter().map(|b| b.d).collect();
+        let s: Vec<f32> = xq.iter().map(|b| b.s).collect();
+        let xs: [&[Q8Block]; ROWS] = std::array::from_fn(|r| xq_row(&xq, r, k));
+        let ds: [&[f32]; ROWS] = std::array::from_fn(|r| xq_row(&d, r, k));
+        let ss: [&[f32]; ROWS] = std::array::from_fn(|r| xq_row(&s, r, k));
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1] {
+            let w = random_blocks(ty, 1, k, 13);
+            // SAFETY: the CPU has avx2 and avxvnni (checked above).
+            let (plain, vnni) = unsafe {
+                match ty {
+                    GgmlType::Q4_0 => (
+                        avx2::dot_q4_rows::<false>(w.row(0), xs, ds, ss),
+                        avx2::dot_q4_rows_vnni::<false>(w.row(0), xs, ds, ss),
+                    ),
+                    _ => (
+                        avx2::dot_q4_rows::<true>(w.row(0), xs, ds, ss),
+                        avx2::dot_q4_rows_vnni::<true>(w.row(0), xs, ds, ss),
+                    ),
+                }
+            };
+            assert_eq!(plain, vnni, "{ty:?}");
         }
     }
 
