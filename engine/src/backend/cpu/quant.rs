@@ -298,7 +298,8 @@ impl Kernel {
                         (Kernel::Q4_1(_), false) => avx2::dot_q4_rows::<true>(w, xs, ds, ss),
                         (Kernel::Q4_0(_), true) => avx2::dot_q4_rows_vnni::<false>(w, xs, ds, ss),
                         (Kernel::Q4_1(_), true) => avx2::dot_q4_rows_vnni::<true>(w, xs, ds, ss),
-                        _ => avx2::dot_q8_0_rows(w, xs),
+                        (_, false) => avx2::dot_q8_0_rows(w, xs, ds),
+                        (_, true) => avx2::dot_q8_0_rows_vnni(w, xs, ds),
                     }
                 };
                 out[i..i + ROWS].copy_from_slice(&dots);
@@ -864,33 +865,96 @@ mod avx2 {
         unsafe { dot_q4_rows_body::<MIN, true>(w, xs, ds, ss) }
     }
 
-    /// Q8_0 against `R` activation rows (1 or [`ROWS`]).
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot_q8_0_rows<const R: usize>(w: &[u8], xs: [&[Q8Block]; R]) -> [f32; R] {
-        let blocks = xs.iter().fold(w.len() / 34, |n, x| n.min(x.len()));
-        let ones = _mm256_set1_epi16(1);
-        let mut acc = [_mm256_setzero_ps(); R];
-        for i in 0..blocks {
-            // SAFETY: as in `dot_q4`.
+    /// [`ROWS`] activation rows against one Q8_0 weight row, eight blocks
+    /// at a time as [`dot_q4_rows_body`] (no offsets: Q8_0 has none).
+    #[inline(always)]
+    unsafe fn dot_q8_0_rows_body<const VNNI: bool>(
+        w: &[u8],
+        xs: [&[Q8Block]; ROWS],
+        ds: [&[f32]; ROWS],
+    ) -> [f32; ROWS] {
+        const BYTES: usize = 34;
+        let blocks = xs.iter().fold(w.len() / BYTES, |n, x| n.min(x.len()));
+        let blocks = ds.iter().fold(blocks, |n, x| n.min(x.len()));
+        let groups = blocks / GROUP;
+        // SAFETY: register arithmetic (the caller runs on an avx2 CPU).
+        let (ones, mask16, offsets) = unsafe {
+            (
+                _mm256_set1_epi16(1),
+                _mm256_set1_epi32(0xFFFF),
+                _mm256_setr_epi32(0, 34, 68, 102, 136, 170, 204, 238),
+            )
+        };
+        let mut acc = [unsafe { _mm256_setzero_ps() }; ROWS];
+        for g in 0..groups {
+            let first = g * GROUP;
+            // SAFETY: as in `dot_q4_rows_body`.
             unsafe {
-                let b = w.as_ptr().add(i * 34);
-                _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(PREFETCH) as *const i8);
-                let w8 = _mm256_loadu_si256(b.add(2) as *const __m256i);
-                // |w| against x with w's sign: maddubs needs one unsigned side.
-                let aw = _mm256_sign_epi8(w8, w8);
-                let d = _mm_cvtph_ps(_mm_set1_epi16((b as *const i16).read_unaligned()));
-                for r in 0..R {
-                    let x = xs[r].get_unchecked(i);
-                    let x8 = _mm256_loadu_si256(x.q.as_ptr() as *const __m256i);
-                    let p =
-                        _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x8, w8)), ones);
-                    let scale = _mm256_broadcastss_ps(_mm_mul_ps(d, x_scales(x)));
-                    acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(p), acc[r]);
+                let base = w.as_ptr().add(first * BYTES);
+                _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(PREFETCH) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(PREFETCH + 64) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(PREFETCH + 128) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(PREFETCH + 192) as *const i8);
+                let heads = _mm256_i32gather_epi32::<1>(base as *const i32, offsets);
+                let dw = f16_lanes(_mm256_and_si256(heads, mask16));
+                let w8: [__m256i; GROUP] = std::array::from_fn(|j| {
+                    _mm256_loadu_si256(base.add(j * BYTES + 2) as *const __m256i)
+                });
+                // |w|: maddubs and vpdpbusd need one unsigned side.
+                let aw: [__m256i; GROUP] = std::array::from_fn(|j| _mm256_sign_epi8(w8[j], w8[j]));
+                for r in 0..ROWS {
+                    let x = xs[r].as_ptr().add(first);
+                    let dots: [__m256i; GROUP] = std::array::from_fn(|j| {
+                        let xv = _mm256_loadu_si256((*x.add(j)).q.as_ptr() as *const __m256i);
+                        let sx = _mm256_sign_epi8(xv, w8[j]);
+                        if VNNI {
+                            _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), aw[j], sx)
+                        } else {
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(aw[j], sx), ones)
+                        }
+                    });
+                    let dx = _mm256_loadu_ps(ds[r].as_ptr().add(first));
+                    acc[r] = _mm256_fmadd_ps(
+                        _mm256_mul_ps(dw, dx),
+                        _mm256_cvtepi32_ps(reduce8(dots)),
+                        acc[r],
+                    );
+                }
+            }
+        }
+        for i in groups * GROUP..blocks {
+            // SAFETY: block i of `w` and of every row exists.
+            unsafe {
+                let b = w.as_ptr().add(i * BYTES);
+                for r in 0..ROWS {
+                    acc[r] = q8_0_block(b, xs[r].get_unchecked(i), acc[r]);
                 }
             }
         }
         // SAFETY: register arithmetic.
         std::array::from_fn(|r| unsafe { hsum(acc[r]) })
+    }
+
+    /// [`dot_q8_0_rows_body`] with `maddubs` + `madd` block dots.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_q8_0_rows(
+        w: &[u8],
+        xs: [&[Q8Block]; ROWS],
+        ds: [&[f32]; ROWS],
+    ) -> [f32; ROWS] {
+        // SAFETY: as the body's; the features are enabled here.
+        unsafe { dot_q8_0_rows_body::<false>(w, xs, ds) }
+    }
+
+    /// [`dot_q8_0_rows_body`] with AVX-VNNI's `vpdpbusd` block dots.
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    pub(super) unsafe fn dot_q8_0_rows_vnni(
+        w: &[u8],
+        xs: [&[Q8Block]; ROWS],
+        ds: [&[f32]; ROWS],
+    ) -> [f32; ROWS] {
+        // SAFETY: as the body's; the features are enabled here.
+        unsafe { dot_q8_0_rows_body::<true>(w, xs, ds) }
     }
 }
 
@@ -1066,11 +1130,15 @@ mod tests {
         let xs: [&[Q8Block]; ROWS] = std::array::from_fn(|r| xq_row(&xq, r, k));
         let ds: [&[f32]; ROWS] = std::array::from_fn(|r| xq_row(&d, r, k));
         let ss: [&[f32]; ROWS] = std::array::from_fn(|r| xq_row(&s, r, k));
-        for ty in [GgmlType::Q4_0, GgmlType::Q4_1] {
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
             let w = random_blocks(ty, 1, k, 13);
             // SAFETY: the CPU has avx2 and avxvnni (checked above).
             let (plain, vnni) = unsafe {
                 match ty {
+                    GgmlType::Q8_0 => (
+                        avx2::dot_q8_0_rows(w.row(0), xs, ds),
+                        avx2::dot_q8_0_rows_vnni(w.row(0), xs, ds),
+                    ),
                     GgmlType::Q4_0 => (
                         avx2::dot_q4_rows::<false>(w.row(0), xs, ds, ss),
                         avx2::dot_q4_rows_vnni::<false>(w.row(0), xs, ds, ss),
