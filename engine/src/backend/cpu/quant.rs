@@ -161,10 +161,22 @@ pub(crate) fn matmul(
             let n = w.row_bytes();
             return kernel.gemv(&w.bytes[first * n..(first + len) * n], n, xq, outs);
         }
+        #[cfg(target_arch = "x86_64")]
+        if kernel.isa() == Isa::Avx2 {
+            let n = w.row_bytes();
+            return kernel.tile(
+                &w.bytes[first * n..(first + len) * n],
+                n,
+                xq,
+                &scales,
+                k,
+                outs,
+            );
+        }
         let mut buf = [0.0f32; QK_K];
         let mut dots = vec![0.0f32; m];
         for r in 0..len {
-            kernel.dot_rows(w.row(first + r), x, xq, &scales, k, &mut dots, &mut buf);
+            kernel.dot_rows(w.row(first + r), x, xq, k, &mut dots, &mut buf);
             for (i, d) in dots.iter().enumerate() {
                 outs[i * len + r] = *d;
             }
@@ -266,14 +278,12 @@ impl Kernel {
 
     /// `out[i] = Σ w · x_i` for every activation row `i` (`x` is rows of
     /// `k`, `xq` the same rows quantized); `buf` is scratch for
-    /// de-quantized blocks.
-    #[allow(clippy::too_many_arguments)]
+    /// de-quantized blocks. (The SIMD kernels go through [`Kernel::tile`].)
     fn dot_rows(
         self,
         w: &[u8],
         x: &[f32],
         xq: &[Q8Block],
-        scales: &XScales,
         k: usize,
         out: &mut [f32],
         buf: &mut [f32; QK_K],
@@ -281,33 +291,8 @@ impl Kernel {
         if let Kernel::Blocks(ty) = self {
             return dot_blocks(ty, w, x, k, out, buf);
         }
-        let mut i = 0;
-        while i < out.len() {
-            #[cfg(target_arch = "x86_64")]
-            if i + ROWS <= out.len() && self.isa() == Isa::Avx2 {
-                let xs: [&[Q8Block]; ROWS] = std::array::from_fn(|r| xq_row(xq, i + r, k));
-                let ds: [&[f32]; ROWS] = std::array::from_fn(|r| xq_row(&scales.d, i + r, k));
-                let ss: [&[f32]; ROWS] = std::array::from_fn(|r| xq_row(&scales.s, i + r, k));
-                // SAFETY: `Isa::Avx2` is only picked when the CPU has avx2,
-                // fma and f16c (and `vnni` when it has avxvnni); the kernels
-                // read whole blocks within `w` and each `xs` row, and the
-                // scales of those blocks.
-                let dots = unsafe {
-                    match (self, vnni()) {
-                        (Kernel::Q4_0(_), false) => avx2::dot_q4_rows::<false>(w, xs, ds, ss),
-                        (Kernel::Q4_1(_), false) => avx2::dot_q4_rows::<true>(w, xs, ds, ss),
-                        (Kernel::Q4_0(_), true) => avx2::dot_q4_rows_vnni::<false>(w, xs, ds, ss),
-                        (Kernel::Q4_1(_), true) => avx2::dot_q4_rows_vnni::<true>(w, xs, ds, ss),
-                        (_, false) => avx2::dot_q8_0_rows(w, xs, ds),
-                        (_, true) => avx2::dot_q8_0_rows_vnni(w, xs, ds),
-                    }
-                };
-                out[i..i + ROWS].copy_from_slice(&dots);
-                i += ROWS;
-                continue;
-            }
-            out[i] = self.dot(w, xq_row(xq, i, k));
-            i += 1;
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = self.dot(w, xq_row(xq, i, k));
         }
     }
 
@@ -330,6 +315,62 @@ impl Kernel {
         }
         for (o, row) in out.iter_mut().zip(w.chunks_exact(row_bytes)) {
             *o = self.dot(row, xq);
+        }
+    }
+
+    /// `outs[i][r] = Σ w_r · x_i` for consecutive weight rows of
+    /// `row_bytes` and every activation row (`outs` is `[m, rows]`): groups
+    /// of [`ROWS`] activation rows through the batched kernels, the weight
+    /// row loop inside the SIMD build, and the rows left over one at a time
+    /// through [`Kernel::gemv`].
+    #[cfg(target_arch = "x86_64")]
+    fn tile(
+        self,
+        w: &[u8],
+        row_bytes: usize,
+        xq: &[Q8Block],
+        scales: &XScales,
+        k: usize,
+        outs: &mut [f32],
+    ) {
+        let rows = w.len() / row_bytes;
+        let m = outs.len() / rows;
+        let groups: Vec<avx2::Group<'_>> = (0..m / ROWS)
+            .map(|g| {
+                let i = g * ROWS;
+                avx2::Group {
+                    xs: std::array::from_fn(|r| xq_row(xq, i + r, k)),
+                    ds: std::array::from_fn(|r| xq_row(&scales.d, i + r, k)),
+                    ss: std::array::from_fn(|r| xq_row(&scales.s, i + r, k)),
+                }
+            })
+            .collect();
+        let grouped = &mut outs[..groups.len() * ROWS * rows];
+        // SAFETY: `Isa::Avx2` is only picked when the CPU has avx2, fma and
+        // f16c (and `vnni()` says whether it has avxvnni); the kernels read
+        // whole blocks within each weight row, each group's rows and the
+        // scales of those blocks.
+        unsafe {
+            match (self, vnni()) {
+                (Kernel::Q4_0(_), false) => avx2::tile_q4::<false>(w, row_bytes, &groups, grouped),
+                (Kernel::Q4_1(_), false) => avx2::tile_q4::<true>(w, row_bytes, &groups, grouped),
+                (Kernel::Q4_0(_), true) => {
+                    avx2::tile_q4_vnni::<false>(w, row_bytes, &groups, grouped)
+                }
+                (Kernel::Q4_1(_), true) => {
+                    avx2::tile_q4_vnni::<true>(w, row_bytes, &groups, grouped)
+                }
+                (_, false) => avx2::tile_q8_0(w, row_bytes, &groups, grouped),
+                (_, true) => avx2::tile_q8_0_vnni(w, row_bytes, &groups, grouped),
+            }
+        }
+        for i in groups.len() * ROWS..m {
+            self.gemv(
+                w,
+                row_bytes,
+                xq_row(xq, i, k),
+                &mut outs[i * rows..(i + 1) * rows],
+            );
         }
     }
 
@@ -798,18 +839,21 @@ mod avx2 {
                 } else {
                     dw
                 };
-                let w8: [__m256i; GROUP] =
-                    std::array::from_fn(|j| nibbles(base.add(j * bytes + at)));
+                let mut w8 = [_mm256_setzero_si256(); GROUP];
+                for (j, w8) in w8.iter_mut().enumerate() {
+                    *w8 = nibbles(base.add(j * bytes + at));
+                }
                 for r in 0..ROWS {
                     let x = xs[r].as_ptr().add(first);
-                    let dots: [__m256i; GROUP] = std::array::from_fn(|j| {
+                    let mut dots = [_mm256_setzero_si256(); GROUP];
+                    for (j, dot) in dots.iter_mut().enumerate() {
                         let xv = _mm256_loadu_si256((*x.add(j)).q.as_ptr() as *const __m256i);
-                        if VNNI {
+                        *dot = if VNNI {
                             _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w8[j], xv)
                         } else {
                             _mm256_madd_epi16(_mm256_maddubs_epi16(w8[j], xv), ones)
-                        }
-                    });
+                        };
+                    }
                     let dx = _mm256_loadu_ps(ds[r].as_ptr().add(first));
                     let sx = _mm256_loadu_ps(ss[r].as_ptr().add(first));
                     acc[r] = _mm256_fmadd_ps(
@@ -832,37 +876,118 @@ mod avx2 {
                 }
             }
         }
-        std::array::from_fn(|r| {
+        let mut out = [0.0; ROWS];
+        for (r, out) in out.iter_mut().enumerate() {
             // SAFETY: register arithmetic.
             unsafe {
                 let o = hsum(offs[r]);
-                hsum(acc[r]) + if MIN { o } else { -8.0 * o } + finish::<MIN>(tail[r], tail_offs[r])
+                *out = hsum(acc[r])
+                    + if MIN { o } else { -8.0 * o }
+                    + finish::<MIN>(tail[r], tail_offs[r]);
             }
-        })
+        }
+        out
     }
 
-    /// [`dot_q4_rows_body`] with `maddubs` + `madd` block dots.
+    /// [`ROWS`] activation rows, their blocks' `d` and their blocks' `s`.
+    #[derive(Clone, Copy)]
+    pub(super) struct Group<'a> {
+        pub(super) xs: [&'a [Q8Block]; ROWS],
+        pub(super) ds: [&'a [f32]; ROWS],
+        pub(super) ss: [&'a [f32]; ROWS],
+    }
+
+    /// The block formats [`tile`] runs.
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    enum Format {
+        Q4_0,
+        Q4_1,
+        Q8_0,
+    }
+
+    /// `out[i * rows + r] = Σ w_r · x_i` for every activation row `i` of
+    /// `groups` and every weight row `r` of `w`: each weight row is taken
+    /// once, for every group while it is in L1. No closures: a closure
+    /// does not get its enclosing function's target features, and the
+    /// intrinsics would not inline into it.
+    #[inline(always)]
+    unsafe fn tile<const VNNI: bool>(
+        format: Format,
+        w: &[u8],
+        row_bytes: usize,
+        groups: &[Group<'_>],
+        out: &mut [f32],
+    ) {
+        let rows = w.len() / row_bytes;
+        for (r, row) in w.chunks_exact(row_bytes).enumerate() {
+            for (g, group) in groups.iter().enumerate() {
+                // SAFETY: as the bodies'.
+                let dots = unsafe {
+                    match format {
+                        Format::Q4_0 => {
+                            dot_q4_rows_body::<false, VNNI>(row, group.xs, group.ds, group.ss)
+                        }
+                        Format::Q4_1 => {
+                            dot_q4_rows_body::<true, VNNI>(row, group.xs, group.ds, group.ss)
+                        }
+                        Format::Q8_0 => dot_q8_0_rows_body::<VNNI>(row, group.xs, group.ds),
+                    }
+                };
+                for (j, d) in dots.into_iter().enumerate() {
+                    out[(g * ROWS + j) * rows + r] = d;
+                }
+            }
+        }
+    }
+
+    /// [`tile`] with `maddubs` block dots.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot_q4_rows<const MIN: bool>(
+    pub(super) unsafe fn tile_q4<const MIN: bool>(
         w: &[u8],
-        xs: [&[Q8Block]; ROWS],
-        ds: [&[f32]; ROWS],
-        ss: [&[f32]; ROWS],
-    ) -> [f32; ROWS] {
-        // SAFETY: as the body's; the features are enabled here.
-        unsafe { dot_q4_rows_body::<MIN, false>(w, xs, ds, ss) }
+        row_bytes: usize,
+        groups: &[Group<'_>],
+        out: &mut [f32],
+    ) {
+        let format = if MIN { Format::Q4_1 } else { Format::Q4_0 };
+        // SAFETY: as `tile`'s; the features are enabled here.
+        unsafe { tile::<false>(format, w, row_bytes, groups, out) }
     }
 
-    /// [`dot_q4_rows_body`] with AVX-VNNI's `vpdpbusd` block dots.
+    /// [`tile`] with `vpdpbusd` block dots.
     #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-    pub(super) unsafe fn dot_q4_rows_vnni<const MIN: bool>(
+    pub(super) unsafe fn tile_q4_vnni<const MIN: bool>(
         w: &[u8],
-        xs: [&[Q8Block]; ROWS],
-        ds: [&[f32]; ROWS],
-        ss: [&[f32]; ROWS],
-    ) -> [f32; ROWS] {
-        // SAFETY: as the body's; the features are enabled here.
-        unsafe { dot_q4_rows_body::<MIN, true>(w, xs, ds, ss) }
+        row_bytes: usize,
+        groups: &[Group<'_>],
+        out: &mut [f32],
+    ) {
+        let format = if MIN { Format::Q4_1 } else { Format::Q4_0 };
+        // SAFETY: as `tile`'s; the features are enabled here.
+        unsafe { tile::<true>(format, w, row_bytes, groups, out) }
+    }
+
+    /// [`tile`] of Q8_0 with `maddubs` block dots.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn tile_q8_0(
+        w: &[u8],
+        row_bytes: usize,
+        groups: &[Group<'_>],
+        out: &mut [f32],
+    ) {
+        // SAFETY: as `tile`'s; the features are enabled here.
+        unsafe { tile::<false>(Format::Q8_0, w, row_bytes, groups, out) }
+    }
+
+    /// [`tile`] of Q8_0 with `vpdpbusd` block dots.
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    pub(super) unsafe fn tile_q8_0_vnni(
+        w: &[u8],
+        row_bytes: usize,
+        groups: &[Group<'_>],
+        out: &mut [f32],
+    ) {
+        // SAFETY: as `tile`'s; the features are enabled here.
+        unsafe { tile::<true>(Format::Q8_0, w, row_bytes, groups, out) }
     }
 
     /// [`ROWS`] activation rows against one Q8_0 weight row, eight blocks
@@ -897,22 +1022,27 @@ mod avx2 {
                 _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(PREFETCH + 192) as *const i8);
                 let heads = _mm256_i32gather_epi32::<1>(base as *const i32, offsets);
                 let dw = f16_lanes(_mm256_and_si256(heads, mask16));
-                let w8: [__m256i; GROUP] = std::array::from_fn(|j| {
-                    _mm256_loadu_si256(base.add(j * BYTES + 2) as *const __m256i)
-                });
-                // |w|: maddubs and vpdpbusd need one unsigned side.
-                let aw: [__m256i; GROUP] = std::array::from_fn(|j| _mm256_sign_epi8(w8[j], w8[j]));
+                let (mut w8, mut aw) = (
+                    [_mm256_setzero_si256(); GROUP],
+                    [_mm256_setzero_si256(); GROUP],
+                );
+                for j in 0..GROUP {
+                    w8[j] = _mm256_loadu_si256(base.add(j * BYTES + 2) as *const __m256i);
+                    // |w|: maddubs and vpdpbusd need one unsigned side.
+                    aw[j] = _mm256_sign_epi8(w8[j], w8[j]);
+                }
                 for r in 0..ROWS {
                     let x = xs[r].as_ptr().add(first);
-                    let dots: [__m256i; GROUP] = std::array::from_fn(|j| {
+                    let mut dots = [_mm256_setzero_si256(); GROUP];
+                    for (j, dot) in dots.iter_mut().enumerate() {
                         let xv = _mm256_loadu_si256((*x.add(j)).q.as_ptr() as *const __m256i);
                         let sx = _mm256_sign_epi8(xv, w8[j]);
-                        if VNNI {
+                        *dot = if VNNI {
                             _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), aw[j], sx)
                         } else {
                             _mm256_madd_epi16(_mm256_maddubs_epi16(aw[j], sx), ones)
-                        }
-                    });
+                        };
+                    }
                     let dx = _mm256_loadu_ps(ds[r].as_ptr().add(first));
                     acc[r] = _mm256_fmadd_ps(
                         _mm256_mul_ps(dw, dx),
@@ -931,30 +1061,12 @@ mod avx2 {
                 }
             }
         }
-        // SAFETY: register arithmetic.
-        std::array::from_fn(|r| unsafe { hsum(acc[r]) })
-    }
-
-    /// [`dot_q8_0_rows_body`] with `maddubs` + `madd` block dots.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot_q8_0_rows(
-        w: &[u8],
-        xs: [&[Q8Block]; ROWS],
-        ds: [&[f32]; ROWS],
-    ) -> [f32; ROWS] {
-        // SAFETY: as the body's; the features are enabled here.
-        unsafe { dot_q8_0_rows_body::<false>(w, xs, ds) }
-    }
-
-    /// [`dot_q8_0_rows_body`] with AVX-VNNI's `vpdpbusd` block dots.
-    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-    pub(super) unsafe fn dot_q8_0_rows_vnni(
-        w: &[u8],
-        xs: [&[Q8Block]; ROWS],
-        ds: [&[f32]; ROWS],
-    ) -> [f32; ROWS] {
-        // SAFETY: as the body's; the features are enabled here.
-        unsafe { dot_q8_0_rows_body::<true>(w, xs, ds) }
+        let mut out = [0.0; ROWS];
+        for (out, acc) in out.iter_mut().zip(acc) {
+            // SAFETY: register arithmetic.
+            *out = unsafe { hsum(acc) };
+        }
+        out
     }
 }
 
@@ -1127,26 +1239,30 @@ mod tests {
         quantize_rows(&x, k, &mut xq);
         let d: Vec<f32> = xq.iter().map(|b| b.d).collect();
         let s: Vec<f32> = xq.iter().map(|b| b.s).collect();
-        let xs: [&[Q8Block]; ROWS] = std::array::from_fn(|r| xq_row(&xq, r, k));
-        let ds: [&[f32]; ROWS] = std::array::from_fn(|r| xq_row(&d, r, k));
-        let ss: [&[f32]; ROWS] = std::array::from_fn(|r| xq_row(&s, r, k));
+        let groups = [avx2::Group {
+            xs: std::array::from_fn(|r| xq_row(&xq, r, k)),
+            ds: std::array::from_fn(|r| xq_row(&d, r, k)),
+            ss: std::array::from_fn(|r| xq_row(&s, r, k)),
+        }];
         for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
-            let w = random_blocks(ty, 1, k, 13);
+            let w = random_blocks(ty, 3, k, 13);
+            let n = w.row_bytes();
+            let (mut plain, mut vnni) = (vec![0.0; ROWS * 3], vec![0.0; ROWS * 3]);
             // SAFETY: the CPU has avx2 and avxvnni (checked above).
-            let (plain, vnni) = unsafe {
+            unsafe {
                 match ty {
-                    GgmlType::Q8_0 => (
-                        avx2::dot_q8_0_rows(w.row(0), xs, ds),
-                        avx2::dot_q8_0_rows_vnni(w.row(0), xs, ds),
-                    ),
-                    GgmlType::Q4_0 => (
-                        avx2::dot_q4_rows::<false>(w.row(0), xs, ds, ss),
-                        avx2::dot_q4_rows_vnni::<false>(w.row(0), xs, ds, ss),
-                    ),
-                    _ => (
-                        avx2::dot_q4_rows::<true>(w.row(0), xs, ds, ss),
-                        avx2::dot_q4_rows_vnni::<true>(w.row(0), xs, ds, ss),
-                    ),
+                    GgmlType::Q8_0 => {
+                        avx2::tile_q8_0(&w.bytes, n, &groups, &mut plain);
+                        avx2::tile_q8_0_vnni(&w.bytes, n, &groups, &mut vnni);
+                    }
+                    GgmlType::Q4_0 => {
+                        avx2::tile_q4::<false>(&w.bytes, n, &groups, &mut plain);
+                        avx2::tile_q4_vnni::<false>(&w.bytes, n, &groups, &mut vnni);
+                    }
+                    _ => {
+                        avx2::tile_q4::<true>(&w.bytes, n, &groups, &mut plain);
+                        avx2::tile_q4_vnni::<true>(&w.bytes, n, &groups, &mut vnni);
+                    }
                 }
             };
             assert_eq!(plain, vnni, "{ty:?}");
