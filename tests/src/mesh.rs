@@ -65,6 +65,8 @@ pub struct MeshOptions {
     pub decode_workers: usize,
     /// Queue replicas (1 by default).
     pub queues: usize,
+    /// Router replicas (1 by default).
+    pub routers: usize,
     pub prefill_workers: usize,
     pub worker: sluice_worker::WorkerArgs,
     pub queue: sluice_queue::Args,
@@ -88,6 +90,7 @@ impl Default for MeshOptions {
         Self {
             decode_workers: 1,
             queues: 1,
+            routers: 1,
             prefill_workers: 0,
             worker: sluice_worker::WorkerArgs {
                 num_gpu_blocks: 512,
@@ -165,15 +168,17 @@ impl Mesh {
                 )
             }));
         }
-        let (l, a, c) = (listener().await?, opts.router.clone(), ctx());
-        let done = report("router");
-        tasks.push(tokio::spawn(async move {
-            done(
-                sluice_router::serve(l, a, c)
-                    .await
-                    .map_err(|e| format!("{e:?}")),
-            )
-        }));
+        for _ in 0..opts.routers.max(1) {
+            let (l, a, c) = (listener().await?, opts.router.clone(), ctx());
+            let done = report("router");
+            tasks.push(tokio::spawn(async move {
+                done(
+                    sluice_router::serve(l, a, c)
+                        .await
+                        .map_err(|e| format!("{e:?}")),
+                )
+            }));
+        }
         for _ in 0..opts.queues.max(1) {
             let (l, a, c) = (listener().await?, opts.queue.clone(), ctx());
             let done = report("queue");
@@ -213,15 +218,22 @@ impl Mesh {
             opts.decode_workers,
             opts.prefill_workers,
             opts.worker.data_parallel_size.max(1),
+            opts.routers.max(1),
         )
         .await?;
         Ok(mesh)
     }
 
-    /// Waits until the frontend is ready and the router has every worker in
-    /// its pool with none still joining (first KV snapshot outstanding), read
-    /// from the router's `/metrics`.
-    async fn wait_ready(&self, decode: usize, prefill: usize, dp: usize) -> anyhow::Result<()> {
+    /// Waits until the frontend is ready and every router has every worker
+    /// in its pool with none still joining (first KV snapshot outstanding),
+    /// read from the routers' `/metrics`.
+    async fn wait_ready(
+        &self,
+        decode: usize,
+        prefill: usize,
+        dp: usize,
+        router_count: usize,
+    ) -> anyhow::Result<()> {
         let what = format!(
             "the mesh to be ready ({decode} decode, {prefill} prefill workers of {dp} ranks in the router's pools, none joining, every prefill worker known to every decode worker; frontend /ready)"
         );
@@ -233,22 +245,29 @@ impl Mesh {
                     .unwrap_or(false);
             let routers = self.discovery.list("router").await?;
             anyhow::ensure!(ready, "frontend not ready");
-            anyhow::ensure!(routers.len() == 1, "{} routers registered", routers.len());
-            let (_, metrics) = crate::http::get(&routers[0].endpoint, "/metrics").await?;
-            for (pool, workers) in [("decode", decode), ("prefill", prefill)] {
-                let series = |name: &str| {
-                    crate::wait::sample(&metrics, &format!("{name}{{pool=\"{pool}\"}}"))
-                        .unwrap_or(0.0) as usize
-                };
-                let (members, joining) = (
-                    series("sluice_router_workers"),
-                    series("sluice_router_workers_joining"),
-                );
-                anyhow::ensure!(
-                    members >= workers * dp && joining == 0,
-                    "router {pool} pool: {members}/{} targets, {joining} joining",
-                    workers * dp
-                );
+            anyhow::ensure!(
+                routers.len() == router_count,
+                "{} of {router_count} routers registered",
+                routers.len()
+            );
+            for router in &routers {
+                let (_, metrics) = crate::http::get(&router.endpoint, "/metrics").await?;
+                for (pool, workers) in [("decode", decode), ("prefill", prefill)] {
+                    let series = |name: &str| {
+                        crate::wait::sample(&metrics, &format!("{name}{{pool=\"{pool}\"}}"))
+                            .unwrap_or(0.0) as usize
+                    };
+                    let (members, joining) = (
+                        series("sluice_router_workers"),
+                        series("sluice_router_workers_joining"),
+                    );
+                    anyhow::ensure!(
+                        members >= workers * dp && joining == 0,
+                        "router {} {pool} pool: {members}/{} targets, {joining} joining",
+                        router.endpoint,
+                        workers * dp
+                    );
+                }
             }
             if prefill > 0 {
                 self.disaggregation_ready(prefill, dp).await?;

@@ -6,7 +6,8 @@
 //! fetch) with the same tokens, and so does a holder that is gone or never
 //! answers; blocks are freed on every path. A prefix
 //! evicted from KV memory comes back from the second tier (on by default)
-//! with the same tokens as computing it.
+//! with the same tokens as computing it. Two router replicas agree on which
+//! worker holds a prefix.
 
 use std::time::{Duration, Instant};
 
@@ -262,4 +263,101 @@ async fn a_holder_that_is_gone_or_never_answers_costs_a_recompute() -> anyhow::R
     all_freed(&[&worker]).await?;
     drop(hung);
     mesh.stop().await
+}
+
+/// What a router's dry-run placement of `prompt` on the decode pool says:
+/// the target, the holder it names (if any) and every candidate's cached
+/// blocks.
+#[derive(Debug, PartialEq)]
+struct DryRoute {
+    target: String,
+    holder: Option<(String, u32)>,
+    overlaps: Vec<(String, u32)>,
+}
+
+async fn dry_routes(routers: &[String], prompt: &[u32]) -> anyhow::Result<Vec<DryRoute>> {
+    use sluice_proto::common::v1::RequestDescription;
+    use sluice_proto::router::v1::{Pool, RouteRequest, router_client::RouterClient};
+    let description = RequestDescription {
+        request_id: "holder-check".into(),
+        prompt_tokens: prompt.len() as u32,
+        block_hashes: sluice_tokens::block_hash::sequence_block_hashes(prompt, BLOCK as usize),
+        block_size: BLOCK,
+        ..Default::default()
+    };
+    let mut out = Vec::new();
+    for router in routers {
+        let mut client = RouterClient::connect(format!("http://{router}")).await?;
+        let r = client
+            .route(RouteRequest {
+                description: Some(description.clone()),
+                pool: Pool::Decode as i32,
+                commit: false,
+                ..Default::default()
+            })
+            .await?
+            .into_inner();
+        let mut overlaps: Vec<(String, u32)> = r
+            .candidates
+            .iter()
+            .map(|c| {
+                let id = c
+                    .target
+                    .as_ref()
+                    .map(|t| t.worker_id.clone())
+                    .unwrap_or_default();
+                (id, c.overlap_blocks)
+            })
+            .collect();
+        overlaps.sort();
+        out.push(DryRoute {
+            target: r.target.map(|t| t.worker_id).unwrap_or_default(),
+            holder: r.prefix_source.map(|s| (s.worker_id, s.blocks)),
+            overlaps,
+        });
+    }
+    Ok(out)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_router_replicas_agree_on_who_holds_a_prefix() -> anyhow::Result<()> {
+    let mut opts = two_workers(TransportKind::Shm);
+    opts.routers = 2;
+    let mesh = Mesh::start(opts).await?;
+    let [(a, a_ep), (b, b_ep)] = workers(&mesh).await?;
+    let routers = mesh.endpoints("router").await?;
+    assert_eq!(routers.len(), 2);
+    // Worker a computes one prompt, worker b another: each prefix is
+    // cached on one worker only.
+    let (pa, pb) = (prompt(7), prompt(8));
+    generate(&a_ep, &pa, None).await?;
+    generate(&b_ep, &pb, None).await?;
+    // Once both replicas have heard both workers' KV events, each sees
+    // every full block of each prompt on its holder and none elsewhere, and
+    // both place each prompt on its holder (a dry run: nothing is counted).
+    for (p, holder) in [(&pa, &a), (&pb, &b)] {
+        let mut want: Vec<(String, u32)> = [&a, &b]
+            .iter()
+            .map(|w| ((*w).clone(), if *w == holder { FULL_BLOCKS } else { 0 }))
+            .collect();
+        want.sort();
+        let want = DryRoute {
+            target: holder.clone(),
+            holder: None,
+            overlaps: want,
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let got = dry_routes(&routers, p).await?;
+            if got.iter().all(|g| *g == want) {
+                break;
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "replicas never agreed on {want:?}: {got:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    Ok(())
 }
