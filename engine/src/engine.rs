@@ -358,10 +358,14 @@ impl EngineHandle {
         if cfg.kv_tier_bytes > 0 && cfg.enable_prefix_caching {
             // A timing backend keeps no bytes: its budget counts the
             // modelled model's blocks.
-            let block_bytes = backend
-                .kv_transfer_model()
-                .map_or(layout.block_bytes() as u64, |m| m.block_bytes);
-            kv = kv.with_tier(crate::kv::TierStore::new(cfg.kv_tier_bytes, block_bytes));
+            let tier = match backend.kv_transfer_model() {
+                Some(m) => crate::kv::TierStore::new(cfg.kv_tier_bytes, m.block_bytes),
+                None => crate::kv::TierStore::with_bytes(
+                    cfg.kv_tier_bytes,
+                    layout.block_bytes() as u64,
+                )?,
+            };
+            kv = kv.with_tier(tier);
         }
         let sched = Scheduler::new(cfg.scheduler.clone(), kv, cfg.eos_token_ids.clone());
         let grammars = cfg.grammars.clone();

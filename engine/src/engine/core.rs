@@ -568,35 +568,39 @@ impl EngineCore {
         if ops.is_empty() {
             return 0;
         }
-        let keep_bytes = self.backend.kv_transfer_model().is_none();
-        let bytes = self.backend.kv_layout().block_bytes();
         let mut restored = 0;
         let mut dropped = Vec::new();
         for op in ops {
+            let backend = &mut self.backend;
+            let Some(tier) = self.sched.kv_mut().tier_mut() else {
+                continue;
+            };
             match op {
                 TierOp::Demote { hash, block, reuse } => {
-                    let data = if keep_bytes {
-                        let mut buf = vec![0u8; bytes];
-                        match self.backend.read_block(block, &mut buf) {
-                            Ok(()) => Some(buf.into_boxed_slice()),
-                            Err(e) => {
-                                tracing::warn!(error = %e, block, "KV block not kept in the second tier");
-                                dropped.push(hash);
-                                continue;
-                            }
+                    // The bytes go straight from KV memory into the tier's
+                    // slot (a timing backend's tier keeps none).
+                    let keep = tier.keeps_bytes();
+                    let (gone, read) = tier.insert(hash, reuse, |slot| {
+                        if keep {
+                            backend.read_block(block, slot)
+                        } else {
+                            Ok(())
                         }
-                    } else {
-                        None
-                    };
-                    if let Some(tier) = self.sched.kv_mut().tier_mut() {
-                        dropped.extend(tier.insert(hash, data, reuse));
+                    });
+                    if let Err(e) = read {
+                        tracing::warn!(error = %e, block, "KV block not kept in the second tier");
                     }
+                    dropped.extend(gone);
                 }
-                TierOp::Restore { block, data } => {
+                TierOp::Restore { block, slot } => {
                     restored += 1;
-                    if let Some(data) = data
-                        && let Err(e) = self.backend.write_block(block, &data)
-                    {
+                    let Some(slot) = slot else { continue };
+                    let written = match tier.bytes(slot) {
+                        Some(data) => backend.write_block(block, data),
+                        None => Ok(()),
+                    };
+                    tier.release(slot);
+                    if let Err(e) = written {
                         // The block's hash is registered: a wrong restore
                         // would serve wrong K/V, so the cache forgets it.
                         tracing::error!(error = %e, block, "restoring a KV block from the second tier failed; clearing the prefix cache");

@@ -42,8 +42,9 @@ pub enum TierOp {
     /// evicted and is about to be reused).
     Demote { hash: u64, block: u32, reuse: u32 },
     /// Write a block's bytes, taken out of the second tier, into block
-    /// `block` (`None` on a timing backend, which keeps no bytes).
-    Restore { block: u32, data: Option<Box<[u8]>> },
+    /// `block`: the tier's `slot` (`None` on a timing backend, which keeps
+    /// no bytes), released once copied.
+    Restore { block: u32, slot: Option<u32> },
 }
 
 #[derive(Debug, Default)]
@@ -283,16 +284,16 @@ impl KvCache {
         let mut restored = Vec::with_capacity(n);
         for (i, &h) in hashes[..n].iter().enumerate() {
             let id = table.ids[start + i];
-            let (data, reuse) = self
+            let (slot, reuse) = self
                 .tier
                 .as_mut()
                 .and_then(|t| t.take(h))
-                .map_or((None, 0), |r| (r.data, r.reuse));
+                .map_or((None, 0), |r| (r.slot, r.reuse));
             let block = &mut self.blocks[id as usize];
             block.hash = Some(h);
             block.reuse = reuse + 1;
             self.by_hash.insert(h, id);
-            self.tier_ops.push(TierOp::Restore { block: id, data });
+            self.tier_ops.push(TierOp::Restore { block: id, slot });
             restored.push(h);
         }
         table.num_cached = start + n;
@@ -661,7 +662,7 @@ mod tests {
     #[test]
     fn an_evicted_block_moves_to_the_second_tier_and_a_hit_restores_it() {
         // Two blocks in memory, two in the second tier.
-        let mut c = cache(2).with_tier(TierStore::new(2 * 64, 64));
+        let mut c = cache(2).with_tier(TierStore::with_bytes(2 * 64, 64).expect("store"));
         let a = sequence_block_hashes(&[1, 1, 1, 1, 2, 2, 2, 2], 4);
         c.allocate(1, 8).expect("fits");
         c.cache_full_blocks(1, &a, 8);
@@ -683,13 +684,11 @@ mod tests {
         // The engine thread keeps the bytes it was asked to.
         for op in ops {
             if let TierOp::Demote { hash, reuse, .. } = op {
-                let data = Some(vec![hash as u8; 4].into_boxed_slice());
-                assert!(
-                    c.tier_mut()
-                        .expect("tier")
-                        .insert(hash, data, reuse)
-                        .is_empty()
-                );
+                let (dropped, filled) = c.tier_mut().expect("tier").insert(hash, reuse, |slot| {
+                    slot.fill(hash as u8);
+                    Ok::<(), ()>(())
+                });
+                assert!(dropped.is_empty() && filled.is_ok());
             }
         }
         // Still a hit, and where memory is free it comes back.
@@ -701,14 +700,20 @@ mod tests {
             "restored, hits as cached blocks"
         );
         let ops = c.take_tier_ops();
-        let restored: Vec<u8> = ops
+        let slots: Vec<u32> = ops
             .iter()
             .filter_map(|op| match op {
-                TierOp::Restore { data: Some(d), .. } => Some(d[0]),
+                TierOp::Restore { slot: Some(s), .. } => Some(*s),
                 _ => None,
             })
             .collect();
+        let tier = c.tier_mut().expect("tier");
+        let restored: Vec<u8> = slots
+            .iter()
+            .map(|&s| tier.bytes(s).expect("bytes")[0])
+            .collect();
         assert_eq!(restored, vec![a[0] as u8, a[1] as u8], "{ops:?}");
+        slots.into_iter().for_each(|s| tier.release(s));
         assert!(matches!(
             events(&c).last(),
             Some(KvEvent::Moved { tier: 1, .. })
@@ -727,7 +732,10 @@ mod tests {
         c.allocate(2, 4).expect("evicts a");
         for op in c.take_tier_ops() {
             if let TierOp::Demote { hash, reuse, .. } = op {
-                let dropped = c.tier_mut().expect("tier").insert(hash, None, reuse);
+                let (dropped, _) = c
+                    .tier_mut()
+                    .expect("tier")
+                    .insert(hash, reuse, |_| Ok::<(), ()>(()));
                 c.tier_dropped(dropped);
             }
         }
