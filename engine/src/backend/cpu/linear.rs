@@ -91,11 +91,7 @@ impl CpuLinear {
                 if parts.iter().any(|p| quant::uses_q8(p.ty)) {
                     quant::quantize_rows(x, self.inputs, &mut scratch.xq);
                 }
-                let mut col = 0;
-                for p in parts {
-                    quant::matmul(out, self.outputs, col, x, &scratch.xq, p, accumulate);
-                    col += p.rows;
-                }
+                quant::matmul(out, self.outputs, x, &scratch.xq, parts, accumulate);
             }
         }
         if let Some(b) = &self.bias {

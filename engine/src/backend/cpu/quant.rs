@@ -128,79 +128,79 @@ pub(crate) fn uses_q8(ty: GgmlType) -> bool {
     matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)
 }
 
-/// Columns `col..col + w.rows` of `out = x · wᵀ` (or `+=` when
-/// `accumulate`), `x` being `m` rows of `w.cols` and `out` `m` rows of
-/// `n`. `xq` is `x` quantized by [`quantize_rows`] when [`uses_q8`].
+/// `out = x · wᵀ` (or `+=` when `accumulate`) for weights stacked along
+/// the output (q/k/v, gate/up): part `j`'s rows are columns from the sum
+/// of the earlier parts' rows. `x` is `m` rows of the parts' common
+/// `cols`, `out` `m` rows of `n`; `xq` is `x` quantized by
+/// [`quantize_rows`] when any part [`uses_q8`]. One parallel section for
+/// all the parts: each is a synchronisation of the team fewer.
 pub(crate) fn matmul(
     out: &mut [f32],
     n: usize,
-    col: usize,
     x: &[f32],
     xq: &[Q8Block],
-    w: &QuantTensor,
+    parts: &[QuantTensor],
     accumulate: bool,
 ) {
-    let (k, rows) = (w.cols, w.rows);
+    let Some(k) = parts.first().map(|w| w.cols) else {
+        return;
+    };
     let m = x.len() / k;
     debug_assert_eq!(out.len(), m * n);
-    if m == 0 || rows == 0 {
+    debug_assert!(parts.iter().all(|w| w.cols == k));
+    let total: usize = parts.iter().map(|w| w.rows).sum();
+    if m == 0 || total == 0 {
         return;
     }
-    debug_assert!(col + rows <= n);
-    let kernel = Kernel::pick(w.ty);
+    debug_assert!(total <= n);
     // The activation blocks' scales side by side, for kernels that scale
     // eight blocks at once.
     let scales = XScales {
         d: xq.iter().map(|b| b.d).collect(),
         s: xq.iter().map(|b| b.s).collect(),
     };
-    let task = |first: usize, outs: &mut [f32]| {
-        // `outs` is `[m, len]` for weight rows first..first + len.
-        let len = outs.len() / m;
-        if m == 1 && !matches!(kernel, Kernel::Blocks(_)) {
-            let n = w.row_bytes();
-            return kernel.gemv(&w.bytes[first * n..(first + len) * n], n, xq, outs);
-        }
-        #[cfg(target_arch = "x86_64")]
-        if kernel.isa() == Isa::Avx2 {
-            let n = w.row_bytes();
-            return kernel.tile(
-                &w.bytes[first * n..(first + len) * n],
-                n,
-                xq,
-                &scales,
-                k,
-                outs,
-            );
-        }
-        let mut buf = [0.0f32; QK_K];
-        let mut dots = vec![0.0f32; m];
-        for r in 0..len {
-            kernel.dot_rows(w.row(first + r), x, xq, k, &mut dots, &mut buf);
-            for (i, d) in dots.iter().enumerate() {
-                outs[i * len + r] = *d;
-            }
-        }
-    };
     let threads = team::threads();
-    let parallel = threads > 1 && m * k * rows >= PARALLEL_MIN_WORK;
-    let per_task = if parallel {
-        rows.div_ceil(threads * 4).max(MIN_ROWS_PER_TASK)
-    } else {
-        rows
-    };
-    // Each task writes a private `[m, len]` tile; tiles are added into
-    // `out` afterwards (a few KB: rows are outputs, not weights).
-    let mut tiles: Vec<(usize, Vec<f32>)> = (0..rows)
-        .step_by(per_task.max(1))
-        .map(|first| (first, vec![0.0; m * per_task.min(rows - first)]))
-        .collect();
-    team::for_each_mut(&mut tiles, |_, (first, tile)| task(*first, tile));
-    for (first, tile) in tiles {
-        let len = tile.len() / m;
+    let parallel = threads > 1 && m * k * total >= PARALLEL_MIN_WORK;
+    // Each task: part `p`, its rows `first..first + len`, into a private
+    // `[m, len]` tile added into `out` afterwards (a few KB: rows are
+    // outputs, not weights).
+    struct Task {
+        part: usize,
+        col: usize,
+        first: usize,
+        tile: Vec<f32>,
+    }
+    let mut tasks = Vec::new();
+    let mut col = 0;
+    for (part, w) in parts.iter().enumerate() {
+        let per_task = if parallel {
+            // About four tasks per thread over all the parts.
+            (w.rows * total.div_ceil(threads * 4))
+                .div_ceil(total)
+                .max(MIN_ROWS_PER_TASK)
+        } else {
+            w.rows
+        };
+        for first in (0..w.rows).step_by(per_task.max(1)) {
+            let len = per_task.min(w.rows - first);
+            tasks.push(Task {
+                part,
+                col,
+                first,
+                tile: vec![0.0; m * len],
+            });
+        }
+        col += w.rows;
+    }
+    team::for_each_mut(&mut tasks, |_, t| {
+        product(&parts[t.part], t.first, x, xq, &scales, m, &mut t.tile)
+    });
+    for t in tasks {
+        let len = t.tile.len() / m;
+        let at = t.col + t.first;
         for i in 0..m {
-            let dst = &mut out[i * n + col + first..i * n + col + first + len];
-            let src = &tile[i * len..(i + 1) * len];
+            let dst = &mut out[i * n + at..i * n + at + len];
+            let src = &t.tile[i * len..(i + 1) * len];
             if accumulate {
                 for (d, s) in dst.iter_mut().zip(src) {
                     *d += s;
@@ -208,6 +208,47 @@ pub(crate) fn matmul(
             } else {
                 dst.copy_from_slice(src);
             }
+        }
+    }
+}
+
+/// `outs` (`[m, len]`) = the `m` activation rows against `w`'s rows
+/// `first..first + len`.
+fn product(
+    w: &QuantTensor,
+    first: usize,
+    x: &[f32],
+    xq: &[Q8Block],
+    scales: &XScales,
+    m: usize,
+    outs: &mut [f32],
+) {
+    let kernel = Kernel::pick(w.ty);
+    let k = w.cols;
+    let len = outs.len() / m;
+    if m == 1 && !matches!(kernel, Kernel::Blocks(_)) {
+        let n = w.row_bytes();
+        return kernel.gemv(&w.bytes[first * n..(first + len) * n], n, xq, outs);
+    }
+    #[cfg(target_arch = "x86_64")]
+    if kernel.isa() == Isa::Avx2 {
+        let n = w.row_bytes();
+        return kernel.tile(
+            &w.bytes[first * n..(first + len) * n],
+            n,
+            xq,
+            scales,
+            k,
+            outs,
+        );
+    }
+    let _ = scales;
+    let mut buf = [0.0f32; QK_K];
+    let mut dots = vec![0.0f32; m];
+    for r in 0..len {
+        kernel.dot_rows(w.row(first + r), x, xq, k, &mut dots, &mut buf);
+        for (i, d) in dots.iter().enumerate() {
+            outs[i * len + r] = *d;
         }
     }
 }
@@ -1190,11 +1231,25 @@ mod tests {
                 quantize_rows(&x, k, &mut xq);
                 let n = rows + 3;
                 let mut out = vec![1.0; m * n];
-                matmul(&mut out, n, 2, &x, &xq, &w, true);
+                // Columns 0..2 come from a part of two rows before `w`.
+                let pad = random_blocks(GgmlType::Q8_0, 2, k, 99);
+                let want_pad = reference(&pad, &x, m);
+                matmul(&mut out, n, &x, &xq, &[pad, w.clone()], true);
                 let want = reference(&w, &x, m);
                 let scale = want.iter().fold(0.0f32, |a, v| a.max(v.abs()));
                 for i in 0..m {
-                    assert_eq!(out[i * n], 1.0, "{ty:?}: columns before `col` untouched");
+                    assert_eq!(
+                        out[i * n + n - 1],
+                        1.0,
+                        "{ty:?}: columns after the parts untouched"
+                    );
+                    for j in 0..2 {
+                        let (got, want) = (out[i * n + j] - 1.0, want_pad[i * 2 + j]);
+                        assert!(
+                            (got - want).abs() <= 1e-3 * scale.max(1.0),
+                            "{ty:?} pad [{i},{j}]"
+                        );
+                    }
                     for j in 0..rows {
                         let (got, want) = (out[i * n + 2 + j] - 1.0, want[i * rows + j]);
                         assert!(
