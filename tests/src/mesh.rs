@@ -104,6 +104,21 @@ impl Default for MeshOptions {
     }
 }
 
+/// Meshes computing on the CPU engine share the machine; a test whose
+/// promise is measured in wall-clock time takes it alone ([`exclusive`]):
+/// on a 2-core host another test's engine threads would take the cores its
+/// services need, and its latencies would measure that instead.
+static MACHINE: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
+
+/// Held by a test that measures a promise in wall-clock time (TTFT
+/// targets, priority ratios): no mesh computing on the CPU engine runs
+/// beside it. Take it before [`Mesh::start`]. A test must not hold a
+/// CPU-engine mesh while it starts another (none does: it would wait on
+/// itself behind a waiting exclusive test).
+pub async fn exclusive() -> tokio::sync::RwLockWriteGuard<'static, ()> {
+    MACHINE.write().await
+}
+
 /// A running mesh; dropping it shuts everything down.
 #[derive(Debug)]
 pub struct Mesh {
@@ -114,6 +129,8 @@ pub struct Mesh {
     tasks: Vec<JoinHandle<()>>,
     /// Ends the test process if this mesh is still up after [`MESH_LIMIT`].
     _watchdog: crate::watchdog::Watchdog,
+    /// A CPU-engine mesh's share of the machine (see [`exclusive`]).
+    _machine: Option<tokio::sync::RwLockReadGuard<'static, ()>>,
 }
 
 /// How long a test may keep one mesh: far past the longest test's own
@@ -127,6 +144,11 @@ async fn listener() -> anyhow::Result<TcpListener> {
 impl Mesh {
     /// Starts the mesh and waits until the frontend is ready.
     pub async fn start(opts: MeshOptions) -> anyhow::Result<Self> {
+        let machine = match opts.worker.engine {
+            sluice_worker::EngineKind::Mocker => None,
+            _ if opts.decode_workers + opts.prefill_workers == 0 => None,
+            _ => Some(MACHINE.read().await),
+        };
         let model_dir = builtin_model_dir()?;
         let model = ModelArgs {
             model: Some(model_dir),
@@ -213,6 +235,7 @@ impl Mesh {
             _watchdog: crate::watchdog::watchdog(MESH_LIMIT, move || {
                 format!("the mesh {test} started is still up")
             }),
+            _machine: machine,
         };
         mesh.wait_ready(
             opts.decode_workers,

@@ -74,6 +74,8 @@ async fn a_full_queue_sheds_its_lowest_priority_with_429_and_retry_after() -> an
     opts.worker.engine = sluice_worker::EngineKind::Mocker;
     opts.queue.max_active = 1;
     opts.queue.max_pending = 1;
+    // Timed: no CPU-engine mesh beside it (see `exclusive`).
+    let _machine = sluice_tests::mesh::exclusive().await;
     let mesh = Mesh::start(opts).await?;
 
     // One request runs (the only active slot) and streams for a while.
@@ -173,6 +175,8 @@ async fn burst_by_priority(queues: usize) -> anyhow::Result<Vec<f64>> {
     opts.queues = queues;
     assert_eq!(opts.queue.queue_threshold, None, "default flags");
     assert_eq!(opts.queue.max_active, 0, "default flags");
+    // Timed: no CPU-engine mesh beside it (see `exclusive`).
+    let _machine = sluice_tests::mesh::exclusive().await;
     let mesh = Mesh::start(opts).await?;
     queues_see_the_mesh(&mesh, queues).await?;
 
@@ -255,6 +259,8 @@ async fn standing_overload_refuses_by_ttft_target_lowest_priority_first() -> any
     let mut opts = MeshOptions::default();
     opts.worker.engine = sluice_worker::EngineKind::Mocker;
     opts.worker.max_num_seqs = 2;
+    // Timed: no CPU-engine mesh beside it (see `exclusive`).
+    let _machine = sluice_tests::mesh::exclusive().await;
     let mesh = Mesh::start(opts).await?;
     queue_sees_a_worker(&mesh).await?;
 
