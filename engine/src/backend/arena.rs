@@ -429,28 +429,41 @@ impl KvArena {
 
 /// Creates, reserves and maps a shared arena's memory file of `len` bytes.
 fn create_shared(len: usize) -> Result<(MmapRaw, File), EngineError> {
-    let err = |what: String| EngineError::InvalidConfig(format!("shared KV memory: {what}"));
+    memory_file(c"sluice-kv", len, true)
+        .map_err(|what| EngineError::InvalidConfig(format!("shared KV memory: {what}")))
+}
+
+/// Creates and maps a memory file with no name (`memfd_create`, shown as
+/// `/memfd:NAME`) of `len` bytes, reserved in full when `reserve` (else
+/// its pages are committed as first written). Errors say which step failed.
+pub(crate) fn memory_file(
+    name: &std::ffi::CStr,
+    len: usize,
+    reserve: bool,
+) -> Result<(MmapRaw, File), String> {
     // SAFETY: a NUL-terminated name and valid flags; the descriptor
     // returned (if any) is new and owned by nobody else.
-    let fd = unsafe { libc::memfd_create(c"sluice-kv".as_ptr(), libc::MFD_CLOEXEC) };
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
     if fd < 0 {
-        return Err(err(format!(
-            "memfd_create: {}",
-            std::io::Error::last_os_error()
-        )));
+        return Err(format!("memfd_create: {}", std::io::Error::last_os_error()));
     }
     // SAFETY: `fd` was just created and nothing else owns it.
     let file = unsafe { File::from_raw_fd(fd) };
-    // SAFETY: plain syscall on an open file descriptor.
-    let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
-    if rc != 0 {
-        return Err(err(format!(
-            "reserve {} MiB: {}",
-            len >> 20,
-            std::io::Error::from_raw_os_error(rc)
-        )));
+    if reserve {
+        // SAFETY: plain syscall on an open file descriptor.
+        let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
+        if rc != 0 {
+            return Err(format!(
+                "reserve {} MiB: {}",
+                len >> 20,
+                std::io::Error::from_raw_os_error(rc)
+            ));
+        }
+    } else {
+        file.set_len(len as u64)
+            .map_err(|e| format!("size {} MiB: {e}", len >> 20))?;
     }
-    let map = MmapRaw::map_raw(&file).map_err(|e| err(format!("map: {e}")))?;
+    let map = MmapRaw::map_raw(&file).map_err(|e| format!("map: {e}"))?;
     Ok((map, file))
 }
 

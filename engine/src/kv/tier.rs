@@ -21,7 +21,6 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
-use std::os::fd::{AsRawFd, FromRawFd};
 
 use memmap2::MmapRaw;
 
@@ -61,22 +60,9 @@ impl Slots {
         let len = count
             .checked_mul(block_bytes)
             .ok_or_else(|| err(format!("{count} blocks of {block_bytes} bytes overflow")))?;
-        // SAFETY: a NUL-terminated name and valid flags; the descriptor
-        // returned (if any) is new and owned by nobody else.
-        let fd = unsafe { libc::memfd_create(c"sluice-kv-tier".as_ptr(), libc::MFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(err(format!(
-                "memfd_create: {}",
-                std::io::Error::last_os_error()
-            )));
-        }
-        // SAFETY: `fd` was just created and nothing else owns it.
-        let file = unsafe { File::from_raw_fd(fd) };
         // Sized, not reserved: pages are committed as slots are written.
-        file.set_len(len as u64)
-            .map_err(|e| err(format!("size {} MiB: {e}", len >> 20)))?;
-        let map = MmapRaw::map_raw(&file).map_err(|e| err(format!("map: {e}")))?;
-        debug_assert!(file.as_raw_fd() >= 0);
+        let (map, file) =
+            crate::backend::arena::memory_file(c"sluice-kv-tier", len, false).map_err(err)?;
         Ok(Slots {
             map,
             _file: file,
