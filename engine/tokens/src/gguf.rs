@@ -28,6 +28,7 @@ const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}
 
 /// ggml token types (`llama_token_type`).
 const TOKEN_TYPE_NORMAL: u64 = 1;
+const TOKEN_TYPE_UNKNOWN: u64 = 2;
 const TOKEN_TYPE_CONTROL: u64 = 3;
 const TOKEN_TYPE_USER_DEFINED: u64 = 4;
 
@@ -113,19 +114,32 @@ pub fn tokenizer(file: &GgufFile) -> Result<Tokenizer, TokensError> {
             .collect(),
     };
     let ty = |id: usize| types.get(id).copied().unwrap_or(TOKEN_TYPE_NORMAL);
+    // llama.cpp (llama-vocab.cpp): a model whose name says Phi-3 has every
+    // special token strip the whitespace after it in the text, but these.
+    let phi3 = file
+        .get("general.name")
+        .and_then(Value::as_str)
+        .map(str::to_lowercase)
+        .is_some_and(|n| n.contains("phi-3") || n.contains("phi3"));
+    let rstrip = |token: &str| phi3 && !matches!(token, "<unk>" | "<s>" | "<|endoftext|>");
     let mut vocab = serde_json::Map::with_capacity(tokens.len());
     let mut added = Vec::new();
     for (id, token) in tokens.iter().enumerate() {
         vocab.insert((*token).to_owned(), json!(id));
-        if ty(id) == TOKEN_TYPE_CONTROL || ty(id) == TOKEN_TYPE_USER_DEFINED {
+        // Text llama.cpp reads as the token itself: control and unknown
+        // tokens (specials) and user-defined ones.
+        if matches!(
+            ty(id),
+            TOKEN_TYPE_CONTROL | TOKEN_TYPE_UNKNOWN | TOKEN_TYPE_USER_DEFINED
+        ) {
             added.push(json!({
                 "id": id,
                 "content": token,
                 "single_word": false,
                 "lstrip": false,
-                "rstrip": false,
+                "rstrip": rstrip(token),
                 "normalized": false,
-                "special": ty(id) == TOKEN_TYPE_CONTROL,
+                "special": ty(id) != TOKEN_TYPE_USER_DEFINED,
             }));
         }
     }

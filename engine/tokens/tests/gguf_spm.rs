@@ -16,6 +16,21 @@ use sluice_tokens::Tokenizer;
 #[derive(Deserialize)]
 struct Record {
     cases: Vec<Case>,
+    phi3: Phi3,
+}
+
+/// The same vocabulary under a Phi-3 name with Phi-3's special tokens
+/// (patched in place, same lengths), and llama.cpp's ids for it.
+#[derive(Deserialize)]
+struct Phi3 {
+    patches: Vec<(String, String)>,
+    cases: Vec<Phi3Case>,
+}
+
+#[derive(Deserialize)]
+struct Phi3Case {
+    text: String,
+    ids: Vec<u32>,
 }
 
 #[derive(Deserialize)]
@@ -33,10 +48,14 @@ fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
+fn record() -> Record {
+    let text = std::fs::read_to_string(fixture("mistral_v3_vocab.json")).expect("record");
+    serde_json::from_str(&text).expect("valid record")
+}
+
 fn load() -> (Tokenizer, Vec<Case>) {
     let tokenizer = Tokenizer::from_path(&fixture("mistral_v3_vocab.gguf")).expect("loads");
-    let text = std::fs::read_to_string(fixture("mistral_v3_vocab.json")).expect("record");
-    let record: Record = serde_json::from_str(&text).expect("valid record");
+    let record = record();
     assert!(record.cases.len() >= 40, "the record has its cases");
     (tokenizer, record.cases)
 }
@@ -89,4 +108,42 @@ fn text_comes_back_as_llama_cpp_writes_it() {
         let text = tokenizer.decode(&case.ids, false).expect("decodes");
         assert_eq!(text, case.detokenized, "{:?}", case.text);
     }
+}
+
+#[test]
+fn phi3s_special_tokens_strip_the_whitespace_after_them_as_in_llama_cpp() {
+    let phi3 = record().phi3;
+    let mut bytes = std::fs::read(fixture("mistral_v3_vocab.gguf")).expect("fixture");
+    for (old, new) in &phi3.patches {
+        assert_eq!(old.len(), new.len());
+        let (old, new) = (
+            [&(old.len() as u64).to_le_bytes()[..], old.as_bytes()].concat(),
+            [&(new.len() as u64).to_le_bytes()[..], new.as_bytes()].concat(),
+        );
+        let at = bytes
+            .windows(old.len())
+            .position(|w| w == old.as_slice())
+            .expect("the string to patch");
+        bytes[at..at + old.len()].copy_from_slice(&new);
+    }
+    let file = tempfile::Builder::new()
+        .suffix(".gguf")
+        .tempfile()
+        .expect("temp file");
+    std::fs::write(file.path(), bytes).expect("write");
+    let tokenizer = Tokenizer::from_path(file.path()).expect("loads");
+    assert!(phi3.cases.len() >= 3);
+    for case in &phi3.cases {
+        assert_eq!(
+            tokenizer.encode(&case.text, true).expect("encodes"),
+            case.ids,
+            "{:?}",
+            case.text
+        );
+    }
+    // Without the Phi-3 name the whitespace stays (the unpatched file).
+    let (plain, _) = load();
+    let ids = plain.encode("[INST]\nHi", false).expect("encodes");
+    assert_eq!(ids[0], 3);
+    assert_ne!(ids[1], plain.encode("Hi", false).expect("encodes")[0]);
 }
