@@ -153,11 +153,15 @@ pub(crate) fn matmul(
         return;
     }
     debug_assert!(total <= n);
-    // The activation blocks' scales side by side, for kernels that scale
-    // eight blocks at once.
-    let scales = XScales {
-        d: xq.iter().map(|b| b.d).collect(),
-        s: xq.iter().map(|b| b.s).collect(),
+    // The activation blocks' scales side by side, for the batched kernels
+    // that scale eight blocks at once (a single row goes through `gemv`).
+    let scales = if m > 1 {
+        XScales {
+            d: xq.iter().map(|b| b.d).collect(),
+            s: xq.iter().map(|b| b.s).collect(),
+        }
+    } else {
+        XScales::default()
     };
     let threads = team::threads();
     let parallel = threads > 1 && m * k * total >= PARALLEL_MIN_WORK;
@@ -170,18 +174,16 @@ pub(crate) fn matmul(
         first: usize,
         tile: Vec<f32>,
     }
+    // About four tasks per thread over all the parts together.
+    let per_task = if parallel {
+        total.div_ceil(threads * 4).max(MIN_ROWS_PER_TASK)
+    } else {
+        total
+    };
     let mut tasks = Vec::new();
     let mut col = 0;
     for (part, w) in parts.iter().enumerate() {
-        let per_task = if parallel {
-            // About four tasks per thread over all the parts.
-            (w.rows * total.div_ceil(threads * 4))
-                .div_ceil(total)
-                .max(MIN_ROWS_PER_TASK)
-        } else {
-            w.rows
-        };
-        for first in (0..w.rows).step_by(per_task.max(1)) {
+        for first in (0..w.rows).step_by(per_task) {
             let len = per_task.min(w.rows - first);
             tasks.push(Task {
                 part,
@@ -259,6 +261,7 @@ fn xq_row<T>(xq: &[T], i: usize, k: usize) -> &[T] {
 }
 
 /// Each activation block's `d` and `s` ([`Q8Block`]), contiguous.
+#[derive(Default)]
 struct XScales {
     d: Vec<f32>,
     s: Vec<f32>,
