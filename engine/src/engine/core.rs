@@ -578,15 +578,10 @@ impl EngineCore {
             match op {
                 TierOp::Demote { hash, block, reuse } => {
                     // The bytes go straight from KV memory into the tier's
-                    // slot (a timing backend's tier keeps none).
-                    let keep = tier.keeps_bytes();
-                    let (gone, read) = tier.insert(hash, reuse, |slot| {
-                        if keep {
-                            backend.read_block(block, slot)
-                        } else {
-                            Ok(())
-                        }
-                    });
+                    // slot (a timing backend's tier keeps none and never
+                    // asks for them).
+                    let (gone, read) =
+                        tier.insert(hash, reuse, |slot| backend.read_block(block, slot));
                     if let Err(e) = read {
                         tracing::warn!(error = %e, block, "KV block not kept in the second tier");
                     }

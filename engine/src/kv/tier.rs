@@ -133,11 +133,6 @@ impl TierStore {
         Ok(store)
     }
 
-    /// Whether the store keeps block bytes.
-    pub fn keeps_bytes(&self) -> bool {
-        self.slots.is_some()
-    }
-
     /// Blocks the budget holds.
     pub fn capacity(&self) -> usize {
         usize::try_from(self.budget_bytes / self.block_bytes).unwrap_or(usize::MAX)
@@ -306,7 +301,6 @@ mod tests {
     #[test]
     fn a_taken_block_comes_back_with_its_bytes_and_reuse() {
         let mut t = TierStore::with_bytes(40, 10).expect("store");
-        assert!(t.keeps_bytes());
         let (dropped, ok) = t.insert(7, 2, |slot| {
             slot.copy_from_slice(&[7; 10]);
             Ok::<(), ()>(())

@@ -67,11 +67,6 @@ pub(crate) fn matmul(
         return;
     }
     // gemm splits over the backend's rayon pool.
-    let (out, x, w) = (
-        SendPtr(out.as_mut_ptr()),
-        SendPtr(x.as_ptr().cast_mut()),
-        SendPtr(w.as_ptr().cast_mut()),
-    );
     team::on_pool(move || {
         let threads = rayon::current_num_threads();
         let parallelism = if big && threads > 1 {
@@ -80,23 +75,23 @@ pub(crate) fn matmul(
             Parallelism::None
         };
         // SAFETY: every pointer comes from a slice holding the whole matrix
-        // it describes (lengths asserted above) and borrowed for this call:
-        // dst is [m, n] with row stride n, lhs is [m, k] with row stride k,
-        // rhs is [k, n] with row stride n, all with column stride 1. `out`
-        // is borrowed mutably, so it aliases neither input.
+        // it describes (lengths asserted above): dst is [m, n] with row
+        // stride n, lhs is [m, k] with row stride k, rhs is [k, n] with row
+        // stride n, all with column stride 1. `out` is borrowed mutably, so
+        // it aliases neither input.
         unsafe {
             gemm::gemm(
                 m,
                 n,
                 k,
-                out.get(),
+                out.as_mut_ptr(),
                 1,
                 n as isize,
                 accumulate,
-                x.get(),
+                x.as_ptr(),
                 1,
                 k as isize,
-                w.get(),
+                w.as_ptr(),
                 1,
                 n as isize,
                 1.0f32,
@@ -108,22 +103,6 @@ pub(crate) fn matmul(
             );
         }
     });
-}
-
-/// A pointer handed to the pool thread that runs gemm while the slice it
-/// points into stays borrowed by the caller, which waits.
-#[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-
-// SAFETY: `matmul` keeps the pointed-to slices borrowed until the pool
-// thread is done with them.
-unsafe impl Send for SendPtr {}
-
-impl SendPtr {
-    /// The pointer (a method, so closures capture the `Send` wrapper).
-    fn get(self) -> *mut f32 {
-        self.0
-    }
 }
 
 /// Columns `first..first + rows[i].len()` of each row `i` of `x · w`

@@ -82,6 +82,22 @@ thread_local! {
     static CURRENT: Cell<*const Team> = const { Cell::new(ptr::null()) };
 }
 
+/// Sets [`CURRENT`] until dropped, then puts back the team it replaced
+/// (held in `.0`).
+struct Current(*const Team);
+
+impl Current {
+    fn set(team: *const Team) -> Current {
+        Current(CURRENT.with(|c| c.replace(team)))
+    }
+}
+
+impl Drop for Current {
+    fn drop(&mut self) {
+        CURRENT.with(|c| c.set(self.0));
+    }
+}
+
 impl Team {
     /// A team of `threads` (the caller counts as one), whose big products
     /// run on `pool`.
@@ -119,13 +135,7 @@ impl Team {
     /// Runs `f` with this team as the one [`for_each`] and [`threads`]
     /// use on this thread.
     pub(crate) fn install<R>(&self, f: impl FnOnce() -> R) -> R {
-        struct Restore(*const Team);
-        impl Drop for Restore {
-            fn drop(&mut self) {
-                CURRENT.with(|c| c.set(self.0));
-            }
-        }
-        let _restore = Restore(CURRENT.with(|c| c.replace(self)));
+        let _restore = Current::set(self);
         f()
     }
 
@@ -260,20 +270,13 @@ pub(crate) fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
 /// `f(i)` for `i` in `0..n` on the current team, or serially outside one
 /// (and inside a task: sections do not nest).
 pub(crate) fn for_each(n: usize, f: &(dyn Fn(usize) + Sync)) {
-    let team = CURRENT.with(|c| c.replace(ptr::null()));
-    if team.is_null() {
+    let current = Current::set(ptr::null());
+    if current.0.is_null() {
         (0..n).for_each(f);
-        return;
+    } else {
+        // SAFETY: as in `threads`.
+        unsafe { (*current.0).run(n, f) }
     }
-    struct Restore(*const Team);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            CURRENT.with(|c| c.set(self.0));
-        }
-    }
-    let _restore = Restore(team);
-    // SAFETY: as in `threads`.
-    unsafe { (*team).run(n, f) }
 }
 
 /// `f(i, &mut items[i])` for every item, on the current team.
