@@ -6,7 +6,8 @@
 //! so that its RoPE rotates interleaved pairs; the engine rotates HF's
 //! halves, so those rows are put back (rows are whole blocks, so this works
 //! on quantized rows too). It stores Gemma's norms as the weights they
-//! multiply by (HF: offsets from 1), keeps Phi-3's fused tensors fused, and
+//! multiply by (HF: offsets from 1; the source says so to the builder),
+//! keeps Phi-3's fused tensors fused, and
 //! leaves out what llama.cpp derives instead of reading (which Gemma layers
 //! slide, Gemma's attention scale): those follow llama.cpp's rules, with
 //! the keys llama.cpp reads where it has one. Architectures and RoPE
@@ -418,6 +419,11 @@ fn unpermute_rows(bytes: &[u8], row: usize, heads: usize) -> Vec<u8> {
 }
 
 impl WeightSource for GgufSource<'_> {
+    /// llama.cpp's converter adds the 1 to Gemma's norms.
+    fn gemma_norms_are_offsets(&self) -> bool {
+        false
+    }
+
     fn fetch(&mut self, hf: &str) -> Result<Option<Weight>, EngineError> {
         let gemma = self.config.architecture.is_gemma();
         let Some(name) = gguf_name(hf, gemma) else {
@@ -451,10 +457,6 @@ impl WeightSource for GgufSource<'_> {
             let elements = info.elements() as usize;
             let mut data = vec![0.0; elements];
             sluice_gguf::quant::dequantize(info.ty, &bytes, &mut data);
-            if gemma && hf.ends_with("norm.weight") {
-                // Back to HF's offsets from 1 (exact for weights in [0.5, 2]).
-                data.iter_mut().for_each(|w| *w -= 1.0);
-            }
             Weight::Dense(Tensor::new(shape, data))
         }))
     }
@@ -538,23 +540,18 @@ mod tests {
         assert!(ModelConfig::from_path(ok.path()).is_ok());
     }
 
-    /// A metadata-only GGUF v3 file (no tensors): what `config` reads.
-    enum Meta {
+    /// A metadata value of a test file (the module's `Meta` reads them).
+    #[derive(Clone, Copy)]
+    enum Val {
         U32(u32),
         F32(f32),
         Str(&'static str),
     }
 
-    fn metadata_file(arch: &'static str, entries: &[(&str, Meta)]) -> tempfile::NamedTempFile {
-        let mut kv = vec![("general.architecture".to_owned(), Meta::Str(arch))];
-        kv.extend(entries.iter().map(|(k, v)| {
-            let v = match v {
-                Meta::U32(n) => Meta::U32(*n),
-                Meta::F32(x) => Meta::F32(*x),
-                Meta::Str(s) => Meta::Str(s),
-            };
-            (format!("{arch}.{k}"), v)
-        }));
+    /// A metadata-only GGUF v3 file (no tensors): what `config` reads.
+    fn metadata_file(arch: &'static str, entries: &[(&str, Val)]) -> tempfile::NamedTempFile {
+        let mut kv = vec![("general.architecture".to_owned(), Val::Str(arch))];
+        kv.extend(entries.iter().map(|(k, v)| (format!("{arch}.{k}"), *v)));
         let mut b = Vec::new();
         b.extend_from_slice(b"GGUF");
         b.extend_from_slice(&3u32.to_le_bytes());
@@ -564,15 +561,15 @@ mod tests {
             b.extend_from_slice(&(key.len() as u64).to_le_bytes());
             b.extend_from_slice(key.as_bytes());
             match value {
-                Meta::U32(n) => {
+                Val::U32(n) => {
                     b.extend_from_slice(&4u32.to_le_bytes());
                     b.extend_from_slice(&n.to_le_bytes());
                 }
-                Meta::F32(x) => {
+                Val::F32(x) => {
                     b.extend_from_slice(&6u32.to_le_bytes());
                     b.extend_from_slice(&x.to_le_bytes());
                 }
-                Meta::Str(s) => {
+                Val::Str(s) => {
                     b.extend_from_slice(&8u32.to_le_bytes());
                     b.extend_from_slice(&(s.len() as u64).to_le_bytes());
                     b.extend_from_slice(s.as_bytes());
@@ -584,19 +581,19 @@ mod tests {
         file
     }
 
-    fn shape(layers: u32, hidden: u32, heads: u32, head_dim: u32) -> Vec<(&'static str, Meta)> {
+    fn shape(layers: u32, hidden: u32, heads: u32, head_dim: u32) -> Vec<(&'static str, Val)> {
         vec![
-            ("vocab_size", Meta::U32(256)),
-            ("embedding_length", Meta::U32(hidden)),
-            ("feed_forward_length", Meta::U32(4 * hidden)),
-            ("block_count", Meta::U32(layers)),
-            ("attention.head_count", Meta::U32(heads)),
-            ("attention.head_count_kv", Meta::U32(heads / 2)),
-            ("attention.key_length", Meta::U32(head_dim)),
+            ("vocab_size", Val::U32(256)),
+            ("embedding_length", Val::U32(hidden)),
+            ("feed_forward_length", Val::U32(4 * hidden)),
+            ("block_count", Val::U32(layers)),
+            ("attention.head_count", Val::U32(heads)),
+            ("attention.head_count_kv", Val::U32(heads / 2)),
+            ("attention.key_length", Val::U32(head_dim)),
         ]
     }
 
-    fn config_of(arch: &'static str, entries: &[(&str, Meta)]) -> ModelConfig {
+    fn config_of(arch: &'static str, entries: &[(&str, Val)]) -> ModelConfig {
         let file = metadata_file(arch, entries);
         config(&GgufFile::open(file.path()).expect("opens")).expect("config")
     }
@@ -624,8 +621,8 @@ mod tests {
         assert_eq!(g.local_rope, Some((10_000.0, None)));
         assert!(c.variant.qk_norm);
         let mut entries = shape(26, 1152, 4, 256);
-        entries.push(("attention.sliding_window", Meta::U32(512)));
-        entries.push(("rope.freq_base_swa", Meta::F32(20_000.0)));
+        entries.push(("attention.sliding_window", Val::U32(512)));
+        entries.push(("rope.freq_base_swa", Val::F32(20_000.0)));
         let c = config_of("gemma3", &entries);
         let windows: Vec<_> = (0..12).map(|l| c.variant.window(l).is_none()).collect();
         let global: Vec<_> = (0..12).map(|l| l % 6 == 5).collect();
@@ -645,12 +642,12 @@ mod tests {
     #[test]
     fn a_stated_window_slides_every_layer_of_other_families() {
         let mut entries = shape(4, 64, 4, 16);
-        entries.push(("attention.sliding_window", Meta::U32(4096)));
+        entries.push(("attention.sliding_window", Val::U32(4096)));
         let c = config_of("llama", &entries);
         assert!((0..4).all(|l| c.variant.window(l) == Some(4096)));
         // Phi-3's converter writes 0 for none.
         let mut entries = shape(4, 64, 4, 16);
-        entries.push(("attention.sliding_window", Meta::U32(0)));
+        entries.push(("attention.sliding_window", Val::U32(0)));
         let c = config_of("phi3", &entries);
         assert_eq!(c.variant.sliding_window, None);
         assert!(c.variant.fused_projections);

@@ -248,6 +248,8 @@ impl ModelWeights {
         let q = config.num_attention_heads * config.head_dim;
         let kv = config.num_key_value_heads * config.head_dim;
         let inter = config.intermediate_size;
+        // Gemma stores norm weights as offsets from 1 (in HF's layout).
+        let norm_offsets = config.architecture.is_gemma() && source.gemma_norms_are_offsets();
         let mut fetch = |name: &str, shape: &[usize]| -> Result<Weight, EngineError> {
             let weight = source
                 .fetch(name)?
@@ -318,12 +320,7 @@ impl ModelWeights {
                 ]
             };
             let down_proj = linear("mlp.down_proj", h, inter, config.mlp_bias)?;
-            // Gemma stores norm weights as offsets from 1.
-            let offset = if config.architecture.is_gemma() {
-                1.0
-            } else {
-                0.0
-            };
+            let offset = if norm_offsets { 1.0 } else { 0.0 };
             let mut norm = |name: &str, len: usize| -> Result<Vec<f32>, EngineError> {
                 let mut w = fetch(&format!("{p}.{name}.weight"), &[len])?
                     .into_dense()
@@ -368,7 +365,7 @@ impl ModelWeights {
             });
         }
         let mut norm = fetch("model.norm.weight", &[h])?.into_dense().data;
-        if config.architecture.is_gemma() {
+        if norm_offsets {
             norm.iter_mut().for_each(|v| *v += 1.0);
         }
         let lm_head = if config.tie_word_embeddings {
@@ -416,6 +413,13 @@ fn split<const N: usize>(fused: Linear, rows: [usize; N]) -> [Linear; N] {
 /// Where [`ModelWeights::build`] finds tensors by Hugging Face name.
 pub(crate) trait WeightSource {
     fn fetch(&mut self, name: &str) -> Result<Option<Weight>, EngineError>;
+
+    /// Whether a Gemma model's norm weights come as HF stores them,
+    /// offsets from 1 the builder adds 1 to (llama.cpp's converter stores
+    /// the weights themselves).
+    fn gemma_norms_are_offsets(&self) -> bool {
+        true
+    }
 }
 
 impl<F: FnMut(&str) -> Result<Option<Weight>, EngineError>> WeightSource for F {
