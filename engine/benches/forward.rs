@@ -202,18 +202,8 @@ fn forward(c: &mut Criterion) {
 /// Best-of-several copy bandwidth of a buffer much larger than the caches, in bytes/s
 /// (bytes read + bytes written, as a decode step only reads: reported per byte read).
 fn copy_bandwidth() -> f64 {
-    const BYTES: usize = 256 << 20;
-    let src = vec![1u8; BYTES];
-    let mut dst = vec![0u8; BYTES];
-    let mut best = Duration::MAX;
-    for _ in 0..5 {
-        let t = Instant::now();
-        dst.copy_from_slice(black_box(&src));
-        best = best.min(t.elapsed());
-        black_box(&dst);
-    }
     // A copy reads and writes each byte; count both, as a streaming read would.
-    2.0 * BYTES as f64 / best.as_secs_f64()
+    2.0 * sluice_engine::backend::copy_bandwidth(256 << 20, 5)
 }
 
 /// Median time of `iters` calls of `f`.

@@ -270,6 +270,22 @@ pub struct KvTransferModel {
     pub tier_bytes_per_sec: f64,
 }
 
+/// This host's memory copy bandwidth in bytes copied per second: the best
+/// of `reps` copies of a `bytes` buffer (each byte is read once and written
+/// once).
+pub fn copy_bandwidth(bytes: usize, reps: usize) -> f64 {
+    let src = vec![1u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    let mut best = f64::MAX;
+    for _ in 0..reps.max(1) {
+        let t = std::time::Instant::now();
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&dst);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    bytes as f64 / best.max(1e-9)
+}
+
 impl KvTransferModel {
     /// How long moving `blocks` blocks takes.
     pub fn duration(&self, blocks: usize) -> std::time::Duration {

@@ -186,15 +186,5 @@ fn saturating_u32(n: usize) -> u32 {
 /// 16 MiB copies): what a second-tier restore and a same-host (`shm`)
 /// transfer move at, before either was measured.
 fn copy_bandwidth() -> u64 {
-    const BYTES: usize = 16 << 20;
-    let src = vec![1u8; BYTES];
-    let mut dst = vec![0u8; BYTES];
-    let mut best = f64::MAX;
-    for _ in 0..3 {
-        let t = std::time::Instant::now();
-        dst.copy_from_slice(&src);
-        std::hint::black_box(&dst);
-        best = best.min(t.elapsed().as_secs_f64());
-    }
-    (BYTES as f64 / best.max(1e-9)) as u64
+    sluice_engine::backend::copy_bandwidth(16 << 20, 3) as u64
 }
