@@ -7,9 +7,11 @@
 //! byte-level BPE (`tokenizer.ggml.model = "gpt2"`: the vocabulary and
 //! merges, the pre-tokenizer split llama.cpp uses for each named `pre`,
 //! llama-vocab.cpp) and SentencePiece BPE (`"llama"`: pieces and scores,
-//! see [`sentencepiece_bpe`]). Control tokens become special added tokens,
-//! and bos leads when `add_bos_token` says so. Other tokenizer models and
-//! unknown `pre` names are errors that name them.
+//! see [`sentencepiece_bpe`]). Control and unknown tokens become special
+//! added tokens, user-defined ones plain added tokens (Phi-3's strip the
+//! whitespace after them, as llama.cpp's do), and bos leads when
+//! `add_bos_token` says so. Other tokenizer models and unknown `pre` names
+//! are errors that name them.
 
 use serde_json::{Value as Json, json};
 use sluice_gguf::{GgufFile, Value};
