@@ -77,8 +77,9 @@ pub struct SchedulerConfig {
     /// interleaved. 0 = off (vLLM's `long_prefill_token_threshold`, made
     /// work-conserving).
     pub long_prefill_token_threshold: usize,
-    /// Admissions share prefill steps: when fewer than a quarter of the
-    /// slots are free, no running sequence is prefilling and a running one
+    /// Admissions share prefill steps: when more prompts wait than slots
+    /// are free (or, with no more, fewer than a quarter of the slots are
+    /// free), no running sequence is prefilling and a running one
     /// reaches its `max_tokens` within this many steps, waiting prompts that
     /// outrank no running sequence wait (at most this many steps in a row)
     /// to be admitted with the slots about to free, in one prefill step

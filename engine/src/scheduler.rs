@@ -34,7 +34,9 @@
 //! Admissions may wait (`admission_wait_steps`): each step with a prefill
 //! pays that prefill's fixed cost, and slots that fell out of step with the
 //! others (after a preemption at the slot limit, above all) would otherwise
-//! admit alone ever after. When the engine is nearly full, nothing is
+//! admit alone ever after. When more prompts wait than slots are free (the
+//! slots about to free take the rest of them, however many are free now) or
+//! the engine is nearly full, nothing is
 //! prefilling and running sequences reach `max_tokens` within the wait, a
 //! prompt that outranks no running sequence waits for their slots and
 //! shares their prefill step.
@@ -861,7 +863,8 @@ impl Scheduler {
 
     /// Whether this step's admissions wait for the slots about to free, to
     /// share their prefill step (see `SchedulerConfig::admission_wait_steps`):
-    /// the engine is nearly full, nothing running is prefilling, a running
+    /// more prompts wait than slots are free or the engine is nearly full,
+    /// nothing running is prefilling, a running
     /// sequence ends within the wait, the wait has not run out, and the
     /// next waiting sequence is a prompt to prefill (a parked victim or a
     /// remotely prefilled sequence resumes in a decode row, which costs no
@@ -880,7 +883,16 @@ impl Scheduler {
             return false;
         };
         let prefill = head.tokens.len() - head.num_computed > 1;
-        if wait == 0 || self.admission_waited >= wait || free == 0 || free * 4 >= max {
+        // More waiting than free slots: the slots about to free take the
+        // rest of them, so a wait grows this step's group however many are
+        // free. Otherwise only a nearly full engine waits (what arrives next
+        // would take the few slots about to free one prefill step each).
+        let slot_limited = self.waiting.len() > free;
+        if wait == 0
+            || self.admission_waited >= wait
+            || free == 0
+            || (!slot_limited && free * 4 >= max)
+        {
             return false;
         }
         let running = || self.running.iter().map(|id| &self.seqs[id]);

@@ -1033,6 +1033,27 @@ fn admission_waits_for_slots_about_to_free_to_share_their_prefill_step() {
 }
 
 #[test]
+fn more_prompts_than_free_slots_wait_for_the_slots_about_to_free_however_many_are_free() {
+    // Half the slots free and four running ones ending within three steps.
+    let mut c = cfg(8, 1000, SchedulingPolicy::Fcfs);
+    c.admission_wait_steps = 3;
+    // No more prompts than free slots: waiting would add no one to their
+    // prefill step; they go at once.
+    let fit: Vec<(SeqId, i32)> = (9..=12).map(|id| (id, 0)).collect();
+    let mut s = nearly_full(c.clone(), &[5; 4], &fit);
+    assert_eq!(step(&mut s).0.admitted, (9..=12).collect::<Vec<_>>());
+    // Twice as many: the four about to free take the other half, so all
+    // eight share one prefill step instead of two.
+    let more: Vec<(SeqId, i32)> = (9..=16).map(|id| (id, 0)).collect();
+    let mut s = nearly_full(c, &[5; 4], &more);
+    for _ in 0..3 {
+        let (st, _) = step(&mut s);
+        assert!(st.admitted.is_empty() && st.admission_held);
+    }
+    assert_eq!(step(&mut s).0.admitted, (9..=16).collect::<Vec<_>>());
+}
+
+#[test]
 fn admission_does_not_wait_when_no_slot_frees_soon_or_past_its_limit() {
     // Nothing running ends within the wait: admitted at once.
     let mut c = cfg(8, 1000, SchedulingPolicy::Fcfs);

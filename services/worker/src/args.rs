@@ -116,7 +116,8 @@ pub struct WorkerArgs {
     #[arg(long, env = "SLUICE_LONG_PREFILL_TOKEN_THRESHOLD")]
     pub long_prefill_token_threshold: Option<usize>,
 
-    /// Steps waiting prompts may wait, when the engine is nearly full and
+    /// Steps waiting prompts may wait, when more of them wait than slots are
+    /// free (or the engine is nearly full) and
     /// running sequences reach their `max_tokens` within that many steps, to
     /// be admitted together with the slots those free: one prefill step (and
     /// its fixed cost) for all of them instead of one each. Prompts that
