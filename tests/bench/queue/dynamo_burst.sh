@@ -14,6 +14,8 @@
 #                8,192 batched tokens, 16,384 blocks); no other flag
 #   sluice-one   the same, every request at one priority (`--field none`): the
 #                throughput the priority run is held to
+#                (sluice and sluice-one run REPEATS times, interleaved: one pair
+#                moves by about 2% on this machine; the goals use the means)
 #   sluice-two-queues  (when TWO_QUEUES=1) the priority run through two queue
 #                replicas, as separate processes with etcd (what deploy/ runs)
 # and writes tests/bench/results/burst_vs_dynamo.md with every command line.
@@ -24,7 +26,7 @@
 # bench_burst.sh, gen_burst_trace.py, analyze_by_tier.py), with its setup.sh
 # run once (a venv with Dynamo and aiperf under ANCHOR_DIR). They are not
 # part of this repository. Environment: SLUICE_BIN [target/release/sluice],
-# N [400], PORT [18461], ANCHOR_DIR [/tmp/anchors], OUT [target/bench/burst_vs_dynamo],
+# N [400], REPEATS [3], PORT [18461], ANCHOR_DIR [/tmp/anchors], OUT [target/bench/burst_vs_dynamo],
 # SUMMARY_ONLY [0] (1: write the results file from an earlier run's OUT).
 set -euo pipefail
 
@@ -35,6 +37,7 @@ ANCHOR_DIR=${ANCHOR_DIR:-/tmp/anchors}
 PY=$ANCHOR_DIR/venv/bin/python
 AIPERF=$ANCHOR_DIR/venv/bin/aiperf
 N=${N:-400}
+REPEATS=${REPEATS:-3}
 PORT=${PORT:-18461}
 TWO_QUEUES=${TWO_QUEUES:-1}
 OUT=${OUT:-$ROOT/target/bench/burst_vs_dynamo}
@@ -92,8 +95,10 @@ sluice_case() { # name, trace field
   cleanup
 }
 
-sluice_case sluice priority
-sluice_case sluice-one none
+for r in $(seq 1 "$REPEATS"); do
+  sluice_case "sluice-$r" priority
+  sluice_case "sluice-one-$r" none
+done
 
 if [ "$TWO_QUEUES" = 1 ]; then
   # Separate processes with etcd, as deploy/ runs them: two queue replicas.
@@ -128,9 +133,9 @@ if [ "$TWO_QUEUES" = 1 ]; then
 fi
 fi
 
-"$PY" - "$OUT" "$RESULT" "$N" <<'PY'
+"$PY" - "$OUT" "$RESULT" "$N" "$REPEATS" <<'PY'
 import glob, json, os, sys, datetime
-out, result, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+out, result, n, repeats = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 def tiers(name):
     path = f"{out}/{name}.tiers.json"
     if name == "dynamo":
@@ -148,39 +153,52 @@ def summary(name):
         return float("nan")
     m = s.get("output_token_throughput") or {}
     return m.get("avg", float("nan")) if isinstance(m, dict) else float(m)
-cases = ["dynamo", "sluice", "sluice-one"] + (["sluice-two-queues"] if os.path.exists(f"{out}/sluice-two-queues.tiers.json") else [])
+runs = [r for r in range(1, repeats + 1) if os.path.exists(f"{out}/sluice-{r}.tiers.json")]
+pairs = [(f"sluice-{r}", f"sluice-one-{r}") for r in runs]
+two = os.path.exists(f"{out}/sluice-two-queues.tiers.json")
+cases = ["dynamo"] + [c for p in pairs for c in p] + (["sluice-two-queues"] if two else [])
 rows = {c: tiers(c) for c in cases}
 thr = {c: summary(c) for c in cases}
+mean = lambda xs: sum(xs) / len(xs)
+ttft = lambda c, t: rows[c].get(str(t), {}).get("ttft_mean", float("nan"))
+one = mean([thr[o] for _, o in pairs])
 lines = ["# The priority burst beside Dynamo (aiperf)", "",
          "Written by `tests/bench/queue/dynamo_burst.sh`; do not edit by hand.",
          f"Run {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on a shared 2-core machine, one case after the other.",
          f"{n} requests at t=0, tiers 0..3 in `nvext.agent_hints.priority` (shuffled), ISL 512, OSL 64 (`ignore_eos`),",
          "2 mocker workers x 16 seqs, replayed by aiperf 0.13 (`mooncake_trace --fixed-schedule`). Each system runs with its",
-         "defaults; the mocker's shape is Dynamo's start.sh's (block size 64, 8,192 batched tokens, 16,384 blocks).", "",
+         "defaults; the mocker's shape is Dynamo's start.sh's (block size 64, 8,192 batched tokens, 16,384 blocks).",
+         f"Sluice's priority run (`sluice-N`) and its one-priority twin (`sluice-one-N`) ran {len(pairs)} times, interleaved",
+         "(one pair moves by about 2% here); the summary rows are their means, each ratio to one priority within its pair.", "",
          "Commands:", ""]
 lines += [f"- `{l.strip()}`" for l in open(f"{out}/commands")]
-lines += ["", "| case | refused/failed | TTFT mean ms tier 3 | 2 | 1 | 0 | tier-3 / tier-0 | out tok/s | vs sluice-one |",
-          "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-for c in cases:
-    r = rows[c]
-    err = r["all"]["errors"]
-    if c == "sluice-one":
-        lines.append(f"| {c} | {err} | – | – | – | – | – | {thr[c]:.0f} | 100% |")
-        continue
-    m = [r.get(str(t), {}).get("ttft_mean", float("nan")) for t in (3, 2, 1, 0)]
-    ratio = m[0] / m[3]
-    vs = thr[c] / thr["sluice-one"] if thr.get("sluice-one") else float("nan")
-    lines.append(f"| {c} | {err} | " + " | ".join(f"{x:.0f}" for x in m) + f" | {ratio:.3f} | {thr[c]:.0f} | {vs:.1%} |")
-s = rows["sluice"]
-ratio = s["3"]["ttft_mean"] / s["0"]["ttft_mean"]
-kept = thr["sluice"] / thr["sluice-one"]
-goals = {"sluice: 0 refused": s["all"]["errors"] == 0,
+head = ["", "| case | refused/failed | TTFT mean ms tier 3 | 2 | 1 | 0 | tier-3 / tier-0 | out tok/s | vs one priority |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+def row(name, cs, vs):
+    err = sum(rows[c]["all"]["errors"] for c in cs)
+    m = [mean([ttft(c, t) for c in cs]) for t in (3, 2, 1, 0)]
+    ratio = mean([ttft(c, 3) / ttft(c, 0) for c in cs])
+    return (f"| {name} | {err} | " + " | ".join(f"{x:.0f}" for x in m)
+            + f" | {ratio:.3f} | {mean([thr[c] for c in cs]):.0f} | {vs:.1%} |"), err, ratio
+summary_rows = {}
+summary_rows["dynamo"] = row("dynamo", ["dynamo"], thr["dynamo"] / one)
+kept = mean([thr[p] / thr[o] for p, o in pairs])
+summary_rows["sluice"] = row(f"sluice (mean of {len(pairs)})", [p for p, _ in pairs], kept)
+lines += head + [summary_rows["dynamo"][0], summary_rows["sluice"][0],
+                 f"| sluice-one (mean of {len(pairs)}) | {sum(rows[o]['all']['errors'] for _, o in pairs)} | – | – | – | – | – | {one:.0f} | 100% |"]
+if two:
+    summary_rows["two"] = row("sluice-two-queues", ["sluice-two-queues"], thr["sluice-two-queues"] / one)
+    lines.append(summary_rows["two"][0])
+lines += ["", "Each pair:", "", "| run | tier-3 / tier-0 | out tok/s | one priority out tok/s | ratio |", "|---|---:|---:|---:|---:|"]
+lines += [f"| {p} | {ttft(p, 3) / ttft(p, 0):.3f} | {thr[p]:.0f} | {thr[o]:.0f} | {thr[p] / thr[o]:.1%} |" for p, o in pairs]
+_, err, ratio = summary_rows["sluice"]
+goals = {"sluice: 0 refused": err == 0,
          "sluice: tier-3 / tier-0 mean TTFT <= 0.15": ratio <= 0.15,
          "sluice: throughput >= 98% of one priority": kept >= 0.98}
-if "sluice-two-queues" in rows:
-    t = rows["sluice-two-queues"]
-    goals["two queue replicas: 0 refused"] = t["all"]["errors"] == 0
-    goals["two queue replicas: tier-3 / tier-0 mean TTFT <= 0.15"] = t["3"]["ttft_mean"] / t["0"]["ttft_mean"] <= 0.15
+if two:
+    _, err2, ratio2 = summary_rows["two"]
+    goals["two queue replicas: 0 refused"] = err2 == 0
+    goals["two queue replicas: tier-3 / tier-0 mean TTFT <= 0.15"] = ratio2 <= 0.15
 lines += ["", "| goal | met |", "|---|---|"] + [f"| {k} | {'yes' if v else '**no**'} |" for k, v in goals.items()]
 lines += ["", "Per-tier tables (aiperf's records through the anchors' `analyze_by_tier.py`) and aiperf's logs are under",
           "`target/bench/burst_vs_dynamo/`, not committed."]
