@@ -15,7 +15,7 @@ PTXAS = $(CUDA_WHEEL)/bin/ptxas
 # (empty without the wheels: a GPU host's own toolkit is used then)
 CUDA_TOOLS = $(if $(CUDA_WHEEL),SLUICE_NVRTC_LIB=$(NVRTC_LIB) SLUICE_PTXAS=$(PTXAS) LD_LIBRARY_PATH=$(CUDA_WHEEL)/lib$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH})
 
-.PHONY: certs help deps deps-toolchain deps-system deps-python build run model-smollm2 test test-rust test-cuda-kernels test-cuda test-python test-deploy bench bench-priority bench-queue bench-vs-dynamo bench-frontend lint fmt clean
+.PHONY: certs help deps deps-toolchain deps-system deps-python build run model-smollm2 test test-rust test-cuda-kernels test-cuda device-build test-python test-deploy bench bench-priority bench-queue bench-vs-dynamo bench-frontend lint fmt clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -101,6 +101,9 @@ test-cuda-kernels: ## the cuda backend without a GPU: host-side unit tests, ever
 
 test-cuda: ## on a GPU host: parity with the CPU backend, prefix cache, preemption, decode tokens/s vs the bandwidth roofline
 	SLUICE_TEST_CUDA=1 $(CUDA_TOOLS) $(CARGO) test --release -p sluice-engine --features cuda --test cuda_gpu -- --ignored --test-threads=1 --nocapture
+
+device-build: ## what issue 40's GPU run carries to a host with no Rust (target/device/); run there: tests/bench/cuda/device.sh OUT
+	tests/bench/cuda/build.sh
 
 test-python: ## tests that use other people's clients (openai, grpcio) from the venv
 	@if [ ! -x $(PY) ]; then echo "no $(VENV): run 'make deps' first"; exit 1; fi

@@ -13,6 +13,7 @@
 #![forbid(unsafe_code)]
 
 use std::sync::Arc;
+#[cfg(feature = "fault-injection")]
 use std::time::Duration;
 
 #[cfg(feature = "fault-injection")]
