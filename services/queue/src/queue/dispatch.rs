@@ -405,8 +405,9 @@ impl State {
             let target = slot.target;
             let err = if slot.entry.deadline.is_none_or(|d| d > now) {
                 // Still held when it had to start to meet its TTFT target
-                // (the target less the mean time from release to first
-                // token): it would be served late, so it leaves now, told
+                // (the target less the start lead: the mean time from
+                // release to first token and four of its mean deviations):
+                // it would be served late, so it leaves now, told
                 // when the backlog will have drained.
                 let err = QueueError::TargetMissed {
                     waited,

@@ -57,6 +57,13 @@ pub(crate) fn retry_after_secs(wait: Duration) -> Duration {
 /// Weight of the newest sample in a model's mean lease and start times.
 const LEASE_EWMA: f64 = 0.1;
 
+/// Mean deviations of the time from release to first token that a held
+/// request is released ahead of its TTFT target, beyond the mean: the
+/// margin TCP's retransmission timer keeps over a round trip (RFC 6298's
+/// `SRTT + 4·RTTVAR`). At the mean alone, a request released at the last
+/// moment misses its target whenever its start is slower than average.
+const START_LEAD_DEVIATIONS: f64 = 4.0;
+
 /// Exponential means of a duration (in seconds; the first sample sets
 /// one), over every request of a model and by priority: on an engine that
 /// preempts, a low-priority request waits parked as long as higher ones
@@ -80,7 +87,12 @@ impl Means {
 
     /// The mean for `priority`, else over every request.
     pub(super) fn of(&self, priority: i32) -> Option<f64> {
-        self.by_priority.get(&priority).copied().or(self.all)
+        self.own(priority).or(self.all)
+    }
+
+    /// The mean for `priority` alone.
+    fn own(&self, priority: i32) -> Option<f64> {
+        self.by_priority.get(&priority).copied()
     }
 
     pub(super) fn is_known(&self) -> bool {
@@ -332,8 +344,9 @@ pub(super) struct ModelQueue {
     pub(super) running: BTreeMap<i32, usize>,
     /// Mean time from grant to the lease's end.
     pub(super) lease_secs: Means,
-    /// Mean time from release to the first token.
+    /// Mean time from release to the first token, and its mean deviation.
     pub(super) start_secs: Means,
+    pub(super) start_dev_secs: Means,
     /// Requests held or being placed, by priority: what this replica
     /// reports to the others as unplaced (a released request stays in it
     /// until the router has counted its placement, so no view shows it as
@@ -362,6 +375,7 @@ impl ModelQueue {
             running: BTreeMap::new(),
             lease_secs: Means::default(),
             start_secs: Means::default(),
+            start_dev_secs: Means::default(),
             held_by_priority: BTreeMap::new(),
             starting: HashMap::new(),
             express: false,
@@ -440,20 +454,27 @@ impl ModelQueue {
     /// A request of `priority` released `took` ago produced its first
     /// token: it joins the mean start times.
     pub(super) fn started_after(&mut self, priority: i32, took: Duration) {
+        // The deviation from its priority's mean before this sample (none
+        // before the first: one start alone is all that is known).
+        let secs = took.as_secs_f64();
+        let dev = self
+            .start_secs
+            .own(priority)
+            .map_or(0.0, |mean| (secs - mean).abs());
+        self.start_dev_secs
+            .add(priority, Duration::from_secs_f64(dev));
         self.start_secs.add(priority, took);
     }
 
     /// How long before its TTFT target a held request of `priority` must
     /// be released to start in time: the mean time from release to first
     /// token of its priority (a parked priority-0 request's says nothing
-    /// of a priority-3 one's).
+    /// of a priority-3 one's) and `START_LEAD_DEVIATIONS` of its mean
+    /// deviations.
     pub(super) fn start_lead(&self, priority: i32) -> Duration {
-        Duration::from_secs_f64(
-            self.start_secs
-                .of(priority)
-                .unwrap_or(0.0)
-                .clamp(0.0, 3600.0),
-        )
+        let mean = self.start_secs.of(priority).unwrap_or(0.0);
+        let dev = self.start_dev_secs.of(priority).unwrap_or(0.0);
+        Duration::from_secs_f64((mean + START_LEAD_DEVIATIONS * dev).clamp(0.0, 3600.0))
     }
 
     /// A lease of `priority` granted `held` ago ended: it joins the mean

@@ -1905,3 +1905,36 @@ fn a_drain_rate_decayed_to_nothing_gives_the_longest_retry_after() {
     let later = start + Duration::from_secs(3000);
     assert_eq!(rate.retry_after(1_000_000, later), Duration::from_secs(60));
 }
+
+#[test]
+fn a_held_request_leaves_for_its_start_ahead_of_slower_than_average_starts() {
+    use std::time::Duration;
+    let mut model = hold::ModelQueue::new(Policy::Fcfs);
+    assert_eq!(
+        model.start_lead(1),
+        Duration::ZERO,
+        "nothing known: no lead"
+    );
+    // Starts of 50 and 150 ms in turn: a mean of about 100 ms. Released at
+    // the mean alone, half of them would miss their target.
+    for i in 0..40 {
+        let ms = if i % 2 == 0 { 50 } else { 150 };
+        model.started_after(1, Duration::from_millis(ms));
+    }
+    let lead = model.start_lead(1);
+    assert!(
+        lead >= Duration::from_millis(150),
+        "the lead covers the slower starts: {lead:?}"
+    );
+    assert!(
+        lead <= Duration::from_millis(400),
+        "and not much more: {lead:?}"
+    );
+    // Steady starts leave little margin beyond them.
+    let mut steady = hold::ModelQueue::new(Policy::Fcfs);
+    for _ in 0..40 {
+        steady.started_after(2, Duration::from_millis(100));
+    }
+    let lead = steady.start_lead(2);
+    assert_eq!(lead, Duration::from_millis(100));
+}
