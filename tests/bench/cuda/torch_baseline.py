@@ -60,12 +60,16 @@ def llama_8b():
         num_key_value_heads=8,
         vocab_size=128256,
         max_position_embeddings=8192,
-        rope_theta=500000.0,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
         bos_token_id=128000,
         eos_token_id=[128001, 128009],
     )
+    # transformers 5 keeps the RoPE base in rope_parameters, 4.x in rope_theta.
+    if hasattr(config, "rope_parameters"):
+        config.rope_parameters = {"rope_type": "default", "rope_theta": 500000.0}
+    else:
+        config.rope_theta = 500000.0
     torch.manual_seed(8)
     with torch.device("cuda"):
         torch.set_default_dtype(torch.bfloat16)
