@@ -98,3 +98,13 @@ def test_a_step_that_wrote_nothing_is_not_measured(tmp_path):
     assert goal(md, "8B shape batch-1 decode") == "not measured"
     assert goal(md, "batch-1 decode >= 2x") == "not measured"
     assert goal(md, "parity: both") == "not measured"
+
+
+def test_the_device_runs_openai_check_passes_against_sluice_up(sluice, tmp_path):
+    # e2e.py is what the device run points at `sluice up --engine cuda`;
+    # here it runs against the CPU engine, with this venv's openai client.
+    out = tmp_path / "e2e.json"
+    subprocess.run([sys.executable, str(ROOT / "tests/bench/cuda/e2e.py"), f"http://{sluice}", str(out)],
+                   check=True, capture_output=True, timeout=120)
+    seen = json.loads(out.read_text())
+    assert seen["ok"] and all(seen["checks"].values()), seen
