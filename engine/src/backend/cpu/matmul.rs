@@ -66,43 +66,48 @@ pub(crate) fn matmul(
         }
         return;
     }
-    // gemm splits over the backend's rayon pool.
-    team::on_pool(move || {
-        let threads = rayon::current_num_threads();
-        let parallelism = if big && threads > 1 {
-            Parallelism::Rayon(threads)
-        } else {
-            Parallelism::None
-        };
-        // SAFETY: every pointer comes from a slice holding the whole matrix
-        // it describes (lengths asserted above): dst is [m, n] with row
-        // stride n, lhs is [m, k] with row stride k, rhs is [k, n] with row
-        // stride n, all with column stride 1. `out` is borrowed mutably, so
-        // it aliases neither input.
-        unsafe {
-            gemm::gemm(
-                m,
-                n,
-                k,
-                out.as_mut_ptr(),
-                1,
-                n as isize,
-                accumulate,
-                x.as_ptr(),
-                1,
-                k as isize,
-                w.as_ptr(),
-                1,
-                n as isize,
-                1.0f32,
-                1.0f32,
-                false,
-                false,
-                false,
-                parallelism,
-            );
-        }
-    });
+    // SAFETY: every pointer comes from a slice holding the whole matrix it
+    // describes (lengths asserted above): dst is [m, n] with row stride n,
+    // lhs is [m, k] with row stride k, rhs is [k, n] with row stride n, all
+    // with column stride 1. `out` is borrowed mutably, so it aliases neither
+    // input.
+    let mut product = move |parallelism| unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            x.as_ptr(),
+            1,
+            k as isize,
+            w.as_ptr(),
+            1,
+            n as isize,
+            1.0f32,
+            1.0f32,
+            false,
+            false,
+            false,
+            parallelism,
+        )
+    };
+    if big {
+        // gemm splits over the backend's rayon pool.
+        team::on_pool(move || {
+            let threads = rayon::current_num_threads();
+            product(if threads > 1 {
+                Parallelism::Rayon(threads)
+            } else {
+                Parallelism::None
+            })
+        });
+    } else {
+        // Too small to split: here, without a hop to the pool.
+        product(Parallelism::None);
+    }
 }
 
 /// Columns `first..first + rows[i].len()` of each row `i` of `x · w`
