@@ -192,9 +192,7 @@ impl TierStore {
             if let Some((_, victim)) = self.order.pop_first()
                 && let Some(e) = self.entries.remove(&victim)
             {
-                if let (Some(slots), Some(slot)) = (self.slots.as_mut(), e.slot) {
-                    slots.free.push(slot);
-                }
+                self.free_slot(e.slot);
                 dropped.push(victim);
             }
         }
@@ -222,7 +220,7 @@ impl TierStore {
     /// stays reserved until [`TierStore::release`].
     pub fn take(&mut self, hash: u64) -> Option<Restored> {
         let e = self.entries.remove(&hash)?;
-        self.order.remove(&(e.reuse.min(MAX_REUSE_RANK), e.stamp));
+        self.unrank(&e);
         Some(Restored {
             slot: e.slot,
             reuse: e.reuse,
@@ -236,34 +234,39 @@ impl TierStore {
 
     /// Frees a slot [`TierStore::take`] returned, once its bytes are copied.
     pub fn release(&mut self, slot: u32) {
-        if let Some(slots) = self.slots.as_mut() {
-            debug_assert!(
-                !slots.free.contains(&slot),
-                "tier slot {slot} released twice"
-            );
-            slots.free.push(slot);
-        }
+        debug_assert!(
+            self.slots.as_ref().is_none_or(|s| !s.free.contains(&slot)),
+            "tier slot {slot} released twice"
+        );
+        self.free_slot(Some(slot));
     }
 
     /// Drops everything held (slots of taken blocks stay reserved); the
     /// hashes dropped.
     pub fn clear(&mut self) -> Vec<u64> {
         self.order.clear();
-        let entries: Vec<(u64, Entry)> = self.entries.drain().collect();
-        entries
+        std::mem::take(&mut self.entries)
             .into_iter()
             .map(|(h, e)| {
-                if let (Some(slots), Some(slot)) = (self.slots.as_mut(), e.slot) {
-                    slots.free.push(slot);
-                }
+                self.free_slot(e.slot);
                 h
             })
             .collect()
     }
 
+    /// An entry leaves: its rank and its slot.
     fn forget(&mut self, e: &Entry) {
+        self.unrank(e);
+        self.free_slot(e.slot);
+    }
+
+    fn unrank(&mut self, e: &Entry) {
         self.order.remove(&(e.reuse.min(MAX_REUSE_RANK), e.stamp));
-        if let (Some(slots), Some(slot)) = (self.slots.as_mut(), e.slot) {
+    }
+
+    /// Hands `slot` (an entry's, or a taken block's) out again.
+    fn free_slot(&mut self, slot: Option<u32>) {
+        if let (Some(slots), Some(slot)) = (self.slots.as_mut(), slot) {
             slots.free.push(slot);
         }
     }
