@@ -7,7 +7,7 @@ for them on that GPU in bf16.
 
 writes OUT/<case>/ (config.json, model.safetensors) and OUT/reference.json in
 the parity fixtures' format (engine/tests/fixtures/parity/make_fixture.py,
-whose config and weight initialisation it reuses): per case the prompt, the
+whose config, weight initialisation and logits it reuses): per case the prompt, the
 prompt's last logits, and DECODE_STEPS greedy steps, each the token fed and
 the logits after it. Every row is a full forward over the whole sequence (no
 KV cache), eager attention, bf16 weights and activations on the GPU.
@@ -78,12 +78,6 @@ CASES = {
 }
 
 
-def last_logits(model, ids):
-    with torch.no_grad():
-        out = model(torch.tensor([ids], device="cuda"), use_cache=False)
-    return out.logits[0, -1].to(torch.float32).cpu()
-
-
 def main(out):
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -110,12 +104,12 @@ def main(out):
         model = model.to("cuda")
         prompt = torch.randint(4, config.vocab_size, (PROMPT_LEN,), generator=generator).tolist()
         ids = list(prompt)
-        prefill = last_logits(model, ids)
+        prefill = make_fixture.last_logits(model, ids)
         steps = []
         token = int(torch.argmax(prefill))
         for _ in range(DECODE_STEPS):
             ids.append(token)
-            logits = last_logits(model, ids)
+            logits = make_fixture.last_logits(model, ids)
             steps.append({"token": token, "logits": logits.tolist()})
             token = int(torch.argmax(logits))
         reference["cases"][name] = {

@@ -18,6 +18,7 @@ import time
 
 import torch
 import transformers
+from hf_reference import make_fixture
 from transformers import LlamaConfig, LlamaForCausalLM
 
 CONTEXT = 256
@@ -52,24 +53,26 @@ def bf16_peak():
 
 
 def llama_8b():
-    config = LlamaConfig(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=8192,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        bos_token_id=128000,
-        eos_token_id=[128001, 128009],
+    # The parity fixtures' config maker puts the RoPE base where the
+    # installed transformers keeps it; its fastest attention here.
+    config = make_fixture.make_config(
+        LlamaConfig,
+        dict(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=128256,
+            max_position_embeddings=8192,
+            rope_theta=500000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            bos_token_id=128000,
+            eos_token_id=[128001, 128009],
+        ),
+        attn_implementation="sdpa",
     )
-    # transformers 5 keeps the RoPE base in rope_parameters, 4.x in rope_theta.
-    if hasattr(config, "rope_parameters"):
-        config.rope_parameters = {"rope_type": "default", "rope_theta": 500000.0}
-    else:
-        config.rope_theta = 500000.0
     torch.manual_seed(8)
     with torch.device("cuda"):
         torch.set_default_dtype(torch.bfloat16)
