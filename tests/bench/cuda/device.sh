@@ -59,7 +59,6 @@ step() {
 }
 
 info() {
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   "$PY" - "$W/info.json" "$BIN/BUILD_INFO" <<'PY'
 import json, subprocess, sys, torch
 smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
