@@ -137,11 +137,11 @@ def run_span_s(run):
 def by_priority(run, prios):
     """Rows of the per-priority table and each tier's share of its requests served."""
     span = run_span_s(run)
-    rows, rates = [], []
+    rows, shares = [], []
     for p in prios:
         tier = [r for r in run if r["priority"] == p]
         s = [r for r in tier if r["error"] is None]
-        rates.append(len(s) / len(tier) if tier else 0.0)
+        shares.append(len(s) / len(tier) if tier else 0.0)
         reasons = {}
         for r in tier:
             if r["error"] and r["error"]["kind"] == "429":
@@ -151,8 +151,8 @@ def by_priority(run, prios):
                     f"{sum(1 for r in tier if within(r))} | "
                     f"{p50([r['ttft_ms'] for r in s if r['ttft_ms'] is not None]):.0f} | "
                     f"{', '.join(f'{k}: {v}' for k, v in sorted(reasons.items())) or '0'} |")
-    return rows, rates
-rows, rates = by_priority(over, range(3, -1, -1))
+    return rows, shares
+rows, shares = by_priority(over, range(3, -1, -1))
 served_within = sum(1 for r in ok if within(r))
 attained = served_within / len(ok) if ok else 0.0
 goodput = served_within / run_span_s(over)
@@ -167,7 +167,7 @@ goals = {
     "every refusal a 429 with Retry-After": not other and len(with_ra) == len(refused),
     "served requests within their TTFT target >= 99%": attained >= 0.99,
     "goodput >= 95% of capacity": goodput >= 0.95 * float(capacity),
-    "served rate p3 >= p2 >= p1 >= p0": all(a >= b for a, b in zip(rates, rates[1:])),
+    "share of its requests served p3 >= p2 >= p1 >= p0": all(a >= b for a, b in zip(shares, shares[1:])),
     "mixed: priority 3 within its 1 s >= 99%": m3_within >= 0.99,
     "mixed: nothing refused (priority 0's 120 s is always reachable at 1.5x)": not mixed_refused,
 }
