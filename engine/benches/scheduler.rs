@@ -57,6 +57,7 @@ impl Bench {
             sampling,
             priority: 0,
             constraint: None,
+            first_token_by: None,
         };
         self.s.add(id, req).expect("valid request");
     }
@@ -108,6 +109,7 @@ fn cached_admission(c: &mut Criterion) {
                 sampling: sampling.clone(),
                 priority: 0,
                 constraint: None,
+                first_token_by: None,
             };
             bench.s.add(id, req).expect("valid request");
             bench.step_once();

@@ -152,6 +152,7 @@ fn replay(
                     },
                     priority,
                     constraint: None,
+                    first_token_by: None,
                 },
             )?;
             next_arrival += 1;

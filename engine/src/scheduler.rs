@@ -1075,6 +1075,37 @@ impl Scheduler {
             .collect()
     }
 
+    /// Refuses every sequence still waiting for its first token at `now`
+    /// past its [`Request::first_token_by`]: it ends with
+    /// [`FinishReason::TtftTargetMissed`] and its blocks are freed (what it
+    /// computed stays in the prefix cache, for a retry). A sequence that
+    /// is running (its prefill underway), has produced a token, or waits
+    /// on a transfer (reserved) goes on.
+    pub fn refuse_late_starts(&mut self, now: std::time::Instant) -> Vec<(SeqId, Finished)> {
+        let late: Vec<SeqId> = self
+            .waiting
+            .values()
+            .copied()
+            .filter(|id| {
+                self.seqs.get(id).is_some_and(|s| {
+                    s.num_generated() == 0 && s.first_token_by.is_some_and(|by| by <= now)
+                })
+            })
+            .collect();
+        late.into_iter()
+            .filter_map(|id| {
+                let usage = self.abort(id)?;
+                Some((
+                    id,
+                    Finished {
+                        reason: FinishReason::TtftTargetMissed,
+                        usage,
+                    },
+                ))
+            })
+            .collect()
+    }
+
     /// Checks the scheduler's and the pool's invariants (for tests).
     pub fn check_invariants(&self) -> Result<(), String> {
         self.kv.check_invariants()?;

@@ -31,6 +31,7 @@ fn request(prompt: Vec<u32>, max_tokens: usize) -> Request {
         },
         priority: 0,
         constraint: None,
+        first_token_by: None,
     }
 }
 

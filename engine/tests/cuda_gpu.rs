@@ -611,6 +611,7 @@ fn request(prompt: Vec<u32>, max_tokens: usize, priority: i32) -> Request {
         },
         priority,
         constraint: None,
+        first_token_by: None,
     }
 }
 

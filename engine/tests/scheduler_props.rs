@@ -226,6 +226,7 @@ impl Harness {
             },
             priority,
             constraint: None,
+            first_token_by: None,
         }
     }
 

@@ -231,6 +231,17 @@ impl EngineCore {
         if !self.sched.has_unfinished() {
             return true;
         }
+        let late = self.sched.refuse_late_starts(std::time::Instant::now());
+        if !late.is_empty() {
+            tracing::debug!(
+                refused = late.len(),
+                "requests still waiting to start when their first token was due"
+            );
+            for (id, finished) in late {
+                self.end_stream(id, finished);
+            }
+            self.publish_load();
+        }
         let mut step = self.sched.schedule();
         step.batch.restored_blocks =
             self.replay_tier_ops() + std::mem::take(&mut self.restored_pending);
@@ -524,6 +535,14 @@ impl EngineCore {
     }
 
     fn finish_with(&mut self, id: SeqId, finished: Finished, err: &EngineError) {
+        self.end_stream(id, finished);
+        if let Some(reply) = self.prefills.remove(&id) {
+            let _ = reply.send(Err(EngineError::StepFailed(err.to_string())));
+        }
+    }
+
+    /// Ends `id`'s stream, if it has one, with `finished` and no tokens.
+    fn end_stream(&mut self, id: SeqId, finished: Finished) {
         if let Some(tx) = self.streams.remove(&id) {
             let _ = tx.send(Output {
                 token_ids: vec![],
@@ -531,9 +550,6 @@ impl EngineCore {
                 finished: Some(finished),
                 preemption: finished.usage.preemption,
             });
-        }
-        if let Some(reply) = self.prefills.remove(&id) {
-            let _ = reply.send(Err(EngineError::StepFailed(err.to_string())));
         }
     }
 

@@ -3,6 +3,8 @@
 //! preemption is counted), its sampler, and the request-facing types
 //! (request, finish reason, usage, preemption cost) the engine hands back.
 
+use std::time::Instant;
+
 use sluice_tokens::BlockHashes;
 use sluice_tokens::grammar::Constraint;
 
@@ -20,6 +22,10 @@ pub struct Request {
     /// The grammar its output must stay within (structured outputs, tool
     /// calls): every token outside it is masked before sampling.
     pub constraint: Option<Constraint>,
+    /// When its first token is due (its TTFT target): a request still
+    /// waiting to start then is refused ([`FinishReason::TtftTargetMissed`])
+    /// rather than served late behind the work that kept it waiting.
+    pub first_token_by: Option<Instant>,
 }
 
 /// Why a sequence stopped.
@@ -33,6 +39,10 @@ pub enum FinishReason {
     Abort,
     /// The backend failed during the sequence's step.
     Error,
+    /// Refused before its first token: still waiting to start when its
+    /// [`Request::first_token_by`] passed. A refusal, like the queue's
+    /// `ttft_target_missed`, not a failure.
+    TtftTargetMissed,
 }
 
 /// What preemption has cost one request so far.
@@ -117,6 +127,8 @@ pub(crate) struct Sequence {
     pub(crate) constraint: Option<Constraint>,
     /// Whether it has a grammar at all.
     pub(crate) constrained: bool,
+    /// See [`Request::first_token_by`].
+    pub(crate) first_token_by: Option<Instant>,
 }
 
 impl Sequence {
@@ -142,6 +154,7 @@ impl Sequence {
             preemption: Preemption::default(),
             constrained: req.constraint.is_some(),
             constraint: req.constraint,
+            first_token_by: req.first_token_by,
         }
     }
 

@@ -39,6 +39,7 @@ fn req_with(prompt_len: usize, max_tokens: usize, priority: i32, base: u32) -> R
         },
         priority,
         constraint: None,
+        first_token_by: None,
     }
 }
 
@@ -210,6 +211,65 @@ fn waiting_higher_priority_preempts_at_seq_limit_when_enabled() {
     s.add(2, req(4, 5, 9)).expect("valid");
     let (st, _) = step(&mut s);
     assert!(st.preempted.is_empty() && st.admitted.is_empty());
+}
+
+/// Whether `id` is preempted within `steps` steps.
+fn preempted_within(s: &mut Scheduler, id: SeqId, steps: usize) -> bool {
+    (0..steps).any(|_| step(s).0.preempted.contains(&id))
+}
+
+/// A request still waiting to start when its first token is due is
+/// refused, whether it never ran or was preempted in its prefill; one
+/// whose prefill is underway, or that has had a token, goes on, as does
+/// one whose deadline is still ahead.
+#[test]
+fn a_request_not_started_when_its_first_token_is_due_is_refused() {
+    use std::time::{Duration, Instant};
+    let t0 = Instant::now();
+    let due = |secs| {
+        let mut r = req(10, 3, 0);
+        r.first_token_by = Some(t0 + Duration::from_secs(secs));
+        r
+    };
+    let mut s = sched(cfg(1, 4, SchedulingPolicy::Priority), 64);
+    s.add(1, due(1)).expect("valid");
+    step(&mut s);
+    let late = t0 + Duration::from_secs(2);
+    assert!(
+        s.refuse_late_starts(late).is_empty(),
+        "its prefill is underway"
+    );
+
+    // A higher priority preempts it in its prefill: it waits again, with
+    // no token, and is refused once due; one due later stays.
+    s.add(2, req(4, 50, 5)).expect("valid");
+    assert!(preempted_within(&mut s, 1, 4), "2 preempts 1");
+    s.add(3, due(10)).expect("valid");
+    assert!(s.refuse_late_starts(t0).is_empty(), "nothing is due yet");
+    let refused = s.refuse_late_starts(late);
+    assert_eq!(refused.len(), 1);
+    assert_eq!(refused[0].0, 1);
+    assert_eq!(refused[0].1.reason, FinishReason::TtftTargetMissed);
+    assert_eq!(refused[0].1.usage.completion_tokens, 0);
+    assert!(!s.contains(1) && s.contains(3));
+    s.check_invariants().expect("invariants");
+
+    // Once it has had a token, a preempted request is never refused.
+    let mut outs = Vec::new();
+    for _ in 0..200 {
+        outs.extend(step(&mut s).1);
+        if outs.iter().any(|o| o.seq_id == 3) {
+            break;
+        }
+    }
+    assert!(outs.iter().any(|o| o.seq_id == 3), "3 had its first token");
+    s.add(4, req(4, 50, 9)).expect("valid");
+    assert!(preempted_within(&mut s, 3, 4), "4 preempts 3");
+    assert!(
+        s.refuse_late_starts(t0 + Duration::from_secs(60))
+            .is_empty()
+    );
+    assert!(s.contains(3));
 }
 
 #[test]

@@ -415,6 +415,7 @@ mod tests {
             sampling: SamplingParams::greedy(),
             priority: 0,
             constraint: None,
+            first_token_by: None,
         };
         e.reserve_remote(req).await.expect("slot")
     }

@@ -133,6 +133,9 @@ pub(crate) struct Prepared {
     /// per admission (the workers that failed this request).
     pub desc: RequestDescription,
     pub received: Instant,
+    /// The client had its first token (a migration continues the request):
+    /// no TTFT target applies to the worker that goes on with it.
+    pub first_token_sent: bool,
 }
 
 impl Prepared {

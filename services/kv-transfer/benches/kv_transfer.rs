@@ -205,6 +205,7 @@ fn request(n: usize, salt: u32) -> sluice_engine::Request {
         sampling: sluice_engine::SamplingParams::default(),
         priority: 0,
         constraint: None,
+        first_token_by: None,
     }
 }
 

@@ -70,6 +70,7 @@ fn request(blocks: usize, salt: u32) -> sluice_engine::Request {
         sampling: sluice_engine::SamplingParams::default(),
         priority: 0,
         constraint: None,
+        first_token_by: None,
     }
 }
 

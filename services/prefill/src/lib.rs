@@ -145,6 +145,7 @@ async fn compute(
         sampling: sluice_worker::wire_sampling(req.sampling.clone()),
         priority: req.priority,
         constraint: None,
+        first_token_by: None,
     };
     let bs = engine.kv_layout().block_size;
     let mut unplaced = (!req.placed).then(|| {

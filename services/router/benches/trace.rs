@@ -344,6 +344,7 @@ async fn replay(mode: Mode, reqs: &[TraceRequest]) -> Vec<Outcome> {
                 },
                 priority: 0,
                 constraint: None,
+                first_token_by: None,
             })
             .expect("generate");
         let sent = Instant::now();

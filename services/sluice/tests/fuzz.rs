@@ -581,6 +581,9 @@ fn worker_generate(rng: &mut StdRng, endpoint: &str) -> wpb::GenerateRequest {
             String::new()
         },
         placed: rng.random_bool(0.5),
+        // A TTFT budget of any size: a refusal when it passes unstarted,
+        // never a failure.
+        ttft_budget_ms: *pick(rng, &[0, 0, 1, 5_000, u32::MAX]),
         // A peer to fetch the prefix from: unknown ones, absurd block
         // counts and ranks are a recompute, never a failure.
         prefix_source: rng

@@ -72,6 +72,9 @@ pub(crate) fn request(
         sampling: sampling(r.sampling.clone()),
         priority: r.priority,
         constraint: constraint(r.sampling.as_ref(), engine)?,
+        first_token_by: (r.ttft_budget_ms > 0).then(|| {
+            std::time::Instant::now() + std::time::Duration::from_millis(r.ttft_budget_ms.into())
+        }),
     })
 }
 
@@ -162,6 +165,9 @@ pub(crate) fn finish_reason(r: engine::FinishReason) -> common::FinishReason {
         engine::FinishReason::Length => common::FinishReason::Length,
         engine::FinishReason::Abort => common::FinishReason::Abort,
         engine::FinishReason::Error => common::FinishReason::Error,
+        // Never sent as a finish: the stream's error status says it (a
+        // refusal before any token), see `Reply::message`.
+        engine::FinishReason::TtftTargetMissed => common::FinishReason::Abort,
     }
 }
 

@@ -25,6 +25,12 @@ pub enum WorkerError {
         role: sluice_runtime::discovery::WorkerRole,
         rpc: &'static str,
     },
+    /// The engine had not started the request when its TTFT target passed
+    /// (`GenerateRequest.ttft_budget_ms`): refused before any token.
+    #[error(
+        "the request was not started within what was left of its TTFT target ({budget_ms} ms) on this worker; retry after 1 s"
+    )]
+    TtftTargetMissed { budget_ms: u32 },
     /// Start-up found something missing (no underlying error).
     #[error("start-up: {0}")]
     Startup(&'static str),
@@ -62,6 +68,21 @@ impl From<sluice_runtime::limits::Invalid> for WorkerError {
 impl From<WorkerError> for tonic::Status {
     fn from(e: WorkerError) -> Self {
         use tonic::Code;
+        if let WorkerError::TtftTargetMissed { .. } = e {
+            // The queue's refusal, in the queue's words: the frontend
+            // answers it as a 429 with `Retry-After`, as when the queue
+            // refuses a request it holds past its target.
+            let mut status = tonic::Status::resource_exhausted(e.to_string());
+            let meta = status.metadata_mut();
+            meta.insert(
+                sluice_proto::REASON_HEADER,
+                tonic::metadata::MetadataValue::from_static(
+                    sluice_proto::queue::v1::QueueReason::TtftTargetMissed.label(),
+                ),
+            );
+            meta.insert("retry-after", tonic::metadata::MetadataValue::from(1u32));
+            return status;
+        }
         let code = match &e {
             WorkerError::InvalidArgument { .. } | WorkerError::NoSuchRank { .. } => {
                 Code::InvalidArgument
@@ -74,6 +95,7 @@ impl From<WorkerError> for tonic::Status {
             WorkerError::Engine(EngineError::BlockSize { .. }) => Code::InvalidArgument,
             // The transfer crate's mapping; its internal errors are hidden below.
             WorkerError::Transfer(inner) if inner.code() != Code::Internal => inner.code(),
+            WorkerError::TtftTargetMissed { .. } => Code::ResourceExhausted,
             WorkerError::Engine(_)
             | WorkerError::Transfer(_)
             | WorkerError::Startup(_)

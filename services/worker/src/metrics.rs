@@ -111,7 +111,7 @@ impl WorkerMetrics {
             )?,
             requests: r.counter_vec(
                 "sluice_worker_requests_total",
-                "Finished requests by reason",
+                "Finished requests by reason (stop, length, abort, error; ttft_target_missed: refused before any token, not started when its TTFT target passed)",
                 &["reason"],
             )?,
             generated_tokens: r

@@ -209,6 +209,8 @@ struct Admitted {
     /// The request's share of the worker's unplaced load, if no router placed it.
     unplaced: Option<UnplacedGuard>,
     priority: i32,
+    /// What was left of its TTFT target when it was sent (0 = none).
+    ttft_budget_ms: u32,
 }
 
 /// Adapts an engine stream to the wire: the first message carries the usage
@@ -240,9 +242,20 @@ fn response_stream(
         }
         // What the engine produced while this stream was not polled goes
         // out as one message: one frame and one wake-up for the reader.
-        let out = reply.stream.recv_ready().await?;
+        let out = loop {
+            let out = reply.stream.recv_ready().await?;
+            // Before the first token an output without one only reports a
+            // preemption: counted, not sent, so the first message is the
+            // first token, the end, or the refusal (the frontend answers
+            // the client's status on it).
+            if reply.first && out.token_ids.is_empty() && out.finished.is_none() {
+                reply.note_preemption(out.preemption);
+                continue;
+            }
+            break out;
+        };
         let msg = reply.message(out);
-        Some((Ok(msg), reply))
+        Some((msg, reply))
     }))
 }
 
@@ -264,9 +277,26 @@ struct Reply {
 }
 
 impl Reply {
-    /// The wire message for one engine output, counting what it reports.
-    fn message(&mut self, out: sluice_engine::Output) -> pb::GenerateResponse {
+    /// The wire message for one engine output, counting what it reports;
+    /// the engine's refusal of a request it did not start by its TTFT
+    /// target is the stream's error status instead.
+    fn message(&mut self, out: sluice_engine::Output) -> Result<pb::GenerateResponse, Status> {
         self.note_preemption(out.preemption);
+        if let Some(f) = out.finished
+            && f.reason == sluice_engine::FinishReason::TtftTargetMissed
+        {
+            self.done = true;
+            self.core
+                .metrics
+                .requests
+                .with_label_values(&[finish_label(f.reason)])
+                .inc();
+            self.span.record("refused", finish_label(f.reason));
+            return Err(WorkerError::TtftTargetMissed {
+                budget_ms: self.admitted.ttft_budget_ms,
+            }
+            .into());
+        }
         let mut msg = pb::GenerateResponse {
             token_ids: out.token_ids,
             logprobs: out.logprobs.iter().map(convert::logprobs_to_wire).collect(),
@@ -288,7 +318,7 @@ impl Reply {
             msg.worker_id = self.core.id.clone();
             msg.fetched_tokens = self.admitted.fetched_tokens as u32;
         }
-        msg
+        Ok(msg)
     }
 
     /// Counts preemptions and recomputed tokens as they grow.
@@ -356,6 +386,7 @@ fn finish_label(r: sluice_engine::FinishReason) -> &'static str {
         sluice_engine::FinishReason::Length => "length",
         sluice_engine::FinishReason::Abort => "abort",
         sluice_engine::FinishReason::Error => "error",
+        sluice_engine::FinishReason::TtftTargetMissed => "ttft_target_missed",
     }
 }
 
@@ -465,6 +496,8 @@ impl WorkerService {
             preemptions = tracing::field::Empty,
             recomputed_tokens = tracing::field::Empty,
             admission_held_steps = tracing::field::Empty,
+            ttft_budget_ms = req.ttft_budget_ms,
+            refused = tracing::field::Empty,
         );
         if let Some(tp) = traceparent {
             sluice_runtime::telemetry::set_parent_from_traceparent(tp, &span);
@@ -520,6 +553,7 @@ impl WorkerService {
                 prefill_worker_id: prefill_worker,
                 unplaced,
                 priority: req.priority,
+                ttft_budget_ms: req.ttft_budget_ms,
             },
             span,
         ))

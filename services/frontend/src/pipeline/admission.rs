@@ -188,6 +188,7 @@ impl Pipeline {
             // The router counts this request's load until its lease ends.
             placed: true,
             prefix_source: grant.prefix_source.clone(),
+            ttft_budget_ms: ttft_budget_ms(p, grant.ttft_target_ms),
         };
         let mut stream =
             span.in_scope(|| self.generations.start(&grant.worker_endpoint, channel, req));
@@ -307,6 +308,17 @@ impl Pipeline {
             event = lease.next().await;
         }
     }
+}
+
+/// What is left of the request's TTFT target, for the worker to refuse
+/// it if its engine has not started it by then (0 = no target; a target
+/// already passed leaves 1 ms). A migrating request had its first token.
+fn ttft_budget_ms(p: &Prepared, target_ms: u32) -> u32 {
+    if target_ms == 0 || p.first_token_sent {
+        return 0;
+    }
+    let left = u128::from(target_ms).saturating_sub(p.received.elapsed().as_millis());
+    u32::try_from(left).unwrap_or(u32::MAX).max(1)
 }
 
 /// Whether a queue's error means the queue failed, so another one may

@@ -54,6 +54,7 @@ impl Generation {
         }
         self.failed_workers.push(self.serving.worker_id.clone());
         let mut next = self.request.clone();
+        next.first_token_sent = self.first_token.is_some();
         next.prompt_ids.extend_from_slice(&self.generated);
         if wanted > 0 {
             next.params.sampling.max_tokens = wanted - done;

@@ -202,6 +202,7 @@ impl Pipeline {
             prompt_ids,
             desc,
             received,
+            first_token_sent: false,
         })
     }
 

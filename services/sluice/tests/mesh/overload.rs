@@ -335,3 +335,70 @@ async fn standing_overload_refuses_by_ttft_target_lowest_priority_first() -> any
     );
     mesh.stop().await
 }
+
+/// A request the engine has not started when its TTFT target passes is
+/// refused there, before any token, as the queue refuses one it still
+/// holds: a 429 with `Retry-After` and the reason, counted by the worker
+/// and the frontend. The request that kept it waiting goes on, and one with
+/// the default target is served after it. (Default holding keeps a lower
+/// priority in the queue while the only slot runs a higher one; without it
+/// the request waits in the engine, as one granted in a race with a
+/// higher priority's arrival does on defaults.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_the_engine_does_not_start_by_its_ttft_target_gets_a_429() -> anyhow::Result<()> {
+    let mut opts = MeshOptions::default();
+    opts.worker.engine = sluice_worker::EngineKind::Mocker;
+    opts.worker.speedup_ratio = 5.0;
+    opts.worker.max_num_seqs = 1;
+    opts.worker.scheduling_policy = "priority".into();
+    opts.queue.no_default_holding = true;
+    let _machine = sluice_tests::mesh::exclusive().await;
+    let mesh = Mesh::start(opts).await?;
+    let worker = mesh.endpoints("decode").await?.remove(0);
+
+    // ~1,500 decode steps of ~1.2 ms: it runs for seconds, at priority 5.
+    let mut hog = start_stream(&mesh, 1500, 5).await?;
+    let mut late = completion(4, 0);
+    late["nvext"]["agent_hints"]["ttft_target_ms"] = json!(300);
+    let (status, head, rest) =
+        tokio::time::timeout(Duration::from_secs(20), spawn_open(&mesh, late)).await???;
+    assert_eq!(status, 429, "{head}{rest}");
+    assert!(
+        retry_after(&head).is_some_and(|s| (1..=60).contains(&s)),
+        "{head}"
+    );
+    let err: Value = serde_json::from_str(&rest)?;
+    assert_eq!(err["error"]["code"], "ttft_target_missed", "{err}");
+    let (_, m) = get(&worker, "/metrics").await?;
+    assert_eq!(
+        sluice_tests::wait::sample(
+            &m,
+            "sluice_worker_requests_total{reason=\"ttft_target_missed\"}"
+        ),
+        Some(1.0),
+        "the engine refused it, not the queue: {m}"
+    );
+
+    // The default target (60 s) is far: this one waits for the slot.
+    let patient = spawn_open(&mesh, completion(4, 0));
+    let mut rest = String::new();
+    tokio::time::timeout(Duration::from_secs(60), hog.read_to_string(&mut rest)).await??;
+    assert!(
+        rest.contains("\"finish_reason\":\"length\"") && rest.contains("[DONE]"),
+        "the priority-5 request goes on to its end: {}",
+        rest.get(rest.len().saturating_sub(2000)..).unwrap_or(&rest)
+    );
+    let (status, head, rest) = tokio::time::timeout(Duration::from_secs(20), patient).await???;
+    assert_eq!(status, 200, "{head}{rest}");
+
+    let (_, frontend) = get(&mesh.http, "/metrics").await?;
+    assert!(
+        frontend
+            .lines()
+            .any(|l| l.starts_with("sluice_frontend_refusals_total{")
+                && l.contains("reason=\"ttft_target_missed\"")
+                && l.ends_with(" 1")),
+        "{frontend}"
+    );
+    mesh.stop().await
+}
