@@ -7,7 +7,7 @@
 //! subscribers on other threads; one mutex guards the ring, the mirror and
 //! the broadcast sender, so `subscribe` never misses or repeats an event.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 use parking_lot::Mutex;
 use tokio::sync::broadcast;
@@ -69,6 +69,9 @@ pub struct KvSnapshot {
     pub seq: u64,
     /// Cached sequence hashes, in the order they were stored.
     pub block_hashes: Vec<u64>,
+    /// Of `block_hashes`, those in the second tier (a hit restores them at
+    /// the cost of a copy), in the same order.
+    pub tier2_hashes: Vec<u64>,
 }
 
 /// The event log of one engine (one data-parallel rank).
@@ -85,6 +88,8 @@ struct LogInner {
     tx: broadcast::Sender<KvEventRecord>,
     /// Cached hash → order it was stored in (for a stable snapshot order).
     cached: HashMap<u64, u64>,
+    /// Of `cached`, the hashes in the second tier.
+    tier2: HashSet<u64>,
     next_order: u64,
 }
 
@@ -100,6 +105,7 @@ impl KvEventLog {
                 ring: VecDeque::with_capacity(capacity.min(4096)),
                 tx,
                 cached: HashMap::new(),
+                tier2: HashSet::new(),
                 next_order: 0,
             }),
         }
@@ -114,16 +120,29 @@ impl KvEventLog {
                     let order = g.next_order;
                     g.next_order += 1;
                     g.cached.insert(h, order);
+                    g.tier2.remove(&h);
                 }
             }
             KvEvent::Removed { block_hashes } => {
                 for h in block_hashes {
                     g.cached.remove(h);
+                    g.tier2.remove(h);
                 }
             }
-            // Still cached (in either tier).
-            KvEvent::Moved { .. } => {}
-            KvEvent::Cleared => g.cached.clear(),
+            // Still cached, in the tier named.
+            KvEvent::Moved { block_hashes, tier } => {
+                for h in block_hashes {
+                    if *tier >= 2 && g.cached.contains_key(h) {
+                        g.tier2.insert(*h);
+                    } else {
+                        g.tier2.remove(h);
+                    }
+                }
+            }
+            KvEvent::Cleared => {
+                g.cached.clear();
+                g.tier2.clear();
+            }
         }
         g.last_seq += 1;
         let record = KvEventRecord {
@@ -170,9 +189,16 @@ impl KvEventLog {
         let g = self.inner.lock();
         let mut hashes: Vec<(u64, u64)> = g.cached.iter().map(|(&h, &o)| (o, h)).collect();
         hashes.sort_unstable();
+        let block_hashes: Vec<u64> = hashes.into_iter().map(|(_, h)| h).collect();
+        let tier2_hashes = block_hashes
+            .iter()
+            .copied()
+            .filter(|h| g.tier2.contains(h))
+            .collect();
         KvSnapshot {
             seq: g.last_seq,
-            block_hashes: hashes.into_iter().map(|(_, h)| h).collect(),
+            block_hashes,
+            tier2_hashes,
         }
     }
 
@@ -270,15 +296,34 @@ mod tests {
             log.snapshot(),
             KvSnapshot {
                 seq: 3,
-                block_hashes: vec![10, 12]
+                block_hashes: vec![10, 12],
+                tier2_hashes: vec![],
+            }
+        );
+        // A block demoted to the second tier is still cached, and the
+        // snapshot says where; one restored or stored again is back in
+        // memory.
+        let moved = |h: &[u64], tier| KvEvent::Moved {
+            block_hashes: h.to_vec(),
+            tier,
+        };
+        log.publish(moved(&[10, 12], 2));
+        log.publish(moved(&[10], 1));
+        assert_eq!(
+            log.snapshot(),
+            KvSnapshot {
+                seq: 5,
+                block_hashes: vec![10, 12],
+                tier2_hashes: vec![12],
             }
         );
         log.publish(KvEvent::Cleared);
         assert_eq!(
             log.snapshot(),
             KvSnapshot {
-                seq: 4,
-                block_hashes: vec![]
+                seq: 6,
+                block_hashes: vec![],
+                tier2_hashes: vec![],
             }
         );
     }

@@ -221,8 +221,7 @@ struct TargetState {
     needs_snapshot: bool,
     hashes: HashSet<u64, MixHasher>,
     /// Of `hashes`, those the target keeps in its second tier (restored on
-    /// a hit at the cost of a copy). A snapshot does not say: it resets
-    /// them to the first tier.
+    /// a hit at the cost of a copy), from its events and snapshots.
     tier2: HashSet<u64, MixHasher>,
     /// Blocks newly stored lately (see [`Inflow`]).
     inflow: Inflow,
@@ -391,9 +390,15 @@ impl KvIndexer {
         Ok(Applied::Applied)
     }
 
-    /// Replaces a target's blocks with a snapshot current at `seq`; the next
-    /// event expected is `seq + 1`.
-    pub fn apply_snapshot(&self, id: TargetId, seq: u64, hashes: &[u64]) -> Result<(), IndexError> {
+    /// Replaces a target's blocks with a snapshot current at `seq`, `tier2`
+    /// of them in its second tier; the next event expected is `seq + 1`.
+    pub fn apply_snapshot(
+        &self,
+        id: TargetId,
+        seq: u64,
+        hashes: &[u64],
+        tier2: &[u64],
+    ) -> Result<(), IndexError> {
         let entry = self.entry(id).ok_or(IndexError::UnknownTarget(id))?;
         let mut state = entry.state.lock();
         if state.removed {
@@ -417,6 +422,11 @@ impl KvIndexer {
         state.next_seq = seq + 1;
         state.needs_snapshot = false;
         state.tier2.clear();
+        for &h in tier2 {
+            if state.hashes.contains(&h) {
+                state.tier2.insert(h);
+            }
+        }
         Ok(())
     }
 
@@ -969,11 +979,38 @@ mod tests {
         // The worker's snapshot at seq 4, then event 5 in sequence.
         let mut snap = full_at(&events[..4]);
         snap.reverse();
-        idx.apply_snapshot(w, 4, &snap).expect("snapshot");
+        idx.apply_snapshot(w, 4, &snap, &[]).expect("snapshot");
         assert_eq!(idx.position(w), Some((5, false)));
         idx.apply(w, &events[4]).expect("apply after resync");
         assert_eq!(idx.target_hashes(w), full.target_hashes(t));
         assert_eq!(idx.block_count(), full.block_count());
+    }
+
+    /// A snapshot says which blocks are in the worker's second tier, as
+    /// its `Moved` events did: a resync keeps pricing them as copies.
+    #[test]
+    fn a_snapshot_keeps_the_second_tier_its_events_named() {
+        let h = sequence_block_hashes(&prompt(8, 64), 16);
+        let events = KvIndexer::new();
+        let t = events.register(WorkerRank::new("w", 0));
+        events.apply(t, &stored(1, None, &h)).expect("apply");
+        let moved = KvEvent {
+            seq: 2,
+            kind: KvEventKind::Moved {
+                hashes: h[2..].to_vec(),
+                tier: 2,
+            },
+        };
+        events.apply(t, &moved).expect("apply");
+        assert_eq!(events.tier2_blocks(t, &h), 2);
+
+        let resynced = KvIndexer::new();
+        let w = resynced.register(WorkerRank::new("w", 0));
+        // A hash the snapshot does not hold is no second-tier block.
+        let tier2 = [h[2], h[3], 42];
+        resynced.apply_snapshot(w, 2, &h, &tier2).expect("snapshot");
+        assert_eq!(resynced.tier2_blocks(w, &h), 2);
+        assert_eq!(resynced.target_hashes(w), events.target_hashes(t));
     }
 
     fn full_at(events: &[KvEvent]) -> Vec<u64> {

@@ -324,11 +324,12 @@ async fn rank_task(ctx: Ctx, info: MemberInfo, mut client: Client, token: Cancel
                     ctx.pool().remove_member(&target);
                     return;
                 }
-                if let Err(e) =
-                    ctx.pool()
-                        .indexer()
-                        .apply_snapshot(id, resp.seq, &resp.block_hashes)
-                {
+                if let Err(e) = ctx.pool().indexer().apply_snapshot(
+                    id,
+                    resp.seq,
+                    &resp.block_hashes,
+                    &resp.tier2_block_hashes,
+                ) {
                     // Removed meanwhile (departure): the next loop re-adds it.
                     tracing::debug!(%target, error = %e, "snapshot raced a removal");
                     continue;

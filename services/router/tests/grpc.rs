@@ -184,6 +184,7 @@ impl Worker for FakeWorker {
             block_hashes: s.blocks.iter().copied().collect(),
             block_size: BS,
             dp_rank: 0,
+            tier2_block_hashes: Vec::new(),
         }))
     }
 

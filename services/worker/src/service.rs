@@ -633,6 +633,7 @@ impl pb::worker_server::Worker for WorkerService {
             block_hashes: snap.block_hashes,
             block_size: engine.kv_layout().block_size as u32,
             dp_rank: rank,
+            tier2_block_hashes: snap.tier2_hashes,
         }))
     }
 
