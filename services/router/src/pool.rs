@@ -1486,6 +1486,31 @@ mod tests {
         }
     }
 
+    /// Computing a prefix costs the engine steps it takes, not only its
+    /// tokens: a fetch a little slower than the tokens' own compute still
+    /// counts where it saves a step.
+    #[test]
+    fn a_fetch_counts_the_step_computing_its_blocks_would_take() {
+        let now = Instant::now();
+        let t = tokens(6, 1792);
+        let h = sequence_block_hashes(&t, BS as usize);
+        // 48 MiB at 1.5 GB/s and the engines' waits: ~41 ms, against 38.4
+        // ms for the 768 tokens' compute; but without the fetch the 1,792
+        // tokens take two 1,024-token steps (a 5 ms step each) and with it
+        // one.
+        let p = fetch_pool(RouterMode::Kv, 1_500_000_000, 20_000, &h, now);
+        let d = p.route(&input(&h, 1792), now).expect("route");
+        assert_eq!(chosen(&d), "w1");
+        let fetched = &d.target().terms;
+        assert_eq!(fetched.fetch_blocks, 48, "{fetched:?}");
+        let seconds = fetched.fetch_seconds.expect("priced");
+        assert!(
+            seconds > 768.0 * 50e-6 && seconds < 768.0 * 50e-6 + 0.005,
+            "{seconds}"
+        );
+        assert_eq!(d.prefix_source, Some((target(0), 48)));
+    }
+
     #[test]
     fn a_second_tier_hit_costs_its_copy() {
         let now = Instant::now();

@@ -30,10 +30,12 @@
 //!
 //! Prefix fetch: where another candidate (the holder) has more of the
 //! prompt cached, a candidate may fetch the difference from it instead of
-//! computing it. The fetch counts where it is predicted faster than the
-//! compute it saves there (its blocks' bytes at the candidate's measured
-//! fetch rate, plus the mean waits for the holder's engine and twice for
-//! the candidate's to take the fetch between steps): the fetched blocks leave the
+//! computing it. The fetch counts where the first token there is predicted
+//! sooner with it (its blocks' bytes at the candidate's measured fetch
+//! rate, plus the mean waits for the holder's engine and twice for the
+//! candidate's to take the fetch between steps, then the prefill left)
+//! than without (computing those blocks too, in the steps the engine
+//! chunks them into, each step's fixed cost included): the fetched blocks leave the
 //! uncached prompt, the fetch's time enters the prefill blocks as the
 //! blocks of prefill it equals there, and the credit counts fetched blocks
 //! like cached ones (neither is computed again).
@@ -269,11 +271,20 @@ pub fn cost(
 ) -> CostTerms {
     let bs = f64::from(block_size.max(1));
     let per_token = f64::from(input.prefill_ns_per_token) * 1e-9;
-    // A fetch counts only where it is predicted faster than computing what
-    // it brings (and so never before the candidate measured its prompts).
-    let fetch = input
-        .fetch
-        .filter(|f| f.blocks > 0 && f.seconds < f64::from(f.blocks) * bs * per_token);
+    // A fetch counts only where the first token is predicted sooner with
+    // it than computing what it brings, in the steps the engine would take
+    // (and so never before the candidate measured its steps).
+    let fetch = input.fetch.filter(|f| {
+        let ttft = |blocks| {
+            predict_ttft(&latency_input(
+                input,
+                uncached_tokens(prompt_tokens, blocks, block_size),
+            ))
+        };
+        let with = ttft(input.overlap_blocks + f.blocks);
+        let without = ttft(input.overlap_blocks);
+        f.blocks > 0 && with.zip(without).is_some_and(|(w, wo)| w + f.seconds < wo)
+    });
     let fetch_blocks = fetch.map_or(0, |f| f.blocks);
     let uncached = uncached_tokens(
         prompt_tokens,
@@ -303,18 +314,7 @@ pub fn cost(
     let total_cost = prefill_cost
         + decode_cost
         + params.active_request_weight * f64::from(input.active_requests);
-    let latency = LatencyInput {
-        // What is left of prompts being prefilled, where the report says.
-        queued_prefill_tokens: input
-            .reported_prefill_tokens
-            .map_or(queued, |r| r.min(queued)),
-        uncached_tokens: uncached,
-        step_tokens: input.step_tokens,
-        step_time_us: input.step_time_us,
-        prefill_ns_per_token: input.prefill_ns_per_token,
-        prefill_step_us: input.prefill_step_us,
-    };
-    let predicted_ttft = predict_ttft(&latency).map(|t| t + copy_seconds);
+    let predicted_ttft = predict_ttft(&latency_input(input, uncached)).map(|t| t + copy_seconds);
     let cached = u64::from(prompt_tokens) - uncached;
     let predicted_tpot = predict_step(
         input.decode_base_us,
@@ -350,6 +350,23 @@ pub fn cost(
         own_prefill,
         predicted_tpot,
         over_tpot,
+    }
+}
+
+/// What the candidate's time to first token is predicted from, for a
+/// request with `uncached` prompt tokens to compute there.
+fn latency_input(input: &CostInput, uncached: u64) -> LatencyInput {
+    let queued = queued_prefill_tokens(input, uncached);
+    LatencyInput {
+        // What is left of prompts being prefilled, where the report says.
+        queued_prefill_tokens: input
+            .reported_prefill_tokens
+            .map_or(queued, |r| r.min(queued)),
+        uncached_tokens: uncached,
+        step_tokens: input.step_tokens,
+        step_time_us: input.step_time_us,
+        prefill_ns_per_token: input.prefill_ns_per_token,
+        prefill_step_us: input.prefill_step_us,
     }
 }
 
