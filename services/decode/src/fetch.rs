@@ -17,7 +17,6 @@
 //! (`kv_fetch_bytes_per_sec`), which the router prices fetches by.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use sluice_kv_transfer::{Receiver, TransportKind, same_host};
@@ -30,8 +29,6 @@ use tracing::Instrument;
 use crate::disagg::{Fallback, Inbound};
 use crate::peers::Peers;
 
-/// Weight of the newest fetch in the reported rate.
-const RATE_EWMA: f64 = 0.2;
 /// A fetch may take this many times what the reported rate predicts ...
 const TIMEOUT_FACTOR: u32 = 4;
 /// ... and at least this long (a fetch waits for a step of the holder's
@@ -145,7 +142,7 @@ impl Fetcher {
         let block_bytes = engine
             .kv_transfer_model()
             .map_or(layout.block_bytes() as u64, |m| m.block_bytes);
-        let timeout = self.timeout(core, (want - local) as u64 * block_bytes);
+        let timeout = self.timeout(core, &source.worker_id, (want - local) as u64 * block_bytes);
         let slot = engine
             .reserve_import(engine_req.clone(), want)
             .await
@@ -220,7 +217,8 @@ impl Fetcher {
             .await
             .map_err(|e| Fallback::new("commit_failed", e))?;
         if written > 0 {
-            self.measured(core, written as u64 * block_bytes, took);
+            core.fetch_rates
+                .measured(&source.worker_id, written as u64 * block_bytes, took);
         }
         Ok(Fetched {
             asked,
@@ -229,26 +227,15 @@ impl Fetcher {
         })
     }
 
-    /// How long fetching `bytes` may take: a few times what the reported
-    /// rate predicts, at least [`MIN_TIMEOUT`], at most the configured one.
-    fn timeout(&self, core: &WorkerCore, bytes: u64) -> Duration {
-        let rate = core.fetch_rate.load(Ordering::Relaxed).max(1);
+    /// How long fetching `bytes` from `peer` may take: a few times what the
+    /// pair's rate predicts, at least [`MIN_TIMEOUT`], at most the
+    /// configured one.
+    fn timeout(&self, core: &WorkerCore, peer: &str, bytes: u64) -> Duration {
+        let rate = core.fetch_rates.from_peer(peer).max(1);
         let expected = Duration::from_secs_f64(bytes as f64 / rate as f64);
         (expected * TIMEOUT_FACTOR)
             .max(MIN_TIMEOUT)
             .min(self.max_timeout)
-    }
-
-    /// Folds one fetch's rate into the reported one.
-    fn measured(&self, core: &WorkerCore, bytes: u64, took: Duration) {
-        let sample = bytes as f64 / took.as_secs_f64().max(1e-6);
-        let old = core.fetch_rate.load(Ordering::Relaxed) as f64;
-        let new = if old > 0.0 {
-            old + RATE_EWMA * (sample - old)
-        } else {
-            sample
-        };
-        core.fetch_rate.store(new as u64, Ordering::Relaxed);
     }
 }
 

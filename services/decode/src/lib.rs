@@ -64,10 +64,7 @@ pub async fn serve(
     .await?;
     let decode_workers =
         peers::Peers::follow(&ctx, WorkerRole::Decode, core.metrics.prefix_peers.clone()).await?;
-    core.fetch_rate.store(
-        fetch::initial_fetch_rate(&core),
-        std::sync::atomic::Ordering::Relaxed,
-    );
+    core.fetch_rates.expect(fetch::initial_fetch_rate(&core));
     let timeout = std::time::Duration::from_millis(args.remote_prefill_timeout_ms);
     let fetcher = fetch::Fetcher {
         receiver: Arc::clone(&receiver),

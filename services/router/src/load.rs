@@ -124,6 +124,9 @@ pub(crate) struct TargetLoad {
     placed_since_report: u64,
     /// Live placements' TPOT targets (ms → placements), 0 left out.
     tpot_targets: BTreeMap<u32, u32>,
+    /// The worker's fetch rate from each peer it fetched from lately
+    /// (bytes per second, by peer worker id), from its last report.
+    fetch_rates_by_peer: HashMap<String, u64>,
 }
 
 impl TargetLoad {
@@ -181,6 +184,20 @@ impl TargetLoad {
         self.report = report;
         self.reported_at = Some(now);
         self.placed_since_report = 0;
+    }
+
+    /// Keeps the worker's per-peer fetch rates from its last report.
+    pub(crate) fn report_fetch_rates(&mut self, by_peer: HashMap<String, u64>) {
+        self.fetch_rates_by_peer = by_peer;
+    }
+
+    /// Bytes per second a prefix fetched from `peer` is expected to arrive
+    /// at here: the pair's measured rate, else the worker's overall one.
+    pub(crate) fn fetch_rate_from(&self, peer: &str) -> u64 {
+        self.fetch_rates_by_peer
+            .get(peer)
+            .copied()
+            .unwrap_or(self.report.kv_fetch_bytes_per_sec)
     }
 
     /// When the last report arrived.

@@ -506,6 +506,17 @@ impl WorkerPool {
         true
     }
 
+    /// Records a member's fetch rates by peer from the report just
+    /// recorded (the pair's rate prices a fetch from that peer). False if
+    /// unknown.
+    pub fn record_fetch_rates(&self, target: &WorkerRank, by_peer: HashMap<String, u64>) -> bool {
+        let Some(member) = self.members.read().get(target).cloned() else {
+            return false;
+        };
+        member.load.lock().report_fetch_rates(by_peer);
+        true
+    }
+
     /// Counts a placement another router made (or a client still holds)
     /// under `key` for `session`, from now on. False when its target is not
     /// a member (it is not counted).
@@ -826,7 +837,12 @@ impl WorkerPool {
             };
             let fetch = holder.and_then(|h| {
                 let blocks = overlaps[h].checked_sub(overlap).filter(|&b| b > 0)?;
-                let rate = load.report.kv_fetch_bytes_per_sec;
+                // What the pair moves at: this candidate's fetches from the
+                // holder, else from anyone.
+                let rate = m
+                    .load
+                    .lock()
+                    .fetch_rate_from(&candidates[h].info.target.worker_id);
                 // The bytes, and the waits for the engines to take the
                 // fetch's requests between their steps: half a step of the
                 // holder's on average, and two half steps of the
@@ -1484,6 +1500,28 @@ mod tests {
             let placed = d.placement.as_ref().expect("committed");
             assert_eq!(placed.prefill_tokens, 1024 - 48 * u64::from(BS), "{mode}");
         }
+    }
+
+    /// A fetch is priced at what the pair moves at: a candidate's measured
+    /// rate from the holder, where it has one, over its rate from anyone.
+    #[test]
+    fn a_fetch_is_priced_at_the_pairs_rate() {
+        let now = Instant::now();
+        let t = tokens(3, 1024);
+        let h = sequence_block_hashes(&t, BS as usize);
+        let fetches = |overall: u64, from_holder: Option<u64>| {
+            let p = fetch_pool(RouterMode::Kv, overall, 20_000, &h, now);
+            if let Some(rate) = from_holder {
+                let by_peer = HashMap::from([(target(0).worker_id.to_string(), rate)]);
+                assert!(p.record_fetch_rates(&target(1), by_peer));
+            }
+            let d = p.route(&input(&h, 1024), now).expect("route");
+            d.candidates[1].terms.fetch_blocks
+        };
+        // 48 MiB: ~5 ms at 10 GB/s, half a second at 100 MB/s.
+        assert_eq!(fetches(10_000_000_000, None), 48);
+        assert_eq!(fetches(10_000_000_000, Some(100_000_000)), 0);
+        assert_eq!(fetches(100_000_000, Some(10_000_000_000)), 48);
     }
 
     /// Computing a prefix costs the engine steps it takes, not only its

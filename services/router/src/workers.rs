@@ -488,6 +488,8 @@ async fn load_task(ctx: Ctx, worker_id: String, mut client: Client, token: Cance
                     .pool()
                     .record_load(&target, convert::load_report(&report), Instant::now())
                 {
+                    ctx.pool()
+                        .record_fetch_rates(&target, report.kv_fetch_bytes_per_sec_by_peer);
                     ctx.pools.load_changed();
                 }
             }

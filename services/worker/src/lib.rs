@@ -18,11 +18,12 @@ mod convert;
 mod error;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
+mod fetch_rates;
 mod metrics;
 mod service;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, AtomicU64};
+use std::sync::atomic::AtomicU32;
 
 use sluice_kv_transfer as transfer;
 use sluice_runtime::discovery::{WorkerInfo, WorkerRole};
@@ -33,6 +34,7 @@ use tokio::net::TcpListener;
 pub use args::{EngineKind, WorkerArgs};
 pub use convert::{check_input, logprobs_from_wire, logprobs_to_wire, sampling as wire_sampling};
 pub use error::WorkerError;
+pub use fetch_rates::FetchRates;
 pub use metrics::WorkerMetrics;
 pub use service::{
     InflightGuard, PrefillHandler, RemotePrefill, UnplacedGuard, UnplacedLoad, WorkerCore,
@@ -84,7 +86,7 @@ pub fn build_core(
         metrics,
         remote_prefills: AtomicU32::new(0),
         unplaced: Arc::default(),
-        fetch_rate: AtomicU64::new(0),
+        fetch_rates: FetchRates::default(),
         tier_rate,
         host_copy_rate,
         #[cfg(feature = "fault-injection")]

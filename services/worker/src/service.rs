@@ -40,9 +40,9 @@ pub struct WorkerCore {
     pub remote_prefills: AtomicU32,
     /// Requests that came without a router's placement.
     pub unplaced: Arc<UnplacedLoad>,
-    /// Bytes per second a prefix fetched from a peer arrives at (what the
-    /// load report says; 0: this worker does not fetch).
-    pub fetch_rate: AtomicU64,
+    /// Bytes per second prefixes fetched from peers arrive at, overall and
+    /// by peer (what the load report says; 0: this worker does not fetch).
+    pub fetch_rates: crate::FetchRates,
     /// Bytes per second a block restored from the second KV tier moves at
     /// (0: no second tier).
     pub tier_rate: u64,
@@ -662,7 +662,8 @@ impl pb::worker_server::Worker for WorkerService {
                             &l,
                             core.remote_prefills.load(Ordering::Relaxed),
                         );
-                        report.kv_fetch_bytes_per_sec = core.fetch_rate.load(Ordering::Relaxed);
+                        report.kv_fetch_bytes_per_sec = core.fetch_rates.overall();
+                        report.kv_fetch_bytes_per_sec_by_peer = core.fetch_rates.by_peer();
                         report.kv_tier_bytes_per_sec = core.tier_rate;
                         // Unplaced requests are counted per worker, on rank 0.
                         if rank == 0 {

@@ -76,6 +76,26 @@ async fn fetches(endpoint: &str, outcome: &str) -> anyhow::Result<u64> {
         .sum())
 }
 
+/// The fetch rate from `peer` in the first load report of the worker at
+/// `endpoint` (`None`: not listed).
+async fn rate_from(endpoint: &str, peer: &str) -> anyhow::Result<Option<u64>> {
+    use sluice_proto::worker::v1 as wpb;
+    let mut client =
+        wpb::worker_client::WorkerClient::connect(format!("http://{endpoint}")).await?;
+    let mut reports = client
+        .load(wpb::LoadRequest {
+            min_interval_ms: 1,
+            max_interval_ms: 50,
+        })
+        .await?
+        .into_inner();
+    let report = reports
+        .message()
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no load report"))?;
+    Ok(report.kv_fetch_bytes_per_sec_by_peer.get(peer).copied())
+}
+
 fn two_workers(transport: TransportKind) -> MeshOptions {
     let mut o = MeshOptions {
         decode_workers: 2,
@@ -110,6 +130,10 @@ async fn a_fetched_prefix_over_shm_tcp_and_grpc_generates_what_computing_it_does
             "{kind}: served from cache"
         );
         assert_eq!(fetches(&b_at, "ok").await?, 1, "{kind}");
+        // The pair's rate is in the worker's load report, for the router
+        // to price the next fetch from that peer by.
+        let rate = rate_from(&b_at, &a).await?;
+        assert!(rate.is_some_and(|r| r > 0), "{kind}: {rate:?}");
         // The fetched blocks are the worker's own cache now: the next turn
         // of the prompt hits it without asking anyone.
         let again = generate(&b_at, &p, None).await?;
