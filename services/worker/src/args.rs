@@ -34,6 +34,17 @@ pub enum EngineKind {
 }
 
 impl EngineKind {
+    /// The default second KV tier, in KV memories: twice on a GPU (host
+    /// memory is the larger; SGLang HiCache's `--hicache-ratio` 2) and the
+    /// mocker that models one, once on the CPU engine, whose KV memory is
+    /// host memory already.
+    pub fn kv_tier_ratio(self) -> u64 {
+        match self {
+            EngineKind::Cpu => 1,
+            EngineKind::Mocker | EngineKind::Cuda => 2,
+        }
+    }
+
     /// The backend its discovery entry publishes.
     pub fn backend(self) -> sluice_runtime::discovery::EngineBackend {
         use sluice_runtime::discovery::EngineBackend;
@@ -156,8 +167,11 @@ pub struct WorkerArgs {
 
     /// Bytes of the second KV tier: full blocks evicted from KV memory are
     /// kept there (host memory), most reused longest, and restored on a
-    /// prefix hit instead of being computed again. Default: as much again
-    /// as the KV memory; 0 turns it off.
+    /// prefix hit instead of being computed again. Default: twice the KV
+    /// memory on a GPU (and the mocker, which models one; SGLang HiCache's
+    /// ratio: a GPU host's memory is several times its GPUs'), as much
+    /// again on the CPU engine, whose KV memory is host memory already; 0
+    /// turns it off.
     #[arg(long, env = "SLUICE_KV_TIER_BYTES")]
     pub kv_tier_bytes: Option<u64>,
 
@@ -473,12 +487,12 @@ impl WorkerArgs {
             balance_group,
             grammars,
             kv_tier_bytes: self.kv_tier_bytes.unwrap_or_else(|| {
-                // As much again as the KV memory (the modelled model's on a
+                // A multiple of the KV memory (the modelled model's on a
                 // timing backend, which keeps no bytes).
                 let block = backend
                     .kv_transfer_model()
                     .map_or(backend.kv_layout().block_bytes() as u64, |m| m.block_bytes);
-                block * self.num_gpu_blocks as u64
+                block * self.num_gpu_blocks as u64 * self.engine.kv_tier_ratio()
             }),
         };
         Ok(EngineHandle::spawn(backend, cfg)?)

@@ -191,7 +191,7 @@ async fn an_evicted_prefix_comes_back_from_the_second_tier_with_the_same_tokens(
 -> anyhow::Result<()> {
     // 24 blocks of KV memory: a 150-token prompt and its 16 tokens take 11,
     // so three more such prompts evict all of the first; the second tier is
-    // on by default (as much again as the KV memory).
+    // on by default (as much again as the KV memory on the CPU engine).
     let mut opts = MeshOptions::default();
     opts.worker.num_gpu_blocks = 24;
     let mesh = Mesh::start(opts).await?;
