@@ -385,8 +385,10 @@ impl Mesh {
     }
 }
 
-/// KV blocks a worker's first rank holds right now (from its `Load` stream).
-pub async fn active_blocks(endpoint: &str) -> anyhow::Result<u64> {
+/// The first report of a worker's `Load` stream (its first rank's).
+pub async fn load_report(
+    endpoint: &str,
+) -> anyhow::Result<Option<sluice_proto::worker::v1::LoadReport>> {
     use sluice_proto::worker::v1 as wpb;
     let mut client =
         wpb::worker_client::WorkerClient::connect(format!("http://{endpoint}")).await?;
@@ -397,7 +399,12 @@ pub async fn active_blocks(endpoint: &str) -> anyhow::Result<u64> {
         })
         .await?
         .into_inner();
-    Ok(s.message()
+    Ok(s.message().await?)
+}
+
+/// KV blocks a worker's first rank holds right now (from its `Load` stream).
+pub async fn active_blocks(endpoint: &str) -> anyhow::Result<u64> {
+    Ok(load_report(endpoint)
         .await?
         .map(|r| r.active_blocks)
         .unwrap_or(u64::MAX))

@@ -13,7 +13,9 @@ use std::time::{Duration, Instant};
 
 use sluice_kv_transfer::TransportKind;
 use sluice_proto::common::v1::PrefixSource;
-use sluice_tests::mesh::{Mesh, MeshOptions, WorkerRun, active_blocks, worker_generate};
+use sluice_tests::mesh::{
+    Mesh, MeshOptions, WorkerRun, active_blocks, load_report, worker_generate,
+};
 
 /// 150 tokens: 9 full blocks of 16 before the last token.
 fn prompt(seed: u32) -> Vec<u32> {
@@ -76,26 +78,6 @@ async fn fetches(endpoint: &str, outcome: &str) -> anyhow::Result<u64> {
         .sum())
 }
 
-/// The fetch rate from `peer` in the first load report of the worker at
-/// `endpoint` (`None`: not listed).
-async fn rate_from(endpoint: &str, peer: &str) -> anyhow::Result<Option<u64>> {
-    use sluice_proto::worker::v1 as wpb;
-    let mut client =
-        wpb::worker_client::WorkerClient::connect(format!("http://{endpoint}")).await?;
-    let mut reports = client
-        .load(wpb::LoadRequest {
-            min_interval_ms: 1,
-            max_interval_ms: 50,
-        })
-        .await?
-        .into_inner();
-    let report = reports
-        .message()
-        .await?
-        .ok_or_else(|| anyhow::anyhow!("no load report"))?;
-    Ok(report.kv_fetch_bytes_per_sec_by_peer.get(peer).copied())
-}
-
 fn two_workers(transport: TransportKind) -> MeshOptions {
     let mut o = MeshOptions {
         decode_workers: 2,
@@ -132,7 +114,9 @@ async fn a_fetched_prefix_over_shm_tcp_and_grpc_generates_what_computing_it_does
         assert_eq!(fetches(&b_at, "ok").await?, 1, "{kind}");
         // The pair's rate is in the worker's load report, for the router
         // to price the next fetch from that peer by.
-        let rate = rate_from(&b_at, &a).await?;
+        let rate = load_report(&b_at)
+            .await?
+            .and_then(|r| r.kv_fetch_bytes_per_sec_by_peer.get(&a).copied());
         assert!(rate.is_some_and(|r| r > 0), "{kind}: {rate:?}");
         // The fetched blocks are the worker's own cache now: the next turn
         // of the prompt hits it without asking anyone.
