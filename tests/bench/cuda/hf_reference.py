@@ -36,44 +36,31 @@ _spec = importlib.util.spec_from_file_location(
 make_fixture = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(make_fixture)
 
+# What both cases share: 4 layers, GQA 8 query heads over 2 kv heads of 64.
+SHAPE = dict(
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    vocab_size=1024,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
 CASES = {
-    # Llama: GQA 8 over 2 kv heads, head_dim 64, untied, Llama 3's RoPE base.
+    # Llama: untied, Llama 3's RoPE base.
     "llama_gpu": (
         LlamaConfig,
         LlamaForCausalLM,
-        dict(
-            hidden_size=512,
-            intermediate_size=1408,
-            num_hidden_layers=4,
-            num_attention_heads=8,
-            num_key_value_heads=2,
-            vocab_size=1024,
-            max_position_embeddings=512,
-            rope_theta=500000.0,
-            rms_norm_eps=1e-5,
-            tie_word_embeddings=False,
-            bos_token_id=1,
-            eos_token_id=2,
-        ),
+        dict(SHAPE, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
     ),
-    # Qwen2: q/k/v biases, GQA 8 over 2, tied embeddings.
+    # Qwen2: q/k/v biases, tied embeddings.
     "qwen2_gpu": (
         Qwen2Config,
         Qwen2ForCausalLM,
-        dict(
-            hidden_size=512,
-            intermediate_size=1408,
-            num_hidden_layers=4,
-            num_attention_heads=8,
-            num_key_value_heads=2,
-            vocab_size=1024,
-            max_position_embeddings=512,
-            rope_theta=1000000.0,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=True,
-            bos_token_id=1,
-            eos_token_id=2,
-        ),
+        dict(SHAPE, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
     ),
 }
 
