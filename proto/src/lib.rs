@@ -112,6 +112,23 @@ impl queue::v1::QueueReason {
             .and_then(Self::from_label)
     }
 
+    /// A refusal for this reason: `RESOURCE_EXHAUSTED` naming it
+    /// (`sluice-reason`) with `retry-after` in seconds (at least 1), which
+    /// the frontend answers as a 429 with `Retry-After`.
+    pub fn refusal(self, message: impl Into<String>, retry_after_secs: u64) -> tonic::Status {
+        let mut status = tonic::Status::resource_exhausted(message);
+        let meta = status.metadata_mut();
+        meta.insert(
+            REASON_HEADER,
+            tonic::metadata::MetadataValue::from_static(self.label()),
+        );
+        meta.insert(
+            "retry-after",
+            tonic::metadata::MetadataValue::from(retry_after_secs.max(1)),
+        );
+        status
+    }
+
     /// Whether another queue replica may admit the request: this one is
     /// going away, or could not reach a router or get a placement from one.
     /// Every other answer is about the request, and holds at any replica.

@@ -285,12 +285,7 @@ fn status_of(err: QueueError) -> tonic::Status {
         | QueueError::TargetUnmeetable { retry_after, .. }
         | QueueError::TargetMissed { retry_after, .. }
         | QueueError::Displaced { retry_after, .. } => {
-            let mut status = Status::resource_exhausted(err.to_string());
-            let secs = retry_after.as_secs().max(1);
-            status
-                .metadata_mut()
-                .insert("retry-after", tonic::metadata::MetadataValue::from(secs));
-            status
+            err.reason().refusal(err.to_string(), retry_after.as_secs())
         }
         QueueError::QuotaExceeded {
             quota, retry_after, ..

@@ -68,21 +68,6 @@ impl From<sluice_runtime::limits::Invalid> for WorkerError {
 impl From<WorkerError> for tonic::Status {
     fn from(e: WorkerError) -> Self {
         use tonic::Code;
-        if let WorkerError::TtftTargetMissed { .. } = e {
-            // The queue's refusal, in the queue's words: the frontend
-            // answers it as a 429 with `Retry-After`, as when the queue
-            // refuses a request it holds past its target.
-            let mut status = tonic::Status::resource_exhausted(e.to_string());
-            let meta = status.metadata_mut();
-            meta.insert(
-                sluice_proto::REASON_HEADER,
-                tonic::metadata::MetadataValue::from_static(
-                    sluice_proto::queue::v1::QueueReason::TtftTargetMissed.label(),
-                ),
-            );
-            meta.insert("retry-after", tonic::metadata::MetadataValue::from(1u32));
-            return status;
-        }
         let code = match &e {
             WorkerError::InvalidArgument { .. } | WorkerError::NoSuchRank { .. } => {
                 Code::InvalidArgument
@@ -95,7 +80,12 @@ impl From<WorkerError> for tonic::Status {
             WorkerError::Engine(EngineError::BlockSize { .. }) => Code::InvalidArgument,
             // The transfer crate's mapping; its internal errors are hidden below.
             WorkerError::Transfer(inner) if inner.code() != Code::Internal => inner.code(),
-            WorkerError::TtftTargetMissed { .. } => Code::ResourceExhausted,
+            // The queue's refusal, in the queue's words: the frontend
+            // answers it as for a request the queue held past its target.
+            WorkerError::TtftTargetMissed { .. } => {
+                return sluice_proto::queue::v1::QueueReason::TtftTargetMissed
+                    .refusal(e.to_string(), 1);
+            }
             WorkerError::Engine(_)
             | WorkerError::Transfer(_)
             | WorkerError::Startup(_)
