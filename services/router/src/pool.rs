@@ -312,9 +312,32 @@ struct ChoiceState {
     orphans: VecDeque<(Instant, PlacementKey)>,
     /// Ids of unreleasable placements.
     next_unreleasable: u64,
+    /// The relative errors of the latest predictions checked here
+    /// (|predicted − served| / served), at most [`ERRORS_KEPT`].
+    errors: VecDeque<f64>,
 }
 
+/// How many checked predictions the typical error is taken over.
+const ERRORS_KEPT: usize = 64;
+
 impl ChoiceState {
+    /// The median relative error of the latest checked predictions.
+    fn typical_error(&self) -> Option<f64> {
+        let mut e: Vec<f64> = self.errors.iter().copied().collect();
+        e.sort_unstable_by(f64::total_cmp);
+        e.get(e.len() / 2).copied()
+    }
+
+    fn checked(&mut self, check: &TtftCheck) {
+        let e = check.relative_error();
+        if e.is_finite() {
+            if self.errors.len() == ERRORS_KEPT {
+                self.errors.pop_front();
+            }
+            self.errors.push_back(e);
+        }
+    }
+
     fn count(&mut self, key: PlacementKey, counted: Counted) {
         counted.load.lock().add(&counted.shape, counted.started);
         if let Some(at) = counted.orphaned_at {
@@ -408,6 +431,7 @@ impl WorkerPool {
                 placements: HashMap::new(),
                 orphans: VecDeque::new(),
                 next_unreleasable: 0,
+                errors: VecDeque::with_capacity(ERRORS_KEPT),
             }),
         }
     }
@@ -572,6 +596,9 @@ impl WorkerPool {
                         predicted,
                         served: c.placed_at.elapsed().as_secs_f64(),
                     });
+                    if let Some(check) = &checked {
+                        choice.checked(check);
+                    }
                     Updated {
                         counted: true,
                         checked,
@@ -695,7 +722,8 @@ impl WorkerPool {
         // concurrent burst sees each earlier placement of it.
         let mut choice = self.choice.lock();
         choice.expire(now, self.cfg.placement_max_age);
-        let scored = self.score(&input.desc, &candidates, now, external);
+        let typical_error = choice.typical_error();
+        let scored = self.score(&input.desc, &candidates, now, external, typical_error);
         let Scored {
             mut terms,
             costs,
@@ -776,6 +804,7 @@ impl WorkerPool {
         candidates: &[Arc<Member>],
         now: Instant,
         external: Option<&dyn Fn(&WorkerRank) -> u32>,
+        typical_error: Option<f64>,
     ) -> Scored {
         let mode = self.cfg.mode;
         let approx = mode == RouterMode::Approx;
@@ -820,6 +849,17 @@ impl WorkerPool {
         let holder_step = holder.map_or(0.0, |h| {
             0.5 * f64::from(candidates[h].load.lock().effective().report.step_time_us) * 1e-6
         });
+        // The overlap credit's rate: the candidates' median prompt-token
+        // cost (each worker's own reads apart by the noise of its fit).
+        let credit_ns_per_token = {
+            let mut rates: Vec<u32> = candidates
+                .iter()
+                .map(|m| m.load.lock().effective().report.prefill_ns_per_token)
+                .filter(|&ns| ns > 0)
+                .collect();
+            rates.sort_unstable();
+            rates.get(rates.len() / 2).copied().unwrap_or(0)
+        };
         for (i, m) in candidates.iter().enumerate() {
             let overlap = overlaps[i];
             let load = m.load.lock().effective();
@@ -878,6 +918,7 @@ impl WorkerPool {
                     step_time_us: load.report.step_time_us,
                     prefill_ns_per_token: load.report.prefill_ns_per_token,
                     prefill_step_us: load.report.prefill_step_us,
+                    credit_ns_per_token,
                     reported_prefill_tokens: load.reported_prefill_tokens,
                     decode_base_us: load.report.decode_base_us,
                     decode_ns_per_seq: load.report.decode_ns_per_seq,
@@ -944,6 +985,41 @@ impl WorkerPool {
                 .iter()
                 .map(|m| m.handle(approx).map_or(0, TargetHandle::blocks) as f64 / total_entries)
                 .collect();
+        }
+        // Predictions in time are built from each worker's measured steps,
+        // and identical workers' measurements read apart: candidates within
+        // the predictions' own error of the cheapest (the median relative
+        // error of the latest checked here, times the soonest prediction;
+        // at least half the shortest step, the part of a step in progress
+        // a request waits for) are not told apart by the prediction, and
+        // the fewest live requests among them wins. A burst of a prompt
+        // every worker holds would otherwise go where the steps read
+        // fastest, one request after another (each adds less to the
+        // prediction than the noise). A new prompt keeps its own, wider
+        // tolerance and the spread of cache turnover.
+        if in_time {
+            let half_step = candidates
+                .iter()
+                .map(|m| m.load.lock().effective().report.step_time_us)
+                .min()
+                .map_or(0.0, |us| 0.5 * f64::from(us) * 1e-6);
+            let soonest = scored
+                .terms
+                .iter()
+                .filter_map(|t| t.predicted_ttft)
+                .fold(f64::INFINITY, f64::min);
+            let noise = typical_error
+                .map(|e| e * soonest)
+                .filter(|n| n.is_finite())
+                .map_or(half_step, |n| n.max(half_step));
+            if scored.tolerance < noise {
+                scored.tolerance = noise;
+                scored.spread = scored
+                    .terms
+                    .iter()
+                    .map(|t| f64::from(t.active_requests))
+                    .collect();
+            }
         }
         scored
     }
@@ -1635,6 +1711,74 @@ mod tests {
         assert_eq!(idle.total_cost, predicted, "the cost is the prediction");
         let hit = &d.candidates[1 - d.chosen].terms;
         assert!(hit.predicted_ttft.expect("measured") > 1.0, "{hit:?}");
+    }
+
+    #[test]
+    fn latency_mode_spreads_a_burst_of_a_prompt_every_worker_holds() {
+        let p = pool(RouterMode::Latency, 4);
+        let now = Instant::now();
+        let h = sequence_block_hashes(&tokens(12, 1024), BS as usize);
+        // Every worker holds the prompt and measured about the same 10 ms
+        // step, w0's the lowest by a little more than one request adds to
+        // any prediction, and prompt tokens at rates their fits put far
+        // apart (as identical workers' measurements differ): w3's would
+        // make its credit for the same prefix four times w0's.
+        for i in 0..4 {
+            store(&p, i, 1, &h);
+            let report = LoadReport {
+                step_time_us: 10_000 + 1_000 * i as u32,
+                prefill_ns_per_token: 50_000 * (i as u32 + 1),
+                ..measured(0)
+            };
+            p.record_load(&target(i), report, now);
+        }
+        let mut per_worker = BTreeMap::<String, usize>::new();
+        for id in 0..64 {
+            let d = p.route(&held(&h, 1024, id), now).expect("route");
+            *per_worker.entry(chosen(&d).to_owned()).or_default() += 1;
+        }
+        assert_eq!(per_worker.len(), 4, "{per_worker:?}");
+        assert!(per_worker.values().all(|&n| n == 16), "{per_worker:?}");
+        // A worker predicted sooner by more than the noise still wins.
+        p.record_load(
+            &target(2),
+            LoadReport {
+                step_time_us: 4_000,
+                ..measured(0)
+            },
+            now,
+        );
+        let d = p.route(&input(&h, 1024), now).expect("route");
+        assert_eq!(chosen(&d), "w2", "{:?}", d.candidates);
+    }
+
+    #[test]
+    fn predictions_closer_than_their_checked_error_are_not_told_apart() {
+        let p = pool(RouterMode::Latency, 2);
+        let now = Instant::now();
+        let h = sequence_block_hashes(&tokens(14, 1024), BS as usize);
+        for (i, step_time_us) in [(0, 10_000), (1, 20_000)] {
+            store(&p, i, 1, &h);
+            let report = LoadReport {
+                step_time_us,
+                ..measured(0)
+            };
+            p.record_load(&target(i), report, now);
+        }
+        // Nothing checked yet: w0 is predicted 10 ms sooner, more than half
+        // its step, and takes every request.
+        for id in 0..4 {
+            let d = p.route(&held(&h, 1024, id), now).expect("route");
+            assert_eq!(chosen(&d), "w0", "{:?}", d.candidates);
+        }
+        // Their first tokens come far from the predictions: 10 ms no
+        // longer tells the two apart, and the one running fewer wins.
+        for id in 0..4 {
+            let u = p.update(&key(id), PlacementState::Started);
+            assert!(u.checked.is_some());
+        }
+        let d = p.route(&held(&h, 1024, 4), now).expect("route");
+        assert_eq!(chosen(&d), "w1", "{:?}", d.candidates);
     }
 
     #[test]

@@ -201,6 +201,11 @@ pub struct CostInput {
     pub prefill_ns_per_token: u32,
     /// Its fixed part per step with prompt tokens, in µs.
     pub prefill_step_us: u32,
+    /// The prompt-token cost the overlap credit is counted at, in ns: the
+    /// same for every candidate of a request (the median of theirs), so
+    /// the same cached prefix earns the same credit wherever it lies
+    /// (0 = the candidate's own).
+    pub credit_ns_per_token: u32,
     /// Prompt tokens left there by the worker's last report plus those
     /// placed since (`None` before a report).
     pub reported_prefill_tokens: Option<u64>,
@@ -245,7 +250,8 @@ pub struct CostTerms {
     /// Predicted seconds to the first token there (see `latency`); `None`
     /// before the worker measured a step.
     pub predicted_ttft: Option<f64>,
-    /// Seconds of prefill the cached prefix saves there (`None` likewise).
+    /// Seconds of prefill the cached prefix saves, at the credit's rate
+    /// (`None` likewise).
     pub saved_prefill: Option<f64>,
     /// Seconds of prefill the uncached prompt costs there (`None` likewise).
     pub own_prefill: Option<f64>,
@@ -331,7 +337,11 @@ pub fn cost(
     let over_tpot = predicted_tpot
         .zip(tpot_limit)
         .is_some_and(|(step, ms)| step * 1e3 > f64::from(ms));
-    let saved_prefill = predicted_ttft.map(|_| cached as f64 * per_token);
+    let credit_per_token = match input.credit_ns_per_token {
+        0 => per_token,
+        ns => f64::from(ns) * 1e-9,
+    };
+    let saved_prefill = predicted_ttft.map(|_| cached as f64 * credit_per_token);
     let own_prefill = predicted_ttft.map(|_| uncached as f64 * per_token);
     CostTerms {
         overlap_blocks: input.overlap_blocks,
@@ -372,7 +382,9 @@ fn latency_input(input: &CostInput, uncached: u64) -> LatencyInput {
 
 /// The `latency` mode's cost of a candidate: its predicted time to first
 /// token less `overlap_credit` times the prefill its cached prefix saves
-/// (what `kv` credits in blocks, in seconds); `None` without a prediction.
+/// the mesh (what `kv` credits in blocks, in seconds, at one rate for all
+/// candidates: `CostInput::credit_ns_per_token`); `None` without a
+/// prediction.
 pub fn latency_cost(params: &CostParams, terms: &CostTerms) -> Option<f64> {
     Some(terms.predicted_ttft? - params.overlap_credit * terms.saved_prefill?)
 }

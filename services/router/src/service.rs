@@ -304,7 +304,7 @@ impl RouterService {
     }
 }
 
-/// `worker/rank overlap=… prefill=… decode=… total=… active=…; …`
+/// `worker/rank overlap=… prefill=… decode=… ttft_ms=… total=… active=…; …`
 fn candidates_field(d: &Decision) -> String {
     let mut s = String::new();
     for (i, c) in d.candidates.iter().enumerate() {
@@ -313,7 +313,7 @@ fn candidates_field(d: &Decision) -> String {
         }
         let _ = write!(
             s,
-            "{}{} overlap={} fetch={} restore_ms={:.1} queued={} prefill={:.2} decode={:.2} total={:.2} active={}{}",
+            "{}{} overlap={} fetch={} restore_ms={:.1} queued={} prefill={:.2} decode={:.2} ttft_ms={} total={:.4} active={}{}",
             c.target,
             if i == d.chosen { "*" } else { "" },
             c.terms.overlap_blocks,
@@ -322,6 +322,9 @@ fn candidates_field(d: &Decision) -> String {
             c.terms.queued_prefill_tokens,
             c.terms.prefill_cost,
             c.terms.decode_cost,
+            c.terms
+                .predicted_ttft
+                .map_or_else(|| "-".to_owned(), |t| format!("{:.1}", t * 1e3)),
             c.terms.total_cost,
             c.terms.active_requests,
             if c.terms.over_bound {
