@@ -14,7 +14,7 @@ use crate::selector::{CostParams, RouterMode};
 #[command(next_help_heading = "Router")]
 pub struct Args {
     /// How to choose a worker.
-    #[arg(long, env = "SLUICE_ROUTER_MODE", value_enum, default_value_t = RouterMode::Kv)]
+    #[arg(long, env = "SLUICE_ROUTER_MODE", value_enum, default_value_t = RouterMode::Latency)]
     pub router_mode: RouterMode,
 
     /// 0 = always the lowest cost; > 0 = sample a softmax over normalised costs.
@@ -88,7 +88,7 @@ pub struct Args {
 impl Default for Args {
     fn default() -> Self {
         Self {
-            router_mode: RouterMode::Kv,
+            router_mode: RouterMode::Latency,
             router_temperature: 0.0,
             prefill_load_scale: 1.0,
             decode_load_scale: 0.25,

@@ -52,8 +52,11 @@
 //! the one that stored the fewest blocks lately (its cache turns over
 //! slowest, so what the prompt evicts there is oldest; the workers that just
 //! stored a lot keep it for their conversations' next turns), then to the
-//! cheapest of those, then at random. Temperature > 0 samples a softmax over
-//! costs min-max normalised to [0, 1].
+//! cheapest of those, then at random. In time (`latency`), candidates
+//! within the predictions' own error of the lowest cost (the pool passes
+//! that tolerance) go to the fewest live requests, then the cheapest.
+//! Temperature > 0 samples a softmax over costs min-max normalised to
+//! [0, 1].
 //!
 //! Balance bound: with `balance_bound` B > 0, only candidates whose active
 //! requests are at most `B × mean + 1` (the mean over every candidate) may
