@@ -119,7 +119,7 @@ MUTATIONS = [
         "      - --etcd=http://etcd:2379\n"
         "      - --listen=0.0.0.0:7001\n"
         "      - --advertise=router-2:7001\n"
-        "      - --router-mode=kv\n\n",
+        "      - --router-mode=latency\n\n",
         "",
         "1 service(s) run router; at least 2 must",
         False,
@@ -127,16 +127,16 @@ MUTATIONS = [
     (
         "an invented compose flag",
         "compose.yaml",
-        "      - --advertise=queue-1:7002\n      - --queue-policy=fcfs\n",
-        "      - --advertise=queue-1:7002\n      - --queue-policy=fcfs\n      - --no-such-flag=1\n",
+        "      - --advertise=queue-1:7002\n      - --queue-policy=strict\n",
+        "      - --advertise=queue-1:7002\n      - --queue-policy=strict\n      - --no-such-flag=1\n",
         "has no flag --no-such-flag",
         True,
     ),
     (
         "a misspelt SLUICE_ variable in a ConfigMap",
         "k8s/base/kustomization.yaml",
-        "SLUICE_ROUTER_MODE=kv",
-        "SLUICE_ROUTER_MOOD=kv",
+        "SLUICE_ROUTER_MODE=latency",
+        "SLUICE_ROUTER_MOOD=latency",
         "reads no SLUICE_ROUTER_MOOD",
         True,
     ),
