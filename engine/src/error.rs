@@ -51,6 +51,8 @@ pub enum EngineError {
     BlockNotReserved { seq: u64, id: u32 },
     #[error("the backend failed this request's step: {0}")]
     StepFailed(String),
+    #[error("not started by its first-token deadline (`Request::first_token_by`)")]
+    FirstTokenLate,
     #[error("the cuda engine needs {library}, which could not be loaded: {hint}")]
     CudaLibraryMissing {
         library: &'static str,

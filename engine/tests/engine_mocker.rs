@@ -757,3 +757,24 @@ async fn the_reported_step_time_is_a_decode_steps_not_a_prefills() {
         "a step of one sequence {one} ms; decode {decode} ms"
     );
 }
+
+#[tokio::test]
+async fn a_prefill_not_started_by_its_first_token_deadline_is_refused_not_left_waiting() {
+    let e = spawn(64);
+    let mut late = req((1..=10).collect(), 1);
+    late.first_token_by = Some(std::time::Instant::now());
+    let refused = tokio::time::timeout(Duration::from_secs(5), e.prefill(late))
+        .await
+        .expect("answered, not left waiting")
+        .err();
+    assert!(
+        matches!(refused, Some(EngineError::FirstTokenLate)),
+        "{refused:?}"
+    );
+    wait_idle(&e).await;
+    // With time left it is computed.
+    let mut due_later = req((1..=10).collect(), 1);
+    due_later.first_token_by = Some(std::time::Instant::now() + Duration::from_secs(60));
+    let out = e.prefill(due_later).await.expect("prefill");
+    assert_eq!(out.blocks.num_tokens(), 10);
+}

@@ -239,6 +239,9 @@ impl EngineCore {
             );
             for (id, finished) in late {
                 self.end_stream(id, finished);
+                if let Some(reply) = self.prefills.remove(&id) {
+                    let _ = reply.send(Err(EngineError::FirstTokenLate));
+                }
             }
             self.publish_load();
         }

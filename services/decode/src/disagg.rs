@@ -246,12 +246,30 @@ impl Disagg {
             destination: inbound.descriptor.take(),
             // The prefill worker the grant named was placed with the request.
             placed: req.placed,
+            // What is left of the TTFT target now: a prefill worker that
+            // cannot start the prompt by then refuses it.
+            ttft_budget_ms: engine_req.first_token_by.map_or(0, |by| {
+                let left = by.saturating_duration_since(std::time::Instant::now());
+                u32::try_from(left.as_millis()).unwrap_or(u32::MAX).max(1)
+            }),
         });
+        let missed = sluice_proto::queue::v1::QueueReason::TtftTargetMissed;
         match tokio::time::timeout(self.timeout, call).await {
             Err(_) => Err(Fallback::new(
                 "timeout",
                 "no answer within --remote-prefill-timeout-ms",
             )),
+            // Refused at the TTFT target: computed here it would be late
+            // too, and this engine refuses it at its next step (the
+            // request's deadline has passed), which the client gets as 429.
+            Ok(Err(s))
+                if s.metadata()
+                    .get(sluice_proto::REASON_HEADER)
+                    .and_then(|v| v.to_str().ok())
+                    == Some(missed.label()) =>
+            {
+                Err(Fallback::new(missed.label(), ""))
+            }
             Ok(Err(s)) => Err(Fallback::new("prefill_error", s)),
             Ok(Ok(r)) => Ok(r.into_inner()),
         }

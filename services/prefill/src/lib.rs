@@ -145,7 +145,9 @@ async fn compute(
         sampling: sluice_worker::wire_sampling(req.sampling.clone()),
         priority: req.priority,
         constraint: None,
-        first_token_by: None,
+        first_token_by: (req.ttft_budget_ms > 0).then(|| {
+            std::time::Instant::now() + std::time::Duration::from_millis(req.ttft_budget_ms.into())
+        }),
     };
     let bs = engine.kv_layout().block_size;
     let mut unplaced = (!req.placed).then(|| {
@@ -156,7 +158,18 @@ async fn compute(
             prompt.div_ceil(bs.max(1)) as u64,
         )
     });
-    let out = engine.prefill(engine_req).instrument(span).await?;
+    // Not started by the request's TTFT target: the queue's refusal, as a
+    // decode worker's engine gives it (the decode worker passes it on).
+    let out = engine
+        .prefill(engine_req)
+        .instrument(span)
+        .await
+        .map_err(|e| match e {
+            sluice_engine::EngineError::FirstTokenLate => WorkerError::TtftTargetMissed {
+                budget_ms: req.ttft_budget_ms,
+            },
+            e => e.into(),
+        })?;
     if let Some(u) = unplaced.as_mut() {
         u.started();
     }

@@ -947,6 +947,7 @@ async fn generated_grpc_messages_never_panic_or_get_internal() -> anyhow::Result
                                 ..Default::default()
                             }),
                             placed: rng.random(),
+                            ttft_budget_ms: rng.random(),
                         };
                         let input = shown(&req);
                         c.prefill(req).await.map(drop).map_err(|s| (s, input))

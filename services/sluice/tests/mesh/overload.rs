@@ -402,3 +402,67 @@ async fn a_request_the_engine_does_not_start_by_its_ttft_target_gets_a_429() -> 
     );
     mesh.stop().await
 }
+
+/// Disaggregated: the prefill worker holds the TTFT target too. A long
+/// priority-5 prompt keeps the prefill worker's steps busy for seconds; a
+/// priority-0 request with a 300 ms target waits there, is refused when the
+/// target passes, and the decode worker passes the refusal on (computed
+/// locally it would be late too) as the client's 429.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remote_prefill_not_started_by_its_ttft_target_gets_a_429() -> anyhow::Result<()> {
+    let mut opts = MeshOptions {
+        prefill_workers: 1,
+        ..MeshOptions::default()
+    };
+    opts.worker.engine = sluice_worker::EngineKind::Mocker;
+    // 512-token steps of ~1.2 s: the long prompt takes three.
+    opts.worker.speedup_ratio = 0.02;
+    opts.worker.max_num_batched_tokens = 512;
+    opts.worker.max_local_prefill_length = 32;
+    let _machine = sluice_tests::mesh::exclusive().await;
+    let mesh = Mesh::start(opts).await?;
+    let decode = mesh.endpoints("decode").await?.remove(0);
+    let prefill = mesh.endpoints("prefill").await?.remove(0);
+
+    let long: Vec<u32> = (0..1500u32).map(|i| (i * 37 + 11) % 900 + 5).collect();
+    let hog = spawn_open(
+        &mesh,
+        json!({"model": "sluice-tiny", "prompt": long, "max_tokens": 1, "temperature": 0,
+               "nvext": {"agent_hints": {"priority": 5}}}),
+    );
+    // The long prompt's prefill is running on the prefill worker.
+    sluice_tests::wait::until_true(
+        "the long prompt running on the prefill worker",
+        Duration::from_secs(20),
+        || async {
+            let (_, m) = get(&prefill, "/metrics").await?;
+            Ok(
+                sluice_tests::wait::sample(&m, "sluice_worker_running_sequences").unwrap_or(0.0)
+                    >= 1.0,
+            )
+        },
+    )
+    .await?;
+    let short: Vec<u32> = (0..64u32).map(|i| (i * 53 + 7) % 900 + 5).collect();
+    let late = json!({"model": "sluice-tiny", "prompt": short, "max_tokens": 1,
+                      "temperature": 0,
+                      "nvext": {"agent_hints": {"priority": 0, "ttft_target_ms": 300}}});
+    let (status, head, rest) =
+        tokio::time::timeout(Duration::from_secs(20), spawn_open(&mesh, late)).await???;
+    assert_eq!(status, 429, "{head}{rest}");
+    assert!(retry_after(&head).is_some(), "{head}");
+    let err: Value = serde_json::from_str(&rest)?;
+    assert_eq!(err["error"]["code"], "ttft_target_missed", "{err}");
+    let (_, m) = get(&decode, "/metrics").await?;
+    assert_eq!(
+        sluice_tests::wait::sample(
+            &m,
+            "sluice_worker_remote_prefill_total{outcome=\"ttft_target_missed\"}"
+        ),
+        Some(1.0),
+        "the prefill worker refused it: {m}"
+    );
+    let (status, head, rest) = tokio::time::timeout(Duration::from_secs(60), hog).await???;
+    assert_eq!(status, 200, "the long prompt is served: {head}{rest}");
+    mesh.stop().await
+}
