@@ -254,6 +254,10 @@ pub struct Decision {
     /// The peer the chosen candidate fetches the prompt's prefix from, and
     /// the blocks that peer holds (`None`: no fetch).
     pub prefix_source: Option<(WorkerRank, u32)>,
+    /// Candidates whose costs lay within this of the cheapest counted as
+    /// equal (in the costs' units: seconds in `latency` mode, blocks in
+    /// `kv`); see `score`.
+    pub tolerance: f64,
 }
 
 impl Decision {
@@ -767,6 +771,7 @@ impl WorkerPool {
             placement,
             within_target,
             prefix_source,
+            tolerance,
         })
     }
 

@@ -74,6 +74,7 @@ fn route_span(req: &pb::RouteRequest) -> Span {
         ttft_target_ms = d.map_or(0, |d| d.ttft_target_ms),
         within_target = tracing::field::Empty,
         mode = tracing::field::Empty,
+        tie_tolerance = tracing::field::Empty,
         candidates = tracing::field::Empty,
         fetch_blocks = tracing::field::Empty,
         fetch_ms = tracing::field::Empty,
@@ -284,6 +285,9 @@ impl RouterService {
             }
         }
         span.record("mode", mode);
+        // Candidates whose totals lay within this of the cheapest counted
+        // as equal (the choice's tolerance, in the totals' units).
+        span.record("tie_tolerance", d.tolerance);
         if let Some((holder, _)) = &d.prefix_source {
             span.record("prefix_source", holder.worker_id.as_ref());
             span.record("fetch_blocks", chosen.terms.fetch_blocks);
@@ -577,6 +581,12 @@ mod tests {
         assert_eq!(f.get("overlap_blocks").map(String::as_str), Some("3"));
         assert_eq!(f.get("mode").map(String::as_str), Some("kv"));
         assert_eq!(f.get("request_id").map(String::as_str), Some("req-1"));
+        // w1 holds more of the prompt: no tolerance (ties only when equal).
+        assert_eq!(
+            f.get("tie_tolerance").and_then(|t| t.parse::<f64>().ok()),
+            Some(0.0),
+            "{f:?}"
+        );
         let candidates = f.get("candidates").expect("candidates recorded");
         assert!(
             candidates.contains("w0/0 overlap=0 fetch=0 restore_ms=0.0 queued=0 prefill=3.00"),
