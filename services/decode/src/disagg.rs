@@ -253,7 +253,8 @@ impl Disagg {
                 u32::try_from(left.as_millis()).unwrap_or(u32::MAX).max(1)
             }),
         });
-        let missed = sluice_proto::queue::v1::QueueReason::TtftTargetMissed;
+        use sluice_proto::queue::v1::QueueReason;
+        let missed = QueueReason::TtftTargetMissed;
         match tokio::time::timeout(self.timeout, call).await {
             Err(_) => Err(Fallback::new(
                 "timeout",
@@ -262,12 +263,7 @@ impl Disagg {
             // Refused at the TTFT target: computed here it would be late
             // too, and this engine refuses it at its next step (the
             // request's deadline has passed), which the client gets as 429.
-            Ok(Err(s))
-                if s.metadata()
-                    .get(sluice_proto::REASON_HEADER)
-                    .and_then(|v| v.to_str().ok())
-                    == Some(missed.label()) =>
-            {
+            Ok(Err(s)) if QueueReason::of_status(&s) == Some(missed) => {
                 Err(Fallback::new(missed.label(), ""))
             }
             Ok(Err(s)) => Err(Fallback::new("prefill_error", s)),
