@@ -397,7 +397,15 @@ pub struct WorkerPool {
     /// joined (its first KV snapshot still coming): it joins with it, so
     /// its slots and speed are known from the start, not a report interval
     /// later.
-    early_reports: Mutex<HashMap<WorkerRank, (LoadReport, Instant)>>,
+    early_reports: Mutex<HashMap<WorkerRank, EarlyReport>>,
+}
+
+/// A report of a worker not yet joined, kept for its join.
+struct EarlyReport {
+    report: LoadReport,
+    at: Instant,
+    /// Its fetch rates by peer (`record_fetch_rates`), once recorded.
+    fetch_rates: Option<HashMap<String, u64>>,
 }
 
 impl std::fmt::Debug for WorkerPool {
@@ -472,8 +480,12 @@ impl WorkerPool {
             .get(&info.target)
             .map(|m| Arc::clone(&m.load))
             .unwrap_or_default();
-        if let Some((report, at)) = self.early_reports.lock().remove(&info.target) {
-            load.lock().report(report, at);
+        if let Some(early) = self.early_reports.lock().remove(&info.target) {
+            let mut load = load.lock();
+            load.report(early.report, early.at);
+            if let Some(by_peer) = early.fetch_rates {
+                load.report_fetch_rates(by_peer);
+            }
         }
         members.insert(
             info.target.clone(),
@@ -524,9 +536,14 @@ impl WorkerPool {
         let Some(member) = members.get(target).cloned() else {
             // Not joined yet: it joins with this report (under the members'
             // lock, so a join either sees it or came first).
-            self.early_reports
-                .lock()
-                .insert(target.clone(), (report, now));
+            self.early_reports.lock().insert(
+                target.clone(),
+                EarlyReport {
+                    report,
+                    at: now,
+                    fetch_rates: None,
+                },
+            );
             return false;
         };
         drop(members);
@@ -535,12 +552,22 @@ impl WorkerPool {
     }
 
     /// Records a member's fetch rates by peer from the report just
-    /// recorded (the pair's rate prices a fetch from that peer). False if
-    /// unknown.
+    /// recorded (the pair's rate prices a fetch from that peer); for a
+    /// worker not joined yet, with its early report, for the join. False if
+    /// neither.
     pub fn record_fetch_rates(&self, target: &WorkerRank, by_peer: HashMap<String, u64>) -> bool {
-        let Some(member) = self.members.read().get(target).cloned() else {
-            return false;
+        let members = self.members.read();
+        let Some(member) = members.get(target).cloned() else {
+            // Under the members' lock, as `record_load` keeps the report.
+            return match self.early_reports.lock().get_mut(target) {
+                Some(early) => {
+                    early.fetch_rates = Some(by_peer);
+                    true
+                }
+                None => false,
+            };
         };
+        drop(members);
         member.load.lock().report_fetch_rates(by_peer);
         true
     }
@@ -1603,6 +1630,37 @@ mod tests {
         assert_eq!(fetches(10_000_000_000, None), 48);
         assert_eq!(fetches(10_000_000_000, Some(100_000_000)), 0);
         assert_eq!(fetches(100_000_000, Some(10_000_000_000)), 48);
+    }
+
+    #[test]
+    fn pair_rates_reported_before_the_join_price_fetches_after_it() {
+        let now = Instant::now();
+        let h = sequence_block_hashes(&tokens(3, 1024), BS as usize);
+        // w1 slow to fetch overall (100 MB/s), fast from w0 (10 GB/s).
+        let p = fetch_pool(RouterMode::Kv, 100_000_000, 20_000, &h, now);
+        let early = WorkerRank::new("w2", 0);
+        let report = LoadReport {
+            kv_fetch_bytes_per_sec: 100_000_000,
+            step_time_us: 5_000,
+            ..measured(0)
+        };
+        assert!(!p.record_load(&early, report, now), "not joined yet");
+        let by_peer = HashMap::from([(target(0).worker_id.to_string(), 10_000_000_000)]);
+        assert!(p.record_fetch_rates(&early, by_peer), "kept for the join");
+        p.add_member(MemberInfo {
+            target: early.clone(),
+            kv_block_bytes: 1 << 20,
+            ..info(2)
+        });
+        let d = p.route(&input(&h, 1024), now).expect("route");
+        let joined = d
+            .candidates
+            .iter()
+            .find(|c| c.target == early)
+            .expect("candidate");
+        assert_eq!(joined.terms.fetch_blocks, 48, "{:?}", joined.terms);
+        // The one that fetches slowly from everyone does not fetch.
+        assert_eq!(d.candidates[1].terms.fetch_blocks, 0);
     }
 
     /// Computing a prefix costs the engine steps it takes, not only its

@@ -484,12 +484,12 @@ async fn load_task(ctx: Ctx, worker_id: String, mut client: Client, token: Cance
                 let Ok(Some(report)) = msg else { break };
                 backoff = BACKOFF_START;
                 let target = WorkerRank::new(worker_id.as_str(), report.dp_rank);
-                if ctx
-                    .pool()
-                    .record_load(&target, convert::load_report(&report), Instant::now())
-                {
-                    ctx.pool()
-                        .record_fetch_rates(&target, report.kv_fetch_bytes_per_sec_by_peer);
+                let pool = ctx.pool();
+                let joined =
+                    pool.record_load(&target, convert::load_report(&report), Instant::now());
+                // Kept with the report for the join when it came early.
+                pool.record_fetch_rates(&target, report.kv_fetch_bytes_per_sec_by_peer);
+                if joined {
                     ctx.pools.load_changed();
                 }
             }
