@@ -188,7 +188,7 @@ impl Pipeline {
             // The router counts this request's load until its lease ends.
             placed: true,
             prefix_source: grant.prefix_source.clone(),
-            ttft_budget_ms: ttft_budget_ms(p, grant.ttft_target_ms),
+            ttft_budget_ms: ttft_budget_ms(grant.ttft_target_ms, p.received, p.first_token_sent),
         };
         let mut stream =
             span.in_scope(|| self.generations.start(&grant.worker_endpoint, channel, req));
@@ -310,14 +310,15 @@ impl Pipeline {
     }
 }
 
-/// What is left of the request's TTFT target, for the worker to refuse
-/// it if its engine has not started it by then (0 = no target; a target
-/// already passed leaves 1 ms). A migrating request had its first token.
-fn ttft_budget_ms(p: &Prepared, target_ms: u32) -> u32 {
-    if target_ms == 0 || p.first_token_sent {
+/// What is left of the request's TTFT target of `target_ms` from when it
+/// was `received`, for the worker to refuse it if its engine has not
+/// started it by then (0 = no target; a target already passed leaves
+/// 1 ms). A migrating request (`first_token_sent`) had its first token.
+fn ttft_budget_ms(target_ms: u32, received: Instant, first_token_sent: bool) -> u32 {
+    if target_ms == 0 || first_token_sent {
         return 0;
     }
-    let left = u128::from(target_ms).saturating_sub(p.received.elapsed().as_millis());
+    let left = u128::from(target_ms).saturating_sub(received.elapsed().as_millis());
     u32::try_from(left).unwrap_or(u32::MAX).max(1)
 }
 
@@ -363,6 +364,28 @@ mod tests {
             tonic::metadata::MetadataValue::from_static(reason.label()),
         );
         s
+    }
+
+    #[test]
+    fn the_worker_gets_what_is_left_of_the_target_and_a_migration_none() {
+        let ago = |ms| {
+            Instant::now()
+                .checked_sub(Duration::from_millis(ms))
+                .expect("the clock is past that")
+        };
+        assert_eq!(ttft_budget_ms(0, ago(0), false), 0, "no target");
+        let left = ttft_budget_ms(1_000, ago(100), false);
+        assert!((400..=900).contains(&left), "{left}");
+        assert_eq!(
+            ttft_budget_ms(1_000, ago(2_000), false),
+            1,
+            "passed: refused at once"
+        );
+        assert_eq!(
+            ttft_budget_ms(1_000, ago(100), true),
+            0,
+            "a migration had its first token: no target applies"
+        );
     }
 
     /// Failover turns on the queue's own reason, never on a message: a
