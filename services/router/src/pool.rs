@@ -753,7 +753,10 @@ impl WorkerPool {
         // concurrent burst sees each earlier placement of it.
         let mut choice = self.choice.lock();
         choice.expire(now, self.cfg.placement_max_age);
-        let typical_error = choice.typical_error();
+        // Only `latency` compares predictions (see `score`).
+        let typical_error = (self.cfg.mode == RouterMode::Latency)
+            .then(|| choice.typical_error())
+            .flatten();
         let scored = self.score(&input.desc, &candidates, now, external, typical_error);
         let Scored {
             mut terms,
@@ -878,23 +881,27 @@ impl WorkerPool {
             .max_by_key(|&i| overlaps[i])
             .filter(|&i| overlaps[i] > 0 && candidates[i].info.kv_block_bytes > 0);
         scored.holder = holder;
+        // Each candidate's load, read once for this request.
+        let loads: Vec<_> = candidates
+            .iter()
+            .map(|m| m.load.lock().effective())
+            .collect();
         let holder_step = holder.map_or(0.0, |h| {
-            0.5 * f64::from(candidates[h].load.lock().effective().report.step_time_us) * 1e-6
+            0.5 * f64::from(loads[h].report.step_time_us) * 1e-6
         });
         // The overlap credit's rate: the candidates' median prompt-token
         // cost (each worker's own reads apart by the noise of its fit).
         let credit_ns_per_token = {
-            let mut rates: Vec<u32> = candidates
+            let mut rates: Vec<u32> = loads
                 .iter()
-                .map(|m| m.load.lock().effective().report.prefill_ns_per_token)
+                .map(|l| l.report.prefill_ns_per_token)
                 .filter(|&ns| ns > 0)
                 .collect();
             rates.sort_unstable();
             rates.get(rates.len() / 2).copied().unwrap_or(0)
         };
-        for (i, m) in candidates.iter().enumerate() {
+        for (i, (m, load)) in candidates.iter().zip(&loads).enumerate() {
             let overlap = overlaps[i];
-            let load = m.load.lock().effective();
             // The prompt's blocks it keeps in its second tier: a copy each.
             let tier2 = if approx || external.is_some() || overlap == 0 {
                 0
@@ -1030,9 +1037,9 @@ impl WorkerPool {
         // prediction than the noise). A new prompt keeps its own, wider
         // tolerance and the spread of cache turnover.
         if in_time {
-            let half_step = candidates
+            let half_step = loads
                 .iter()
-                .map(|m| m.load.lock().effective().report.step_time_us)
+                .map(|l| l.report.step_time_us)
                 .min()
                 .map_or(0.0, |us| 0.5 * f64::from(us) * 1e-6);
             let soonest = scored
