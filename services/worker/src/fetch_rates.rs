@@ -4,7 +4,6 @@
 //! load report carries both; the router prices a fetch by the pair's.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use parking_lot::Mutex;
@@ -14,17 +13,16 @@ const EWMA: f64 = 0.2;
 /// Peers whose rate is kept: the ones fetched from most lately.
 const MAX_PEERS: usize = 64;
 
-/// Fetch rates, overall and by peer (bytes per second).
+/// Fetch rates, overall and by peer (bytes per second), under one lock
+/// (a fetch folds into both).
 #[derive(Debug, Default)]
-pub struct FetchRates {
-    /// Over every fetch; before any, what the worker expects (0: it does
-    /// not fetch).
-    overall: AtomicU64,
-    by_peer: Mutex<Peers>,
-}
+pub struct FetchRates(Mutex<Rates>);
 
 #[derive(Debug, Default)]
-struct Peers {
+struct Rates {
+    /// Over every fetch; before any, what the worker expects (0: it does
+    /// not fetch).
+    overall: f64,
     /// Peer worker id → (rate, when last measured in fetches counted).
     rates: HashMap<String, (f64, u64)>,
     fetches: u64,
@@ -33,26 +31,24 @@ struct Peers {
 impl FetchRates {
     /// What a fetch is expected to move at before one was measured.
     pub fn expect(&self, bytes_per_sec: u64) {
-        self.overall.store(bytes_per_sec, Ordering::Relaxed);
+        self.0.lock().overall = bytes_per_sec as f64;
     }
 
     /// The rate over every fetch.
     pub fn overall(&self) -> u64 {
-        self.overall.load(Ordering::Relaxed)
+        self.0.lock().overall as u64
     }
 
     /// The rate of fetches from `peer`, or the overall one before any.
     pub fn from_peer(&self, peer: &str) -> u64 {
-        match self.by_peer.lock().rates.get(peer) {
-            Some(&(rate, _)) => rate as u64,
-            None => self.overall(),
-        }
+        let r = self.0.lock();
+        r.rates.get(peer).map_or(r.overall, |&(rate, _)| rate) as u64
     }
 
     /// Every peer's rate, for the load report.
     pub fn by_peer(&self) -> HashMap<String, u64> {
-        let peers = self.by_peer.lock();
-        peers
+        self.0
+            .lock()
             .rates
             .iter()
             .map(|(id, &(rate, _))| (id.clone(), rate as u64))
@@ -71,22 +67,21 @@ impl FetchRates {
                 sample
             }
         };
-        self.overall
-            .store(fold(self.overall() as f64) as u64, Ordering::Relaxed);
-        let mut peers = self.by_peer.lock();
-        peers.fetches += 1;
-        let now = peers.fetches;
-        if !peers.rates.contains_key(peer)
-            && peers.rates.len() >= MAX_PEERS
-            && let Some(oldest) = peers
+        let mut r = self.0.lock();
+        r.overall = fold(r.overall);
+        r.fetches += 1;
+        let now = r.fetches;
+        if !r.rates.contains_key(peer)
+            && r.rates.len() >= MAX_PEERS
+            && let Some(oldest) = r
                 .rates
                 .iter()
                 .min_by_key(|(_, (_, at))| *at)
                 .map(|(id, _)| id.clone())
         {
-            peers.rates.remove(&oldest);
+            r.rates.remove(&oldest);
         }
-        let entry = peers.rates.entry(peer.to_owned()).or_insert((0.0, now));
+        let entry = r.rates.entry(peer.to_owned()).or_insert((0.0, now));
         *entry = (fold(entry.0), now);
     }
 }
