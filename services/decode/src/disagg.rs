@@ -248,10 +248,7 @@ impl Disagg {
             placed: req.placed,
             // What is left of the TTFT target now: a prefill worker that
             // cannot start the prompt by then refuses it.
-            ttft_budget_ms: engine_req.first_token_by.map_or(0, |by| {
-                let left = by.saturating_duration_since(std::time::Instant::now());
-                u32::try_from(left.as_millis()).unwrap_or(u32::MAX).max(1)
-            }),
+            ttft_budget_ms: sluice_worker::ttft_budget_ms(engine_req.first_token_by),
         });
         use sluice_proto::queue::v1::QueueReason;
         let missed = QueueReason::TtftTargetMissed;

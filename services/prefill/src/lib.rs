@@ -145,9 +145,7 @@ async fn compute(
         sampling: sluice_worker::wire_sampling(req.sampling.clone()),
         priority: req.priority,
         constraint: None,
-        first_token_by: (req.ttft_budget_ms > 0).then(|| {
-            std::time::Instant::now() + std::time::Duration::from_millis(req.ttft_budget_ms.into())
-        }),
+        first_token_by: sluice_worker::first_token_by(req.ttft_budget_ms),
     };
     let bs = engine.kv_layout().block_size;
     let mut unplaced = (!req.placed).then(|| {

@@ -72,9 +72,22 @@ pub(crate) fn request(
         sampling: sampling(r.sampling.clone()),
         priority: r.priority,
         constraint: constraint(r.sampling.as_ref(), engine)?,
-        first_token_by: (r.ttft_budget_ms > 0).then(|| {
-            std::time::Instant::now() + std::time::Duration::from_millis(r.ttft_budget_ms.into())
-        }),
+        first_token_by: first_token_by(r.ttft_budget_ms),
+    })
+}
+
+/// The deadline a TTFT budget from the wire sets from now (0 = none).
+pub fn first_token_by(budget_ms: u32) -> Option<std::time::Instant> {
+    (budget_ms > 0)
+        .then(|| std::time::Instant::now() + std::time::Duration::from_millis(budget_ms.into()))
+}
+
+/// What is left of a deadline, as a TTFT budget for the wire (0 = none; a
+/// deadline already passed leaves 1 ms, refused at once).
+pub fn ttft_budget_ms(first_token_by: Option<std::time::Instant>) -> u32 {
+    first_token_by.map_or(0, |by| {
+        let left = by.saturating_duration_since(std::time::Instant::now());
+        u32::try_from(left.as_millis()).unwrap_or(u32::MAX).max(1)
     })
 }
 
@@ -233,6 +246,20 @@ pub(crate) fn load(rank: u32, l: &engine::LoadStats, prefill_queue: u32) -> pb::
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A budget becomes a deadline and back, as a remote prefill passes it
+    /// on: none stays none, a passed deadline is refused at once.
+    #[test]
+    fn a_ttft_budget_and_its_deadline_convert_both_ways() {
+        assert_eq!(first_token_by(0), None);
+        assert_eq!(ttft_budget_ms(None), 0);
+        let left = ttft_budget_ms(first_token_by(60_000));
+        assert!((59_000..=60_000).contains(&left), "{left}");
+        let passed = std::time::Instant::now()
+            .checked_sub(std::time::Duration::from_secs(1))
+            .expect("the clock is past that");
+        assert_eq!(ttft_budget_ms(Some(passed)), 1);
+    }
 
     #[test]
     fn the_load_report_carries_the_scheduling_policy() {

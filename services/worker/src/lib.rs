@@ -32,7 +32,10 @@ use sluice_runtime::{ModelArgs, ServiceContext};
 use tokio::net::TcpListener;
 
 pub use args::{EngineKind, WorkerArgs};
-pub use convert::{check_input, logprobs_from_wire, logprobs_to_wire, sampling as wire_sampling};
+pub use convert::{
+    check_input, first_token_by, logprobs_from_wire, logprobs_to_wire, sampling as wire_sampling,
+    ttft_budget_ms,
+};
 pub use error::WorkerError;
 pub use fetch_rates::FetchRates;
 pub use metrics::WorkerMetrics;
