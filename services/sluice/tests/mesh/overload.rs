@@ -462,6 +462,15 @@ async fn a_remote_prefill_not_started_by_its_ttft_target_gets_a_429() -> anyhow:
         Some(1.0),
         "the prefill worker refused it: {m}"
     );
+    let (_, m) = get(&prefill, "/metrics").await?;
+    assert_eq!(
+        sluice_tests::wait::sample(
+            &m,
+            "sluice_worker_requests_total{reason=\"ttft_target_missed\"}"
+        ),
+        Some(1.0),
+        "counted where it was refused: {m}"
+    );
     let (status, head, rest) = tokio::time::timeout(Duration::from_secs(60), hog).await???;
     assert_eq!(status, 200, "the long prompt is served: {head}{rest}");
     mesh.stop().await
