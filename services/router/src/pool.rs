@@ -1031,11 +1031,14 @@ impl WorkerPool {
         // error of the latest checked here, times the soonest prediction;
         // at least half the shortest step, the part of a step in progress
         // a request waits for) are not told apart by the prediction, and
-        // the fewest live requests among them wins. A burst of a prompt
-        // every worker holds would otherwise go where the steps read
-        // fastest, one request after another (each adds less to the
-        // prediction than the noise). A new prompt keeps its own, wider
-        // tolerance and the spread of cache turnover.
+        // the fewest live requests among them wins, then the one holding
+        // the most of the prompt in its own KV memory (a local hit moves no
+        // bytes and keeps the holder free, where a prediction within noise
+        // would send the request to fetch it). A burst of a prompt every
+        // worker holds would otherwise go where the steps read fastest, one
+        // request after another (each adds less to the prediction than the
+        // noise). A new prompt keeps its own, wider tolerance and the
+        // spread of cache turnover.
         if in_time {
             let half_step = loads
                 .iter()
@@ -1053,10 +1056,16 @@ impl WorkerPool {
                 .map_or(half_step, |n| n.max(half_step));
             if scored.tolerance < noise {
                 scored.tolerance = noise;
+                // Live requests in the whole part, the share of the
+                // prompt's blocks not held locally below one.
+                let blocks = desc.block_hashes.len() as f64 + 1.0;
                 scored.spread = scored
                     .terms
                     .iter()
-                    .map(|t| f64::from(t.active_requests))
+                    .map(|t| {
+                        let missing = blocks - 1.0 - f64::from(t.overlap_blocks);
+                        f64::from(t.active_requests) + missing.max(0.0) / blocks
+                    })
                     .collect();
             }
         }
@@ -1849,6 +1858,45 @@ mod tests {
         }
         let d = p.route(&held(&h, 1024, 4), now).expect("route");
         assert_eq!(chosen(&d), "w1", "{:?}", d.candidates);
+    }
+
+    #[test]
+    fn within_the_predictions_noise_the_holder_wins_over_a_fetch() {
+        let now = Instant::now();
+        let h = sequence_block_hashes(&tokens(8, 1024), BS as usize);
+        // Steps of 20 ms (nothing checked yet: 10 ms tell nothing apart).
+        // w0 holds 48 blocks and has 256 tokens to compute, at a fitted
+        // 35 ms more a prefill step (`extra_us`); w1 would fetch the 48
+        // blocks at 100 GB/s (0.5 ms and 30 ms of the engines' waits).
+        let route = |extra_us| {
+            let p = pool(RouterMode::Latency, 0);
+            for i in 0..2 {
+                p.add_member(MemberInfo {
+                    kv_block_bytes: 1 << 20,
+                    ..info(i)
+                });
+                let report = LoadReport {
+                    kv_fetch_bytes_per_sec: 100_000_000_000,
+                    prefill_step_us: if i == 0 { extra_us } else { 0 },
+                    ..measured(0)
+                };
+                p.record_load(&target(i), report, now);
+            }
+            store(&p, 0, 1, &h[..48]);
+            p.route(&input(&h, 1024), now).expect("route")
+        };
+        // w1 is predicted 4.5 ms sooner: within the noise, the holder.
+        let d = route(35_000);
+        let cost = |i: usize| d.candidates[i].terms.total_cost;
+        assert!(cost(1) < cost(0), "{:?}", d.candidates);
+        assert_eq!(d.candidates[1].terms.fetch_blocks, 48);
+        assert_eq!((chosen(&d), d.prefix_source.clone()), ("w0", None));
+        // 19.5 ms sooner: beyond it, the fetch.
+        let d = route(50_000);
+        assert_eq!(
+            (chosen(&d), d.prefix_source.clone()),
+            ("w1", Some((target(0), 48)))
+        );
     }
 
     #[test]
