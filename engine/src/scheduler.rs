@@ -785,7 +785,7 @@ impl Scheduler {
                     // Only the slot is needed: the victim parks its blocks.
                     self.preempt(v, true);
                     plan.step.preempted.push(v);
-                    restart_pass(plan, &mut after);
+                    restart_pass(&mut after);
                     continue;
                 }
                 break;
@@ -807,7 +807,9 @@ impl Scheduler {
                 if acquired_for.take() == Some(id) {
                     self.give_back_prefix(id);
                 }
-                plan.step.passed_over.push(id);
+                if !plan.step.passed_over.contains(&id) {
+                    plan.step.passed_over.push(id);
+                }
                 after = Some(key);
                 continue;
             }
@@ -825,6 +827,8 @@ impl Scheduler {
                 plan.sched.push((id, n));
                 plan.budget -= n;
                 plan.step.admitted.push(id);
+                // Passed over earlier in the step, before a restart.
+                plan.step.passed_over.retain(|&p| p != id);
                 acquired_for = None;
                 continue;
             }
@@ -845,7 +849,7 @@ impl Scheduler {
                 plan.budget += unschedule(&mut plan.sched, v);
                 self.preempt(v, false);
                 plan.step.preempted.push(v);
-                restart_pass(plan, &mut after);
+                restart_pass(&mut after);
                 continue;
             }
             break;
@@ -1357,15 +1361,16 @@ struct Plan {
     step: ScheduledStep,
 }
 
-/// Removes `id` from this step's schedule, returning the tokens it had.
 /// A preemption during the admission pass may have taken the step's long
 /// prefill out of it: the pass starts over from the first waiting prompt,
-/// and the prompts it passed over for that prefill are looked at again.
-fn restart_pass(plan: &mut Plan, after: &mut Option<(i64, u64)>) {
-    plan.step.passed_over.clear();
+/// and the prompts it passed over for that prefill are looked at again
+/// (they stay passed over unless admitted now: prompts behind them went
+/// ahead of them this step already).
+fn restart_pass(after: &mut Option<(i64, u64)>) {
     *after = None;
 }
 
+/// Removes `id` from this step's schedule, returning the tokens it had.
 fn unschedule(sched: &mut Vec<(SeqId, usize)>, id: SeqId) -> usize {
     match sched.iter().position(|(s, _)| *s == id) {
         Some(pos) => sched.remove(pos).1,
