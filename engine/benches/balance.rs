@@ -439,6 +439,7 @@ fn run(sc: &Scenario, balance: bool, speedup: f64, placement: Option<&[usize]>) 
                 priority: 0,
                 constraint: None,
                 first_token_by: None,
+                tpot_target: None,
             };
             let arrived = Instant::now();
             let arrived_step = group.lockstep_steps();

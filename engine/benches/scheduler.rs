@@ -58,6 +58,7 @@ impl Bench {
             priority: 0,
             constraint: None,
             first_token_by: None,
+            tpot_target: None,
         };
         self.s.add(id, req).expect("valid request");
     }
@@ -110,6 +111,7 @@ fn cached_admission(c: &mut Criterion) {
                 priority: 0,
                 constraint: None,
                 first_token_by: None,
+                tpot_target: None,
             };
             bench.s.add(id, req).expect("valid request");
             bench.step_once();

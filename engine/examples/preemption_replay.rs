@@ -153,6 +153,7 @@ fn replay(
                     priority,
                     constraint: None,
                     first_token_by: None,
+                    tpot_target: None,
                 },
             )?;
             next_arrival += 1;

@@ -89,6 +89,15 @@ pub struct SchedulerConfig {
     /// alone ever after. 0 = off (vLLM's behaviour; TensorRT-LLM's
     /// `batch_wait_timeout_iters` is the like of it).
     pub admission_wait_steps: usize,
+    /// Prefill first: while prompts wait or are mid-prefill, up to this
+    /// many steps in a row leave the decoding sequences' rows out, so the
+    /// prompts get the whole step and a step that does not also pay the
+    /// decode rows' attention over their contexts (SGLang's default
+    /// prefill priority; the mocker charges a mixed step the sum of both,
+    /// as Dynamo's does). Each such step stalls every decoding sequence
+    /// one step; the next step carries their rows again. 0 = off: every
+    /// step carries every decode row (vLLM's v1).
+    pub prefill_first_steps: usize,
 }
 
 impl Default for SchedulerConfig {
@@ -104,6 +113,7 @@ impl Default for SchedulerConfig {
             balance_scheduling: false,
             long_prefill_token_threshold: 0,
             admission_wait_steps: 0,
+            prefill_first_steps: 0,
         }
     }
 }

@@ -149,6 +149,9 @@ pub struct LoadStats {
     pub recomputed_tokens: u64,
     /// Steps where balance scheduling held admission back.
     pub balance_held_steps: u64,
+    /// Steps that left the decoding sequences' rows out for prefill
+    /// (`SchedulerConfig::prefill_first_steps`).
+    pub decode_stalled_steps: u64,
     /// The engine's recent mean decode step time in µs (0 before the first;
     /// set by the engine loop, not the scheduler).
     pub step_time_us: u32,
@@ -210,6 +213,11 @@ pub struct Scheduler {
     admission_held_steps: u64,
     /// Steps in a row admission has waited for slots about to free.
     admission_waited: usize,
+    /// Steps in a row that left decode rows out for prefill
+    /// (`SchedulerConfig::prefill_first_steps`).
+    decode_stalled: usize,
+    /// Steps that left decode rows out, in all.
+    decode_stalled_steps: u64,
 }
 
 impl Scheduler {
@@ -234,6 +242,8 @@ impl Scheduler {
             balance_held_steps: 0,
             admission_held_steps: 0,
             admission_waited: 0,
+            decode_stalled: 0,
+            decode_stalled_steps: 0,
         }
     }
 
@@ -533,6 +543,7 @@ impl Scheduler {
             preemptions: self.preemptions,
             recomputed_tokens: self.recomputed_tokens,
             balance_held_steps: self.balance_held_steps,
+            decode_stalled_steps: self.decode_stalled_steps,
             admission_held_steps: self.admission_held_steps,
             step_time_us: 0,
             prefill_ns_per_token: 0,
@@ -554,9 +565,50 @@ impl Scheduler {
             sched: Vec::new(),
             step: ScheduledStep::default(),
         };
-        let deferred = self.schedule_running(&mut plan);
+        // Prefill first: decode rows wait while prompts can use the step,
+        // at most `prefill_first_steps` steps in a row, and only for
+        // prompts of at least their priority.
+        let prompt_priority = if self.decode_stalled < self.cfg.prefill_first_steps {
+            self.waiting
+                .values()
+                .chain(
+                    self.running
+                        .iter()
+                        .filter(|id| self.seqs[*id].pending_prefill() > 0),
+                )
+                .map(|id| self.seqs[id].priority)
+                .max()
+        } else {
+            None
+        };
+        let rows = prompt_priority.map_or(Rows::All, |up_to| Rows::Prefill { up_to });
+        let deferred = self.schedule_running(&mut plan, rows);
         self.admit_waiting(&mut plan, deferred);
         self.top_up(&mut plan);
+        if let Some(up_to) = prompt_priority {
+            let prefilling = plan
+                .sched
+                .iter()
+                .any(|(id, _)| self.seqs[id].pending_prefill() > 0);
+            if !prefilling {
+                // No prompt could start (slots, KV memory, a held
+                // admission): the step decodes as any other.
+                self.schedule_running(&mut plan, Rows::Decode { up_to });
+            }
+            let stalled = prefilling
+                && self
+                    .running
+                    .iter()
+                    .any(|id| self.seqs[id].may_stall_for(up_to));
+            if stalled {
+                self.decode_stalled += 1;
+                self.decode_stalled_steps += 1;
+            } else {
+                self.decode_stalled = 0;
+            }
+        } else {
+            self.decode_stalled = 0;
+        }
         let step = self.build_batch(plan);
         self.start_masks(&step);
         step
@@ -675,14 +727,22 @@ impl Scheduler {
     /// Schedules the running sequences' next tokens, in admission order,
     /// preempting (or deferring) where KV memory runs out. Whether one was
     /// deferred (it waits for blocks that this step frees).
-    fn schedule_running(&mut self, plan: &mut Plan) -> bool {
+    fn schedule_running(&mut self, plan: &mut Plan, rows: Rows) -> bool {
         let mut deferred = false;
         let mut i = 0;
         while i < self.running.len() && plan.budget > 0 {
             let id = self.running[i];
             let seq = &self.seqs[&id];
             let n = self.first_pass_tokens(seq.tokens.len() - seq.num_computed, plan.budget);
-            if n == 0 {
+            let skip = match rows {
+                Rows::All => false,
+                Rows::Prefill { up_to } => seq.may_stall_for(up_to),
+                // A parked sequence resumed this step is in already.
+                Rows::Decode { up_to } => {
+                    !seq.may_stall_for(up_to) || plan.step.admitted.contains(&id)
+                }
+            };
+            if n == 0 || skip {
                 i += 1;
                 continue;
             }
@@ -696,6 +756,14 @@ impl Scheduler {
                 }
                 if self.release_parked(None) {
                     continue;
+                }
+                if matches!(rows, Rows::Decode { .. }) && !plan.step.admitted.is_empty() {
+                    // Nothing is preempted for a sequence admitted this
+                    // step (the victim could be it): the row waits a step,
+                    // while the admitted ones run.
+                    deferred = true;
+                    i += 1;
+                    break;
                 }
                 let deficit = self.deficit(id, target);
                 let Some(victim) = self.pick_victim(Room::ForRunning {
@@ -1351,6 +1419,24 @@ enum Room {
     /// `deficit` more free blocks for a waiting sequence of `for_priority`:
     /// only strictly lower priorities give way.
     ForWaiting { for_priority: i32, deficit: usize },
+}
+
+/// Which running sequences' rows a pass of [`Scheduler::schedule_running`]
+/// schedules.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Rows {
+    All,
+    /// All but the decode rows that may sit out a step for prompts of
+    /// priority `up_to` ([`Sequence::may_stall_for`]): those still
+    /// prefilling (a prompt, or a recompute after preemption), and those
+    /// decoding above that priority or to a TPOT target.
+    Prefill {
+        up_to: i32,
+    },
+    /// The decode rows the `Prefill` pass left out.
+    Decode {
+        up_to: i32,
+    },
 }
 
 /// A step being planned: the tokens still in its budget, the sequences

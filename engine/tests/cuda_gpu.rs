@@ -612,6 +612,7 @@ fn request(prompt: Vec<u32>, max_tokens: usize, priority: i32) -> Request {
         priority,
         constraint: None,
         first_token_by: None,
+        tpot_target: None,
     }
 }
 

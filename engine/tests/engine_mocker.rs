@@ -56,6 +56,7 @@ fn req(prompt: Vec<u32>, max_tokens: usize) -> Request {
         priority: 0,
         constraint: None,
         first_token_by: None,
+        tpot_target: None,
     }
 }
 

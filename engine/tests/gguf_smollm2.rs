@@ -215,6 +215,7 @@ async fn greedy_tokens_match_llama_cpp_on_the_quantized_weights() {
                 priority: 0,
                 constraint: None,
                 first_token_by: None,
+                tpot_target: None,
             })
             .expect("valid request");
         let (got, _) = stream.collect().await;

@@ -343,6 +343,7 @@ async fn greedy_case(name: &str, case: &Case) {
             priority: 0,
             constraint: None,
             first_token_by: None,
+            tpot_target: None,
         };
         // Two at once (batched, chunked), then one served from the prefix cache.
         let first = engine.generate(request("a")).expect("valid request");

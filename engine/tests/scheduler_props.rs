@@ -83,6 +83,8 @@ struct Setup {
     long_prefill: usize,
     /// `admission_wait_steps` (0 = off).
     admission_wait: usize,
+    /// `prefill_first_steps` (0 = off).
+    prefill_first: usize,
 }
 
 fn setup() -> impl Strategy<Value = Setup> {
@@ -100,6 +102,7 @@ fn setup() -> impl Strategy<Value = Setup> {
         any::<bool>(),
         prop_oneof![Just(0usize), Just(1), Just(3), Just(8)],
         prop_oneof![Just(0usize), Just(2)],
+        prop_oneof![Just(0usize), Just(1), Just(2)],
     )
         .prop_map(
             |(
@@ -113,6 +116,7 @@ fn setup() -> impl Strategy<Value = Setup> {
                 caching,
                 long_prefill,
                 admission_wait,
+                prefill_first,
             )| {
                 Setup {
                     policy,
@@ -125,6 +129,7 @@ fn setup() -> impl Strategy<Value = Setup> {
                     caching,
                     long_prefill,
                     admission_wait,
+                    prefill_first,
                 }
             },
         )
@@ -170,6 +175,10 @@ struct Harness {
     events: Arc<KvEventLog>,
     /// Steps in a row whose admission waited for slots about to free.
     held_in_a_row: usize,
+    /// Steps in a row that left decode rows out for prefill.
+    stalled_in_a_row: usize,
+    /// `decode_stalled_steps` after the last step.
+    stalled_total: u64,
 }
 
 impl Harness {
@@ -187,6 +196,7 @@ impl Harness {
             balance_scheduling: false,
             long_prefill_token_threshold: st.long_prefill,
             admission_wait_steps: st.admission_wait,
+            prefill_first_steps: st.prefill_first,
         };
         let events = Arc::new(KvEventLog::new(1 << 16));
         let kv = KvCache::new(st.num_blocks, st.block_size, st.caching, events.clone());
@@ -205,6 +215,8 @@ impl Harness {
             next_id: 1,
             events,
             held_in_a_row: 0,
+            stalled_in_a_row: 0,
+            stalled_total: 0,
         }
     }
 
@@ -227,6 +239,7 @@ impl Harness {
             priority,
             constraint: None,
             first_token_by: None,
+            tpot_target: None,
         }
     }
 
@@ -375,6 +388,15 @@ impl Harness {
         } else {
             self.held_in_a_row = 0;
         }
+        // Decode rows sit out at most `prefill_first_steps` steps in a row.
+        let stalled = self.s.load().decode_stalled_steps;
+        if stalled > self.stalled_total {
+            self.stalled_in_a_row += 1;
+            prop_assert!(self.stalled_in_a_row <= self.cfg.prefill_first_steps);
+        } else {
+            self.stalled_in_a_row = 0;
+        }
+        self.stalled_total = stalled;
         let waiting: Vec<SeqId> = self
             .s
             .waiting_ids()

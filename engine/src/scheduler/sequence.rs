@@ -3,7 +3,7 @@
 //! preemption is counted), its sampler, and the request-facing types
 //! (request, finish reason, usage, preemption cost) the engine hands back.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use sluice_tokens::BlockHashes;
 use sluice_tokens::grammar::Constraint;
@@ -26,6 +26,10 @@ pub struct Request {
     /// waiting to start then is refused ([`FinishReason::TtftTargetMissed`])
     /// rather than served late behind the work that kept it waiting.
     pub first_token_by: Option<Instant>,
+    /// Its time per output token target: its decode row goes in every
+    /// step, never left out for another prompt's prefill
+    /// (`SchedulerConfig::prefill_first_steps`).
+    pub tpot_target: Option<Duration>,
 }
 
 /// Why a sequence stopped.
@@ -129,6 +133,8 @@ pub(crate) struct Sequence {
     pub(crate) constrained: bool,
     /// See [`Request::first_token_by`].
     pub(crate) first_token_by: Option<Instant>,
+    /// See [`Request::tpot_target`].
+    pub(crate) tpot_target: Option<Duration>,
 }
 
 impl Sequence {
@@ -155,6 +161,7 @@ impl Sequence {
             constrained: req.constraint.is_some(),
             constraint: req.constraint,
             first_token_by: req.first_token_by,
+            tpot_target: req.tpot_target,
         }
     }
 
@@ -189,6 +196,13 @@ impl Sequence {
         self.computed_high = self.computed_high.max(self.num_computed);
         self.preemption.recomputed_tokens += again;
         again
+    }
+
+    /// Decoding with no TPOT target, at most `priority`: its row may sit
+    /// out a step for the prefill of prompts of that priority
+    /// (`SchedulerConfig::prefill_first_steps`).
+    pub(crate) fn may_stall_for(&self, priority: i32) -> bool {
+        self.pending_prefill() == 0 && self.tpot_target.is_none() && self.priority <= priority
     }
 
     /// Prompt (or recompute) tokens still to be computed before decoding.

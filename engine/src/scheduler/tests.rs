@@ -40,6 +40,7 @@ fn req_with(prompt_len: usize, max_tokens: usize, priority: i32, base: u32) -> R
         priority,
         constraint: None,
         first_token_by: None,
+        tpot_target: None,
     }
 }
 
@@ -1251,4 +1252,106 @@ fn a_grammar_masks_every_token_and_holds_across_steps() {
         "{text:?} {tokens:?}"
     );
     assert_eq!(fin.reason, FinishReason::Stop, "ended by EOS once complete");
+}
+
+/// The sequences a step computes, (id, tokens) each, in step order.
+fn rows(st: &ScheduledStep) -> Vec<(SeqId, usize)> {
+    st.seqs
+        .iter()
+        .map(|x| (x.seq_id, x.num_new_tokens))
+        .collect()
+}
+
+#[test]
+fn prefill_first_leaves_decode_rows_out_at_most_its_steps_in_a_row() {
+    // Budget 8: a 20-token prompt takes three steps. Two sequences decode.
+    let run = |prefill_first_steps| {
+        let mut c = cfg(8, 8, SchedulingPolicy::Fcfs);
+        c.prefill_first_steps = prefill_first_steps;
+        let mut s = sched(c, 64);
+        s.add(1, req(3, 50, 0)).expect("valid");
+        s.add(2, req(3, 50, 0)).expect("valid");
+        step(&mut s);
+        s.add(3, req_with(20, 2, 0, 100)).expect("valid");
+        let steps: Vec<_> = (0..4).map(|_| rows(&step(&mut s).0)).collect();
+        (steps, s.load().decode_stalled_steps)
+    };
+    // Off: every step carries both decode rows, the prompt the rest.
+    let (off, stalled) = run(0);
+    assert_eq!(
+        off,
+        vec![
+            vec![(1, 1), (2, 1), (3, 6)],
+            vec![(1, 1), (2, 1), (3, 6)],
+            vec![(1, 1), (2, 1), (3, 6)],
+            vec![(1, 1), (2, 1), (3, 2)],
+        ]
+    );
+    assert_eq!(stalled, 0);
+    // Two steps in a row: the prompt gets the whole step twice, then the
+    // decode rows ride with its last chunk; its first token comes a step
+    // sooner.
+    let (on, stalled) = run(2);
+    assert_eq!(
+        on,
+        vec![
+            vec![(3, 8)],
+            vec![(3, 8)],
+            vec![(1, 1), (2, 1), (3, 4)],
+            vec![(1, 1), (2, 1), (3, 1)],
+        ]
+    );
+    assert_eq!(stalled, 2);
+}
+
+#[test]
+fn prefill_first_decodes_when_no_prompt_can_start() {
+    // One slot left to no one: the waiting prompt cannot be admitted, so
+    // the step decodes rather than stall for nothing.
+    let mut c = cfg(2, 8, SchedulingPolicy::Fcfs);
+    c.prefill_first_steps = 4;
+    let mut s = sched(c, 64);
+    s.add(1, req(3, 50, 0)).expect("valid");
+    s.add(2, req(3, 50, 0)).expect("valid");
+    step(&mut s);
+    s.add(3, req_with(20, 2, 0, 100)).expect("valid");
+    for _ in 0..3 {
+        let (st, _) = step(&mut s);
+        assert_eq!(rows(&st), vec![(1, 1), (2, 1)]);
+    }
+    assert_eq!(s.load().decode_stalled_steps, 0);
+}
+
+#[test]
+fn prefill_first_keeps_the_rows_of_higher_priorities_and_tpot_targets() {
+    // Budget 8, a 20-token prompt of priority 1 arrives while three
+    // sequences decode: one below it, one above it, one with a TPOT target.
+    let mut c = cfg(8, 8, SchedulingPolicy::Priority);
+    c.prefill_first_steps = 2;
+    let mut s = sched(c, 64);
+    s.add(1, req(3, 50, 0)).expect("valid");
+    s.add(2, req(3, 50, 5)).expect("valid");
+    let steady = Request {
+        tpot_target: Some(std::time::Duration::from_millis(50)),
+        ..req(3, 50, 0)
+    };
+    s.add(3, steady).expect("valid");
+    step(&mut s);
+    s.add(4, req_with(20, 2, 1, 100)).expect("valid");
+    let (st, _) = step(&mut s);
+    let mut got = rows(&st);
+    got.sort_unstable();
+    // Only the priority-0 row without a target sits out.
+    assert_eq!(got, vec![(2, 1), (3, 1), (4, 6)]);
+    assert_eq!(s.load().decode_stalled_steps, 1);
+    // A prompt below every decoding sequence stalls none of them.
+    let mut c = cfg(8, 8, SchedulingPolicy::Priority);
+    c.prefill_first_steps = 2;
+    let mut s = sched(c, 64);
+    s.add(1, req(3, 50, 3)).expect("valid");
+    step(&mut s);
+    s.add(2, req_with(20, 2, 0, 100)).expect("valid");
+    let (st, _) = step(&mut s);
+    assert_eq!(rows(&st), vec![(1, 1), (2, 7)]);
+    assert_eq!(s.load().decode_stalled_steps, 0);
 }

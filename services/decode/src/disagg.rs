@@ -427,6 +427,7 @@ mod tests {
             priority: 0,
             constraint: None,
             first_token_by: None,
+            tpot_target: None,
         };
         e.reserve_remote(req).await.expect("slot")
     }

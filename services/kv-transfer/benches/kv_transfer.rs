@@ -206,6 +206,7 @@ fn request(n: usize, salt: u32) -> sluice_engine::Request {
         priority: 0,
         constraint: None,
         first_token_by: None,
+        tpot_target: None,
     }
 }
 

@@ -146,6 +146,7 @@ async fn compute(
         priority: req.priority,
         constraint: None,
         first_token_by: sluice_worker::first_token_by(req.ttft_budget_ms),
+        tpot_target: None,
     };
     let bs = engine.kv_layout().block_size;
     let mut unplaced = (!req.placed).then(|| {

@@ -345,6 +345,7 @@ async fn replay(mode: Mode, reqs: &[TraceRequest]) -> Vec<Outcome> {
                 priority: 0,
                 constraint: None,
                 first_token_by: None,
+                tpot_target: None,
             })
             .expect("generate");
         let sent = Instant::now();

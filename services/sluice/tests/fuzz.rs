@@ -584,6 +584,9 @@ fn worker_generate(rng: &mut StdRng, endpoint: &str) -> wpb::GenerateRequest {
         // A TTFT budget of any size: a refusal when it passes unstarted,
         // never a failure.
         ttft_budget_ms: *pick(rng, &[0, 0, 1, 5_000, u32::MAX]),
+        // A TPOT target of any size: the engine only keeps its decode row
+        // in every step.
+        tpot_target_ms: *pick(rng, &[0, 0, 1, 50, u32::MAX]),
         // A peer to fetch the prefix from: unknown ones, absurd block
         // counts and ranks are a recompute, never a failure.
         prefix_source: rng

@@ -73,7 +73,13 @@ pub(crate) fn request(
         priority: r.priority,
         constraint: constraint(r.sampling.as_ref(), engine)?,
         first_token_by: first_token_by(r.ttft_budget_ms),
+        tpot_target: tpot_target(r.tpot_target_ms),
     })
+}
+
+/// A TPOT target from the wire (0 = none).
+pub(crate) fn tpot_target(ms: u32) -> Option<std::time::Duration> {
+    (ms > 0).then(|| std::time::Duration::from_millis(u64::from(ms)))
 }
 
 /// The deadline a TTFT budget from the wire sets from now (0 = none).
@@ -251,6 +257,8 @@ mod tests {
     /// on: none stays none, a passed deadline is refused at once.
     #[test]
     fn a_ttft_budget_and_its_deadline_convert_both_ways() {
+        assert_eq!(tpot_target(0), None, "no target");
+        assert_eq!(tpot_target(50), Some(std::time::Duration::from_millis(50)));
         assert_eq!(first_token_by(0), None);
         assert_eq!(ttft_budget_ms(None), 0);
         let left = ttft_budget_ms(first_token_by(60_000));

@@ -26,6 +26,7 @@ pub struct WorkerMetrics {
     /// Per engine rank: steps where balance scheduling held admission back,
     /// and preemptions (both cumulative, as the engine counts them).
     pub balance_held_steps: IntGaugeVec,
+    pub decode_stalled_steps: IntGaugeVec,
     pub admission_held_steps: IntGaugeVec,
     pub preemptions: IntGaugeVec,
     /// Per engine rank: blocks the second KV tier holds, and blocks restored
@@ -82,6 +83,11 @@ impl WorkerMetrics {
             balance_held_steps: r.gauge_vec(
                 "sluice_worker_balance_held_steps",
                 "Steps where balance scheduling held admission back (cumulative), by engine rank",
+                rank,
+            )?,
+            decode_stalled_steps: r.gauge_vec(
+                "sluice_worker_decode_stalled_steps",
+                "Steps that left decoding sequences' rows out for prompts' prefill (cumulative; --prefill-first-steps), by engine rank",
                 rank,
             )?,
             admission_held_steps: r.gauge_vec(
@@ -192,6 +198,9 @@ impl WorkerMetrics {
         self.admission_held_steps
             .with_label_values(&r)
             .set(l.admission_held_steps as i64);
+        self.decode_stalled_steps
+            .with_label_values(&r)
+            .set(l.decode_stalled_steps as i64);
         self.preemptions
             .with_label_values(&r)
             .set(l.preemptions as i64);

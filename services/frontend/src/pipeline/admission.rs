@@ -189,6 +189,7 @@ impl Pipeline {
             placed: true,
             prefix_source: grant.prefix_source.clone(),
             ttft_budget_ms: ttft_budget_ms(grant.ttft_target_ms, p.received, p.first_token_sent),
+            tpot_target_ms: grant.tpot_target_ms,
         };
         let mut stream =
             span.in_scope(|| self.generations.start(&grant.worker_endpoint, channel, req));
