@@ -41,6 +41,15 @@
 //! prompt that outranks no running sequence waits for their slots and
 //! shares their prefill step.
 //!
+//! Prefill first (`prefill_first_steps`): while prompts wait or are
+//! mid-prefill, up to that many steps in a row leave decode rows out, so a
+//! prompt's steps do not also pay the decode rows' attention over their
+//! contexts (the mocker charges a mixed step the sum of both, as Dynamo's
+//! does). Only rows at or below the prompts' priority and without a TPOT
+//! target sit out; a step that starts no prompt decodes as any other, and
+//! after admission nothing is preempted for a decode row (a victim could be
+//! a sequence admitted that step).
+//!
 //! Abort at any point frees every block. Tokens computed again after a
 //! preemption are counted per sequence ([`Preemption`]) and in [`LoadStats`].
 //!
