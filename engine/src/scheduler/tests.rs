@@ -1262,16 +1262,31 @@ fn rows(st: &ScheduledStep) -> Vec<(SeqId, usize)> {
         .collect()
 }
 
+/// A scheduler of budget 8 with `prefill_first_steps` = `steps`, running
+/// `decoding` (ids from 1) past their prefill.
+fn decoding_with_prefill_first(
+    max_num_seqs: usize,
+    policy: SchedulingPolicy,
+    steps: usize,
+    decoding: Vec<Request>,
+) -> Scheduler {
+    let mut c = cfg(max_num_seqs, 8, policy);
+    c.prefill_first_steps = steps;
+    let mut s = sched(c, 64);
+    for (id, r) in (1..).zip(decoding) {
+        s.add(id, r).expect("valid");
+    }
+    step(&mut s);
+    s
+}
+
 #[test]
 fn prefill_first_leaves_decode_rows_out_at_most_its_steps_in_a_row() {
     // Budget 8: a 20-token prompt takes three steps. Two sequences decode.
     let run = |prefill_first_steps| {
-        let mut c = cfg(8, 8, SchedulingPolicy::Fcfs);
-        c.prefill_first_steps = prefill_first_steps;
-        let mut s = sched(c, 64);
-        s.add(1, req(3, 50, 0)).expect("valid");
-        s.add(2, req(3, 50, 0)).expect("valid");
-        step(&mut s);
+        let decoding = vec![req(3, 50, 0), req(3, 50, 0)];
+        let mut s =
+            decoding_with_prefill_first(8, SchedulingPolicy::Fcfs, prefill_first_steps, decoding);
         s.add(3, req_with(20, 2, 0, 100)).expect("valid");
         let steps: Vec<_> = (0..4).map(|_| rows(&step(&mut s).0)).collect();
         (steps, s.load().decode_stalled_steps)
@@ -1308,12 +1323,8 @@ fn prefill_first_leaves_decode_rows_out_at_most_its_steps_in_a_row() {
 fn prefill_first_decodes_when_no_prompt_can_start() {
     // One slot left to no one: the waiting prompt cannot be admitted, so
     // the step decodes rather than stall for nothing.
-    let mut c = cfg(2, 8, SchedulingPolicy::Fcfs);
-    c.prefill_first_steps = 4;
-    let mut s = sched(c, 64);
-    s.add(1, req(3, 50, 0)).expect("valid");
-    s.add(2, req(3, 50, 0)).expect("valid");
-    step(&mut s);
+    let decoding = vec![req(3, 50, 0), req(3, 50, 0)];
+    let mut s = decoding_with_prefill_first(2, SchedulingPolicy::Fcfs, 4, decoding);
     s.add(3, req_with(20, 2, 0, 100)).expect("valid");
     for _ in 0..3 {
         let (st, _) = step(&mut s);
@@ -1326,17 +1337,12 @@ fn prefill_first_decodes_when_no_prompt_can_start() {
 fn prefill_first_keeps_the_rows_of_higher_priorities_and_tpot_targets() {
     // Budget 8, a 20-token prompt of priority 1 arrives while three
     // sequences decode: one below it, one above it, one with a TPOT target.
-    let mut c = cfg(8, 8, SchedulingPolicy::Priority);
-    c.prefill_first_steps = 2;
-    let mut s = sched(c, 64);
-    s.add(1, req(3, 50, 0)).expect("valid");
-    s.add(2, req(3, 50, 5)).expect("valid");
     let steady = Request {
         tpot_target: Some(std::time::Duration::from_millis(50)),
         ..req(3, 50, 0)
     };
-    s.add(3, steady).expect("valid");
-    step(&mut s);
+    let decoding = vec![req(3, 50, 0), req(3, 50, 5), steady];
+    let mut s = decoding_with_prefill_first(8, SchedulingPolicy::Priority, 2, decoding);
     s.add(4, req_with(20, 2, 1, 100)).expect("valid");
     let (st, _) = step(&mut s);
     let mut got = rows(&st);
@@ -1345,11 +1351,7 @@ fn prefill_first_keeps_the_rows_of_higher_priorities_and_tpot_targets() {
     assert_eq!(got, vec![(2, 1), (3, 1), (4, 6)]);
     assert_eq!(s.load().decode_stalled_steps, 1);
     // A prompt below every decoding sequence stalls none of them.
-    let mut c = cfg(8, 8, SchedulingPolicy::Priority);
-    c.prefill_first_steps = 2;
-    let mut s = sched(c, 64);
-    s.add(1, req(3, 50, 3)).expect("valid");
-    step(&mut s);
+    let mut s = decoding_with_prefill_first(8, SchedulingPolicy::Priority, 2, vec![req(3, 50, 3)]);
     s.add(2, req_with(20, 2, 0, 100)).expect("valid");
     let (st, _) = step(&mut s);
     assert_eq!(rows(&st), vec![(1, 1), (2, 7)]);
