@@ -164,17 +164,7 @@ async fn compute(
         .instrument(span)
         .await
         .map_err(|e| match e {
-            sluice_engine::EngineError::FirstTokenLate => {
-                core.metrics
-                    .requests
-                    .with_label_values(&[
-                        sluice_proto::queue::v1::QueueReason::TtftTargetMissed.label()
-                    ])
-                    .inc();
-                WorkerError::TtftTargetMissed {
-                    budget_ms: req.ttft_budget_ms,
-                }
-            }
+            sluice_engine::EngineError::FirstTokenLate => core.refuse_late(req.ttft_budget_ms),
             e => e.into(),
         })?;
     if let Some(u) = unplaced.as_mut() {

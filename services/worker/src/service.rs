@@ -114,6 +114,15 @@ impl Drop for UnplacedGuard {
 }
 
 impl WorkerCore {
+    /// A request its engine did not start by its TTFT target, refused as
+    /// the queue refuses one it still holds (`budget_ms` what it had left
+    /// when sent), and counted in `sluice_worker_requests_total`.
+    pub fn refuse_late(&self, budget_ms: u32) -> WorkerError {
+        let reason = finish_label(sluice_engine::FinishReason::TtftTargetMissed);
+        self.metrics.requests.with_label_values(&[reason]).inc();
+        WorkerError::TtftTargetMissed { budget_ms }
+    }
+
     /// The engine of `rank`.
     pub fn engine(&self, rank: u32) -> Result<&EngineHandle, WorkerError> {
         self.engines
@@ -286,16 +295,8 @@ impl Reply {
             && f.reason == sluice_engine::FinishReason::TtftTargetMissed
         {
             self.done = true;
-            self.core
-                .metrics
-                .requests
-                .with_label_values(&[finish_label(f.reason)])
-                .inc();
             self.span.record("refused", finish_label(f.reason));
-            return Err(WorkerError::TtftTargetMissed {
-                budget_ms: self.admitted.ttft_budget_ms,
-            }
-            .into());
+            return Err(self.core.refuse_late(self.admitted.ttft_budget_ms).into());
         }
         let mut msg = pb::GenerateResponse {
             token_ids: out.token_ids,

@@ -60,6 +60,16 @@ async fn start_stream(
     Ok(reader)
 }
 
+/// Checks a refusal: 429 with a `Retry-After` of 1..=60 s; its error body.
+fn refused((status, head, rest): (u16, String, String)) -> anyhow::Result<Value> {
+    assert_eq!(status, 429, "{head}{rest}");
+    assert!(
+        retry_after(&head).is_some_and(|s| (1..=60).contains(&s)),
+        "{head}"
+    );
+    Ok(serde_json::from_str(&rest)?)
+}
+
 fn retry_after(head: &str) -> Option<u64> {
     head.lines().find_map(|l| {
         l.to_ascii_lowercase()
@@ -100,25 +110,15 @@ async fn a_full_queue_sheds_its_lowest_priority_with_429_and_retry_after() -> an
     assert!(full, "the second request is held");
 
     // Another priority-0 request outranks nothing held: 429, Retry-After.
-    let (status, head, rest) =
+    refused(
         tokio::time::timeout(Duration::from_secs(10), spawn_open(&mesh, completion(2, 0)))
-            .await???;
-    assert_eq!(status, 429, "{head}{rest}");
-    assert!(
-        retry_after(&head).is_some_and(|s| (1..=60).contains(&s)),
-        "{head}"
-    );
+            .await???,
+    )?;
 
     // A priority-3 request displaces the held priority-0 one, which gets a
     // 429 with Retry-After naming why.
     let high = spawn_open(&mesh, completion(2, 3));
-    let (status, head, rest) = tokio::time::timeout(Duration::from_secs(10), low).await???;
-    assert_eq!(status, 429, "{head}{rest}");
-    assert!(
-        retry_after(&head).is_some_and(|s| (1..=60).contains(&s)),
-        "{head}"
-    );
-    let err: Value = serde_json::from_str(&rest)?;
+    let err = refused(tokio::time::timeout(Duration::from_secs(10), low).await???)?;
     assert!(
         err["error"]["message"]
             .as_str()
@@ -360,14 +360,8 @@ async fn a_request_the_engine_does_not_start_by_its_ttft_target_gets_a_429() -> 
     let mut hog = start_stream(&mesh, 1500, 5).await?;
     let mut late = completion(4, 0);
     late["nvext"]["agent_hints"]["ttft_target_ms"] = json!(300);
-    let (status, head, rest) =
-        tokio::time::timeout(Duration::from_secs(20), spawn_open(&mesh, late)).await???;
-    assert_eq!(status, 429, "{head}{rest}");
-    assert!(
-        retry_after(&head).is_some_and(|s| (1..=60).contains(&s)),
-        "{head}"
-    );
-    let err: Value = serde_json::from_str(&rest)?;
+    let err =
+        refused(tokio::time::timeout(Duration::from_secs(20), spawn_open(&mesh, late)).await???)?;
     assert_eq!(err["error"]["code"], "ttft_target_missed", "{err}");
     let (_, m) = get(&worker, "/metrics").await?;
     assert_eq!(
@@ -447,11 +441,8 @@ async fn a_remote_prefill_not_started_by_its_ttft_target_gets_a_429() -> anyhow:
     let late = json!({"model": "sluice-tiny", "prompt": short, "max_tokens": 1,
                       "temperature": 0,
                       "nvext": {"agent_hints": {"priority": 0, "ttft_target_ms": 300}}});
-    let (status, head, rest) =
-        tokio::time::timeout(Duration::from_secs(20), spawn_open(&mesh, late)).await???;
-    assert_eq!(status, 429, "{head}{rest}");
-    assert!(retry_after(&head).is_some(), "{head}");
-    let err: Value = serde_json::from_str(&rest)?;
+    let err =
+        refused(tokio::time::timeout(Duration::from_secs(20), spawn_open(&mesh, late)).await???)?;
     assert_eq!(err["error"]["code"], "ttft_target_missed", "{err}");
     let (_, m) = get(&decode, "/metrics").await?;
     assert_eq!(
