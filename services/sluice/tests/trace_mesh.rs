@@ -24,7 +24,8 @@ async fn disaggregated_request_is_one_trace_across_every_hop() -> anyhow::Result
     let mesh = Mesh::start(opts).await?;
     let prompt: Vec<u32> = (0..120u32).map(|i| (i * 13 + 7) % 800 + 3).collect();
     let body = json!({"model": "sluice-tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0,
-                      "user": "tracer", "nvext": {"agent_hints": {"priority": 2}}});
+                      "user": "tracer",
+                      "nvext": {"agent_hints": {"priority": 2, "tpot_target_ms": 5000}}});
     let (status, resp) = post_json(&mesh.http, "/v1/completions", &body).await?;
     assert_eq!(status, 200, "{resp}");
     assert!(
@@ -102,6 +103,14 @@ async fn disaggregated_request_is_one_trace_across_every_hop() -> anyhow::Result
     assert_eq!(
         served.parent_span_id, called.span_id,
         "the worker's generation is a child of the frontend's"
+    );
+    // The TPOT target the queue granted reaches the worker's engine with
+    // the request (what prefill first reads to keep its rows decoding).
+    assert_eq!(attr(called, "tpot_target_ms").as_deref(), Some("5000"));
+    assert_eq!(
+        attr(served, "tpot_target_ms").as_deref(),
+        Some("5000"),
+        "the worker's request carries the TPOT target: {served:?}"
     );
     // One `route` span per pool; the decode one chose the serving worker.
     let route = spans

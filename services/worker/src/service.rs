@@ -498,6 +498,7 @@ impl WorkerService {
             recomputed_tokens = tracing::field::Empty,
             admission_held_steps = tracing::field::Empty,
             ttft_budget_ms = req.ttft_budget_ms,
+            tpot_target_ms = req.tpot_target_ms,
             refused = tracing::field::Empty,
         );
         if let Some(tp) = traceparent {
