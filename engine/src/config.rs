@@ -95,8 +95,11 @@ pub struct SchedulerConfig {
     /// decode rows' attention over their contexts (SGLang's default
     /// prefill priority; the mocker charges a mixed step the sum of both,
     /// as Dynamo's does). Each such step stalls every decoding sequence
-    /// one step; the next step carries their rows again. 0 = off: every
-    /// step carries every decode row (vLLM's v1).
+    /// one step; the next step carries their rows again. Only while the
+    /// free slots take every waiting sequence: an engine at capacity mixes
+    /// every step, so the prompts that trickle into freed slots share
+    /// steps instead of each paying a prompt step's fixed cost. 0 = off:
+    /// every step carries every decode row (vLLM's v1).
     pub prefill_first_steps: usize,
 }
 

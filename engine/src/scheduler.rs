@@ -575,9 +575,18 @@ impl Scheduler {
             step: ScheduledStep::default(),
         };
         // Prefill first: decode rows wait while prompts can use the step,
-        // at most `prefill_first_steps` steps in a row, and only for
-        // prompts of at least their priority.
-        let prompt_priority = if self.decode_stalled < self.cfg.prefill_first_steps {
+        // at most `prefill_first_steps` steps in a row, only for prompts
+        // of at least their priority, and only while the free slots take
+        // every waiting sequence. With more waiting than that the engine is
+        // at capacity: each waits for a slot far longer than a step, and
+        // the prompts that trickle into the slots as they free would each
+        // pay a prompt step's fixed cost again, which costs throughput
+        // (with every step mixed, the prompts that wait join the next
+        // step together).
+        let free = self.cfg.max_num_seqs.saturating_sub(self.running.len());
+        let prompt_priority = if self.decode_stalled < self.cfg.prefill_first_steps
+            && self.waiting.len() <= free
+        {
             self.waiting
                 .values()
                 .chain(

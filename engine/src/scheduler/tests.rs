@@ -1334,6 +1334,24 @@ fn prefill_first_decodes_when_no_prompt_can_start() {
 }
 
 #[test]
+fn prefill_first_mixes_while_more_wait_than_slots_are_free() {
+    // Three slots, two decoding, two prompts waiting: at capacity, the
+    // prompt that takes the free slot rides with the decode rows.
+    let run = |prompts: u64| {
+        let decoding = vec![req(3, 50, 0), req(3, 50, 0)];
+        let mut s = decoding_with_prefill_first(3, SchedulingPolicy::Fcfs, 2, decoding);
+        for id in 3..3 + prompts {
+            s.add(id, req_with(4, 2, 0, 100 + 10 * id as u32)).expect("valid");
+        }
+        let (st, _) = step(&mut s);
+        (rows(&st), s.load().decode_stalled_steps)
+    };
+    assert_eq!(run(2), (vec![(1, 1), (2, 1), (3, 4)], 0));
+    // One waiting, one slot free: the prompt gets the step alone.
+    assert_eq!(run(1), (vec![(3, 4)], 1));
+}
+
+#[test]
 fn prefill_first_keeps_the_rows_of_higher_priorities_and_tpot_targets() {
     // Budget 8, a 20-token prompt of priority 1 arrives while three
     // sequences decode: one below it, one above it, one with a TPOT target.
