@@ -276,13 +276,14 @@ pub struct WorkerArgs {
 /// above priority off in every run, and without it fell 2-3% in two of three.
 const PRIORITY_ADMISSION_WAIT_STEPS: usize = 4;
 
-/// `--prefill-first-steps` unless set: off. On the routing bench's Mooncake
-/// slice (`tests/bench/results/routing.md`) 2 cut TTFT mean by a third at the
-/// same mean TPOT, but under sustained 5x overload
-/// (`tests/bench/overload/run.sh`) the queue then refused more than it had
-/// to: goodput 93.5-94.4% of capacity against 99.6% off (issue 34: >= 95%).
-/// On by default once the queue's wait model accounts for it.
-const PREFILL_FIRST_STEPS: usize = 0;
+/// `--prefill-first-steps` unless set. On the routing bench's Mooncake slice
+/// (`tests/bench/results/routing.md`) 2 cuts TTFT mean by a third at the
+/// same mean TPOT (3 a little more, at 2.3% of token gaps over 1 s). Under
+/// sustained overload (`tests/bench/overload/run.sh`) the engine mixes every
+/// step, since more wait than slots are free: before that rule, prompts
+/// trickling into freed slots took 34% more prompt steps, each paying the
+/// fixed cost, and goodput fell to 93.5-94.4% of capacity (99.2% with it).
+const PREFILL_FIRST_STEPS: usize = 2;
 
 impl Default for WorkerArgs {
     fn default() -> Self {
