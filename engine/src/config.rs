@@ -95,7 +95,10 @@ pub struct SchedulerConfig {
     /// decode rows' attention over their contexts (SGLang's default
     /// prefill priority; the mocker charges a mixed step the sum of both,
     /// as Dynamo's does). Each such step stalls every decoding sequence
-    /// one step; the next step carries their rows again. Only while the
+    /// one step; the next step carries their rows again. Rows above the
+    /// prompts' priority or with a TPOT target never sit out, and a step
+    /// that carries one carries every row (it pays for a decode pass
+    /// anyway). Only while the
     /// free slots take every waiting sequence: an engine at capacity mixes
     /// every step, so the prompts that trickle into freed slots share
     /// steps instead of each paying a prompt step's fixed cost. 0 = off:

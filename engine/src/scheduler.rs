@@ -584,23 +584,34 @@ impl Scheduler {
         // (with every step mixed, the prompts that wait join the next
         // step together).
         let free = self.cfg.max_num_seqs.saturating_sub(self.running.len());
-        let prompt_priority = if self.decode_stalled < self.cfg.prefill_first_steps
-            && self.waiting.len() <= free
-        {
-            self.waiting
-                .values()
-                .chain(
-                    self.running
-                        .iter()
-                        .filter(|id| self.seqs[*id].pending_prefill() > 0),
-                )
-                .map(|id| self.seqs[id].priority)
-                .max()
-        } else {
-            None
-        };
+        let mut prompt_priority =
+            if self.decode_stalled < self.cfg.prefill_first_steps && self.waiting.len() <= free {
+                self.waiting
+                    .values()
+                    .chain(
+                        self.running
+                            .iter()
+                            .filter(|id| self.seqs[*id].pending_prefill() > 0),
+                    )
+                    .map(|id| self.seqs[id].priority)
+                    .max()
+            } else {
+                None
+            };
         let rows = prompt_priority.map_or(Rows::All, |up_to| Rows::Prefill { up_to });
-        let deferred = self.schedule_running(&mut plan, rows);
+        let mut deferred = self.schedule_running(&mut plan, rows);
+        if let Some(up_to) = prompt_priority
+            && plan
+                .sched
+                .iter()
+                .any(|(id, _)| self.seqs[id].pending_prefill() == 0)
+        {
+            // Rows that may not sit out (above the prompts, or with a TPOT
+            // target) decode this step: it pays for a decode pass anyway,
+            // so every row rides along, as in any mixed step.
+            deferred |= self.schedule_running(&mut plan, Rows::Decode { up_to });
+            prompt_priority = None;
+        }
         self.admit_waiting(&mut plan, deferred);
         self.top_up(&mut plan);
         if let Some(up_to) = prompt_priority {

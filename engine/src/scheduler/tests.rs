@@ -1341,7 +1341,8 @@ fn prefill_first_mixes_while_more_wait_than_slots_are_free() {
         let decoding = vec![req(3, 50, 0), req(3, 50, 0)];
         let mut s = decoding_with_prefill_first(3, SchedulingPolicy::Fcfs, 2, decoding);
         for id in 3..3 + prompts {
-            s.add(id, req_with(4, 2, 0, 100 + 10 * id as u32)).expect("valid");
+            s.add(id, req_with(4, 2, 0, 100 + 10 * id as u32))
+                .expect("valid");
         }
         let (st, _) = step(&mut s);
         (rows(&st), s.load().decode_stalled_steps)
@@ -1355,6 +1356,8 @@ fn prefill_first_mixes_while_more_wait_than_slots_are_free() {
 fn prefill_first_keeps_the_rows_of_higher_priorities_and_tpot_targets() {
     // Budget 8, a 20-token prompt of priority 1 arrives while three
     // sequences decode: one below it, one above it, one with a TPOT target.
+    // The two that may not sit out decode, so the step pays for a decode
+    // pass anyway and the row below rides along: an ordinary mixed step.
     let steady = Request {
         tpot_target: Some(std::time::Duration::from_millis(50)),
         ..req(3, 50, 0)
@@ -1365,8 +1368,14 @@ fn prefill_first_keeps_the_rows_of_higher_priorities_and_tpot_targets() {
     let (st, _) = step(&mut s);
     let mut got = rows(&st);
     got.sort_unstable();
-    // Only the priority-0 row without a target sits out.
-    assert_eq!(got, vec![(2, 1), (3, 1), (4, 6)]);
+    assert_eq!(got, vec![(1, 1), (2, 1), (3, 1), (4, 5)]);
+    assert_eq!(s.load().decode_stalled_steps, 0);
+    // A prompt above every decoding sequence has the step to itself.
+    let decoding = vec![req(3, 50, 0), req(3, 50, 1)];
+    let mut s = decoding_with_prefill_first(8, SchedulingPolicy::Priority, 2, decoding);
+    s.add(3, req_with(20, 2, 3, 100)).expect("valid");
+    let (st, _) = step(&mut s);
+    assert_eq!(rows(&st), vec![(3, 8)]);
     assert_eq!(s.load().decode_stalled_steps, 1);
     // A prompt below every decoding sequence stalls none of them.
     let mut s = decoding_with_prefill_first(8, SchedulingPolicy::Priority, 2, vec![req(3, 50, 3)]);

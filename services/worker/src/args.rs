@@ -142,9 +142,10 @@ pub struct WorkerArgs {
     /// steps in a row leave decode rows out, so a prompt's first token comes
     /// sooner where decode rows lengthen a step (the mocker's timing, as
     /// Dynamo's; attention over long contexts). Only rows of sequences at or
-    /// below the prompts' priority and without a TPOT target sit out, one
-    /// step each time, and only while the free slots take every waiting
-    /// sequence (an engine at capacity mixes every step). 0 = off (vLLM's
+    /// below the prompts' priority and without a TPOT target sit out (when
+    /// every decoding row is such), one step each time, and only while the
+    /// free slots take every waiting sequence (an engine at capacity mixes
+    /// every step). 0 = off (vLLM's
     /// behaviour: every step carries every decode row).
     #[arg(long, env = "SLUICE_PREFILL_FIRST_STEPS", default_value_t = PREFILL_FIRST_STEPS)]
     pub prefill_first_steps: usize,
