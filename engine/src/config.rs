@@ -95,7 +95,9 @@ pub struct SchedulerConfig {
     /// decode rows' attention over their contexts (SGLang's default
     /// prefill priority; the mocker charges a mixed step the sum of both,
     /// as Dynamo's does). Each such step stalls every decoding sequence
-    /// one step; the next step carries their rows again. Rows above the
+    /// one step; after one, only a prefill in progress leaves them out
+    /// again (prompts arriving meanwhile join the next mixed step
+    /// together rather than each taking a prompt step). Rows above the
     /// prompts' priority or with a TPOT target never sit out, and a step
     /// that carries one carries every row (it pays for a decode pass
     /// anyway). Only while the

@@ -586,8 +586,15 @@ impl Scheduler {
         let free = self.cfg.max_num_seqs.saturating_sub(self.running.len());
         let mut prompt_priority =
             if self.decode_stalled < self.cfg.prefill_first_steps && self.waiting.len() <= free {
-                self.waiting
-                    .values()
+                // After a step that left decode rows out, only a prefill in
+                // progress leaves them out again: prompts that arrive while
+                // it ran join the next mixed step together, rather than
+                // each arrival taking a prompt step (and its fixed cost) of
+                // its own.
+                let arrived = (self.decode_stalled == 0).then_some(&self.waiting);
+                arrived
+                    .into_iter()
+                    .flat_map(|w| w.values())
                     .chain(
                         self.running
                             .iter()

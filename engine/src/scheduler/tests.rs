@@ -1320,6 +1320,19 @@ fn prefill_first_leaves_decode_rows_out_at_most_its_steps_in_a_row() {
 }
 
 #[test]
+fn prefill_first_leaves_rows_out_again_only_for_a_prefill_in_progress() {
+    // A 4-token prompt has a step to itself; one arriving after it does
+    // not stall the decode rows a second time: it rides with them.
+    let decoding = vec![req(3, 50, 0), req(3, 50, 0)];
+    let mut s = decoding_with_prefill_first(8, SchedulingPolicy::Fcfs, 2, decoding);
+    s.add(3, req_with(4, 5, 0, 100)).expect("valid");
+    assert_eq!(rows(&step(&mut s).0), vec![(3, 4)]);
+    s.add(4, req_with(4, 5, 0, 200)).expect("valid");
+    assert_eq!(rows(&step(&mut s).0), vec![(1, 1), (2, 1), (3, 1), (4, 4)]);
+    assert_eq!(s.load().decode_stalled_steps, 1);
+}
+
+#[test]
 fn prefill_first_decodes_when_no_prompt_can_start() {
     // One slot left to no one: the waiting prompt cannot be admitted, so
     // the step decodes rather than stall for nothing.
