@@ -46,9 +46,12 @@
 //! prompt's steps do not also pay the decode rows' attention over their
 //! contexts (the mocker charges a mixed step the sum of both, as Dynamo's
 //! does). Only rows at or below the prompts' priority and without a TPOT
-//! target sit out; a step that starts no prompt decodes as any other, and
-//! after admission nothing is preempted for a decode row (a victim could be
-//! a sequence admitted that step).
+//! target sit out, and only when every decoding row is such (a step that
+//! decodes one anyway carries them all); not while more wait than slots
+//! are free, and a second step in a row only for a prefill in progress. A
+//! step that starts no prompt decodes as any other, and after admission
+//! nothing is preempted for a decode row (a victim could be a sequence
+//! admitted that step).
 //!
 //! Abort at any point frees every block. Tokens computed again after a
 //! preemption are counted per sequence ([`Preemption`]) and in [`LoadStats`].
@@ -574,37 +577,7 @@ impl Scheduler {
             sched: Vec::new(),
             step: ScheduledStep::default(),
         };
-        // Prefill first: decode rows wait while prompts can use the step,
-        // at most `prefill_first_steps` steps in a row, only for prompts
-        // of at least their priority, and only while the free slots take
-        // every waiting sequence. With more waiting than that the engine is
-        // at capacity: each waits for a slot far longer than a step, and
-        // the prompts that trickle into the slots as they free would each
-        // pay a prompt step's fixed cost again, which costs throughput
-        // (with every step mixed, the prompts that wait join the next
-        // step together).
-        let free = self.cfg.max_num_seqs.saturating_sub(self.running.len());
-        let mut prompt_priority =
-            if self.decode_stalled < self.cfg.prefill_first_steps && self.waiting.len() <= free {
-                // After a step that left decode rows out, only a prefill in
-                // progress leaves them out again: prompts that arrive while
-                // it ran join the next mixed step together, rather than
-                // each arrival taking a prompt step (and its fixed cost) of
-                // its own.
-                let arrived = (self.decode_stalled == 0).then_some(&self.waiting);
-                arrived
-                    .into_iter()
-                    .flat_map(|w| w.values())
-                    .chain(
-                        self.running
-                            .iter()
-                            .filter(|id| self.seqs[*id].pending_prefill() > 0),
-                    )
-                    .map(|id| self.seqs[id].priority)
-                    .max()
-            } else {
-                None
-            };
+        let mut prompt_priority = self.prefill_first_priority();
         let rows = prompt_priority.map_or(Rows::All, |up_to| Rows::Prefill { up_to });
         let mut deferred = self.schedule_running(&mut plan, rows);
         if let Some(up_to) = prompt_priority
@@ -648,6 +621,40 @@ impl Scheduler {
         let step = self.build_batch(plan);
         self.start_masks(&step);
         step
+    }
+
+    /// Slots no running sequence holds.
+    fn free_slots(&self) -> usize {
+        self.cfg.max_num_seqs.saturating_sub(self.running.len())
+    }
+
+    /// Prefill first: the priority of the prompts this step leaves decode
+    /// rows out for (rows at or below it, without a TPOT target), or `None`
+    /// for a step that carries every row. At most `prefill_first_steps`
+    /// steps in a row, and only while the free slots take every waiting
+    /// sequence: with more waiting the engine is at capacity, each waits for
+    /// a slot far longer than a step, and prompts trickling into the slots
+    /// as they free would each pay a prompt step's fixed cost again (mixed
+    /// steps let them share one). After a step that left rows out, only a
+    /// prefill in progress leaves them out again, for the same reason:
+    /// prompts that arrived while it ran join the next mixed step together.
+    fn prefill_first_priority(&self) -> Option<i32> {
+        if self.decode_stalled >= self.cfg.prefill_first_steps
+            || self.waiting.len() > self.free_slots()
+        {
+            return None;
+        }
+        let arrived = (self.decode_stalled == 0).then_some(&self.waiting);
+        arrived
+            .into_iter()
+            .flat_map(|w| w.values())
+            .chain(
+                self.running
+                    .iter()
+                    .filter(|id| self.seqs[*id].pending_prefill() > 0),
+            )
+            .map(|id| self.seqs[id].priority)
+            .max()
     }
 
     /// Starts computing the grammar mask of every constrained row that
@@ -848,7 +855,7 @@ impl Scheduler {
             self.admission_waited += 1;
             admit = false;
             // The prompts the free slots would have taken this step.
-            let free = self.cfg.max_num_seqs.saturating_sub(self.running.len());
+            let free = self.free_slots();
             let held: Vec<SeqId> = self.waiting.values().take(free).copied().collect();
             for id in held {
                 if let Some(seq) = self.seqs.get_mut(&id) {
@@ -986,7 +993,7 @@ impl Scheduler {
     fn admission_waits(&self, plan: &Plan) -> bool {
         let wait = self.cfg.admission_wait_steps;
         let max = self.cfg.max_num_seqs;
-        let free = max.saturating_sub(self.running.len());
+        let free = self.free_slots();
         let Some(head) = self.waiting.values().next().map(|id| &self.seqs[id]) else {
             return false;
         };

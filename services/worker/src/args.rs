@@ -143,11 +143,10 @@ pub struct WorkerArgs {
     /// sooner where decode rows lengthen a step (the mocker's timing, as
     /// Dynamo's; attention over long contexts). Only rows of sequences at or
     /// below the prompts' priority and without a TPOT target sit out (when
-    /// every decoding row is such), one step each time (a second in a row only
-    /// for a prefill in progress), and only while the
-    /// free slots take every waiting sequence (an engine at capacity mixes
-    /// every step). 0 = off (vLLM's
-    /// behaviour: every step carries every decode row).
+    /// every decoding row is such), one step each time (a second in a row
+    /// only for a prefill in progress), and only while the free slots take
+    /// every waiting sequence (an engine at capacity mixes every step).
+    /// 0 = off (vLLM's behaviour: every step carries every decode row).
     #[arg(long, env = "SLUICE_PREFILL_FIRST_STEPS", default_value_t = PREFILL_FIRST_STEPS)]
     pub prefill_first_steps: usize,
 
