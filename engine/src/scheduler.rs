@@ -168,11 +168,14 @@ pub struct LoadStats {
     /// set by the engine loop, not the scheduler).
     pub step_time_us: u32,
     /// The engine's recent mean prefill cost per prompt token in ns, beyond
-    /// the decode step it rides with (0 before the first prompt; set by the
-    /// engine loop).
+    /// the decode step it rides with, if any (0 before the first prompt;
+    /// set by the engine loop).
     pub prefill_ns_per_token: u32,
     /// Its fixed part per step with prompt tokens, in µs.
     pub prefill_step_us: u32,
+    /// Of recent steps with prompt tokens, the share that also decoded
+    /// running sequences, in thousandths (set by the engine loop).
+    pub decoding_prompt_steps_permille: u32,
     /// A decode step's time as `decode_base_us + rows ×
     /// decode_ns_per_seq / 1000` (fitted over recent decode steps; set by
     /// the engine loop).
@@ -560,6 +563,7 @@ impl Scheduler {
             step_time_us: 0,
             prefill_ns_per_token: 0,
             prefill_step_us: 0,
+            decoding_prompt_steps_permille: 0,
             decode_base_us: 0,
             decode_ns_per_seq: 0,
             tier_blocks: self.kv.tier_figures().0,

@@ -286,6 +286,7 @@ pub(crate) fn load_report(r: &wpb::LoadReport) -> LoadReport {
         step_time_us: r.step_time_us,
         prefill_ns_per_token: r.prefill_ns_per_token,
         prefill_step_us: r.prefill_step_us,
+        decoding_prompt_steps_permille: r.decoding_prompt_steps_permille,
         decode_base_us: r.decode_base_us,
         decode_ns_per_seq: r.decode_ns_per_seq,
         kv_fetch_bytes_per_sec: r.kv_fetch_bytes_per_sec,

@@ -45,10 +45,13 @@ pub struct LoadReport {
     /// The engine's recent mean step time in microseconds (0 = none yet).
     pub step_time_us: u32,
     /// The engine's recent mean cost of a prompt token in ns beyond the
-    /// decode step (0 = none yet).
+    /// decode step it rides with, if any (0 = none yet).
     pub prefill_ns_per_token: u32,
     /// Its fixed part per step with prompt tokens, in µs.
     pub prefill_step_us: u32,
+    /// The share of its recent prompt steps that also decoded, in
+    /// thousandths.
+    pub decoding_prompt_steps_permille: u32,
     /// A decode step's fixed part in µs, and its part per sequence in ns
     /// (both 0: none measured).
     pub decode_base_us: u32,
@@ -84,6 +87,8 @@ pub struct EffectiveLoad {
     pub tightest_tpot_ms: Option<u32>,
     /// The last report, if any.
     pub report: LoadReport,
+    /// When it arrived.
+    pub reported_at: Option<Instant>,
 }
 
 /// What one placement adds to its target while it lives.
@@ -229,6 +234,7 @@ impl TargetLoad {
                 .map(|_| r.pending_prefill_tokens + self.placed_since_report),
             tightest_tpot_ms: self.tpot_targets.keys().next().copied(),
             report: self.report,
+            reported_at: self.reported_at,
         }
     }
 }

@@ -32,7 +32,7 @@ use sluice_runtime::discovery::WorkerRole;
 use crate::approx::ApproxIndex;
 use crate::error::RouterError;
 use crate::indexer::{KvIndexer, OverlapScores, TargetHandle, TargetId};
-use crate::latency::TtftCheck;
+use crate::latency::{self, TtftCheck};
 use crate::load::{EffectiveLoad, LoadReport, Shape, TargetLoad};
 use crate::selector::{self, CostInput, CostParams, CostTerms, RouterMode};
 use sluice_runtime::discovery::WorkerRank;
@@ -957,12 +957,16 @@ impl WorkerPool {
                     step_time_us: load.report.step_time_us,
                     prefill_ns_per_token: load.report.prefill_ns_per_token,
                     prefill_step_us: load.report.prefill_step_us,
+                    decoding_prompt_steps: latency::decoding_prompt_steps(&load.report),
                     credit_ns_per_token,
                     reported_prefill_tokens: load.reported_prefill_tokens,
                     decode_base_us: load.report.decode_base_us,
                     decode_ns_per_seq: load.report.decode_ns_per_seq,
                     tightest_tpot_ms: load.tightest_tpot_ms,
                     request_tpot_ms: desc.tpot_target_ms,
+                    step_in_progress: load.reported_at.map_or_else(Default::default, |at| {
+                        latency::step_in_progress(&load.report, now.saturating_duration_since(at))
+                    }),
                 },
                 desc.prompt_tokens,
                 desc.block_size,
@@ -1029,8 +1033,9 @@ impl WorkerPool {
         // and identical workers' measurements read apart: candidates within
         // the predictions' own error of the cheapest (the median relative
         // error of the latest checked here, times the soonest prediction;
-        // at least half the shortest step, the part of a step in progress
-        // a request waits for) are not told apart by the prediction, and
+        // at least half the shortest step: reports place the step in
+        // progress only to within their interval) are not told apart by
+        // the prediction, and
         // the fewest live requests among them wins, then the one holding
         // the most of the prompt in its own KV memory (a local hit moves no
         // bytes and keeps the holder free, where a prediction within noise
@@ -1558,6 +1563,8 @@ mod tests {
         LoadReport {
             step_time_us: 20_000,
             prefill_ns_per_token: 50_000,
+            // Every prompt step carries the batch (no prefill first).
+            decoding_prompt_steps_permille: 1000,
             max_num_batched_tokens: 1024,
             max_num_seqs: 64,
             unplaced_prefill_tokens,

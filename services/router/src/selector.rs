@@ -74,7 +74,7 @@
 
 use rand::Rng;
 
-use crate::latency::{LatencyInput, predict_step, predict_ttft};
+use crate::latency::{LatencyInput, StepInProgress, predict_step, predict_ttft};
 
 /// How the router chooses among candidates.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, clap::ValueEnum)]
@@ -204,6 +204,8 @@ pub struct CostInput {
     pub prefill_ns_per_token: u32,
     /// Its fixed part per step with prompt tokens, in µs.
     pub prefill_step_us: u32,
+    /// The share of its prompt steps that decode too (0 to 1).
+    pub decoding_prompt_steps: f64,
     /// The prompt-token cost the overlap credit is counted at, in ns: the
     /// same for every candidate of a request (the median of theirs), so
     /// the same cached prefix earns the same credit wherever it lies
@@ -219,6 +221,8 @@ pub struct CostInput {
     pub tightest_tpot_ms: Option<u32>,
     /// This request's TPOT target in ms (0 = none).
     pub request_tpot_ms: u32,
+    /// The step the worker is in, by its last report (none before one).
+    pub step_in_progress: StepInProgress,
 }
 
 /// One candidate's cost terms (the proto `Candidate` without its target).
@@ -369,17 +373,35 @@ pub fn cost(
 /// What the candidate's time to first token is predicted from, for a
 /// request with `uncached` prompt tokens to compute there.
 fn latency_input(input: &CostInput, uncached: u64) -> LatencyInput {
-    let queued = queued_prefill_tokens(input, uncached);
+    // The prefill the step in progress computes is no longer queued: the
+    // short prompts first (each goes next to the long ones), the long ones
+    // the rest of the step.
+    let done = input.step_in_progress.prompt_tokens;
+    let short =
+        input.active_prefill_tokens - input.long_prefill_tokens.min(input.active_prefill_tokens);
+    let after = CostInput {
+        active_prefill_tokens: input.active_prefill_tokens.saturating_sub(done),
+        long_prefill_tokens: input
+            .long_prefill_tokens
+            .saturating_sub(done.saturating_sub(short)),
+        ..*input
+    };
+    let queued = queued_prefill_tokens(&after, uncached);
+    // What is left of prompts being prefilled, where the report says.
+    let reported = input
+        .reported_prefill_tokens
+        .map(|r| r.saturating_sub(done));
+    let left = |tokens: u64| reported.map_or(tokens, |r| r.min(tokens));
     LatencyInput {
-        // What is left of prompts being prefilled, where the report says.
-        queued_prefill_tokens: input
-            .reported_prefill_tokens
-            .map_or(queued, |r| r.min(queued)),
+        queued_prefill_tokens: left(queued),
+        pending_prefill_tokens: left(after.active_prefill_tokens),
         uncached_tokens: uncached,
         step_tokens: input.step_tokens,
         step_time_us: input.step_time_us,
         prefill_ns_per_token: input.prefill_ns_per_token,
         prefill_step_us: input.prefill_step_us,
+        decoding_prompt_steps: input.decoding_prompt_steps,
+        step_left: input.step_in_progress.left,
     }
 }
 
@@ -769,6 +791,62 @@ mod tests {
             ..holder
         };
         assert!(cost(&p, &no_rule, 896, 64).total_cost > cost(&p, &idle, 896, 64).total_cost);
+    }
+
+    #[test]
+    fn a_short_prompt_is_predicted_slower_behind_a_long_prefill_in_progress() {
+        // Measured steps: 80 ms decode, 130 ms more a prompt step, 120 µs a
+        // prompt token; 1,024 tokens a step, prompts of at most 256 pass
+        // long ones.
+        let worker = CostInput {
+            step_tokens: 1024,
+            long_prefill_threshold: 256,
+            step_time_us: 80_000,
+            prefill_step_us: 130_000,
+            prefill_ns_per_token: 120_000,
+            decoding_prompt_steps: 1.0,
+            ..CostInput::default()
+        };
+        // One worker decodes, its step 40 ms old ...
+        let decoding = CostInput {
+            reported_prefill_tokens: Some(0),
+            step_in_progress: StepInProgress {
+                prompt_tokens: 0,
+                left: 0.040,
+            },
+            ..worker
+        };
+        // ... the other is 100 ms into a step of a 5,000-token prompt and
+        // holds one more block of this one.
+        let prefilling = CostInput {
+            overlap_blocks: 1,
+            active_prefill_tokens: 5_000,
+            long_prefill_tokens: 5_000,
+            reported_prefill_tokens: Some(5_000),
+            step_in_progress: StepInProgress {
+                prompt_tokens: 1024,
+                left: 0.210 + 1024.0 * 120e-6 - 0.100,
+            },
+            ..worker
+        };
+        let p = CostParams::default();
+        let t = |input: &CostInput| cost(&p, input, 100, 64).predicted_ttft.expect("measured");
+        // Decoding: 40 ms left, then one step of its 100 tokens.
+        assert!((t(&decoding) - (0.040 + 0.210 + 0.012)).abs() < 1e-9);
+        // Prefilling: what is left of the step in progress, then a step the
+        // long prompt fills: 1,024 tokens, not the 256 it passes before it.
+        let left = 0.110 + 1024.0 * 120e-6;
+        assert!((t(&prefilling) - (left + 0.210 + 1024.0 * 120e-6)).abs() < 1e-9);
+        assert!(t(&prefilling) > t(&decoding) + 0.2);
+        // In `latency` mode the block it holds does not outweigh that.
+        let credit = CostParams {
+            overlap_credit: 1.0,
+            ..p
+        };
+        let lat = |input: &CostInput| {
+            latency_cost(&credit, &cost(&credit, input, 100, 64)).expect("measured")
+        };
+        assert!(lat(&decoding) < lat(&prefilling));
     }
 
     #[test]

@@ -242,6 +242,7 @@ pub(crate) fn load(rank: u32, l: &engine::LoadStats, prefill_queue: u32) -> pb::
         step_time_us: l.step_time_us,
         prefill_ns_per_token: l.prefill_ns_per_token,
         prefill_step_us: l.prefill_step_us,
+        decoding_prompt_steps_permille: l.decoding_prompt_steps_permille,
         decode_base_us: l.decode_base_us,
         decode_ns_per_seq: l.decode_ns_per_seq,
         prefill_queue,
