@@ -94,22 +94,15 @@ pub fn predict_ttft(input: &LatencyInput) -> Option<f64> {
             (steps, all.min(steps * per_step).max(waited))
         }
     };
-    let per_step = prompt_step_us(
-        input.step_time_us,
-        input.prefill_step_us,
-        input.decoding_prompt_steps,
-    );
+    // A prompt step's fixed cost, and a decode step in the share of
+    // prompt steps that decode too.
+    let per_step = f64::from(input.prefill_step_us)
+        + input.decoding_prompt_steps * f64::from(input.step_time_us);
     Some(
         input.step_left
             + steps as f64 * per_step * 1e-6
             + computed as f64 * f64::from(input.prefill_ns_per_token) * 1e-9,
     )
-}
-
-/// The fixed µs of a step with prompt tokens: its own fixed part, and a
-/// decode step in the share of prompt steps that decode too.
-fn prompt_step_us(step_time_us: u32, prefill_step_us: u32, decoding_share: f64) -> f64 {
-    f64::from(prefill_step_us) + decoding_share * f64::from(step_time_us)
 }
 
 /// The share of a worker's prompt steps that decode too, from its report.
@@ -137,15 +130,18 @@ pub fn step_in_progress(report: &LoadReport, age: Duration) -> StepInProgress {
         0 => pending,
         per_step => pending.min(per_step),
     };
-    let length = if prompt_tokens > 0 {
-        prompt_step_us(
-            report.step_time_us,
-            report.prefill_step_us,
-            decoding_prompt_steps(report),
-        ) * 1e-6
-            + prompt_tokens as f64 * f64::from(report.prefill_ns_per_token) * 1e-9
-    } else {
-        f64::from(report.step_time_us) * 1e-6
+    // A prompt step lasts what a prompt of its tokens alone would take.
+    let prompt_step = LatencyInput {
+        uncached_tokens: prompt_tokens,
+        step_time_us: report.step_time_us,
+        prefill_ns_per_token: report.prefill_ns_per_token,
+        prefill_step_us: report.prefill_step_us,
+        decoding_prompt_steps: decoding_prompt_steps(report),
+        ..LatencyInput::default()
+    };
+    let length = match prompt_tokens {
+        0 => f64::from(report.step_time_us) * 1e-6,
+        _ => predict_ttft(&prompt_step).unwrap_or_default(),
     };
     StepInProgress {
         prompt_tokens,

@@ -377,8 +377,9 @@ fn latency_input(input: &CostInput, uncached: u64) -> LatencyInput {
     // short prompts first (each goes next to the long ones), the long ones
     // the rest of the step.
     let done = input.step_in_progress.prompt_tokens;
-    let short =
-        input.active_prefill_tokens - input.long_prefill_tokens.min(input.active_prefill_tokens);
+    let short = input
+        .active_prefill_tokens
+        .saturating_sub(input.long_prefill_tokens);
     let after = CostInput {
         active_prefill_tokens: input.active_prefill_tokens.saturating_sub(done),
         long_prefill_tokens: input
