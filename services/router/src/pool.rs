@@ -1416,6 +1416,31 @@ mod tests {
     }
 
     #[test]
+    fn the_last_report_s_age_places_the_step_in_progress() {
+        // Two workers decoding in 20 ms steps: w1 reported as its step
+        // began, 15 ms ago, w0 just now.
+        let p = pool(RouterMode::Latency, 2);
+        let then = Instant::now();
+        let now = then + Duration::from_millis(15);
+        let decoding = LoadReport {
+            running: 4,
+            ..measured(0)
+        };
+        p.record_load(&target(0), decoding, now);
+        p.record_load(&target(1), decoding, then);
+        let h = sequence_block_hashes(&tokens(3, 128), BS as usize);
+        let d = p.route(&input(&h, 128), now).expect("route");
+        let ttft = |i: usize| d.candidates[i].terms.predicted_ttft.expect("measured");
+        // w1's step ends 15 ms sooner, beyond the tolerance (half a step).
+        assert!(
+            (ttft(0) - ttft(1) - 0.015).abs() < 1e-9,
+            "{:?}",
+            d.candidates
+        );
+        assert_eq!(chosen(&d), "w1");
+    }
+
+    #[test]
     fn a_request_goes_to_the_worker_holding_its_prefix() {
         let p = pool(RouterMode::Kv, 4);
         let t = tokens(1, 1024);
