@@ -279,11 +279,12 @@ const PRIORITY_ADMISSION_WAIT_STEPS: usize = 4;
 
 /// `--prefill-first-steps` unless set. On the routing bench's Mooncake slice
 /// (`tests/bench/results/routing.md`) 2 cuts TTFT mean by a third at the
-/// same mean TPOT (3 a little more, at 2.3% of token gaps over 1 s). Under
-/// sustained overload (`tests/bench/overload/run.sh`) the engine mixes every
-/// step, since more wait than slots are free: before that rule, prompts
-/// trickling into freed slots took 34% more prompt steps, each paying the
-/// fixed cost, and goodput fell to 93.5-94.4% of capacity (99.2% with it).
+/// same mean TPOT (3 another 3-4%, at 1.8-2.3% of token gaps over 1 s
+/// against 0.3%). Under sustained overload (`tests/bench/overload/run.sh`)
+/// the engine mixes every step, since more wait than slots are free: before
+/// that rule, prompts trickling into freed slots took 34% more prompt steps,
+/// each paying the fixed cost, and goodput fell to 93.5-94.4% of capacity
+/// (99.2% with it).
 const PREFILL_FIRST_STEPS: usize = 2;
 
 impl Default for WorkerArgs {
