@@ -173,9 +173,17 @@ pub struct LoadStats {
     pub prefill_ns_per_token: u32,
     /// Its fixed part per step with prompt tokens, in µs.
     pub prefill_step_us: u32,
-    /// Of recent steps with prompt tokens, the share that also decoded
-    /// running sequences, in thousandths (set by the engine loop).
-    pub decoding_prompt_steps_permille: u32,
+    /// Prefill first as it stands: the steps in a row a prompt step may
+    /// leave decode rows out (`SchedulerConfig::prefill_first_steps`; 0
+    /// while a decoding sequence has a TPOT target, since its row never
+    /// sits out and a step that decodes one carries them all) ...
+    pub prefill_first_steps: usize,
+    /// ... the steps in a row that have left them out (0 after a step that
+    /// decoded), and the running sequences with prompt tokens left (a
+    /// prefill in progress may leave the rows out again after such a step;
+    /// prompts that just arrived may not).
+    pub stalled_in_a_row: usize,
+    pub prefilling: usize,
     /// A decode step's time as `decode_base_us + rows ×
     /// decode_ns_per_seq / 1000` (fitted over recent decode steps; set by
     /// the engine loop).
@@ -563,7 +571,13 @@ impl Scheduler {
             step_time_us: 0,
             prefill_ns_per_token: 0,
             prefill_step_us: 0,
-            decoding_prompt_steps_permille: 0,
+            prefill_first_steps: self.prefill_first_steps_now(),
+            stalled_in_a_row: self.decode_stalled,
+            prefilling: self
+                .running
+                .iter()
+                .filter(|id| self.seqs[*id].pending_prefill() > 0)
+                .count(),
             decode_base_us: 0,
             decode_ns_per_seq: 0,
             tier_blocks: self.kv.tier_figures().0,
@@ -625,6 +639,20 @@ impl Scheduler {
         let step = self.build_batch(plan);
         self.start_masks(&step);
         step
+    }
+
+    /// `prefill_first_steps`, or 0 while a decoding sequence's row may not
+    /// sit out for any prompt (a TPOT target): every prompt step decodes.
+    fn prefill_first_steps_now(&self) -> usize {
+        let pinned = self.running.iter().any(|id| {
+            let s = &self.seqs[id];
+            s.pending_prefill() == 0 && !s.may_stall_for(i32::MAX)
+        });
+        if pinned {
+            0
+        } else {
+            self.cfg.prefill_first_steps
+        }
     }
 
     /// Slots no running sequence holds.

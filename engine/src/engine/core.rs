@@ -50,13 +50,9 @@ pub(super) struct EngineCore {
     /// What a step's prompt tokens cost beyond the decode step they ride
     /// with, if any, as a fixed part per step and a part per token (fitted
     /// over recent steps with prompt tokens): with [`Self::step_us`] and
-    /// [`Self::decoding_prompt_steps`], what a router predicts a prompt's
-    /// time to first token from.
+    /// the scheduler's prefill-first state, what a router predicts a
+    /// prompt's time to first token from.
     prefill_fit: LineFit,
-    /// The share of recent steps with prompt tokens that also decoded
-    /// running sequences (an exponential average; 1 before any, every
-    /// step carrying the batch as without prefill first).
-    decoding_prompt_steps: f64,
     /// A decode step's time against its batch size (rows), fitted over
     /// recent decode steps: what a router predicts a request's time per
     /// output token from, with it in the batch.
@@ -148,7 +144,6 @@ impl EngineCore {
             step_us: 0.0,
             prefill_fit: LineFit::default(),
             decode_fit: LineFit::default(),
-            decoding_prompt_steps: 1.0,
         }
     }
 
@@ -298,8 +293,6 @@ impl EngineCore {
             let decode_us = if decodes { self.step_us } else { 0.0 };
             self.prefill_fit
                 .add(prompt_tokens as f64, (us - decode_us).max(0.0));
-            let decoded = if decodes { 1.0 } else { 0.0 };
-            self.decoding_prompt_steps += STEP_EWMA * (decoded - self.decoding_prompt_steps);
         }
         // Load first, so whoever sees an output also sees the state after it.
         self.publish_load();
@@ -701,7 +694,6 @@ impl EngineCore {
         let (step_us, per_token_us) = self.prefill_fit.line();
         load.prefill_step_us = step_us.round().min(f64::from(u32::MAX)) as u32;
         load.prefill_ns_per_token = (per_token_us * 1e3).round().min(f64::from(u32::MAX)) as u32;
-        load.decoding_prompt_steps_permille = (self.decoding_prompt_steps * 1e3).round() as u32;
         let (base_us, per_seq_us) = self.decode_fit.line();
         load.decode_base_us = base_us.round().min(f64::from(u32::MAX)) as u32;
         load.decode_ns_per_seq = (per_seq_us * 1e3).round().min(f64::from(u32::MAX)) as u32;

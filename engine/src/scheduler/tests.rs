@@ -1291,6 +1291,23 @@ fn prefill_first_leaves_decode_rows_out_at_most_its_steps_in_a_row() {
         let steps: Vec<_> = (0..4).map(|_| rows(&step(&mut s).0)).collect();
         (steps, s.load().decode_stalled_steps)
     };
+    // What the load report says after each step, for a router to follow the
+    // rule: (steps in a row that left the rows out, prompts mid-prefill).
+    let reported = |prefill_first_steps| {
+        let decoding = vec![req(3, 50, 0), req(3, 50, 0)];
+        let mut s =
+            decoding_with_prefill_first(8, SchedulingPolicy::Fcfs, prefill_first_steps, decoding);
+        s.add(3, req_with(20, 2, 0, 100)).expect("valid");
+        (0..3)
+            .map(|_| {
+                step(&mut s);
+                let l = s.load();
+                (l.prefill_first_steps, l.stalled_in_a_row, l.prefilling)
+            })
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(reported(0), vec![(0, 0, 1), (0, 0, 1), (0, 0, 1)]);
+    assert_eq!(reported(2), vec![(2, 1, 1), (2, 2, 1), (2, 0, 0)]);
     // Off: every step carries both decode rows, the prompt the rest.
     let (off, stalled) = run(0);
     assert_eq!(
@@ -1327,6 +1344,9 @@ fn prefill_first_leaves_rows_out_again_only_for_a_prefill_in_progress() {
     let mut s = decoding_with_prefill_first(8, SchedulingPolicy::Fcfs, 2, decoding);
     s.add(3, req_with(4, 5, 0, 100)).expect("valid");
     assert_eq!(rows(&step(&mut s).0), vec![(3, 4)]);
+    // Reported: one step has left the rows out, and no prompt is mid-prefill.
+    let l = s.load();
+    assert_eq!((l.stalled_in_a_row, l.prefilling), (1, 0));
     s.add(4, req_with(4, 5, 0, 200)).expect("valid");
     assert_eq!(rows(&step(&mut s).0), vec![(1, 1), (2, 1), (3, 1), (4, 4)]);
     assert_eq!(s.load().decode_stalled_steps, 1);
@@ -1383,6 +1403,8 @@ fn prefill_first_keeps_the_rows_of_higher_priorities_and_tpot_targets() {
     got.sort_unstable();
     assert_eq!(got, vec![(1, 1), (2, 1), (3, 1), (4, 5)]);
     assert_eq!(s.load().decode_stalled_steps, 0);
+    // Reported as no prefill first while the TPOT-bound row decodes.
+    assert_eq!(s.load().prefill_first_steps, 0);
     // A prompt above every decoding sequence has the step to itself.
     let decoding = vec![req(3, 50, 0), req(3, 50, 1)];
     let mut s = decoding_with_prefill_first(8, SchedulingPolicy::Priority, 2, decoding);

@@ -6,7 +6,8 @@
 //! steps    = ⌈waited / max_num_batched_tokens⌉   (at least one)
 //! computed = min(all prefill there + its uncached prompt, steps × max_num_batched_tokens)
 //! ttft     = what is left of the step in progress
-//!          + steps × (decode step + fixed prompt cost per step)
+//!          + steps × fixed prompt cost per step
+//!          + a decode step for each of those steps that decodes
 //!          + computed × prompt cost per token
 //! ```
 //!
@@ -26,6 +27,16 @@
 //! step); what is left of it is its predicted length less the report's
 //! age, and the prefill it computes is no longer queued.
 //!
+//! Which prompt steps decode follows the engine's prefill-first rule, from
+//! the state it reports ([`PrefillFirst`]): a prompt step leaves the decode
+//! rows out while fewer than `prefill_first_steps` steps in a row have, and
+//! after one that has, only for a prefill in progress; prompts that arrived
+//! since join the next step with the rows. So a short prompt placed on a
+//! worker in the middle of a long prefill, or just after another prompt's
+//! step, pays a decode step that it would not on a worker that only
+//! decodes. The rule is followed from the step in progress through the
+//! request's own steps.
+//!
 //! The worker's engine measures the times as it runs: the mean decode
 //! step (`step_time_us`, what every step costs since each also carries the
 //! running batch) and a line fitted over recent steps for what their prompt
@@ -42,8 +53,9 @@
 //! of a request already running there, while another worker can take it.
 //!
 //! What the TTFT model leaves out, for now: the wait for a free sequence
-//! slot on a worker whose batch is full, and decode steps slowing as the
-//! batch grows between the report and this request's first token.
+//! slot on a worker whose batch is full, decode steps slowing as the
+//! batch grows between the report and this request's first token, and
+//! decode rows above the request's priority, which never sit out for it.
 
 use std::time::Duration;
 
@@ -69,11 +81,64 @@ pub struct LatencyInput {
     pub prefill_ns_per_token: u32,
     /// The fixed part of a step's prompt cost in µs (0 = none measured).
     pub prefill_step_us: u32,
-    /// The share of the worker's prompt steps that also decode (0 to 1):
-    /// each pays a decode step on top.
-    pub decoding_prompt_steps: f64,
+    /// Which of the prompt steps ahead decode (each pays a decode step on
+    /// top): prefill first as it will stand when the first of them begins.
+    pub prefill_first: PrefillFirst,
     /// Seconds left of the step in progress there ([`StepInProgress`]).
     pub step_left: f64,
+}
+
+/// The engine's prefill-first rule and where it stands on a worker (see
+/// the module docs): which of its prompt steps leave the decode rows out.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrefillFirst {
+    /// Steps in a row a prompt step may leave the rows out (0: none may).
+    pub steps: u32,
+    /// Steps in a row that have.
+    pub stalled: u32,
+    /// A prompt is in the middle of its prefill, so it continues in the
+    /// next step (one that just arrived does not count).
+    pub in_progress: bool,
+    /// Requests decode there: without, no step pays a decode step.
+    pub decode_rows: bool,
+}
+
+impl PrefillFirst {
+    /// Every prompt step decodes (as without prefill first, in vLLM).
+    pub const ALWAYS_DECODES: Self = Self {
+        steps: 0,
+        stalled: 0,
+        in_progress: false,
+        decode_rows: true,
+    };
+
+    /// As the worker's last report says it stands. More prompts waiting
+    /// than slots free leave no row out (the engine is at capacity).
+    pub fn reported(report: &LoadReport) -> Self {
+        let free = report.max_num_seqs.saturating_sub(report.running);
+        let at_capacity = report.max_num_seqs > 0 && report.waiting > free;
+        Self {
+            steps: if at_capacity {
+                0
+            } else {
+                report.prefill_first_steps
+            },
+            stalled: report.stalled_in_a_row,
+            in_progress: report.prefilling > 0,
+            decode_rows: report.running > report.prefilling,
+        }
+    }
+
+    /// Whether the next prompt step decodes; the rule then stands after it,
+    /// with a prefill in progress or not after that step.
+    fn step(&mut self, continues: bool) -> bool {
+        let stalls = self.decode_rows
+            && self.stalled < self.steps
+            && (self.stalled == 0 || self.in_progress);
+        self.stalled = if stalls { self.stalled + 1 } else { 0 };
+        self.in_progress = continues;
+        self.decode_rows && !stalls
+    }
 }
 
 /// The predicted seconds to the first token, or `None` before the worker
@@ -94,20 +159,15 @@ pub fn predict_ttft(input: &LatencyInput) -> Option<f64> {
             (steps, all.min(steps * per_step).max(waited))
         }
     };
-    // A prompt step's fixed cost, and a decode step in the share of
-    // prompt steps that decode too.
-    let per_step = f64::from(input.prefill_step_us)
-        + input.decoding_prompt_steps * f64::from(input.step_time_us);
+    // Every step but the last leaves a prompt in the middle of its prefill.
+    let mut rule = input.prefill_first;
+    let decoding = (1..=steps).filter(|&i| rule.step(i < steps)).count();
     Some(
         input.step_left
-            + steps as f64 * per_step * 1e-6
+            + steps as f64 * f64::from(input.prefill_step_us) * 1e-6
+            + decoding as f64 * f64::from(input.step_time_us) * 1e-6
             + computed as f64 * f64::from(input.prefill_ns_per_token) * 1e-9,
     )
-}
-
-/// The share of a worker's prompt steps that decode too, from its report.
-pub fn decoding_prompt_steps(report: &LoadReport) -> f64 {
-    (f64::from(report.decoding_prompt_steps_permille) * 1e-3).clamp(0.0, 1.0)
 }
 
 /// The step a worker is in, by its last report (see the module docs).
@@ -117,35 +177,55 @@ pub struct StepInProgress {
     pub prompt_tokens: u64,
     /// Seconds left of it.
     pub left: f64,
+    /// Prefill first as it will stand after it.
+    pub prefill_first: PrefillFirst,
 }
 
 /// The step in progress on a worker whose last report is `report`, `age`
 /// old (a worker that runs nothing, or has measured no step, is in none).
 pub fn step_in_progress(report: &LoadReport, age: Duration) -> StepInProgress {
     let pending = report.pending_prefill_tokens;
+    let rule = PrefillFirst::reported(report);
     if report.step_time_us == 0 || (report.running == 0 && pending == 0) {
-        return StepInProgress::default();
+        return StepInProgress {
+            prefill_first: rule,
+            ..StepInProgress::default()
+        };
     }
     let prompt_tokens = match u64::from(report.max_num_batched_tokens) {
         0 => pending,
         per_step => pending.min(per_step),
     };
-    // A prompt step lasts what a prompt of its tokens alone would take.
+    if prompt_tokens == 0 {
+        // A decode step: the next prompt step is the first in a row.
+        return StepInProgress {
+            prompt_tokens,
+            left: (f64::from(report.step_time_us) * 1e-6 - age.as_secs_f64()).max(0.0),
+            prefill_first: PrefillFirst {
+                stalled: 0,
+                in_progress: false,
+                ..rule
+            },
+        };
+    }
+    // A prompt step lasts what a prompt of its tokens alone would take,
+    // under the rule as it stood when it began; a prompt continues after
+    // it where it leaves prefill.
     let prompt_step = LatencyInput {
         uncached_tokens: prompt_tokens,
         step_time_us: report.step_time_us,
         prefill_ns_per_token: report.prefill_ns_per_token,
         prefill_step_us: report.prefill_step_us,
-        decoding_prompt_steps: decoding_prompt_steps(report),
+        prefill_first: rule,
         ..LatencyInput::default()
     };
-    let length = match prompt_tokens {
-        0 => f64::from(report.step_time_us) * 1e-6,
-        _ => predict_ttft(&prompt_step).unwrap_or_default(),
-    };
+    let length = predict_ttft(&prompt_step).unwrap_or_default();
+    let mut after = rule;
+    after.step(pending > prompt_tokens);
     StepInProgress {
         prompt_tokens,
         left: (length - age.as_secs_f64()).max(0.0),
+        prefill_first: after,
     }
 }
 
@@ -200,7 +280,7 @@ mod tests {
             step_time_us: 20_000,
             prefill_ns_per_token: 50_000,
             prefill_step_us: 0,
-            decoding_prompt_steps: 1.0,
+            prefill_first: PrefillFirst::ALWAYS_DECODES,
             step_left: 0.0,
         }
     }
@@ -274,6 +354,7 @@ mod tests {
 
     #[test]
     fn the_step_in_progress_is_the_last_report_s_age_into_a_prompt_or_decode_step() {
+        // No prefill first: every prompt step decodes.
         let report = LoadReport {
             running: 4,
             pending_prefill_tokens: 3_000,
@@ -281,7 +362,6 @@ mod tests {
             step_time_us: 20_000,
             prefill_step_us: 10_000,
             prefill_ns_per_token: 50_000,
-            decoding_prompt_steps_permille: 1000,
             ..LoadReport::default()
         };
         // A prompt step of 1,024 tokens: 30 ms + 51.2 ms, 40 ms gone.
@@ -306,39 +386,147 @@ mod tests {
             running: 0,
             ..decoding
         };
-        assert_eq!(
-            step_in_progress(&idle, Duration::ZERO),
-            StepInProgress::default()
-        );
+        let none = |report| StepInProgress {
+            prefill_first: PrefillFirst::reported(report),
+            ..StepInProgress::default()
+        };
+        assert_eq!(step_in_progress(&idle, Duration::ZERO), none(&idle));
         let cold = LoadReport {
             step_time_us: 0,
             ..report
         };
-        assert_eq!(
-            step_in_progress(&cold, Duration::ZERO),
-            StepInProgress::default()
-        );
+        assert_eq!(step_in_progress(&cold, Duration::ZERO), none(&cold));
     }
 
     #[test]
-    fn a_prompt_step_pays_a_decode_step_in_the_share_of_prompt_steps_that_decode() {
+    fn prefill_first_leaves_decode_steps_out_of_prompt_steps_as_the_engine_does() {
+        // Three steps of a 10 ms fixed cost and 2,100 tokens' time, and a
+        // 20 ms decode step in those that decode.
         let fixed = LatencyInput {
             queued_prefill_tokens: 2_000,
             prefill_step_us: 10_000,
             ..input()
         };
-        let t = |share| {
+        let t = |prefill_first| {
             predict_ttft(&LatencyInput {
-                decoding_prompt_steps: share,
+                prefill_first,
                 ..fixed
             })
             .expect("measured")
         };
-        // Three steps of 10 ms, a 20 ms decode step in a quarter of them,
-        // and 2,100 tokens' time.
-        assert!((t(0.25) - (0.030 + 0.015 + 0.105)).abs() < 1e-9);
-        // Prefill first leaving every decode row out: the prompt's own cost.
-        assert!((t(0.0) - (0.030 + 0.105)).abs() < 1e-9);
+        let base = 0.030 + 0.105;
+        let rule = PrefillFirst {
+            steps: 2,
+            stalled: 0,
+            in_progress: false,
+            decode_rows: true,
+        };
+        // Two steps in a row leave the rows out, the third carries them.
+        assert!((t(rule) - (base + 0.020)).abs() < 1e-9);
+        // Every step decodes without the rule ...
+        assert!((t(PrefillFirst::ALWAYS_DECODES) - (base + 0.060)).abs() < 1e-9);
+        // ... none where nothing decodes.
+        let idle = PrefillFirst {
+            decode_rows: false,
+            ..PrefillFirst::ALWAYS_DECODES
+        };
+        assert!((t(idle) - base).abs() < 1e-9);
+        // After a step that left them out, a prompt that just arrived joins
+        // the rows' step, and the two after it leave them out again ...
+        let after_one = PrefillFirst { stalled: 1, ..rule };
+        assert!((t(after_one) - (base + 0.020)).abs() < 1e-9);
+        // ... while a prefill in progress leaves them out once more first.
+        let continuing = PrefillFirst {
+            in_progress: true,
+            ..after_one
+        };
+        assert!((t(continuing) - (base + 0.020)).abs() < 1e-9);
+        let one_step = |prefill_first| {
+            predict_ttft(&LatencyInput {
+                prefill_first,
+                ..input()
+            })
+            .expect("measured")
+        };
+        // A short prompt alone: its step leaves the rows out, except just
+        // after such a step, unless a prefill in progress shares it.
+        assert!((one_step(rule) - 0.005).abs() < 1e-9);
+        assert!((one_step(after_one) - 0.025).abs() < 1e-9);
+        assert!((one_step(continuing) - 0.005).abs() < 1e-9);
+        // Two in a row already: it decodes.
+        let spent = PrefillFirst {
+            stalled: 2,
+            ..continuing
+        };
+        assert!((one_step(spent) - 0.025).abs() < 1e-9);
+    }
+
+    #[test]
+    fn the_reported_rule_stands_after_the_step_in_progress() {
+        // Prefill first, two steps in a row; one has left the rows out, a
+        // prompt of 1,500 tokens is in the middle of its prefill.
+        let report = LoadReport {
+            running: 4,
+            prefilling: 1,
+            pending_prefill_tokens: 1_500,
+            max_num_batched_tokens: 1024,
+            max_num_seqs: 64,
+            step_time_us: 20_000,
+            prefill_step_us: 10_000,
+            prefill_ns_per_token: 50_000,
+            prefill_first_steps: 2,
+            stalled_in_a_row: 1,
+            ..LoadReport::default()
+        };
+        // The step in progress leaves the rows out (10 + 51.2 ms); then the
+        // rule is spent, with the prompt's rest still to compute.
+        let s = step_in_progress(&report, Duration::ZERO);
+        assert!((s.left - 0.0612).abs() < 1e-9, "{s:?}");
+        let spent = PrefillFirst {
+            steps: 2,
+            stalled: 2,
+            in_progress: true,
+            decode_rows: true,
+        };
+        assert_eq!(s.prefill_first, spent);
+        // A prompt that only arrived is not in progress: the step carries
+        // the rows, and the next prompt step may leave them out again.
+        let arrived = LoadReport {
+            prefilling: 0,
+            waiting: 1,
+            ..report
+        };
+        let s = step_in_progress(&arrived, Duration::ZERO);
+        assert!((s.left - 0.0812).abs() < 1e-9, "{s:?}");
+        assert_eq!(s.prefill_first.stalled, 0);
+        // A decode step: the next prompt step is the first in a row.
+        let decoding = LoadReport {
+            pending_prefill_tokens: 0,
+            prefilling: 0,
+            ..report
+        };
+        let s = step_in_progress(&decoding, Duration::ZERO);
+        assert_eq!(
+            s.prefill_first,
+            PrefillFirst {
+                stalled: 0,
+                in_progress: false,
+                ..spent
+            }
+        );
+        // More prompts waiting than slots free: no row sits out.
+        let full = LoadReport {
+            running: 64,
+            waiting: 3,
+            ..report
+        };
+        assert_eq!(PrefillFirst::reported(&full).steps, 0);
+        // Every running request prefills: nothing to leave out.
+        let prefilling = LoadReport {
+            running: 1,
+            ..report
+        };
+        assert!(!PrefillFirst::reported(&prefilling).decode_rows);
     }
 
     #[test]

@@ -49,9 +49,13 @@ pub struct LoadReport {
     pub prefill_ns_per_token: u32,
     /// Its fixed part per step with prompt tokens, in µs.
     pub prefill_step_us: u32,
-    /// The share of its recent prompt steps that also decoded, in
-    /// thousandths.
-    pub decoding_prompt_steps_permille: u32,
+    /// Prefill first there: the steps in a row a prompt step may leave the
+    /// decode rows out (0: every prompt step decodes), the steps in a row
+    /// that have, and the running requests with prompt tokens left (see
+    /// `latency::PrefillFirst`).
+    pub prefill_first_steps: u32,
+    pub stalled_in_a_row: u32,
+    pub prefilling: u32,
     /// A decode step's fixed part in µs, and its part per sequence in ns
     /// (both 0: none measured).
     pub decode_base_us: u32,

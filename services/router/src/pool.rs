@@ -957,7 +957,6 @@ impl WorkerPool {
                     step_time_us: load.report.step_time_us,
                     prefill_ns_per_token: load.report.prefill_ns_per_token,
                     prefill_step_us: load.report.prefill_step_us,
-                    decoding_prompt_steps: latency::decoding_prompt_steps(&load.report),
                     credit_ns_per_token,
                     reported_prefill_tokens: load.reported_prefill_tokens,
                     decode_base_us: load.report.decode_base_us,
@@ -1441,6 +1440,38 @@ mod tests {
     }
 
     #[test]
+    fn a_prompt_step_pays_a_decode_step_where_the_reported_rule_says_it_carries_the_rows() {
+        // Prefill first, two steps in a row, on two workers decoding in
+        // 20 ms steps, both 10 ms from the end of their step: w0's computes
+        // a 200-token prompt that arrived (10 ms, leaving the rows out), so
+        // the next prompt there joins the rows' step; w1's decodes, so the
+        // next prompt there has a step to itself.
+        let p = pool(RouterMode::Latency, 2);
+        let then = Instant::now();
+        let now = then + Duration::from_millis(10);
+        let decoding = LoadReport {
+            running: 4,
+            prefill_first_steps: 2,
+            ..measured(0)
+        };
+        let arrived = LoadReport {
+            pending_prefill_tokens: 200,
+            waiting: 1,
+            ..decoding
+        };
+        p.record_load(&target(0), arrived, now);
+        p.record_load(&target(1), decoding, then);
+        let h = sequence_block_hashes(&tokens(3, 128), BS as usize);
+        let d = p.route(&input(&h, 128), now).expect("route");
+        let ttft = |i: usize| d.candidates[i].terms.predicted_ttft.expect("measured");
+        // w1: 10 ms left, then 128 tokens alone (6.4 ms).
+        assert!((ttft(1) - 0.0164).abs() < 1e-9, "{:?}", d.candidates);
+        // w0: 10 ms left, then the 128 tokens and a decode step.
+        assert!((ttft(0) - 0.0364).abs() < 1e-9, "{:?}", d.candidates);
+        assert_eq!(chosen(&d), "w1");
+    }
+
+    #[test]
     fn a_request_goes_to_the_worker_holding_its_prefix() {
         let p = pool(RouterMode::Kv, 4);
         let t = tokens(1, 1024);
@@ -1583,13 +1614,15 @@ mod tests {
     }
 
     /// A report of a worker that measured its steps: 20 ms a decode step,
-    /// 50 µs a prompt token, 1,024 tokens a step.
+    /// 50 µs a prompt token, 1,024 tokens a step. Reported now, it is 20 ms
+    /// from the end of its step in progress.
     fn measured(unplaced_prefill_tokens: u64) -> LoadReport {
         LoadReport {
             step_time_us: 20_000,
             prefill_ns_per_token: 50_000,
-            // Every prompt step carries the batch (no prefill first).
-            decoding_prompt_steps_permille: 1000,
+            // One request decodes, with no prefill first: every prompt
+            // step carries its row.
+            running: 1,
             max_num_batched_tokens: 1024,
             max_num_seqs: 64,
             unplaced_prefill_tokens,
@@ -1816,9 +1849,10 @@ mod tests {
         let d = p.route(&input(&h, 256), now).expect("route");
         assert_eq!(chosen(&d), "w1", "{:?}", d.candidates);
         let idle = &d.candidates[d.chosen].terms;
-        // One step and 256 tokens: 20 ms + 12.8 ms.
+        // The rest of the decode step in progress, then one step with the
+        // decode row and 256 tokens: 20 ms + 20 ms + 12.8 ms.
         let predicted = idle.predicted_ttft.expect("measured");
-        assert!((predicted - 0.0328).abs() < 1e-9, "{predicted}");
+        assert!((predicted - 0.0528).abs() < 1e-9, "{predicted}");
         assert_eq!(idle.total_cost, predicted, "the cost is the prediction");
         let hit = &d.candidates[1 - d.chosen].terms;
         assert!(hit.predicted_ttft.expect("measured") > 1.0, "{hit:?}");
@@ -1827,7 +1861,9 @@ mod tests {
     #[test]
     fn latency_mode_spreads_a_burst_of_a_prompt_every_worker_holds() {
         let p = pool(RouterMode::Latency, 4);
-        let now = Instant::now();
+        // Reported a second ago: every step in progress is over.
+        let reported = Instant::now();
+        let now = reported + Duration::from_secs(1);
         let h = sequence_block_hashes(&tokens(12, 1024), BS as usize);
         // Every worker holds the prompt and measured about the same 10 ms
         // step, w0's the lowest by a little more than one request adds to
@@ -1841,7 +1877,7 @@ mod tests {
                 prefill_ns_per_token: 50_000 * (i as u32 + 1),
                 ..measured(0)
             };
-            p.record_load(&target(i), report, now);
+            p.record_load(&target(i), report, reported);
         }
         let mut per_worker = BTreeMap::<String, usize>::new();
         for id in 0..64 {
@@ -1857,7 +1893,7 @@ mod tests {
                 step_time_us: 4_000,
                 ..measured(0)
             },
-            now,
+            reported,
         );
         let d = p.route(&input(&h, 1024), now).expect("route");
         assert_eq!(chosen(&d), "w2", "{:?}", d.candidates);
@@ -1949,9 +1985,9 @@ mod tests {
         p.add_member(info(1));
         let now = Instant::now();
         let h = sequence_block_hashes(&tokens(11, 256), BS as usize);
-        // w1 holds the prompt behind 1,500 queued tokens: 115 ms predicted,
-        // but the credit for its cache makes it the cheaper; w0 is idle and
-        // would compute the prompt in 32.8 ms.
+        // w1 holds the prompt behind 1,500 queued tokens: 128 ms predicted,
+        // but the credit for its cache makes it the cheaper; w0 decodes and
+        // would compute the prompt in 52.8 ms.
         store(&p, 1, 1, &h);
         p.record_load(&target(0), measured(0), now);
         p.record_load(&target(1), measured(1_500), now);
@@ -1968,7 +2004,7 @@ mod tests {
             ("w1", None),
             "no target: cost"
         );
-        let d = p.route(&with_target(50), now).expect("route");
+        let d = p.route(&with_target(60), now).expect("route");
         assert_eq!((chosen(&d), d.within_target), ("w0", Some(true)));
         // Nobody meets 10 ms: the one predicted soonest, and it says so.
         let d = p.route(&with_target(10), now).expect("route");
@@ -2048,7 +2084,7 @@ mod tests {
         let started = p.update(&key(1), PlacementState::Started);
         let check = started.checked.expect("a prediction to check");
         assert_eq!((&check.target, check.priority), (&target(0), 0));
-        assert!((check.predicted - 0.0328).abs() < 1e-9, "{check:?}");
+        assert!((check.predicted - 0.0528).abs() < 1e-9, "{check:?}");
         assert!(check.served >= 0.0);
         // Started once: nothing more to check.
         assert!(p.update(&key(1), PlacementState::Started).checked.is_none());

@@ -74,6 +74,8 @@
 
 use rand::Rng;
 
+#[cfg(test)]
+use crate::latency::PrefillFirst;
 use crate::latency::{LatencyInput, StepInProgress, predict_step, predict_ttft};
 
 /// How the router chooses among candidates.
@@ -204,8 +206,6 @@ pub struct CostInput {
     pub prefill_ns_per_token: u32,
     /// Its fixed part per step with prompt tokens, in µs.
     pub prefill_step_us: u32,
-    /// The share of its prompt steps that decode too (0 to 1).
-    pub decoding_prompt_steps: f64,
     /// The prompt-token cost the overlap credit is counted at, in ns: the
     /// same for every candidate of a request (the median of theirs), so
     /// the same cached prefix earns the same credit wherever it lies
@@ -401,7 +401,7 @@ fn latency_input(input: &CostInput, uncached: u64) -> LatencyInput {
         step_time_us: input.step_time_us,
         prefill_ns_per_token: input.prefill_ns_per_token,
         prefill_step_us: input.prefill_step_us,
-        decoding_prompt_steps: input.decoding_prompt_steps,
+        prefill_first: input.step_in_progress.prefill_first,
         step_left: input.step_in_progress.left,
     }
 }
@@ -805,7 +805,6 @@ mod tests {
             step_time_us: 80_000,
             prefill_step_us: 130_000,
             prefill_ns_per_token: 120_000,
-            decoding_prompt_steps: 1.0,
             ..CostInput::default()
         };
         // One worker decodes, its step 40 ms old ...
@@ -814,6 +813,7 @@ mod tests {
             step_in_progress: StepInProgress {
                 prompt_tokens: 0,
                 left: 0.040,
+                prefill_first: PrefillFirst::ALWAYS_DECODES,
             },
             ..worker
         };
@@ -827,6 +827,7 @@ mod tests {
             step_in_progress: StepInProgress {
                 prompt_tokens: 1024,
                 left: 0.210 + 1024.0 * 120e-6 - 0.100,
+                prefill_first: PrefillFirst::ALWAYS_DECODES,
             },
             ..worker
         };
