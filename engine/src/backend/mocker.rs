@@ -61,8 +61,11 @@ pub struct MockerConfig {
     pub speedup_ratio: f64,
     pub timing: MockerTiming,
     pub output: MockerOutput,
-    /// Token ids never emitted (typically the EOS ids, so requests run to
-    /// `max_tokens`, like a benchmark with `ignore_eos`).
+    /// Token ids never emitted: typically the EOS ids, so requests run to
+    /// `max_tokens` (like a benchmark with `ignore_eos`), and the tokens
+    /// that render no text alone (a byte of a multi-byte character, a
+    /// special token), so the first token, like a model's, is text a
+    /// client sees.
     pub avoid_token_ids: Vec<u32>,
     /// KV bytes per token of the modelled model: what a KV transfer between
     /// workers moves (the blocks themselves have the advertised layout).
@@ -197,6 +200,10 @@ impl MockerBackend {
         if cfg.vocab_size == 0 || cfg.vocab_size > u32::MAX as usize {
             return bad("vocab_size must be in 1..=u32::MAX");
         }
+        let mut cfg = cfg;
+        // Sorted, for `next_token`'s lookups.
+        cfg.avoid_token_ids.sort_unstable();
+        cfg.avoid_token_ids.dedup();
         if cfg.avoid_token_ids.len() >= cfg.vocab_size {
             return bad("avoid_token_ids leaves no token to emit");
         }
@@ -259,7 +266,7 @@ impl MockerBackend {
     pub fn next_token(&self, last: u32, pos: usize) -> u32 {
         let vocab = self.cfg.vocab_size as u64;
         let mut t = (mix(u64::from(last) ^ mix(pos as u64)) % vocab) as u32;
-        while self.cfg.avoid_token_ids.contains(&t) {
+        while self.cfg.avoid_token_ids.binary_search(&t).is_ok() {
             t = ((u64::from(t) + 1) % vocab) as u32;
         }
         t

@@ -468,7 +468,7 @@ impl WorkerArgs {
                 block_size: self.block_size,
                 num_blocks: self.num_gpu_blocks,
                 speedup_ratio: self.speedup_ratio,
-                avoid_token_ids: eos.clone(),
+                avoid_token_ids: mocker_avoids(&eos, &tokenizer, model.vocab_size),
                 kv_bytes_per_token: self.mocker_kv_bytes_per_token,
                 kv_transfer_bytes_per_sec: self.mocker_kv_transfer_gbps * 1e9,
                 kv_tier_bytes_per_sec: self.mocker_kv_tier_gbps * 1e9,
@@ -523,6 +523,29 @@ impl WorkerArgs {
     }
 }
 
+/// The tokens a mocker never emits: the EOS ids, and those of the model's
+/// `vocab_size` that render no text on their own (a byte of a multi-byte
+/// character, a special token, an id the tokenizer lacks). A client's
+/// first content waits for the token after such a one, so a mocker that
+/// emitted them at random (6% of the built-in model's small vocabulary)
+/// would hold a request's first token back a decode step now and then,
+/// which a model's text does not. A vocabulary that renders nothing
+/// alone keeps only the EOS ids out.
+fn mocker_avoids(eos: &[u32], tokenizer: &Tokenizer, vocab_size: usize) -> Vec<u32> {
+    let silent: Vec<u32> = (0..u32::try_from(vocab_size).unwrap_or(u32::MAX))
+        .filter(|&id| {
+            tokenizer
+                .decode(&[id], true)
+                .map_or(true, |text| text.is_empty() || text.contains('\u{fffd}'))
+        })
+        .filter(|id| !eos.contains(id))
+        .collect();
+    if silent.len() + eos.len() >= vocab_size {
+        return eos.to_vec();
+    }
+    eos.iter().copied().chain(silent).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -541,5 +564,32 @@ mod tests {
         );
         args.admission_wait_steps = Some(0);
         assert_eq!(args.admission_wait_steps(policy(&args)), 0);
+    }
+
+    #[test]
+    fn a_mocker_emits_only_tokens_that_render_text() {
+        let tokenizer = sluice_engine::builtin::builtin_tokenizer().expect("built-in tokenizer");
+        let vocab = tokenizer.vocab_size();
+        let eos = tokenizer.eos_token_ids().to_vec();
+        let avoided = mocker_avoids(&eos, &tokenizer, vocab + 8);
+        // The EOS ids, the byte pieces and specials, and the ids past the
+        // tokenizer's vocabulary: every other token renders text alone.
+        assert!(eos.iter().all(|id| avoided.contains(id)));
+        assert!((vocab as u32..vocab as u32 + 8).all(|id| avoided.contains(&id)));
+        let rendered = (0..vocab as u32).filter(|id| !avoided.contains(id));
+        let mut n = 0;
+        for id in rendered {
+            let text = tokenizer.decode(&[id], true).expect("decodes");
+            assert!(
+                !text.is_empty() && !text.contains('\u{fffd}'),
+                "{id}: {text:?}"
+            );
+            n += 1;
+        }
+        // Most of the vocabulary is left (the 128 bytes above ASCII are not).
+        assert!(n > vocab * 9 / 10, "{n} of {vocab}");
+        assert!(avoided.len() > 128, "{}", avoided.len());
+        // A tokenizer that renders nothing alone leaves only the EOS ids out.
+        assert_eq!(mocker_avoids(&eos, &tokenizer, 2), eos);
     }
 }
