@@ -975,11 +975,15 @@ impl WorkerPool {
             scored.terms.push(t);
         }
         // A new prompt (a new conversation, say) evicts as much wherever it
-        // goes: among the workers about as cheap, the one whose cache turned
-        // over least lately loses the least (its blocks are older), and the
-        // ones that just stored a lot keep it for the follow-ups to come.
-        // The tolerance is what the prompt will store: a prompt every
-        // candidate holds whole stores nothing and is placed by cost alone.
+        // goes: among the workers about as cheap in blocks, the one whose
+        // cache turned over least lately loses the least (its blocks are
+        // older), and the ones that just stored a lot keep it for the
+        // follow-ups to come. The tolerance is what the prompt will store: a
+        // prompt every candidate holds whole stores nothing and is placed by
+        // cost alone. Costs in time place a new prompt on the soonest, within
+        // the predictions' noise (below): a tolerance of its own prefill time
+        // there cost the Mooncake slice 3-4% of its TTFT mean and kept no
+        // more of its prompts cached (`tests/bench/results/routing.md`).
         let overlaps = scored.terms.iter().map(|t| t.overlap_blocks);
         let (least, most) = (overlaps.clone().min(), overlaps.max());
         // In time, where every candidate has a prediction.
@@ -999,24 +1003,15 @@ impl WorkerPool {
             }
             scored.costs = costs;
         }
-        if let Some(overlap) = least.filter(|_| least == most)
+        if let Some(overlap) = least.filter(|_| least == most && !in_time)
             && matches!(
                 mode,
                 RouterMode::Kv | RouterMode::Approx | RouterMode::Latency
             )
         {
             let uncached = selector::uncached_tokens(desc.prompt_tokens, overlap, desc.block_size);
-            scored.tolerance = if in_time {
-                // The prompt's own prefill time, on the slowest candidate.
-                scored
-                    .terms
-                    .iter()
-                    .filter_map(|t| t.own_prefill)
-                    .fold(0.0, f64::max)
-            } else {
-                self.cfg.cost.prefill_load_scale * uncached as f64
-                    / f64::from(desc.block_size.max(1))
-            };
+            scored.tolerance = self.cfg.cost.prefill_load_scale * uncached as f64
+                / f64::from(desc.block_size.max(1));
             scored.spread = candidates
                 .iter()
                 .map(|m| m.handle(approx).map_or(0.0, |h| h.recent_stores(now)))
@@ -1041,8 +1036,7 @@ impl WorkerPool {
         // would send the request to fetch it). A burst of a prompt every
         // worker holds would otherwise go where the steps read fastest, one
         // request after another (each adds less to the prediction than the
-        // noise). A new prompt keeps its own, wider tolerance and the
-        // spread of cache turnover.
+        // noise).
         if in_time {
             let half_step = loads
                 .iter()
@@ -1560,6 +1554,27 @@ mod tests {
         assert_eq!(h[..300], held[0][..]);
         let d = p.route(&input(&h, 300 * BS + 64), now).expect("route");
         assert_eq!(chosen(&d), "w0");
+    }
+
+    #[test]
+    fn in_latency_mode_a_new_prompt_goes_to_the_soonest_beyond_the_noise() {
+        let p = pool(RouterMode::Latency, 2);
+        let now = Instant::now();
+        // w1's cache turned over least (50 blocks stored lately against
+        // 300), but it has 1,000 prompt tokens queued: the new prompt's
+        // first token comes 50 ms later there, well beyond the noise (half
+        // a 20 ms step) though within the prompt's own prefill (~205 ms).
+        for (i, blocks) in [(0, 300), (1, 50)] {
+            let h = sequence_block_hashes(&tokens(10 + i as u32, blocks * BS), BS as usize);
+            store(&p, i, 1, &h);
+        }
+        p.record_load(&target(0), measured(0), now);
+        p.record_load(&target(1), measured(1_000), now);
+        let h = sequence_block_hashes(&tokens(20, 4096), BS as usize);
+        let d = p.route(&input(&h, 4096), now).expect("route");
+        let ttft = |i: usize| d.candidates[i].terms.predicted_ttft.expect("measured");
+        assert!(ttft(1) - ttft(0) > 0.04, "{:?}", d.candidates);
+        assert_eq!(chosen(&d), "w0", "{:?}", d.candidates);
     }
 
     #[test]
