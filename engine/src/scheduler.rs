@@ -176,13 +176,14 @@ pub struct LoadStats {
     /// Prefill first as it stands: the steps in a row a prompt step may
     /// leave decode rows out (`SchedulerConfig::prefill_first_steps`; 0
     /// while a decoding sequence has a TPOT target, since its row never
-    /// sits out and a step that decodes one carries them all) ...
+    /// sits out and a step that decodes one carries them all).
     pub prefill_first_steps: usize,
-    /// ... the steps in a row that have left them out (0 after a step that
-    /// decoded), and the running sequences with prompt tokens left (a
-    /// prefill in progress may leave the rows out again after such a step;
-    /// prompts that just arrived may not).
+    /// The steps in a row that have left them out (0 after a step that
+    /// decoded).
     pub stalled_in_a_row: usize,
+    /// Running sequences with prompt tokens left: a prefill in progress
+    /// may leave the rows out again after such a step; prompts that just
+    /// arrived may not.
     pub prefilling: usize,
     /// A decode step's time as `decode_base_us + rows ×
     /// decode_ns_per_seq / 1000` (fitted over recent decode steps; set by
@@ -646,7 +647,7 @@ impl Scheduler {
     fn prefill_first_steps_now(&self) -> usize {
         let pinned = self.running.iter().any(|id| {
             let s = &self.seqs[id];
-            s.pending_prefill() == 0 && !s.may_stall_for(i32::MAX)
+            s.pending_prefill() == 0 && s.tpot_target.is_some()
         });
         if pinned {
             0

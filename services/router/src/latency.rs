@@ -161,7 +161,12 @@ pub fn predict_ttft(input: &LatencyInput) -> Option<f64> {
     };
     // Every step but the last leaves a prompt in the middle of its prefill.
     let mut rule = input.prefill_first;
-    let decoding = (1..=steps).filter(|&i| rule.step(i < steps)).count();
+    let mut decoding = 0u64;
+    for i in 1..=steps {
+        if rule.step(i < steps) {
+            decoding += 1;
+        }
+    }
     Some(
         input.step_left
             + steps as f64 * f64::from(input.prefill_step_us) * 1e-6

@@ -74,8 +74,6 @@
 
 use rand::Rng;
 
-#[cfg(test)]
-use crate::latency::PrefillFirst;
 use crate::latency::{LatencyInput, StepInProgress, predict_step, predict_ttft};
 
 /// How the router chooses among candidates.
@@ -565,6 +563,7 @@ fn softmax_sample<R: Rng + ?Sized>(costs: &[f64], temperature: f64, rng: &mut R)
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::latency::PrefillFirst;
 
     #[test]
     fn within_target_keeps_those_predicted_to_meet_it_or_names_the_soonest() {
