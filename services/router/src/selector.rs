@@ -258,8 +258,6 @@ pub struct CostTerms {
     /// Seconds of prefill the cached prefix saves, at the credit's rate
     /// (`None` likewise).
     pub saved_prefill: Option<f64>,
-    /// Seconds of prefill the uncached prompt costs there (`None` likewise).
-    pub own_prefill: Option<f64>,
     /// Predicted seconds per decode step there with this request added
     /// (`None` before the worker measured a decode step).
     pub predicted_tpot: Option<f64>,
@@ -347,7 +345,6 @@ pub fn cost(
         ns => f64::from(ns) * 1e-9,
     };
     let saved_prefill = predicted_ttft.map(|_| cached as f64 * credit_per_token);
-    let own_prefill = predicted_ttft.map(|_| uncached as f64 * per_token);
     CostTerms {
         overlap_blocks: input.overlap_blocks,
         fetch_blocks,
@@ -362,7 +359,6 @@ pub fn cost(
         over_bound: false,
         predicted_ttft,
         saved_prefill,
-        own_prefill,
         predicted_tpot,
         over_tpot,
     }
