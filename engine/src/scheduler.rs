@@ -175,8 +175,9 @@ pub struct LoadStats {
     pub prefill_step_us: u32,
     /// Prefill first as it stands: the steps in a row a prompt step may
     /// leave decode rows out (`SchedulerConfig::prefill_first_steps`; 0
-    /// while a decoding sequence has a TPOT target, since its row never
-    /// sits out and a step that decodes one carries them all).
+    /// while more sequences wait than slots are free, and while a decoding
+    /// sequence has a TPOT target, since its row never sits out and a step
+    /// that decodes one carries them all).
     pub prefill_first_steps: usize,
     /// The steps in a row that have left them out (0 after a step that
     /// decoded).
@@ -544,6 +545,21 @@ impl Scheduler {
 
     /// Current load.
     pub fn load(&self) -> LoadStats {
+        // Running sequences mid-prefill, and whether a decoding one has a
+        // TPOT target (its row never sits out).
+        let (mut prefilling, mut pinned) = (0, false);
+        for s in self.running.iter().filter_map(|id| self.seqs.get(id)) {
+            if s.pending_prefill() > 0 {
+                prefilling += 1;
+            } else {
+                pinned |= s.tpot_target.is_some();
+            }
+        }
+        let prefill_first_steps = if pinned || self.waiting.len() > self.free_slots() {
+            0
+        } else {
+            self.cfg.prefill_first_steps
+        };
         let pending = self
             .running
             .iter()
@@ -572,13 +588,9 @@ impl Scheduler {
             step_time_us: 0,
             prefill_ns_per_token: 0,
             prefill_step_us: 0,
-            prefill_first_steps: self.prefill_first_steps_now(),
+            prefill_first_steps,
             stalled_in_a_row: self.decode_stalled,
-            prefilling: self
-                .running
-                .iter()
-                .filter(|id| self.seqs[*id].pending_prefill() > 0)
-                .count(),
+            prefilling,
             decode_base_us: 0,
             decode_ns_per_seq: 0,
             tier_blocks: self.kv.tier_figures().0,
@@ -640,20 +652,6 @@ impl Scheduler {
         let step = self.build_batch(plan);
         self.start_masks(&step);
         step
-    }
-
-    /// `prefill_first_steps`, or 0 while a decoding sequence's row may not
-    /// sit out for any prompt (a TPOT target): every prompt step decodes.
-    fn prefill_first_steps_now(&self) -> usize {
-        let pinned = self.running.iter().any(|id| {
-            let s = &self.seqs[id];
-            s.pending_prefill() == 0 && s.tpot_target.is_some()
-        });
-        if pinned {
-            0
-        } else {
-            self.cfg.prefill_first_steps
-        }
     }
 
     /// Slots no running sequence holds.

@@ -1381,6 +1381,13 @@ fn prefill_first_mixes_while_more_wait_than_slots_are_free() {
         (rows(&st), s.load().decode_stalled_steps)
     };
     assert_eq!(run(2), (vec![(1, 1), (2, 1), (3, 4)], 0));
+    // Reported as no prefill first while more wait than slots are free.
+    let decoding = vec![req(3, 50, 0), req(3, 50, 0)];
+    let mut s = decoding_with_prefill_first(3, SchedulingPolicy::Fcfs, 2, decoding);
+    s.add(3, req_with(4, 2, 0, 130)).expect("valid");
+    assert_eq!(s.load().prefill_first_steps, 2);
+    s.add(4, req_with(4, 2, 0, 140)).expect("valid");
+    assert_eq!(s.load().prefill_first_steps, 0);
     // One waiting, one slot free: the prompt gets the step alone.
     assert_eq!(run(1), (vec![(3, 4)], 1));
 }

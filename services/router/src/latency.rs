@@ -112,17 +112,11 @@ impl PrefillFirst {
         decode_rows: true,
     };
 
-    /// As the worker's last report says it stands. More prompts waiting
-    /// than slots free leave no row out (the engine is at capacity).
+    /// As the worker's last report says it stands (the engine reports no
+    /// steps where none may leave the rows out, at capacity for one).
     pub fn reported(report: &LoadReport) -> Self {
-        let free = report.max_num_seqs.saturating_sub(report.running);
-        let at_capacity = report.max_num_seqs > 0 && report.waiting > free;
         Self {
-            steps: if at_capacity {
-                0
-            } else {
-                report.prefill_first_steps
-            },
+            steps: report.prefill_first_steps,
             stalled: report.stalled_in_a_row,
             in_progress: report.prefilling > 0,
             decode_rows: report.running > report.prefilling,
@@ -519,13 +513,6 @@ mod tests {
                 ..spent
             }
         );
-        // More prompts waiting than slots free: no row sits out.
-        let full = LoadReport {
-            running: 64,
-            waiting: 3,
-            ..report
-        };
-        assert_eq!(PrefillFirst::reported(&full).steps, 0);
         // Every running request prefills: nothing to leave out.
         let prefilling = LoadReport {
             running: 1,
