@@ -195,36 +195,34 @@ pub fn step_in_progress(report: &LoadReport, age: Duration) -> StepInProgress {
         0 => pending,
         per_step => pending.min(per_step),
     };
-    if prompt_tokens == 0 {
+    let (length, prefill_first) = if prompt_tokens == 0 {
         // A decode step: the next prompt step is the first in a row.
-        return StepInProgress {
-            prompt_tokens,
-            left: (f64::from(report.step_time_us) * 1e-6 - age.as_secs_f64()).max(0.0),
-            prefill_first: PrefillFirst {
-                stalled: 0,
-                in_progress: false,
-                ..rule
-            },
+        let after = PrefillFirst {
+            stalled: 0,
+            in_progress: false,
+            ..rule
         };
-    }
-    // A prompt step lasts what a prompt of its tokens alone would take,
-    // under the rule as it stood when it began; a prompt continues after
-    // it where it leaves prefill.
-    let prompt_step = LatencyInput {
-        uncached_tokens: prompt_tokens,
-        step_time_us: report.step_time_us,
-        prefill_ns_per_token: report.prefill_ns_per_token,
-        prefill_step_us: report.prefill_step_us,
-        prefill_first: rule,
-        ..LatencyInput::default()
+        (f64::from(report.step_time_us) * 1e-6, after)
+    } else {
+        // A prompt step lasts what a prompt of its tokens alone would
+        // take, under the rule as it stood when it began; a prompt
+        // continues after it where it leaves prefill.
+        let prompt_step = LatencyInput {
+            uncached_tokens: prompt_tokens,
+            step_time_us: report.step_time_us,
+            prefill_ns_per_token: report.prefill_ns_per_token,
+            prefill_step_us: report.prefill_step_us,
+            prefill_first: rule,
+            ..LatencyInput::default()
+        };
+        let mut after = rule;
+        after.step(pending > prompt_tokens);
+        (predict_ttft(&prompt_step).unwrap_or_default(), after)
     };
-    let length = predict_ttft(&prompt_step).unwrap_or_default();
-    let mut after = rule;
-    after.step(pending > prompt_tokens);
     StepInProgress {
         prompt_tokens,
         left: (length - age.as_secs_f64()).max(0.0),
-        prefill_first: after,
+        prefill_first,
     }
 }
 
