@@ -235,6 +235,13 @@ impl RouterService {
                 for (kind, u) in [PoolKind::Decode, PoolKind::Prefill].iter().zip(&updated) {
                     if let Some(check) = &u.checked {
                         self.metrics.ttft_checked(kind.component(), check);
+                        tracing::debug!(
+                            pool = kind.component(),
+                            worker_id = %check.target.worker_id,
+                            predicted_ms = check.predicted * 1e3,
+                            served_ms = check.served * 1e3,
+                            "first token checked against its prediction"
+                        );
                     }
                 }
                 if updated.iter().any(|u| u.counted) {
