@@ -316,8 +316,9 @@ struct ChoiceState {
     orphans: VecDeque<(Instant, PlacementKey)>,
     /// Ids of unreleasable placements.
     next_unreleasable: u64,
-    /// The relative errors of the latest predictions checked here
-    /// (|predicted − served| / served), at most [`ERRORS_KEPT`].
+    /// The errors of the latest predictions checked here, relative to
+    /// each prediction (|predicted − served| / predicted), at most
+    /// [`ERRORS_KEPT`].
     errors: VecDeque<f64>,
 }
 
@@ -325,7 +326,9 @@ struct ChoiceState {
 const ERRORS_KEPT: usize = 64;
 
 impl ChoiceState {
-    /// The median relative error of the latest checked predictions.
+    /// The median error of the latest checked predictions, relative to
+    /// each prediction: the band around a prediction that the time served
+    /// falls in half the time.
     fn typical_error(&self) -> Option<f64> {
         let mut e: Vec<f64> = self.errors.iter().copied().collect();
         e.sort_unstable_by(f64::total_cmp);
@@ -333,7 +336,7 @@ impl ChoiceState {
     }
 
     fn checked(&mut self, check: &TtftCheck) {
-        let e = check.relative_error();
+        let e = check.error_of_prediction();
         if e.is_finite() {
             if self.errors.len() == ERRORS_KEPT {
                 self.errors.pop_front();
@@ -1025,11 +1028,11 @@ impl WorkerPool {
         }
         // Predictions in time are built from each worker's measured steps,
         // and identical workers' measurements read apart: candidates within
-        // the predictions' own error of the cheapest (the median relative
-        // error of the latest checked here, times the soonest prediction;
-        // at least half the shortest step: reports place the step in
-        // progress only to within their interval) are not told apart by
-        // the prediction, and
+        // the predictions' own error of the cheapest (the median error of
+        // the latest checked here relative to each prediction, times the
+        // soonest prediction; at least half the shortest step: reports
+        // place the step in progress only to within their interval) are
+        // not told apart by the prediction, and
         // the fewest live requests among them wins, then the one holding
         // the most of the prompt in its own KV memory (a local hit moves no
         // bytes and keeps the holder free, where a prediction within noise
@@ -1917,7 +1920,10 @@ mod tests {
     #[test]
     fn predictions_closer_than_their_checked_error_are_not_told_apart() {
         let p = pool(RouterMode::Latency, 2);
-        let now = Instant::now();
+        // Placed 200 ms before their first tokens come (below).
+        let now = Instant::now()
+            .checked_sub(Duration::from_millis(200))
+            .expect("a monotonic clock 200 ms past its origin");
         let h = sequence_block_hashes(&tokens(14, 1024), BS as usize);
         for (i, step_time_us) in [(0, 10_000), (1, 20_000)] {
             store(&p, i, 1, &h);
@@ -1933,8 +1939,10 @@ mod tests {
             let d = p.route(&held(&h, 1024, id), now).expect("route");
             assert_eq!(chosen(&d), "w0", "{:?}", d.candidates);
         }
-        // Their first tokens come far from the predictions: 10 ms no
-        // longer tells the two apart, and the one running fewer wins.
+        // Their first tokens come ten times later than predicted (an error
+        // of 9 of a prediction, where relative to the time served it would
+        // read 0.9): 10 ms no longer tells the two apart, and the one
+        // running fewer wins.
         for id in 0..4 {
             let u = p.update(&key(id), PlacementState::Started);
             assert!(u.checked.is_some());
