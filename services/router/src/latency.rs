@@ -43,7 +43,9 @@
 //! tokens add to that (`prefill_step_us` + tokens × `prefill_ns_per_token`).
 //! So the model follows the worker's own speed, batch and hardware without
 //! constants of its own; a worker that has measured no decode step yet has
-//! no prediction. A cached prefix enters as the prompt tokens it saves.
+//! no prediction of its own (the pool predicts it at its measured peers'
+//! timing until it has). A cached prefix enters as the prompt tokens it
+//! saves.
 //!
 //! A request's time per output token on a candidate is the worker's
 //! decode step with one more sequence in its batch, from a line the engine

@@ -222,6 +222,48 @@ pub struct Candidate {
     pub terms: CostTerms,
 }
 
+/// Gives each load whose worker has measured no step yet its measured
+/// peers' timing (the median of each figure) until it measures its own:
+/// the same model on the same pool, so a worker that has served nothing
+/// yet is predicted, and its fetches priced, like the others. Without it
+/// no candidate's time is compared (the pool falls back to block costs)
+/// and the overlap credit keeps a prompt the others hold off it: a burst
+/// of one prompt placed by two router replicas at once, before either
+/// heard the other, left a worker without a single request of it.
+fn borrow_peer_timing(loads: &mut [EffectiveLoad]) {
+    let unmeasured = |l: &EffectiveLoad| l.report.step_time_us == 0;
+    if loads.iter().all(unmeasured) || !loads.iter().any(unmeasured) {
+        return;
+    }
+    let median = |figure: fn(&LoadReport) -> u32| {
+        median_rate(
+            loads
+                .iter()
+                .filter(|l| !unmeasured(l))
+                .map(|l| figure(&l.report)),
+        )
+    };
+    let step_time_us = median(|r| r.step_time_us);
+    let prefill_ns_per_token = median(|r| r.prefill_ns_per_token);
+    let prefill_step_us = median(|r| r.prefill_step_us);
+    let decode_base_us = median(|r| r.decode_base_us);
+    let decode_ns_per_seq = median(|r| r.decode_ns_per_seq);
+    for l in loads.iter_mut().filter(|l| unmeasured(l)) {
+        l.report.step_time_us = step_time_us;
+        l.report.prefill_ns_per_token = prefill_ns_per_token;
+        l.report.prefill_step_us = prefill_step_us;
+        l.report.decode_base_us = decode_base_us;
+        l.report.decode_ns_per_seq = decode_ns_per_seq;
+    }
+}
+
+/// The median of the measured (non-zero) `rates`, 0 with none.
+fn median_rate(rates: impl Iterator<Item = u32>) -> u32 {
+    let mut rates: Vec<u32> = rates.filter(|&r| r > 0).collect();
+    rates.sort_unstable();
+    rates.get(rates.len() / 2).copied().unwrap_or(0)
+}
+
 /// A request's TTFT target in seconds, if it has one.
 fn ttft_target(desc: &RequestDescription) -> Option<f64> {
     (desc.ttft_target_ms > 0).then(|| f64::from(desc.ttft_target_ms) / 1e3)
@@ -885,24 +927,17 @@ impl WorkerPool {
             .filter(|&i| overlaps[i] > 0 && candidates[i].info.kv_block_bytes > 0);
         scored.holder = holder;
         // Each candidate's load, read once for this request.
-        let loads: Vec<_> = candidates
+        let mut loads: Vec<_> = candidates
             .iter()
             .map(|m| m.load.lock().effective())
             .collect();
+        borrow_peer_timing(&mut loads);
         let holder_step = holder.map_or(0.0, |h| {
             0.5 * f64::from(loads[h].report.step_time_us) * 1e-6
         });
         // The overlap credit's rate: the candidates' median prompt-token
         // cost (each worker's own reads apart by the noise of its fit).
-        let credit_ns_per_token = {
-            let mut rates: Vec<u32> = loads
-                .iter()
-                .map(|l| l.report.prefill_ns_per_token)
-                .filter(|&ns| ns > 0)
-                .collect();
-            rates.sort_unstable();
-            rates.get(rates.len() / 2).copied().unwrap_or(0)
-        };
+        let credit_ns_per_token = median_rate(loads.iter().map(|l| l.report.prefill_ns_per_token));
         for (i, (m, load)) in candidates.iter().zip(&loads).enumerate() {
             let overlap = overlaps[i];
             // The prompt's blocks it keeps in its second tier: a copy each.
@@ -1680,6 +1715,36 @@ mod tests {
         }
         store(&p, 0, 1, &h[..48]);
         p
+    }
+
+    #[test]
+    fn a_worker_that_measured_nothing_is_predicted_at_its_peers_timing() {
+        let now = Instant::now();
+        let h = sequence_block_hashes(&tokens(3, 1024), BS as usize);
+        // w0 holds 48 blocks behind 20,000 queued tokens; w1 has served
+        // nothing yet: it reports only its step shape and the rate it
+        // expects fetches at.
+        let p = fetch_pool(RouterMode::Latency, 10_000_000_000, 20_000, &h, now);
+        p.record_load(
+            &target(1),
+            LoadReport {
+                kv_fetch_bytes_per_sec: 10_000_000_000,
+                max_num_batched_tokens: 1024,
+                max_num_seqs: 64,
+                ..LoadReport::default()
+            },
+            now,
+        );
+        let d = p.route(&input(&h, 1024), now).expect("route");
+        assert_eq!(chosen(&d), "w1");
+        let fresh = &d.target().terms;
+        // Predicted (in time, not by blocks) at w0's 5 ms steps and 50 µs
+        // a token: 16 tokens after a fetch of 48 blocks.
+        let ttft = fresh
+            .predicted_ttft
+            .expect("predicted at its peer's timing");
+        assert!(ttft < 0.05, "{ttft}");
+        assert_eq!(fresh.fetch_blocks, 48, "the fetch is priced too");
     }
 
     #[test]
