@@ -242,23 +242,26 @@ impl Mesh {
             opts.prefill_workers,
             opts.worker.data_parallel_size.max(1),
             opts.routers.max(1),
+            opts.queues.max(1),
         )
         .await?;
         Ok(mesh)
     }
 
-    /// Waits until the frontend is ready and every router has every worker
-    /// in its pool with none still joining (first KV snapshot outstanding),
-    /// read from the routers' `/metrics`.
+    /// Waits until the frontend is ready, every router and queue replica is
+    /// registered, and every router has every worker in its pool with none
+    /// still joining (first KV snapshot outstanding), read from the
+    /// routers' `/metrics`.
     async fn wait_ready(
         &self,
         decode: usize,
         prefill: usize,
         dp: usize,
         router_count: usize,
+        queue_count: usize,
     ) -> anyhow::Result<()> {
         let what = format!(
-            "the mesh to be ready ({decode} decode, {prefill} prefill workers of {dp} ranks in the router's pools, none joining, every prefill worker known to every decode worker; frontend /ready)"
+            "the mesh to be ready ({decode} decode, {prefill} prefill workers of {dp} ranks in the router's pools, none joining, every prefill worker known to every decode worker; every queue and router registered; frontend /ready)"
         );
         crate::wait::until_true(&what, Duration::from_secs(30), || async {
             let ready = decode == 0
@@ -272,6 +275,11 @@ impl Mesh {
                 routers.len() == router_count,
                 "{} of {router_count} routers registered",
                 routers.len()
+            );
+            let queues = self.discovery.list("queue").await?.len();
+            anyhow::ensure!(
+                queues == queue_count,
+                "{queues} of {queue_count} queues registered"
             );
             for router in &routers {
                 let (_, metrics) = crate::http::get(&router.endpoint, "/metrics").await?;
