@@ -545,28 +545,30 @@ impl Scheduler {
 
     /// Current load.
     pub fn load(&self) -> LoadStats {
-        // Running sequences mid-prefill, and whether a decoding one has a
-        // TPOT target (its row never sits out).
-        let (mut prefilling, mut pinned) = (0, false);
+        // One pass over the running sequences: their prompt tokens left,
+        // how many are mid-prefill, and whether a decoding one has a TPOT
+        // target (its row never sits out).
+        let (mut pending, mut prefilling, mut pinned) = (0, 0, false);
         for s in self.running.iter().filter_map(|id| self.seqs.get(id)) {
-            if s.pending_prefill() > 0 {
+            let left = s.pending_prefill();
+            pending += left;
+            if left > 0 {
                 prefilling += 1;
             } else {
                 pinned |= s.tpot_target.is_some();
             }
         }
+        pending += self
+            .waiting
+            .values()
+            .filter_map(|id| self.seqs.get(id))
+            .map(Sequence::pending_prefill)
+            .sum::<usize>();
         let prefill_first_steps = if pinned || self.waiting.len() > self.free_slots() {
             0
         } else {
             self.cfg.prefill_first_steps
         };
-        let pending = self
-            .running
-            .iter()
-            .chain(self.waiting.values())
-            .filter_map(|id| self.seqs.get(id))
-            .map(Sequence::pending_prefill)
-            .sum();
         LoadStats {
             running: self.running.len(),
             waiting: self.waiting.len(),

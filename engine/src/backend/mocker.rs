@@ -195,12 +195,11 @@ enum Memory {
 
 impl MockerBackend {
     /// A mocker of the given shape; rejects zero sizes and a non-positive speedup.
-    pub fn new(cfg: MockerConfig) -> Result<Self, EngineError> {
+    pub fn new(mut cfg: MockerConfig) -> Result<Self, EngineError> {
         let bad = |m: &str| Err(EngineError::InvalidConfig(format!("mocker: {m}")));
         if cfg.vocab_size == 0 || cfg.vocab_size > u32::MAX as usize {
             return bad("vocab_size must be in 1..=u32::MAX");
         }
-        let mut cfg = cfg;
         // Sorted, for `next_token`'s lookups.
         cfg.avoid_token_ids.sort_unstable();
         cfg.avoid_token_ids.dedup();
