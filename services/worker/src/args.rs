@@ -279,13 +279,16 @@ const PRIORITY_ADMISSION_WAIT_STEPS: usize = 4;
 
 /// `--prefill-first-steps` unless set. On the routing bench's Mooncake slice
 /// (`tests/bench/results/routing.md`) 2 cuts TTFT mean by a third at the
-/// same mean TPOT (3 another 3-4%, at 1.8-2.3% of token gaps over 1 s
-/// against 0.3%). Under sustained overload (`tests/bench/overload/run.sh`)
+/// same mean TPOT, and 3 the p90 another 10% (prompts of 2-3k uncached
+/// tokens, three steps, no longer pay a decode pass in their last), at
+/// 1.5% of token gaps over 1 s against 0.06% for rows without a TPOT
+/// target (SGLang's default leaves decode out of every chunk of a long
+/// prefill). Under sustained overload (`tests/bench/overload/run.sh`)
 /// the engine mixes every step, since more wait than slots are free: before
 /// that rule, prompts trickling into freed slots took 34% more prompt steps,
 /// each paying the fixed cost, and goodput fell to 93.5-94.4% of capacity
 /// (99.2% with it).
-const PREFILL_FIRST_STEPS: usize = 2;
+const PREFILL_FIRST_STEPS: usize = 3;
 
 impl Default for WorkerArgs {
     fn default() -> Self {
