@@ -476,8 +476,11 @@ impl Queue {
         // leave the queue that much before its target.
         let lead = st
             .models
-            .get(&entry.desc.model)
-            .map_or(Duration::ZERO, |m| m.start_lead(entry.desc.priority));
+            .get_mut(&entry.desc.model)
+            .map_or(Duration::ZERO, |m| {
+                let held = predicted.is_some_and(|w| !w.is_zero());
+                m.admission_lead(entry.desc.priority, held, now)
+            });
         if checked.is_ok()
             && let Some(predicted) = predicted
             && predicted + lead > target

@@ -783,9 +783,11 @@ impl State {
         if let Some(model) = self.models.get_mut(&slot.entry.desc.model) {
             model.first_token(slot.fair.as_ref().map(|r| &*r.class), slot.express);
             if let Some(at) = slot.released_at {
+                let now = Instant::now();
                 model.started_after(
                     slot.entry.desc.priority,
-                    Instant::now().saturating_duration_since(at),
+                    now.saturating_duration_since(at),
+                    now,
                 );
             }
         }

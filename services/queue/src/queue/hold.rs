@@ -347,6 +347,13 @@ pub(super) struct ModelQueue {
     /// Mean time from release to the first token, and its mean deviation.
     pub(super) start_secs: Means,
     pub(super) start_dev_secs: Means,
+    /// When the last first token came, by priority and of any: how fresh
+    /// the start times are.
+    pub(super) last_started: BTreeMap<i32, Instant>,
+    pub(super) last_started_any: Option<Instant>,
+    /// When a request was last let in past stale start times, by priority
+    /// ([`ModelQueue::admission_lead`]).
+    pub(super) tried: BTreeMap<i32, Instant>,
     /// Requests held or being placed, by priority: what this replica
     /// reports to the others as unplaced (a released request stays in it
     /// until the router has counted its placement, so no view shows it as
@@ -376,6 +383,9 @@ impl ModelQueue {
             lease_secs: Means::default(),
             start_secs: Means::default(),
             start_dev_secs: Means::default(),
+            last_started: BTreeMap::new(),
+            last_started_any: None,
+            tried: BTreeMap::new(),
             held_by_priority: BTreeMap::new(),
             starting: HashMap::new(),
             express: false,
@@ -451,9 +461,11 @@ impl ModelQueue {
         }
     }
 
-    /// A request of `priority` released `took` ago produced its first
-    /// token: it joins the mean start times.
-    pub(super) fn started_after(&mut self, priority: i32, took: Duration) {
+    /// A request of `priority` released `took` before `now` produced its
+    /// first token: it joins the mean start times.
+    pub(super) fn started_after(&mut self, priority: i32, took: Duration, now: Instant) {
+        self.last_started.insert(priority, now);
+        self.last_started_any = Some(now);
         // The deviation from its priority's mean before this sample (none
         // before the first: one start alone is all that is known).
         let secs = took.as_secs_f64();
@@ -475,6 +487,48 @@ impl ModelQueue {
         let mean = self.start_secs.of(priority).unwrap_or(0.0);
         let dev = self.start_dev_secs.of(priority).unwrap_or(0.0);
         Duration::from_secs_f64((mean + START_LEAD_DEVIATIONS * dev).clamp(0.0, 3600.0))
+    }
+
+    /// The start lead a new request of `priority` is refused by at `now`
+    /// (its predicted wait plus this past its target): [`Self::start_lead`]
+    /// for one that will be held, whose release that lead times; for one
+    /// released at once (`held` false) the mean start alone, since it is
+    /// refused only when expected to miss, not when a slower than average
+    /// start would. Either while the starts it comes from are fresh, none for one request once
+    /// no first token came for as long as the lead. Without that, a lead
+    /// past the target would refuse every request of the priority for
+    /// good, since only requests let in measure starts; after that long,
+    /// whatever slowed the last starts has had the time they took to
+    /// clear. As a circuit breaker's half-open state lets one trial call
+    /// through, one request is let in on its predicted wait alone, and the
+    /// lead holds for another lead's time after it, or until its first
+    /// token says how fast starts are now.
+    pub(super) fn admission_lead(&mut self, priority: i32, held: bool, now: Instant) -> Duration {
+        let full = self.start_lead(priority);
+        let lead = if held {
+            full
+        } else {
+            Duration::from_secs_f64(
+                self.start_secs
+                    .of(priority)
+                    .unwrap_or(0.0)
+                    .clamp(0.0, 3600.0),
+            )
+        };
+        let started = if self.start_secs.own(priority).is_some() {
+            self.last_started.get(&priority).copied()
+        } else {
+            self.last_started_any
+        };
+        let Some(started) = started else {
+            return lead;
+        };
+        let fresh = started.max(self.tried.get(&priority).copied().unwrap_or(started));
+        if now.saturating_duration_since(fresh) <= full {
+            return lead;
+        }
+        self.tried.insert(priority, now);
+        Duration::ZERO
     }
 
     /// A lease of `priority` granted `held` ago ended: it joins the mean

@@ -750,6 +750,79 @@ async fn a_slow_start_of_low_priority_work_does_not_refuse_a_high_priority_reque
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_request_released_at_once_is_refused_on_the_mean_start_not_its_margin() {
+    let h = Harness::start(config(Policy::Fcfs));
+    h.queue.update_load(engine(4, true, 0));
+    // Starts of 1 and 3 s in turn: a mean of about 2 s, the release lead
+    // (four mean deviations more) about 6 s.
+    for i in 0..20 {
+        let mut t = h.admit(sized(&format!("learn{i}"), 0, 100));
+        granted_soon(&mut t, "a free slot").await;
+        tokio::time::sleep(Duration::from_millis(if i % 2 == 0 { 1000 } else { 3000 })).await;
+        t.started();
+        settle().await;
+        drop(t);
+    }
+    let with_target = |id: &str, ms: u32| {
+        let mut e = sized(id, 0, 100);
+        e.desc.ttft_target_ms = ms;
+        e
+    };
+    // Free slots: released at once, so a 4 s target is expected to be met
+    // (a slower than average start would miss it, an average one not) ...
+    let mut t = h.admit(with_target("expected in time", 4000));
+    granted_soon(&mut t, "admitted and granted").await;
+    // ... and a 1.5 s one is not.
+    assert!(matches!(
+        h.queue.admit(with_target("expected late", 1500)),
+        Err(QueueError::TargetUnmeetable { .. })
+    ));
+    drop(t);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_start_lead_past_the_target_refuses_only_while_starts_are_measured() {
+    let h = Harness::start(config(Policy::Fcfs));
+    h.queue.update_load(engine(4, true, 0));
+    // One request took 2 s from release to its first token.
+    let mut t = h.admit(sized("slow", 0, 100));
+    granted_soon(&mut t, "a free slot").await;
+    tokio::time::sleep(Duration::from_millis(2000)).await;
+    t.started();
+    settle().await;
+    drop(t);
+    // With a 1 s target, the next is refused: starts take longer.
+    let target_1s = |id: &str| {
+        let mut e = sized(id, 0, 100);
+        e.desc.ttft_target_ms = 1000;
+        e
+    };
+    assert!(matches!(
+        h.queue.admit(target_1s("refused")),
+        Err(QueueError::TargetUnmeetable { .. })
+    ));
+    // Refused requests measure nothing: once no first token came for as
+    // long as the lead (2 s), one is let in to measure starts again, and
+    // only one ...
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    let mut probe = h.admit(target_1s("probe"));
+    granted_soon(&mut probe, "let in on its predicted wait").await;
+    assert!(matches!(
+        h.queue.admit(target_1s("behind the probe")),
+        Err(QueueError::TargetUnmeetable { .. })
+    ));
+    // ... and its start counts: still slow on average, so refused again.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    probe.started();
+    settle().await;
+    assert!(matches!(
+        h.queue.admit(target_1s("refused again")),
+        Err(QueueError::TargetUnmeetable { .. })
+    ));
+    drop(probe);
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_held_request_leaves_when_it_could_no_longer_start_within_its_target() {
     let h = Harness::start(config(Policy::Fcfs));
     h.queue.update_load(engine(1, false, 0));
@@ -1919,7 +1992,7 @@ fn a_held_request_leaves_for_its_start_ahead_of_slower_than_average_starts() {
     // the mean alone, half of them would miss their target.
     for i in 0..40 {
         let ms = if i % 2 == 0 { 50 } else { 150 };
-        model.started_after(1, Duration::from_millis(ms));
+        model.started_after(1, Duration::from_millis(ms), Instant::now());
     }
     let lead = model.start_lead(1);
     assert!(
@@ -1933,7 +2006,7 @@ fn a_held_request_leaves_for_its_start_ahead_of_slower_than_average_starts() {
     // Steady starts leave little margin beyond them.
     let mut steady = hold::ModelQueue::new(Policy::Fcfs);
     for _ in 0..40 {
-        steady.started_after(2, Duration::from_millis(100));
+        steady.started_after(2, Duration::from_millis(100), Instant::now());
     }
     let lead = steady.start_lead(2);
     assert_eq!(lead, Duration::from_millis(100));
