@@ -91,8 +91,11 @@
 //! at the mean lease of the grants that free a slot for it (before any lease
 //! ended: the workers' reported step time times the request's expected
 //! output; nothing known: no prediction, nothing refused). A request
-//! predicted to miss its target is refused at once (`TargetUnmeetable`);
-//! one still held when its target passes leaves unplaced (`TargetMissed`),
+//! predicted to miss its target, that wait plus its start
+//! ([`hold::ModelQueue::admission_lead`]: the mean for one released at
+//! once, the release lead for one held), is refused at once
+//! (`TargetUnmeetable`); one still held when its target less the lead
+//! passes leaves unplaced (`TargetMissed`),
 //! so it is never served late. Past `--max-pending` a request is refused
 //! (`QueueFull`), unless it
 //! outranks a held request: then the held request of the lowest (strict
