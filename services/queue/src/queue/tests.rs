@@ -720,6 +720,23 @@ async fn a_high_priority_prediction_counts_only_the_leases_that_free_its_slots()
     drop(live);
 }
 
+/// A 100-token request of `priority` with its own TTFT target.
+fn targeted(id: &str, priority: i32, ttft_target_ms: u32) -> Entry {
+    let mut e = sized(id, priority, 100);
+    e.desc.ttft_target_ms = ttft_target_ms;
+    e
+}
+
+/// A request of `priority` granted a free slot produces its first token
+/// `start_ms` later: the queue learns a start time.
+async fn learn_start(h: &Harness, id: &str, priority: i32, start_ms: u64) {
+    let mut t = h.admit(sized(id, priority, 100));
+    granted_soon(&mut t, "a free slot").await;
+    tokio::time::sleep(Duration::from_millis(start_ms)).await;
+    t.started();
+    settle().await;
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_slow_start_of_low_priority_work_does_not_refuse_a_high_priority_request() {
     let h = Harness::start(config(Policy::Strict));
@@ -727,23 +744,14 @@ async fn a_slow_start_of_low_priority_work_does_not_refuse_a_high_priority_reque
     // Priority-0 requests wait 2 s for their first token (parked behind
     // higher work); priority-3 ones 50 ms.
     for (priority, start) in [(0, 2000), (3, 50)] {
-        let mut t = h.admit(sized(&format!("learn{priority}"), priority, 100));
-        granted_soon(&mut t, "a free slot").await;
-        tokio::time::sleep(Duration::from_millis(start)).await;
-        t.started();
-        settle().await;
-        drop(t);
+        learn_start(&h, &format!("learn{priority}"), priority, start).await;
     }
     // A priority-3 request with a 1 s target starts in time: admitted.
-    let mut e = sized("interactive", 3, 100);
-    e.desc.ttft_target_ms = 1000;
-    let mut t = h.admit(e);
+    let mut t = h.admit(targeted("interactive", 3, 1000));
     granted_soon(&mut t, "admitted and granted").await;
     // A priority-0 one with the same target would start after 2 s.
-    let mut e = sized("batch", 0, 100);
-    e.desc.ttft_target_ms = 1000;
     assert!(matches!(
-        h.queue.admit(e),
+        h.queue.admit(targeted("batch", 0, 1000)),
         Err(QueueError::TargetUnmeetable { .. })
     ));
     drop(t);
@@ -756,25 +764,21 @@ async fn a_request_released_at_once_is_refused_on_the_mean_start_not_its_margin(
     // Starts of 1 and 3 s in turn: a mean of about 2 s, the release lead
     // (four mean deviations more) about 6 s.
     for i in 0..20 {
-        let mut t = h.admit(sized(&format!("learn{i}"), 0, 100));
-        granted_soon(&mut t, "a free slot").await;
-        tokio::time::sleep(Duration::from_millis(if i % 2 == 0 { 1000 } else { 3000 })).await;
-        t.started();
-        settle().await;
-        drop(t);
+        learn_start(
+            &h,
+            &format!("learn{i}"),
+            0,
+            if i % 2 == 0 { 1000 } else { 3000 },
+        )
+        .await;
     }
-    let with_target = |id: &str, ms: u32| {
-        let mut e = sized(id, 0, 100);
-        e.desc.ttft_target_ms = ms;
-        e
-    };
     // Free slots: released at once, so a 4 s target is expected to be met
     // (a slower than average start would miss it, an average one not) ...
-    let mut t = h.admit(with_target("expected in time", 4000));
+    let mut t = h.admit(targeted("expected in time", 0, 4000));
     granted_soon(&mut t, "admitted and granted").await;
     // ... and a 1.5 s one is not.
     assert!(matches!(
-        h.queue.admit(with_target("expected late", 1500)),
+        h.queue.admit(targeted("expected late", 0, 1500)),
         Err(QueueError::TargetUnmeetable { .. })
     ));
     drop(t);
@@ -785,18 +789,9 @@ async fn a_start_lead_past_the_target_refuses_only_while_starts_are_measured() {
     let h = Harness::start(config(Policy::Fcfs));
     h.queue.update_load(engine(4, true, 0));
     // One request took 2 s from release to its first token.
-    let mut t = h.admit(sized("slow", 0, 100));
-    granted_soon(&mut t, "a free slot").await;
-    tokio::time::sleep(Duration::from_millis(2000)).await;
-    t.started();
-    settle().await;
-    drop(t);
+    learn_start(&h, "slow", 0, 2000).await;
     // With a 1 s target, the next is refused: starts take longer.
-    let target_1s = |id: &str| {
-        let mut e = sized(id, 0, 100);
-        e.desc.ttft_target_ms = 1000;
-        e
-    };
+    let target_1s = |id: &str| targeted(id, 0, 1000);
     assert!(matches!(
         h.queue.admit(target_1s("refused")),
         Err(QueueError::TargetUnmeetable { .. })
