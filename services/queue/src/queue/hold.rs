@@ -489,19 +489,19 @@ impl ModelQueue {
         Duration::from_secs_f64((mean + START_LEAD_DEVIATIONS * dev).clamp(0.0, 3600.0))
     }
 
-    /// The start lead a new request of `priority` is refused by at `now`
-    /// (its predicted wait plus this past its target): [`Self::start_lead`]
-    /// for one that will be held, whose release that lead times; for one
-    /// released at once (`held` false) the mean start alone, since it is
-    /// refused only when expected to miss, not when a slower than average
-    /// start would. Either while the starts it comes from are fresh, none for one request once
-    /// no first token came for as long as the lead. Without that, a lead
-    /// past the target would refuse every request of the priority for
-    /// good, since only requests let in measure starts; after that long,
-    /// whatever slowed the last starts has had the time they took to
-    /// clear. As a circuit breaker's half-open state lets one trial call
-    /// through, one request is let in on its predicted wait alone, and the
-    /// lead holds for another lead's time after it, or until its first
+    /// The start a new request of `priority` is refused by at `now` (its
+    /// predicted wait plus this past its target): for one that will be
+    /// held, [`Self::start_lead`], which times its release; for one
+    /// released at once (`held` false), the mean start alone: it is refused
+    /// when expected to miss, not when a slower than average start would.
+    ///
+    /// Only while the start times are fresh. Only requests let in measure
+    /// starts, so a lead past the target would refuse every request of the
+    /// priority for good. Once no first token came for as long as the
+    /// lead (whatever slowed the last starts has had the time they took to
+    /// clear), one request is let in on its predicted wait alone, as a
+    /// circuit breaker's half-open state lets one trial call through; the
+    /// lead holds again for a lead's time after it, or until its first
     /// token says how fast starts are now.
     pub(super) fn admission_lead(&mut self, priority: i32, held: bool, now: Instant) -> Duration {
         let full = self.start_lead(priority);
