@@ -477,10 +477,10 @@ impl Queue {
         let predicted = st.predict_wait(cfg, shared.epoch, &entry);
         // A released request takes this long to its first token: it must
         // leave the queue that much before its target.
-        let lead = st
+        let (lead, trial) = st
             .models
-            .get_mut(&entry.desc.model)
-            .map_or(Duration::ZERO, |m| {
+            .get(&entry.desc.model)
+            .map_or((Duration::ZERO, false), |m| {
                 let held = predicted.is_some_and(|w| !w.is_zero());
                 m.admission_lead(entry.desc.priority, held, now)
             });
@@ -520,6 +520,9 @@ impl Queue {
                 err.reason().label(),
             );
             return Err(err);
+        }
+        if trial && let Some(model) = st.models.get_mut(&entry.desc.model) {
+            model.tried(entry.desc.priority, now);
         }
         let seq = st.next_seq;
         st.next_seq += 1;

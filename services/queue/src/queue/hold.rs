@@ -351,9 +351,9 @@ pub(super) struct ModelQueue {
     /// the start times are.
     pub(super) last_started: BTreeMap<i32, Instant>,
     pub(super) last_started_any: Option<Instant>,
-    /// When a request was last let in past stale start times, by priority
-    /// ([`ModelQueue::admission_lead`]).
-    pub(super) tried: BTreeMap<i32, Instant>,
+    /// When a trial request was last admitted past stale start times, by
+    /// priority ([`ModelQueue::admission_lead`]).
+    tried: BTreeMap<i32, Instant>,
     /// Requests held or being placed, by priority: what this replica
     /// reports to the others as unplaced (a released request stays in it
     /// until the router has counted its placement, so no view shows it as
@@ -501,9 +501,15 @@ impl ModelQueue {
     /// lead (whatever slowed the last starts has had the time they took to
     /// clear), one request is let in on its predicted wait alone, as a
     /// circuit breaker's half-open state lets one trial call through; the
-    /// lead holds again for a lead's time after it, or until its first
-    /// token says how fast starts are now.
-    pub(super) fn admission_lead(&mut self, priority: i32, held: bool, now: Instant) -> Duration {
+    /// lead holds again for a lead's time after it ([`Self::tried`]), or
+    /// until its first token says how fast starts are now. Returns the
+    /// start and whether the request is that trial.
+    pub(super) fn admission_lead(
+        &self,
+        priority: i32,
+        held: bool,
+        now: Instant,
+    ) -> (Duration, bool) {
         let full = self.start_lead(priority);
         let lead = if held {
             full
@@ -521,14 +527,19 @@ impl ModelQueue {
             self.last_started_any
         };
         let Some(started) = started else {
-            return lead;
+            return (lead, false);
         };
         let fresh = started.max(self.tried.get(&priority).copied().unwrap_or(started));
         if now.saturating_duration_since(fresh) <= full {
-            return lead;
+            return (lead, false);
         }
+        (Duration::ZERO, true)
+    }
+
+    /// A trial request of `priority` ([`Self::admission_lead`]) was
+    /// admitted at `now`.
+    pub(super) fn tried(&mut self, priority: i32, now: Instant) {
         self.tried.insert(priority, now);
-        Duration::ZERO
     }
 
     /// A lease of `priority` granted `held` ago ended: it joins the mean
