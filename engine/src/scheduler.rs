@@ -569,6 +569,7 @@ impl Scheduler {
         } else {
             self.cfg.prefill_first_steps
         };
+        let (tier_blocks, tier_restored_blocks) = self.kv.tier_figures();
         LoadStats {
             running: self.running.len(),
             waiting: self.waiting.len(),
@@ -595,8 +596,8 @@ impl Scheduler {
             prefilling,
             decode_base_us: 0,
             decode_ns_per_seq: 0,
-            tier_blocks: self.kv.tier_figures().0,
-            tier_restored_blocks: self.kv.tier_figures().1,
+            tier_blocks,
+            tier_restored_blocks,
         }
     }
 
